@@ -1,0 +1,100 @@
+// refit/config.h — the refit configuration (DESIGN §5.1) and its setup-time validation.
+//
+// A Config is a plain value. load_config() parses YAML text or a file and applies the rule
+// "absent → default, present but invalid → error"; validate_config() checks every cross-key
+// constraint against the model and the support matrix. Errors name the key, the value and what
+// is allowed, and `refit check` exits 2 on any of them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "refit/dtype.h"
+#include "refit/model_spec.h"
+#include "refit/status.h"
+
+namespace refit {
+
+enum class Device { kCpu, kCuda };
+enum class PolicyBackend { kFsdp2, kMegatron };
+enum class EngineProtocol { kSglang, kVllm };
+enum class TransferMode { kBroadcast, kIpc };
+
+std::string_view device_name(Device d);
+std::string_view policy_backend_name(PolicyBackend b);
+std::string_view engine_protocol_name(EngineProtocol p);
+std::string_view transfer_mode_name(TransferMode m);
+
+struct MegatronParallel {
+  int tp = 1;  // tensor parallel
+  int pp = 1;  // pipeline parallel
+  int ep = 1;  // expert parallel (over the data-parallel ranks)
+};
+
+struct PolicyConfig {
+  PolicyBackend backend = PolicyBackend::kFsdp2;
+  int world_size = 2;             // trainer ranks
+  DType dtype = DType::kFloat32;  // trainer master dtype: float32 | bfloat16
+  MegatronParallel megatron;      // only for backend: megatron
+};
+
+struct GenerationConfig {
+  EngineProtocol backend = EngineProtocol::kSglang;
+  bool colocated = false;
+  TransferMode weight_transfer_mode = TransferMode::kBroadcast;  // derived from colocated if absent
+  int num_engines = 1;
+  int tp_size = 2;
+};
+
+struct RefitConfig {
+  DType target_precision = DType::kBFloat16;
+  std::int64_t buffer_size_bytes = 256ll << 20;  // one bucket at most
+  int num_buffers = 2;                           // in-flight buckets (>= 1)
+  double timeout_s = 60.0;                       // bound on every wait
+};
+
+struct Config {
+  std::string model = "qwen2.5-0.5b";  // preset name or HF model directory
+  Device device = Device::kCpu;
+  std::uint64_t seed = 0;
+  PolicyConfig policy;
+  GenerationConfig generation;
+  RefitConfig refit;
+
+  // Total processes of a run: trainer ranks + engine ranks.
+  int engine_ranks() const { return generation.num_engines * generation.tp_size; }
+};
+
+// Byte alignment of every tensor inside a bucket (and the smallest legal buffer).
+inline constexpr std::int64_t kBucketAlignment = 256;
+
+// The embedded default config of `refit run` with no CONFIG (CPU, 2 trainer ranks, one SGLang
+// engine with TP 2, non-colocated), as YAML text.
+std::string_view default_config_yaml();
+
+// Parses YAML text. Checks keys, types and ranges of each key on its own.
+Result<Config> parse_config(std::string_view yaml_text);
+// Reads and parses a YAML file; errors name the path.
+Result<Config> load_config_file(const std::string& path);
+// Cross-key and model checks (support matrix, TP divisibility, colocation counts, precision).
+// `spec` must be the spec of config.model.
+Status validate_config(const Config& config, const ModelSpec& spec);
+// The resolved config as YAML (every key, defaults filled in).
+std::string config_to_yaml(const Config& config);
+// The resolved config as JSON text (for the --json report).
+std::string config_to_json(const Config& config);
+
+// One cell of the support matrix.
+struct MatrixCell {
+  PolicyBackend policy;
+  EngineProtocol engine;
+  TransferMode mode;
+  bool supported;
+  std::string note;  // why not, or a remark
+};
+// The support matrix as the program knows it; `refit check` and `refit matrix` use this table.
+const std::vector<MatrixCell>& support_matrix();
+
+}  // namespace refit

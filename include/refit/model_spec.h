@@ -1,0 +1,126 @@
+// refit/model_spec.h — the Hugging Face parameter table of a model (DESIGN §6.1).
+//
+// A ModelSpec is an immutable value: the parsed config.json (ModelConfig) and the exact,
+// ordered list of HF parameters (TensorSpec). Every participant of a refit derives the same
+// spec from the same config, so the order of `tensors` is part of the refit plan.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "refit/status.h"
+
+namespace refit {
+
+enum class Architecture {
+  kLlama,     // LlamaForCausalLM
+  kQwen2,     // Qwen2ForCausalLM (q/k/v bias)
+  kQwen3,     // Qwen3ForCausalLM (q/k norms)
+  kMistral,   // MistralForCausalLM
+  kQwen3Moe,  // Qwen3MoeForCausalLM (q/k norms, routed experts)
+};
+
+// HF architecture string ("Qwen3ForCausalLM") of an Architecture.
+std::string_view architecture_name(Architecture arch);
+
+struct ModelConfig {
+  Architecture arch = Architecture::kLlama;
+  std::int64_t hidden_size = 0;        // H
+  std::int64_t num_layers = 0;         // num_hidden_layers
+  std::int64_t num_heads = 0;          // nq = num_attention_heads
+  std::int64_t num_kv_heads = 0;       // nkv = num_key_value_heads (defaults to nq)
+  std::int64_t head_dim = 0;           // d: given, else H / nq
+  std::int64_t intermediate_size = 0;  // I of dense MLPs
+  std::int64_t vocab_size = 0;         // V
+  bool tie_word_embeddings = false;    // no lm_head.weight when true
+  bool attention_bias = false;         // q/k/v_proj.bias (Qwen2 always; Llama if set)
+  bool qk_norm = false;                // self_attn.{q,k}_norm.weight (Qwen3, Qwen3-MoE)
+  // Qwen3-MoE only (num_experts == 0 for dense models).
+  std::int64_t num_experts = 0;          // E
+  std::int64_t num_experts_per_tok = 0;  // top-k of the router
+  std::int64_t moe_intermediate_size = 0;
+  std::int64_t decoder_sparse_step = 1;       // layer i is MoE when (i+1) % step == 0 ...
+  std::vector<std::int64_t> mlp_only_layers;  // ... and i is not listed here
+  bool norm_topk_prob = true;
+  // Used by the reference forward pass only.
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+
+  bool is_moe_layer(std::int64_t layer) const;
+};
+
+// What a parameter is, independent of its name; layouts switch on this.
+enum class ParamRole {
+  kEmbedding,     // model.embed_tokens.weight [V, H]
+  kLmHead,        // lm_head.weight [V, H]
+  kFinalNorm,     // model.norm.weight [H]
+  kInputNorm,     // input_layernorm.weight [H]
+  kPostAttnNorm,  // post_attention_layernorm.weight [H]
+  kQProj,
+  kKProj,
+  kVProj,  // [nq*d, H] / [nkv*d, H]
+  kQBias,
+  kKBias,
+  kVBias,  // [nq*d] / [nkv*d]
+  kOProj,  // [H, nq*d]
+  kQNorm,
+  kKNorm,  // [d]
+  kGateProj,
+  kUpProj,    // dense MLP [I, H]
+  kDownProj,  // dense MLP [H, I]
+  kRouter,    // mlp.gate.weight [E, H]
+  kExpertGate,
+  kExpertUp,    // [I_moe, H]
+  kExpertDown,  // [H, I_moe]
+};
+
+struct TensorSpec {
+  std::string name;                 // HF name
+  std::vector<std::int64_t> shape;  // row-major
+  ParamRole role = ParamRole::kEmbedding;
+  std::int64_t layer = -1;   // decoder layer, -1 outside layers
+  std::int64_t expert = -1;  // expert index for kExpert*, else -1
+
+  std::int64_t numel() const;
+  std::int64_t rows() const { return shape.empty() ? 1 : shape[0]; }
+  // Elements per dim-0 row (1 for 1-D tensors).
+  std::int64_t row_elems() const;
+};
+
+class ModelSpec {
+ public:
+  ModelSpec() = default;
+  // Builds the HF parameter list of `config` in HF's state_dict order.
+  explicit ModelSpec(ModelConfig config, std::string source = {});
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  // Where the spec came from: a preset name or a model directory.
+  const std::string& source() const { return source_; }
+  std::int64_t total_parameters() const;
+  // Index into tensors(), or nullopt.
+  std::optional<std::size_t> find(std::string_view name) const;
+
+ private:
+  ModelConfig config_;
+  std::vector<TensorSpec> tensors_;
+  std::unordered_map<std::string, std::size_t> index_;  // name -> position in tensors_
+  std::string source_;
+};
+
+// Parses the text of an HF config.json. An unknown "architectures" entry is an error naming it.
+Result<ModelConfig> parse_hf_config(std::string_view json_text);
+
+// Names of the built-in presets, sorted.
+std::vector<std::string> preset_names();
+// The config.json text of a built-in preset, or NotFound.
+Result<std::string> preset_config_json(std::string_view name);
+
+// A preset name, or a directory holding config.json. Errors name the preset or path.
+Result<ModelSpec> load_model_spec(std::string_view model);
+
+}  // namespace refit

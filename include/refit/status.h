@@ -1,0 +1,102 @@
+// refit/status.h — the value type every fallible refit call returns.
+//
+// Status carries a code and a message that names what failed and where (rank, peer, bucket,
+// tensor, key). Result<T> is a Status or a T. Both are cheap to move, [[nodiscard]], and
+// thread-compatible (distinct objects may be used from distinct threads). Exceptions are used
+// only at the CLI and Python boundaries, never inside the library.
+#pragma once
+
+#include <cassert>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace refit {
+
+enum class StatusCode {
+  kOk = 0,
+  kInvalidArgument,  // bad config value or input data; setup errors (exit 2)
+  kNotFound,         // a file, key, preset or tensor that does not exist
+  kCorruption,       // a file or message whose bytes disagree with its own description
+  kIOError,          // the operating system refused (open, mmap, socket)
+  kTimeout,          // a bounded wait ran out
+  kAborted,          // another rank failed; this one stopped on its behalf
+  kUnsupported,      // a combination outside the support matrix
+  kInternal,         // a bug in refit
+};
+
+const char* status_code_name(StatusCode code);
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status Ok() { return {}; }
+  static Status InvalidArgument(std::string m) {
+    return {StatusCode::kInvalidArgument, std::move(m)};
+  }
+  static Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
+  static Status Corruption(std::string m) { return {StatusCode::kCorruption, std::move(m)}; }
+  static Status IOError(std::string m) { return {StatusCode::kIOError, std::move(m)}; }
+  static Status Timeout(std::string m) { return {StatusCode::kTimeout, std::move(m)}; }
+  static Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
+  static Status Unsupported(std::string m) { return {StatusCode::kUnsupported, std::move(m)}; }
+  static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+
+  bool ok() const { return code_ == StatusCode::kOk; }
+  StatusCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+  // "<code name>: <message>", or "ok".
+  std::string to_string() const;
+
+  // Returns a copy whose message is "<context>: <message>" (same code).
+  Status with_context(const std::string& context) const;
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+template <typename T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {  // NOLINT
+    assert(!std::get<Status>(v_).ok() && "Result built from an ok Status");
+  }
+
+  bool ok() const { return std::holds_alternative<T>(v_); }
+  Status status() const { return ok() ? Status::Ok() : std::get<Status>(v_); }
+
+  T& value() & { return std::get<T>(v_); }
+  const T& value() const& { return std::get<T>(v_); }
+  T&& value() && { return std::get<T>(std::move(v_)); }
+  T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
+  T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+
+ private:
+  std::variant<T, Status> v_;
+};
+
+}  // namespace refit
+
+#define REFIT_CONCAT_INNER_(a, b) a##b
+#define REFIT_CONCAT_(a, b) REFIT_CONCAT_INNER_(a, b)
+
+// Returns the Status of `expr` from the enclosing function when it is not ok.
+#define REFIT_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::refit::Status refit_status_ = (expr);        \
+    if (!refit_status_.ok()) return refit_status_; \
+  } while (0)
+
+// `lhs = value of expr`, or returns its Status from the enclosing function.
+#define REFIT_ASSIGN_OR_RETURN(lhs, expr) \
+  REFIT_ASSIGN_OR_RETURN_IMPL_(REFIT_CONCAT_(refit_result_, __LINE__), lhs, expr)
+#define REFIT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  if (!tmp.ok()) return tmp.status();                \
+  lhs = std::move(tmp).value()

@@ -1,0 +1,32 @@
+// refit — push a sharded trainer's weights into inference engines (see README.md).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "cli/commands.h"
+
+namespace refit::cli {
+
+void exit_if_error(const Status& status, int exit_code) {
+  if (!status.ok()) throw CliExit(exit_code, status.to_string());
+}
+
+}  // namespace refit::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"refit: move a sharded trainer's weights into inference engines"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "refit 0.1.0");
+  refit::cli::add_spec_commands(app);
+  refit::cli::add_check_commands(app);
+  refit::cli::add_run_commands(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : refit::cli::kExitSetup;
+  } catch (const refit::cli::CliExit& e) {
+    std::fprintf(stderr, "refit: error: %s\n", e.what());
+    return e.code;
+  }
+  return 0;
+}

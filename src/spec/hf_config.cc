@@ -1,0 +1,150 @@
+// Parses HF config.json text into a ModelConfig; loads presets and model directories.
+#include <fmt/format.h>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "refit/model_spec.h"
+
+namespace refit {
+namespace {
+
+using nlohmann::json;
+
+Result<std::int64_t> get_int(const json& j, const char* key, std::optional<std::int64_t> fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (fallback) return *fallback;
+    return Status::InvalidArgument(fmt::format("config.json: missing required key \"{}\"", key));
+  }
+  if (!it->is_number_integer() || it->get<std::int64_t>() < 0)
+    return Status::InvalidArgument(
+        fmt::format("config.json: \"{}\" must be a non-negative integer, got {}", key, it->dump()));
+  return it->get<std::int64_t>();
+}
+
+Result<bool> get_bool(const json& j, const char* key, bool fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_boolean())
+    return Status::InvalidArgument(
+        fmt::format("config.json: \"{}\" must be true or false, got {}", key, it->dump()));
+  return it->get<bool>();
+}
+
+double get_double(const json& j, const char* key, double fallback) {
+  auto it = j.find(key);
+  return (it != j.end() && it->is_number()) ? it->get<double>() : fallback;
+}
+
+}  // namespace
+
+Result<ModelConfig> parse_hf_config(std::string_view json_text) {
+  json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object())
+    return Status::InvalidArgument("config.json: not a JSON object");
+
+  ModelConfig c;
+  auto arch_it = j.find("architectures");
+  if (arch_it == j.end() || !arch_it->is_array() || arch_it->empty() || !(*arch_it)[0].is_string())
+    return Status::InvalidArgument(
+        "config.json: \"architectures\" must be a list naming the model class");
+  const std::string arch = (*arch_it)[0].get<std::string>();
+  if (arch == "LlamaForCausalLM")
+    c.arch = Architecture::kLlama;
+  else if (arch == "Qwen2ForCausalLM")
+    c.arch = Architecture::kQwen2;
+  else if (arch == "Qwen3ForCausalLM")
+    c.arch = Architecture::kQwen3;
+  else if (arch == "MistralForCausalLM")
+    c.arch = Architecture::kMistral;
+  else if (arch == "Qwen3MoeForCausalLM")
+    c.arch = Architecture::kQwen3Moe;
+  else
+    return Status::Unsupported(fmt::format(
+        "config.json: architecture \"{}\" is not supported; refit knows LlamaForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM",
+        arch));
+
+  REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", std::nullopt));
+  REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", std::nullopt));
+  REFIT_ASSIGN_OR_RETURN(c.num_heads, get_int(j, "num_attention_heads", std::nullopt));
+  REFIT_ASSIGN_OR_RETURN(c.num_kv_heads, get_int(j, "num_key_value_heads", c.num_heads));
+  REFIT_ASSIGN_OR_RETURN(c.intermediate_size, get_int(j, "intermediate_size", std::nullopt));
+  REFIT_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "vocab_size", std::nullopt));
+  if (c.hidden_size == 0 || c.num_heads == 0 || c.num_kv_heads == 0 || c.vocab_size == 0)
+    return Status::InvalidArgument(
+        "config.json: hidden_size, num_attention_heads, num_key_value_heads and vocab_size must "
+        "be positive");
+  if (c.num_heads % c.num_kv_heads != 0)
+    return Status::InvalidArgument(fmt::format(
+        "config.json: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+        c.num_heads, c.num_kv_heads));
+  if (c.hidden_size % c.num_heads != 0 && !j.contains("head_dim"))
+    return Status::InvalidArgument(
+        fmt::format("config.json: no head_dim given and hidden_size ({}) is not a multiple of "
+                    "num_attention_heads ({})",
+                    c.hidden_size, c.num_heads));
+  REFIT_ASSIGN_OR_RETURN(c.head_dim, get_int(j, "head_dim", c.hidden_size / c.num_heads));
+  REFIT_ASSIGN_OR_RETURN(c.tie_word_embeddings, get_bool(j, "tie_word_embeddings", false));
+  // Qwen2's attention always has q/k/v bias; the others only when the config says so.
+  REFIT_ASSIGN_OR_RETURN(c.attention_bias,
+                         get_bool(j, "attention_bias", c.arch == Architecture::kQwen2));
+  if (c.arch == Architecture::kQwen2) c.attention_bias = true;
+  c.qk_norm = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
+  c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
+  c.rope_theta = get_double(j, "rope_theta", 10000.0);
+
+  if (c.arch == Architecture::kQwen3Moe) {
+    REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, "num_experts", std::nullopt));
+    REFIT_ASSIGN_OR_RETURN(c.num_experts_per_tok, get_int(j, "num_experts_per_tok", std::nullopt));
+    REFIT_ASSIGN_OR_RETURN(c.moe_intermediate_size,
+                           get_int(j, "moe_intermediate_size", std::nullopt));
+    REFIT_ASSIGN_OR_RETURN(c.decoder_sparse_step, get_int(j, "decoder_sparse_step", 1));
+    REFIT_ASSIGN_OR_RETURN(c.norm_topk_prob, get_bool(j, "norm_topk_prob", false));
+    if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
+      if (!it->is_array())
+        return Status::InvalidArgument(
+            "config.json: \"mlp_only_layers\" must be a list of integers");
+      for (const auto& v : *it) {
+        if (!v.is_number_integer())
+          return Status::InvalidArgument(
+              "config.json: \"mlp_only_layers\" must be a list of integers");
+        c.mlp_only_layers.push_back(v.get<std::int64_t>());
+      }
+    }
+    if (c.num_experts == 0 || c.num_experts_per_tok == 0 || c.num_experts_per_tok > c.num_experts)
+      return Status::InvalidArgument(
+          fmt::format("config.json: need 0 < num_experts_per_tok ({}) <= num_experts ({})",
+                      c.num_experts_per_tok, c.num_experts));
+  }
+  return c;
+}
+
+Result<ModelSpec> load_model_spec(std::string_view model) {
+  namespace fs = std::filesystem;
+  if (auto preset = preset_config_json(model); preset.ok()) {
+    REFIT_ASSIGN_OR_RETURN(ModelConfig c, parse_hf_config(*preset));
+    return ModelSpec(std::move(c), std::string(model));
+  }
+  const fs::path dir(model);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    std::string names;
+    for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    return Status::NotFound(fmt::format(
+        "model \"{}\" is neither a built-in preset ({}) nor an existing directory", model, names));
+  }
+  const fs::path cfg = dir / "config.json";
+  std::ifstream in(cfg, std::ios::binary);
+  if (!in)
+    return Status::NotFound(fmt::format("model directory {} has no config.json", dir.string()));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto c = parse_hf_config(ss.str());
+  if (!c.ok()) return c.status().with_context(cfg.string());
+  return ModelSpec(std::move(c).value(), dir.string());
+}
+
+}  // namespace refit

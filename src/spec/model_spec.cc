@@ -1,0 +1,104 @@
+// Builds the HF parameter table of a ModelConfig (DESIGN §6.1), in HF's state_dict order.
+#include "refit/model_spec.h"
+
+#include <fmt/format.h>
+#include <algorithm>
+
+namespace refit {
+
+std::string_view architecture_name(Architecture arch) {
+  switch (arch) {
+    case Architecture::kLlama:
+      return "LlamaForCausalLM";
+    case Architecture::kQwen2:
+      return "Qwen2ForCausalLM";
+    case Architecture::kQwen3:
+      return "Qwen3ForCausalLM";
+    case Architecture::kMistral:
+      return "MistralForCausalLM";
+    case Architecture::kQwen3Moe:
+      return "Qwen3MoeForCausalLM";
+  }
+  return "?";
+}
+
+bool ModelConfig::is_moe_layer(std::int64_t layer) const {
+  if (num_experts <= 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
+    return false;
+  return decoder_sparse_step > 0 && (layer + 1) % decoder_sparse_step == 0;
+}
+
+std::int64_t TensorSpec::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+std::int64_t TensorSpec::row_elems() const {
+  std::int64_t n = 1;
+  for (std::size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+ModelSpec::ModelSpec(ModelConfig config, std::string source)
+    : config_(std::move(config)), source_(std::move(source)) {
+  const auto& c = config_;
+  const std::int64_t H = c.hidden_size, d = c.head_dim;
+  const std::int64_t q_rows = c.num_heads * d, kv_rows = c.num_kv_heads * d;
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, ParamRole role,
+                 std::int64_t layer = -1, std::int64_t expert = -1) {
+    tensors_.push_back(TensorSpec{std::move(name), std::move(shape), role, layer, expert});
+  };
+
+  add("model.embed_tokens.weight", {c.vocab_size, H}, ParamRole::kEmbedding);
+  for (std::int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    add(p + "self_attn.q_proj.weight", {q_rows, H}, ParamRole::kQProj, i);
+    if (c.attention_bias) add(p + "self_attn.q_proj.bias", {q_rows}, ParamRole::kQBias, i);
+    add(p + "self_attn.k_proj.weight", {kv_rows, H}, ParamRole::kKProj, i);
+    if (c.attention_bias) add(p + "self_attn.k_proj.bias", {kv_rows}, ParamRole::kKBias, i);
+    add(p + "self_attn.v_proj.weight", {kv_rows, H}, ParamRole::kVProj, i);
+    if (c.attention_bias) add(p + "self_attn.v_proj.bias", {kv_rows}, ParamRole::kVBias, i);
+    add(p + "self_attn.o_proj.weight", {H, q_rows}, ParamRole::kOProj, i);
+    if (c.qk_norm) {
+      add(p + "self_attn.q_norm.weight", {d}, ParamRole::kQNorm, i);
+      add(p + "self_attn.k_norm.weight", {d}, ParamRole::kKNorm, i);
+    }
+    if (c.is_moe_layer(i)) {
+      const std::int64_t I = c.moe_intermediate_size;
+      add(p + "mlp.gate.weight", {c.num_experts, H}, ParamRole::kRouter, i);
+      for (std::int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string q = fmt::format("{}mlp.experts.{}.", p, e);
+        add(q + "gate_proj.weight", {I, H}, ParamRole::kExpertGate, i, e);
+        add(q + "up_proj.weight", {I, H}, ParamRole::kExpertUp, i, e);
+        add(q + "down_proj.weight", {H, I}, ParamRole::kExpertDown, i, e);
+      }
+    } else {
+      const std::int64_t I = c.intermediate_size;
+      add(p + "mlp.gate_proj.weight", {I, H}, ParamRole::kGateProj, i);
+      add(p + "mlp.up_proj.weight", {I, H}, ParamRole::kUpProj, i);
+      add(p + "mlp.down_proj.weight", {H, I}, ParamRole::kDownProj, i);
+    }
+    add(p + "input_layernorm.weight", {H}, ParamRole::kInputNorm, i);
+    add(p + "post_attention_layernorm.weight", {H}, ParamRole::kPostAttnNorm, i);
+  }
+  add("model.norm.weight", {H}, ParamRole::kFinalNorm);
+  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, H}, ParamRole::kLmHead);
+  index_.reserve(tensors_.size());
+  for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+}
+
+std::int64_t ModelSpec::total_parameters() const {
+  std::int64_t n = 0;
+  for (const auto& t : tensors_) n += t.numel();
+  return n;
+}
+
+std::optional<std::size_t> ModelSpec::find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  if (it == index_.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace refit

@@ -1,0 +1,119 @@
+#include <gtest/gtest.h>
+
+#include "refit/model_spec.h"
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+struct Published {
+  const char* preset;
+  std::int64_t total;
+  std::size_t tensors;
+};
+
+class PresetTotals : public ::testing::TestWithParam<Published> {};
+
+TEST_P(PresetTotals, MatchPublishedParameterCount) {
+  auto spec = load_model_spec(GetParam().preset);
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  EXPECT_EQ(spec->total_parameters(), GetParam().total);
+  EXPECT_EQ(spec->tensors().size(), GetParam().tensors);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, PresetTotals,
+                         ::testing::Values(Published{"qwen2.5-0.5b", 494'032'768, 290},
+                                           Published{"qwen2.5-7b", 7'615'616'512, 339},
+                                           Published{"qwen3-0.6b", 596'049'920, 310}
+                                           // card: 0.6B, 0.44B non-embedding; tied,
+                                           Published{"qwen3-8b", 8'190'735'360, 399},
+                                           Published{"llama-3.1-8b", 8'030'261'248, 291},
+                                           Published{"llama-3.2-1b", 1'235'814'400, 146},
+                                           Published{"mistral-7b", 7'241'732'096, 291},
+                                           Published{"qwen3-30b-a3b", 30'532'122'624, 18'867}),
+                         [](const auto& info) {
+                           std::string n = info.param.preset;
+                           for (auto& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(Spec, Qwen2HasBiasAndDerivedHeadDim) {
+  auto spec = load_model_spec("qwen2.5-0.5b");
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->config().head_dim, 64);
+  auto k = spec->find("model.layers.3.self_attn.k_proj.bias");
+  ASSERT_TRUE(k.has_value());
+  EXPECT_EQ(spec->tensors()[*k].shape, (std::vector<std::int64_t>{128}));
+  EXPECT_FALSE(spec->find("lm_head.weight").has_value()) << "tied embeddings";
+}
+
+TEST(Spec, Qwen3HasGivenHeadDimAndQkNorms) {
+  auto spec = load_model_spec("qwen3-8b");
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->config().head_dim, 128);
+  auto q = spec->find("model.layers.0.self_attn.q_proj.weight");
+  ASSERT_TRUE(q);
+  EXPECT_EQ(spec->tensors()[*q].shape, (std::vector<std::int64_t>{4096, 4096}));
+  EXPECT_TRUE(spec->find("model.layers.35.self_attn.k_norm.weight"));
+  EXPECT_FALSE(spec->find("model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_TRUE(spec->find("lm_head.weight"));
+}
+
+TEST(Spec, MoeExpertsAndRouter) {
+  auto spec = load_model_spec("qwen3-30b-a3b");
+  ASSERT_TRUE(spec.ok());
+  auto r = spec->find("model.layers.47.mlp.gate.weight");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(spec->tensors()[*r].shape, (std::vector<std::int64_t>{128, 2048}));
+  auto e = spec->find("model.layers.47.mlp.experts.127.down_proj.weight");
+  ASSERT_TRUE(e);
+  EXPECT_EQ(spec->tensors()[*e].shape, (std::vector<std::int64_t>{2048, 768}));
+  EXPECT_EQ(spec->tensors()[*e].expert, 127);
+  EXPECT_FALSE(spec->find("model.layers.0.mlp.gate_proj.weight"));
+}
+
+TEST(Spec, MlpOnlyLayersAreDense) {
+  auto c = parse_hf_config(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":8,
+    "intermediate_size":16,"num_hidden_layers":3,"num_attention_heads":2,"num_key_value_heads":1,
+    "head_dim":4,"vocab_size":10,"num_experts":2,"num_experts_per_tok":1,
+    "moe_intermediate_size":4,"mlp_only_layers":[1]})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  ModelSpec spec(*c);
+  EXPECT_TRUE(spec.find("model.layers.0.mlp.experts.1.up_proj.weight"));
+  EXPECT_TRUE(spec.find("model.layers.1.mlp.up_proj.weight"));
+  EXPECT_FALSE(spec.find("model.layers.1.mlp.gate.weight"));
+}
+
+TEST(Spec, UnknownArchitectureIsNamed) {
+  auto c = parse_hf_config(R"({"architectures":["GPT2LMHeadModel"],"hidden_size":8})");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("GPT2LMHeadModel"), std::string::npos);
+}
+
+TEST(Spec, MissingKeyIsNamed) {
+  auto c = parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"hidden_size":8})");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("num_hidden_layers"), std::string::npos);
+}
+
+TEST(Spec, ModelDirectory) {
+  testing::TempDir dir;
+  dir.write("config.json", *preset_config_json("tiny-qwen3"));
+  auto spec = load_model_spec(dir.path());
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  EXPECT_EQ(spec->total_parameters(), load_model_spec("tiny-qwen3")->total_parameters());
+  auto missing = load_model_spec(dir.path() + "/nope");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nope"), std::string::npos);
+}
+
+TEST(Spec, CliJsonListsEveryTensor) {
+  auto r = testing::run_cli({"spec", "qwen3-30b-a3b", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\"total_parameters\": 30532122624"), std::string::npos);
+  EXPECT_NE(r.output.find("\"num_tensors\": 18867"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,82 @@
+#include "test_util.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <thread>
+
+namespace refit::testing {
+
+TempDir::TempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string templ = std::string(base ? base : "/tmp") + "/refit-test-XXXXXX";
+  if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
+  path_ = templ;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::string TempDir::write(const std::string& name, const std::string& text) const {
+  std::string p = path_ + "/" + name;
+  std::filesystem::create_directories(std::filesystem::path(p).parent_path());
+  std::ofstream(p, std::ios::binary) << text;
+  return p;
+}
+
+CliResult run_cli(const std::vector<std::string>& args, double timeout_s) {
+  int fds[2];
+  if (pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    close(fds[0]);
+    close(fds[1]);
+    std::vector<char*> argv;
+    std::string exe = REFIT_CLI_PATH;
+    argv.push_back(exe.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(exe.c_str(), argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  CliResult result;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  int status = 0;
+  bool done = false;
+  char buf[4096];
+  while (true) {
+    ssize_t n;
+    while ((n = read(fds[0], buf, sizeof(buf))) > 0) result.output.append(buf, n);
+    if (!done && waitpid(pid, &status, WNOHANG) == pid) done = true;
+    if (done && n == 0) break;  // EOF after exit: every child of the CLI closed the pipe too
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(-pid, SIGKILL);
+      if (!done) waitpid(pid, &status, 0);
+      close(fds[0]);
+      result.exit_code = 124;
+      result.output += "\n[test harness: killed after timeout]";
+      return result;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  close(fds[0]);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+}  // namespace refit::testing
