@@ -24,8 +24,8 @@ TEST_P(PresetTotals, MatchPublishedParameterCount) {
 INSTANTIATE_TEST_SUITE_P(Presets, PresetTotals,
                          ::testing::Values(Published{"qwen2.5-0.5b", 494'032'768, 290},
                                            Published{"qwen2.5-7b", 7'615'616'512, 339},
-                                           Published{"qwen3-0.6b", 596'049'920, 310}
-                                           // card: 0.6B, 0.44B non-embedding; tied,
+                                           // Model card: 0.6B, 0.44B non-embedding (tied).
+                                           Published{"qwen3-0.6b", 596'049'920, 310},
                                            Published{"qwen3-8b", 8'190'735'360, 399},
                                            Published{"llama-3.1-8b", 8'030'261'248, 291},
                                            Published{"llama-3.2-1b", 1'235'814'400, 146},
