@@ -1,0 +1,52 @@
+// The collectives refit needs, behind one interface (Gloo on CPU now, NCCL on GPU later).
+//
+// A Communicator is a fixed group of `size()` processes. Every call is collective: all members
+// call it in the same order with matching sizes. Calls are bounded by the timeout given at
+// creation and return a Status naming the operation, this rank and (where known) the peer;
+// they never hang. Not thread-safe: one thread drives a communicator at a time, except abort(),
+// which may be called from any thread to make pending and future calls fail promptly.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "refit/status.h"
+
+namespace refit {
+
+class Store;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string_view backend() const = 0;  // "gloo", "nccl"
+
+  // Rank r contributes `counts[r]` bytes from `send` (send may be null when counts[rank()] is 0);
+  // `recv` receives sum(counts) bytes, rank-major. counts must be identical on every rank.
+  virtual Status all_gather_v(const void* send, void* recv,
+                              const std::vector<std::size_t>& counts) = 0;
+  // `bytes` from `root`'s buf into every other member's buf.
+  virtual Status broadcast(void* buf, std::size_t bytes, int root) = 0;
+  virtual Status barrier() = 0;
+  virtual void abort() = 0;
+};
+
+struct GlooOptions {
+  std::string name;             // group name; namespaces its keys in the store ("update", "trainer")
+  int rank = 0;
+  int size = 1;
+  std::string hostname = "127.0.0.1";  // address this rank listens on for its peers
+  std::chrono::milliseconds timeout{60000};
+};
+
+// Forms a Gloo group through `store` (keys under "gloo/<name>/"). Errors name the group and rank.
+Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
+                                                             const GlooOptions& options);
+
+}  // namespace refit

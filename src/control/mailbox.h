@@ -1,0 +1,55 @@
+// Point-to-point control messages between refit processes (begin, bucket metadata, commit,
+// abort, error, acks), on ZeroMQ.
+//
+// Every process owns one Mailbox: a socket bound to an ephemeral port on `host`, whose address
+// it publishes in the store under "mailbox/<id>". send() connects lazily to a peer's published
+// address. Messages from one sender to one receiver arrive in order. receive() waits at most
+// `timeout`. A Mailbox is driven by one thread at a time; send() and receive() may be used from
+// two different threads concurrently.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "refit/status.h"
+
+namespace refit {
+
+class Store;
+
+enum class MessageType : std::uint8_t {
+  kHello = 1,       // engine -> trainer: joined (payload: engine info)
+  kBegin,           // trainer -> engine: a refit starts (payload: step, weight_version)
+  kBucket,          // trainer -> engine: bucket metadata (payload: protocol-specific)
+  kBucketDone,      // engine -> trainer: a bucket was applied; its buffer may be reused
+  kCommit,          // trainer -> engine: every bucket was sent; bump the version
+  kCommitted,       // engine -> trainer: the version was bumped (payload: verify result)
+  kAbort,           // any -> any: stop; payload: the cause
+  kError,           // any -> any: this process failed; payload: the cause
+  kShutdown,        // trainer -> engine: no more refits
+};
+const char* message_type_name(MessageType type);
+
+struct Message {
+  MessageType type = MessageType::kHello;
+  std::string from;     // sender id, e.g. "trainer/0", "engine/1/0"
+  std::string payload;
+};
+
+class Mailbox {
+ public:
+  // Binds, and publishes the address under "mailbox/<id>" in `store` (which must outlive it).
+  static Result<std::unique_ptr<Mailbox>> open(Store& store, const std::string& id,
+                                               const std::string& host,
+                                               std::chrono::milliseconds timeout);
+  virtual ~Mailbox() = default;
+  virtual const std::string& id() const = 0;
+  // Sends to the mailbox published as "mailbox/<to>" (waiting for it up to the timeout).
+  virtual Status send(const std::string& to, MessageType type, const std::string& payload) = 0;
+  // The next message, or kTimeout.
+  virtual Result<Message> receive(std::chrono::milliseconds timeout) = 0;
+};
+
+}  // namespace refit

@@ -1,0 +1,63 @@
+// The rendezvous store of the control plane (DESIGN §3), on ZeroMQ.
+//
+// A StoreServer is hosted by trainer rank 0 (or any process: tests host their own); StoreClients
+// connect to it over TCP. Keys are strings, values byte strings. Every blocking call takes a
+// timeout and returns kTimeout naming the key(s) when it runs out, or kIOError when the server
+// cannot be reached. StoreClient is thread-safe (calls are serialised on one socket).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "refit/status.h"
+
+namespace refit {
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual Status set(const std::string& key, const std::string& value) = 0;
+  // Waits until `key` exists, then returns its value.
+  virtual Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // The value, or nullopt right away when the key is absent.
+  virtual Result<std::optional<std::string>> try_get(const std::string& key) = 0;
+  // Waits until every key exists.
+  virtual Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  // Atomically adds `delta` to the integer stored at `key` (absent = 0); returns the new value.
+  virtual Result<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
+};
+
+// Prepends "<prefix>/" to every key of an underlying store it does not own.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::string prefix, Store& base) : prefix_(std::move(prefix) + "/"), base_(base) {}
+  Status set(const std::string& key, const std::string& value) override;
+  Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override;
+  Result<std::optional<std::string>> try_get(const std::string& key) override;
+  Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  Result<std::int64_t> add(const std::string& key, std::int64_t delta) override;
+
+ private:
+  std::string prefix_;
+  Store& base_;
+};
+
+class StoreServer {
+ public:
+  // Binds tcp://host:port (port 0 = an ephemeral port) and serves on a background thread until
+  // destruction.
+  static Result<std::unique_ptr<StoreServer>> start(const std::string& host, int port);
+  virtual ~StoreServer() = default;
+  virtual int port() const = 0;
+};
+
+// Connects to a StoreServer. Retries the connection until `connect_timeout` runs out (the server
+// may start after the client), then fails naming the address.
+Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
+                                             std::chrono::milliseconds connect_timeout);
+
+}  // namespace refit
