@@ -1,0 +1,277 @@
+// Engine TP layout (DESIGN §6.4): vLLM / SGLang parameter names and shapes of one TP rank, each
+// parameter described as Pieces of the full HF tensors.
+#include <fmt/format.h>
+#include <algorithm>
+
+#include "engine/engine_layout.h"
+
+namespace refit {
+namespace {
+
+constexpr std::uint32_t kNone = ~0u;
+
+// HF tensor indices of one decoder layer, gathered in one pass over the spec.
+struct LayerTensors {
+  std::uint32_t q = kNone, k = kNone, v = kNone;
+  std::uint32_t q_bias = kNone, k_bias = kNone, v_bias = kNone;
+  std::uint32_t o = kNone, q_norm = kNone, k_norm = kNone;
+  std::uint32_t gate = kNone, up = kNone, down = kNone, router = kNone;
+  std::vector<std::uint32_t> expert_gate, expert_up, expert_down;  // by expert index
+  std::uint32_t input_norm = kNone, post_attn_norm = kNone;
+};
+
+struct SpecIndex {
+  std::uint32_t embed = kNone, final_norm = kNone, lm_head = kNone;
+  std::vector<LayerTensors> layers;
+};
+
+Result<SpecIndex> index_spec(const ModelSpec& spec) {
+  const ModelConfig& c = spec.config();
+  SpecIndex ix;
+  ix.layers.resize(static_cast<std::size_t>(c.num_layers));
+  const auto& ts = spec.tensors();
+  for (std::uint32_t i = 0; i < ts.size(); ++i) {
+    const TensorSpec& t = ts[i];
+    LayerTensors* L = nullptr;
+    if (t.layer >= 0) {
+      if (t.layer >= c.num_layers)
+        return Status::Internal(fmt::format("engine layout: tensor {} has layer {} >= {}", t.name,
+                                            t.layer, c.num_layers));
+      L = &ix.layers[static_cast<std::size_t>(t.layer)];
+    }
+    auto expert_slot = [&](std::vector<std::uint32_t>& v) -> Status {
+      if (t.expert < 0 || t.expert >= c.num_experts)
+        return Status::Internal(
+            fmt::format("engine layout: tensor {} has expert {} outside [0, {})", t.name, t.expert,
+                        c.num_experts));
+      v.resize(static_cast<std::size_t>(c.num_experts), kNone);
+      v[static_cast<std::size_t>(t.expert)] = i;
+      return Status::Ok();
+    };
+    switch (t.role) {
+      case ParamRole::kEmbedding:
+        ix.embed = i;
+        break;
+      case ParamRole::kLmHead:
+        ix.lm_head = i;
+        break;
+      case ParamRole::kFinalNorm:
+        ix.final_norm = i;
+        break;
+      case ParamRole::kInputNorm:
+        L->input_norm = i;
+        break;
+      case ParamRole::kPostAttnNorm:
+        L->post_attn_norm = i;
+        break;
+      case ParamRole::kQProj:
+        L->q = i;
+        break;
+      case ParamRole::kKProj:
+        L->k = i;
+        break;
+      case ParamRole::kVProj:
+        L->v = i;
+        break;
+      case ParamRole::kQBias:
+        L->q_bias = i;
+        break;
+      case ParamRole::kKBias:
+        L->k_bias = i;
+        break;
+      case ParamRole::kVBias:
+        L->v_bias = i;
+        break;
+      case ParamRole::kOProj:
+        L->o = i;
+        break;
+      case ParamRole::kQNorm:
+        L->q_norm = i;
+        break;
+      case ParamRole::kKNorm:
+        L->k_norm = i;
+        break;
+      case ParamRole::kGateProj:
+        L->gate = i;
+        break;
+      case ParamRole::kUpProj:
+        L->up = i;
+        break;
+      case ParamRole::kDownProj:
+        L->down = i;
+        break;
+      case ParamRole::kRouter:
+        L->router = i;
+        break;
+      case ParamRole::kExpertGate:
+        REFIT_RETURN_IF_ERROR(expert_slot(L->expert_gate));
+        break;
+      case ParamRole::kExpertUp:
+        REFIT_RETURN_IF_ERROR(expert_slot(L->expert_up));
+        break;
+      case ParamRole::kExpertDown:
+        REFIT_RETURN_IF_ERROR(expert_slot(L->expert_down));
+        break;
+    }
+  }
+  return ix;
+}
+
+// Appends parameters and records every piece in pieces_by_hf.
+class Builder {
+ public:
+  Builder(const ModelSpec& spec, EngineShardLayout& out) : spec_(spec), out_(out) {
+    out_.pieces_by_hf.assign(spec.tensors().size(), {});
+  }
+
+  // Starts a new parameter; pieces added next belong to it.
+  void param(std::string name, std::vector<std::int64_t> shape) {
+    out_.params.push_back(EngineParam{std::move(name), std::move(shape), {}});
+  }
+
+  // HF block [src_row, +rows) x [src_col, +cols) of tensor `hf` (matrix view) to (dst_row,
+  // dst_col) of the current parameter. Empty blocks are dropped.
+  Status piece(std::uint32_t hf, std::int64_t src_row, std::int64_t src_col, std::int64_t rows,
+               std::int64_t cols, std::int64_t dst_row, std::int64_t dst_col) {
+    EngineParam& p = out_.params.back();
+    if (hf == kNone)
+      return Status::Internal(
+          fmt::format("engine layout: {} reads an HF tensor the spec lacks", p.name));
+    if (rows <= 0 || cols <= 0) return Status::Ok();
+    const MatrixShape src = matrix_shape(spec_.tensors()[hf].shape);
+    const MatrixShape dst = matrix_shape(p.shape);
+    if (src_row < 0 || src_col < 0 || src_row + rows > src.rows || src_col + cols > src.cols ||
+        dst_row < 0 || dst_col < 0 || dst_row + rows > dst.rows || dst_col + cols > dst.cols)
+      return Status::Internal(fmt::format(
+          "engine layout: piece of {} [{}+{}, {}+{}] -> {} [{}+{}, {}+{}] out of bounds",
+          spec_.tensors()[hf].name, src_row, rows, src_col, cols, p.name, dst_row, rows, dst_col,
+          cols));
+    const auto param_index = static_cast<std::uint32_t>(out_.params.size() - 1);
+    out_.pieces_by_hf[hf].emplace_back(param_index, static_cast<std::uint32_t>(p.pieces.size()));
+    p.pieces.push_back(Piece{hf, src_row, src_col, rows, cols, dst_row, dst_col});
+    return Status::Ok();
+  }
+
+  // The whole HF tensor, unsharded.
+  Status replicated(std::string name, std::uint32_t hf) {
+    if (hf == kNone)
+      return Status::Internal(fmt::format("engine layout: no HF tensor for {}", name));
+    param(std::move(name), spec_.tensors()[hf].shape);
+    const MatrixShape m = matrix_shape(spec_.tensors()[hf].shape);
+    return piece(hf, 0, 0, m.rows, m.cols, 0, 0);
+  }
+
+ private:
+  const ModelSpec& spec_;
+  EngineShardLayout& out_;
+};
+
+}  // namespace
+
+std::int64_t EngineShardLayout::total_numel() const {
+  std::int64_t total = 0;
+  for (const auto& p : params) {
+    std::int64_t n = 1;
+    for (auto d : p.shape) n *= d;
+    total += n;
+  }
+  return total;
+}
+
+Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank) {
+  REFIT_RETURN_IF_ERROR(check_engine_tp(spec, tp_size));
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    return Status::InvalidArgument(
+        fmt::format("engine layout: tp rank {} outside [0, {})", tp_rank, tp_size));
+  const ModelConfig& c = spec.config();
+  const std::int64_t t = tp_size, r = tp_rank;
+  const std::int64_t H = c.hidden_size, d = c.head_dim;
+  const std::int64_t padded_vocab =
+      (c.vocab_size + kEngineVocabPadding - 1) / kEngineVocabPadding * kEngineVocabPadding;
+  if (padded_vocab % t != 0)
+    return Status::InvalidArgument(
+        fmt::format("generation.tp_size: {} does not divide the padded vocabulary {} (vocab_size "
+                    "{} rounded up to a multiple of {})",
+                    tp_size, padded_vocab, c.vocab_size, kEngineVocabPadding));
+  REFIT_ASSIGN_OR_RETURN(const SpecIndex ix, index_spec(spec));
+
+  // Attention: q heads are split; kv heads are split when t <= nkv, else replicated with rank r
+  // holding kv head r*nkv/t.
+  const std::int64_t q_rows = c.num_heads / t * d;
+  const std::int64_t kv_heads_local = t <= c.num_kv_heads ? c.num_kv_heads / t : 1;
+  const std::int64_t kv_rows = kv_heads_local * d;
+  const std::int64_t kv_row0 = r * c.num_kv_heads / t * d;
+  const std::int64_t qkv_rows = q_rows + 2 * kv_rows;
+
+  EngineShardLayout out;
+  out.tp_size = tp_size;
+  out.tp_rank = tp_rank;
+  out.params.reserve(static_cast<std::size_t>(c.num_layers) * 10 + 3);
+  Builder b(spec, out);
+
+  // Vocabulary-parallel: rank r holds rows [r*Vp/t, (r+1)*Vp/t) of the padded table.
+  auto vocab_parallel = [&](std::string name, std::uint32_t hf) -> Status {
+    const std::int64_t per_rank = padded_vocab / t, lo = r * per_rank;
+    const std::int64_t real = std::max<std::int64_t>(0, std::min(lo + per_rank, c.vocab_size) - lo);
+    b.param(std::move(name), {per_rank, H});
+    return b.piece(hf, lo, 0, real, H, 0, 0);
+  };
+
+  REFIT_RETURN_IF_ERROR(vocab_parallel("model.embed_tokens.weight", ix.embed));
+  for (std::int64_t i = 0; i < c.num_layers; ++i) {
+    const LayerTensors& L = ix.layers[static_cast<std::size_t>(i)];
+    const std::string p = fmt::format("model.layers.{}.", i);
+
+    b.param(p + "self_attn.qkv_proj.weight", {qkv_rows, H});
+    REFIT_RETURN_IF_ERROR(b.piece(L.q, r * q_rows, 0, q_rows, H, 0, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.k, kv_row0, 0, kv_rows, H, q_rows, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.v, kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+    if (c.attention_bias) {  // 1-D: matrix view [1, n], so row ranges become column ranges
+      b.param(p + "self_attn.qkv_proj.bias", {qkv_rows});
+      REFIT_RETURN_IF_ERROR(b.piece(L.q_bias, 0, r * q_rows, 1, q_rows, 0, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.k_bias, 0, kv_row0, 1, kv_rows, 0, q_rows));
+      REFIT_RETURN_IF_ERROR(b.piece(L.v_bias, 0, kv_row0, 1, kv_rows, 0, q_rows + kv_rows));
+    }
+    const std::int64_t o_cols = c.num_heads * d / t;
+    b.param(p + "self_attn.o_proj.weight", {H, o_cols});
+    REFIT_RETURN_IF_ERROR(b.piece(L.o, 0, r * o_cols, H, o_cols, 0, 0));
+    if (c.qk_norm) {
+      REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.q_norm.weight", L.q_norm));
+      REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.k_norm.weight", L.k_norm));
+    }
+
+    if (L.router != kNone) {
+      const std::int64_t E = c.num_experts, I = c.moe_intermediate_size / t;
+      if (static_cast<std::int64_t>(L.expert_gate.size()) != E ||
+          static_cast<std::int64_t>(L.expert_up.size()) != E ||
+          static_cast<std::int64_t>(L.expert_down.size()) != E)
+        return Status::Internal(
+            fmt::format("engine layout: layer {} does not list all {} experts", i, E));
+      REFIT_RETURN_IF_ERROR(b.replicated(p + "mlp.gate.weight", L.router));
+      b.param(p + "mlp.experts.w13_weight", {E, 2 * I, H});
+      for (std::int64_t e = 0; e < E; ++e) {
+        const auto ue = static_cast<std::size_t>(e);
+        REFIT_RETURN_IF_ERROR(b.piece(L.expert_gate[ue], r * I, 0, I, H, e * 2 * I, 0));
+        REFIT_RETURN_IF_ERROR(b.piece(L.expert_up[ue], r * I, 0, I, H, e * 2 * I + I, 0));
+      }
+      b.param(p + "mlp.experts.w2_weight", {E, H, I});
+      for (std::int64_t e = 0; e < E; ++e)
+        REFIT_RETURN_IF_ERROR(
+            b.piece(L.expert_down[static_cast<std::size_t>(e)], 0, r * I, H, I, e * H, 0));
+    } else {
+      const std::int64_t I = c.intermediate_size / t;
+      b.param(p + "mlp.gate_up_proj.weight", {2 * I, H});
+      REFIT_RETURN_IF_ERROR(b.piece(L.gate, r * I, 0, I, H, 0, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.up, r * I, 0, I, H, I, 0));
+      b.param(p + "mlp.down_proj.weight", {H, I});
+      REFIT_RETURN_IF_ERROR(b.piece(L.down, 0, r * I, H, I, 0, 0));
+    }
+    REFIT_RETURN_IF_ERROR(b.replicated(p + "input_layernorm.weight", L.input_norm));
+    REFIT_RETURN_IF_ERROR(b.replicated(p + "post_attention_layernorm.weight", L.post_attn_norm));
+  }
+  REFIT_RETURN_IF_ERROR(b.replicated("model.norm.weight", ix.final_norm));
+  if (!c.tie_word_embeddings) REFIT_RETURN_IF_ERROR(vocab_parallel("lm_head.weight", ix.lm_head));
+  return out;
+}
+
+}  // namespace refit
