@@ -13,13 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "refit/config.h"  // kBucketAlignment
 #include "refit/dtype.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
 
 namespace refit {
 
-inline constexpr std::int64_t kBucketAlignment = 256;
 
 struct BucketEntry {
   std::uint32_t tensor = 0;     // index into ModelSpec::tensors()
