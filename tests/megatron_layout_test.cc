@@ -459,6 +459,30 @@ TEST(MegatronLayout, ExpertsSplitOverEpAndOwnedByLowestReplica) {
   }
 }
 
+TEST(MegatronLayout, RealMoePresetOwnsEveryParameterOnce) {
+  // Qwen3-30B-A3B with tp 4, pp 2, ep 8, dp 8 (64 ranks): owned elements add up to the model.
+  const ModelSpec spec = load("qwen3-30b-a3b");
+  const MegatronParallel par{4, 2, 8};
+  std::int64_t owned = 0;
+  for (int rank = 0; rank < 64; ++rank) {
+    auto l = megatron_layout(spec, par, 64, rank);
+    ASSERT_TRUE(l.ok()) << l.status().to_string();
+    for (const auto& t : l->tensors)
+      for (std::uint32_t i : t.owned) owned += t.pieces[i].rows * t.pieces[i].cols;
+    if (rank == 9) {  // tp 1, dp 2 (ep_rank 2), pp 0: experts 32..47 of HF layer 23
+      const LocalTensor* fc2 =
+          find_local(*l, "decoder.layers.23.mlp.experts.local_experts.15.linear_fc2.weight");
+      ASSERT_NE(fc2, nullptr);
+      EXPECT_EQ(fc2->shape, (std::vector<std::int64_t>{2048, 192}));
+      EXPECT_EQ(spec.tensors()[fc2->pieces[0].hf_tensor].name,
+                "model.layers.23.mlp.experts.47.down_proj.weight");
+      EXPECT_EQ(fc2->pieces[0].src_col, 192);
+      EXPECT_FALSE(fc2->owned.empty());
+    }
+  }
+  EXPECT_EQ(owned, spec.total_parameters());
+}
+
 // ---------------------------------------------------------------------------------------------
 
 void expect_invalid(const Result<TrainerShardLayout>& r, std::vector<std::string> needles) {
