@@ -1,8 +1,262 @@
-// `refit run`, `bench`, `trainer`, `engine`, `shard` (placeholder until the runtime lands).
+// `refit run`, `refit bench` (launch every rank on this machine), `refit trainer` / `refit engine`
+// (one rank, torchrun-style environment) and `refit shard` (what a trainer rank holds).
 #include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "common/host_buffer.h"
+#include "io/safetensors.h"
+#include "runtime/launcher.h"
+#include "runtime/materialize.h"
+#include "runtime/rank.h"
+#include "runtime/setup.h"
+#include "trainer/trainer_layout.h"
 
 namespace refit::cli {
-void add_run_commands(CLI::App& app) {}
+namespace {
+
+struct RunFlags {
+  std::string config_path;  // empty: the embedded default
+  int steps = 1;
+  bool verify = false;
+  std::string json_path;
+  std::string fault;
+  std::string host;
+  int engine_rank = -1;
+  int raw_passes = 0;
+};
+
+// Loads CONFIG (or the embedded default) and checks it against its model: setup errors exit 2
+// before any rank starts.
+Config load_checked_config(const std::string& path) {
+  auto cfg = path.empty() ? parse_config(default_config_yaml()) : load_config_file(path);
+  exit_if_error(cfg.status(), kExitSetup);
+  auto spec = load_model_spec(cfg->model);
+  exit_if_error(spec.status(), kExitSetup);
+  exit_if_error(validate_config(*cfg, *spec), kExitSetup);
+  return *cfg;
+}
+
+const char* env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < 0)
+    throw CliExit(kExitSetup, fmt::format("environment variable {}={} is not a non-negative "
+                                          "integer",
+                                          name, v));
+  return static_cast<int>(x);
+}
+
+RankOptions rank_options(const RunFlags& f, const Config& cfg) {
+  RankOptions o;
+  o.config = cfg;
+  o.steps = f.steps;
+  o.verify = f.verify;
+  o.raw_passes = f.raw_passes;
+  o.json_path = f.json_path;
+  auto fault = parse_fault(f.fault);
+  exit_if_error(fault.status(), kExitSetup);
+  o.fault = *fault;
+  o.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
+  o.master_port = env_int("MASTER_PORT", 29500);
+  o.host = !f.host.empty() ? f.host : env_or("REFIT_HOST", o.master_addr.c_str());
+  return o;
+}
+
+int exit_code_for(const Status& st) {
+  switch (st.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kUnsupported:
+    case StatusCode::kNotFound:
+      return kExitSetup;
+    case StatusCode::kOk: return 0;
+    case StatusCode::kCorruption:
+    case StatusCode::kIOError:
+    case StatusCode::kTimeout:
+    case StatusCode::kAborted:
+    case StatusCode::kInternal:
+      return kExitRuntime;
+  }
+  return kExitRuntime;
+}
+
+void run_trainer(const RunFlags& f) {
+  const Config cfg = load_checked_config(f.config_path);
+  const int rank = env_int("RANK", 0);
+  const int world = env_int("WORLD_SIZE", cfg.policy.world_size);
+  if (world != cfg.policy.world_size)
+    throw CliExit(kExitSetup, fmt::format("WORLD_SIZE={} but policy.world_size is {}", world,
+                                          cfg.policy.world_size));
+  if (rank >= world)
+    throw CliExit(kExitSetup, fmt::format("RANK={} is outside the trainer group of {}", rank,
+                                          world));
+  RankOptions o = rank_options(f, cfg);
+  RefitReport report;
+  Status st = run_trainer_rank(o, rank, &report);
+  if (!st.ok()) throw CliExit(exit_code_for(st), fmt::format("trainer rank {}: {}", rank,
+                                                             st.to_string()));
+  if (rank == 0) {
+    std::fputs(format_summary(o, report).c_str(), stdout);
+    std::fflush(stdout);
+    if (!f.json_path.empty()) exit_if_error(write_report_json(f.json_path, o, report), 1);
+  }
+}
+
+void run_engine(const RunFlags& f) {
+  const Config cfg = load_checked_config(f.config_path);
+  int rank = f.engine_rank >= 0 ? f.engine_rank : env_int("ENGINE_RANK", env_int("RANK", -1));
+  if (rank < 0 || rank >= cfg.engine_ranks())
+    throw CliExit(kExitSetup, fmt::format("engine rank {} is outside 0..{} (set --engine-rank or "
+                                          "ENGINE_RANK = engine index * tp_size + tp rank)",
+                                          rank, cfg.engine_ranks() - 1));
+  Status st = run_engine_rank(rank_options(f, cfg), rank);
+  if (!st.ok())
+    throw CliExit(exit_code_for(st), fmt::format("engine rank {}: {}", rank, st.to_string()));
+}
+
+// `refit run` / `refit bench`: every rank as a process of this machine.
+void run_local(const RunFlags& f) {
+  const Config cfg = load_checked_config(f.config_path);
+  (void)rank_options(f, cfg);  // flags are checked before anything starts
+  // Children read the resolved config from a private file.
+  char dir_template[] = "/tmp/refit-run-XXXXXX";
+  if (mkdtemp(dir_template) == nullptr) throw CliExit(kExitRuntime, "mkdtemp failed");
+  const std::string dir = dir_template;
+  const std::string cfg_path = dir + "/config.yaml";
+  std::ofstream(cfg_path) << config_to_yaml(cfg);
+  auto port = pick_free_port();
+  exit_if_error(port.status(), kExitRuntime);
+
+  std::vector<std::string> common = {cfg_path};
+  if (!f.fault.empty()) common.insert(common.end(), {"--fault", f.fault});
+  std::vector<ChildSpec> children;
+  const std::vector<std::pair<std::string, std::string>> master = {
+      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}};
+  for (int r = 0; r < cfg.policy.world_size; ++r) {
+    ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master};
+    c.args.insert(c.args.end(), common.begin(), common.end());
+    c.args.insert(c.args.end(), {"--steps", std::to_string(f.steps)});
+    if (f.verify) c.args.push_back("--verify");
+    if (f.raw_passes > 0) c.args.insert(c.args.end(), {"--raw-passes", std::to_string(f.raw_passes)});
+    if (r == 0 && !f.json_path.empty()) c.args.insert(c.args.end(), {"--json", f.json_path});
+    c.env.emplace_back("RANK", std::to_string(r));
+    c.env.emplace_back("WORLD_SIZE", std::to_string(cfg.policy.world_size));
+    children.push_back(std::move(c));
+  }
+  for (int g = 0; g < cfg.engine_ranks(); ++g) {
+    ChildSpec c{fmt::format("engine {} tp rank {}", g / cfg.generation.tp_size,
+                            g % cfg.generation.tp_size),
+                {"engine"}, master};
+    c.args.insert(c.args.end(), common.begin(), common.end());
+    c.env.emplace_back("ENGINE_RANK", std::to_string(g));
+    children.push_back(std::move(c));
+  }
+  auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  exit_if_error(result.status(), kExitRuntime);
+  if (!result->ok) throw CliExit(kExitRuntime, "run failed: " + result->summary);
+  std::fprintf(stdout, "refit: %d refit(s) completed%s\n", f.steps,
+               f.verify ? " and verified bit-exact on every engine rank" : "");
+}
+
+// `refit shard CONFIG --rank R --out FILE`.
+void run_shard(const std::string& config_path, int rank, const std::string& out) {
+  const Config cfg = load_checked_config(config_path);
+  if (rank < 0 || rank >= cfg.policy.world_size)
+    throw CliExit(kExitSetup, fmt::format("--rank {} is outside the trainer group of {}", rank,
+                                          cfg.policy.world_size));
+  auto model = load_rank_model(cfg);
+  exit_if_error(model.status(), kExitSetup);
+  auto layout = trainer_layout((*model)->spec, cfg.policy, rank);
+  exit_if_error(layout.status(), kExitSetup);
+  const std::size_t esize = dtype_size(cfg.policy.dtype);
+  std::vector<HostBuffer> storage;
+  std::vector<TensorView> views;
+  for (const LocalTensor& t : layout->tensors) {
+    storage.emplace_back(static_cast<std::size_t>(matrix_shape(t.shape).numel()) * esize + 1);
+    materialize_pieces((*model)->spec, t.pieces, t.shape, *(*model)->weights, 0, cfg.policy.dtype,
+                       cfg.policy.dtype, storage.back().data());
+    views.push_back(TensorView{t.name, cfg.policy.dtype, t.shape, storage.back().data()});
+  }
+  exit_if_error(write_safetensors(out, views,
+                                  {{"refit_rank", std::to_string(rank)},
+                                   {"refit_backend", std::string(policy_backend_name(cfg.policy.backend))},
+                                   {"refit_model", cfg.model}}),
+                kExitRuntime);
+  std::printf("wrote %zu tensors of trainer rank %d to %s\n", views.size(), rank, out.c_str());
+}
+
+}  // namespace
+
+void add_run_commands(CLI::App& app) {
+  auto f = std::make_shared<RunFlags>();
+  auto add_common = [&](CLI::App* cmd) {
+    cmd->add_option("--fault", f->fault,
+                    "inject a fault (tests): corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
+                    "kill-engine:RANK:BUCKET, plan-mismatch");
+  };
+
+  auto* run = app.add_subcommand("run", "Run refits with every rank as a process on this machine");
+  run->add_option("CONFIG", f->config_path, "config YAML (default: the embedded CPU default)");
+  run->add_option("--steps", f->steps, "refits to run")->check(CLI::PositiveNumber);
+  run->add_flag("--verify", f->verify, "check every element on every engine rank bit-exact");
+  run->add_option("--json", f->json_path, "write the JSON report here");
+  add_common(run);
+  run->callback([f] { run_local(*f); });
+
+  auto* bench = app.add_subcommand("bench", "Measure refit throughput against the raw transport");
+  bench->add_option("CONFIG", f->config_path, "config YAML")->required();
+  bench->add_option("--steps", f->steps, "refits to time")->check(CLI::PositiveNumber);
+  bench->add_option("--json", f->json_path, "write the JSON report here (gbps, limit_gbps, ratio)");
+  bench->callback([f] {
+    if (f->steps < 3) f->steps = 3;
+    f->raw_passes = 3;
+    run_local(*f);
+  });
+
+  auto* trainer = app.add_subcommand(
+      "trainer", "Run one trainer rank (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
+  trainer->add_option("CONFIG", f->config_path, "config YAML")->required();
+  trainer->add_option("--steps", f->steps, "refits to run")->check(CLI::PositiveNumber);
+  trainer->add_flag("--verify", f->verify, "engines check every element after each refit");
+  trainer->add_option("--json", f->json_path, "rank 0: write the JSON report here");
+  trainer->add_option("--raw-passes", f->raw_passes, "bench: raw transport passes");
+  trainer->add_option("--host", f->host, "address to listen on (default REFIT_HOST or MASTER_ADDR)");
+  add_common(trainer);
+  trainer->callback([f] { run_trainer(*f); });
+
+  auto* engine = app.add_subcommand(
+      "engine", "Run one engine rank (env ENGINE_RANK, MASTER_ADDR, MASTER_PORT of trainer rank 0)");
+  engine->add_option("CONFIG", f->config_path, "config YAML")->required();
+  engine->add_option("--engine-rank", f->engine_rank, "engine index * tp_size + tp rank");
+  engine->add_option("--host", f->host, "address to listen on (default REFIT_HOST or MASTER_ADDR)");
+  add_common(engine);
+  engine->callback([f] { run_engine(*f); });
+
+  auto shard_cfg = std::make_shared<std::string>();
+  auto shard_rank = std::make_shared<int>(0);
+  auto shard_out = std::make_shared<std::string>();
+  auto* shard = app.add_subcommand("shard", "Write what a trainer rank holds as safetensors");
+  shard->add_option("CONFIG", *shard_cfg, "config YAML")->required();
+  shard->add_option("--rank", *shard_rank, "trainer rank")->required();
+  shard->add_option("--out", *shard_out, "output .safetensors file")->required();
+  shard->callback([=] { run_shard(*shard_cfg, *shard_rank, *shard_out); });
+}
+
 }  // namespace refit::cli

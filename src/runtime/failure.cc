@@ -1,0 +1,32 @@
+#include "runtime/failure.h"
+
+#include <fmt/format.h>
+
+#include "control/mailbox.h"
+#include "control/store.h"
+
+namespace refit {
+
+void announce_failure(Store* store, Mailbox* mailbox, const std::vector<std::string>& peers,
+                      const std::string& who, const Status& status) {
+  const std::string cause = fmt::format("{}: {}", who, status.to_string());
+  if (store != nullptr) {
+    auto n = store->add("error/count", 1);
+    if (n.ok() && *n == 1) (void)store->set("error/first", cause);
+  }
+  if (mailbox != nullptr)
+    for (const auto& peer : peers) (void)mailbox->send(peer, MessageType::kAbort, cause);
+}
+
+Status with_root_cause(Store* store, const std::string& who, const Status& status) {
+  if (store == nullptr || status.ok()) return status;
+  auto first = store->try_get("error/first");
+  if (!first.ok() || !first->has_value()) return status;
+  const std::string& cause = **first;
+  if (cause.rfind(who + ":", 0) == 0) return status;  // the root cause is this process itself
+  if (status.message().find(cause) != std::string::npos) return status;
+  return Status(StatusCode::kAborted,
+                fmt::format("aborted because {} (seen here as: {})", cause, status.to_string()));
+}
+
+}  // namespace refit

@@ -1,0 +1,145 @@
+#include "runtime/launcher.h"
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+namespace refit {
+namespace {
+
+std::vector<pid_t>* g_children = nullptr;
+
+void forward_signal(int sig) {
+  if (g_children != nullptr)
+    for (pid_t p : *g_children)
+      if (p > 0) kill(p, SIGKILL);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+std::string describe_exit(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status),
+                                              strsignal(WTERMSIG(status)));
+  return "stopped";
+}
+
+}  // namespace
+
+std::string self_executable() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "refit";
+  buf[n] = '\0';
+  return buf;
+}
+
+Result<int> pick_free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return Status::IOError(fmt::format("socket: {}", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return Status::IOError(fmt::format("cannot find a free port: {}", std::strerror(errno)));
+  }
+  close(fd);
+  return static_cast<int>(ntohs(addr.sin_port));
+}
+
+Result<LaunchResult> launch_and_wait(const std::string& executable,
+                                     const std::vector<ChildSpec>& children, double timeout_s) {
+  std::vector<pid_t> pids(children.size(), -1);
+  g_children = &pids;
+  signal(SIGINT, forward_signal);
+  signal(SIGTERM, forward_signal);
+  const pid_t parent = getpid();
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    pid_t pid = fork();
+    if (pid < 0) {
+      for (pid_t p : pids)
+        if (p > 0) kill(p, SIGKILL);
+      return Status::IOError(fmt::format("fork of {} failed: {}", children[i].name,
+                                         std::strerror(errno)));
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1);  // the launcher already died
+      for (const auto& [k, v] : children[i].env) setenv(k.c_str(), v.c_str(), 1);
+      std::vector<std::string> args = children[i].args;
+      std::vector<char*> argv;
+      std::string exe = executable;
+      argv.push_back(exe.data());
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(exe.c_str(), argv.data());
+      _exit(127);
+    }
+    pids[i] = pid;
+  }
+
+  LaunchResult result;
+  std::size_t alive = children.size();
+  std::vector<int> statuses(children.size(), 0);
+  bool failed = false;
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  while (alive > 0) {
+    int status = 0;
+    pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (std::size_t i = 0; i < pids.size(); ++i) {
+        if (pids[i] != pid) continue;
+        pids[i] = -1;
+        statuses[i] = status;
+        --alive;
+        const bool bad = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (bad && !failed) {
+          failed = true;
+          result.summary = fmt::format("{} {}", children[i].name, describe_exit(status));
+          deadline = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000) + 5000);
+        }
+      }
+      continue;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string killed;
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (pids[i] > 0) {
+          kill(pids[i], SIGKILL);
+          killed += (killed.empty() ? "" : ", ") + children[i].name;
+        }
+      if (!killed.empty())
+        result.summary += fmt::format("; killed after the timeout: {}", killed);
+      deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  g_children = nullptr;
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  if (failed) {
+    std::string others;
+    for (std::size_t i = 0; i < children.size(); ++i)
+      others += fmt::format("\n  {}: {}", children[i].name, describe_exit(statuses[i]));
+    result.summary += others;
+  }
+  result.ok = !failed;
+  return result;
+}
+
+}  // namespace refit

@@ -1,0 +1,38 @@
+// Starts every rank of a refit as a process on this machine and watches them (`refit run`).
+//
+// Children run this same executable (`refit trainer` / `refit engine`) with a torchrun-style
+// environment. They die with the launcher (PR_SET_PDEATHSIG). When one exits non-zero the others
+// get refit.timeout_s (+ a grace period) to exit on their own — which they do, since failures
+// propagate — and are then killed, so no process outlives the launcher in any outcome.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "refit/status.h"
+
+namespace refit {
+
+struct ChildSpec {
+  std::string name;               // "trainer rank 1", "engine 0 tp rank 1"
+  std::vector<std::string> args;  // argv[1..]
+  std::vector<std::pair<std::string, std::string>> env;
+};
+
+struct LaunchResult {
+  bool ok = false;
+  std::string summary;  // which process failed first, and how
+};
+
+// Runs all children to completion. `timeout_s` bounds how long the others may take to follow a
+// failed child before they are killed.
+Result<LaunchResult> launch_and_wait(const std::string& executable,
+                                     const std::vector<ChildSpec>& children, double timeout_s);
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+Result<int> pick_free_port();
+
+// Path of the running executable.
+std::string self_executable();
+
+}  // namespace refit

@@ -1,0 +1,43 @@
+#include "runtime/materialize.h"
+
+#include <algorithm>
+
+#include "common/convert.h"
+
+namespace refit {
+
+void materialize_pieces(const ModelSpec& spec, const std::vector<Piece>& pieces,
+                        const std::vector<std::int64_t>& shape, const WeightSource& weights,
+                        int step, DType via, DType out_dtype, std::byte* out) {
+  constexpr std::int64_t kChunk = 1 << 20;
+  const std::int64_t dst_cols = matrix_shape(shape).cols;
+  const std::size_t out_size = dtype_size(out_dtype);
+  std::vector<float> f32(static_cast<std::size_t>(kChunk));
+  std::vector<std::byte> rounded(static_cast<std::size_t>(kChunk) * dtype_size(via));
+  // Values of HF elements [begin, begin+n) → out at flat position dst (contiguous).
+  auto emit = [&](std::uint32_t hf, std::int64_t begin, std::int64_t n, std::int64_t dst) {
+    for (std::int64_t done = 0; done < n; done += kChunk) {
+      const std::int64_t m = std::min(kChunk, n - done);
+      weights.values(hf, begin + done, m, step, f32.data());
+      std::byte* target = out + static_cast<std::size_t>(dst + done) * out_size;
+      if (via == DType::kFloat32) {
+        convert(f32.data(), DType::kFloat32, target, out_dtype, static_cast<std::size_t>(m));
+      } else {
+        convert(f32.data(), DType::kFloat32, rounded.data(), via, static_cast<std::size_t>(m));
+        convert(rounded.data(), via, target, out_dtype, static_cast<std::size_t>(m));
+      }
+    }
+  };
+  for (const Piece& p : pieces) {
+    const std::int64_t hf_cols = matrix_shape(spec.tensors()[p.hf_tensor].shape).cols;
+    if (p.cols == hf_cols && p.cols == dst_cols) {  // whole rows on both sides: one run
+      emit(p.hf_tensor, p.src_row * hf_cols, p.rows * p.cols, p.dst_row * dst_cols);
+      continue;
+    }
+    for (std::int64_t r = 0; r < p.rows; ++r)
+      emit(p.hf_tensor, (p.src_row + r) * hf_cols + p.src_col, p.cols,
+           (p.dst_row + r) * dst_cols + p.dst_col);
+  }
+}
+
+}  // namespace refit

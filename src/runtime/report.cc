@@ -1,0 +1,121 @@
+// Fault parsing, the JSON report (DESIGN §5.3) and the one-screen summary.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runtime/rank.h"
+
+namespace refit {
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+bool parse_int(std::string_view s, int& out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+  return ec == std::errc() && p == s.data() + s.size() && out >= 0;
+}
+
+}  // namespace
+
+Result<Fault> parse_fault(std::string_view text) {
+  Fault f;
+  auto bad = [&] {
+    return Status::InvalidArgument(fmt::format(
+        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
+        "kill-engine:RANK:BUCKET, plan-mismatch",
+        text));
+  };
+  if (text.empty() || text == "none") return f;
+  if (text == "plan-mismatch") {
+    f.kind = Fault::Kind::kPlanMismatch;
+    return f;
+  }
+  const auto colon = text.find(':');
+  if (colon == std::string_view::npos) return bad();
+  const std::string_view kind = text.substr(0, colon), rest = text.substr(colon + 1);
+  if (kind == "corrupt") {
+    f.kind = Fault::Kind::kCorrupt;
+    if (!parse_int(rest, f.bucket)) return bad();
+    return f;
+  }
+  if (kind == "kill-trainer") f.kind = Fault::Kind::kKillTrainer;
+  else if (kind == "kill-engine") f.kind = Fault::Kind::kKillEngine;
+  else return bad();
+  const auto colon2 = rest.find(':');
+  if (colon2 == std::string_view::npos || !parse_int(rest.substr(0, colon2), f.rank) ||
+      !parse_int(rest.substr(colon2 + 1), f.bucket))
+    return bad();
+  return f;
+}
+
+Status write_report_json(const std::string& path, const RankOptions& options,
+                         const RefitReport& r) {
+  const double med = median(r.refit_seconds);
+  nlohmann::ordered_json j;
+  j["steps"] = r.steps;
+  j["verified"] = r.verified;
+  j["bytes_per_refit"] = r.bytes_per_refit;
+  j["buckets_per_refit"] = r.buckets_per_refit;
+  j["refit_seconds"] = r.refit_seconds;
+  j["gbps"] = med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0;
+  j["phases"] = {{"unshard", r.unshard_s},
+                 {"cast_pack", r.cast_pack_s},
+                 {"transfer", r.transfer_s},
+                 {"apply", r.apply_s}};
+  if (!r.raw_seconds.empty()) {
+    const double raw = median(r.raw_seconds);
+    const double gbps = med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0;
+    const double limit = raw > 0 ? r.bytes_per_refit / raw / 1e9 : 0.0;
+    j["raw_seconds"] = r.raw_seconds;
+    j["limit_gbps"] = limit;
+    j["ratio"] = limit > 0 ? gbps / limit : 0.0;
+    j["limit"] = options.config.generation.weight_transfer_mode == TransferMode::kBroadcast
+                     ? "gloo broadcast of the same bytes in the same bucket sizes"
+                     : "memcpy through the same shared-memory buffers";
+  }
+  j["plan_hash"] = r.plan_hash;
+  j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
+  std::ofstream out(path);
+  if (!out) return Status::IOError(fmt::format("cannot write the report to {}", path));
+  out << j.dump(2) << "\n";
+  if (!out) return Status::IOError(fmt::format("writing the report to {} failed", path));
+  return Status::Ok();
+}
+
+std::string format_summary(const RankOptions& options, const RefitReport& r) {
+  const Config& c = options.config;
+  const double med = median(r.refit_seconds);
+  std::string s;
+  s += fmt::format("refit {} -> {} {} ({}), model {}, {} trainer rank(s), {} engine(s) x TP {}\n",
+                   policy_backend_name(c.policy.backend), engine_protocol_name(c.generation.backend),
+                   c.generation.colocated ? "colocated" : "non-colocated",
+                   transfer_mode_name(c.generation.weight_transfer_mode), c.model,
+                   c.policy.world_size, c.generation.num_engines, c.generation.tp_size);
+  s += fmt::format("  per refit: {:.1f} MB in {} bucket(s) of <= {} MiB, plan {}\n",
+                   r.bytes_per_refit / 1e6, r.buckets_per_refit,
+                   c.refit.buffer_size_bytes >> 20, r.plan_hash);
+  s += fmt::format("  refits: {}  median {:.3f} s  ->  {:.2f} GB/s{}\n", r.steps, med,
+                   med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0,
+                   r.verified ? "  (every element verified bit-exact)" : "");
+  s += fmt::format("  busy time per stage (stages overlap): unshard {:.3f} s, cast/pack {:.3f} s, "
+                   "transfer {:.3f} s, apply {:.3f} s\n",
+                   r.unshard_s, r.cast_pack_s, r.transfer_s, r.apply_s);
+  if (!r.raw_seconds.empty()) {
+    const double raw = median(r.raw_seconds);
+    const double limit = raw > 0 ? r.bytes_per_refit / raw / 1e9 : 0.0;
+    const double gbps = med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0;
+    s += fmt::format("  raw transport: {:.3f} s -> {:.2f} GB/s; refit / raw = {:.2f}\n", raw, limit,
+                     limit > 0 ? gbps / limit : 0.0);
+  }
+  return s;
+}
+
+}  // namespace refit

@@ -1,0 +1,404 @@
+// A trainer rank: holds its shards, unshards bucket by bucket with the rest of the trainer group,
+// and — when it feeds engines — packs and hands buckets to its transport.
+#include <fmt/format.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "comm/communicator.h"
+#include "common/convert.h"
+#include "common/host_buffer.h"
+#include "common/log.h"
+#include "common/timer.h"
+#include "control/mailbox.h"
+#include "control/store.h"
+#include "io/safetensors.h"
+#include "plan/bucket_plan.h"
+#include "runtime/failure.h"
+#include "runtime/materialize.h"
+#include "runtime/protocol.h"
+#include "runtime/rank.h"
+#include "runtime/schedule.h"
+#include "runtime/setup.h"
+#include "transport/transport.h"
+
+namespace refit {
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+class TrainerRank {
+ public:
+  TrainerRank(const RankOptions& opt, int rank) : opt_(opt), cfg_(opt.config), rank_(rank) {}
+
+  Status run(RefitReport* report) {
+    Status st = setup();
+    if (st.ok()) st = steps(report);
+    if (st.ok()) st = shutdown();
+    if (!st.ok()) {
+      st = with_root_cause(store_.get(), id(), st);
+      announce_failure(store_.get(), mailbox_.get(), fed_engines_, id(), st);
+    }
+    return st;
+  }
+
+ private:
+  std::string id() const { return fmt::format("trainer rank {}", rank_); }
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<long long>(cfg_.refit.timeout_s * 1000));
+  }
+  bool broadcast_mode() const {
+    return cfg_.generation.weight_transfer_mode == TransferMode::kBroadcast;
+  }
+  bool feeds() const { return !fed_engines_.empty(); }
+
+  Status setup() {
+    const int world = cfg_.policy.world_size;
+    REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
+    const ModelSpec& spec = model_->spec;
+    // Every rank's layout: this rank packs its own shards and scatters everyone's contribution.
+    for (int r = 0; r < world; ++r) {
+      REFIT_ASSIGN_OR_RETURN(auto lay, trainer_layout(spec, cfg_.policy, r));
+      layouts_.push_back(std::move(lay));
+    }
+    gather_ = build_gather_schedule(spec, model_->plan, layouts_);
+    // Local shards in the policy dtype, one arena.
+    const TrainerShardLayout& mine = layouts_[rank_];
+    const std::size_t esize = dtype_size(cfg_.policy.dtype);
+    std::size_t total = 0;
+    for (const LocalTensor& t : mine.tensors) {
+      local_offsets_.push_back(total);
+      total += static_cast<std::size_t>(matrix_shape(t.shape).numel()) * esize;
+      total = (total + 63) / 64 * 64;
+    }
+    local_ = HostBuffer(total);
+    log::debug("{} holds {} tensors, {} bytes", id(), mine.tensors.size(), total);
+
+    // Control plane: trainer rank 0 hosts the store.
+    if (rank_ == 0) {
+      REFIT_ASSIGN_OR_RETURN(server_, StoreServer::start(opt_.master_addr, opt_.master_port));
+    }
+    REFIT_ASSIGN_OR_RETURN(store_, connect_store(opt_.master_addr, opt_.master_port, timeout()));
+    if (rank_ == 0)
+      REFIT_RETURN_IF_ERROR(store_->set("run_id", fmt::format("{}-{}", getpid(), time(nullptr))));
+    REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
+    REFIT_ASSIGN_OR_RETURN(mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_),
+                                                   opt_.host, timeout()));
+    if (world > 1) {
+      GlooOptions g{"trainer", rank_, world, opt_.host, timeout()};
+      REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_gloo_communicator(*store_, g));
+    }
+    // Which engine ranks this rank feeds, and the transport to them.
+    const int engines = cfg_.engine_ranks();
+    TransportOptions topt{cfg_.refit.num_buffers,
+                          static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
+    const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
+    if (broadcast_mode()) {
+      if (rank_ == 0) {
+        for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
+        GlooOptions g{"update", 0, 1 + engines, opt_.host, timeout()};
+        REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
+        REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_,
+                                                              fed_engines_, sglang, topt));
+      }
+    } else {
+      fed_engines_.push_back(fmt::format("engine/{}", rank_));
+      REFIT_ASSIGN_OR_RETURN(sender_, make_ipc_sender(*mailbox_, fed_engines_[0],
+                                                      ipc_segment_prefix(run_id, rank_), topt));
+      REFIT_RETURN_IF_ERROR(store_->set(fmt::format("ipc/{}/ready", rank_), "1"));
+    }
+    if (feeds()) {
+      stage_ = HostBuffer(static_cast<std::size_t>(model_->plan.max_bucket_bytes));
+      REFIT_RETURN_IF_ERROR(check_engines());
+    }
+    if (world > 1) {
+      send_ = HostBuffer(static_cast<std::size_t>(model_->plan.max_bucket_bytes));
+      if (!feeds()) stage_ = HostBuffer(static_cast<std::size_t>(model_->plan.max_bucket_bytes));
+    }
+    // Setup is complete on every trainer rank before the first refit.
+    if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+    return Status::Ok();
+  }
+
+  // Every fed engine says hello; for vLLM its plan hash must equal ours (refused at setup).
+  Status check_engines() {
+    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+      REFIT_ASSIGN_OR_RETURN(Message hello, expect_message(*mailbox_, MessageType::kHello,
+                                                           timeout(), "engine hellos"));
+      auto j = nlohmann::json::parse(hello.payload, nullptr, false);
+      if (j.is_discarded()) return Status::Corruption("malformed hello from " + hello.from);
+      const std::string theirs = j.value("plan_hash", "");
+      if (j.value("total_parameters", 0ll) != model_->spec.total_parameters())
+        return Status::InvalidArgument(fmt::format(
+            "setup: {} serves a model of {} parameters, the trainer's has {}; both sides must "
+            "load the same model",
+            hello.from, j.value("total_parameters", 0ll), model_->spec.total_parameters()));
+      if (cfg_.generation.backend == EngineProtocol::kVllm &&
+          theirs != model_->plan.hash_hex())
+        return Status::InvalidArgument(fmt::format(
+            "setup: vllm manifest mismatch: {} derived bucket plan {} but the trainer's is {}; "
+            "both sides must use the same model, refit.target_precision and "
+            "refit.buffer_size_bytes",
+            hello.from, theirs, model_->plan.hash_hex()));
+    }
+    return Status::Ok();
+  }
+
+  Status send_all(MessageType type, const std::string& payload) {
+    for (const auto& e : fed_engines_) REFIT_RETURN_IF_ERROR(mailbox_->send(e, type, payload));
+    return Status::Ok();
+  }
+
+  void fill_local(int step) {
+    const TrainerShardLayout& mine = layouts_[rank_];
+    for (std::size_t i = 0; i < mine.tensors.size(); ++i)
+      materialize_pieces(model_->spec, mine.tensors[i].pieces, mine.tensors[i].shape,
+                         *model_->weights, step, cfg_.policy.dtype, cfg_.policy.dtype,
+                         local_.data() + local_offsets_[i]);
+  }
+
+  // Unshard bucket b; when `dst` is set, pack the full bucket there.
+  Status unshard(std::size_t b, std::byte* dst) {
+    const BucketGather& g = gather_[b];
+    const DType pol = cfg_.policy.dtype, tgt = cfg_.refit.target_precision;
+    const std::size_t tsize = dtype_size(tgt);
+    const TrainerShardLayout& mine = layouts_[rank_];
+    if (!trainer_comm_) {  // one trainer rank: cast straight into the bucket
+      Timer t;
+      for (const GatherRun& run : g.runs[rank_]) {
+        const Block2D& k = run.block;
+        convert_block(local_.data() + local_offsets_[run.local], pol, k.dst_offset, k.dst_stride,
+                      dst, tgt, k.src_offset, k.src_stride, k.rows, k.cols);
+      }
+      phase_.cast_pack += t.seconds();
+      return Status::Ok();
+    }
+    Timer t;
+    std::int64_t cursor = 0;
+    for (const GatherRun& run : g.runs[rank_]) {  // cast this rank's owned blocks end to end
+      const Block2D& k = run.block;
+      convert_block(local_.data() + local_offsets_[run.local], pol, k.dst_offset, k.dst_stride,
+                    send_.data(), tgt, cursor, k.cols, k.rows, k.cols);
+      cursor += k.numel();
+    }
+    phase_.cast_pack += t.seconds();
+    (void)mine;
+    t.reset();
+    Status st = trainer_comm_->all_gather_v(send_.data(), stage_.data(), g.counts);
+    phase_.unshard += t.seconds();
+    if (!st.ok()) return st.with_context(fmt::format("unshard of bucket {}", b));
+    if (dst == nullptr) return Status::Ok();
+    t.reset();
+    std::int64_t offset = 0;  // elements into the gathered stage
+    for (const auto& runs : g.runs)
+      for (const GatherRun& run : runs) {
+        const Block2D& k = run.block;
+        convert_block(stage_.data(), tgt, offset, k.cols, dst, tgt, k.src_offset, k.src_stride,
+                      k.rows, k.cols);
+        offset += k.numel();
+      }
+    (void)tsize;
+    phase_.cast_pack += t.seconds();
+    return Status::Ok();
+  }
+
+  void maybe_fault(int step, std::size_t b, std::byte* bucket) {
+    const Fault& f = opt_.fault;
+    if (step != 1 || f.bucket != static_cast<int>(b)) return;
+    if (f.kind == Fault::Kind::kKillTrainer && f.rank == rank_) {
+      log::info("fault injection: killing myself at bucket {}", b);
+      raise(SIGKILL);
+    }
+    if (f.kind == Fault::Kind::kCorrupt && bucket != nullptr) {
+      const BucketEntry& e = model_->plan.buckets[b].entries.front();
+      const std::size_t tsize = dtype_size(cfg_.refit.target_precision);
+      const std::size_t at = static_cast<std::size_t>(e.offset) +
+                             static_cast<std::size_t>(e.elem_count / 2) * tsize;
+      log::info("fault injection: corrupting bucket {} ({}) in flight", b,
+                model_->spec.tensors()[e.tensor].name);
+      bucket[at] ^= std::byte{0x5a};
+    }
+  }
+
+  // One refit (or, with raw, one pass of the bare transport).
+  Status refit_once(int step, bool raw) {
+    const BucketPlan& plan = model_->plan;
+    const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
+    if (feeds()) {
+      nlohmann::json begin = {{"step", step},
+                              {"version", weight_version(cfg_.generation.backend, step)},
+                              {"buckets", plan.buckets.size()},
+                              {"verify", opt_.verify && !raw},
+                              {"raw", raw}};
+      REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, begin.dump()));
+    }
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+      std::byte* slot = nullptr;
+      const int s = static_cast<int>(b % static_cast<std::size_t>(cfg_.refit.num_buffers));
+      if (feeds()) {
+        REFIT_RETURN_IF_ERROR(sender_->wait_slot(s));
+        slot = sender_->slot_data(s);
+      }
+      if (raw) {
+        if (slot != nullptr && !broadcast_mode())  // ipc: the bare copy into shared memory
+          std::memcpy(slot, stage_.data(), static_cast<std::size_t>(plan.buckets[b].bytes));
+      } else if (feeds() || trainer_comm_) {
+        maybe_fault(step, b, nullptr);
+        REFIT_RETURN_IF_ERROR(unshard(b, slot));
+        maybe_fault(step, b, slot);
+      }
+      if (feeds()) {
+        BucketHeader h;
+        h.step = step;
+        h.bucket = static_cast<int>(b);
+        h.bytes = static_cast<std::size_t>(plan.buckets[b].bytes);
+        if (sglang && !raw) h.meta = encode_sglang_meta(model_->spec, plan.buckets[b], plan.dtype);
+        REFIT_RETURN_IF_ERROR(sender_->send(s, std::move(h)));
+      }
+      if (rank_ == 0 && progress_) {
+        std::fprintf(stderr, "\r[refit] %s %d: bucket %zu/%zu   ", raw ? "raw pass" : "step",
+                     step, b + 1, plan.buckets.size());
+      }
+    }
+    if (!feeds()) return Status::Ok();
+    REFIT_RETURN_IF_ERROR(sender_->drain());
+    phase_.transfer += sender_->take_busy_seconds();
+    REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
+    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kCommitted,
+                                                       timeout(), "commit acknowledgements"));
+      auto j = nlohmann::json::parse(m.payload, nullptr, false);
+      if (!j.is_discarded()) phase_.apply = std::max(phase_.apply, j.value("apply_s", 0.0));
+    }
+    return Status::Ok();
+  }
+
+  // After a verified refit: every fed engine's verdict; ranks agree on the first failure.
+  Status collect_verification() {
+    std::string verdict;
+    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kCommitted,
+                                                       timeout() * 4, "verification results"));
+      auto j = nlohmann::json::parse(m.payload, nullptr, false);
+      if (j.is_discarded() || !j.value("verified", false)) {
+        if (verdict.empty())
+          verdict = j.is_discarded() ? "malformed verification result from " + m.from
+                                     : j.value("error", std::string("verification failed"));
+      }
+    }
+    if (trainer_comm_) {  // share verdicts so every trainer rank fails with the same cause
+      constexpr std::size_t kLen = 1024;
+      std::string mine = verdict.substr(0, kLen - 1);
+      mine.resize(kLen, '\0');
+      std::vector<char> all(kLen * static_cast<std::size_t>(trainer_comm_->size()));
+      std::vector<std::size_t> counts(static_cast<std::size_t>(trainer_comm_->size()), kLen);
+      REFIT_RETURN_IF_ERROR(trainer_comm_->all_gather_v(mine.data(), all.data(), counts));
+      for (std::size_t r = 0; r < counts.size() && verdict.empty(); ++r)
+        verdict = std::string(all.data() + r * kLen);
+    }
+    if (!verdict.empty()) return Status::Corruption(verdict);
+    return Status::Ok();
+  }
+
+  Status steps(RefitReport* report) {
+    progress_ = rank_ == 0 && isatty(2);
+    std::vector<double> times, unshard, cast, transfer, apply;
+    RefitReport rep;
+    const int total_steps = opt_.steps;
+    for (int step = 1; step <= total_steps; ++step) {
+      fill_local(step);  // the "training step": new weights
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      phase_ = {};
+      Timer t;
+      REFIT_RETURN_IF_ERROR(refit_once(step, false));
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      const double secs = t.seconds();
+      times.push_back(secs);
+      unshard.push_back(phase_.unshard);
+      cast.push_back(phase_.cast_pack);
+      transfer.push_back(phase_.transfer);
+      apply.push_back(phase_.apply);
+      if (opt_.verify)
+        REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
+      if (rank_ == 0) {
+        if (progress_) std::fprintf(stderr, "\r");
+        log::info("step {}/{}: refit {:.3f} s, {:.2f} GB/s{}", step, total_steps, secs,
+                  model_->plan.payload_bytes / secs / 1e9, opt_.verify ? ", verified" : "");
+      }
+    }
+    for (int pass = 0; pass < opt_.raw_passes; ++pass) {
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      Timer t;
+      REFIT_RETURN_IF_ERROR(refit_once(pass + 1, true));
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      rep.raw_seconds.push_back(t.seconds());
+    }
+    if (progress_ && opt_.raw_passes > 0) std::fprintf(stderr, "\r");
+    rep.steps = total_steps;
+    rep.verified = opt_.verify;
+    rep.bytes_per_refit = model_->plan.payload_bytes;
+    rep.buckets_per_refit = static_cast<int>(model_->plan.buckets.size());
+    rep.refit_seconds = times;
+    rep.unshard_s = median(unshard);
+    rep.cast_pack_s = median(cast);
+    rep.transfer_s = median(transfer);
+    rep.apply_s = median(apply);
+    rep.plan_hash = model_->plan.hash_hex();
+    if (report != nullptr) *report = rep;
+    return Status::Ok();
+  }
+
+  // Engines acknowledge the shutdown before their feeder leaves, and trainer rank 0 (which hosts
+  // the store) leaves last, so no process loses the control plane while it still needs it.
+  Status shutdown() {
+    if (feeds()) {
+      REFIT_RETURN_IF_ERROR(send_all(MessageType::kShutdown, ""));
+      for (std::size_t i = 0; i < fed_engines_.size(); ++i)
+        REFIT_RETURN_IF_ERROR(
+            expect_message(*mailbox_, MessageType::kShutdown, timeout(), "engine exits").status());
+    }
+    if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+    return Status::Ok();
+  }
+
+  struct Phases {
+    double unshard = 0, cast_pack = 0, transfer = 0, apply = 0;
+  };
+
+  const RankOptions& opt_;
+  const Config& cfg_;
+  const int rank_;
+  std::unique_ptr<RankModel> model_;
+  std::vector<TrainerShardLayout> layouts_;
+  std::vector<BucketGather> gather_;
+  std::vector<std::size_t> local_offsets_;
+  HostBuffer local_, send_, stage_;
+  std::unique_ptr<StoreServer> server_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Mailbox> mailbox_;
+  std::unique_ptr<Communicator> trainer_comm_, update_comm_;
+  std::unique_ptr<BucketSender> sender_;
+  std::vector<std::string> fed_engines_;
+  Phases phase_;
+  bool progress_ = false;
+};
+
+}  // namespace
+
+Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report) {
+  signal(SIGPIPE, SIG_IGN);
+  log::set_prefix(fmt::format("trainer {}", rank));
+  TrainerRank t(options, rank);
+  return t.run(report);
+}
+
+}  // namespace refit

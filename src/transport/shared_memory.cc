@@ -1,0 +1,73 @@
+#include "transport/shared_memory.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace refit {
+namespace {
+
+Result<std::byte*> map_fd(int fd, const std::string& name, std::size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    return Status::IOError(fmt::format("ipc: mmap of shared memory {} ({} bytes) failed: {}", name,
+                                       bytes, std::strerror(errno)));
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<SharedMemory>> SharedMemory::create(const std::string& name,
+                                                           std::size_t bytes) {
+  shm_unlink(name.c_str());  // a stale segment of a crashed run with the same name
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0)
+    return Status::IOError(
+        fmt::format("ipc: shm_open({}) failed: {}", name, std::strerror(errno)));
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int err = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    return Status::IOError(fmt::format("ipc: sizing shared memory {} to {} bytes failed: {} "
+                                       "(is /dev/shm large enough?)",
+                                       name, bytes, std::strerror(err)));
+  }
+  auto mapped = map_fd(fd, name, bytes);
+  close(fd);
+  if (!mapped.ok()) {
+    shm_unlink(name.c_str());
+    return mapped.status();
+  }
+  return std::unique_ptr<SharedMemory>(new SharedMemory(name, *mapped, bytes, true));
+}
+
+Result<std::unique_ptr<SharedMemory>> SharedMemory::open(const std::string& name,
+                                                         std::size_t bytes) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0)
+    return Status::IOError(fmt::format("ipc: shm_open({}) failed: {} (the trainer rank on this "
+                                       "device creates it at setup)",
+                                       name, std::strerror(errno)));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) < bytes) {
+    close(fd);
+    return Status::IOError(fmt::format("ipc: shared memory {} is {} bytes, expected {}", name,
+                                       static_cast<long long>(st.st_size), bytes));
+  }
+  auto mapped = map_fd(fd, name, bytes);
+  close(fd);
+  if (!mapped.ok()) return mapped.status();
+  return std::unique_ptr<SharedMemory>(new SharedMemory(name, *mapped, bytes, false));
+}
+
+SharedMemory::~SharedMemory() {
+  if (data_ != nullptr) munmap(data_, size_);
+  if (owner_) shm_unlink(name_.c_str());
+}
+
+}  // namespace refit

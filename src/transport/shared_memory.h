@@ -1,0 +1,37 @@
+// A POSIX shared-memory segment mapped into this process (RAII, move-only).
+//
+// The creator (a trainer rank) makes the segment once at setup and unlinks its name when
+// destroyed; the opener (the engine rank on the same device) maps it once at setup. Neither
+// remaps per bucket.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "refit/status.h"
+
+namespace refit {
+
+class SharedMemory {
+ public:
+  static Result<std::unique_ptr<SharedMemory>> create(const std::string& name, std::size_t bytes);
+  static Result<std::unique_ptr<SharedMemory>> open(const std::string& name, std::size_t bytes);
+  ~SharedMemory();
+  SharedMemory(const SharedMemory&) = delete;
+  SharedMemory& operator=(const SharedMemory&) = delete;
+
+  std::byte* data() { return data_; }
+  std::size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  SharedMemory(std::string name, std::byte* data, std::size_t size, bool owner)
+      : name_(std::move(name)), data_(data), size_(size), owner_(owner) {}
+  std::string name_;
+  std::byte* data_;
+  std::size_t size_;
+  bool owner_;
+};
+
+}  // namespace refit

@@ -1,0 +1,100 @@
+// Transports move packed buckets from a trainer rank to engine ranks (DESIGN §2 stage 6).
+//
+// Both transports own `num_buffers` slots of `buffer_size_bytes`, registered once at setup:
+//  - broadcast (non-colocated): the sender's slots are host buffers; a background thread sends
+//    each handed-over bucket with one broadcast on the update group (trainer rank 0 → every
+//    engine rank), preceded, for SGLang, by the bucket's metadata on the control plane.
+//  - ipc (colocated): the slots are shared-memory segments created by the trainer rank and
+//    mapped once by the engine rank on its device; handing over a bucket is one control message,
+//    and the engine acknowledges when it has applied it, after which the slot may be refilled.
+// Senders are driven by one thread (the packer); receivers by one thread (the engine's receive
+// loop) plus release() from the apply thread. Every wait is bounded by the timeout.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "control/mailbox.h"
+#include "refit/status.h"
+
+namespace refit {
+
+class Communicator;
+
+struct BucketHeader {
+  int step = 0;
+  int bucket = 0;
+  std::size_t bytes = 0;
+  std::string meta;  // protocol metadata (SGLang: names, dtypes, shapes, offsets); may be empty
+};
+
+struct IncomingBucket {
+  int slot = 0;
+  const std::byte* data = nullptr;
+  BucketHeader header;
+};
+
+class BucketSender {
+ public:
+  virtual ~BucketSender() = default;
+  virtual int num_slots() const = 0;
+  virtual std::byte* slot_data(int slot) = 0;
+  // Blocks until `slot` may be packed again (its previous bucket was delivered).
+  virtual Status wait_slot(int slot) = 0;
+  // Hands the packed slot over for delivery; returns before delivery completes.
+  virtual Status send(int slot, BucketHeader header) = 0;
+  // Waits until every bucket handed over was delivered.
+  virtual Status drain() = 0;
+  // Seconds spent moving bytes (broadcast) or waiting for the engine (ipc) since the last call.
+  virtual double take_busy_seconds() = 0;
+};
+
+class BucketReceiver {
+ public:
+  virtual ~BucketReceiver() = default;
+  // The next bucket. `expected` carries the header when the protocol fixed it at setup (vLLM
+  // broadcast); otherwise it comes from the control plane.
+  virtual Result<IncomingBucket> receive(const std::optional<BucketHeader>& expected) = 0;
+  // The bucket was applied: its slot may be reused. Callable from another thread.
+  virtual Status release(const IncomingBucket& bucket) = 0;
+};
+
+struct TransportOptions {
+  int num_slots = 2;
+  std::size_t slot_bytes = 0;
+  std::chrono::milliseconds timeout{60000};
+};
+
+// Broadcast: `update` is the update group (this process rank 0 on the sender side). When
+// `send_meta` is set the header travels to every id in `engine_ids` before each broadcast.
+Result<std::unique_ptr<BucketSender>> make_broadcast_sender(Communicator& update, Mailbox& mailbox,
+                                                            std::vector<std::string> engine_ids,
+                                                            bool send_meta,
+                                                            const TransportOptions& options);
+Result<std::unique_ptr<BucketReceiver>> make_broadcast_receiver(Communicator& update,
+                                                                Mailbox& mailbox,
+                                                                const TransportOptions& options);
+
+// IPC: `segment_prefix` names the shared-memory segments ("<prefix>-<slot>"); the sender
+// creates them, the receiver maps them. `peer_id` is the mailbox of the other side.
+Result<std::unique_ptr<BucketSender>> make_ipc_sender(Mailbox& mailbox, std::string peer_id,
+                                                      const std::string& segment_prefix,
+                                                      const TransportOptions& options);
+Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, std::string peer_id,
+                                                          const std::string& segment_prefix,
+                                                          const TransportOptions& options);
+
+// Encodes / decodes a BucketHeader (plus slot) as a control-message payload.
+std::string encode_bucket_message(int slot, const BucketHeader& header);
+Status decode_bucket_message(const std::string& payload, int& slot, BucketHeader& header);
+
+// Waits for a message of `type` on `mailbox`; an abort or error message from a peer becomes a
+// kAborted Status carrying the peer's cause; any other type is a protocol error naming both.
+Result<Message> expect_message(Mailbox& mailbox, MessageType type,
+                               std::chrono::milliseconds timeout, const std::string& waiting_for);
+
+}  // namespace refit

@@ -1,0 +1,157 @@
+// End-to-end refits across real processes on loopback: `refit run --verify` for every FSDP2 cell,
+// uneven shards, several engines and TP sizes, small buffers, faults and killed ranks.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+using testing::run_cli;
+using testing::TempDir;
+
+struct Cell {
+  std::string model = "tiny-qwen3";
+  std::string engine = "sglang";
+  bool colocated = false;
+  int world_size = 2;
+  int num_engines = 1;
+  int tp = 2;
+  std::string dtype = "float32";
+  long long buffer = 1 << 16;
+  int num_buffers = 2;
+  double timeout_s = 20;
+};
+
+std::string config_yaml(const Cell& c) {
+  std::ostringstream y;
+  y << "model: " << c.model << "\n"
+    << "device: cpu\nseed: 7\n"
+    << "policy:\n  backend: fsdp2\n  world_size: " << c.world_size << "\n  dtype: " << c.dtype
+    << "\n"
+    << "generation:\n  backend: " << c.engine << "\n  colocated: " << (c.colocated ? "true" : "false")
+    << "\n  num_engines: " << c.num_engines << "\n  tp_size: " << c.tp << "\n"
+    << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
+    << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s << "\n";
+  return y.str();
+}
+
+testing::CliResult run_cell(const Cell& c, std::vector<std::string> extra = {"--steps", "2",
+                                                                             "--verify"}) {
+  TempDir dir;
+  std::vector<std::string> args = {"run", dir.write("config.yaml", config_yaml(c))};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_cli(args, 120);
+}
+
+void expect_verified(const Cell& c) {
+  auto r = run_cell(c);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
+}
+
+// The four FSDP2 cells of the support matrix.
+TEST(RuntimeCells, Fsdp2SglangBroadcast) { expect_verified({}); }
+TEST(RuntimeCells, Fsdp2VllmBroadcast) { expect_verified({.engine = "vllm"}); }
+TEST(RuntimeCells, Fsdp2SglangIpc) { expect_verified({.colocated = true, .tp = 2}); }
+TEST(RuntimeCells, Fsdp2VllmIpc) { expect_verified({.engine = "vllm", .colocated = true}); }
+
+TEST(RuntimeShapes, OneTrainerRank) { expect_verified({.world_size = 1, .tp = 1}); }
+TEST(RuntimeShapes, ThreeTrainerRanksUnevenChunks) {
+  // tiny-qwen2: 14 heads / 2 kv heads, d=4: k_proj has 8 rows -> chunks 3,3,2; norms of 56.
+  expect_verified({.model = "tiny-qwen2", .world_size = 3, .tp = 2});
+}
+TEST(RuntimeShapes, EmptyChunks) {
+  // tiny-qwen3 q_norm has 16 rows: with 7 ranks chunk = 3 -> rank 5 holds 1 row, rank 6 none.
+  expect_verified({.world_size = 7, .tp = 1, .timeout_s = 30});
+}
+TEST(RuntimeShapes, TwoEnginesBroadcast) { expect_verified({.num_engines = 2, .tp = 2}); }
+TEST(RuntimeShapes, TwoEnginesVllmIpc) {
+  expect_verified({.engine = "vllm", .colocated = true, .world_size = 2, .num_engines = 2, .tp = 1});
+}
+TEST(RuntimeShapes, Tp4ReplicatesKvHeads) { expect_verified({.tp = 4}); }
+TEST(RuntimeShapes, BufferSmallerThanLargestTensor) {
+  // embed_tokens is 1000 x 64 bf16 = 128 KB; 4 KiB buckets split it over 32 buckets.
+  expect_verified({.buffer = 4096});
+}
+TEST(RuntimeShapes, SingleBuffer) { expect_verified({.num_buffers = 1}); }
+TEST(RuntimeShapes, TiedEmbeddings) { expect_verified({.model = "tiny-qwen2", .tp = 1}); }
+TEST(RuntimeShapes, BFloat16Trainer) { expect_verified({.dtype = "bfloat16"}); }
+TEST(RuntimeShapes, TinyMoe) { expect_verified({.model = "tiny-moe", .tp = 2}); }
+TEST(RuntimeShapes, TinyMoeVllmIpc) {
+  expect_verified({.model = "tiny-moe", .engine = "vllm", .colocated = true});
+}
+
+TEST(RuntimeReport, JsonHasTheContractKeys) {
+  TempDir dir;
+  const std::string json = dir.path() + "/report.json";
+  auto r = run_cli({"run", dir.write("c.yaml", config_yaml({})), "--steps", "3", "--json", json},
+                   120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(json);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  for (const char* key : {"\"steps\": 3", "\"verified\": false", "\"bytes_per_refit\"",
+                          "\"buckets_per_refit\"", "\"refit_seconds\"", "\"gbps\"", "\"phases\"",
+                          "\"unshard\"", "\"cast_pack\"", "\"transfer\"", "\"apply\"",
+                          "\"config\""})
+    EXPECT_NE(ss.str().find(key), std::string::npos) << key << "\n" << ss.str();
+}
+
+TEST(RuntimeFaults, CorruptBucketFailsAndNamesTheTensor) {
+  auto r = run_cell({}, {"--steps", "1", "--verify", "--fault", "corrupt:1"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verify:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tensor model."), std::string::npos) << r.output;
+}
+
+TEST(RuntimeFaults, CorruptBucketIpc) {
+  auto r = run_cell({.colocated = true}, {"--steps", "1", "--verify", "--fault", "corrupt:0"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verify:"), std::string::npos) << r.output;
+}
+
+void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::string& culprit) {
+  auto start = std::chrono::steady_clock::now();
+  auto r = run_cell(c, {"--steps", "2", "--fault", fault});
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // run_cli returns only after every process that shares its output pipe exited (exit 124 if
+  // any was still running after its own timeout).
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "processes left running:\n" << r.output;
+  EXPECT_LT(secs, c.timeout_s + 15) << r.output;
+  EXPECT_NE(r.output.find(culprit + " was killed by signal 9"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("exited with code 0"), std::string::npos)
+      << "every rank must exit non-zero:\n" << r.output;
+}
+
+TEST(RuntimeFaults, KilledEngineRank) {
+  expect_dies_cleanly({.timeout_s = 5}, "kill-engine:1:2", "engine 0 tp rank 1");
+}
+TEST(RuntimeFaults, KilledTrainerRank) {
+  expect_dies_cleanly({.timeout_s = 5}, "kill-trainer:1:2", "trainer rank 1");
+}
+TEST(RuntimeFaults, KilledEngineRankIpc) {
+  expect_dies_cleanly({.colocated = true, .timeout_s = 5}, "kill-engine:0:1",
+                      "engine 0 tp rank 0");
+}
+
+TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
+  auto r = run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("manifest mismatch"), std::string::npos) << r.output;
+}
+
+TEST(RuntimeSetup, InvalidConfigExits2BeforeStarting) {
+  auto r = run_cell({.colocated = true, .world_size = 3, .tp = 2}, {"--steps", "1"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("world_size"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace refit
