@@ -38,14 +38,24 @@ class Communicator {
 };
 
 struct GlooOptions {
-  std::string name;             // group name; namespaces its keys in the store ("update", "trainer")
+  std::string name;  // group name; namespaces its keys in the store ("update", "trainer")
   int rank = 0;
   int size = 1;
   std::string hostname = "127.0.0.1";  // address this rank listens on for its peers
+  // Bounds every wait; a transfer split into chunks gets it per chunk.
   std::chrono::milliseconds timeout{60000};
+  // Broadcasts and all-gathers above this many bytes are split into chunks of at most this size.
+  std::size_t max_chunk_bytes = std::size_t{1} << 30;
 };
 
 // Forms a Gloo group through `store` (keys under "gloo/<name>/"). Errors name the group and rank.
+// A group name is used once per store: its rendezvous keys are not cleaned up.
+// Gloo's TCP transport reports a dead peer as EPIPE only when SIGPIPE is ignored, so the first
+// call sets SIGPIPE to SIG_IGN if it still has its default action.
+// abort() marks the communicator aborted, closes its connections (peers' pending and later calls
+// fail with kIOError "connection closed/reset" instead of waiting out their timeout), then wakes
+// the call pending on this rank, which returns kAborted; later calls fail at once with kAborted.
+// After any failure the group is unusable: later calls return the first cause at once.
 Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
                                                              const GlooOptions& options);
 

@@ -3,7 +3,11 @@
 // A StoreServer is hosted by trainer rank 0 (or any process: tests host their own); StoreClients
 // connect to it over TCP. Keys are strings, values byte strings. Every blocking call takes a
 // timeout and returns kTimeout naming the key(s) when it runs out, or kIOError when the server
-// cannot be reached. StoreClient is thread-safe (calls are serialised on one socket).
+// cannot be reached. StoreClient is thread-safe: concurrent calls use separate connections, so a
+// blocking get() on one thread does not hold up a set() on another. Once a client sees its
+// connection to the server drop (the hosting process exited), every call fails at once with
+// kIOError naming the store address. Keys of a get/wait are answered by the server as soon as
+// they are set: a parked get costs the server nothing while it waits.
 #pragma once
 
 #include <chrono>

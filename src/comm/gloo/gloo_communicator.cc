@@ -1,0 +1,323 @@
+// The Gloo backend of Communicator: TCP transport, full mesh formed through the refit store.
+//
+// Gloo reports failures by throwing (gloo::IoException, gloo::EnforceNotMet, ...). Every Gloo
+// call runs inside run(), which turns any exception into a Status naming the group, the
+// operation, this rank and the sizes. After a failure the Gloo context is unusable (Gloo closes
+// its pairs), so every later call fails at once with the first cause.
+#include <fmt/format.h>
+#include <gloo/allgatherv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <unordered_set>
+
+#include "comm/communicator.h"
+#include "comm/gloo/gloo_store.h"
+
+namespace refit {
+namespace {
+
+// abort() must wake a call blocked inside Gloo. Gloo 2022 has no abort, but its unbound buffers
+// have abortWaitRecv/abortWaitSend, which make a pending wait return false. Every buffer refit
+// hands to Gloo is wrapped in an AbortableBuffer that registers itself in the communicator's
+// AbortState and turns an aborted wait (or any call after abort) into a gloo::IoException, which
+// unwinds the collective. abort() first closes the pairs (so Gloo's event loop no longer touches
+// the caller's memory, and peers see the connection drop), then wakes the registered buffers.
+struct AbortState {
+  std::atomic<bool> aborted{false};
+  std::mutex mu;
+  std::unordered_set<::gloo::transport::UnboundBuffer*> active;  // the wrapped buffers
+};
+
+class AbortableBuffer final : public ::gloo::transport::UnboundBuffer {
+ public:
+  AbortableBuffer(AbortState& state, std::unique_ptr<::gloo::transport::UnboundBuffer> inner)
+      : ::gloo::transport::UnboundBuffer(inner->ptr, inner->size),
+        state_(state),
+        inner_(std::move(inner)) {
+    std::lock_guard<std::mutex> lock(state_.mu);
+    state_.active.insert(inner_.get());
+  }
+  ~AbortableBuffer() override {
+    std::lock_guard<std::mutex> lock(state_.mu);
+    state_.active.erase(inner_.get());
+  }
+
+  using ::gloo::transport::UnboundBuffer::recv;
+  using ::gloo::transport::UnboundBuffer::waitRecv;
+  using ::gloo::transport::UnboundBuffer::waitSend;
+
+  bool waitRecv(int* rank, std::chrono::milliseconds timeout) override {
+    throw_if_aborted();
+    if (!inner_->waitRecv(rank, timeout) || state_.aborted.load()) throw_aborted();
+    return true;
+  }
+  bool waitSend(int* rank, std::chrono::milliseconds timeout) override {
+    throw_if_aborted();
+    if (!inner_->waitSend(rank, timeout) || state_.aborted.load()) throw_aborted();
+    return true;
+  }
+  void abortWaitRecv() override { inner_->abortWaitRecv(); }
+  void abortWaitSend() override { inner_->abortWaitSend(); }
+  void send(int dst, uint64_t slot, size_t offset, size_t nbytes) override {
+    throw_if_aborted();
+    inner_->send(dst, slot, offset, nbytes);
+  }
+  void recv(int src, uint64_t slot, size_t offset, size_t nbytes) override {
+    throw_if_aborted();
+    inner_->recv(src, slot, offset, nbytes);
+  }
+  void recv(std::vector<int> srcs, uint64_t slot, size_t offset, size_t nbytes) override {
+    throw_if_aborted();
+    inner_->recv(std::move(srcs), slot, offset, nbytes);
+  }
+
+ private:
+  [[noreturn]] static void throw_aborted() { throw ::gloo::IoException("aborted by abort()"); }
+  void throw_if_aborted() const {
+    if (state_.aborted.load()) throw_aborted();
+  }
+
+  AbortState& state_;
+  std::unique_ptr<::gloo::transport::UnboundBuffer> inner_;
+};
+
+// gloo::barrier creates its own (empty) buffer; this lets it use an AbortableBuffer instead.
+struct AbortableBarrierOptions : ::gloo::BarrierOptions {
+  using ::gloo::BarrierOptions::BarrierOptions;
+  void wrap_buffer(AbortState& state) {
+    buffer = std::make_unique<AbortableBuffer>(state, std::move(buffer));
+  }
+};
+
+void ignore_sigpipe_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      std::signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
+
+bool looks_like_timeout(const char* what) {
+  return std::strstr(what, "Timed out") != nullptr || std::strstr(what, "timeout") != nullptr;
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(GlooOptions options, std::shared_ptr<::gloo::transport::Device> device,
+                   std::shared_ptr<::gloo::rendezvous::Context> context)
+      : options_(std::move(options)), device_(std::move(device)), context_(std::move(context)) {}
+
+  ~GlooCommunicator() override {
+    // Context (and its pairs) before the device whose event loop serves them.
+    context_.reset();
+    device_.reset();
+  }
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+  std::string_view backend() const override { return "gloo"; }
+
+  Status all_gather_v(const void* send, void* recv,
+                      const std::vector<std::size_t>& counts) override {
+    const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+    const std::string op = fmt::format("all_gather_v ({}, {} bytes in all)", where(), total);
+    if (counts.size() != static_cast<std::size_t>(options_.size)) {
+      return Status::InvalidArgument(
+          fmt::format("{}{}: {} counts given, expected one per rank ({})", prefix(), op,
+                      counts.size(), options_.size));
+    }
+    const std::size_t mine = counts[options_.rank];
+    if ((mine > 0 && send == nullptr) || (total > 0 && recv == nullptr)) {
+      return Status::InvalidArgument(fmt::format("{}{}: null {} buffer for {} bytes", prefix(), op,
+                                                 send == nullptr ? "send" : "receive",
+                                                 send == nullptr ? mine : total));
+    }
+    REFIT_RETURN_IF_ERROR(usable(op));
+    if (total == 0) return Status::Ok();
+
+    std::vector<std::size_t> offsets(counts.size(), 0);
+    for (std::size_t r = 1; r < counts.size(); ++r) offsets[r] = offsets[r - 1] + counts[r - 1];
+    auto* out = static_cast<char*>(recv);
+    // Gloo's in-place form: this rank's bytes already sit at its offset of the output.
+    if (mine > 0 && out + offsets[options_.rank] != send) {
+      std::memmove(out + offsets[options_.rank], send, mine);
+    }
+    if (total <= options_.max_chunk_bytes) {
+      return run(op, [&] {
+        ::gloo::AllgathervOptions o(context_);
+        o.setOutput<char>(wrap(out, total), counts);
+        o.setTag(next_tag());
+        o.setTimeout(options_.timeout);
+        ::gloo::allgatherv(o);
+      });
+    }
+    // Too large for one transfer: each rank broadcasts its own part, chunk by chunk.
+    return run(op, [&] {
+      for (int r = 0; r < options_.size; ++r) broadcast_chunks(out + offsets[r], counts[r], r);
+    });
+  }
+
+  Status broadcast(void* buf, std::size_t bytes, int root) override {
+    const std::string op = fmt::format("broadcast ({}, root {}, {} bytes)", where(), root, bytes);
+    if (root < 0 || root >= options_.size) {
+      return Status::InvalidArgument(
+          fmt::format("{}{}: root must be in [0, {})", prefix(), op, options_.size));
+    }
+    if (buf == nullptr && bytes > 0) {
+      return Status::InvalidArgument(fmt::format("{}{}: null buffer", prefix(), op));
+    }
+    REFIT_RETURN_IF_ERROR(usable(op));
+    if (bytes == 0) return Status::Ok();
+    return run(op, [&] { broadcast_chunks(static_cast<char*>(buf), bytes, root); });
+  }
+
+  Status barrier() override {
+    const std::string op = fmt::format("barrier ({})", where());
+    REFIT_RETURN_IF_ERROR(usable(op));
+    return run(op, [&] {
+      AbortableBarrierOptions o(context_);
+      o.wrap_buffer(abort_);
+      o.setTag(next_tag());
+      o.setTimeout(options_.timeout);
+      ::gloo::barrier(o);
+    });
+  }
+
+  void abort() override {
+    if (abort_.aborted.exchange(true)) return;
+    for (int peer = 0; peer < options_.size; ++peer) {
+      if (peer == options_.rank) continue;
+      try {
+        auto& pair = context_->getPair(peer);
+        if (pair) pair->close();
+      } catch (const std::exception&) {
+        // Best effort: a pair that cannot be closed is left to the timeout.
+      }
+    }
+    std::lock_guard<std::mutex> lock(abort_.mu);
+    for (auto* buffer : abort_.active) {
+      buffer->abortWaitRecv();
+      buffer->abortWaitSend();
+    }
+  }
+
+ private:
+  std::string prefix() const { return fmt::format("gloo[{}] ", options_.name); }
+  std::string where() const { return fmt::format("rank {} of {}", options_.rank, options_.size); }
+
+  std::uint32_t next_tag() { return tag_++; }
+
+  Status usable(const std::string& op) const {
+    if (abort_.aborted.load()) {
+      return Status::Aborted(fmt::format("{}{}: the communicator was aborted", prefix(), op));
+    }
+    if (!broken_.ok()) {
+      return Status(broken_.code(), fmt::format("{}{}: the group failed earlier: {}", prefix(), op,
+                                                broken_.message()));
+    }
+    return Status::Ok();
+  }
+
+  std::unique_ptr<::gloo::transport::UnboundBuffer> wrap(char* ptr, std::size_t bytes) {
+    return std::make_unique<AbortableBuffer>(abort_, context_->createUnboundBuffer(ptr, bytes));
+  }
+
+  // Every chunk is its own Gloo broadcast with its own tag and timeout.
+  void broadcast_chunks(char* buf, std::size_t bytes, int root) {
+    const std::size_t chunk = std::max<std::size_t>(options_.max_chunk_bytes, 1);
+    for (std::size_t offset = 0; offset < bytes; offset += chunk) {
+      ::gloo::BroadcastOptions o(context_);
+      o.setOutput<char>(wrap(buf + offset, std::min(chunk, bytes - offset)));
+      o.setRoot(root);
+      o.setTag(next_tag());
+      o.setTimeout(options_.timeout);
+      ::gloo::broadcast(o);
+    }
+  }
+
+  template <typename F>
+  Status run(const std::string& op, F&& body) {
+    Status status;
+    try {
+      body();
+      return Status::Ok();
+    } catch (const ::gloo::IoException& e) {
+      status = Status(looks_like_timeout(e.what()) ? StatusCode::kTimeout : StatusCode::kIOError,
+                      e.what());
+    } catch (const ::gloo::EnforceNotMet& e) {
+      status = Status::Internal(e.what());
+    } catch (const std::exception& e) {
+      status = Status::IOError(e.what());
+    } catch (...) {
+      status = Status::Internal("unknown exception");
+    }
+    if (abort_.aborted.load()) status = Status::Aborted(status.message());
+    status = Status(status.code(), fmt::format("{}{}: {}", prefix(), op, status.message()));
+    if (broken_.ok()) broken_ = status;
+    return status;
+  }
+
+  const GlooOptions options_;
+  std::shared_ptr<::gloo::transport::Device> device_;
+  std::shared_ptr<::gloo::rendezvous::Context> context_;
+  AbortState abort_;
+  Status broken_;  // the first failure; the context is unusable after it
+  std::uint32_t tag_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
+                                                             const GlooOptions& options) {
+  const std::string op =
+      fmt::format("gloo[{}] connect (rank {} of {})", options.name, options.rank, options.size);
+  if (options.name.empty()) return Status::InvalidArgument(op + ": the group name is empty");
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return Status::InvalidArgument(op + ": need size >= 1 and 0 <= rank < size");
+  }
+  if (options.timeout.count() <= 0) {
+    return Status::InvalidArgument(
+        fmt::format("{}: timeout must be positive, got {} ms", op, options.timeout.count()));
+  }
+  if (options.max_chunk_bytes == 0) return Status::InvalidArgument(op + ": max_chunk_bytes is 0");
+  ignore_sigpipe_once();
+
+  gloo_backend::GlooStoreAdapter adapter(store, options.timeout);
+  try {
+    ::gloo::transport::tcp::attr attr;
+    attr.hostname = options.hostname;
+    auto device = ::gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<::gloo::rendezvous::Context>(options.rank, options.size);
+    context->setTimeout(options.timeout);
+    ::gloo::rendezvous::PrefixStore prefixed("gloo/" + options.name, adapter);
+    context->connectFullMesh(prefixed, device);
+    return std::unique_ptr<Communicator>(
+        std::make_unique<GlooCommunicator>(options, std::move(device), std::move(context)));
+  } catch (const std::exception& e) {
+    const Status store_error = adapter.last_error();
+    if (!store_error.ok()) {
+      return Status(store_error.code(),
+                    fmt::format("{} via the store: {}", op, store_error.message()));
+    }
+    return Status(looks_like_timeout(e.what()) ? StatusCode::kTimeout : StatusCode::kIOError,
+                  fmt::format("{} on {}: {}", op, options.hostname, e.what()));
+  } catch (...) {
+    return Status::Internal(op + ": unknown exception");
+  }
+}
+
+}  // namespace refit

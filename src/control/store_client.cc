@@ -1,0 +1,289 @@
+// StoreClient: the Store interface over DEALER connections to a StoreServer.
+//
+// Each call takes an idle connection from a small pool (or opens one), so concurrent callers
+// never share a socket and a blocking get() on one thread does not hold up a set() on another.
+// Every connection has a socket monitor: once a connection to the server is lost (the server
+// process exited), every pending and later call fails at once with kIOError naming the store,
+// instead of waiting out its timeout.
+#include <fmt/format.h>
+
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "control/store.h"
+#include "control/store_wire.h"
+
+namespace refit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using store_wire::Op;
+using store_wire::Reply;
+
+// Extra time a client waits beyond a get/wait timeout for the server's own timeout reply.
+constexpr std::chrono::milliseconds kReplyGrace{500};
+// Requests that do not wait for keys (set, try_get, add) are answered at once by a live server.
+constexpr std::chrono::milliseconds kMinRequestTimeout{1000};
+
+std::atomic<std::uint64_t> g_monitor_counter{0};
+
+std::string quote_keys(const std::vector<std::string>& keys) {
+  std::string s;
+  for (const auto& k : keys) {
+    if (!s.empty()) s += ", ";
+    s += "'" + k + "'";
+  }
+  return s;
+}
+
+struct Connection {
+  zmq::socket_t dealer;
+  zmq::socket_t monitor;  // PAIR receiving the dealer's connect/disconnect events
+};
+
+class StoreClient final : public Store {
+ public:
+  StoreClient(std::string address, std::chrono::milliseconds request_timeout)
+      : address_(std::move(address)), request_timeout_(request_timeout) {}
+  ~StoreClient() override {
+    // Sockets before the context.
+    idle_.clear();
+  }
+  StoreClient(const StoreClient&) = delete;
+  StoreClient& operator=(const StoreClient&) = delete;
+
+  // One ping, retried by ZeroMQ's reconnects until `timeout`.
+  Status ping(std::chrono::milliseconds timeout) {
+    auto reply = request(Op::kPing, {}, timeout, "connect");
+    if (!reply.ok()) {
+      if (reply.status().code() == StatusCode::kTimeout) {
+        return Status::Timeout(fmt::format(
+            "cannot reach the store server at {} within {} ms: is the process that hosts it "
+            "(trainer rank 0) running, and are the host and port right?",
+            address_, timeout.count()));
+      }
+      return reply.status();
+    }
+    return Status::Ok();
+  }
+
+  Status set(const std::string& key, const std::string& value) override {
+    auto r = request(Op::kSet, {key, value}, request_timeout_, fmt::format("set '{}'", key));
+    return r.ok() ? Status::Ok() : r.status();
+  }
+
+  Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return request(Op::kGet, {store_wire::encode_i64(timeout.count()), key}, timeout + kReplyGrace,
+                   fmt::format("get '{}' (timeout {} ms)", key, timeout.count()));
+  }
+
+  Result<std::optional<std::string>> try_get(const std::string& key) override {
+    bool absent = false;
+    auto r =
+        request(Op::kTryGet, {key}, request_timeout_, fmt::format("try_get '{}'", key), &absent);
+    if (!r.ok()) return r.status();
+    if (absent) return std::optional<std::string>();
+    return std::optional<std::string>(std::move(r).value());
+  }
+
+  Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    if (keys.empty()) return Status::Ok();
+    std::vector<std::string> args{store_wire::encode_i64(timeout.count())};
+    args.insert(args.end(), keys.begin(), keys.end());
+    auto r = request(Op::kWait, args, timeout + kReplyGrace,
+                     fmt::format("wait for {} (timeout {} ms)", quote_keys(keys), timeout.count()));
+    return r.ok() ? Status::Ok() : r.status();
+  }
+
+  Result<std::int64_t> add(const std::string& key, std::int64_t delta) override {
+    REFIT_ASSIGN_OR_RETURN(std::string v,
+                           request(Op::kAdd, {key, store_wire::encode_i64(delta)}, request_timeout_,
+                                   fmt::format("add {} to '{}'", delta, key)));
+    std::int64_t n = 0;
+    if (!store_wire::decode_i64(v, &n)) {
+      return Status::Corruption(fmt::format("store {}: add to '{}' got a {}-byte reply, expected 8",
+                                            address_, key, v.size()));
+    }
+    return n;
+  }
+
+ private:
+  // Sends one request and waits for its reply. `what` names the call in error messages.
+  // When `absent` is given, a kAbsent reply sets it instead of failing.
+  Result<std::string> request(Op op, const std::vector<std::string>& args,
+                              std::chrono::milliseconds wait, const std::string& what,
+                              bool* absent = nullptr) {
+    if (lost_.load()) return lost_status(what);
+    std::unique_ptr<Connection> conn;
+    try {
+      conn = acquire();
+    } catch (const zmq::error_t& e) {
+      return Status::IOError(
+          fmt::format("store {}: cannot open a connection for {}: {}", address_, what, e.what()));
+    }
+    Result<std::string> result = Status::Internal("unset");
+    bool reusable = true;
+    try {
+      result = exchange(*conn, op, args, wait, what, absent);
+    } catch (const zmq::error_t& e) {
+      reusable = false;  // the socket may be half-way through a multipart message
+      result = Status::IOError(fmt::format("store {}: {} failed: {}", address_, what, e.what()));
+    }
+    if (reusable && !lost_.load()) release(std::move(conn));
+    return result;
+  }
+
+  Result<std::string> exchange(Connection& conn, Op op, const std::vector<std::string>& args,
+                               std::chrono::milliseconds wait, const std::string& what,
+                               bool* absent) {
+    drain_events(conn);
+    if (lost_.load()) return lost_status(what);
+
+    const std::string id = store_wire::encode_i64(static_cast<std::int64_t>(++next_id_));
+    const auto op_byte = static_cast<std::uint8_t>(op);
+    std::vector<zmq::const_buffer> parts{zmq::buffer(id), zmq::const_buffer(&op_byte, 1)};
+    for (const auto& a : args) parts.push_back(zmq::buffer(a));
+    if (!zmq::send_multipart(conn.dealer, parts, zmq::send_flags::dontwait)) {
+      return Status::IOError(
+          fmt::format("store {}: cannot queue {}: the send queue is full", address_, what));
+    }
+
+    const auto deadline = Clock::now() + wait;
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) {
+        return Status::Timeout(
+            fmt::format("store {}: no reply to {} within {} ms (is the store server alive?)",
+                        address_, what, wait.count()));
+      }
+      std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{conn.dealer.handle(), 0, ZMQ_POLLIN, 0},
+                                          zmq_pollitem_t{conn.monitor.handle(), 0, ZMQ_POLLIN, 0}};
+      const int rc = zmq_poll(items.data(), 2, static_cast<long>(left.count()));
+      if (rc < 0) {
+        if (zmq_errno() == EINTR) continue;
+        return Status::IOError(fmt::format("store {}: poll failed during {}: {}", address_, what,
+                                           zmq_strerror(zmq_errno())));
+      }
+      if (items[1].revents & ZMQ_POLLIN) {
+        drain_events(conn);
+        if (lost_.load()) return lost_status(what);
+      }
+      if (!(items[0].revents & ZMQ_POLLIN)) continue;
+
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(conn.dealer, std::back_inserter(frames), zmq::recv_flags::dontwait))
+        continue;
+      if (frames.size() != 3 || frames[1].size() != 1) {
+        return Status::Corruption(fmt::format("store {}: malformed reply ({} frames) to {}",
+                                              address_, frames.size(), what));
+      }
+      if (frames[0].to_string() != id) continue;  // a late reply to an earlier, timed-out call
+      const auto code = static_cast<Reply>(*frames[1].data<std::uint8_t>());
+      switch (code) {
+        case Reply::kOk:
+          return frames[2].to_string();
+        case Reply::kAbsent:
+          if (absent) {
+            *absent = true;
+            return std::string();
+          }
+          return Status::NotFound(fmt::format("store {}: {}: key not found", address_, what));
+        case Reply::kTimeout:
+          if (op == Op::kGet)
+            return Status::Timeout(fmt::format("store {}: {} timed out", address_, what));
+          return Status::Timeout(fmt::format("store {}: {} timed out; still missing: '{}'",
+                                             address_, what, frames[2].to_string()));
+        case Reply::kError:
+          return Status::InvalidArgument(
+              fmt::format("store {}: {}: {}", address_, what, frames[2].to_string()));
+      }
+      return Status::Corruption(fmt::format("store {}: unknown reply code {} to {}", address_,
+                                            static_cast<int>(code), what));
+    }
+  }
+
+  Status lost_status(const std::string& what) const {
+    return Status::IOError(fmt::format(
+        "store {}: the connection to the store server was lost (its process exited?); {} failed",
+        address_, what));
+  }
+
+  // Reads the monitor's pending events; a disconnect marks the whole client as lost.
+  void drain_events(Connection& conn) {
+    for (;;) {
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(conn.monitor, std::back_inserter(frames), zmq::recv_flags::dontwait))
+        return;
+      if (frames.empty() || frames[0].size() < sizeof(std::uint16_t)) continue;
+      std::uint16_t event = 0;
+      std::memcpy(&event, frames[0].data(), sizeof event);
+      if (event == ZMQ_EVENT_DISCONNECTED) lost_.store(true);
+    }
+  }
+
+  std::unique_ptr<Connection> acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        auto c = std::move(idle_.back());
+        idle_.pop_back();
+        return c;
+      }
+    }
+    auto c = std::make_unique<Connection>();
+    c->dealer = zmq::socket_t(ctx_, zmq::socket_type::dealer);
+    c->dealer.set(zmq::sockopt::linger, 0);
+    const std::string monitor_address =
+        fmt::format("inproc://refit-store-monitor-{}", g_monitor_counter.fetch_add(1));
+    if (zmq_socket_monitor(c->dealer.handle(), monitor_address.c_str(), ZMQ_EVENT_DISCONNECTED) !=
+        0) {
+      throw zmq::error_t();
+    }
+    c->monitor = zmq::socket_t(ctx_, zmq::socket_type::pair);
+    c->monitor.set(zmq::sockopt::linger, 0);
+    c->monitor.connect(monitor_address);
+    c->dealer.connect(address_);
+    return c;
+  }
+
+  void release(std::unique_ptr<Connection> conn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(std::move(conn));
+  }
+
+  const std::string address_;
+  const std::chrono::milliseconds request_timeout_;
+  zmq::context_t ctx_{1};
+  std::atomic<std::uint64_t> next_id_{0};
+  std::atomic<bool> lost_{false};
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Connection>> idle_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
+                                             std::chrono::milliseconds connect_timeout) {
+  if (port <= 0 || port > 65535) {
+    return Status::InvalidArgument(
+        fmt::format("store client: port {} is out of range (1..65535)", port));
+  }
+  const std::string address = fmt::format("tcp://{}:{}", host, port);
+  std::unique_ptr<StoreClient> client;
+  try {
+    client = std::make_unique<StoreClient>(address, std::max(connect_timeout, kMinRequestTimeout));
+  } catch (const zmq::error_t& e) {
+    return Status::IOError(fmt::format("store client for {}: {}", address, e.what()));
+  }
+  REFIT_RETURN_IF_ERROR(client->ping(connect_timeout));
+  return std::unique_ptr<Store>(std::move(client));
+}
+
+}  // namespace refit

@@ -1,0 +1,275 @@
+// StoreServer: one ROUTER socket served by one background thread.
+//
+// The server never blocks on a client: a get/wait whose keys are missing is parked as a Waiter
+// and answered when a set/add makes the keys present, or with kTimeout when its deadline passes.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <list>
+#include <thread>
+#include <unordered_map>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "control/store.h"
+#include "control/store_wire.h"
+
+namespace refit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using store_wire::Op;
+using store_wire::Reply;
+
+// How often the serving thread checks whether it should stop.
+constexpr std::chrono::milliseconds kStopPollInterval{50};
+
+class ZmqStoreServer final : public StoreServer {
+ public:
+  ZmqStoreServer() : router_(ctx_, zmq::socket_type::router) {}
+  ~ZmqStoreServer() override {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  ZmqStoreServer(const ZmqStoreServer&) = delete;
+  ZmqStoreServer& operator=(const ZmqStoreServer&) = delete;
+
+  Status bind(const std::string& host, int port) {
+    const std::string requested =
+        port == 0 ? fmt::format("tcp://{}:*", host) : fmt::format("tcp://{}:{}", host, port);
+    try {
+      router_.set(zmq::sockopt::linger, 0);
+      router_.bind(requested);
+      endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+    } catch (const zmq::error_t& e) {
+      return Status::IOError(fmt::format("store server: cannot bind {}: {} (is the port in use?)",
+                                         requested, e.what()));
+    }
+    const auto colon = endpoint_.rfind(':');
+    int bound = 0;
+    if (colon == std::string::npos ||
+        std::from_chars(endpoint_.data() + colon + 1, endpoint_.data() + endpoint_.size(), bound)
+                .ec != std::errc()) {
+      return Status::Internal(
+          fmt::format("store server: cannot parse the bound endpoint '{}'", endpoint_));
+    }
+    port_ = bound;
+    return Status::Ok();
+  }
+
+  void start_serving() {
+    thread_ = std::thread([this] { serve(); });
+  }
+
+  int port() const override { return port_; }
+
+ private:
+  struct Waiter {
+    std::string identity;
+    std::string request_id;
+    bool want_value = false;  // get (reply with the value) vs wait (reply empty)
+    std::vector<std::string> keys;
+    Clock::time_point deadline;
+  };
+
+  void serve() {
+    while (!stop_.load()) {
+      auto timeout = kStopPollInterval;
+      const auto now = Clock::now();
+      for (const auto& w : waiters_) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - now);
+        timeout = std::max(std::chrono::milliseconds(0), std::min(timeout, left));
+      }
+      zmq_pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+      const int rc = zmq_poll(&item, 1, static_cast<long>(timeout.count()));
+      if (rc < 0 && zmq_errno() != EINTR) {
+        std::fprintf(stderr, "refit store server %s: poll failed: %s\n", endpoint_.c_str(),
+                     zmq_strerror(zmq_errno()));
+        std::this_thread::sleep_for(kStopPollInterval);
+      }
+      if (rc > 0) drain_requests();
+      expire_waiters(Clock::now());
+    }
+  }
+
+  void drain_requests() {
+    for (;;) {
+      std::vector<zmq::message_t> frames;
+      try {
+        if (!zmq::recv_multipart(router_, std::back_inserter(frames), zmq::recv_flags::dontwait))
+          return;
+      } catch (const zmq::error_t& e) {
+        std::fprintf(stderr, "refit store server %s: receive failed: %s\n", endpoint_.c_str(),
+                     e.what());
+        return;
+      }
+      handle(frames);
+    }
+  }
+
+  void reply(const std::string& identity, const std::string& request_id, Reply code,
+             const std::string& payload) {
+    std::array<zmq::const_buffer, 4> parts{zmq::buffer(identity), zmq::buffer(request_id),
+                                           zmq::const_buffer(&code, 1), zmq::buffer(payload)};
+    try {
+      // A ROUTER drops replies to clients that went away; dontwait keeps a slow client from
+      // stalling everyone else.
+      (void)zmq::send_multipart(router_, parts, zmq::send_flags::dontwait);
+    } catch (const zmq::error_t& e) {
+      std::fprintf(stderr, "refit store server %s: reply failed: %s\n", endpoint_.c_str(),
+                   e.what());
+    }
+  }
+
+  void handle(std::vector<zmq::message_t>& frames) {
+    if (frames.size() < 3 || frames[1].size() != 8 || frames[2].size() != 1) {
+      if (frames.size() >= 2)
+        reply(frames[0].to_string(), frames[1].to_string(), Reply::kError,
+              "malformed store request");
+      return;
+    }
+    const std::string identity = frames[0].to_string();
+    const std::string request_id = frames[1].to_string();
+    const auto op = static_cast<Op>(*frames[2].data<std::uint8_t>());
+    const std::size_t nargs = frames.size() - 3;
+    auto arg = [&](std::size_t i) { return frames[3 + i].to_string(); };
+    auto malformed = [&](const char* what) {
+      reply(identity, request_id, Reply::kError, fmt::format("malformed {} request", what));
+    };
+
+    switch (op) {
+      case Op::kPing:
+        reply(identity, request_id, Reply::kOk, {});
+        return;
+      case Op::kSet: {
+        if (nargs != 2) return malformed("set");
+        data_[arg(0)] = arg(1);
+        reply(identity, request_id, Reply::kOk, {});
+        wake_waiters();
+        return;
+      }
+      case Op::kTryGet: {
+        if (nargs != 1) return malformed("try_get");
+        auto it = data_.find(arg(0));
+        if (it == data_.end()) return reply(identity, request_id, Reply::kAbsent, {});
+        return reply(identity, request_id, Reply::kOk, it->second);
+      }
+      case Op::kGet:
+      case Op::kWait: {
+        std::int64_t timeout_ms = 0;
+        if (nargs < 2 || !store_wire::decode_i64(arg(0), &timeout_ms))
+          return malformed(op == Op::kGet ? "get" : "wait");
+        if (op == Op::kGet && nargs != 2) return malformed("get");
+        Waiter w;
+        w.identity = identity;
+        w.request_id = request_id;
+        w.want_value = op == Op::kGet;
+        for (std::size_t i = 1; i < nargs; ++i) w.keys.push_back(arg(i));
+        w.deadline =
+            Clock::now() + std::chrono::milliseconds(std::max<std::int64_t>(timeout_ms, 0));
+        if (ready(w)) return answer(w);
+        waiters_.push_back(std::move(w));
+        return;
+      }
+      case Op::kAdd: {
+        std::int64_t delta = 0;
+        if (nargs != 2 || !store_wire::decode_i64(arg(1), &delta)) return malformed("add");
+        const std::string key = arg(0);
+        std::int64_t current = 0;
+        auto it = data_.find(key);
+        if (it != data_.end()) {
+          const std::string& s = it->second;
+          auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), current);
+          if (ec != std::errc() || end != s.data() + s.size()) {
+            return reply(
+                identity, request_id, Reply::kError,
+                fmt::format("the value of key '{}' is not an integer: '{}'", key, s.substr(0, 64)));
+          }
+        }
+        current += delta;
+        data_[key] = std::to_string(current);
+        reply(identity, request_id, Reply::kOk, store_wire::encode_i64(current));
+        wake_waiters();
+        return;
+      }
+    }
+    reply(identity, request_id, Reply::kError,
+          fmt::format("unknown store op {}", static_cast<int>(op)));
+  }
+
+  bool ready(const Waiter& w) const {
+    for (const auto& k : w.keys)
+      if (!data_.count(k)) return false;
+    return true;
+  }
+
+  void answer(const Waiter& w) {
+    reply(w.identity, w.request_id, Reply::kOk, w.want_value ? data_.at(w.keys[0]) : std::string());
+  }
+
+  void wake_waiters() {
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (ready(*it)) {
+        answer(*it);
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void expire_waiters(Clock::time_point now) {
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->deadline <= now) {
+        std::string missing;
+        for (const auto& k : it->keys) {
+          if (data_.count(k)) continue;
+          if (!missing.empty()) missing += "', '";
+          missing += k;
+        }
+        reply(it->identity, it->request_id, Reply::kTimeout, missing);
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Declared first: destroyed after the socket.
+  zmq::context_t ctx_{1};
+  zmq::socket_t router_;
+  std::string endpoint_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  // Owned by the serving thread.
+  std::unordered_map<std::string, std::string> data_;
+  std::list<Waiter> waiters_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StoreServer>> StoreServer::start(const std::string& host, int port) {
+  if (port < 0 || port > 65535) {
+    return Status::InvalidArgument(
+        fmt::format("store server: port {} is out of range (0 = any free port, 1..65535)", port));
+  }
+  std::unique_ptr<ZmqStoreServer> server;
+  try {
+    server = std::make_unique<ZmqStoreServer>();
+  } catch (const zmq::error_t& e) {
+    return Status::IOError(
+        fmt::format("store server: cannot create a ZeroMQ socket: {}", e.what()));
+  }
+  REFIT_RETURN_IF_ERROR(server->bind(host, port));
+  server->start_serving();
+  return std::unique_ptr<StoreServer>(std::move(server));
+}
+
+}  // namespace refit

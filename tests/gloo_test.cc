@@ -1,0 +1,402 @@
+// The Gloo communicator: N ranks as threads over one in-process store server, and forked
+// processes where one rank dies.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "control/store.h"
+
+namespace refit {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// Deterministic bytes that differ per source and position.
+std::vector<char> pattern(std::size_t n, int source) {
+  std::vector<char> v(n);
+  std::uint32_t x = 0x9e3779b9u * static_cast<std::uint32_t>(source + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    v[i] = static_cast<char>(x >> 24);
+  }
+  return v;
+}
+
+// Runs body(rank, communicator) on `n` threads; each thread has its own store client and
+// communicator. Every rank ends with a barrier so no rank tears down while others still send.
+void run_ranks(int n, GlooOptions base, const std::function<void(int, Communicator&)>& body) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  const int port = (*server)->port();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      auto store = connect_store("127.0.0.1", port, 5s);
+      ASSERT_TRUE(store.ok()) << store.status().to_string();
+      GlooOptions o = base;
+      o.rank = r;
+      o.size = n;
+      auto comm = make_gloo_communicator(**store, o);
+      ASSERT_TRUE(comm.ok()) << comm.status().to_string();
+      EXPECT_EQ((*comm)->rank(), r);
+      EXPECT_EQ((*comm)->size(), n);
+      EXPECT_EQ((*comm)->backend(), "gloo");
+      body(r, **comm);
+      Status s = (*comm)->barrier();
+      EXPECT_TRUE(s.ok()) << s.to_string();
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+GlooOptions options(const std::string& name) {
+  GlooOptions o;
+  o.name = name;
+  o.timeout = 8s;
+  return o;
+}
+
+class GlooRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooRanks, BroadcastFromEveryRoot) {
+  const int n = GetParam();
+  const std::vector<std::size_t> sizes{1, 1000003, std::size_t{64} << 20};
+  std::vector<std::vector<std::vector<char>>> expected(sizes.size());  // [size][root]
+  for (std::size_t s = 0; s < sizes.size(); ++s)
+    for (int root = 0; root < n; ++root)
+      expected[s].push_back(pattern(sizes[s], root * 10 + static_cast<int>(s)));
+
+  run_ranks(n, options("bcast" + std::to_string(n)), [&](int rank, Communicator& comm) {
+    for (std::size_t s = 0; s < sizes.size(); ++s) {
+      for (int root = 0; root < n; ++root) {
+        std::vector<char> buf =
+            rank == root ? expected[s][root] : std::vector<char>(sizes[s], '\0');
+        Status st = comm.broadcast(buf.data(), buf.size(), root);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        EXPECT_TRUE(buf == expected[s][root])
+            << "rank " << rank << " root " << root << " bytes " << sizes[s];
+      }
+    }
+    // Zero bytes is a no-op; a bad root is rejected before any traffic.
+    EXPECT_TRUE(comm.broadcast(nullptr, 0, 0).ok());
+    Status bad = comm.broadcast(nullptr, 0, n);
+    EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(contains(bad.message(), "gloo[bcast" + std::to_string(n) + "] broadcast"))
+        << bad.message();
+  });
+}
+
+TEST_P(GlooRanks, AllGatherVWithUnevenAndZeroCounts) {
+  const int n = GetParam();
+  const std::vector<std::vector<std::size_t>> cases = {
+      [&] {  // uneven, rank 1 (if any) contributes nothing
+        std::vector<std::size_t> c(n);
+        for (int r = 0; r < n; ++r) c[r] = r == 1 ? 0 : 1000 * r + 17;
+        return c;
+      }(),
+      std::vector<std::size_t>(n, 0),  // nothing at all
+      [&] {                            // only the last rank contributes
+        std::vector<std::size_t> c(n, 0);
+        c[n - 1] = 333333;
+        return c;
+      }(),
+  };
+  run_ranks(n, options("gather" + std::to_string(n)), [&](int rank, Communicator& comm) {
+    for (const auto& counts : cases) {
+      const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+      std::vector<char> expected;
+      for (int r = 0; r < n; ++r) {
+        auto part = pattern(counts[r], r);
+        expected.insert(expected.end(), part.begin(), part.end());
+      }
+      const auto mine = pattern(counts[rank], rank);
+      std::vector<char> out(total, '\0');
+      Status st = comm.all_gather_v(counts[rank] ? mine.data() : nullptr, out.data(), counts);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      EXPECT_TRUE(out == expected) << "rank " << rank << " total " << total;
+    }
+    // In place: the send buffer is this rank's slot of the output.
+    std::vector<std::size_t> counts(n, 5);
+    std::vector<char> out(5 * n, '\0');
+    for (int i = 0; i < 5; ++i) out[5 * rank + i] = static_cast<char>(rank + i);
+    ASSERT_TRUE(comm.all_gather_v(out.data() + 5 * rank, out.data(), counts).ok());
+    for (int r = 0; r < n; ++r)
+      for (int i = 0; i < 5; ++i) EXPECT_EQ(out[5 * r + i], static_cast<char>(r + i));
+
+    Status bad = comm.all_gather_v(nullptr, nullptr, std::vector<std::size_t>(n + 1, 0));
+    EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(contains(bad.message(), "all_gather_v")) << bad.message();
+  });
+}
+
+TEST_P(GlooRanks, BarrierWaitsForEveryRank) {
+  const int n = GetParam();
+  std::atomic<int> arrived{0};
+  run_ranks(n, options("barrier" + std::to_string(n)), [&](int rank, Communicator& comm) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40 * rank));
+    arrived.fetch_add(1);
+    ASSERT_TRUE(comm.barrier().ok());
+    EXPECT_EQ(arrived.load(), n) << "rank " << rank << " left the barrier early";
+  });
+}
+
+TEST_P(GlooRanks, ChunkedTransfers) {
+  const int n = GetParam();
+  GlooOptions o = options("chunks" + std::to_string(n));
+  o.max_chunk_bytes = 65536;
+  const auto data = pattern(1000003, 7);
+  run_ranks(n, o, [&](int rank, Communicator& comm) {
+    const int root = n - 1;
+    std::vector<char> buf = rank == root ? data : std::vector<char>(data.size(), '\0');
+    ASSERT_TRUE(comm.broadcast(buf.data(), buf.size(), root).ok());
+    EXPECT_TRUE(buf == data);
+
+    // Above the chunk size, all_gather_v goes rank by rank.
+    std::vector<std::size_t> counts(n);
+    for (int r = 0; r < n; ++r) counts[r] = r == 0 ? 0 : 70001 * r;
+    const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+    std::vector<char> expected;
+    for (int r = 0; r < n; ++r) {
+      auto part = pattern(counts[r], 100 + r);
+      expected.insert(expected.end(), part.begin(), part.end());
+    }
+    const auto mine = pattern(counts[rank], 100 + rank);
+    std::vector<char> out(total, '\0');
+    ASSERT_TRUE(comm.all_gather_v(mine.data(), out.data(), counts).ok());
+    EXPECT_TRUE(out == expected);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, GlooRanks, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+TEST(Gloo, Broadcast256MiB) {
+  const std::size_t bytes = std::size_t{256} << 20;
+  const auto data = pattern(bytes, 3);
+  run_ranks(3, options("big"), [&](int rank, Communicator& comm) {
+    std::vector<char> buf = rank == 0 ? data : std::vector<char>(bytes, '\0');
+    Status st = comm.broadcast(buf.data(), bytes, 0);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(buf == data) << "rank " << rank;
+  });
+}
+
+// Two ranks over one store; the body of each runs on its own thread.
+struct Pair2 {
+  std::unique_ptr<StoreServer> server;
+  std::unique_ptr<Store> stores[2];
+  std::unique_ptr<Communicator> comms[2];
+};
+
+void connect_pair(Pair2& p, const GlooOptions& base) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  ASSERT_TRUE(server.ok());
+  p.server = std::move(server).value();
+  std::thread threads[2];
+  for (int r = 0; r < 2; ++r) {
+    threads[r] = std::thread([&, r] {
+      auto store = connect_store("127.0.0.1", p.server->port(), 5s);
+      ASSERT_TRUE(store.ok());
+      p.stores[r] = std::move(store).value();
+      GlooOptions o = base;
+      o.rank = r;
+      o.size = 2;
+      auto comm = make_gloo_communicator(*p.stores[r], o);
+      ASSERT_TRUE(comm.ok()) << comm.status().to_string();
+      p.comms[r] = std::move(comm).value();
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(p.comms[0] && p.comms[1]);
+}
+
+TEST(Gloo, CollectiveTimesOutNamingGroupOpAndRank) {
+  GlooOptions o = options("slow");
+  o.timeout = 500ms;
+  Pair2 p;
+  ASSERT_NO_FATAL_FAILURE(connect_pair(p, o));
+  const auto t0 = Clock::now();
+  Status s = p.comms[0]->barrier();  // rank 1 never joins
+  ASSERT_FALSE(s.ok());
+  EXPECT_LT(seconds_since(t0), 3.0);
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
+  EXPECT_TRUE(contains(s.message(), "gloo[slow] barrier (rank 0 of 2)")) << s.message();
+  // The group is unusable now; later calls fail at once with the first cause.
+  std::vector<char> buf(10);
+  Status later = p.comms[0]->broadcast(buf.data(), buf.size(), 0);
+  EXPECT_FALSE(later.ok());
+  EXPECT_TRUE(contains(later.message(), "failed earlier")) << later.message();
+}
+
+TEST(Gloo, ConnectTimesOutWhenAPeerNeverJoins) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  ASSERT_TRUE(server.ok());
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s);
+  ASSERT_TRUE(store.ok());
+  GlooOptions o = options("lonely");
+  o.size = 2;
+  o.timeout = 300ms;
+  const auto t0 = Clock::now();
+  auto comm = make_gloo_communicator(**store, o);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_LT(seconds_since(t0), 3.0);
+  EXPECT_EQ(comm.status().code(), StatusCode::kTimeout) << comm.status().to_string();
+  EXPECT_TRUE(contains(comm.status().message(), "gloo[lonely] connect (rank 0 of 2)"))
+      << comm.status().message();
+  EXPECT_TRUE(contains(comm.status().message(), "gloo/lonely/1")) << comm.status().message();
+
+  o.rank = 2;
+  EXPECT_EQ(make_gloo_communicator(**store, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Gloo, AbortWakesAPendingCallAndFailsLaterOnes) {
+  GlooOptions o = options("abort");
+  o.timeout = 20s;
+  Pair2 p;
+  ASSERT_NO_FATAL_FAILURE(connect_pair(p, o));
+  std::vector<char> buf(1 << 20);
+  Status pending;
+  const auto t0 = Clock::now();
+  std::thread rank0([&] { pending = p.comms[0]->broadcast(buf.data(), buf.size(), 1); });
+  std::this_thread::sleep_for(200ms);
+  p.comms[0]->abort();
+  rank0.join();
+  EXPECT_LT(seconds_since(t0), 3.0) << "abort() did not wake the pending broadcast";
+  ASSERT_FALSE(pending.ok());
+  EXPECT_EQ(pending.code(), StatusCode::kAborted) << pending.to_string();
+  EXPECT_TRUE(contains(pending.message(), "gloo[abort] broadcast (rank 0 of 2, root 1"))
+      << pending.message();
+
+  const auto t1 = Clock::now();
+  Status later = p.comms[0]->barrier();
+  EXPECT_EQ(later.code(), StatusCode::kAborted);
+  EXPECT_LT(seconds_since(t1), 0.5);
+
+  // The peer sees its connection drop instead of waiting out its 20 s timeout.
+  const auto t2 = Clock::now();
+  Status peer = p.comms[1]->barrier();
+  EXPECT_FALSE(peer.ok());
+  EXPECT_LT(seconds_since(t2), 3.0);
+  EXPECT_TRUE(contains(peer.message(), "gloo[abort] barrier (rank 1 of 2)")) << peer.message();
+}
+
+TEST(Gloo, AbortWakesAPendingBarrier) {
+  GlooOptions o = options("abort-barrier");
+  o.timeout = 20s;
+  Pair2 p;
+  ASSERT_NO_FATAL_FAILURE(connect_pair(p, o));
+  Status pending;
+  const auto t0 = Clock::now();
+  std::thread rank1([&] { pending = p.comms[1]->barrier(); });  // rank 0 never joins
+  std::this_thread::sleep_for(200ms);
+  p.comms[1]->abort();
+  p.comms[1]->abort();  // idempotent
+  rank1.join();
+  EXPECT_LT(seconds_since(t0), 3.0) << "abort() did not wake the pending barrier";
+  EXPECT_EQ(pending.code(), StatusCode::kAborted) << pending.to_string();
+  EXPECT_TRUE(contains(pending.message(), "gloo[abort-barrier] barrier (rank 1 of 2)"))
+      << pending.message();
+}
+
+// Forked ranks: rank `kDying` exits abruptly after the first barrier; the others' next collective
+// must fail within the timeout with a message naming the group, the operation and the rank.
+TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
+  constexpr int kRanks = 3, kDying = 2;
+  auto server = StoreServer::start("127.0.0.1", 0);
+  ASSERT_TRUE(server.ok());
+  const int port = (*server)->port();
+
+  std::vector<pid_t> pids;
+  std::vector<int> pipes;  // read ends, one per rank
+  for (int r = 0; r < kRanks; ++r) {
+    int fds[2];
+    ASSERT_EQ(pipe(fds), 0);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      close(fds[0]);
+      auto report = [&](const std::string& s) {
+        (void)!write(fds[1], s.data(), s.size());
+        _exit(0);
+      };
+      auto store = connect_store("127.0.0.1", port, 5s);
+      if (!store.ok()) report("setup: " + store.status().to_string());
+      GlooOptions o = options("update");
+      o.rank = r;
+      o.size = kRanks;
+      o.timeout = 5s;
+      auto comm = make_gloo_communicator(**store, o);
+      if (!comm.ok()) report("setup: " + comm.status().to_string());
+      if (Status s = (*comm)->barrier(); !s.ok()) report("setup: " + s.to_string());
+      if (r == kDying) _exit(3);  // no destructors, no goodbye
+      std::vector<char> buf(1 << 20);
+      const auto t0 = Clock::now();
+      Status s = (*comm)->broadcast(buf.data(), buf.size(), kDying);
+      report(fmt::format("{:.3f}|{}", seconds_since(t0), s.to_string()));
+    }
+    close(fds[1]);
+    pids.push_back(pid);
+    pipes.push_back(fds[0]);
+  }
+
+  // Collect every report within 12 s; kill stragglers so a hang fails the test, not the suite.
+  std::vector<std::string> reports(kRanks);
+  const auto deadline = Clock::now() + 12s;
+  for (int r = 0; r < kRanks; ++r) {
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      pollfd pfd{pipes[r], POLLIN, 0};
+      if (left.count() <= 0 || poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
+      char chunk[4096];
+      const ssize_t n = read(pipes[r], chunk, sizeof chunk);
+      if (n <= 0) break;
+      reports[r].append(chunk, static_cast<std::size_t>(n));
+    }
+    close(pipes[r]);
+  }
+  for (pid_t pid : pids) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+
+  EXPECT_TRUE(reports[kDying].empty()) << reports[kDying];
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == kDying) continue;
+    const std::string& rep = reports[r];
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + rep);
+    ASSERT_FALSE(rep.empty()) << "no report: the rank hung";
+    ASSERT_FALSE(contains(rep, "setup:"));
+    const auto bar = rep.find('|');
+    ASSERT_NE(bar, std::string::npos);
+    EXPECT_LT(std::stod(rep.substr(0, bar)), 10.0);
+    const std::string status = rep.substr(bar + 1);
+    EXPECT_NE(status, "ok") << "a collective with a dead root succeeded";
+    EXPECT_TRUE(contains(
+        status, fmt::format("gloo[update] broadcast (rank {} of {}, root {}", r, kRanks, kDying)));
+  }
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,175 @@
+// Mailboxes over an in-process store: ordering, timeouts, dead and missing peers.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "control/mailbox.h"
+#include "control/store.h"
+
+namespace refit {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+class MailboxTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = StoreServer::start("127.0.0.1", 0);
+    ASSERT_TRUE(server.ok()) << server.status().to_string();
+    server_ = std::move(server).value();
+    auto store = connect_store("127.0.0.1", server_->port(), 5s);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    store_ = std::move(store).value();
+  }
+
+  std::unique_ptr<Mailbox> open(const std::string& id, std::chrono::milliseconds timeout = 2s) {
+    auto box = Mailbox::open(*store_, id, "127.0.0.1", timeout);
+    EXPECT_TRUE(box.ok()) << box.status().to_string();
+    return box.ok() ? std::move(box).value() : nullptr;
+  }
+
+  std::unique_ptr<StoreServer> server_;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(MailboxTest, ExchangeInOrder) {
+  auto trainer = open("trainer/0");
+  auto engine = open("engine/0/1");
+  ASSERT_TRUE(trainer && engine);
+  EXPECT_EQ(trainer->id(), "trainer/0");
+  auto published = store_->get("mailbox/engine/0/1", 1s);
+  ASSERT_TRUE(published.ok());
+  EXPECT_EQ(published->rfind("tcp://127.0.0.1:", 0), 0u) << *published;
+
+  constexpr int kMessages = 200;
+  for (int i = 0; i < kMessages; ++i) {
+    ASSERT_TRUE(engine->send("trainer/0", MessageType::kBucketDone, std::to_string(i)).ok());
+  }
+  for (int i = 0; i < kMessages; ++i) {
+    auto m = trainer->receive(2s);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(m->type, MessageType::kBucketDone);
+    EXPECT_EQ(m->from, "engine/0/1");
+    EXPECT_EQ(m->payload, std::to_string(i));
+  }
+
+  std::string binary("a\0b", 3);
+  ASSERT_TRUE(trainer->send("engine/0/1", MessageType::kCommit, binary).ok());
+  ASSERT_TRUE(trainer->send("engine/0/1", MessageType::kShutdown, "").ok());
+  auto c = engine->receive(2s);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->type, MessageType::kCommit);
+  EXPECT_EQ(c->payload, binary);
+  auto s = engine->receive(2s);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->type, MessageType::kShutdown);
+  EXPECT_EQ(s->from, "trainer/0");
+  EXPECT_TRUE(s->payload.empty());
+}
+
+TEST_F(MailboxTest, SendWaitsForAPeerThatOpensLater) {
+  auto trainer = open("trainer/0");
+  ASSERT_TRUE(trainer);
+  Status sent = Status::Internal("unset");
+  std::thread sender([&] { sent = trainer->send("engine/late", MessageType::kBegin, "step 1"); });
+  std::this_thread::sleep_for(200ms);
+  auto late = open("engine/late");
+  ASSERT_TRUE(late);
+  sender.join();
+  ASSERT_TRUE(sent.ok()) << sent.to_string();
+  auto m = late->receive(2s);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(m->type, MessageType::kBegin);
+  EXPECT_EQ(m->payload, "step 1");
+}
+
+TEST_F(MailboxTest, ReceiveTimesOut) {
+  auto box = open("engine/0/0");
+  ASSERT_TRUE(box);
+  const auto t0 = Clock::now();
+  auto m = box->receive(150ms);
+  const double s = seconds_since(t0);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kTimeout);
+  EXPECT_NE(m.status().message().find("engine/0/0"), std::string::npos);
+  EXPECT_GE(s, 0.14);
+  EXPECT_LT(s, 1.5);
+}
+
+TEST_F(MailboxTest, SendToAPeerThatNeverAppearsFailsNamingIt) {
+  auto box = open("trainer/0", 300ms);
+  ASSERT_TRUE(box);
+  const auto t0 = Clock::now();
+  Status s = box->send("engine/ghost", MessageType::kBegin, "x");
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kTimeout);
+  EXPECT_LT(seconds_since(t0), 2.0);
+  EXPECT_NE(s.message().find("engine/ghost"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("trainer/0"), std::string::npos) << s.message();
+}
+
+TEST_F(MailboxTest, SendToAPeerThatClosedFailsWithinTheTimeout) {
+  auto trainer = open("trainer/0", 300ms);
+  auto engine = open("engine/0/0");
+  ASSERT_TRUE(trainer && engine);
+  ASSERT_TRUE(trainer->send("engine/0/0", MessageType::kBegin, "1").ok());
+  ASSERT_TRUE(engine->receive(2s).ok());
+  engine.reset();  // the engine process exits
+
+  // The disconnect is noticed asynchronously; within a few sends every send must fail fast.
+  const auto t0 = Clock::now();
+  Status s;
+  for (int i = 0; i < 20 && s.ok(); ++i) {
+    s = trainer->send("engine/0/0", MessageType::kBucket, "b");
+    if (s.ok()) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_FALSE(s.ok()) << "sends to a closed mailbox kept succeeding";
+  EXPECT_LT(seconds_since(t0), 3.0);
+  EXPECT_NE(s.message().find("engine/0/0"), std::string::npos) << s.message();
+}
+
+TEST_F(MailboxTest, ConcurrentSendAndReceiveThreads) {
+  auto a = open("a");
+  auto b = open("b");
+  ASSERT_TRUE(a && b);
+  constexpr int kMessages = 500;
+  auto pump = [&](Mailbox& self, const std::string& peer, int* received_in_order,
+                  Status* send_status) {
+    std::thread sender([&] {
+      for (int i = 0; i < kMessages && send_status->ok(); ++i)
+        *send_status = self.send(peer, MessageType::kBucket, std::to_string(i));
+    });
+    for (int i = 0; i < kMessages; ++i) {
+      auto m = self.receive(5s);
+      if (!m.ok() || m->payload != std::to_string(i) || m->from != peer) break;
+      ++*received_in_order;
+    }
+    sender.join();
+  };
+  int a_got = 0, b_got = 0;
+  Status a_sent, b_sent;
+  std::thread ta([&] { pump(*a, "b", &a_got, &a_sent); });
+  std::thread tb([&] { pump(*b, "a", &b_got, &b_sent); });
+  ta.join();
+  tb.join();
+  EXPECT_TRUE(a_sent.ok()) << a_sent.to_string();
+  EXPECT_TRUE(b_sent.ok()) << b_sent.to_string();
+  EXPECT_EQ(a_got, kMessages);
+  EXPECT_EQ(b_got, kMessages);
+}
+
+TEST(MailboxNames, EveryTypeHasAName) {
+  EXPECT_STREQ(message_type_name(MessageType::kHello), "hello");
+  EXPECT_STREQ(message_type_name(MessageType::kBucketDone), "bucket-done");
+  EXPECT_STREQ(message_type_name(MessageType::kShutdown), "shutdown");
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,271 @@
+// The rendezvous store: a server in-process, clients on threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "control/store.h"
+
+namespace refit {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::unique_ptr<StoreServer> start_server() {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  EXPECT_TRUE(server.ok()) << server.status().to_string();
+  return server.ok() ? std::move(server).value() : nullptr;
+}
+
+std::unique_ptr<Store> connect(int port, std::chrono::milliseconds timeout = 5s) {
+  auto client = connect_store("127.0.0.1", port, timeout);
+  EXPECT_TRUE(client.ok()) << client.status().to_string();
+  return client.ok() ? std::move(client).value() : nullptr;
+}
+
+// A port that was just free: a server bound it and went away.
+int vacated_port() {
+  auto server = start_server();
+  return server ? server->port() : 0;
+}
+
+TEST(Store, SetGetTryGetAcrossClients) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  EXPECT_GT(server->port(), 0);
+  auto a = connect(server->port());
+  auto b = connect(server->port());
+  ASSERT_TRUE(a && b);
+
+  ASSERT_TRUE(a->set("k", "v1").ok());
+  auto v = b->get("k", 1s);
+  ASSERT_TRUE(v.ok()) << v.status().to_string();
+  EXPECT_EQ(*v, "v1");
+
+  ASSERT_TRUE(b->set("k", "v2").ok());  // overwrite
+  auto t = a->try_get("k");
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(t->has_value());
+  EXPECT_EQ(**t, "v2");
+
+  auto absent = a->try_get("nope");
+  ASSERT_TRUE(absent.ok()) << absent.status().to_string();
+  EXPECT_FALSE(absent->has_value());
+
+  // Binary values and empty values survive.
+  std::string binary("\0\1\2\xff", 4);
+  ASSERT_TRUE(a->set("bin", binary).ok());
+  ASSERT_TRUE(a->set("empty", "").ok());
+  EXPECT_EQ(*b->get("bin", 1s), binary);
+  EXPECT_EQ(*b->get("empty", 1s), "");
+
+  // A large value (8 MiB) round-trips.
+  std::string big(8 << 20, 'x');
+  for (std::size_t i = 0; i < big.size(); i += 4096) big[i] = static_cast<char>(i / 4096);
+  ASSERT_TRUE(a->set("big", big).ok());
+  auto got = b->get("big", 2s);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, big);
+}
+
+TEST(Store, GetBlocksUntilAnotherClientSets) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto reader = connect(server->port());
+  auto writer = connect(server->port());
+  ASSERT_TRUE(reader && writer);
+
+  // Two parked gets on different keys; answering them in reverse order shows the server is not
+  // blocked by either of them.
+  Result<std::string> first = Status::Internal("unset"), second = Status::Internal("unset");
+  std::thread t1([&] { first = reader->get("first", 5s); });
+  std::thread t2([&] { second = reader->get("second", 5s); });  // same client, concurrent call
+  std::this_thread::sleep_for(100ms);
+  auto probe = writer->try_get("first");
+  ASSERT_TRUE(probe.ok());
+  EXPECT_FALSE(probe->has_value());
+  ASSERT_TRUE(writer->set("second", "2").ok());
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(writer->set("first", "1").ok());
+  t1.join();
+  t2.join();
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  ASSERT_TRUE(second.ok()) << second.status().to_string();
+  EXPECT_EQ(*first, "1");
+  EXPECT_EQ(*second, "2");
+}
+
+TEST(Store, GetTimeoutNamesTheKey) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto c = connect(server->port());
+  ASSERT_TRUE(c);
+  const auto t0 = Clock::now();
+  auto v = c->get("missing/key", 200ms);
+  const double s = seconds_since(t0);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), StatusCode::kTimeout);
+  EXPECT_NE(v.status().message().find("missing/key"), std::string::npos) << v.status().message();
+  EXPECT_NE(v.status().message().find(std::to_string(server->port())), std::string::npos);
+  EXPECT_GE(s, 0.19);
+  EXPECT_LT(s, 2.0);
+  // The client stays usable after a timeout.
+  ASSERT_TRUE(c->set("missing/key", "late").ok());
+  EXPECT_EQ(*c->get("missing/key", 1s), "late");
+}
+
+TEST(Store, WaitForSeveralKeys) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto c = connect(server->port());
+  auto w = connect(server->port());
+  ASSERT_TRUE(c && w);
+  EXPECT_TRUE(c->wait({}, 10ms).ok());
+
+  Status waited = Status::Internal("unset");
+  std::thread waiter([&] { waited = w->wait({"a", "b", "c"}, 5s); });
+  ASSERT_TRUE(c->set("a", "1").ok());
+  ASSERT_TRUE(c->set("b", "1").ok());
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(c->set("c", "1").ok());
+  waiter.join();
+  EXPECT_TRUE(waited.ok()) << waited.to_string();
+
+  // A timed-out wait names the keys still missing, not the present ones.
+  Status partial = c->wait({"a", "x", "y"}, 150ms);
+  ASSERT_FALSE(partial.ok());
+  EXPECT_EQ(partial.code(), StatusCode::kTimeout);
+  EXPECT_NE(partial.message().find("still missing: 'x', 'y'"), std::string::npos)
+      << partial.message();
+}
+
+TEST(Store, AddIsAtomicAcrossThreads) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  constexpr int kThreads = 4, kAdds = 100;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      auto c = connect(server->port());
+      if (!c) return void(++failures);
+      for (int i = 0; i < kAdds; ++i)
+        if (!c->add("counter", 1).ok()) ++failures;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  auto c = connect(server->port());
+  ASSERT_TRUE(c);
+  auto n = c->add("counter", 0);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, kThreads * kAdds);
+  EXPECT_EQ(*c->get("counter", 1s), std::to_string(kThreads * kAdds));
+  EXPECT_EQ(*c->add("fresh", -5), -5);
+
+  ASSERT_TRUE(c->set("text", "hello").ok());
+  auto bad = c->add("text", 1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'text' is not an integer"), std::string::npos)
+      << bad.status().message();
+}
+
+TEST(Store, PrefixStoreNamespacesKeys) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto base = connect(server->port());
+  ASSERT_TRUE(base);
+  PrefixStore group("gloo/update", *base);
+
+  ASSERT_TRUE(group.set("0", "addr").ok());
+  EXPECT_EQ(*base->get("gloo/update/0", 1s), "addr");
+  EXPECT_EQ(*group.get("0", 1s), "addr");
+  EXPECT_FALSE(base->try_get("0")->has_value());
+  EXPECT_TRUE(group.try_get("0")->has_value());
+  EXPECT_EQ(*group.add("n", 3), 3);
+  EXPECT_EQ(*base->get("gloo/update/n", 1s), "3");
+  ASSERT_TRUE(base->set("gloo/update/1", "x").ok());
+  EXPECT_TRUE(group.wait({"0", "1"}, 1s).ok());
+
+  auto missing = group.get("2", 100ms);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("gloo/update/2"), std::string::npos);
+}
+
+TEST(Store, ClientRetriesUntilTheServerStarts) {
+  const int port = vacated_port();
+  ASSERT_GT(port, 0);
+  Result<std::unique_ptr<Store>> client = Status::Internal("unset");
+  std::thread connecting([&] { client = connect_store("127.0.0.1", port, 5s); });
+  std::this_thread::sleep_for(300ms);
+  auto server = StoreServer::start("127.0.0.1", port);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  connecting.join();
+  ASSERT_TRUE(client.ok()) << client.status().to_string();
+  ASSERT_TRUE((*client)->set("k", "v").ok());
+  EXPECT_EQ(*(*client)->get("k", 1s), "v");
+}
+
+TEST(Store, ConnectWithoutServerFailsNamingTheAddress) {
+  const int port = vacated_port();
+  const auto t0 = Clock::now();
+  auto client = connect_store("127.0.0.1", port, 300ms);
+  const double s = seconds_since(t0);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kTimeout);
+  EXPECT_NE(client.status().message().find("tcp://127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << client.status().message();
+  EXPECT_LT(s, 2.0);
+
+  EXPECT_EQ(connect_store("127.0.0.1", 0, 100ms).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(StoreServer::start("127.0.0.1", 70000).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Store, BindingAPortInUseFails) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto second = StoreServer::start("127.0.0.1", server->port());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kIOError);
+  EXPECT_NE(second.status().message().find(std::to_string(server->port())), std::string::npos);
+}
+
+TEST(Store, DeadServerFailsPendingAndLaterCallsPromptly) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  const int port = server->port();
+  auto c = connect(port);
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->set("k", "v").ok());
+
+  Result<std::string> pending = Status::Internal("unset");
+  const auto t0 = Clock::now();
+  std::thread waiter([&] { pending = c->get("never", 8s); });
+  std::this_thread::sleep_for(100ms);
+  server.reset();  // the hosting process "exits"
+  waiter.join();
+  ASSERT_FALSE(pending.ok());
+  EXPECT_LT(seconds_since(t0), 3.0) << "a parked get must not wait out its timeout";
+  EXPECT_NE(pending.status().message().find("tcp://127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << pending.status().message();
+
+  const auto t1 = Clock::now();
+  Status later = c->set("k2", "v");
+  EXPECT_FALSE(later.ok());
+  EXPECT_TRUE(later.code() == StatusCode::kIOError || later.code() == StatusCode::kTimeout)
+      << later.to_string();
+  EXPECT_LT(seconds_since(t1), 3.0);
+  EXPECT_NE(later.message().find(std::to_string(port)), std::string::npos) << later.message();
+}
+
+}  // namespace
+}  // namespace refit
