@@ -1,0 +1,263 @@
+// The logit check's engine pass (engine/forward.h): one engine TP rank runs the decoder from its
+// own vLLM / SGLang shards and combines partial results with its TP peers, the way the engine's
+// parallel layers do: vocabulary-parallel embedding (all-reduce), column-parallel qkv and gate_up
+// (local heads / rows), row-parallel o_proj and down_proj (all-reduce), expert slices
+// (all-reduce), vocabulary-parallel lm_head (all-gather).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <string>
+#include <unordered_map>
+
+#include "engine/forward.h"
+#include "engine/forward_kernels.h"
+
+namespace refit {
+namespace {
+
+using fwd::WeightView;
+constexpr const char* kWho = "engine forward";
+
+std::size_t uz(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+// Sums and gathers over the TP group with all_gather_v only. A null group is a group of one.
+class TpCombiner {
+ public:
+  TpCombiner(Communicator* group, int tp_size, int tp_rank)
+      : group_(group), tp_size_(tp_size), tp_rank_(tp_rank) {}
+
+  // data := sum over TP ranks of every rank's `data`, added in rank order so that every rank
+  // gets the same bits.
+  Status all_reduce_sum(std::vector<float>& data, const std::string& what) {
+    if (tp_size_ == 1) return Status::Ok();
+    std::vector<float> gathered;
+    REFIT_RETURN_IF_ERROR(all_gather(data, gathered, what));
+    const std::size_t n = data.size();
+    for (std::size_t i = 0; i < n; ++i) {
+      float sum = gathered[i];
+      for (int r = 1; r < tp_size_; ++r) sum += gathered[uz(r) * n + i];
+      data[i] = sum;
+    }
+    return Status::Ok();
+  }
+
+  // out := every rank's `local` (same size on every rank), rank-major.
+  Status all_gather(const std::vector<float>& local, std::vector<float>& out,
+                    const std::string& what) {
+    if (tp_size_ == 1) {
+      out = local;
+      return Status::Ok();
+    }
+    out.assign(local.size() * uz(tp_size_), 0.0f);
+    const std::vector<std::size_t> counts(uz(tp_size_), local.size() * sizeof(float));
+    const Status s = group_->all_gather_v(local.data(), out.data(), counts);
+    if (!s.ok())
+      return s.with_context(
+          fmt::format("{}: tp rank {}/{}: combining {}", kWho, tp_rank_, tp_size_, what));
+    return Status::Ok();
+  }
+
+ private:
+  Communicator* group_;
+  int tp_size_, tp_rank_;
+};
+
+// The rank's parameters by engine name, each checked against the shape the layout must give it.
+class EngineParams {
+ public:
+  EngineParams(const EngineShardLayout& layout, const std::vector<const std::uint16_t*>& data)
+      : layout_(layout), data_(data) {
+    for (std::size_t i = 0; i < layout.params.size(); ++i)
+      by_name_.emplace(layout.params[i].name, i);
+  }
+
+  Result<WeightView> get(const std::string& name, const std::vector<std::int64_t>& shape) const {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end())
+      return Status::InvalidArgument(
+          fmt::format("{}: tp rank {}/{}: the layout has no parameter {}", kWho, layout_.tp_rank,
+                      layout_.tp_size, name));
+    const EngineParam& p = layout_.params[it->second];
+    if (p.shape != shape)
+      return Status::InvalidArgument(fmt::format(
+          "{}: tp rank {}/{}: parameter {} has shape [{}], the forward pass expects [{}]", kWho,
+          layout_.tp_rank, layout_.tp_size, name, fmt::join(p.shape, ", "),
+          fmt::join(shape, ", ")));
+    if (data_[it->second] == nullptr)
+      return Status::InvalidArgument(fmt::format("{}: tp rank {}/{}: no data for parameter {}",
+                                                 kWho, layout_.tp_rank, layout_.tp_size, name));
+    const MatrixShape m = matrix_shape(shape);
+    return WeightView::bf16(data_[it->second], m.rows, m.cols);
+  }
+
+ private:
+  const EngineShardLayout& layout_;
+  const std::vector<const std::uint16_t*>& data_;
+  std::unordered_map<std::string, std::size_t> by_name_;
+};
+
+}  // namespace
+
+Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineShardLayout& layout,
+                                          const std::vector<const std::uint16_t*>& params,
+                                          const std::vector<std::int32_t>& tokens,
+                                          Communicator* tp_group) {
+  const ModelConfig& c = spec.config();
+  REFIT_RETURN_IF_ERROR(fwd::check_forward_inputs(c, tokens, kWho));
+  const std::int64_t t = layout.tp_size, r = layout.tp_rank;
+  const std::string where = fmt::format("{}: tp rank {}/{}", kWho, r, t);
+  if (t < 1 || r < 0 || r >= t)
+    return Status::InvalidArgument(fmt::format("{}: invalid TP rank/size", where));
+  if (params.size() != layout.params.size())
+    return Status::InvalidArgument(fmt::format("{}: got {} parameter buffers, the layout lists {}",
+                                               where, params.size(), layout.params.size()));
+  if (t > 1 && tp_group == nullptr)
+    return Status::InvalidArgument(fmt::format("{}: tp_size > 1 needs a TP group", where));
+  if (tp_group != nullptr && (tp_group->size() != t || tp_group->rank() != r))
+    return Status::InvalidArgument(
+        fmt::format("{}: the TP group is rank {} of {}; it must be rank {} of {}", where,
+                    tp_group->rank(), tp_group->size(), r, t));
+
+  const std::int64_t H = c.hidden_size, d = c.head_dim, nq = c.num_heads, nkv = c.num_kv_heads;
+  const std::int64_t V = c.vocab_size;
+  const std::int64_t padded_vocab =
+      (V + kEngineVocabPadding - 1) / kEngineVocabPadding * kEngineVocabPadding;
+  const bool kv_replicated = t > nkv;
+  if (nq % t != 0 || padded_vocab % t != 0 || (kv_replicated ? t % nkv : nkv % t) != 0)
+    return Status::InvalidArgument(fmt::format(
+        "{}: TP size {} does not shard num_attention_heads {}, num_key_value_heads {} and the "
+        "padded vocabulary {}",
+        where, t, nq, nkv, padded_vocab));
+  const std::int64_t vocab_per_rank = padded_vocab / t, vocab_lo = r * vocab_per_rank;
+  const std::int64_t nq_local = nq / t, nkv_local = kv_replicated ? 1 : nkv / t;
+  const std::int64_t q_rows = nq_local * d, kv_rows = nkv_local * d;
+  const std::int64_t qkv_rows = q_rows + 2 * kv_rows;
+  const std::int64_t kv_head0 = r * nkv / t;  // first kv head this rank holds
+
+  // Local query head j is global head r*nq_local + j; it reads kv head (global)/(nq/nkv).
+  std::vector<std::int64_t> kv_of_head(uz(nq_local));
+  for (std::int64_t j = 0; j < nq_local; ++j) {
+    const std::int64_t local = (r * nq_local + j) / (nq / nkv) - kv_head0;
+    if (local < 0 || local >= nkv_local)
+      return Status::Internal(fmt::format("{}: query head {} reads kv head {} this rank lacks",
+                                          where, r * nq_local + j, local + kv_head0));
+    kv_of_head[uz(j)] = local;
+  }
+
+  const EngineParams w(layout, params);
+  TpCombiner tp(tp_group, static_cast<int>(t), static_cast<int>(r));
+  const auto T = static_cast<std::int64_t>(tokens.size());
+
+  // Vocabulary-parallel embedding: rows of tokens outside this rank's range stay zero.
+  REFIT_ASSIGN_OR_RETURN(const WeightView embed,
+                         w.get("model.embed_tokens.weight", {vocab_per_rank, H}));
+  std::vector<float> x(uz(T * H), 0.0f);
+  for (std::int64_t i = 0; i < T; ++i) {
+    const std::int64_t row = tokens[uz(i)] - vocab_lo;
+    if (row < 0 || row >= vocab_per_rank) continue;
+    for (std::int64_t j = 0; j < H; ++j) x[uz(i * H + j)] = embed.at(row, j);
+  }
+  REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(x, "embed_tokens"));
+
+  std::vector<float> h_norm(uz(T * H)), qkv(uz(T * qkv_rows)), attn(uz(T * q_rows));
+  std::vector<float> delta(uz(T * H));
+  for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
+    const std::string p = fmt::format("model.layers.{}.", layer);
+    REFIT_ASSIGN_OR_RETURN(const WeightView in_norm, w.get(p + "input_layernorm.weight", {H}));
+    REFIT_ASSIGN_OR_RETURN(const WeightView w_qkv,
+                           w.get(p + "self_attn.qkv_proj.weight", {qkv_rows, H}));
+    WeightView b_qkv, q_norm, k_norm;
+    if (c.attention_bias) {
+      REFIT_ASSIGN_OR_RETURN(b_qkv, w.get(p + "self_attn.qkv_proj.bias", {qkv_rows}));
+    }
+    if (c.qk_norm) {
+      REFIT_ASSIGN_OR_RETURN(q_norm, w.get(p + "self_attn.q_norm.weight", {d}));
+      REFIT_ASSIGN_OR_RETURN(k_norm, w.get(p + "self_attn.k_norm.weight", {d}));
+    }
+    REFIT_ASSIGN_OR_RETURN(const WeightView w_o, w.get(p + "self_attn.o_proj.weight", {H, q_rows}));
+
+    fwd::rms_norm(x.data(), H, T, H, in_norm, c.rms_norm_eps, h_norm.data(), H);
+    fwd::linear(h_norm.data(), T, w_qkv, b_qkv, qkv.data());
+    float* q = qkv.data();
+    float* k = q + q_rows;
+    float* v = k + kv_rows;
+    fwd::prepare_heads(q, qkv_rows, T, nq_local, d, q_norm, c.rms_norm_eps, c.rope_theta);
+    fwd::prepare_heads(k, qkv_rows, T, nkv_local, d, k_norm, c.rms_norm_eps, c.rope_theta);
+    fwd::causal_attention(q, qkv_rows, k, v, qkv_rows, T, nq_local, d, kv_of_head, attn.data());
+    fwd::linear(attn.data(), T, w_o, {}, delta.data());
+    REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(delta, p + "self_attn.o_proj"));
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+
+    REFIT_ASSIGN_OR_RETURN(const WeightView post_norm,
+                           w.get(p + "post_attention_layernorm.weight", {H}));
+    fwd::rms_norm(x.data(), H, T, H, post_norm, c.rms_norm_eps, h_norm.data(), H);
+    if (c.is_moe_layer(layer)) {
+      const std::int64_t E = c.num_experts, I = c.moe_intermediate_size / t;
+      if (c.moe_intermediate_size % t != 0)
+        return Status::InvalidArgument(
+            fmt::format("{}: moe_intermediate_size {} is not divisible "
+                        "by the TP size",
+                        where, c.moe_intermediate_size));
+      REFIT_ASSIGN_OR_RETURN(const WeightView router, w.get(p + "mlp.gate.weight", {E, H}));
+      REFIT_ASSIGN_OR_RETURN(const WeightView w13,
+                             w.get(p + "mlp.experts.w13_weight", {E, 2 * I, H}));
+      REFIT_ASSIGN_OR_RETURN(const WeightView w2, w.get(p + "mlp.experts.w2_weight", {E, H, I}));
+      std::vector<float> router_logits(uz(T * E)), gate(uz(I)), up(uz(I)), out(uz(H));
+      fwd::linear(h_norm.data(), T, router, {}, router_logits.data());
+      std::fill(delta.begin(), delta.end(), 0.0f);
+      for (std::int64_t i = 0; i < T; ++i) {
+        const float* hi = h_norm.data() + i * H;
+        for (const auto& [e, weight] : fwd::route_token(router_logits.data() + i * E, E,
+                                                        c.num_experts_per_tok, c.norm_topk_prob)) {
+          // w13 rows of expert e: [gate slice ; up slice]; w2 rows of e: [H, I] column slice.
+          fwd::linear(hi, 1, w13.row_block(e * 2 * I, I), {}, gate.data());
+          fwd::linear(hi, 1, w13.row_block(e * 2 * I + I, I), {}, up.data());
+          for (std::int64_t j = 0; j < I; ++j) gate[uz(j)] = fwd::silu(gate[uz(j)]) * up[uz(j)];
+          fwd::linear(gate.data(), 1, w2.row_block(e * H, H), {}, out.data());
+          for (std::int64_t j = 0; j < H; ++j) delta[uz(i * H + j)] += weight * out[uz(j)];
+        }
+      }
+      REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(delta, p + "mlp.experts"));
+    } else {
+      const std::int64_t I = c.intermediate_size / t;
+      if (c.intermediate_size % t != 0)
+        return Status::InvalidArgument(
+            fmt::format("{}: intermediate_size {} is not divisible by the TP size", where,
+                        c.intermediate_size));
+      REFIT_ASSIGN_OR_RETURN(const WeightView w_gu,
+                             w.get(p + "mlp.gate_up_proj.weight", {2 * I, H}));
+      REFIT_ASSIGN_OR_RETURN(const WeightView w_down, w.get(p + "mlp.down_proj.weight", {H, I}));
+      std::vector<float> gate_up(uz(T * 2 * I)), act(uz(T * I));
+      fwd::linear(h_norm.data(), T, w_gu, {}, gate_up.data());
+      for (std::int64_t i = 0; i < T; ++i)
+        for (std::int64_t j = 0; j < I; ++j)
+          act[uz(i * I + j)] =
+              fwd::silu(gate_up[uz(i * 2 * I + j)]) * gate_up[uz(i * 2 * I + I + j)];
+      fwd::linear(act.data(), T, w_down, {}, delta.data());
+      REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(delta, p + "mlp.down_proj"));
+    }
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+  }
+
+  REFIT_ASSIGN_OR_RETURN(const WeightView final_norm, w.get("model.norm.weight", {H}));
+  fwd::rms_norm(x.data(), H, T, H, final_norm, c.rms_norm_eps, h_norm.data(), H);
+  WeightView head = embed;
+  if (!c.tie_word_embeddings) {
+    REFIT_ASSIGN_OR_RETURN(head, w.get("lm_head.weight", {vocab_per_rank, H}));
+  }
+  std::vector<float> local_logits(uz(T * vocab_per_rank)), gathered;
+  fwd::linear(h_norm.data(), T, head, {}, local_logits.data());
+  REFIT_RETURN_IF_ERROR(tp.all_gather(local_logits, gathered, "lm_head"));
+
+  // gathered is [rank][T][vocab_per_rank]; the full vocabulary drops the padding ids >= V.
+  std::vector<float> logits(uz(T * V));
+  for (std::int64_t i = 0; i < T; ++i)
+    for (std::int64_t id = 0; id < V; ++id) {
+      const std::int64_t owner = id / vocab_per_rank, local = id % vocab_per_rank;
+      logits[uz(i * V + id)] = gathered[uz((owner * T + i) * vocab_per_rank + local)];
+    }
+  return logits;
+}
+
+}  // namespace refit
