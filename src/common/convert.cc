@@ -6,6 +6,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace refit {
 namespace {
@@ -38,13 +43,59 @@ std::uint32_t subnormal_units(std::uint32_t a, int unit_exp) {
 
 // ---- bulk kernels over unaligned byte buffers; memcpy loads/stores vectorise cleanly ----
 
-void f32_to_bf16_n(const std::byte* __restrict s, std::byte* __restrict d, std::size_t n) {
+// The hot path of a refit. Long runs are written with non-temporal stores: the destination
+// (a bucket or an engine parameter) is not read again soon, and skipping the read-for-ownership
+// of every destination line cuts the memory traffic of the cast from 8 to 6 bytes per element.
+void f32_to_bf16_scalar(const std::byte* __restrict s, std::byte* __restrict d, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     std::uint32_t u;
     std::memcpy(&u, s + 4 * i, 4);
     const std::uint16_t h = f32_bits_to_bf16(u);
     std::memcpy(d + 2 * i, &h, 2);
   }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) void f32_to_bf16_avx2_stream(const std::byte* s, std::byte* d,
+                                                             std::size_t n) {
+  // Scalar head until the destination is 32-byte aligned.
+  std::size_t head = ((32 - (reinterpret_cast<std::uintptr_t>(d) & 31)) & 31) / 2;
+  if ((reinterpret_cast<std::uintptr_t>(d) & 1) != 0) head = n;  // odd address: no streaming
+  head = std::min(head, n);
+  f32_to_bf16_scalar(s, d, head);
+  s += 4 * head;
+  d += 2 * head;
+  n -= head;
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i quiet = _mm256_set1_epi32(0x0040);
+  auto convert8 = [&](__m256i u) {
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(hi, one)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+    return _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, quiet), nan);
+  };
+  std::size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = convert8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 4 * i)));
+    const __m256i b =
+        convert8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 4 * i + 32)));
+    // packus interleaves 128-bit lanes: [a0-3 b0-3 a4-7 b4-7] -> reorder to [a b].
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 2 * i), packed);
+  }
+  _mm_sfence();
+  f32_to_bf16_scalar(s + 4 * i, d + 2 * i, n - i);
+}
+#endif
+
+void f32_to_bf16_n(const std::byte* __restrict s, std::byte* __restrict d, std::size_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && n >= (1u << 16)) return f32_to_bf16_avx2_stream(s, d, n);
+#endif
+  f32_to_bf16_scalar(s, d, n);
 }
 
 void bf16_to_f32_n(const std::byte* __restrict s, std::byte* __restrict d, std::size_t n) {

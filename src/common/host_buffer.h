@@ -1,5 +1,6 @@
-// Page-aligned host memory owned by one object (RAII, move-only). Large buffers are mmap'ed so
-// untouched pages cost nothing.
+// Page-aligned host memory owned by one object (RAII, move-only). Pages are faulted in at
+// allocation (MAP_POPULATE): buffers are registered at setup, and a refit must not pay for
+// first-touch page faults.
 #pragma once
 
 #include <cstddef>

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -40,6 +41,8 @@ const char* message_type_name(MessageType type) {
       return "error";
     case MessageType::kShutdown:
       return "shutdown";
+    case MessageType::kVerified:
+      return "verified";
   }
   return "unknown";
 }
@@ -52,7 +55,7 @@ constexpr std::chrono::milliseconds kSendLinger{2000};
 
 bool is_known_type(std::uint8_t t) {
   return t >= static_cast<std::uint8_t>(MessageType::kHello) &&
-         t <= static_cast<std::uint8_t>(MessageType::kShutdown);
+         t <= static_cast<std::uint8_t>(MessageType::kVerified);
 }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
@@ -85,6 +88,13 @@ class ZmqMailbox final : public Mailbox {
 
   const std::string& id() const override { return id_; }
 
+  // Once a peer's address is known, a live peer takes a message at once (the connection is made
+  // in milliseconds and nothing else queues on it); one that has not after a few seconds is gone.
+  // Bounding this separately keeps a process whose peer died from sitting out the whole timeout.
+  std::chrono::milliseconds send_timeout() const {
+    return std::min(timeout_, std::chrono::milliseconds(3000));
+  }
+
   Status send(const std::string& to, MessageType type, const std::string& payload) override {
     const std::string what =
         fmt::format("mailbox '{}': send {} to '{}'", id_, message_type_name(type), to);
@@ -103,7 +113,7 @@ class ZmqMailbox final : public Mailbox {
         peer.socket = zmq::socket_t(ctx_, zmq::socket_type::push);
         peer.socket.set(zmq::sockopt::linger, static_cast<int>(kSendLinger.count()));
         peer.socket.set(zmq::sockopt::immediate, 1);
-        peer.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(timeout_.count()));
+        peer.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
         peer.socket.connect(peer.address);
       } catch (const zmq::error_t& e) {
         return Status::IOError(
@@ -121,7 +131,7 @@ class ZmqMailbox final : public Mailbox {
       if (!zmq::send_multipart(it->second.socket, parts)) {
         status = Status::Timeout(
             fmt::format("{} at {}: not delivered within {} ms; the peer is not connected (exited?)",
-                        what, it->second.address, timeout_.count()));
+                        what, it->second.address, send_timeout().count()));
       }
     } catch (const zmq::error_t& e) {
       status = Status::IOError(fmt::format("{} at {}: {}", what, it->second.address, e.what()));

@@ -20,21 +20,22 @@ namespace refit {
 class Store;
 
 enum class MessageType : std::uint8_t {
-  kHello = 1,       // engine -> trainer: joined (payload: engine info)
-  kBegin,           // trainer -> engine: a refit starts (payload: step, weight_version)
-  kBucket,          // trainer -> engine: bucket metadata (payload: protocol-specific)
-  kBucketDone,      // engine -> trainer: a bucket was applied; its buffer may be reused
-  kCommit,          // trainer -> engine: every bucket was sent; bump the version
-  kCommitted,       // engine -> trainer: the version was bumped (payload: verify result)
-  kAbort,           // any -> any: stop; payload: the cause
-  kError,           // any -> any: this process failed; payload: the cause
-  kShutdown,        // trainer -> engine: no more refits
+  kHello = 1,   // engine -> trainer: joined (payload: engine info)
+  kBegin,       // trainer -> engine: a refit starts (payload: step, weight_version)
+  kBucket,      // trainer -> engine: bucket metadata (payload: protocol-specific)
+  kBucketDone,  // engine -> trainer: a bucket was applied; its buffer may be reused
+  kCommit,      // trainer -> engine: every bucket was sent; bump the version
+  kCommitted,   // engine -> trainer: the version was bumped (payload: apply time)
+  kAbort,       // any -> any: stop; payload: the cause
+  kError,       // any -> any: this process failed; payload: the cause
+  kShutdown,    // trainer -> engine: no more refits (engine -> trainer: leaving)
+  kVerified,    // engine -> trainer: verification verdict of the last refit
 };
 const char* message_type_name(MessageType type);
 
 struct Message {
   MessageType type = MessageType::kHello;
-  std::string from;     // sender id, e.g. "trainer/0", "engine/1/0"
+  std::string from;  // sender id, e.g. "trainer/0", "engine/1/0"
   std::string payload;
 };
 

@@ -101,6 +101,7 @@ class EngineRank {
     if (!st.ok()) {
       st = with_root_cause(store_.get(), id(), st);
       announce_failure(store_.get(), mailbox_.get(), {feeder_}, id(), st);
+      if (update_comm_) update_comm_->abort();  // peers blocked on us fail now, not at timeout
     }
     return st;
   }
@@ -135,8 +136,8 @@ class EngineRank {
     }
     REFIT_ASSIGN_OR_RETURN(store_, connect_store(opt_.master_addr, opt_.master_port, timeout()));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
-    REFIT_ASSIGN_OR_RETURN(mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_),
-                                                   opt_.host, timeout()));
+    REFIT_ASSIGN_OR_RETURN(
+        mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), opt_.host, timeout()));
     TransportOptions topt{cfg_.refit.num_buffers,
                           static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
     if (broadcast_mode()) {
@@ -181,20 +182,22 @@ class EngineRank {
       const std::vector<ApplyRun>* runs = nullptr;
       if (vllm()) {
         if (in.header.bucket < 0 || in.header.bucket >= static_cast<int>(plan_runs_.size()))
-          return Status::Corruption(fmt::format("vllm: bucket {} is not in the manifest ({} "
-                                                "buckets)",
-                                                in.header.bucket, plan_runs_.size()));
+          return Status::Corruption(
+              fmt::format("vllm: bucket {} is not in the manifest ({} "
+                          "buckets)",
+                          in.header.bucket, plan_runs_.size()));
         runs = &plan_runs_[in.header.bucket];
       } else {
-        REFIT_ASSIGN_OR_RETURN(auto entries, decode_sglang_meta(model_->spec, in.header.meta, dt,
-                                                                in.header.bucket));
+        REFIT_ASSIGN_OR_RETURN(
+            auto entries, decode_sglang_meta(model_->spec, in.header.meta, dt, in.header.bucket));
         decoded = build_apply_runs(model_->spec, layout_, entries, dt);
         runs = &decoded;
       }
       for (const ApplyRun& r : *runs) {
         const Block2D& k = r.block;
-        convert_block(in.data, dt, k.src_offset, k.src_stride, params_.data() + param_offsets_[r.param],
-                      dt, k.dst_offset, k.dst_stride, k.rows, k.cols);
+        convert_block(in.data, dt, k.src_offset, k.src_stride,
+                      params_.data() + param_offsets_[r.param], dt, k.dst_offset, k.dst_stride,
+                      k.rows, k.cols);
       }
     }
     {
@@ -213,9 +216,9 @@ class EngineRank {
     const bool verify = begin.value("verify", false);
     const std::string version = begin.value("version", std::string());
     if (buckets != static_cast<int>(model_->plan.buckets.size()) && vllm())
-      return Status::InvalidArgument(fmt::format(
-          "vllm: the trainer announced {} buckets, the manifest has {}", buckets,
-          model_->plan.buckets.size()));
+      return Status::InvalidArgument(
+          fmt::format("vllm: the trainer announced {} buckets, the manifest has {}", buckets,
+                      model_->plan.buckets.size()));
     log::debug("pause generation for refit step {} ({} buckets)", step, buckets);
     paused_ = true;
     apply_seconds_ = 0;
@@ -232,18 +235,19 @@ class EngineRank {
       if (!raw) maybe_fault(step, b);
       REFIT_ASSIGN_OR_RETURN(IncomingBucket in, receiver_->receive(expected));
       if (in.header.bucket != b || in.header.step != step)
-        return Status::Internal(fmt::format("expected bucket {} of step {}, received bucket {} "
-                                            "of step {}",
-                                            b, step, in.header.bucket, in.header.step));
+        return Status::Internal(
+            fmt::format("expected bucket {} of step {}, received bucket {} "
+                        "of step {}",
+                        b, step, in.header.bucket, in.header.step));
       REFIT_RETURN_IF_ERROR(applier_.error());
       applier_.post([this, in, raw] { return apply(in, raw); });
     }
     REFIT_RETURN_IF_ERROR(applier_.drain(timeout()));
-    REFIT_ASSIGN_OR_RETURN(Message commit, expect_message(*mailbox_, MessageType::kCommit,
-                                                          timeout(), "the commit"));
+    REFIT_ASSIGN_OR_RETURN(
+        Message commit, expect_message(*mailbox_, MessageType::kCommit, timeout(), "the commit"));
     if (applied_ != buckets)
-      return Status::Internal(fmt::format("commit of step {} after {} of {} buckets", step,
-                                          applied_, buckets));
+      return Status::Internal(
+          fmt::format("commit of step {} after {} of {} buckets", step, applied_, buckets));
     if (!raw) version_ = version;  // only a complete refit publishes a new version
     paused_ = false;
     log::debug("resume generation at weight version {}", version_);
@@ -252,7 +256,7 @@ class EngineRank {
     if (verify) {
       Status v = verify_params(step);
       nlohmann::json res = {{"verified", v.ok()}, {"error", v.ok() ? "" : v.message()}};
-      REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kCommitted, res.dump()));
+      REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kVerified, res.dump()));
       if (!v.ok()) return v;
     }
     return Status::Ok();
@@ -267,14 +271,15 @@ class EngineRank {
       const EngineParam& p = layout_.params[i];
       const std::size_t n = static_cast<std::size_t>(matrix_shape(p.shape).numel());
       expected.assign(n * esize, std::byte{0});
-      materialize_pieces(model_->spec, p.pieces, p.shape, *model_->weights, step,
-                         cfg_.policy.dtype, dt, expected.data());
+      materialize_pieces(model_->spec, p.pieces, p.shape, *model_->weights, step, cfg_.policy.dtype,
+                         dt, expected.data());
       const std::byte* got = params_.data() + param_offsets_[i];
       if (std::memcmp(expected.data(), got, n * esize) == 0) continue;
       std::size_t k = 0;
       while (std::memcmp(expected.data() + k * esize, got + k * esize, esize) == 0) ++k;
       const std::int64_t cols = matrix_shape(p.shape).cols;
-      const std::int64_t row = static_cast<std::int64_t>(k) / cols, col = static_cast<std::int64_t>(k) % cols;
+      const std::int64_t row = static_cast<std::int64_t>(k) / cols,
+                         col = static_cast<std::int64_t>(k) % cols;
       std::string source = "vocabulary padding (must be zero)";
       for (const Piece& pc : p.pieces)
         if (row >= pc.dst_row && row < pc.dst_row + pc.rows && col >= pc.dst_col &&
@@ -320,6 +325,7 @@ class EngineRank {
         case MessageType::kBucketDone:
         case MessageType::kCommit:
         case MessageType::kCommitted:
+        case MessageType::kVerified:
           return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
                                               message_type_name(msg->type), msg->from));
       }

@@ -47,6 +47,9 @@ class TrainerRank {
     if (!st.ok()) {
       st = with_root_cause(store_.get(), id(), st);
       announce_failure(store_.get(), mailbox_.get(), fed_engines_, id(), st);
+      // Then close our collectives: peers blocked on us fail now instead of at their timeout.
+      if (trainer_comm_) trainer_comm_->abort();
+      if (update_comm_) update_comm_->abort();
     }
     return st;
   }
@@ -91,8 +94,8 @@ class TrainerRank {
     if (rank_ == 0)
       REFIT_RETURN_IF_ERROR(store_->set("run_id", fmt::format("{}-{}", getpid(), time(nullptr))));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
-    REFIT_ASSIGN_OR_RETURN(mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_),
-                                                   opt_.host, timeout()));
+    REFIT_ASSIGN_OR_RETURN(
+        mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), opt_.host, timeout()));
     if (world > 1) {
       GlooOptions g{"trainer", rank_, world, opt_.host, timeout()};
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_gloo_communicator(*store_, g));
@@ -107,8 +110,8 @@ class TrainerRank {
         for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
         GlooOptions g{"update", 0, 1 + engines, opt_.host, timeout()};
         REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
-        REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_,
-                                                              fed_engines_, sglang, topt));
+        REFIT_ASSIGN_OR_RETURN(
+            sender_, make_broadcast_sender(*update_comm_, *mailbox_, fed_engines_, sglang, topt));
       }
     } else {
       fed_engines_.push_back(fmt::format("engine/{}", rank_));
@@ -142,8 +145,7 @@ class TrainerRank {
             "setup: {} serves a model of {} parameters, the trainer's has {}; both sides must "
             "load the same model",
             hello.from, j.value("total_parameters", 0ll), model_->spec.total_parameters()));
-      if (cfg_.generation.backend == EngineProtocol::kVllm &&
-          theirs != model_->plan.hash_hex())
+      if (cfg_.generation.backend == EngineProtocol::kVllm && theirs != model_->plan.hash_hex())
         return Status::InvalidArgument(fmt::format(
             "setup: vllm manifest mismatch: {} derived bucket plan {} but the trainer's is {}; "
             "both sides must use the same model, refit.target_precision and "
@@ -221,8 +223,8 @@ class TrainerRank {
     if (f.kind == Fault::Kind::kCorrupt && bucket != nullptr) {
       const BucketEntry& e = model_->plan.buckets[b].entries.front();
       const std::size_t tsize = dtype_size(cfg_.refit.target_precision);
-      const std::size_t at = static_cast<std::size_t>(e.offset) +
-                             static_cast<std::size_t>(e.elem_count / 2) * tsize;
+      const std::size_t at =
+          static_cast<std::size_t>(e.offset) + static_cast<std::size_t>(e.elem_count / 2) * tsize;
       log::info("fault injection: corrupting bucket {} ({}) in flight", b,
                 model_->spec.tensors()[e.tensor].name);
       bucket[at] ^= std::byte{0x5a};
@@ -265,8 +267,8 @@ class TrainerRank {
         REFIT_RETURN_IF_ERROR(sender_->send(s, std::move(h)));
       }
       if (rank_ == 0 && progress_) {
-        std::fprintf(stderr, "\r[refit] %s %d: bucket %zu/%zu   ", raw ? "raw pass" : "step",
-                     step, b + 1, plan.buckets.size());
+        std::fprintf(stderr, "\r[refit] %s %d: bucket %zu/%zu   ", raw ? "raw pass" : "step", step,
+                     b + 1, plan.buckets.size());
       }
     }
     if (!feeds()) return Status::Ok();
@@ -286,7 +288,7 @@ class TrainerRank {
   Status collect_verification() {
     std::string verdict;
     for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
-      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kCommitted,
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kVerified,
                                                        timeout() * 4, "verification results"));
       auto j = nlohmann::json::parse(m.payload, nullptr, false);
       if (j.is_discarded() || !j.value("verified", false)) {
