@@ -93,7 +93,8 @@ class [[nodiscard]] Result {
     if (!refit_status_.ok()) return refit_status_; \
   } while (0)
 
-// `lhs = value of expr`, or returns its Status from the enclosing function.
+// `lhs = value of expr`, or returns its Status from the enclosing function. Expands to several
+// statements: put it in braces when it is the body of an if.
 #define REFIT_ASSIGN_OR_RETURN(lhs, expr) \
   REFIT_ASSIGN_OR_RETURN_IMPL_(REFIT_CONCAT_(refit_result_, __LINE__), lhs, expr)
 #define REFIT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

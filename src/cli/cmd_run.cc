@@ -1,7 +1,7 @@
 // `refit run`, `refit bench` (launch every rank on this machine), `refit trainer` / `refit engine`
 // (one rank, torchrun-style environment) and `refit shard` (what a trainer rank holds).
-#include <CLI/CLI.hpp>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +27,7 @@ struct RunFlags {
   std::string config_path;  // empty: the embedded default
   int steps = 1;
   bool verify = false;
+  bool check_logits = false;
   std::string json_path;
   std::string fault;
   std::string host;
@@ -67,14 +68,14 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   o.config = cfg;
   o.steps = f.steps;
   o.verify = f.verify;
+  o.check_logits = f.check_logits;
   o.raw_passes = f.raw_passes;
-  o.json_path = f.json_path;
   auto fault = parse_fault(f.fault);
   exit_if_error(fault.status(), kExitSetup);
   o.fault = *fault;
-  o.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
-  o.master_port = env_int("MASTER_PORT", 29500);
-  o.host = !f.host.empty() ? f.host : env_or("REFIT_HOST", o.master_addr.c_str());
+  o.endpoint.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
+  o.endpoint.master_port = env_int("MASTER_PORT", 29500);
+  o.endpoint.host = !f.host.empty() ? f.host : env_or("REFIT_HOST", o.endpoint.master_addr.c_str());
   return o;
 }
 
@@ -84,7 +85,8 @@ int exit_code_for(const Status& st) {
     case StatusCode::kUnsupported:
     case StatusCode::kNotFound:
       return kExitSetup;
-    case StatusCode::kOk: return 0;
+    case StatusCode::kOk:
+      return 0;
     case StatusCode::kCorruption:
     case StatusCode::kIOError:
     case StatusCode::kTimeout:
@@ -103,13 +105,13 @@ void run_trainer(const RunFlags& f) {
     throw CliExit(kExitSetup, fmt::format("WORLD_SIZE={} but policy.world_size is {}", world,
                                           cfg.policy.world_size));
   if (rank >= world)
-    throw CliExit(kExitSetup, fmt::format("RANK={} is outside the trainer group of {}", rank,
-                                          world));
+    throw CliExit(kExitSetup,
+                  fmt::format("RANK={} is outside the trainer group of {}", rank, world));
   RankOptions o = rank_options(f, cfg);
   RefitReport report;
   Status st = run_trainer_rank(o, rank, &report);
-  if (!st.ok()) throw CliExit(exit_code_for(st), fmt::format("trainer rank {}: {}", rank,
-                                                             st.to_string()));
+  if (!st.ok())
+    throw CliExit(exit_code_for(st), fmt::format("trainer rank {}: {}", rank, st.to_string()));
   if (rank == 0) {
     std::fputs(format_summary(o, report).c_str(), stdout);
     std::fflush(stdout);
@@ -144,6 +146,8 @@ void run_local(const RunFlags& f) {
 
   std::vector<std::string> common = {cfg_path};
   if (!f.fault.empty()) common.insert(common.end(), {"--fault", f.fault});
+  if (f.verify) common.push_back("--verify");
+  if (f.check_logits) common.push_back("--check-logits");
   std::vector<ChildSpec> children;
   const std::vector<std::pair<std::string, std::string>> master = {
       {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}};
@@ -151,17 +155,18 @@ void run_local(const RunFlags& f) {
     ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master};
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.args.insert(c.args.end(), {"--steps", std::to_string(f.steps)});
-    if (f.verify) c.args.push_back("--verify");
-    if (f.raw_passes > 0) c.args.insert(c.args.end(), {"--raw-passes", std::to_string(f.raw_passes)});
+    if (f.raw_passes > 0)
+      c.args.insert(c.args.end(), {"--raw-passes", std::to_string(f.raw_passes)});
     if (r == 0 && !f.json_path.empty()) c.args.insert(c.args.end(), {"--json", f.json_path});
     c.env.emplace_back("RANK", std::to_string(r));
     c.env.emplace_back("WORLD_SIZE", std::to_string(cfg.policy.world_size));
     children.push_back(std::move(c));
   }
   for (int g = 0; g < cfg.engine_ranks(); ++g) {
-    ChildSpec c{fmt::format("engine {} tp rank {}", g / cfg.generation.tp_size,
-                            g % cfg.generation.tp_size),
-                {"engine"}, master};
+    ChildSpec c{
+        fmt::format("engine {} tp rank {}", g / cfg.generation.tp_size, g % cfg.generation.tp_size),
+        {"engine"},
+        master};
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.env.emplace_back("ENGINE_RANK", std::to_string(g));
     children.push_back(std::move(c));
@@ -171,8 +176,9 @@ void run_local(const RunFlags& f) {
   std::filesystem::remove_all(dir, ec);
   exit_if_error(result.status(), kExitRuntime);
   if (!result->ok) throw CliExit(kExitRuntime, "run failed: " + result->summary);
-  std::fprintf(stdout, "refit: %d refit(s) completed%s\n", f.steps,
-               f.verify ? " and verified bit-exact on every engine rank" : "");
+  std::fprintf(stdout, "refit: %d refit(s) completed%s%s\n", f.steps,
+               f.verify ? ", verified bit-exact on every engine rank" : "",
+               f.check_logits ? ", engine logits match the reference forward" : "");
 }
 
 // `refit shard CONFIG --rank R --out FILE`.
@@ -194,11 +200,12 @@ void run_shard(const std::string& config_path, int rank, const std::string& out)
                        cfg.policy.dtype, storage.back().data());
     views.push_back(TensorView{t.name, cfg.policy.dtype, t.shape, storage.back().data()});
   }
-  exit_if_error(write_safetensors(out, views,
-                                  {{"refit_rank", std::to_string(rank)},
-                                   {"refit_backend", std::string(policy_backend_name(cfg.policy.backend))},
-                                   {"refit_model", cfg.model}}),
-                kExitRuntime);
+  exit_if_error(
+      write_safetensors(out, views,
+                        {{"refit_rank", std::to_string(rank)},
+                         {"refit_backend", std::string(policy_backend_name(cfg.policy.backend))},
+                         {"refit_model", cfg.model}}),
+      kExitRuntime);
   std::printf("wrote %zu tensors of trainer rank %d to %s\n", views.size(), rank, out.c_str());
 }
 
@@ -216,6 +223,8 @@ void add_run_commands(CLI::App& app) {
   run->add_option("CONFIG", f->config_path, "config YAML (default: the embedded CPU default)");
   run->add_option("--steps", f->steps, "refits to run")->check(CLI::PositiveNumber);
   run->add_flag("--verify", f->verify, "check every element on every engine rank bit-exact");
+  run->add_flag("--check-logits", f->check_logits,
+                "engines run a TP forward pass and compare logits with a reference forward");
   run->add_option("--json", f->json_path, "write the JSON report here");
   add_common(run);
   run->callback([f] { run_local(*f); });
@@ -235,16 +244,22 @@ void add_run_commands(CLI::App& app) {
   trainer->add_option("CONFIG", f->config_path, "config YAML")->required();
   trainer->add_option("--steps", f->steps, "refits to run")->check(CLI::PositiveNumber);
   trainer->add_flag("--verify", f->verify, "engines check every element after each refit");
+  trainer->add_flag("--check-logits", f->check_logits, "engines also check their logits");
   trainer->add_option("--json", f->json_path, "rank 0: write the JSON report here");
   trainer->add_option("--raw-passes", f->raw_passes, "bench: raw transport passes");
-  trainer->add_option("--host", f->host, "address to listen on (default REFIT_HOST or MASTER_ADDR)");
+  trainer->add_option("--host", f->host,
+                      "address to listen on (default REFIT_HOST or MASTER_ADDR)");
   add_common(trainer);
   trainer->callback([f] { run_trainer(*f); });
 
   auto* engine = app.add_subcommand(
-      "engine", "Run one engine rank (env ENGINE_RANK, MASTER_ADDR, MASTER_PORT of trainer rank 0)");
+      "engine",
+      "Run one engine rank (env ENGINE_RANK, MASTER_ADDR, MASTER_PORT of trainer rank 0)");
   engine->add_option("CONFIG", f->config_path, "config YAML")->required();
   engine->add_option("--engine-rank", f->engine_rank, "engine index * tp_size + tp rank");
+  engine->add_flag("--verify", f->verify, "verify every element when the trainer asks");
+  engine->add_flag("--check-logits", f->check_logits,
+                   "compare a TP forward pass with a reference when the trainer asks");
   engine->add_option("--host", f->host, "address to listen on (default REFIT_HOST or MASTER_ADDR)");
   add_common(engine);
   engine->callback([f] { run_engine(*f); });

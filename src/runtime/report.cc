@@ -46,9 +46,12 @@ Result<Fault> parse_fault(std::string_view text) {
     if (!parse_int(rest, f.bucket)) return bad();
     return f;
   }
-  if (kind == "kill-trainer") f.kind = Fault::Kind::kKillTrainer;
-  else if (kind == "kill-engine") f.kind = Fault::Kind::kKillEngine;
-  else return bad();
+  if (kind == "kill-trainer")
+    f.kind = Fault::Kind::kKillTrainer;
+  else if (kind == "kill-engine")
+    f.kind = Fault::Kind::kKillEngine;
+  else
+    return bad();
   const auto colon2 = rest.find(':');
   if (colon2 == std::string_view::npos || !parse_int(rest.substr(0, colon2), f.rank) ||
       !parse_int(rest.substr(colon2 + 1), f.bucket))
@@ -62,6 +65,7 @@ Status write_report_json(const std::string& path, const RankOptions& options,
   nlohmann::ordered_json j;
   j["steps"] = r.steps;
   j["verified"] = r.verified;
+  j["logits_checked"] = r.logits_checked;
   j["bytes_per_refit"] = r.bytes_per_refit;
   j["buckets_per_refit"] = r.buckets_per_refit;
   j["refit_seconds"] = r.refit_seconds;
@@ -94,20 +98,23 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
   const Config& c = options.config;
   const double med = median(r.refit_seconds);
   std::string s;
-  s += fmt::format("refit {} -> {} {} ({}), model {}, {} trainer rank(s), {} engine(s) x TP {}\n",
-                   policy_backend_name(c.policy.backend), engine_protocol_name(c.generation.backend),
-                   c.generation.colocated ? "colocated" : "non-colocated",
-                   transfer_mode_name(c.generation.weight_transfer_mode), c.model,
-                   c.policy.world_size, c.generation.num_engines, c.generation.tp_size);
-  s += fmt::format("  per refit: {:.1f} MB in {} bucket(s) of <= {} MiB, plan {}\n",
-                   r.bytes_per_refit / 1e6, r.buckets_per_refit,
-                   c.refit.buffer_size_bytes >> 20, r.plan_hash);
-  s += fmt::format("  refits: {}  median {:.3f} s  ->  {:.2f} GB/s{}\n", r.steps, med,
+  s +=
+      fmt::format("refit {} -> {} {} ({}), model {}, {} trainer rank(s), {} engine(s) x TP {}\n",
+                  policy_backend_name(c.policy.backend), engine_protocol_name(c.generation.backend),
+                  c.generation.colocated ? "colocated" : "non-colocated",
+                  transfer_mode_name(c.generation.weight_transfer_mode), c.model,
+                  c.policy.world_size, c.generation.num_engines, c.generation.tp_size);
+  s += fmt::format("  per refit: {:.1f} MB in {} bucket(s) of <= {} bytes, plan {}\n",
+                   r.bytes_per_refit / 1e6, r.buckets_per_refit, c.refit.buffer_size_bytes,
+                   r.plan_hash);
+  s += fmt::format("  refits: {}  median {:.3f} s  ->  {:.2f} GB/s{}{}\n", r.steps, med,
                    med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0,
-                   r.verified ? "  (every element verified bit-exact)" : "");
-  s += fmt::format("  busy time per stage (stages overlap): unshard {:.3f} s, cast/pack {:.3f} s, "
-                   "transfer {:.3f} s, apply {:.3f} s\n",
-                   r.unshard_s, r.cast_pack_s, r.transfer_s, r.apply_s);
+                   r.verified ? "  (every element verified bit-exact)" : "",
+                   r.logits_checked ? "  (engine logits match the reference)" : "");
+  s += fmt::format(
+      "  busy time per stage (stages overlap): unshard {:.3f} s, cast/pack {:.3f} s, "
+      "transfer {:.3f} s, apply {:.3f} s\n",
+      r.unshard_s, r.cast_pack_s, r.transfer_s, r.apply_s);
   if (!r.raw_seconds.empty()) {
     const double raw = median(r.raw_seconds);
     const double limit = raw > 0 ? r.bytes_per_refit / raw / 1e9 : 0.0;

@@ -1,5 +1,6 @@
-// An engine rank: holds its TP shard of the model in the engine layout, applies buckets as they
-// arrive, and bumps its weight version only when the whole refit arrived (commit).
+// refit::Engine: one engine rank. Writes into the caller's registered parameters (its TP shard in
+// the engine layout), applies buckets as they arrive, and bumps its weight version only when the
+// whole refit arrived (commit).
 #include <fmt/format.h>
 #include <signal.h>
 
@@ -18,12 +19,13 @@
 #include "control/mailbox.h"
 #include "control/store.h"
 #include "engine/engine_layout.h"
+#include "refit/session.h"
 #include "runtime/failure.h"
-#include "runtime/materialize.h"
+#include "runtime/fault.h"
 #include "runtime/protocol.h"
-#include "runtime/rank.h"
 #include "runtime/schedule.h"
 #include "runtime/setup.h"
+#include "runtime/slots.h"
 #include "transport/transport.h"
 
 namespace refit {
@@ -87,23 +89,60 @@ class Applier {
   std::thread thread_;
 };
 
-class EngineRank {
+class EngineImpl final : public Engine {
  public:
-  EngineRank(const RankOptions& opt, int engine_rank)
-      : opt_(opt),
-        cfg_(opt.config),
+  EngineImpl(const Config& cfg, int engine_rank, const Endpoint& ep, const Fault& fault)
+      : cfg_(cfg),
+        ep_(ep),
+        fault_(fault),
         rank_(engine_rank),
-        tp_rank_(engine_rank % opt.config.generation.tp_size) {}
+        tp_rank_(engine_rank % cfg.generation.tp_size) {}
 
-  Status run() {
-    Status st = setup();
-    if (st.ok()) st = serve();
+  // Runs `body`; the first failure is latched, announced to the feeder, and returned by every
+  // later call.
+  Status guarded(const std::function<Status()>& body) {
+    if (!failed_.ok()) return failed_;
+    Status st = body();
     if (!st.ok()) {
       st = with_root_cause(store_.get(), id(), st);
       announce_failure(store_.get(), mailbox_.get(), {feeder_}, id(), st);
       if (update_comm_) update_comm_->abort();  // peers blocked on us fail now, not at timeout
+      failed_ = st;
     }
     return st;
+  }
+
+  Status init() {
+    return guarded([&] { return setup(); });
+  }
+
+  const std::vector<TensorSlot>& params() const override { return slots_; }
+  Status register_param(const std::string& name, void* data, DType dtype,
+                        const std::vector<std::int64_t>& shape) override {
+    return register_slot(slots_, ptrs_, id(), name, data, dtype, shape);
+  }
+  void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
+  void on_resume(std::function<void()> hook) override { resume_hook_ = std::move(hook); }
+  void on_verify(std::function<Status(int, const std::string&)> hook) override {
+    verify_hook_ = std::move(hook);
+  }
+  std::string weight_version() const override { return version_; }
+
+  Result<bool> serve_one() override {
+    bool committed = false;
+    Status st = guarded([&]() -> Status {
+      REFIT_ASSIGN_OR_RETURN(committed, next());
+      return Status::Ok();
+    });
+    if (!st.ok()) return st;
+    return committed;
+  }
+
+  Status serve() override {
+    while (true) {
+      REFIT_ASSIGN_OR_RETURN(bool more, serve_one());
+      if (!more) return Status::Ok();
+    }
   }
 
  private:
@@ -121,28 +160,23 @@ class EngineRank {
   Status setup() {
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
     REFIT_ASSIGN_OR_RETURN(layout_, engine_layout(model_->spec, cfg_.generation.tp_size, tp_rank_));
-    const std::size_t esize = dtype_size(cfg_.refit.target_precision);
-    std::size_t total = 0;
-    for (const EngineParam& p : layout_.params) {
-      param_offsets_.push_back(total);
-      total += static_cast<std::size_t>(matrix_shape(p.shape).numel()) * esize;
-      total = (total + 63) / 64 * 64;
-    }
-    params_ = HostBuffer(total);
+    for (const EngineParam& p : layout_.params)
+      slots_.push_back(TensorSlot{p.name, p.shape, cfg_.refit.target_precision});
+    ptrs_.assign(slots_.size(), nullptr);
     if (vllm()) {  // the manifest is fixed at setup: precompute every bucket's apply runs
       for (const Bucket& b : model_->plan.buckets)
         plan_runs_.push_back(
             build_apply_runs(model_->spec, layout_, b.entries, cfg_.refit.target_precision));
     }
-    REFIT_ASSIGN_OR_RETURN(store_, connect_store(opt_.master_addr, opt_.master_port, timeout()));
+    REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
-        mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), opt_.host, timeout()));
+        mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout()));
     TransportOptions topt{cfg_.refit.num_buffers,
                           static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
     if (broadcast_mode()) {
       feeder_ = "trainer/0";
-      GlooOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), opt_.host, timeout()};
+      GlooOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
       REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
       REFIT_ASSIGN_OR_RETURN(receiver_, make_broadcast_receiver(*update_comm_, *mailbox_, topt));
     } else {
@@ -152,7 +186,7 @@ class EngineRank {
                                                           ipc_segment_prefix(run_id, rank_), topt));
     }
     std::string plan_hash = model_->plan.hash_hex();
-    if (opt_.fault.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
+    if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
     nlohmann::json hello = {{"engine_rank", rank_},
                             {"protocol", engine_protocol_name(cfg_.generation.backend)},
                             {"plan_hash", plan_hash},
@@ -161,7 +195,7 @@ class EngineRank {
   }
 
   void maybe_fault(int step, int bucket) {
-    const Fault& f = opt_.fault;
+    const Fault& f = fault_;
     if (step != 1 || f.bucket != bucket || f.rank != rank_) return;
     if (f.kind == Fault::Kind::kKillEngine) {
       log::info("fault injection: killing myself at bucket {}", bucket);
@@ -196,7 +230,7 @@ class EngineRank {
       for (const ApplyRun& r : *runs) {
         const Block2D& k = r.block;
         convert_block(in.data, dt, k.src_offset, k.src_stride,
-                      params_.data() + param_offsets_[r.param], dt, k.dst_offset, k.dst_stride,
+                      static_cast<std::byte*>(ptrs_[r.param]), dt, k.dst_offset, k.dst_stride,
                       k.rows, k.cols);
       }
     }
@@ -219,8 +253,9 @@ class EngineRank {
       return Status::InvalidArgument(
           fmt::format("vllm: the trainer announced {} buckets, the manifest has {}", buckets,
                       model_->plan.buckets.size()));
+    if (!raw) REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
     log::debug("pause generation for refit step {} ({} buckets)", step, buckets);
-    paused_ = true;
+    if (pause_hook_ && !raw) pause_hook_();
     apply_seconds_ = 0;
     applied_ = 0;
     for (int b = 0; b < buckets; ++b) {
@@ -249,12 +284,15 @@ class EngineRank {
       return Status::Internal(
           fmt::format("commit of step {} after {} of {} buckets", step, applied_, buckets));
     if (!raw) version_ = version;  // only a complete refit publishes a new version
-    paused_ = false;
     log::debug("resume generation at weight version {}", version_);
+    if (resume_hook_ && !raw) resume_hook_();
     nlohmann::json ack = {{"version", version_}, {"apply_s", apply_seconds_}};
     REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kCommitted, ack.dump()));
     if (verify) {
-      Status v = verify_params(step);
+      Status v = verify_hook_ ? verify_hook_(step, version_)
+                              : Status::Unsupported(id() +
+                                                    ": verification was asked for but this "
+                                                    "engine has no verification hook");
       nlohmann::json res = {{"verified", v.ok()}, {"error", v.ok() ? "" : v.message()}};
       REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kVerified, res.dump()));
       if (!v.ok()) return v;
@@ -262,48 +300,9 @@ class EngineRank {
     return Status::Ok();
   }
 
-  // Recomputes what every parameter must hold after `step` and compares bit for bit.
-  Status verify_params(int step) {
-    const DType dt = cfg_.refit.target_precision;
-    const std::size_t esize = dtype_size(dt);
-    std::vector<std::byte> expected;
-    for (std::size_t i = 0; i < layout_.params.size(); ++i) {
-      const EngineParam& p = layout_.params[i];
-      const std::size_t n = static_cast<std::size_t>(matrix_shape(p.shape).numel());
-      expected.assign(n * esize, std::byte{0});
-      materialize_pieces(model_->spec, p.pieces, p.shape, *model_->weights, step, cfg_.policy.dtype,
-                         dt, expected.data());
-      const std::byte* got = params_.data() + param_offsets_[i];
-      if (std::memcmp(expected.data(), got, n * esize) == 0) continue;
-      std::size_t k = 0;
-      while (std::memcmp(expected.data() + k * esize, got + k * esize, esize) == 0) ++k;
-      const std::int64_t cols = matrix_shape(p.shape).cols;
-      const std::int64_t row = static_cast<std::int64_t>(k) / cols,
-                         col = static_cast<std::int64_t>(k) % cols;
-      std::string source = "vocabulary padding (must be zero)";
-      for (const Piece& pc : p.pieces)
-        if (row >= pc.dst_row && row < pc.dst_row + pc.rows && col >= pc.dst_col &&
-            col < pc.dst_col + pc.cols) {
-          source = fmt::format("{}[{}, {}]", model_->spec.tensors()[pc.hf_tensor].name,
-                               pc.src_row + row - pc.dst_row, pc.src_col + col - pc.dst_col);
-          break;
-        }
-      auto bits = [&](const std::byte* at) {
-        std::uint32_t v = 0;
-        std::memcpy(&v, at, esize);
-        return v;
-      };
-      return Status::Corruption(fmt::format(
-          "verify: {}: tensor {} element {} (row {}, col {}; from {}) is 0x{:0{}x}, expected "
-          "0x{:0{}x}",
-          id(), p.name, k, row, col, source, bits(got + k * esize), esize * 2,
-          bits(expected.data() + k * esize), esize * 2));
-    }
-    return Status::Ok();
-  }
-
-  Status serve() {
-    while (true) {
+  // Handles the next message between refits: a refit (true) or the shutdown (false).
+  Result<bool> next() {
+    {
       auto msg = mailbox_->receive(timeout());
       if (!msg.ok())
         return msg.status().with_context(
@@ -313,10 +312,11 @@ class EngineRank {
           auto j = nlohmann::json::parse(msg->payload, nullptr, false);
           if (j.is_discarded()) return Status::Corruption("malformed begin from " + msg->from);
           REFIT_RETURN_IF_ERROR(refit(j));
-          break;
+          return true;
         }
         case MessageType::kShutdown:
-          return mailbox_->send(feeder_, MessageType::kShutdown, "");
+          REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kShutdown, ""));
+          return false;
         case MessageType::kAbort:
         case MessageType::kError:
           return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
@@ -330,16 +330,19 @@ class EngineRank {
                                               message_type_name(msg->type), msg->from));
       }
     }
+    return Status::Internal("unreachable");
   }
 
-  const RankOptions& opt_;
-  const Config& cfg_;
+  const Config cfg_;
+  const Endpoint ep_;
+  const Fault fault_;
   const int rank_;
   const int tp_rank_;
   std::unique_ptr<RankModel> model_;
   EngineShardLayout layout_;
-  std::vector<std::size_t> param_offsets_;
-  HostBuffer params_, scratch_;
+  std::vector<TensorSlot> slots_;
+  std::vector<void*> ptrs_;  // registered storage of slots_
+  HostBuffer scratch_;
   std::vector<std::vector<ApplyRun>> plan_runs_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
@@ -347,7 +350,9 @@ class EngineRank {
   std::unique_ptr<BucketReceiver> receiver_;
   std::string feeder_;
   std::string version_ = "0";
-  bool paused_ = false;
+  std::function<void()> pause_hook_, resume_hook_;
+  std::function<Status(int, const std::string&)> verify_hook_;
+  Status failed_;
   std::mutex apply_mu_;
   double apply_seconds_ = 0;
   int applied_ = 0;
@@ -356,11 +361,21 @@ class EngineRank {
 
 }  // namespace
 
-Status run_engine_rank(const RankOptions& options, int engine_rank) {
-  signal(SIGPIPE, SIG_IGN);
-  log::set_prefix(fmt::format("engine rank {}", engine_rank));
-  EngineRank e(options, engine_rank);
-  return e.run();
+Result<std::unique_ptr<Engine>> create_engine_with_fault(const Config& config, int engine_rank,
+                                                         const Endpoint& endpoint,
+                                                         const Fault& fault) {
+  if (engine_rank < 0 || engine_rank >= config.engine_ranks())
+    return Status::InvalidArgument(
+        fmt::format("engine rank {} is outside 0..{} (engine index * generation.tp_size + tp rank)",
+                    engine_rank, config.engine_ranks() - 1));
+  auto e = std::make_unique<EngineImpl>(config, engine_rank, endpoint, fault);
+  REFIT_RETURN_IF_ERROR(e->init());
+  return std::unique_ptr<Engine>(std::move(e));
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(const Config& config, int engine_rank,
+                                               const Endpoint& endpoint) {
+  return create_engine_with_fault(config, engine_rank, endpoint, Fault{});
 }
 
 }  // namespace refit

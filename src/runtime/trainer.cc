@@ -1,5 +1,6 @@
-// A trainer rank: holds its shards, unshards bucket by bucket with the rest of the trainer group,
-// and — when it feeds engines — packs and hands buckets to its transport.
+// refit::Trainer: one trainer rank. Reads the caller's registered shards, unshards bucket by bucket
+// with the rest of the trainer group and — when it feeds engines — packs and hands buckets to its
+// transport.
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
@@ -18,41 +19,97 @@
 #include "control/store.h"
 #include "io/safetensors.h"
 #include "plan/bucket_plan.h"
+#include "refit/session.h"
 #include "runtime/failure.h"
-#include "runtime/materialize.h"
+#include "runtime/fault.h"
 #include "runtime/protocol.h"
-#include "runtime/rank.h"
 #include "runtime/schedule.h"
 #include "runtime/setup.h"
+#include "runtime/slots.h"
 #include "transport/transport.h"
 
 namespace refit {
 namespace {
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-class TrainerRank {
+class TrainerImpl final : public Trainer {
  public:
-  TrainerRank(const RankOptions& opt, int rank) : opt_(opt), cfg_(opt.config), rank_(rank) {}
+  TrainerImpl(const Config& cfg, int rank, const Endpoint& ep) : cfg_(cfg), ep_(ep), rank_(rank) {}
 
-  Status run(RefitReport* report) {
-    Status st = setup();
-    if (st.ok()) st = steps(report);
-    if (st.ok()) st = shutdown();
+  // Runs `body`; the first failure is latched, announced to the peers, and returned by every
+  // later call, so a rank never runs half a refit after a peer failed.
+  Status guarded(const std::function<Status()>& body) {
+    if (!failed_.ok()) return failed_;
+    Status st = body();
     if (!st.ok()) {
       st = with_root_cause(store_.get(), id(), st);
       announce_failure(store_.get(), mailbox_.get(), fed_engines_, id(), st);
       // Then close our collectives: peers blocked on us fail now instead of at their timeout.
       if (trainer_comm_) trainer_comm_->abort();
       if (update_comm_) update_comm_->abort();
+      failed_ = st;
     }
     return st;
   }
+
+  Status init() {
+    return guarded([&] { return setup(); });
+  }
+
+  const std::vector<TensorSlot>& tensors() const override { return slots_; }
+
+  Status register_tensor(const std::string& name, void* data, DType dtype,
+                         const std::vector<std::int64_t>& shape) override {
+    return register_slot(slots_, ptrs_, "trainer rank " + std::to_string(rank_), name, data, dtype,
+                         shape);
+  }
+
+  Status refit(int step, const std::string& version, bool verify) override {
+    return guarded([&]() -> Status {
+      REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      phase_ = {};
+      Timer t;
+      REFIT_RETURN_IF_ERROR(refit_once(step, version, verify, false));
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      stats_.seconds = t.seconds();
+      stats_.unshard_s = phase_.unshard;
+      stats_.cast_pack_s = phase_.cast_pack;
+      stats_.transfer_s = phase_.transfer;
+      stats_.apply_s = phase_.apply;
+      stats_.bytes = model_->plan.payload_bytes;
+      stats_.buckets = static_cast<int>(model_->plan.buckets.size());
+      if (verify)
+        REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
+      return Status::Ok();
+    });
+  }
+
+  const RefitStats& last_stats() const override { return stats_; }
+
+  Result<double> raw_transport_pass() override {
+    double secs = 0;
+    Status st = guarded([&]() -> Status {
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      Timer t;
+      REFIT_RETURN_IF_ERROR(refit_once(++raw_passes_, "", false, true));
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      secs = t.seconds();
+      return Status::Ok();
+    });
+    if (!st.ok()) return st;
+    return secs;
+  }
+
+  std::int64_t bytes_per_refit() const override { return model_->plan.payload_bytes; }
+  int buckets_per_refit() const override { return static_cast<int>(model_->plan.buckets.size()); }
+  std::string plan_hash() const override { return model_->plan.hash_hex(); }
+
+  Status shutdown() override {
+    return guarded([&] { return do_shutdown(); });
+  }
+
+  // Test hook: fault injection of `refit run --fault` (step 1 only).
+  void set_fault(const Fault& f) { fault_ = f; }
 
  private:
   std::string id() const { return fmt::format("trainer rank {}", rank_); }
@@ -66,6 +123,7 @@ class TrainerRank {
 
   Status setup() {
     const int world = cfg_.policy.world_size;
+    progress_ = rank_ == 0 && isatty(2);
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
     const ModelSpec& spec = model_->spec;
     // Every rank's layout: this rank packs its own shards and scatters everyone's contribution.
@@ -74,30 +132,23 @@ class TrainerRank {
       layouts_.push_back(std::move(lay));
     }
     gather_ = build_gather_schedule(spec, model_->plan, layouts_);
-    // Local shards in the policy dtype, one arena.
-    const TrainerShardLayout& mine = layouts_[rank_];
-    const std::size_t esize = dtype_size(cfg_.policy.dtype);
-    std::size_t total = 0;
-    for (const LocalTensor& t : mine.tensors) {
-      local_offsets_.push_back(total);
-      total += static_cast<std::size_t>(matrix_shape(t.shape).numel()) * esize;
-      total = (total + 63) / 64 * 64;
-    }
-    local_ = HostBuffer(total);
-    log::debug("{} holds {} tensors, {} bytes", id(), mine.tensors.size(), total);
+    // The caller registers the storage of each local shard, in the policy dtype.
+    for (const LocalTensor& t : layouts_[rank_].tensors)
+      slots_.push_back(TensorSlot{t.name, t.shape, cfg_.policy.dtype});
+    ptrs_.assign(slots_.size(), nullptr);
 
     // Control plane: trainer rank 0 hosts the store.
     if (rank_ == 0) {
-      REFIT_ASSIGN_OR_RETURN(server_, StoreServer::start(opt_.master_addr, opt_.master_port));
+      REFIT_ASSIGN_OR_RETURN(server_, StoreServer::start(ep_.master_addr, ep_.master_port));
     }
-    REFIT_ASSIGN_OR_RETURN(store_, connect_store(opt_.master_addr, opt_.master_port, timeout()));
+    REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
     if (rank_ == 0)
       REFIT_RETURN_IF_ERROR(store_->set("run_id", fmt::format("{}-{}", getpid(), time(nullptr))));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
-        mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), opt_.host, timeout()));
+        mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout()));
     if (world > 1) {
-      GlooOptions g{"trainer", rank_, world, opt_.host, timeout()};
+      GlooOptions g{"trainer", rank_, world, ep_.host, timeout()};
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_gloo_communicator(*store_, g));
     }
     // Which engine ranks this rank feeds, and the transport to them.
@@ -108,7 +159,7 @@ class TrainerRank {
     if (broadcast_mode()) {
       if (rank_ == 0) {
         for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
-        GlooOptions g{"update", 0, 1 + engines, opt_.host, timeout()};
+        GlooOptions g{"update", 0, 1 + engines, ep_.host, timeout()};
         REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
         REFIT_ASSIGN_OR_RETURN(
             sender_, make_broadcast_sender(*update_comm_, *mailbox_, fed_engines_, sglang, topt));
@@ -160,26 +211,16 @@ class TrainerRank {
     return Status::Ok();
   }
 
-  void fill_local(int step) {
-    const TrainerShardLayout& mine = layouts_[rank_];
-    for (std::size_t i = 0; i < mine.tensors.size(); ++i)
-      materialize_pieces(model_->spec, mine.tensors[i].pieces, mine.tensors[i].shape,
-                         *model_->weights, step, cfg_.policy.dtype, cfg_.policy.dtype,
-                         local_.data() + local_offsets_[i]);
-  }
-
   // Unshard bucket b; when `dst` is set, pack the full bucket there.
   Status unshard(std::size_t b, std::byte* dst) {
     const BucketGather& g = gather_[b];
     const DType pol = cfg_.policy.dtype, tgt = cfg_.refit.target_precision;
-    const std::size_t tsize = dtype_size(tgt);
-    const TrainerShardLayout& mine = layouts_[rank_];
     if (!trainer_comm_) {  // one trainer rank: cast straight into the bucket
       Timer t;
       for (const GatherRun& run : g.runs[rank_]) {
         const Block2D& k = run.block;
-        convert_block(local_.data() + local_offsets_[run.local], pol, k.dst_offset, k.dst_stride,
-                      dst, tgt, k.src_offset, k.src_stride, k.rows, k.cols);
+        convert_block(ptrs_[run.local], pol, k.dst_offset, k.dst_stride, dst, tgt, k.src_offset,
+                      k.src_stride, k.rows, k.cols);
       }
       phase_.cast_pack += t.seconds();
       return Status::Ok();
@@ -188,12 +229,11 @@ class TrainerRank {
     std::int64_t cursor = 0;
     for (const GatherRun& run : g.runs[rank_]) {  // cast this rank's owned blocks end to end
       const Block2D& k = run.block;
-      convert_block(local_.data() + local_offsets_[run.local], pol, k.dst_offset, k.dst_stride,
-                    send_.data(), tgt, cursor, k.cols, k.rows, k.cols);
+      convert_block(ptrs_[run.local], pol, k.dst_offset, k.dst_stride, send_.data(), tgt, cursor,
+                    k.cols, k.rows, k.cols);
       cursor += k.numel();
     }
     phase_.cast_pack += t.seconds();
-    (void)mine;
     t.reset();
     Status st = trainer_comm_->all_gather_v(send_.data(), stage_.data(), g.counts);
     phase_.unshard += t.seconds();
@@ -208,13 +248,12 @@ class TrainerRank {
                       k.rows, k.cols);
         offset += k.numel();
       }
-    (void)tsize;
     phase_.cast_pack += t.seconds();
     return Status::Ok();
   }
 
   void maybe_fault(int step, std::size_t b, std::byte* bucket) {
-    const Fault& f = opt_.fault;
+    const Fault& f = fault_;
     if (step != 1 || f.bucket != static_cast<int>(b)) return;
     if (f.kind == Fault::Kind::kKillTrainer && f.rank == rank_) {
       log::info("fault injection: killing myself at bucket {}", b);
@@ -232,14 +271,14 @@ class TrainerRank {
   }
 
   // One refit (or, with raw, one pass of the bare transport).
-  Status refit_once(int step, bool raw) {
+  Status refit_once(int step, const std::string& version, bool verify, bool raw) {
     const BucketPlan& plan = model_->plan;
     const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
     if (feeds()) {
       nlohmann::json begin = {{"step", step},
-                              {"version", weight_version(cfg_.generation.backend, step)},
+                              {"version", version},
                               {"buckets", plan.buckets.size()},
-                              {"verify", opt_.verify && !raw},
+                              {"verify", verify && !raw},
                               {"raw", raw}};
       REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, begin.dump()));
     }
@@ -311,57 +350,9 @@ class TrainerRank {
     return Status::Ok();
   }
 
-  Status steps(RefitReport* report) {
-    progress_ = rank_ == 0 && isatty(2);
-    std::vector<double> times, unshard, cast, transfer, apply;
-    RefitReport rep;
-    const int total_steps = opt_.steps;
-    for (int step = 1; step <= total_steps; ++step) {
-      fill_local(step);  // the "training step": new weights
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      phase_ = {};
-      Timer t;
-      REFIT_RETURN_IF_ERROR(refit_once(step, false));
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      const double secs = t.seconds();
-      times.push_back(secs);
-      unshard.push_back(phase_.unshard);
-      cast.push_back(phase_.cast_pack);
-      transfer.push_back(phase_.transfer);
-      apply.push_back(phase_.apply);
-      if (opt_.verify)
-        REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
-      if (rank_ == 0) {
-        if (progress_) std::fprintf(stderr, "\r");
-        log::info("step {}/{}: refit {:.3f} s, {:.2f} GB/s{}", step, total_steps, secs,
-                  model_->plan.payload_bytes / secs / 1e9, opt_.verify ? ", verified" : "");
-      }
-    }
-    for (int pass = 0; pass < opt_.raw_passes; ++pass) {
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      Timer t;
-      REFIT_RETURN_IF_ERROR(refit_once(pass + 1, true));
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      rep.raw_seconds.push_back(t.seconds());
-    }
-    if (progress_ && opt_.raw_passes > 0) std::fprintf(stderr, "\r");
-    rep.steps = total_steps;
-    rep.verified = opt_.verify;
-    rep.bytes_per_refit = model_->plan.payload_bytes;
-    rep.buckets_per_refit = static_cast<int>(model_->plan.buckets.size());
-    rep.refit_seconds = times;
-    rep.unshard_s = median(unshard);
-    rep.cast_pack_s = median(cast);
-    rep.transfer_s = median(transfer);
-    rep.apply_s = median(apply);
-    rep.plan_hash = model_->plan.hash_hex();
-    if (report != nullptr) *report = rep;
-    return Status::Ok();
-  }
-
   // Engines acknowledge the shutdown before their feeder leaves, and trainer rank 0 (which hosts
   // the store) leaves last, so no process loses the control plane while it still needs it.
-  Status shutdown() {
+  Status do_shutdown() {
     if (feeds()) {
       REFIT_RETURN_IF_ERROR(send_all(MessageType::kShutdown, ""));
       for (std::size_t i = 0; i < fed_engines_.size(); ++i)
@@ -376,14 +367,15 @@ class TrainerRank {
     double unshard = 0, cast_pack = 0, transfer = 0, apply = 0;
   };
 
-  const RankOptions& opt_;
-  const Config& cfg_;
+  const Config cfg_;
+  const Endpoint ep_;
   const int rank_;
   std::unique_ptr<RankModel> model_;
   std::vector<TrainerShardLayout> layouts_;
   std::vector<BucketGather> gather_;
-  std::vector<std::size_t> local_offsets_;
-  HostBuffer local_, send_, stage_;
+  std::vector<TensorSlot> slots_;
+  std::vector<void*> ptrs_;  // registered storage of slots_
+  HostBuffer send_, stage_;
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
@@ -391,16 +383,27 @@ class TrainerRank {
   std::unique_ptr<BucketSender> sender_;
   std::vector<std::string> fed_engines_;
   Phases phase_;
+  RefitStats stats_;
+  Fault fault_;
+  int raw_passes_ = 0;
   bool progress_ = false;
+  Status failed_;
 };
 
 }  // namespace
 
-Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report) {
-  signal(SIGPIPE, SIG_IGN);
-  log::set_prefix(fmt::format("trainer {}", rank));
-  TrainerRank t(options, rank);
-  return t.run(report);
+Result<std::unique_ptr<Trainer>> Trainer::create(const Config& config, int rank,
+                                                 const Endpoint& endpoint) {
+  if (rank < 0 || rank >= config.policy.world_size)
+    return Status::InvalidArgument(fmt::format("trainer rank {} is outside policy.world_size {}",
+                                               rank, config.policy.world_size));
+  auto t = std::make_unique<TrainerImpl>(config, rank, endpoint);
+  REFIT_RETURN_IF_ERROR(t->init());
+  return std::unique_ptr<Trainer>(std::move(t));
+}
+
+void set_trainer_fault(Trainer& trainer, const Fault& fault) {
+  static_cast<TrainerImpl&>(trainer).set_fault(fault);
 }
 
 }  // namespace refit

@@ -1,0 +1,118 @@
+// refit/session.h — the library API: one trainer rank or one engine rank of a refit.
+//
+// A refit connects `policy.world_size` trainer ranks to `num_engines * tp_size` engine ranks
+// (DESIGN §3). Each rank is one process that creates a Trainer or an Engine with the same Config
+// and the address of trainer rank 0, which hosts the rendezvous store. The caller owns the
+// tensors: it registers the storage of every local tensor (trainer) or parameter (engine) once,
+// and refit reads or writes that storage in place — no copies into refit-owned tensors.
+//
+// Threading: a Trainer or Engine is driven by one thread. Its calls are collective with the other
+// ranks of the refit (create, refit, shutdown), and every wait inside them is bounded by
+// refit.timeout_s; a failure anywhere surfaces on every rank as a non-ok Status naming its cause.
+// Lifetime: registered storage must stay valid (and, on the trainer, unmodified during refit())
+// until the object is destroyed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "refit/config.h"
+#include "refit/dtype.h"
+#include "refit/status.h"
+
+namespace refit {
+
+// Where a rank finds the control plane.
+struct Endpoint {
+  std::string master_addr = "127.0.0.1";  // trainer rank 0's address (MASTER_ADDR)
+  int master_port = 29500;                // its store port (MASTER_PORT)
+  std::string host = "127.0.0.1";         // the address this process listens on for its peers
+};
+
+// One tensor a rank must register: name, local shape, dtype.
+struct TensorSlot {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::int64_t numel() const;
+};
+
+// Seconds each stage was busy in the last refit (stages overlap, so they may add up to more than
+// the refit's own time), and the refit's bytes.
+struct RefitStats {
+  double seconds = 0;
+  double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;
+  std::int64_t bytes = 0;
+  int buckets = 0;
+};
+
+class Trainer {
+ public:
+  // Trainer rank `rank`: joins the control plane (rank 0 hosts it), forms the trainer group and,
+  // for broadcast, the update group, and waits for its engines to join; vLLM manifests are
+  // compared here. Collective with every rank of the refit.
+  static Result<std::unique_ptr<Trainer>> create(const Config& config, int rank,
+                                                 const Endpoint& endpoint);
+  virtual ~Trainer() = default;
+
+  // The local tensors this rank holds, under the trainer's names (FSDP2: HF names with dim-0
+  // chunk shapes; Megatron: Megatron names with TP/PP/EP shard shapes), in the policy dtype.
+  virtual const std::vector<TensorSlot>& tensors() const = 0;
+  // Registers the storage of local tensor `name` (contiguous, row-major, host memory).
+  // Errors name the tensor and the expected shape/dtype.
+  virtual Status register_tensor(const std::string& name, void* data, DType dtype,
+                                 const std::vector<std::int64_t>& shape) = 0;
+
+  // One refit of every registered tensor into every engine; returns when every engine it feeds
+  // committed. `version` is the weight version the engines publish. With `verify`, the engines
+  // run their verification hook after the commit and the verdict is returned here (on every
+  // trainer rank). Collective over the trainer group.
+  virtual Status refit(int step, const std::string& version, bool verify) = 0;
+  virtual const RefitStats& last_stats() const = 0;
+  // bench: one pass of the bare transport over the same bucket sizes (no unshard, pack, apply).
+  virtual Result<double> raw_transport_pass() = 0;
+  // The bucket plan: bytes per refit, buckets, hash.
+  virtual std::int64_t bytes_per_refit() const = 0;
+  virtual int buckets_per_refit() const = 0;
+  virtual std::string plan_hash() const = 0;
+
+  // Tells the engines it feeds that no refit follows and waits until they left. Collective.
+  virtual Status shutdown() = 0;
+};
+
+class Engine {
+ public:
+  // Engine rank `engine_rank` (= engine index * tp_size + tp rank): joins the control plane and,
+  // for broadcast, the update group, or maps its trainer rank's shared memory for ipc, then
+  // announces itself (with its vLLM manifest hash) to the trainer rank that feeds it.
+  static Result<std::unique_ptr<Engine>> create(const Config& config, int engine_rank,
+                                                const Endpoint& endpoint);
+  virtual ~Engine() = default;
+
+  // The parameters this rank stores, under the engine's names and TP shard shapes
+  // (vLLM / SGLang layout), in refit.target_precision.
+  virtual const std::vector<TensorSlot>& params() const = 0;
+  virtual Status register_param(const std::string& name, void* data, DType dtype,
+                                const std::vector<std::int64_t>& shape) = 0;
+
+  // Called around every refit: generation must pause before any parameter changes and may
+  // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake).
+  virtual void on_pause(std::function<void()> hook) = 0;
+  virtual void on_resume(std::function<void()> hook) = 0;
+  // Called after a commit when the trainer asked for verification; its Status is the verdict
+  // sent back to the trainer. Receives the step and the new weight version.
+  virtual void on_verify(std::function<Status(int step, const std::string& version)> hook) = 0;
+
+  // Serves one refit (blocking, bounded by the timeout while waiting for it to start). Returns
+  // true after a committed refit, false when the trainer shut the engines down.
+  virtual Result<bool> serve_one() = 0;
+  // Serves refits until shutdown.
+  virtual Status serve() = 0;
+  // The version published by the last committed refit ("0" before the first).
+  virtual std::string weight_version() const = 0;
+};
+
+}  // namespace refit

@@ -1,0 +1,244 @@
+// CLI-mode ranks: own the storage, fill it with the deterministic weights every step, and verify.
+#include "runtime/rank.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "comm/communicator.h"
+#include "common/convert.h"
+#include "common/host_buffer.h"
+#include "common/log.h"
+#include "control/store.h"
+#include "engine/engine_layout.h"
+#include "engine/forward.h"
+#include "runtime/materialize.h"
+#include "runtime/protocol.h"
+#include "runtime/setup.h"
+#include "trainer/trainer_layout.h"
+
+namespace refit {
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// One allocation holding every slot, 64-byte aligned each.
+struct SlotArena {
+  HostBuffer memory;
+  std::vector<std::byte*> ptrs;
+
+  explicit SlotArena(const std::vector<TensorSlot>& slots) {
+    std::vector<std::size_t> offsets;
+    std::size_t total = 0;
+    for (const TensorSlot& s : slots) {
+      offsets.push_back(total);
+      total += static_cast<std::size_t>(s.numel()) * dtype_size(s.dtype);
+      total = (total + 63) / 64 * 64;
+    }
+    memory = HostBuffer(total);
+    for (std::size_t o : offsets) ptrs.push_back(memory.data() + o);
+  }
+};
+
+// Logit check: models above this size would make the single-process CPU reference too slow.
+constexpr std::int64_t kLogitCheckMaxParams = 2'000'000'000;
+constexpr int kLogitCheckTokens = 8;
+constexpr double kLogitTolerance = 1e-4;
+
+}  // namespace
+
+Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
+  log::set_prefix(fmt::format("trainer {}", rank));
+  REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(o.config));
+  REFIT_ASSIGN_OR_RETURN(auto layout, trainer_layout(model->spec, o.config.policy, rank));
+  REFIT_ASSIGN_OR_RETURN(auto trainer, Trainer::create(o.config, rank, o.endpoint));
+  set_trainer_fault(*trainer, o.fault);
+  SlotArena arena(trainer->tensors());
+  for (std::size_t i = 0; i < trainer->tensors().size(); ++i) {
+    const TensorSlot& s = trainer->tensors()[i];
+    REFIT_RETURN_IF_ERROR(trainer->register_tensor(s.name, arena.ptrs[i], s.dtype, s.shape));
+  }
+  RefitReport rep;
+  std::vector<double> unshard, cast, transfer, apply;
+  for (int step = 1; step <= o.steps; ++step) {
+    // The "training step": new weights in the registered shards.
+    for (std::size_t i = 0; i < layout.tensors.size(); ++i)
+      materialize_pieces(model->spec, layout.tensors[i].pieces, layout.tensors[i].shape,
+                         *model->weights, step, o.config.policy.dtype, o.config.policy.dtype,
+                         arena.ptrs[i]);
+    REFIT_RETURN_IF_ERROR(trainer->refit(step, weight_version(o.config.generation.backend, step),
+                                         o.verify || o.check_logits));
+    const RefitStats& st = trainer->last_stats();
+    rep.refit_seconds.push_back(st.seconds);
+    unshard.push_back(st.unshard_s);
+    cast.push_back(st.cast_pack_s);
+    transfer.push_back(st.transfer_s);
+    apply.push_back(st.apply_s);
+    if (rank == 0)
+      log::info("step {}/{}: refit {:.3f} s, {:.2f} GB/s{}{}", step, o.steps, st.seconds,
+                st.bytes / st.seconds / 1e9, o.verify ? ", verified" : "",
+                o.check_logits ? ", logits checked" : "");
+  }
+  for (int pass = 0; pass < o.raw_passes; ++pass) {
+    REFIT_ASSIGN_OR_RETURN(double secs, trainer->raw_transport_pass());
+    rep.raw_seconds.push_back(secs);
+  }
+  REFIT_RETURN_IF_ERROR(trainer->shutdown());
+  rep.steps = o.steps;
+  rep.verified = o.verify;
+  rep.logits_checked = o.check_logits;
+  rep.bytes_per_refit = trainer->bytes_per_refit();
+  rep.buckets_per_refit = trainer->buckets_per_refit();
+  rep.unshard_s = median(unshard);
+  rep.cast_pack_s = median(cast);
+  rep.transfer_s = median(transfer);
+  rep.apply_s = median(apply);
+  rep.plan_hash = trainer->plan_hash();
+  if (report != nullptr) *report = rep;
+  return Status::Ok();
+}
+
+namespace {
+
+// Recomputes what every parameter must hold after `step` and compares bit for bit.
+Status verify_params(const RankModel& model, const EngineShardLayout& layout,
+                     const std::vector<std::byte*>& params, const Config& cfg, int step,
+                     const std::string& who) {
+  const DType dt = cfg.refit.target_precision;
+  const std::size_t esize = dtype_size(dt);
+  std::vector<std::byte> expected;
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const EngineParam& p = layout.params[i];
+    const std::size_t n = static_cast<std::size_t>(matrix_shape(p.shape).numel());
+    expected.assign(n * esize, std::byte{0});
+    materialize_pieces(model.spec, p.pieces, p.shape, *model.weights, step, cfg.policy.dtype, dt,
+                       expected.data());
+    const std::byte* got = params[i];
+    if (std::memcmp(expected.data(), got, n * esize) == 0) continue;
+    std::size_t k = 0;
+    while (std::memcmp(expected.data() + k * esize, got + k * esize, esize) == 0) ++k;
+    const std::int64_t cols = matrix_shape(p.shape).cols;
+    const std::int64_t row = static_cast<std::int64_t>(k) / cols;
+    const std::int64_t col = static_cast<std::int64_t>(k) % cols;
+    std::string source = "vocabulary padding (must be zero)";
+    for (const Piece& pc : p.pieces)
+      if (row >= pc.dst_row && row < pc.dst_row + pc.rows && col >= pc.dst_col &&
+          col < pc.dst_col + pc.cols) {
+        source = fmt::format("{}[{}, {}]", model.spec.tensors()[pc.hf_tensor].name,
+                             pc.src_row + row - pc.dst_row, pc.src_col + col - pc.dst_col);
+        break;
+      }
+    auto bits = [&](const std::byte* at) {
+      std::uint32_t v = 0;
+      std::memcpy(&v, at, esize);
+      return v;
+    };
+    return Status::Corruption(fmt::format(
+        "verify: {}: tensor {} element {} (row {}, col {}; from {}) is 0x{:0{}x}, expected "
+        "0x{:0{}x} (step {})",
+        who, p.name, k, row, col, source, bits(got + k * esize), esize * 2,
+        bits(expected.data() + k * esize), esize * 2, step));
+  }
+  return Status::Ok();
+}
+
+// The engine's TP forward pass against a single-process forward on the trainer's weights.
+class LogitCheck {
+ public:
+  static Result<std::unique_ptr<LogitCheck>> create(const RankOptions& o, const RankModel& model,
+                                                    int engine_rank) {
+    auto lc = std::unique_ptr<LogitCheck>(new LogitCheck());
+    if (model.spec.total_parameters() > kLogitCheckMaxParams)
+      return Status::InvalidArgument(fmt::format(
+          "--check-logits: {} has {} parameters; the CPU reference forward is limited to {}",
+          o.config.model, model.spec.total_parameters(), kLogitCheckMaxParams));
+    const int tp = o.config.generation.tp_size;
+    if (tp > 1) {
+      const auto timeout =
+          std::chrono::milliseconds(static_cast<long long>(o.config.refit.timeout_s * 1000));
+      REFIT_ASSIGN_OR_RETURN(
+          lc->store_, connect_store(o.endpoint.master_addr, o.endpoint.master_port, timeout));
+      GlooOptions g{fmt::format("engine{}-tp", engine_rank / tp), engine_rank % tp, tp,
+                    o.endpoint.host, timeout};
+      REFIT_ASSIGN_OR_RETURN(lc->tp_group_, make_gloo_communicator(*lc->store_, g));
+    }
+    lc->tokens_ = logit_check_tokens(model.spec, kLogitCheckTokens);
+    return lc;
+  }
+
+  Status check(const RankModel& model, const EngineShardLayout& layout,
+               const std::vector<std::byte*>& params, const Config& cfg, int step,
+               const std::string& who) {
+    if (cfg.refit.target_precision != DType::kBFloat16)
+      return Status::Unsupported("--check-logits needs bf16 engine parameters");
+    // Reference: full HF tensors as the trainer holds them after the cast (bf16 → fp32).
+    const auto& tensors = model.spec.tensors();
+    std::vector<std::vector<float>> hf(tensors.size());
+    std::vector<const float*> hf_ptrs;
+    std::vector<std::uint16_t> bf16;
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const MatrixShape m = matrix_shape(tensors[t].shape);
+      const Piece whole{static_cast<std::uint32_t>(t), 0, 0, m.rows, m.cols, 0, 0};
+      bf16.assign(static_cast<std::size_t>(m.numel()), 0);
+      materialize_pieces(model.spec, {whole}, tensors[t].shape, *model.weights, step,
+                         cfg.policy.dtype, DType::kBFloat16,
+                         reinterpret_cast<std::byte*>(bf16.data()));
+      hf[t].resize(bf16.size());
+      convert(bf16.data(), DType::kBFloat16, hf[t].data(), DType::kFloat32, bf16.size());
+      hf_ptrs.push_back(hf[t].data());
+    }
+    REFIT_ASSIGN_OR_RETURN(auto want, reference_forward(model.spec, hf_ptrs, tokens_));
+    std::vector<const std::uint16_t*> p16;
+    for (std::byte* p : params) p16.push_back(reinterpret_cast<const std::uint16_t*>(p));
+    REFIT_ASSIGN_OR_RETURN(auto got,
+                           engine_forward(model.spec, layout, p16, tokens_, tp_group_.get()));
+    Status st = compare_logits(got, want, model.spec.config().vocab_size, kLogitTolerance);
+    if (!st.ok()) return st.with_context(fmt::format("check-logits: {} (step {})", who, step));
+    return Status::Ok();
+  }
+
+ private:
+  LogitCheck() = default;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Communicator> tp_group_;
+  std::vector<std::int32_t> tokens_;
+};
+
+}  // namespace
+
+Status run_engine_rank(const RankOptions& o, int engine_rank) {
+  log::set_prefix(fmt::format("engine rank {}", engine_rank));
+  const Config& cfg = o.config;
+  const std::string who = fmt::format("engine {} tp rank {}", engine_rank / cfg.generation.tp_size,
+                                      engine_rank % cfg.generation.tp_size);
+  REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(cfg));
+  REFIT_ASSIGN_OR_RETURN(auto layout, engine_layout(model->spec, cfg.generation.tp_size,
+                                                    engine_rank % cfg.generation.tp_size));
+  REFIT_ASSIGN_OR_RETURN(auto engine,
+                         create_engine_with_fault(cfg, engine_rank, o.endpoint, o.fault));
+  SlotArena arena(engine->params());
+  for (std::size_t i = 0; i < engine->params().size(); ++i) {
+    const TensorSlot& s = engine->params()[i];
+    REFIT_RETURN_IF_ERROR(engine->register_param(s.name, arena.ptrs[i], s.dtype, s.shape));
+  }
+  std::unique_ptr<LogitCheck> logits;
+  if (o.check_logits) {
+    REFIT_ASSIGN_OR_RETURN(logits, LogitCheck::create(o, *model, engine_rank));
+  }
+  engine->on_verify([&](int step, const std::string&) -> Status {
+    // Element-wise verification unless the engine was started for the logit check alone.
+    if (o.verify || !logits)
+      REFIT_RETURN_IF_ERROR(verify_params(*model, layout, arena.ptrs, cfg, step, who));
+    if (logits) REFIT_RETURN_IF_ERROR(logits->check(*model, layout, arena.ptrs, cfg, step, who));
+    return Status::Ok();
+  });
+  return engine->serve();
+}
+
+}  // namespace refit
