@@ -2,7 +2,10 @@
 // uneven shards, several engines and TP sizes, small buffers, faults and killed ranks.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -33,15 +36,16 @@ std::string config_yaml(const Cell& c) {
     << "device: cpu\nseed: 7\n"
     << "policy:\n  backend: fsdp2\n  world_size: " << c.world_size << "\n  dtype: " << c.dtype
     << "\n"
-    << "generation:\n  backend: " << c.engine << "\n  colocated: " << (c.colocated ? "true" : "false")
-    << "\n  num_engines: " << c.num_engines << "\n  tp_size: " << c.tp << "\n"
+    << "generation:\n  backend: " << c.engine
+    << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
+    << "\n  tp_size: " << c.tp << "\n"
     << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
     << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s << "\n";
   return y.str();
 }
 
-testing::CliResult run_cell(const Cell& c, std::vector<std::string> extra = {"--steps", "2",
-                                                                             "--verify"}) {
+testing::CliResult run_cell(const Cell& c,
+                            std::vector<std::string> extra = {"--steps", "2", "--verify"}) {
   TempDir dir;
   std::vector<std::string> args = {"run", dir.write("config.yaml", config_yaml(c))};
   args.insert(args.end(), extra.begin(), extra.end());
@@ -71,7 +75,8 @@ TEST(RuntimeShapes, EmptyChunks) {
 }
 TEST(RuntimeShapes, TwoEnginesBroadcast) { expect_verified({.num_engines = 2, .tp = 2}); }
 TEST(RuntimeShapes, TwoEnginesVllmIpc) {
-  expect_verified({.engine = "vllm", .colocated = true, .world_size = 2, .num_engines = 2, .tp = 1});
+  expect_verified(
+      {.engine = "vllm", .colocated = true, .world_size = 2, .num_engines = 2, .tp = 1});
 }
 TEST(RuntimeShapes, Tp4ReplicatesKvHeads) { expect_verified({.tp = 4}); }
 TEST(RuntimeShapes, BufferSmallerThanLargestTensor) {
@@ -89,16 +94,16 @@ TEST(RuntimeShapes, TinyMoeVllmIpc) {
 TEST(RuntimeReport, JsonHasTheContractKeys) {
   TempDir dir;
   const std::string json = dir.path() + "/report.json";
-  auto r = run_cli({"run", dir.write("c.yaml", config_yaml({})), "--steps", "3", "--json", json},
-                   120);
+  auto r =
+      run_cli({"run", dir.write("c.yaml", config_yaml({})), "--steps", "3", "--json", json}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream in(json);
   std::stringstream ss;
   ss << in.rdbuf();
-  for (const char* key : {"\"steps\": 3", "\"verified\": false", "\"bytes_per_refit\"",
-                          "\"buckets_per_refit\"", "\"refit_seconds\"", "\"gbps\"", "\"phases\"",
-                          "\"unshard\"", "\"cast_pack\"", "\"transfer\"", "\"apply\"",
-                          "\"config\""})
+  for (const char* key :
+       {"\"steps\": 3", "\"verified\": false", "\"bytes_per_refit\"", "\"buckets_per_refit\"",
+        "\"refit_seconds\"", "\"gbps\"", "\"phases\"", "\"unshard\"", "\"cast_pack\"",
+        "\"transfer\"", "\"apply\"", "\"config\""})
     EXPECT_NE(ss.str().find(key), std::string::npos) << key << "\n" << ss.str();
 }
 
@@ -127,7 +132,8 @@ void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::str
   EXPECT_LT(secs, c.timeout_s + 15) << r.output;
   EXPECT_NE(r.output.find(culprit + " was killed by signal 9"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("exited with code 0"), std::string::npos)
-      << "every rank must exit non-zero:\n" << r.output;
+      << "every rank must exit non-zero:\n"
+      << r.output;
 }
 
 TEST(RuntimeFaults, KilledEngineRank) {
@@ -137,12 +143,12 @@ TEST(RuntimeFaults, KilledTrainerRank) {
   expect_dies_cleanly({.timeout_s = 5}, "kill-trainer:1:2", "trainer rank 1");
 }
 TEST(RuntimeFaults, KilledEngineRankIpc) {
-  expect_dies_cleanly({.colocated = true, .timeout_s = 5}, "kill-engine:0:1",
-                      "engine 0 tp rank 0");
+  expect_dies_cleanly({.colocated = true, .timeout_s = 5}, "kill-engine:0:1", "engine 0 tp rank 0");
 }
 
 TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
-  auto r = run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});
+  auto r =
+      run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("manifest mismatch"), std::string::npos) << r.output;
 }
@@ -151,6 +157,66 @@ TEST(RuntimeSetup, InvalidConfigExits2BeforeStarting) {
   auto r = run_cell({.colocated = true, .world_size = 3, .tp = 2}, {"--steps", "1"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("world_size"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// Separate launch: every rank started on its own with a torchrun-style environment, as users
+// spread ranks over hosts. Returns the exit codes (trainer 0, trainer 1, engine 0, engine 1).
+std::vector<int> launch_separately(const std::string& trainer_cfg, const std::string& engine_cfg,
+                                   const TempDir& dir, std::string* output) {
+  const int port = 20000 + static_cast<int>(getpid() % 20000);
+  const std::string exe = REFIT_CLI_PATH;
+  std::ostringstream sh;
+  sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port << "; "
+     << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
+     << " --steps 2 --verify > t0.log 2>&1 & p0=$!; "
+     << "RANK=1 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
+     << " --steps 2 --verify > t1.log 2>&1 & p1=$!; "
+     << "ENGINE_RANK=0 " << exe << " engine " << engine_cfg << " > e0.log 2>&1 & p2=$!; "
+     << "ENGINE_RANK=1 " << exe << " engine " << engine_cfg << " > e1.log 2>&1 & p3=$!; "
+     << "for p in $p0 $p1 $p2 $p3; do wait $p; echo $? >> codes; done; "
+     << "cat t0.log t1.log e0.log e1.log";
+  const std::string cmd =
+      "timeout -k 5 120 bash -c '" + sh.str() + "' > " + dir.path() + "/all.log 2>&1";
+  const int rc = std::system(cmd.c_str());
+  (void)rc;
+  std::ifstream all(dir.path() + "/all.log");
+  std::stringstream ss;
+  ss << all.rdbuf();
+  *output = ss.str();
+  std::vector<int> codes;
+  std::ifstream in(dir.path() + "/codes");
+  for (int c; in >> c;) codes.push_back(c);
+  return codes;
+}
+
+TEST(SeparateLaunch, TorchrunStyleRanks) {
+  TempDir dir;
+  Cell c{.engine = "vllm"};
+  const std::string cfg = dir.write("c.yaml", config_yaml(c));
+  std::string out;
+  auto codes = launch_separately(cfg, cfg, dir, &out);
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0})) << out;
+  EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
+}
+
+TEST(SeparateLaunch, VllmManifestMismatchIsRefusedAtSetup) {
+  TempDir dir;
+  Cell c{.engine = "vllm", .timeout_s = 5};
+  const std::string trainer_cfg = dir.write("t.yaml", config_yaml(c));
+  c.buffer = 1 << 15;  // the engines derive a different bucket plan
+  const std::string engine_cfg = dir.write("e.yaml", config_yaml(c));
+  std::string out;
+  auto codes = launch_separately(trainer_cfg, engine_cfg, dir, &out);
+  ASSERT_EQ(codes.size(), 4u) << out;
+  for (int code : codes) EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("vllm manifest mismatch"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 1/2"), std::string::npos) << "no refit may start:\n" << out;
 }
 
 }  // namespace
