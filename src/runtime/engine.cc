@@ -20,6 +20,7 @@
 #include "control/store.h"
 #include "engine/engine_layout.h"
 #include "refit/session.h"
+#include "runtime/data_plane.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
 #include "runtime/protocol.h"
@@ -163,11 +164,7 @@ class EngineImpl final : public Engine {
     for (const EngineParam& p : layout_.params)
       slots_.push_back(TensorSlot{p.name, p.shape, cfg_.refit.target_precision});
     ptrs_.assign(slots_.size(), nullptr);
-    if (vllm()) {  // the manifest is fixed at setup: precompute every bucket's apply runs
-      for (const Bucket& b : model_->plan.buckets)
-        plan_runs_.push_back(
-            build_apply_runs(model_->spec, layout_, b.entries, cfg_.refit.target_precision));
-    }
+    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_));
     REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
@@ -203,6 +200,15 @@ class EngineImpl final : public Engine {
     }
   }
 
+  // Apply runs as copies into the registered parameters; the source is set per bucket.
+  std::vector<CopyRun> copy_runs(const std::vector<ApplyRun>& runs) const {
+    std::vector<CopyRun> out;
+    out.reserve(runs.size());
+    for (const ApplyRun& r : runs)
+      out.push_back({nullptr, static_cast<std::byte*>(ptrs_[r.param]), r.block});
+    return out;
+  }
+
   Status apply(const IncomingBucket& in, bool raw) {
     Timer t;
     const DType dt = cfg_.refit.target_precision;
@@ -212,8 +218,8 @@ class EngineImpl final : public Engine {
         std::memcpy(scratch_.data(), in.data, in.header.bytes);
       }
     } else {
-      std::vector<ApplyRun> decoded;
-      const std::vector<ApplyRun>* runs = nullptr;
+      std::vector<CopyRun> decoded;
+      std::vector<CopyRun>* runs = nullptr;
       if (vllm()) {
         if (in.header.bucket < 0 || in.header.bucket >= static_cast<int>(plan_runs_.size()))
           return Status::Corruption(
@@ -224,15 +230,11 @@ class EngineImpl final : public Engine {
       } else {
         REFIT_ASSIGN_OR_RETURN(
             auto entries, decode_sglang_meta(model_->spec, in.header.meta, dt, in.header.bucket));
-        decoded = build_apply_runs(model_->spec, layout_, entries, dt);
+        decoded = copy_runs(build_apply_runs(model_->spec, layout_, entries, dt));
         runs = &decoded;
       }
-      for (const ApplyRun& r : *runs) {
-        const Block2D& k = r.block;
-        convert_block(in.data, dt, k.src_offset, k.src_stride,
-                      static_cast<std::byte*>(ptrs_[r.param]), dt, k.dst_offset, k.dst_stride,
-                      k.rows, k.cols);
-      }
+      for (CopyRun& r : *runs) r.src = in.data;  // the slot this bucket arrived in
+      REFIT_RETURN_IF_ERROR(plane_->copy(*runs, dt, dt));
     }
     {
       std::lock_guard lock(apply_mu_);
@@ -254,6 +256,11 @@ class EngineImpl final : public Engine {
           fmt::format("vllm: the trainer announced {} buckets, the manifest has {}", buckets,
                       model_->plan.buckets.size()));
     if (!raw) REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
+    if (vllm() && plan_runs_.empty()) {  // the manifest is fixed: every bucket's runs, once
+      for (const Bucket& b : model_->plan.buckets)
+        plan_runs_.push_back(copy_runs(
+            build_apply_runs(model_->spec, layout_, b.entries, cfg_.refit.target_precision)));
+    }
     log::debug("pause generation for refit step {} ({} buckets)", step, buckets);
     if (pause_hook_ && !raw) pause_hook_();
     apply_seconds_ = 0;
@@ -343,7 +350,8 @@ class EngineImpl final : public Engine {
   std::vector<TensorSlot> slots_;
   std::vector<void*> ptrs_;  // registered storage of slots_
   HostBuffer scratch_;
-  std::vector<std::vector<ApplyRun>> plan_runs_;
+  std::unique_ptr<DataPlane> plane_;
+  std::vector<std::vector<CopyRun>> plan_runs_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
   std::unique_ptr<Communicator> update_comm_;

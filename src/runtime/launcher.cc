@@ -29,8 +29,9 @@ void forward_signal(int sig) {
 
 std::string describe_exit(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status),
-                                              strsignal(WTERMSIG(status)));
+  if (WIFSIGNALED(status))
+    return fmt::format("was killed by signal {} ({})", WTERMSIG(status),
+                       strsignal(WTERMSIG(status)));
   return "stopped";
 }
 
@@ -73,8 +74,8 @@ Result<LaunchResult> launch_and_wait(const std::string& executable,
     if (pid < 0) {
       for (pid_t p : pids)
         if (p > 0) kill(p, SIGKILL);
-      return Status::IOError(fmt::format("fork of {} failed: {}", children[i].name,
-                                         std::strerror(errno)));
+      return Status::IOError(
+          fmt::format("fork of {} failed: {}", children[i].name, std::strerror(errno)));
     }
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -123,8 +124,7 @@ Result<LaunchResult> launch_and_wait(const std::string& executable,
           kill(pids[i], SIGKILL);
           killed += (killed.empty() ? "" : ", ") + children[i].name;
         }
-      if (!killed.empty())
-        result.summary += fmt::format("; killed after the timeout: {}", killed);
+      if (!killed.empty()) result.summary += fmt::format("; killed after the timeout: {}", killed);
       deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -16,8 +16,10 @@ std::string encode_sglang_meta(const ModelSpec& spec, const Bucket& bucket, DTyp
     offsets.push_back(e.offset);
     ranges.push_back({e.elem_begin, e.elem_count});
   }
-  nlohmann::json j = {{"dtype", dtype_name(dtype)}, {"names", std::move(names)},
-                      {"shapes", std::move(shapes)}, {"offsets", std::move(offsets)},
+  nlohmann::json j = {{"dtype", dtype_name(dtype)},
+                      {"names", std::move(names)},
+                      {"shapes", std::move(shapes)},
+                      {"offsets", std::move(offsets)},
                       {"elem_ranges", std::move(ranges)}};
   return j.dump();
 }
@@ -32,8 +34,8 @@ Result<std::vector<BucketEntry>> decode_sglang_meta(const ModelSpec& spec, const
   for (const char* key : {"dtype", "names", "shapes", "offsets", "elem_ranges"})
     if (!j.contains(key)) return bad(fmt::format("missing \"{}\"", key));
   if (j["dtype"] != dtype_name(dtype))
-    return bad(fmt::format("dtype {} but this engine loads {}", j["dtype"].dump(),
-                           dtype_name(dtype)));
+    return bad(
+        fmt::format("dtype {} but this engine loads {}", j["dtype"].dump(), dtype_name(dtype)));
   const auto& names = j["names"];
   if (!names.is_array() || j["shapes"].size() != names.size() ||
       j["offsets"].size() != names.size() || j["elem_ranges"].size() != names.size())
@@ -63,8 +65,10 @@ Result<std::vector<BucketEntry>> decode_sglang_meta(const ModelSpec& spec, const
 
 std::string weight_version(EngineProtocol protocol, int step) {
   switch (protocol) {
-    case EngineProtocol::kSglang: return fmt::format("step-{}", step);
-    case EngineProtocol::kVllm: return std::to_string(step);
+    case EngineProtocol::kSglang:
+      return fmt::format("step-{}", step);
+    case EngineProtocol::kVllm:
+      return std::to_string(step);
   }
   return std::to_string(step);
 }

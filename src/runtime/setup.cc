@@ -20,9 +20,9 @@ Result<std::unique_ptr<RankModel>> load_rank_model(const Config& config) {
       REFIT_RETURN_IF_ERROR(m.checkpoint->check_against_spec(m.spec));
     }
   }
-  REFIT_ASSIGN_OR_RETURN(m.plan, make_bucket_plan(m.spec, config.refit.target_precision,
-                                                  config.refit.buffer_size_bytes,
-                                                  kBucketAlignment));
+  REFIT_ASSIGN_OR_RETURN(m.plan,
+                         make_bucket_plan(m.spec, config.refit.target_precision,
+                                          config.refit.buffer_size_bytes, kBucketAlignment));
   m.weights = std::make_unique<WeightSource>(m.spec, config.seed, m.checkpoint.get());
   return holder;
 }

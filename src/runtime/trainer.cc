@@ -20,6 +20,7 @@
 #include "io/safetensors.h"
 #include "plan/bucket_plan.h"
 #include "refit/session.h"
+#include "runtime/data_plane.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
 #include "runtime/protocol.h"
@@ -125,6 +126,7 @@ class TrainerImpl final : public Trainer {
     const int world = cfg_.policy.world_size;
     progress_ = rank_ == 0 && isatty(2);
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
+    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_));
     const ModelSpec& spec = model_->spec;
     // Every rank's layout: this rank packs its own shards and scatters everyone's contribution.
     for (int r = 0; r < world; ++r) {
@@ -170,14 +172,14 @@ class TrainerImpl final : public Trainer {
                                                       ipc_segment_prefix(run_id, rank_), topt));
       REFIT_RETURN_IF_ERROR(store_->set(fmt::format("ipc/{}/ready", rank_), "1"));
     }
-    if (feeds()) {
-      stage_ = HostBuffer(static_cast<std::size_t>(model_->plan.max_bucket_bytes));
-      REFIT_RETURN_IF_ERROR(check_engines());
+    const auto bucket_bytes = static_cast<std::size_t>(model_->plan.max_bucket_bytes);
+    if (feeds() || world > 1) {
+      REFIT_ASSIGN_OR_RETURN(stage_, plane_->allocate(bucket_bytes));
     }
     if (world > 1) {
-      send_ = HostBuffer(static_cast<std::size_t>(model_->plan.max_bucket_bytes));
-      if (!feeds()) stage_ = HostBuffer(static_cast<std::size_t>(model_->plan.max_bucket_bytes));
+      REFIT_ASSIGN_OR_RETURN(send_, plane_->allocate(bucket_bytes));
     }
+    if (feeds()) REFIT_RETURN_IF_ERROR(check_engines());
     // Setup is complete on every trainer rank before the first refit.
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
     return Status::Ok();
@@ -211,43 +213,65 @@ class TrainerImpl final : public Trainer {
     return Status::Ok();
   }
 
+  // The copy lists of bucket b, built on first use (storage is registered by then and never
+  // moves): pack (this rank's shards → bucket or send buffer, with the cast) and scatter
+  // (everyone's gathered contributions → bucket). `dst` is the bucket's slot (fixed per bucket:
+  // slot = bucket % num_buffers), null when this rank does not feed engines.
+  struct BucketRuns {
+    bool built = false;
+    std::vector<CopyRun> pack, scatter;
+  };
+  const BucketRuns& runs_of(std::size_t b, std::byte* dst) {
+    if (bucket_runs_.empty()) bucket_runs_.resize(gather_.size());
+    BucketRuns& r = bucket_runs_[b];
+    if (r.built) return r;
+    r.built = true;
+    const BucketGather& g = gather_[b];
+    if (!trainer_comm_) {  // one trainer rank: cast straight into the bucket
+      for (const GatherRun& run : g.runs[rank_]) {
+        const Block2D& k = run.block;
+        r.pack.push_back(
+            {static_cast<const std::byte*>(ptrs_[run.local]),
+             dst,
+             {k.dst_offset, k.dst_stride, k.src_offset, k.src_stride, k.rows, k.cols}});
+      }
+      return r;
+    }
+    std::int64_t cursor = 0;
+    for (const GatherRun& run : g.runs[rank_]) {  // this rank's owned blocks, end to end
+      const Block2D& k = run.block;
+      r.pack.push_back({static_cast<const std::byte*>(ptrs_[run.local]),
+                        send_->data(),
+                        {k.dst_offset, k.dst_stride, cursor, k.cols, k.rows, k.cols}});
+      cursor += k.numel();
+    }
+    if (dst == nullptr) return r;
+    std::int64_t offset = 0;  // elements into the gathered stage
+    for (const auto& rank_runs : g.runs)
+      for (const GatherRun& run : rank_runs) {
+        const Block2D& k = run.block;
+        r.scatter.push_back(
+            {stage_->data(), dst, {offset, k.cols, k.src_offset, k.src_stride, k.rows, k.cols}});
+        offset += k.numel();
+      }
+    return r;
+  }
+
   // Unshard bucket b; when `dst` is set, pack the full bucket there.
   Status unshard(std::size_t b, std::byte* dst) {
     const BucketGather& g = gather_[b];
     const DType pol = cfg_.policy.dtype, tgt = cfg_.refit.target_precision;
-    if (!trainer_comm_) {  // one trainer rank: cast straight into the bucket
-      Timer t;
-      for (const GatherRun& run : g.runs[rank_]) {
-        const Block2D& k = run.block;
-        convert_block(ptrs_[run.local], pol, k.dst_offset, k.dst_stride, dst, tgt, k.src_offset,
-                      k.src_stride, k.rows, k.cols);
-      }
-      phase_.cast_pack += t.seconds();
-      return Status::Ok();
-    }
+    const BucketRuns& runs = runs_of(b, dst);
     Timer t;
-    std::int64_t cursor = 0;
-    for (const GatherRun& run : g.runs[rank_]) {  // cast this rank's owned blocks end to end
-      const Block2D& k = run.block;
-      convert_block(ptrs_[run.local], pol, k.dst_offset, k.dst_stride, send_.data(), tgt, cursor,
-                    k.cols, k.rows, k.cols);
-      cursor += k.numel();
-    }
+    REFIT_RETURN_IF_ERROR(plane_->copy(runs.pack, pol, tgt));
     phase_.cast_pack += t.seconds();
+    if (!trainer_comm_) return Status::Ok();
     t.reset();
-    Status st = trainer_comm_->all_gather_v(send_.data(), stage_.data(), g.counts);
+    Status st = trainer_comm_->all_gather_v(send_->data(), stage_->data(), g.counts);
     phase_.unshard += t.seconds();
     if (!st.ok()) return st.with_context(fmt::format("unshard of bucket {}", b));
-    if (dst == nullptr) return Status::Ok();
     t.reset();
-    std::int64_t offset = 0;  // elements into the gathered stage
-    for (const auto& runs : g.runs)
-      for (const GatherRun& run : runs) {
-        const Block2D& k = run.block;
-        convert_block(stage_.data(), tgt, offset, k.cols, dst, tgt, k.src_offset, k.src_stride,
-                      k.rows, k.cols);
-        offset += k.numel();
-      }
+    REFIT_RETURN_IF_ERROR(plane_->copy(runs.scatter, tgt, tgt));
     phase_.cast_pack += t.seconds();
     return Status::Ok();
   }
@@ -291,7 +315,7 @@ class TrainerImpl final : public Trainer {
       }
       if (raw) {
         if (slot != nullptr && !broadcast_mode())  // ipc: the bare copy into shared memory
-          std::memcpy(slot, stage_.data(), static_cast<std::size_t>(plan.buckets[b].bytes));
+          std::memcpy(slot, stage_->data(), static_cast<std::size_t>(plan.buckets[b].bytes));
       } else if (feeds() || trainer_comm_) {
         maybe_fault(step, b, nullptr);
         REFIT_RETURN_IF_ERROR(unshard(b, slot));
@@ -375,7 +399,9 @@ class TrainerImpl final : public Trainer {
   std::vector<BucketGather> gather_;
   std::vector<TensorSlot> slots_;
   std::vector<void*> ptrs_;  // registered storage of slots_
-  HostBuffer send_, stage_;
+  std::unique_ptr<DataPlane> plane_;
+  std::unique_ptr<DeviceBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
+  std::vector<BucketRuns> bucket_runs_;
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;

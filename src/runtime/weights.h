@@ -23,8 +23,7 @@ class WeightSource {
   WeightSource(const ModelSpec& spec, std::uint64_t seed, const Checkpoint* checkpoint);
 
   // w(t, i, step) for i in [begin, begin + n), as fp32.
-  void values(std::uint32_t tensor, std::int64_t begin, std::int64_t n, int step,
-              float* out) const;
+  void values(std::uint32_t tensor, std::int64_t begin, std::int64_t n, int step, float* out) const;
 
  private:
   const ModelSpec& spec_;

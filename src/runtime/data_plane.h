@@ -1,0 +1,52 @@
+// The data plane: where a rank's bytes live and the one operation every stage performs on them —
+// executing a list of strided block copies with a dtype conversion (pack: shards → bucket,
+// scatter: gathered contributions → bucket, apply: bucket → engine parameters).
+//
+// The CPU plane uses host memory and a small worker pool; a CUDA plane (device: cuda) uses device
+// memory and one kernel launch per call. Runs hold absolute pointers, so a list is built once per
+// bucket after the storage is registered and reused by every refit. Not thread-safe: one thread
+// drives a plane.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "common/piece.h"
+#include "refit/config.h"
+#include "refit/dtype.h"
+#include "refit/status.h"
+
+namespace refit {
+
+// One strided block: `block.src_*` index elements of `src`, `block.dst_*` elements of `dst`.
+struct CopyRun {
+  const std::byte* src = nullptr;
+  std::byte* dst = nullptr;
+  Block2D block;
+};
+
+class DeviceBuffer {
+ public:
+  virtual ~DeviceBuffer() = default;
+  virtual std::byte* data() = 0;
+  virtual std::size_t size() const = 0;
+};
+
+class DataPlane {
+ public:
+  virtual ~DataPlane() = default;
+  virtual Device device() const = 0;
+  // Zero-filled memory of this plane, faulted in / allocated now (registration cost is paid at
+  // setup, not during a refit).
+  virtual Result<std::unique_ptr<DeviceBuffer>> allocate(std::size_t bytes) = 0;
+  // Executes every run, converting `src_dtype` elements to `dst_dtype`. Runs must not overlap in
+  // their destinations. Returns when the copies are complete.
+  virtual Status copy(const std::vector<CopyRun>& runs, DType src_dtype, DType dst_dtype) = 0;
+};
+
+// The plane of `config.device`. CPU: `threads` workers (0 = REFIT_CPU_THREADS or the number of
+// cores, at most 8).
+Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int threads = 0);
+
+}  // namespace refit

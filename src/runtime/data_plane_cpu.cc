@@ -1,0 +1,165 @@
+// The CPU data plane: host memory; copies split over a persistent worker pool by elements.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "common/convert.h"
+#include "common/host_buffer.h"
+#include "runtime/data_plane.h"
+
+namespace refit {
+namespace {
+
+class HostDeviceBuffer final : public DeviceBuffer {
+ public:
+  explicit HostDeviceBuffer(std::size_t bytes) : buf_(bytes) {}
+  std::byte* data() override { return buf_.data(); }
+  std::size_t size() const override { return buf_.size(); }
+
+ private:
+  HostBuffer buf_;
+};
+
+// Runs `task(worker)` on `n` workers (the caller is worker 0) and waits for all.
+class WorkerPool {
+ public:
+  explicit WorkerPool(int n) {
+    for (int i = 1; i < n; ++i) threads_.emplace_back([this, i] { loop(i); });
+  }
+  ~WorkerPool() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  int size() const { return static_cast<int>(threads_.size()) + 1; }
+
+  template <typename F>
+  void run(F&& task) {
+    {
+      std::lock_guard lock(mu_);
+      task_ = task;
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    task(0);
+    std::unique_lock lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+ private:
+  void loop(int id) {
+    std::uint64_t seen = 0;
+    while (true) {
+      std::function<void(int)> task;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        task = task_;
+      }
+      task(id);
+      std::lock_guard lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::function<void(int)> task_;
+  std::uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+class CpuDataPlane final : public DataPlane {
+ public:
+  explicit CpuDataPlane(int threads) : pool_(threads) {}
+  Device device() const override { return Device::kCpu; }
+
+  Result<std::unique_ptr<DeviceBuffer>> allocate(std::size_t bytes) override {
+    try {
+      return std::unique_ptr<DeviceBuffer>(new HostDeviceBuffer(bytes));
+    } catch (const std::bad_alloc&) {
+      return Status::IOError(fmt::format("cannot allocate {} bytes of host memory", bytes));
+    }
+  }
+
+  Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt) override {
+    std::int64_t total = 0;
+    for (const CopyRun& r : runs) total += r.block.numel();
+    // Small lists are not worth waking the workers.
+    constexpr std::int64_t kParallelMin = 1 << 20;
+    if (pool_.size() == 1 || total < kParallelMin) {
+      for (const CopyRun& r : runs) run_rows(r, 0, r.block.rows, sdt, ddt);
+      return Status::Ok();
+    }
+    // Worker w takes elements [w*share, (w+1)*share) of the concatenated runs, cut at row
+    // boundaries, so every worker moves about the same number of bytes.
+    const int workers = pool_.size();
+    const std::int64_t share = (total + workers - 1) / workers;
+    pool_.run([&](int w) {
+      const std::int64_t lo = w * share, hi = std::min(total, lo + share);
+      std::int64_t at = 0;
+      for (const CopyRun& r : runs) {
+        const std::int64_t n = r.block.numel();
+        if (at + n > lo && at < hi && r.block.cols > 0) {
+          // Rows of this run whose first element falls in [lo, hi).
+          const std::int64_t first =
+              std::max<std::int64_t>(0, (lo - at + r.block.cols - 1) / r.block.cols);
+          const std::int64_t last =
+              std::min(r.block.rows, (hi - at + r.block.cols - 1) / r.block.cols);
+          if (first < last) run_rows(r, first, last, sdt, ddt);
+        }
+        at += n;
+        if (at >= hi) break;
+      }
+    });
+    return Status::Ok();
+  }
+
+ private:
+  static void run_rows(const CopyRun& r, std::int64_t row_begin, std::int64_t row_end, DType sdt,
+                       DType ddt) {
+    const Block2D& b = r.block;
+    convert_block(r.src, sdt, b.src_offset + row_begin * b.src_stride, b.src_stride, r.dst, ddt,
+                  b.dst_offset + row_begin * b.dst_stride, b.dst_stride, row_end - row_begin,
+                  b.cols);
+  }
+
+  WorkerPool pool_;
+};
+
+int default_threads() {
+  if (const char* env = std::getenv("REFIT_CPU_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return std::min(n, 64);
+  }
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int threads) {
+  switch (config.device) {
+    case Device::kCpu:
+      return std::unique_ptr<DataPlane>(
+          new CpuDataPlane(threads > 0 ? threads : default_threads()));
+    case Device::kCuda:
+      return Status::Unsupported(
+          "device: cuda — the CUDA data plane is not part of this runtime yet; use device: cpu");
+  }
+  return Status::Internal("unknown device");
+}
+
+}  // namespace refit
