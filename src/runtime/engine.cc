@@ -175,7 +175,8 @@ class EngineImpl final : public Engine {
       feeder_ = "trainer/0";
       GlooOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
       REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
-      REFIT_ASSIGN_OR_RETURN(receiver_, make_broadcast_receiver(*update_comm_, *mailbox_, topt));
+      REFIT_ASSIGN_OR_RETURN(receiver_,
+                             make_broadcast_receiver(*update_comm_, *mailbox_, *plane_, topt));
     } else {
       feeder_ = fmt::format("trainer/{}", rank_);
       REFIT_RETURN_IF_ERROR(store_->wait({fmt::format("ipc/{}/ready", rank_)}, timeout()));

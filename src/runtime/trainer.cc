@@ -163,8 +163,8 @@ class TrainerImpl final : public Trainer {
         for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
         GlooOptions g{"update", 0, 1 + engines, ep_.host, timeout()};
         REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
-        REFIT_ASSIGN_OR_RETURN(
-            sender_, make_broadcast_sender(*update_comm_, *mailbox_, fed_engines_, sglang, topt));
+        REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_, *plane_,
+                                                              fed_engines_, sglang, topt));
       }
     } else {
       fed_engines_.push_back(fmt::format("engine/{}", rank_));
@@ -395,11 +395,11 @@ class TrainerImpl final : public Trainer {
   const Endpoint ep_;
   const int rank_;
   std::unique_ptr<RankModel> model_;
+  std::unique_ptr<DataPlane> plane_;  // before every buffer allocated on it
   std::vector<TrainerShardLayout> layouts_;
   std::vector<BucketGather> gather_;
   std::vector<TensorSlot> slots_;
-  std::vector<void*> ptrs_;  // registered storage of slots_
-  std::unique_ptr<DataPlane> plane_;
+  std::vector<void*> ptrs_;                     // registered storage of slots_
   std::unique_ptr<DeviceBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
   std::vector<BucketRuns> bucket_runs_;
   std::unique_ptr<StoreServer> server_;

@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "comm/communicator.h"
-#include "common/host_buffer.h"
 #include "common/timer.h"
+#include "runtime/data_plane.h"
 #include "transport/transport.h"
 
 namespace refit {
@@ -16,15 +16,16 @@ namespace {
 
 class BroadcastSender final : public BucketSender {
  public:
-  BroadcastSender(Communicator& update, Mailbox& mailbox, std::vector<std::string> engine_ids,
-                  bool send_meta, const TransportOptions& opt)
+  BroadcastSender(Communicator& update, Mailbox& mailbox,
+                  std::vector<std::unique_ptr<DeviceBuffer>> slots,
+                  std::vector<std::string> engine_ids, bool send_meta, const TransportOptions& opt)
       : update_(update),
         mailbox_(mailbox),
         engine_ids_(std::move(engine_ids)),
         send_meta_(send_meta),
         timeout_(opt.timeout),
-        busy_(opt.num_slots, false) {
-    for (int s = 0; s < opt.num_slots; ++s) slots_.emplace_back(opt.slot_bytes);
+        slots_(std::move(slots)),
+        busy_(slots_.size(), false) {
     thread_ = std::thread([this] { loop(); });
   }
 
@@ -38,13 +39,13 @@ class BroadcastSender final : public BucketSender {
   }
 
   int num_slots() const override { return static_cast<int>(slots_.size()); }
-  std::byte* slot_data(int slot) override { return slots_[slot].data(); }
+  std::byte* slot_data(int slot) override { return slots_[slot]->data(); }
 
   Status wait_slot(int slot) override {
     std::unique_lock lock(mu_);
     if (!cv_.wait_for(lock, timeout_, [&] { return !busy_[slot] || !error_.ok(); }))
-      return Status::Timeout(fmt::format("broadcast: slot {} still in flight after {} ms", slot,
-                                         timeout_.count()));
+      return Status::Timeout(
+          fmt::format("broadcast: slot {} still in flight after {} ms", slot, timeout_.count()));
     return error_;
   }
 
@@ -105,7 +106,7 @@ class BroadcastSender final : public BucketSender {
       for (const auto& id : engine_ids_)
         REFIT_RETURN_IF_ERROR(mailbox_.send(id, MessageType::kBucket, payload));
     }
-    Status st = update_.broadcast(slots_[job.slot].data(), job.header.bytes, 0);
+    Status st = update_.broadcast(slots_[job.slot]->data(), job.header.bytes, 0);
     if (!st.ok())
       return st.with_context(fmt::format("broadcast of bucket {} (step {}, {} bytes)",
                                          job.header.bucket, job.header.step, job.header.bytes));
@@ -117,7 +118,7 @@ class BroadcastSender final : public BucketSender {
   std::vector<std::string> engine_ids_;
   bool send_meta_;
   std::chrono::milliseconds timeout_;
-  std::vector<HostBuffer> slots_;
+  std::vector<std::unique_ptr<DeviceBuffer>> slots_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
@@ -131,40 +132,43 @@ class BroadcastSender final : public BucketSender {
 
 class BroadcastReceiver final : public BucketReceiver {
  public:
-  BroadcastReceiver(Communicator& update, Mailbox& mailbox, const TransportOptions& opt)
-      : update_(update), mailbox_(mailbox), timeout_(opt.timeout), busy_(opt.num_slots, false) {
-    for (int s = 0; s < opt.num_slots; ++s) slots_.emplace_back(opt.slot_bytes);
-  }
+  BroadcastReceiver(Communicator& update, Mailbox& mailbox,
+                    std::vector<std::unique_ptr<DeviceBuffer>> slots, const TransportOptions& opt)
+      : update_(update),
+        mailbox_(mailbox),
+        timeout_(opt.timeout),
+        slots_(std::move(slots)),
+        busy_(slots_.size(), false) {}
 
   Result<IncomingBucket> receive(const std::optional<BucketHeader>& expected) override {
     IncomingBucket in;
     if (expected) {
       in.header = *expected;
     } else {
-      REFIT_ASSIGN_OR_RETURN(Message msg,
-                             expect_message(mailbox_, MessageType::kBucket, timeout_,
-                                            "bucket metadata"));
+      REFIT_ASSIGN_OR_RETURN(
+          Message msg, expect_message(mailbox_, MessageType::kBucket, timeout_, "bucket metadata"));
       int ignored_slot = 0;
       REFIT_RETURN_IF_ERROR(decode_bucket_message(msg.payload, ignored_slot, in.header));
     }
-    if (in.header.bytes > slots_[0].size())
+    if (in.header.bytes > slots_[0]->size())
       return Status::Corruption(fmt::format("broadcast: bucket {} has {} bytes, the buffer {}",
-                                            in.header.bucket, in.header.bytes, slots_[0].size()));
+                                            in.header.bucket, in.header.bytes, slots_[0]->size()));
     in.slot = next_slot_;
     next_slot_ = (next_slot_ + 1) % static_cast<int>(slots_.size());
     {
       std::unique_lock lock(mu_);
       if (!cv_.wait_for(lock, timeout_, [&] { return !busy_[in.slot]; }))
-        return Status::Timeout(fmt::format("broadcast: bucket {} could not get a free buffer "
-                                           "within {} ms (apply is stuck)",
-                                           in.header.bucket, timeout_.count()));
+        return Status::Timeout(
+            fmt::format("broadcast: bucket {} could not get a free buffer "
+                        "within {} ms (apply is stuck)",
+                        in.header.bucket, timeout_.count()));
       busy_[in.slot] = true;
     }
-    Status st = update_.broadcast(slots_[in.slot].data(), in.header.bytes, 0);
+    Status st = update_.broadcast(slots_[in.slot]->data(), in.header.bytes, 0);
     if (!st.ok())
-      return st.with_context(fmt::format("receiving bucket {} of step {}", in.header.bucket,
-                                         in.header.step));
-    in.data = slots_[in.slot].data();
+      return st.with_context(
+          fmt::format("receiving bucket {} of step {}", in.header.bucket, in.header.step));
+    in.data = slots_[in.slot]->data();
     return in;
   }
 
@@ -179,7 +183,7 @@ class BroadcastReceiver final : public BucketReceiver {
   Communicator& update_;
   Mailbox& mailbox_;
   std::chrono::milliseconds timeout_;
-  std::vector<HostBuffer> slots_;
+  std::vector<std::unique_ptr<DeviceBuffer>> slots_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<bool> busy_;
@@ -188,18 +192,32 @@ class BroadcastReceiver final : public BucketReceiver {
 
 }  // namespace
 
+Result<std::vector<std::unique_ptr<DeviceBuffer>>> allocate_slots(DataPlane& plane,
+                                                                  const TransportOptions& o) {
+  std::vector<std::unique_ptr<DeviceBuffer>> slots;
+  for (int s = 0; s < o.num_slots; ++s) {
+    REFIT_ASSIGN_OR_RETURN(auto buf, plane.allocate(o.slot_bytes));
+    slots.push_back(std::move(buf));
+  }
+  return slots;
+}
+
 Result<std::unique_ptr<BucketSender>> make_broadcast_sender(Communicator& update, Mailbox& mailbox,
+                                                            DataPlane& plane,
                                                             std::vector<std::string> engine_ids,
                                                             bool send_meta,
                                                             const TransportOptions& options) {
-  return std::unique_ptr<BucketSender>(
-      new BroadcastSender(update, mailbox, std::move(engine_ids), send_meta, options));
+  REFIT_ASSIGN_OR_RETURN(auto slots, allocate_slots(plane, options));
+  return std::unique_ptr<BucketSender>(new BroadcastSender(
+      update, mailbox, std::move(slots), std::move(engine_ids), send_meta, options));
 }
 
 Result<std::unique_ptr<BucketReceiver>> make_broadcast_receiver(Communicator& update,
-                                                                Mailbox& mailbox,
+                                                                Mailbox& mailbox, DataPlane& plane,
                                                                 const TransportOptions& options) {
-  return std::unique_ptr<BucketReceiver>(new BroadcastReceiver(update, mailbox, options));
+  REFIT_ASSIGN_OR_RETURN(auto slots, allocate_slots(plane, options));
+  return std::unique_ptr<BucketReceiver>(
+      new BroadcastReceiver(update, mailbox, std::move(slots), options));
 }
 
 }  // namespace refit

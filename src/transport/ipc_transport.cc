@@ -52,15 +52,14 @@ class IpcSender final : public BucketSender {
 
  private:
   Status take_ack() {
-    REFIT_ASSIGN_OR_RETURN(Message msg,
-                           expect_message(mailbox_, MessageType::kBucketDone, timeout_,
-                                          "the acknowledgement of " + peer_));
+    REFIT_ASSIGN_OR_RETURN(Message msg, expect_message(mailbox_, MessageType::kBucketDone, timeout_,
+                                                       "the acknowledgement of " + peer_));
     int slot = -1;
     BucketHeader h;
     REFIT_RETURN_IF_ERROR(decode_bucket_message(msg.payload, slot, h));
     if (slot < 0 || slot >= num_slots() || !in_flight_[slot])
-      return Status::Internal(fmt::format("ipc: {} acknowledged slot {} that was not in flight",
-                                          peer_, slot));
+      return Status::Internal(
+          fmt::format("ipc: {} acknowledged slot {} that was not in flight", peer_, slot));
     in_flight_[slot] = false;
     return Status::Ok();
   }
@@ -86,10 +85,10 @@ class IpcReceiver final : public BucketReceiver {
     REFIT_RETURN_IF_ERROR(decode_bucket_message(msg.payload, in.slot, in.header));
     if (in.slot < 0 || in.slot >= static_cast<int>(slots_.size()) ||
         in.header.bytes > slots_[in.slot]->size())
-      return Status::Corruption(fmt::format("ipc: bucket {} names slot {} with {} bytes; this "
-                                            "engine mapped {} slots of {} bytes",
-                                            in.header.bucket, in.slot, in.header.bytes,
-                                            slots_.size(), slots_[0]->size()));
+      return Status::Corruption(fmt::format(
+          "ipc: bucket {} names slot {} with {} bytes; this "
+          "engine mapped {} slots of {} bytes",
+          in.header.bucket, in.slot, in.header.bytes, slots_.size(), slots_[0]->size()));
     if (expected) in.header.meta = expected->meta;
     in.data = slots_[in.slot]->data();
     return in;
@@ -116,8 +115,8 @@ Result<std::unique_ptr<BucketSender>> make_ipc_sender(Mailbox& mailbox, std::str
                                                       const TransportOptions& options) {
   std::vector<std::unique_ptr<SharedMemory>> slots;
   for (int s = 0; s < options.num_slots; ++s) {
-    REFIT_ASSIGN_OR_RETURN(auto shm,
-                           SharedMemory::create(segment_name(segment_prefix, s), options.slot_bytes));
+    REFIT_ASSIGN_OR_RETURN(
+        auto shm, SharedMemory::create(segment_name(segment_prefix, s), options.slot_bytes));
     slots.push_back(std::move(shm));
   }
   return std::unique_ptr<BucketSender>(

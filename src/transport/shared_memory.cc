@@ -27,15 +27,15 @@ Result<std::unique_ptr<SharedMemory>> SharedMemory::create(const std::string& na
   shm_unlink(name.c_str());  // a stale segment of a crashed run with the same name
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0)
-    return Status::IOError(
-        fmt::format("ipc: shm_open({}) failed: {}", name, std::strerror(errno)));
+    return Status::IOError(fmt::format("ipc: shm_open({}) failed: {}", name, std::strerror(errno)));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     close(fd);
     shm_unlink(name.c_str());
-    return Status::IOError(fmt::format("ipc: sizing shared memory {} to {} bytes failed: {} "
-                                       "(is /dev/shm large enough?)",
-                                       name, bytes, std::strerror(err)));
+    return Status::IOError(
+        fmt::format("ipc: sizing shared memory {} to {} bytes failed: {} "
+                    "(is /dev/shm large enough?)",
+                    name, bytes, std::strerror(err)));
   }
   auto mapped = map_fd(fd, name, bytes);
   close(fd);
@@ -50,9 +50,10 @@ Result<std::unique_ptr<SharedMemory>> SharedMemory::open(const std::string& name
                                                          std::size_t bytes) {
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0)
-    return Status::IOError(fmt::format("ipc: shm_open({}) failed: {} (the trainer rank on this "
-                                       "device creates it at setup)",
-                                       name, std::strerror(errno)));
+    return Status::IOError(
+        fmt::format("ipc: shm_open({}) failed: {} (the trainer rank on this "
+                    "device creates it at setup)",
+                    name, std::strerror(errno)));
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) < bytes) {
     close(fd);

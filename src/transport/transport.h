@@ -24,6 +24,7 @@
 namespace refit {
 
 class Communicator;
+class DataPlane;
 
 struct BucketHeader {
   int step = 0;
@@ -69,14 +70,16 @@ struct TransportOptions {
   std::chrono::milliseconds timeout{60000};
 };
 
-// Broadcast: `update` is the update group (this process rank 0 on the sender side). When
-// `send_meta` is set the header travels to every id in `engine_ids` before each broadcast.
+// Broadcast: `update` is the update group (this process rank 0 on the sender side); slots are
+// allocated on `plane` (host or device memory, matching the communicator). When `send_meta` is
+// set the header travels to every id in `engine_ids` before each broadcast.
 Result<std::unique_ptr<BucketSender>> make_broadcast_sender(Communicator& update, Mailbox& mailbox,
+                                                            DataPlane& plane,
                                                             std::vector<std::string> engine_ids,
                                                             bool send_meta,
                                                             const TransportOptions& options);
 Result<std::unique_ptr<BucketReceiver>> make_broadcast_receiver(Communicator& update,
-                                                                Mailbox& mailbox,
+                                                                Mailbox& mailbox, DataPlane& plane,
                                                                 const TransportOptions& options);
 
 // IPC: `segment_prefix` names the shared-memory segments ("<prefix>-<slot>"); the sender
