@@ -20,6 +20,8 @@
 namespace refit {
 
 // One strided block: `block.src_*` index elements of `src`, `block.dst_*` elements of `dst`.
+// A list of runs is built once and never changed afterwards, so a device plane may keep an
+// uploaded copy of it (keyed by the vector's address and size).
 struct CopyRun {
   const std::byte* src = nullptr;
   std::byte* dst = nullptr;
@@ -41,8 +43,10 @@ class DataPlane {
   // setup, not during a refit).
   virtual Result<std::unique_ptr<DeviceBuffer>> allocate(std::size_t bytes) = 0;
   // Executes every run, converting `src_dtype` elements to `dst_dtype`. Runs must not overlap in
-  // their destinations. Returns when the copies are complete.
-  virtual Status copy(const std::vector<CopyRun>& runs, DType src_dtype, DType dst_dtype) = 0;
+  // their destinations. When `src_base` is set it replaces every run's `src` (a bucket that
+  // arrived in one of several slots). Returns when the copies are complete.
+  virtual Status copy(const std::vector<CopyRun>& runs, DType src_dtype, DType dst_dtype,
+                      const std::byte* src_base = nullptr) = 0;
 };
 
 // The plane of `config.device`. CPU: `threads` workers (0 = REFIT_CPU_THREADS or the number of

@@ -95,13 +95,14 @@ class CpuDataPlane final : public DataPlane {
     }
   }
 
-  Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt) override {
+  Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
+              const std::byte* src_base) override {
     std::int64_t total = 0;
     for (const CopyRun& r : runs) total += r.block.numel();
     // Small lists are not worth waking the workers.
     constexpr std::int64_t kParallelMin = 1 << 20;
     if (pool_.size() == 1 || total < kParallelMin) {
-      for (const CopyRun& r : runs) run_rows(r, 0, r.block.rows, sdt, ddt);
+      for (const CopyRun& r : runs) run_rows(r, src_base, 0, r.block.rows, sdt, ddt);
       return Status::Ok();
     }
     // Worker w takes elements [w*share, (w+1)*share) of the concatenated runs, cut at row
@@ -119,7 +120,7 @@ class CpuDataPlane final : public DataPlane {
               std::max<std::int64_t>(0, (lo - at + r.block.cols - 1) / r.block.cols);
           const std::int64_t last =
               std::min(r.block.rows, (hi - at + r.block.cols - 1) / r.block.cols);
-          if (first < last) run_rows(r, first, last, sdt, ddt);
+          if (first < last) run_rows(r, src_base, first, last, sdt, ddt);
         }
         at += n;
         if (at >= hi) break;
@@ -129,10 +130,11 @@ class CpuDataPlane final : public DataPlane {
   }
 
  private:
-  static void run_rows(const CopyRun& r, std::int64_t row_begin, std::int64_t row_end, DType sdt,
-                       DType ddt) {
+  static void run_rows(const CopyRun& r, const std::byte* src_base, std::int64_t row_begin,
+                       std::int64_t row_end, DType sdt, DType ddt) {
     const Block2D& b = r.block;
-    convert_block(r.src, sdt, b.src_offset + row_begin * b.src_stride, b.src_stride, r.dst, ddt,
+    convert_block(src_base != nullptr ? src_base : r.src, sdt,
+                  b.src_offset + row_begin * b.src_stride, b.src_stride, r.dst, ddt,
                   b.dst_offset + row_begin * b.dst_stride, b.dst_stride, row_end - row_begin,
                   b.cols);
   }

@@ -23,6 +23,7 @@
 #include "runtime/data_plane.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
+#include "runtime/groups.h"
 #include "runtime/protocol.h"
 #include "runtime/schedule.h"
 #include "runtime/setup.h"
@@ -173,8 +174,8 @@ class EngineImpl final : public Engine {
                           static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
     if (broadcast_mode()) {
       feeder_ = "trainer/0";
-      GlooOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
-      REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
+      GroupOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
+      REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
       REFIT_ASSIGN_OR_RETURN(receiver_,
                              make_broadcast_receiver(*update_comm_, *mailbox_, *plane_, topt));
     } else {
@@ -201,7 +202,7 @@ class EngineImpl final : public Engine {
     }
   }
 
-  // Apply runs as copies into the registered parameters; the source is set per bucket.
+  // Apply runs as copies into the registered parameters; the source (the slot) is given per call.
   std::vector<CopyRun> copy_runs(const std::vector<ApplyRun>& runs) const {
     std::vector<CopyRun> out;
     out.reserve(runs.size());
@@ -220,7 +221,7 @@ class EngineImpl final : public Engine {
       }
     } else {
       std::vector<CopyRun> decoded;
-      std::vector<CopyRun>* runs = nullptr;
+      const std::vector<CopyRun>* runs = nullptr;
       if (vllm()) {
         if (in.header.bucket < 0 || in.header.bucket >= static_cast<int>(plan_runs_.size()))
           return Status::Corruption(
@@ -234,8 +235,7 @@ class EngineImpl final : public Engine {
         decoded = copy_runs(build_apply_runs(model_->spec, layout_, entries, dt));
         runs = &decoded;
       }
-      for (CopyRun& r : *runs) r.src = in.data;  // the slot this bucket arrived in
-      REFIT_RETURN_IF_ERROR(plane_->copy(*runs, dt, dt));
+      REFIT_RETURN_IF_ERROR(plane_->copy(*runs, dt, dt, in.data));  // from the slot it arrived in
     }
     {
       std::lock_guard lock(apply_mu_);

@@ -23,6 +23,7 @@
 #include "runtime/data_plane.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
+#include "runtime/groups.h"
 #include "runtime/protocol.h"
 #include "runtime/schedule.h"
 #include "runtime/setup.h"
@@ -150,8 +151,8 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout()));
     if (world > 1) {
-      GlooOptions g{"trainer", rank_, world, ep_.host, timeout()};
-      REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_gloo_communicator(*store_, g));
+      GroupOptions g{"trainer", rank_, world, ep_.host, timeout()};
+      REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_group(*store_, g, *plane_));
     }
     // Which engine ranks this rank feeds, and the transport to them.
     const int engines = cfg_.engine_ranks();
@@ -161,8 +162,8 @@ class TrainerImpl final : public Trainer {
     if (broadcast_mode()) {
       if (rank_ == 0) {
         for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
-        GlooOptions g{"update", 0, 1 + engines, ep_.host, timeout()};
-        REFIT_ASSIGN_OR_RETURN(update_comm_, make_gloo_communicator(*store_, g));
+        GroupOptions g{"update", 0, 1 + engines, ep_.host, timeout()};
+        REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
         REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_, *plane_,
                                                               fed_engines_, sglang, topt));
       }

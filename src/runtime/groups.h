@@ -1,0 +1,25 @@
+// Forms the collective groups of a refit on the backend that matches the data plane: Gloo for
+// host memory, NCCL for CUDA memory.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "runtime/data_plane.h"
+
+namespace refit {
+
+struct GroupOptions {
+  std::string name;  // "trainer", "update": namespaces the group's keys in the store
+  int rank = 0;
+  int size = 1;
+  std::string host = "127.0.0.1";
+  std::chrono::milliseconds timeout{60000};
+};
+
+Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOptions& options,
+                                                 DataPlane& plane);
+
+}  // namespace refit
