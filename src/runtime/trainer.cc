@@ -180,7 +180,10 @@ class TrainerImpl final : public Trainer {
     if (world > 1) {
       REFIT_ASSIGN_OR_RETURN(send_, plane_->allocate(bucket_bytes));
     }
-    if (feeds()) REFIT_RETURN_IF_ERROR(check_engines());
+    if (feeds()) {
+      REFIT_RETURN_IF_ERROR(check_engines());
+      sender_->on_receivers_attached();
+    }
     // Setup is complete on every trainer rank before the first refit.
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
     return Status::Ok();

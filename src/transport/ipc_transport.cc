@@ -50,6 +50,10 @@ class IpcSender final : public BucketSender {
 
   double take_busy_seconds() override { return std::exchange(busy_seconds_, 0.0); }
 
+  void on_receivers_attached() override {
+    for (auto& s : slots_) s->unlink();
+  }
+
  private:
   Status take_ack() {
     REFIT_ASSIGN_OR_RETURN(Message msg, expect_message(mailbox_, MessageType::kBucketDone, timeout_,

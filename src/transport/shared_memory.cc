@@ -66,6 +66,11 @@ Result<std::unique_ptr<SharedMemory>> SharedMemory::open(const std::string& name
   return std::unique_ptr<SharedMemory>(new SharedMemory(name, *mapped, bytes, false));
 }
 
+void SharedMemory::unlink() {
+  if (owner_) shm_unlink(name_.c_str());
+  owner_ = false;
+}
+
 SharedMemory::~SharedMemory() {
   if (data_ != nullptr) munmap(data_, size_);
   if (owner_) shm_unlink(name_.c_str());

@@ -1,8 +1,7 @@
 // A POSIX shared-memory segment mapped into this process (RAII, move-only).
 //
-// The creator (a trainer rank) makes the segment once at setup and unlinks its name when
-// destroyed; the opener (the engine rank on the same device) maps it once at setup. Neither
-// remaps per bucket.
+// The creator (a trainer rank) makes the segment once at setup and unlinks its name as soon as the
+// engine rank on the same device has mapped it (or when destroyed); neither remaps per bucket.
 #pragma once
 
 #include <cstddef>
@@ -24,6 +23,10 @@ class SharedMemory {
   std::byte* data() { return data_; }
   std::size_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  // Removes the name (the creator's job; idempotent). The mappings stay valid and the memory is
+  // freed when the last process unmaps it — so once the peer has mapped the segment, unlinking
+  // means nothing is left in /dev/shm even if both processes are killed.
+  void unlink();
 
  private:
   SharedMemory(std::string name, std::byte* data, std::size_t size, bool owner)

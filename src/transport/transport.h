@@ -52,6 +52,8 @@ class BucketSender {
   virtual Status drain() = 0;
   // Seconds spent moving bytes (broadcast) or waiting for the engine (ipc) since the last call.
   virtual double take_busy_seconds() = 0;
+  // Every receiver has attached (its hello arrived): setup-time names may be dropped.
+  virtual void on_receivers_attached() {}
 };
 
 class BucketReceiver {
