@@ -65,6 +65,31 @@ TEST(RuntimeCells, Fsdp2SglangIpc) { expect_verified({.colocated = true, .tp = 2
 TEST(RuntimeCells, Fsdp2VllmIpc) { expect_verified({.engine = "vllm", .colocated = true}); }
 
 TEST(RuntimeShapes, OneTrainerRank) { expect_verified({.world_size = 1, .tp = 1}); }
+
+// Colocated with one trainer rank: the trainer writes the engine's parameters in place
+// (zero-copy), or — with REFIT_ZERO_COPY=0 — goes through the shared-memory buffers.
+TEST(RuntimeZeroCopy, DirectWritesIntoTheEngine) {
+  for (const char* model : {"tiny-qwen3", "tiny-qwen2", "tiny-moe"}) {
+    auto r = run_cell({.model = model, .colocated = true, .world_size = 1, .tp = 1},
+                      {"--steps", "2", "--verify"});
+    EXPECT_EQ(r.exit_code, 0) << model << r.output;
+  }
+}
+TEST(RuntimeZeroCopy, BuffersWhenDisabled) {
+  setenv("REFIT_ZERO_COPY", "0", 1);
+  auto r = run_cell({.engine = "vllm", .colocated = true, .world_size = 1, .tp = 1, .buffer = 4096},
+                    {"--steps", "2", "--verify"});
+  unsetenv("REFIT_ZERO_COPY");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+TEST(RuntimeZeroCopy, CorruptionIsCaught) {
+  auto r = run_cell({.colocated = true, .world_size = 1, .tp = 1},
+                    {"--steps", "1", "--verify", "--fault", "corrupt:3"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verify:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("written in place"), std::string::npos) << "zero-copy path not taken\n"
+                                                                  << r.output;
+}
 TEST(RuntimeShapes, ThreeTrainerRanksUnevenChunks) {
   // tiny-qwen2: 14 heads / 2 kv heads, d=4: k_proj has 8 rows -> chunks 3,3,2; norms of 56.
   expect_verified({.model = "tiny-qwen2", .world_size = 3, .tp = 2});

@@ -97,6 +97,13 @@ class Engine {
   virtual const std::vector<TensorSlot>& params() const = 0;
   virtual Status register_param(const std::string& name, void* data, DType dtype,
                                 const std::vector<std::int64_t>& shape) = 0;
+  // Instead of registering: refit allocates zero-filled storage for every parameter, in memory the
+  // colocated trainer rank can map, and registers it. A colocated trainer rank that holds full
+  // tensors (policy.world_size 1, so one engine rank of TP 1) then writes the parameters
+  // directly — one read of the source and one write of the destination per refit,
+  // no transport buffers (set REFIT_ZERO_COPY=0 on the trainer to use the buffers anyway).
+  // Returns the pointers in params() order; they live as long as the Engine.
+  virtual Result<std::vector<void*>> allocate_params() = 0;
 
   // Called around every refit: generation must pause before any parameter changes and may
   // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake).

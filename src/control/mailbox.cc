@@ -43,6 +43,8 @@ const char* message_type_name(MessageType type) {
       return "shutdown";
     case MessageType::kVerified:
       return "verified";
+    case MessageType::kPaused:
+      return "paused";
   }
   return "unknown";
 }
@@ -55,7 +57,7 @@ constexpr std::chrono::milliseconds kSendLinger{2000};
 
 bool is_known_type(std::uint8_t t) {
   return t >= static_cast<std::uint8_t>(MessageType::kHello) &&
-         t <= static_cast<std::uint8_t>(MessageType::kVerified);
+         t <= static_cast<std::uint8_t>(MessageType::kPaused);
 }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }

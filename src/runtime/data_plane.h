@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/piece.h"
@@ -33,6 +34,8 @@ class DeviceBuffer {
   virtual ~DeviceBuffer() = default;
   virtual std::byte* data() = 0;
   virtual std::size_t size() const = 0;
+  // Exported memory: the peer has mapped it, drop any name that would outlive a crash.
+  virtual void release_name() {}
 };
 
 class DataPlane {
@@ -42,6 +45,14 @@ class DataPlane {
   // Zero-filled memory of this plane, faulted in / allocated now (registration cost is paid at
   // setup, not during a refit).
   virtual Result<std::unique_ptr<DeviceBuffer>> allocate(std::size_t bytes) = 0;
+  // Memory another process on the same device can map (CPU: a POSIX shared-memory segment named
+  // `name`; CUDA: an IPC memory handle). `handle` receives what the peer passes to open_exported.
+  virtual Result<std::unique_ptr<DeviceBuffer>> allocate_exported(std::size_t bytes,
+                                                                  const std::string& name,
+                                                                  std::string* handle) = 0;
+  // Maps memory exported by a peer on the same device, once (never per refit).
+  virtual Result<std::unique_ptr<DeviceBuffer>> open_exported(const std::string& handle,
+                                                              std::size_t bytes) = 0;
   // Executes every run, converting `src_dtype` elements to `dst_dtype`. Runs must not overlap in
   // their destinations. When `src_base` is set it replaces every run's `src` (a bucket that
   // arrived in one of several slots). Returns when the copies are complete.

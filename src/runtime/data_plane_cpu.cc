@@ -11,6 +11,7 @@
 #include "common/convert.h"
 #include "common/host_buffer.h"
 #include "runtime/data_plane.h"
+#include "transport/shared_memory.h"
 
 namespace refit {
 namespace {
@@ -23,6 +24,17 @@ class HostDeviceBuffer final : public DeviceBuffer {
 
  private:
   HostBuffer buf_;
+};
+
+class SharedDeviceBuffer final : public DeviceBuffer {
+ public:
+  explicit SharedDeviceBuffer(std::unique_ptr<SharedMemory> shm) : shm_(std::move(shm)) {}
+  std::byte* data() override { return shm_->data(); }
+  std::size_t size() const override { return shm_->size(); }
+  void release_name() override { shm_->unlink(); }
+
+ private:
+  std::unique_ptr<SharedMemory> shm_;
 };
 
 // Runs `task(worker)` on `n` workers (the caller is worker 0) and waits for all.
@@ -93,6 +105,20 @@ class CpuDataPlane final : public DataPlane {
     } catch (const std::bad_alloc&) {
       return Status::IOError(fmt::format("cannot allocate {} bytes of host memory", bytes));
     }
+  }
+
+  Result<std::unique_ptr<DeviceBuffer>> allocate_exported(std::size_t bytes,
+                                                          const std::string& name,
+                                                          std::string* handle) override {
+    REFIT_ASSIGN_OR_RETURN(auto shm, SharedMemory::create(name, bytes));
+    *handle = name;
+    return std::unique_ptr<DeviceBuffer>(new SharedDeviceBuffer(std::move(shm)));
+  }
+
+  Result<std::unique_ptr<DeviceBuffer>> open_exported(const std::string& handle,
+                                                      std::size_t bytes) override {
+    REFIT_ASSIGN_OR_RETURN(auto shm, SharedMemory::open(handle, bytes));
+    return std::unique_ptr<DeviceBuffer>(new SharedDeviceBuffer(std::move(shm)));
   }
 
   Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt,

@@ -130,9 +130,35 @@ class EngineImpl final : public Engine {
   }
   std::string weight_version() const override { return version_; }
 
+  Result<std::vector<void*>> allocate_params() override {
+    std::vector<void*> out;
+    Status st = guarded([&]() -> Status {
+      if (exported_) return Status::InvalidArgument(id() + ": allocate_params() called twice");
+      std::vector<std::size_t> offsets;
+      std::size_t total = 0;
+      for (const TensorSlot& s : slots_) {
+        offsets.push_back(total);
+        total += static_cast<std::size_t>(s.numel()) * dtype_size(s.dtype);
+        total = (total + 255) / 256 * 256;
+      }
+      REFIT_ASSIGN_OR_RETURN(
+          exported_,
+          plane_->allocate_exported(std::max<std::size_t>(total, 1),
+                                    fmt::format("/refit-{}-e{}", run_id_, rank_), &export_handle_));
+      for (std::size_t i = 0; i < slots_.size(); ++i) {
+        ptrs_[i] = exported_->data() + offsets[i];
+        out.push_back(ptrs_[i]);
+      }
+      return Status::Ok();
+    });
+    if (!st.ok()) return st;
+    return out;
+  }
+
   Result<bool> serve_one() override {
     bool committed = false;
     Status st = guarded([&]() -> Status {
+      if (!hello_sent_) REFIT_RETURN_IF_ERROR(send_hello());
       REFIT_ASSIGN_OR_RETURN(committed, next());
       return Status::Ok();
     });
@@ -184,12 +210,27 @@ class EngineImpl final : public Engine {
       REFIT_ASSIGN_OR_RETURN(receiver_, make_ipc_receiver(*mailbox_, feeder_,
                                                           ipc_segment_prefix(run_id, rank_), topt));
     }
+    run_id_ = run_id;
+    return Status::Ok();
+  }
+
+  // The engine announces itself once its storage is in place (first serve): the trainer's setup
+  // waits for it, and learns here whether it may write the parameters directly.
+  Status send_hello() {
     std::string plan_hash = model_->plan.hash_hex();
     if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
     nlohmann::json hello = {{"engine_rank", rank_},
                             {"protocol", engine_protocol_name(cfg_.generation.backend)},
                             {"plan_hash", plan_hash},
                             {"total_parameters", model_->spec.total_parameters()}};
+    if (exported_ && !broadcast_mode()) {
+      std::vector<std::size_t> offsets;
+      for (void* p : ptrs_)
+        offsets.push_back(static_cast<std::size_t>(static_cast<std::byte*>(p) - exported_->data()));
+      hello["direct"] = {
+          {"handle", export_handle_}, {"bytes", exported_->size()}, {"offsets", offsets}};
+    }
+    hello_sent_ = true;
     return mailbox_->send(feeder_, MessageType::kHello, hello.dump());
   }
 
@@ -252,6 +293,8 @@ class EngineImpl final : public Engine {
     const bool raw = begin.value("raw", false);
     const bool verify = begin.value("verify", false);
     const std::string version = begin.value("version", std::string());
+    const bool direct = begin.value("direct", false);    // the trainer writes our parameters
+    if (direct && exported_) exported_->release_name();  // mapped by the trainer at its setup
     if (buckets != static_cast<int>(model_->plan.buckets.size()) && vllm())
       return Status::InvalidArgument(
           fmt::format("vllm: the trainer announced {} buckets, the manifest has {}", buckets,
@@ -264,9 +307,10 @@ class EngineImpl final : public Engine {
     }
     log::debug("pause generation for refit step {} ({} buckets)", step, buckets);
     if (pause_hook_ && !raw) pause_hook_();
+    if (direct) REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kPaused, ""));
     apply_seconds_ = 0;
     applied_ = 0;
-    for (int b = 0; b < buckets; ++b) {
+    for (int b = 0; b < (direct ? 0 : buckets); ++b) {
       std::optional<BucketHeader> expected;
       if (vllm() && broadcast_mode()) {
         BucketHeader h;
@@ -288,7 +332,7 @@ class EngineImpl final : public Engine {
     REFIT_RETURN_IF_ERROR(applier_.drain(timeout()));
     REFIT_ASSIGN_OR_RETURN(
         Message commit, expect_message(*mailbox_, MessageType::kCommit, timeout(), "the commit"));
-    if (applied_ != buckets)
+    if (!direct && applied_ != buckets)
       return Status::Internal(
           fmt::format("commit of step {} after {} of {} buckets", step, applied_, buckets));
     if (!raw) version_ = version;  // only a complete refit publishes a new version
@@ -334,6 +378,7 @@ class EngineImpl final : public Engine {
         case MessageType::kCommit:
         case MessageType::kCommitted:
         case MessageType::kVerified:
+        case MessageType::kPaused:
           return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
                                               message_type_name(msg->type), msg->from));
       }
@@ -359,6 +404,10 @@ class EngineImpl final : public Engine {
   std::unique_ptr<BucketReceiver> receiver_;
   std::string feeder_;
   std::string version_ = "0";
+  std::string run_id_;
+  std::unique_ptr<DeviceBuffer> exported_;  // allocate_params(): parameters the trainer maps
+  std::string export_handle_;
+  bool hello_sent_ = false;
   std::function<void()> pause_hook_, resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
   Status failed_;

@@ -222,11 +222,11 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
                                                     engine_rank % cfg.generation.tp_size));
   REFIT_ASSIGN_OR_RETURN(auto engine,
                          create_engine_with_fault(cfg, engine_rank, o.endpoint, o.fault));
-  SlotArena arena(engine->params());
-  for (std::size_t i = 0; i < engine->params().size(); ++i) {
-    const TensorSlot& s = engine->params()[i];
-    REFIT_RETURN_IF_ERROR(engine->register_param(s.name, arena.ptrs[i], s.dtype, s.shape));
-  }
+  // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in
+  // place.
+  REFIT_ASSIGN_OR_RETURN(std::vector<void*> storage, engine->allocate_params());
+  std::vector<std::byte*> params;
+  for (void* p : storage) params.push_back(static_cast<std::byte*>(p));
   std::unique_ptr<LogitCheck> logits;
   if (o.check_logits) {
     REFIT_ASSIGN_OR_RETURN(logits, LogitCheck::create(o, *model, engine_rank));
@@ -234,8 +234,8 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   engine->on_verify([&](int step, const std::string&) -> Status {
     // Element-wise verification unless the engine was started for the logit check alone.
     if (o.verify || !logits)
-      REFIT_RETURN_IF_ERROR(verify_params(*model, layout, arena.ptrs, cfg, step, who));
-    if (logits) REFIT_RETURN_IF_ERROR(logits->check(*model, layout, arena.ptrs, cfg, step, who));
+      REFIT_RETURN_IF_ERROR(verify_params(*model, layout, params, cfg, step, who));
+    if (logits) REFIT_RETURN_IF_ERROR(logits->check(*model, layout, params, cfg, step, who));
     return Status::Ok();
   });
   return engine->serve();

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -17,6 +18,7 @@
 #include "common/timer.h"
 #include "control/mailbox.h"
 #include "control/store.h"
+#include "engine/engine_layout.h"
 #include "io/safetensors.h"
 #include "plan/bucket_plan.h"
 #include "refit/session.h"
@@ -208,9 +210,74 @@ class TrainerImpl final : public Trainer {
             "both sides must use the same model, refit.target_precision and "
             "refit.buffer_size_bytes",
             hello.from, theirs, model_->plan.hash_hex()));
+      if (j.contains("direct")) REFIT_RETURN_IF_ERROR(map_engine_params(j["direct"]));
     }
     return Status::Ok();
   }
+
+  // Zero-copy colocated path: when this rank holds every HF tensor whole (world size 1) and its
+  // engine exported its parameter storage, map that storage once; every refit then casts the
+  // shards straight into the engine's parameters with one copy call.
+  bool holds_full_tensors() const {
+    const TrainerShardLayout& mine = layouts_[rank_];
+    for (std::size_t t = 0; t < model_->spec.tensors().size(); ++t) {
+      const auto& owned = mine.owned_by_hf[t];
+      if (owned.size() != 1) return false;
+      const LocalTensor& lt = mine.tensors[owned[0].first];
+      const Piece& p = lt.pieces[owned[0].second];
+      const MatrixShape m = matrix_shape(model_->spec.tensors()[t].shape);
+      const MatrixShape l = matrix_shape(lt.shape);
+      if (p.src_row != 0 || p.src_col != 0 || p.dst_row != 0 || p.dst_col != 0 ||
+          p.rows != m.rows || p.cols != m.cols || l.rows != m.rows || l.cols != m.cols)
+        return false;
+    }
+    return true;
+  }
+
+  Status map_engine_params(const nlohmann::json& direct) {
+    const char* env = std::getenv("REFIT_ZERO_COPY");
+    if (env != nullptr && std::string(env) == "0") return Status::Ok();
+    if (broadcast_mode() || !holds_full_tensors()) return Status::Ok();
+    const int tp = cfg_.generation.tp_size;
+    REFIT_ASSIGN_OR_RETURN(EngineShardLayout engine, engine_layout(model_->spec, tp, rank_ % tp));
+    const auto offsets = direct.value("offsets", std::vector<std::size_t>());
+    const std::size_t bytes = direct.value("bytes", std::size_t{0});
+    if (offsets.size() != engine.params.size())
+      return Status::Corruption(
+          fmt::format("zero-copy: {} exported {} parameters, the engine "
+                      "layout has {}",
+                      fed_engines_[0], offsets.size(), engine.params.size()));
+    REFIT_ASSIGN_OR_RETURN(engine_params_,
+                           plane_->open_exported(direct.value("handle", ""), bytes));
+    engine_params_layout_ = std::move(engine);
+    engine_param_offsets_ = offsets;
+    log::debug("{}: zero-copy into {}'s parameters ({} bytes)", id(), fed_engines_[0], bytes);
+    return Status::Ok();
+  }
+
+  // One copy list for the whole refit: every engine piece, read from the local tensor that holds
+  // its HF tensor whole, cast and written in place.
+  const std::vector<CopyRun>& direct_runs() {
+    if (!direct_runs_.empty()) return direct_runs_;
+    const TrainerShardLayout& mine = layouts_[rank_];
+    for (std::size_t i = 0; i < engine_params_layout_.params.size(); ++i) {
+      const EngineParam& p = engine_params_layout_.params[i];
+      const std::int64_t dst_cols = matrix_shape(p.shape).cols;
+      std::byte* dst = engine_params_->data() + engine_param_offsets_[i];
+      for (const Piece& pc : p.pieces) {
+        const std::int64_t hf_cols = matrix_shape(model_->spec.tensors()[pc.hf_tensor].shape).cols;
+        const auto* src =
+            static_cast<const std::byte*>(ptrs_[mine.owned_by_hf[pc.hf_tensor][0].first]);
+        direct_runs_.push_back({src,
+                                dst,
+                                {pc.src_row * hf_cols + pc.src_col, hf_cols,
+                                 pc.dst_row * dst_cols + pc.dst_col, dst_cols, pc.rows, pc.cols}});
+      }
+    }
+    return direct_runs_;
+  }
+
+  bool direct() const { return engine_params_ != nullptr; }
 
   Status send_all(MessageType type, const std::string& payload) {
     for (const auto& e : fed_engines_) REFIT_RETURN_IF_ERROR(mailbox_->send(e, type, payload));
@@ -300,6 +367,7 @@ class TrainerImpl final : public Trainer {
 
   // One refit (or, with raw, one pass of the bare transport).
   Status refit_once(int step, const std::string& version, bool verify, bool raw) {
+    if (direct() && !raw) return refit_direct(step, version, verify);
     const BucketPlan& plan = model_->plan;
     const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
     if (feeds()) {
@@ -348,6 +416,36 @@ class TrainerImpl final : public Trainer {
       auto j = nlohmann::json::parse(m.payload, nullptr, false);
       if (!j.is_discarded()) phase_.apply = std::max(phase_.apply, j.value("apply_s", 0.0));
     }
+    return Status::Ok();
+  }
+
+  Status refit_direct(int step, const std::string& version, bool verify) {
+    nlohmann::json begin = {
+        {"step", step},     {"version", version}, {"buckets", model_->plan.buckets.size()},
+        {"verify", verify}, {"raw", false},       {"direct", true}};
+    REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, begin.dump()));
+    // Write only once the engine has stopped generating with these parameters.
+    for (std::size_t i = 0; i < fed_engines_.size(); ++i)
+      REFIT_RETURN_IF_ERROR(
+          expect_message(*mailbox_, MessageType::kPaused, timeout(), "the engine's pause")
+              .status());
+    Timer t;
+    REFIT_RETURN_IF_ERROR(
+        plane_->copy(direct_runs(), cfg_.policy.dtype, cfg_.refit.target_precision));
+    phase_.cast_pack += t.seconds();
+    if (step == 1 && fault_.kind == Fault::Kind::kCorrupt) {
+      const auto& runs = direct_runs();
+      const CopyRun& r = runs[std::min<std::size_t>(
+          runs.size() - 1, static_cast<std::size_t>(std::max(fault_.bucket, 0)))];
+      log::info("fault injection: corrupting a parameter written in place");
+      r.dst[r.block.dst_offset *
+            static_cast<std::int64_t>(dtype_size(cfg_.refit.target_precision))] ^= std::byte{0x5a};
+    }
+    REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
+    for (std::size_t i = 0; i < fed_engines_.size(); ++i)
+      REFIT_RETURN_IF_ERROR(
+          expect_message(*mailbox_, MessageType::kCommitted, timeout(), "commit acknowledgements")
+              .status());
     return Status::Ok();
   }
 
@@ -406,6 +504,10 @@ class TrainerImpl final : public Trainer {
   std::vector<void*> ptrs_;                     // registered storage of slots_
   std::unique_ptr<DeviceBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
   std::vector<BucketRuns> bucket_runs_;
+  std::unique_ptr<DeviceBuffer> engine_params_;  // zero-copy: the engine's mapped parameters
+  EngineShardLayout engine_params_layout_;
+  std::vector<std::size_t> engine_param_offsets_;
+  std::vector<CopyRun> direct_runs_;
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
