@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, Mapping, NamedTuple, Tuple
 
-__all__ = ["Error", "SetupError", "TensorSlot", "dict_to_yaml", "merge_dicts"]
+__all__ = ["Error", "SetupError", "TensorSlot", "dict_to_yaml", "merge_dicts", "replace_config_dict", "setup_error"]
 
 
 class Error(RuntimeError):
@@ -41,6 +41,23 @@ class SetupError(Error):
 
     The CLI exits 2 on these (``invalid_argument``, ``not_found``, ``unsupported``).
     """
+
+
+_CODE_NAMES = {
+    "invalid_argument": "invalid argument",
+    "not_found": "not found",
+    "corruption": "corruption",
+    "io_error": "I/O error",
+    "timeout": "timeout",
+    "aborted": "aborted",
+    "unsupported": "unsupported",
+    "internal": "internal error",
+}
+
+
+def setup_error(message: str, code: str = "invalid_argument") -> SetupError:
+    """A SetupError raised from Python, worded like the library's (``"<code name>: <message>"``)."""
+    return SetupError(f"{_CODE_NAMES.get(code, code)}: {message}", code, message)
 
 
 class TensorSlot(NamedTuple):
@@ -134,3 +151,18 @@ def merge_dicts(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
         else:
             out[k] = v
     return out
+
+
+def replace_config_dict(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
+    """Config.replace: merge_dicts, and a new generation.colocated re-derives the transfer mode.
+
+    The resolved dict always carries weight_transfer_mode (derived from colocated when the YAML
+    left it out); overriding colocated alone must derive it again rather than conflict with it.
+    """
+    base = merge_dicts(base, {})
+    gen = overrides.get("generation") if isinstance(overrides, Mapping) else None
+    if isinstance(gen, Mapping) and "colocated" in gen and "weight_transfer_mode" not in gen:
+        base["generation"] = {
+            k: v for k, v in base.get("generation", {}).items() if k != "weight_transfer_mode"
+        }
+    return merge_dicts(base, overrides)

@@ -159,11 +159,12 @@ None/bool/int/float/str/list/dict.
           "replace",
           [](const PyConfig& c, const py::object& overrides) {
             py::object merged =
-                py::module_::import("refit._common").attr("merge_dicts")(to_dict(c), overrides);
+                py::module_::import("refit._common").attr("replace_config_dict")(to_dict(c), overrides);
             return from_dict(merged);
           },
           py::arg("overrides"),
-          "A new Config: this one with the keys of the nested dict `overrides` replaced.")
+          "A new Config: this one with the keys of the nested dict `overrides` replaced (a new "
+          "generation.colocated without weight_transfer_mode derives the transfer mode again).")
       .def(
           "check", [](const PyConfig& c) { return check(c); }, "Same as refit.check(self).")
       .def_property_readonly(
