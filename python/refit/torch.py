@@ -200,20 +200,27 @@ class TorchTrainer:
     def _refresh(self) -> None:
         """Brings the registered storage up to date with the module's current shards."""
         world = self.config.world_size
+        params = _named_parameters(self.module)  # parameters may have been replaced since
         with torch.no_grad():
             for name, (p, local) in list(self._direct.items()):
-                current = self._params[name]
-                now = _local_shard(name, current, self.rank, world)
-                if now.data_ptr() != local.data_ptr():  # the module swapped its storage
-                    self.trainer.register(name, now)
-                    self._direct[name] = (current, now)
-            streams = set()
+                now = _local_shard(name, params[name], self.rank, world)
+                if now.data_ptr() != local.data_ptr() or now.shape != local.shape:
+                    if not now.is_contiguous() or not (now.device.type == "cpu" or _refit.accepts_device_memory()):
+                        raise setup_error(
+                            f"trainer rank {self.rank}: parameter {name} was replaced by a "
+                            f"{'non-contiguous' if not now.is_contiguous() else now.device.type} "
+                            "tensor after registration; keep its storage contiguous on the device "
+                            "it was registered on"
+                        )
+                    self.trainer.register(name, now)  # the module swapped its storage
+                    self._direct[name] = (params[name], now)
+            devices = set()
             for name, (p, staging) in self._staged.items():
-                src = _local_shard(name, self._params[name], self.rank, world)
+                src = _local_shard(name, params[name], self.rank, world)
                 staging.copy_(src, non_blocking=True)
                 if src.device.type == "cuda":
-                    streams.add(src.device)
-            for dev in streams:
+                    devices.add(src.device)
+            for dev in devices:
                 torch.cuda.synchronize(dev)
 
     def refit(self, step: int, version: Optional[str] = None, verify: bool = False) -> None:
@@ -313,9 +320,10 @@ class HFEngine:
     def load_staging(self) -> None:
         """Copies the staging tensors into the module's parameters (done after every commit)."""
         devices = set()
+        params = _named_parameters(self.module)  # parameters may have been replaced since
         with torch.no_grad():
             for op in self.plan:
-                dst = self._params[op.hf]
+                dst = params[op.hf]
                 dst.copy_(self.staging[op.engine][op.index], non_blocking=True)
                 if dst.device.type == "cuda":
                     devices.add(dst.device)
