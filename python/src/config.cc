@@ -158,8 +158,8 @@ None/bool/int/float/str/list/dict.
       .def(
           "replace",
           [](const PyConfig& c, const py::object& overrides) {
-            py::object merged =
-                py::module_::import("refit._common").attr("replace_config_dict")(to_dict(c), overrides);
+            py::object merged = py::module_::import("refit._common")
+                                    .attr("replace_config_dict")(to_dict(c), overrides);
             return from_dict(merged);
           },
           py::arg("overrides"),
