@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
@@ -367,6 +368,7 @@ class TrainerImpl final : public Trainer {
 
   // One refit (or, with raw, one pass of the bare transport).
   Status refit_once(int step, const std::string& version, bool verify, bool raw) {
+    early_verdicts_.clear();
     if (direct() && !raw) return refit_direct(step, version, verify);
     const BucketPlan& plan = model_->plan;
     const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
@@ -411,8 +413,7 @@ class TrainerImpl final : public Trainer {
     phase_.transfer += sender_->take_busy_seconds();
     REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
     for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
-      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kCommitted,
-                                                       timeout(), "commit acknowledgements"));
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
       auto j = nlohmann::json::parse(m.payload, nullptr, false);
       if (!j.is_discarded()) phase_.apply = std::max(phase_.apply, j.value("apply_s", 0.0));
     }
@@ -443,18 +444,43 @@ class TrainerImpl final : public Trainer {
     }
     REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
     for (std::size_t i = 0; i < fed_engines_.size(); ++i)
-      REFIT_RETURN_IF_ERROR(
-          expect_message(*mailbox_, MessageType::kCommitted, timeout(), "commit acknowledgements")
-              .status());
+      REFIT_RETURN_IF_ERROR(expect_commit_ack().status());
     return Status::Ok();
+  }
+
+  // One engine's commit acknowledgement. Each engine verifies right after its own commit, so its
+  // verdict can overtake another engine's acknowledgement: verdicts that arrive early are kept for
+  // collect_verification().
+  Result<Message> expect_commit_ack() {
+    while (true) {
+      auto msg = mailbox_->receive(timeout());
+      if (msg.ok() && msg->type == MessageType::kVerified) {
+        early_verdicts_.push_back(std::move(msg).value());
+        continue;
+      }
+      if (!msg.ok())
+        return msg.status().with_context(
+            fmt::format("{} waiting for commit acknowledgements", mailbox_->id()));
+      if (msg->type == MessageType::kCommitted) return msg;
+      if (msg->type == MessageType::kAbort || msg->type == MessageType::kError)
+        return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
+      return Status::Internal(fmt::format("{} waiting for commit acknowledgements: got {} from {}",
+                                          mailbox_->id(), message_type_name(msg->type), msg->from));
+    }
   }
 
   // After a verified refit: every fed engine's verdict; ranks agree on the first failure.
   Status collect_verification() {
     std::string verdict;
     for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
-      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kVerified,
-                                                       timeout() * 4, "verification results"));
+      Message m;
+      if (!early_verdicts_.empty()) {
+        m = std::move(early_verdicts_.front());
+        early_verdicts_.pop_front();
+      } else {
+        REFIT_ASSIGN_OR_RETURN(m, expect_message(*mailbox_, MessageType::kVerified, timeout() * 4,
+                                                 "verification results"));
+      }
       auto j = nlohmann::json::parse(m.payload, nullptr, false);
       if (j.is_discarded() || !j.value("verified", false)) {
         if (verdict.empty())
@@ -514,6 +540,7 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<Communicator> trainer_comm_, update_comm_;
   std::unique_ptr<BucketSender> sender_;
   std::vector<std::string> fed_engines_;
+  std::deque<Message> early_verdicts_;  // verdicts that overtook a commit acknowledgement
   Phases phase_;
   RefitStats stats_;
   Fault fault_;

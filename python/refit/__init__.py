@@ -1,0 +1,60 @@
+"""refit: push a sharded trainer's weights into inference engines after every RL step.
+
+The Python face of the refit C++ library (include/refit/session.h). One process is one rank:
+
+* a trainer rank creates ``refit.Trainer(config, rank, ...)``, registers the storage of every local
+  tensor once (zero-copy, through DLPack: NumPy arrays, torch CPU tensors) and calls
+  ``trainer.refit(step)`` after every training step;
+* an engine rank creates ``refit.Engine(config, engine_rank, ...)``, registers its parameters (the
+  vLLM/SGLang layout), sets its pause/resume/verify hooks and serves refits.
+
+``refit.torch`` (imported on first use; ``import refit`` never needs torch) builds both sides from
+PyTorch modules: ``trainer_from_fsdp`` over an FSDP2 model, ``engine_from_hf`` over a Hugging Face
+model. See docs/python.md and docs/rl-loop.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ._common import Error, SetupError, TensorSlot
+from ._refit import (
+    Config,
+    Engine,
+    ModelSpec,
+    Trainer,
+    __version__,
+    accepts_device_memory,
+    check,
+    model_spec,
+    presets,
+    support_matrix,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from . import torch
+
+__all__ = [
+    "Config",
+    "Engine",
+    "Error",
+    "ModelSpec",
+    "SetupError",
+    "TensorSlot",
+    "Trainer",
+    "__version__",
+    "accepts_device_memory",
+    "check",
+    "model_spec",
+    "presets",
+    "support_matrix",
+    "torch",
+]
+
+
+def __getattr__(name: str):
+    # refit.torch imports torch: load it only when asked for.
+    if name == "torch":
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'refit' has no attribute {name!r}")

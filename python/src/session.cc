@@ -1,0 +1,642 @@
+// refit.Trainer and refit.Engine: refit::Trainer / refit::Engine (refit/session.h) over storage the
+// caller registers through DLPack, zero-copy.
+//
+// Every blocking call (create, refit, serve_one, serve, shutdown) releases the GIL. A registered
+// tensor is a consumed DLPack export plus a reference to the object it came from; both live until
+// the object is closed, and the C++ rank is always destroyed before them. Hooks are plain Python
+// callables kept by the wrapper; the C++ engine only holds lambdas that take the GIL to call them,
+// so destroying it never touches Python objects.
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "binding.h"
+#include "dlpack.h"
+#include "errors.h"
+#include "refit/session.h"
+
+namespace py = pybind11;
+
+namespace refit::python {
+namespace {
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string default_version(const Config& c, int step) {
+  switch (c.generation.backend) {
+    case EngineProtocol::kSglang:
+      return "step-" + std::to_string(step);
+    case EngineProtocol::kVllm:
+      return std::to_string(step);
+  }
+  return std::to_string(step);
+}
+
+py::list slot_list(const std::vector<TensorSlot>& slots) {
+  py::object make = py::module_::import("refit._common").attr("TensorSlot");
+  py::list out;
+  for (const TensorSlot& s : slots)
+    out.append(make(s.name, py::tuple(py::cast(s.shape)), std::string(dtype_name(s.dtype))));
+  return out;
+}
+
+// Raises the Python exception object `exc` (with the traceback it carries).
+[[noreturn]] void reraise(const py::object& exc) {
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
+}
+
+// The exception object of a caught error_already_set, traceback attached.
+py::object exception_object(py::error_already_set& e) {
+  py::object value = e.value();
+  if (e.trace()) PyException_SetTraceback(value.ptr(), e.trace().ptr());
+  return value;
+}
+
+std::string describe(py::error_already_set& e) {
+  std::string type = py::str(e.type().attr("__name__"));
+  std::string text = py::str(e.value());
+  return text.empty() ? type : type + ": " + text;
+}
+
+// A Trainer or Engine is driven by one thread; a second concurrent call is refused.
+class CallGuard {
+ public:
+  CallGuard(std::atomic<bool>& busy, const std::string& who, const char* call) : busy_(busy) {
+    if (busy_.exchange(true))
+      throw std::runtime_error(who + ": " + call +
+                               "() called while another call on this object is running on "
+                               "another thread; a refit Trainer/Engine is driven by one thread");
+  }
+  ~CallGuard() { busy_.store(false); }
+  CallGuard(const CallGuard&) = delete;
+  CallGuard& operator=(const CallGuard&) = delete;
+
+ private:
+  std::atomic<bool>& busy_;
+};
+
+// What the caller registered for one slot.
+struct Registration {
+  ExportedTensor tensor;
+  py::object owner;  // the object passed to register(): its storage must stay put
+};
+
+// Registered storage of one rank: slot lookup, DLPack checks, and the registrations themselves.
+class Registry {
+ public:
+  void init(const std::vector<TensorSlot>& slots) {
+    slots_ = slots;
+    regs_.clear();
+    regs_.resize(slots_.size());
+    for (std::size_t i = 0; i < slots_.size(); ++i) index_[slots_[i].name] = i;
+  }
+
+  const std::vector<TensorSlot>& slots() const { return slots_; }
+
+  // `writes`: the engine writes into the storage, so read-only exports are refused.
+  template <typename RegisterFn>
+  void add(const std::string& who, bool writes, const std::string& name, const py::object& obj,
+           RegisterFn&& register_fn) {
+    auto it = index_.find(name);
+    if (it == index_.end()) {  // the library's message lists what to do
+      raise_if_error(register_fn(name, nullptr, DType::kFloat32, {}));
+      raise_status(Status::NotFound(who + ": no tensor named " + name));
+    }
+    const TensorSlot& slot = slots_[it->second];
+    const std::string what = who + ": tensor " + name;
+    auto dev = ExportedTensor::device_of(obj.ptr(), what);
+    raise_if_error(dev.status());
+    if (!dev->host()) raise_status(device_error(what, *dev));
+    auto exported = ExportedTensor::from_object(obj.ptr(), what);
+    raise_if_error(exported.status());
+    const dlpack::Tensor* t = exported->tensor();
+    const TensorDevice actual{t->device.device_type, t->device.device_id};
+    if (!actual.host()) raise_status(device_error(what, actual));
+    const std::vector<std::int64_t> shape = exported->shape();
+    if (!dtype_matches(t->dtype, slot.dtype)) {
+      std::string allowed = std::string(dtype_name(slot.dtype));
+      if (slot.dtype != DType::kFloat32)
+        allowed += cat(" (or uint", dtype_size(slot.dtype) * 8, " holding its bit patterns)");
+      raise_status(Status::InvalidArgument(cat(what, " registered as ", dlpack_dtype_name(t->dtype),
+                                               " ", shape_text(shape), ", expected ", allowed, " ",
+                                               shape_text(slot.shape))));
+    }
+    if (writes && exported->read_only())
+      raise_status(Status::InvalidArgument(
+          what +
+          " is read-only; the engine writes its parameters in place: register writable "
+          "storage"));
+    if (!exported->contiguous())
+      raise_status(Status::InvalidArgument(
+          cat(what, " is not contiguous (shape ", shape_text(shape), ", strides ",
+              exported->strides_text(),
+              "); refit reads and writes row-major storage in place: register a contiguous "
+              "tensor (a .contiguous() copy must then be the tensor you update)")));
+    void* data = exported->data();
+    const std::size_t esize = dtype_size(slot.dtype);
+    if (data != nullptr && reinterpret_cast<std::uintptr_t>(data) % esize != 0)
+      raise_status(
+          Status::InvalidArgument(cat(what, " is not aligned to its ", esize, "-byte elements")));
+    raise_if_error(register_fn(name, data, slot.dtype, shape));
+    regs_[it->second] = Registration{std::move(exported).value(), obj};
+  }
+
+  std::vector<std::string> unregistered() const {
+    std::vector<std::string> out;
+    for (std::size_t i = 0; i < slots_.size(); ++i)
+      if (!regs_[i].owner && slots_[i].numel() > 0) out.push_back(slots_[i].name);
+    return out;
+  }
+
+  py::object registered(const std::string& name) const {
+    auto it = index_.find(name);
+    if (it == index_.end() || !regs_[it->second].owner) return py::none();
+    return regs_[it->second].owner;
+  }
+
+  void clear() { regs_.clear(); }
+
+ private:
+  static Status device_error(const std::string& what, const TensorDevice& dev) {
+    return Status::Unsupported(
+        what + " is on " + dev.name() +
+        "; this build registers host memory only (the GPU data plane is not available to Python "
+        "yet): register a host tensor (e.g. t.cpu(), pinned) and copy into it before each refit "
+        "— refit.torch does this for you");
+  }
+
+  std::vector<TensorSlot> slots_;
+  std::unordered_map<std::string, std::size_t> index_;
+  std::vector<Registration> regs_;
+};
+
+class PyTrainer {
+ public:
+  PyTrainer(const PyConfig& cfg, int rank, const std::string& master_addr, int master_port,
+            const std::string& host)
+      : config_(cfg.config), rank_(rank), who_("trainer rank " + std::to_string(rank)) {
+    const Endpoint ep{master_addr, master_port, host};
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      auto created = Trainer::create(config_, rank, ep);
+      if (created.ok())
+        trainer_ = std::move(created).value();
+      else
+        st = created.status();
+    }
+    raise_if_error(st);
+    registry_.init(trainer_->tensors());
+  }
+
+  ~PyTrainer() {
+    trainer_.reset();  // before the storage it reads
+    registry_.clear();
+  }
+
+  Trainer& open(const char* call) {
+    if (!trainer_) throw std::runtime_error(who_ + ": " + call + "() after close()");
+    return *trainer_;
+  }
+
+  py::list tensors() const { return slot_list(registry_.slots()); }
+
+  void register_tensor(const std::string& name, const py::object& tensor) {
+    CallGuard guard(busy_, who_, "register");
+    Trainer& t = open("register");
+    registry_.add(
+        who_, /*writes=*/false, name, tensor,
+        [&](const std::string& n, void* data, DType dt, const std::vector<std::int64_t>& s) {
+          return t.register_tensor(n, data, dt, s);
+        });
+  }
+
+  void refit(int step, const std::optional<std::string>& version, bool verify) {
+    CallGuard guard(busy_, who_, "refit");
+    Trainer& t = open("refit");
+    const std::string v = version ? *version : default_version(config_, step);
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = t.refit(step, v, verify);
+    }
+    raise_if_error(st);
+  }
+
+  py::dict last_stats() {
+    const RefitStats& s = open("last_stats").last_stats();
+    py::dict d;
+    d["seconds"] = s.seconds;
+    d["unshard_s"] = s.unshard_s;
+    d["cast_pack_s"] = s.cast_pack_s;
+    d["transfer_s"] = s.transfer_s;
+    d["apply_s"] = s.apply_s;
+    d["bytes"] = s.bytes;
+    d["buckets"] = s.buckets;
+    d["gbps"] = s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0.0;
+    return d;
+  }
+
+  void shutdown() {
+    CallGuard guard(busy_, who_, "shutdown");
+    Trainer& t = open("shutdown");
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = t.shutdown();
+    }
+    shut_down_ = true;
+    raise_if_error(st);
+  }
+
+  void close() {
+    CallGuard guard(busy_, who_, "close");
+    {
+      py::gil_scoped_release nogil;  // the C++ trainer holds no Python objects
+      trainer_.reset();
+    }
+    registry_.clear();
+  }
+
+  void exit(const py::object& exc_type) {
+    // A clean exit tells the engines no refit follows; after an exception the peers learn of the
+    // failure from the library (or their timeouts) and a collective shutdown could only wait.
+    if (trainer_ && !shut_down_ && exc_type.is_none()) {
+      try {
+        shutdown();
+      } catch (...) {
+        close();
+        throw;
+      }
+    }
+    close();
+  }
+
+  int rank() const { return rank_; }
+  const Config& config() const { return config_; }
+  bool closed() const { return !trainer_; }
+  const std::string& who() const { return who_; }
+  Registry& registry() { return registry_; }
+
+ private:
+  const Config config_;
+  const int rank_;
+  const std::string who_;
+  Registry registry_;
+  std::unique_ptr<Trainer> trainer_;
+  std::atomic<bool> busy_{false};
+  bool shut_down_ = false;
+};
+
+class PyEngine {
+ public:
+  PyEngine(const PyConfig& cfg, int engine_rank, const std::string& master_addr, int master_port,
+           const std::string& host)
+      : config_(cfg.config),
+        engine_rank_(engine_rank),
+        who_(cat("engine ", engine_rank / std::max(1, cfg.config.generation.tp_size), " tp rank ",
+                 engine_rank % std::max(1, cfg.config.generation.tp_size))) {
+    const Endpoint ep{master_addr, master_port, host};
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      auto created = Engine::create(config_, engine_rank, ep);
+      if (created.ok())
+        engine_ = std::move(created).value();
+      else
+        st = created.status();
+    }
+    raise_if_error(st);
+    registry_.init(engine_->params());
+    version_ = engine_->weight_version();
+    // Runs on the serving thread right after the commit published the version: keep a copy other
+    // threads may read, then the user's hook.
+    engine_->on_resume([this] {
+      {
+        std::lock_guard lock(version_mu_);
+        version_ = engine_->weight_version();
+      }
+      run_hook(resume_);
+    });
+  }
+
+  ~PyEngine() {
+    engine_.reset();
+    registry_.clear();
+  }
+
+  Engine& open(const char* call) {
+    if (!engine_) throw std::runtime_error(who_ + ": " + call + "() after close()");
+    return *engine_;
+  }
+
+  py::list params() const { return slot_list(registry_.slots()); }
+
+  void register_param(const std::string& name, const py::object& tensor) {
+    CallGuard guard(busy_, who_, "register");
+    Engine& e = open("register");
+    registry_.add(
+        who_, /*writes=*/true, name, tensor,
+        [&](const std::string& n, void* data, DType dt, const std::vector<std::int64_t>& s) {
+          return e.register_param(n, data, dt, s);
+        });
+  }
+
+  void set_pause(const py::object& fn) {
+    CallGuard guard(busy_, who_, "on_pause");
+    Engine& e = open("on_pause");
+    pause_ = fn;
+    if (fn.is_none())
+      e.on_pause(nullptr);
+    else
+      e.on_pause([this] { run_hook(pause_); });
+  }
+
+  void set_resume(const py::object& fn) {
+    CallGuard guard(busy_, who_, "on_resume");
+    open("on_resume");
+    resume_ = fn;  // called by the resume hook installed at construction
+  }
+
+  void set_verify(const py::object& fn) {
+    CallGuard guard(busy_, who_, "on_verify");
+    Engine& e = open("on_verify");
+    verify_ = fn;
+    if (fn.is_none())
+      e.on_verify(nullptr);
+    else
+      e.on_verify(
+          [this](int step, const std::string& version) { return run_verify(step, version); });
+  }
+
+  bool serve_one() {
+    CallGuard guard(busy_, who_, "serve_one");
+    return serve_one_unguarded(open("serve_one"));
+  }
+
+  int serve() {
+    CallGuard guard(busy_, who_, "serve");
+    Engine& e = open("serve");
+    int served = 0;
+    while (serve_one_unguarded(e)) {
+      ++served;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C between refits
+    }
+    return served;
+  }
+
+  std::string weight_version() {
+    std::lock_guard lock(version_mu_);
+    return version_;
+  }
+
+  void close() {
+    CallGuard guard(busy_, who_, "close");
+    {
+      py::gil_scoped_release nogil;  // the C++ engine holds no Python objects
+      engine_.reset();
+    }
+    registry_.clear();
+  }
+
+  int engine_rank() const { return engine_rank_; }
+  int tp_rank() const { return engine_rank_ % config_.generation.tp_size; }
+  int engine_index() const { return engine_rank_ / config_.generation.tp_size; }
+  const std::string& who() const { return who_; }
+  Registry& registry() { return registry_; }
+
+ private:
+  bool serve_one_unguarded(Engine& e) {
+    pending_ = py::object();
+    Status st;
+    bool committed = false;
+    {
+      py::gil_scoped_release nogil;
+      auto r = e.serve_one();
+      if (r.ok())
+        committed = *r;
+      else
+        st = r.status();
+    }
+    py::object pending = std::move(pending_);
+    pending_ = py::object();
+    if (!st.ok()) raise_status(st, pending);
+    // A pause/resume hook failed: the refit itself committed (those hooks cannot fail it), but
+    // the caller must hear of it.
+    if (pending) reraise(pending);
+    return committed;
+  }
+
+  // Hooks run on the serving thread, which released the GIL.
+  void run_hook(const py::object& fn) {
+    py::gil_scoped_acquire gil;
+    if (!fn || fn.is_none()) return;
+    try {
+      fn();
+    } catch (py::error_already_set& err) {
+      if (!pending_) pending_ = exception_object(err);
+    } catch (const std::exception& err) {
+      if (!pending_)
+        pending_ = py::reinterpret_steal<py::object>(
+            PyObject_CallFunction(PyExc_RuntimeError, "s", err.what()));
+    }
+  }
+
+  Status run_verify(int step, const std::string& version) {
+    py::gil_scoped_acquire gil;
+    const std::string at = cat(" (step ", step, ", version ", version, ")");
+    try {
+      py::object r = verify_(step, version);
+      if (r.is_none()) return Status::Ok();
+      if (py::isinstance<py::bool_>(r))
+        return r.cast<bool>()
+                   ? Status::Ok()
+                   : Status::Corruption(who_ + ": the verification hook returned False" + at);
+      if (py::isinstance<py::str>(r)) {
+        const auto text = r.cast<std::string>();
+        return text.empty() ? Status::Ok() : Status::Corruption(who_ + ": " + text + at);
+      }
+      return Status::InvalidArgument(
+          cat(who_, ": the verification hook returned a ",
+              std::string(py::str(r.get_type().attr("__name__"))),
+              "; return None or True (verified), False or a message (failed), or raise", at));
+    } catch (py::error_already_set& err) {
+      const std::string text = describe(err);
+      if (!pending_) pending_ = exception_object(err);
+      return Status::Corruption(who_ + ": the verification hook raised " + text + at);
+    } catch (const std::exception& err) {
+      return Status::Corruption(who_ + ": the verification hook failed: " + err.what() + at);
+    }
+  }
+
+  const Config config_;
+  const int engine_rank_;
+  const std::string who_;
+  Registry registry_;
+  std::unique_ptr<Engine> engine_;
+  std::atomic<bool> busy_{false};
+  py::object pause_, resume_, verify_;
+  py::object pending_;  // the first exception a hook raised during the current serve_one
+  std::mutex version_mu_;
+  std::string version_;
+};
+
+}  // namespace
+
+void bind_session(py::module_& m) {
+  py::class_<PyTrainer>(m, "Trainer", R"doc(
+One trainer rank of a refit (refit/session.h).
+
+Trainer(config, rank, master_addr="127.0.0.1", master_port=29500, host="127.0.0.1") joins the
+control plane (rank 0 hosts the store on master_addr:master_port), forms the trainer group and
+waits for its engines: it is collective with every rank of the refit and blocks (GIL released) for
+at most config.timeout_s per wait. `host` is the address this process listens on for its peers.
+
+Then register every local tensor once (zero-copy: refit reads the registered storage in place at
+each refit), and call refit(step) after every training step.
+)doc")
+      .def(py::init<const PyConfig&, int, const std::string&, int, const std::string&>(),
+           py::arg("config"), py::arg("rank"), py::kw_only(), py::arg("master_addr") = "127.0.0.1",
+           py::arg("master_port") = 29500, py::arg("host") = "127.0.0.1")
+      .def_property_readonly("tensors", &PyTrainer::tensors, R"doc(
+The local tensors this rank must register: [TensorSlot(name, shape, dtype), ...] under the
+trainer's names (FSDP2: HF names with dim-0 chunk shapes; Megatron: Megatron names and shard
+shapes), in the policy dtype.
+)doc")
+      .def("register", &PyTrainer::register_tensor, py::arg("name"), py::arg("tensor"), R"doc(
+Registers the storage of local tensor `name`: any object with __dlpack__ (NumPy array, torch
+tensor) in host memory, C-contiguous, of the slot's shape and dtype. No copy is made: refit keeps
+a reference to `tensor` and reads its storage at every refit, so update it in place. Registering a
+name again replaces the previous storage. Raises refit.SetupError naming the tensor and the
+expected shape/dtype; CUDA tensors are refused (see refit.accepts_device_memory()).
+)doc")
+      .def("refit", &PyTrainer::refit, py::arg("step"), py::arg("version") = py::none(),
+           py::arg("verify") = false, R"doc(
+One refit of every registered tensor into every engine; returns when every engine this rank feeds
+committed. `version` is the weight version the engines publish (default: "step-<step>" for
+sglang, "<step>" for vllm). With verify=True the engines run their on_verify hook after the commit
+and a failed verdict raises refit.Error here, on every trainer rank. Collective over the trainer
+group; the GIL is released while it runs.
+)doc")
+      .def_property_readonly("last_stats", &PyTrainer::last_stats, R"doc(
+The last refit: {"seconds", "unshard_s", "cast_pack_s", "transfer_s", "apply_s" (stages overlap),
+"bytes", "buckets", "gbps"}.
+)doc")
+      .def_property_readonly(
+          "bytes_per_refit",
+          [](PyTrainer& t) { return t.open("bytes_per_refit").bytes_per_refit(); })
+      .def_property_readonly(
+          "buckets_per_refit",
+          [](PyTrainer& t) { return t.open("buckets_per_refit").buckets_per_refit(); })
+      .def_property_readonly("plan_hash",
+                             [](PyTrainer& t) { return t.open("plan_hash").plan_hash(); })
+      .def_property_readonly("rank", &PyTrainer::rank)
+      .def_property_readonly("closed", &PyTrainer::closed)
+      .def(
+          "unregistered", [](PyTrainer& t) { return t.registry().unregistered(); },
+          "Names of the tensors not registered yet (refit() refuses to run while any is left).")
+      .def(
+          "registered",
+          [](PyTrainer& t, const std::string& name) { return t.registry().registered(name); },
+          py::arg("name"), "The object registered for `name`, or None.")
+      .def("shutdown", &PyTrainer::shutdown, R"doc(
+Tells the engines this rank feeds that no refit follows and waits until they left. Collective.
+)doc")
+      .def("close", &PyTrainer::close,
+           "Destroys the rank and drops the registered tensors (no message to the peers).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](PyTrainer& t, const py::object& type, const py::object&, const py::object&) {
+             t.exit(type);
+             return false;
+           })
+      .def("__repr__", [](PyTrainer& t) {
+        return cat("refit.Trainer(", t.who(), t.closed() ? ", closed" : "", ")");
+      });
+
+  py::class_<PyEngine>(m, "Engine", R"doc(
+One engine rank of a refit (refit/session.h): engine_rank = engine index * tp_size + tp rank.
+
+Engine(config, engine_rank, master_addr="127.0.0.1", master_port=29500, host="127.0.0.1") joins the
+control plane of trainer rank 0 (at master_addr:master_port) and announces itself to the trainer
+rank that feeds it (GIL released while it waits). Register every parameter of `params` once
+(zero-copy: refit writes into that storage), set the hooks, then serve refits with serve_one()
+or serve().
+)doc")
+      .def(py::init<const PyConfig&, int, const std::string&, int, const std::string&>(),
+           py::arg("config"), py::arg("engine_rank"), py::kw_only(),
+           py::arg("master_addr") = "127.0.0.1", py::arg("master_port") = 29500,
+           py::arg("host") = "127.0.0.1")
+      .def_property_readonly("params", &PyEngine::params, R"doc(
+The parameters this rank stores: [TensorSlot(name, shape, dtype), ...] under the engine's names
+and TP shard shapes (vLLM/SGLang layout: fused qkv_proj and gate_up_proj, vocabulary-parallel
+embed_tokens/lm_head padded to a multiple of 64, MoE w13_weight/w2_weight), in
+refit.target_precision.
+)doc")
+      .def("register", &PyEngine::register_param, py::arg("name"), py::arg("tensor"), R"doc(
+Registers writable host storage for parameter `name` (any object with __dlpack__, C-contiguous;
+a NumPy uint16 array may stand for bf16). No copy: refit writes into it during each refit and
+keeps a reference to `tensor`. Raises refit.SetupError naming the tensor on a mismatch.
+)doc")
+      .def("on_pause", &PyEngine::set_pause, py::arg("hook"), R"doc(
+hook() runs on the serving thread before any parameter changes (pause generation); None removes it.
+)doc")
+      .def("on_resume", &PyEngine::set_resume, py::arg("hook"), R"doc(
+hook() runs on the serving thread after the commit, once weight_version is the new version and
+before the trainer's refit() returns (resume generation); None removes it. An exception in
+on_pause/on_resume does not undo the refit; serve_one()/serve() re-raise it afterwards.
+)doc")
+      .def("on_verify", &PyEngine::set_verify, py::arg("hook"), R"doc(
+hook(step, version) runs after a commit when the trainer asked for verification. Return None or
+True when the parameters are right; False or a message string, or raise, when not: the trainer's
+refit(verify=True) then raises refit.Error (code "corruption") with that message.
+)doc")
+      .def("serve_one", &PyEngine::serve_one, R"doc(
+Serves one refit (GIL released; waits at most config.timeout_s for it to start). Returns True
+after a committed refit, False when the trainer shut the engines down.
+)doc")
+      .def("serve", &PyEngine::serve, R"doc(
+Serves refits until the trainer shuts down; returns how many committed. Ctrl-C is honoured between
+refits.
+)doc")
+      .def_property_readonly("weight_version", &PyEngine::weight_version, R"doc(
+The version published by the last committed refit ("0" before the first). Safe to read from any
+thread, also while another serves.
+)doc")
+      .def_property_readonly("engine_rank", &PyEngine::engine_rank)
+      .def_property_readonly("engine_index", &PyEngine::engine_index)
+      .def_property_readonly("tp_rank", &PyEngine::tp_rank)
+      .def(
+          "unregistered", [](PyEngine& e) { return e.registry().unregistered(); },
+          "Names of the parameters not registered yet (a refit fails while any is left).")
+      .def(
+          "registered",
+          [](PyEngine& e, const std::string& name) { return e.registry().registered(name); },
+          py::arg("name"), "The object registered for `name`, or None.")
+      .def("close", &PyEngine::close,
+           "Destroys the rank and drops the registered tensors (no message to the peers).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](PyEngine& e, const py::object&, const py::object&, const py::object&) {
+             e.close();
+             return false;
+           })
+      .def("__repr__", [](PyEngine& e) { return cat("refit.Engine(", e.who(), ")"); });
+
+  m.def(
+      "accepts_device_memory", [] { return false; },
+      "Whether Trainer/Engine.register accept GPU (CUDA) tensors in this build. False: register "
+      "host tensors; refit.torch stages GPU tensors through host copies.");
+}
+
+}  // namespace refit::python

@@ -1,0 +1,291 @@
+"""Helpers for the Python tests: known trainer weights, the engine layout computed independently
+in NumPy (DESIGN §6.2 and §6.4), and refits run as real processes on loopback.
+
+The expectations here do not use refit's layout code: they follow the DESIGN rules directly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import re
+import socket
+import threading
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import refit
+
+# ---------------------------------------------------------------------------------------------
+# Known weights
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_value(index: int, shape: Sequence[int], step: int) -> np.ndarray:
+    """The full HF tensor number `index` after training step `step` (float32, deterministic).
+
+    Multiples of 1/1024 scaled by an inexact factor: most values are not bf16-representable, so
+    the cast's rounding is exercised.
+    """
+    n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    k = np.arange(n, dtype=np.int64)
+    raw = (k * 7919 + index * 104729 + step * 31) % 2039 - 1019
+    scale = 1.0 + step / 7.0 + index / 1000.0
+    return (raw.astype(np.float64) / 1024.0 * scale).astype(np.float32).reshape(tuple(shape))
+
+
+def hf_weights(spec: refit.ModelSpec, step: int) -> Dict[str, np.ndarray]:
+    return {name: hf_value(i, shape, step) for i, (name, shape) in enumerate(spec.tensors)}
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round to nearest even (no NaNs in these tests)."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def fsdp2_shard(full: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """torch.chunk semantics over dim 0 (DESIGN §6.2)."""
+    n = full.shape[0]
+    chunk = -(-n // world)
+    lo, hi = min(rank * chunk, n), min((rank + 1) * chunk, n)
+    return full[lo:hi]
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine layout, from DESIGN §6.4
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+# What the test engines fill their parameters with before the first refit. Refit never writes the
+# vocabulary padding rows (they keep this value); any other element still holding it was missed.
+ENGINE_FILL = 0xFFFF
+
+
+def engine_expected(
+    cfg: Dict[str, Any], hf: Dict[str, np.ndarray], name: str, tp: int, r: int, pad: Any = ENGINE_FILL
+) -> np.ndarray:
+    """Engine parameter `name` of TP rank r of tp, from full HF tensors (any dtype); vocabulary
+    padding rows hold `pad`."""
+    d, nq, nkv = cfg["head_dim"], cfg["num_heads"], cfg["num_kv_heads"]
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        vp = -(-V // 64) * 64
+        padded = np.full((vp, H), pad, hf[name].dtype)
+        padded[:V] = hf[name]
+        per = vp // tp
+        return padded[r * per : (r + 1) * per]
+    m = _LAYER.match(name)
+    if not m:
+        return hf[name]  # model.norm.weight
+    p, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    q_rows = nq // tp * d
+    if tp <= nkv:
+        kv_lo, kv_rows = r * (nkv // tp) * d, (nkv // tp) * d
+    else:  # replicated kv heads: rank r holds head r*nkv/tp
+        kv_lo, kv_rows = (r * nkv // tp) * d, d
+    if rest.startswith("self_attn.qkv_proj."):
+        kind = rest.rsplit(".", 1)[1]
+        q = hf[f"{p}self_attn.q_proj.{kind}"][r * q_rows : (r + 1) * q_rows]
+        k = hf[f"{p}self_attn.k_proj.{kind}"][kv_lo : kv_lo + kv_rows]
+        v = hf[f"{p}self_attn.v_proj.{kind}"][kv_lo : kv_lo + kv_rows]
+        return np.concatenate([q, k, v], axis=0)
+    if rest == "self_attn.o_proj.weight":
+        cols = nq * d // tp
+        return hf[p + rest][:, r * cols : (r + 1) * cols]
+    if rest == "mlp.gate_up_proj.weight":
+        i = cfg["intermediate_size"] // tp
+        gate = hf[p + "mlp.gate_proj.weight"][r * i : (r + 1) * i]
+        up = hf[p + "mlp.up_proj.weight"][r * i : (r + 1) * i]
+        return np.concatenate([gate, up], axis=0)
+    if rest == "mlp.down_proj.weight":
+        i = cfg["intermediate_size"] // tp
+        return hf[p + rest][:, r * i : (r + 1) * i]
+    if rest == "mlp.experts.w13_weight":
+        i, E = cfg["moe_intermediate_size"] // tp, cfg["num_experts"]
+        return np.stack(
+            [
+                np.concatenate(
+                    [
+                        hf[f"{p}mlp.experts.{e}.gate_proj.weight"][r * i : (r + 1) * i],
+                        hf[f"{p}mlp.experts.{e}.up_proj.weight"][r * i : (r + 1) * i],
+                    ]
+                )
+                for e in range(E)
+            ]
+        )
+    if rest == "mlp.experts.w2_weight":
+        i, E = cfg["moe_intermediate_size"] // tp, cfg["num_experts"]
+        return np.stack(
+            [hf[f"{p}mlp.experts.{e}.down_proj.weight"][:, r * i : (r + 1) * i] for e in range(E)]
+        )
+    return hf[p + rest]  # norms, q_norm/k_norm, router: replicated
+
+
+def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
+    if got.shape != want.shape:
+        return f"shape {got.shape} != {want.shape}"
+    bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
+    if bad.size == 0:
+        return None
+    k = int(bad[0])
+    return (
+        f"{bad.size} elements differ, first at flat index {k}: "
+        f"0x{int(got.reshape(-1)[k]):04x} != 0x{int(want.reshape(-1)[k]):04x}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks as processes
+
+
+def _trainer_main(cfg_yaml: str, rank: int, port: int, steps: int, verify: bool, out) -> None:
+    try:
+        cfg = refit.Config.from_yaml(cfg_yaml)
+        spec = refit.model_spec(cfg.model)
+        with refit.Trainer(cfg, rank, master_port=port) as trainer:
+            # The trainer's own storage: its FSDP2 shards, registered once.
+            shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
+            for name, a in shards.items():
+                trainer.register(name, a)
+            stats = []
+            for step in range(1, steps + 1):
+                full = hf_weights(spec, step)  # "training": new values, written in place
+                for name, a in shards.items():
+                    a[...] = fsdp2_shard(full[name], rank, cfg.world_size)
+                trainer.refit(step, verify=verify)
+                stats.append(trainer.last_stats)
+            result = {"shapes": {s.name: s.shape for s in trainer.tensors}, "stats": stats}
+        out.put(("trainer", rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put(("trainer", rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _engine_main(cfg_yaml: str, engine_rank: int, port: int, out) -> None:
+    try:
+        cfg = refit.Config.from_yaml(cfg_yaml)
+        spec = refit.model_spec(cfg.model)
+        tp, r = cfg.tp_size, engine_rank % cfg.tp_size
+        with refit.Engine(cfg, engine_rank, master_port=port) as engine:
+            # The engine's parameters: bf16 bit patterns in uint16 arrays.
+            params = {p.name: np.full(p.shape, ENGINE_FILL, np.uint16) for p in engine.params}
+            for name, a in params.items():
+                engine.register(name, a)
+            events: List[str] = []
+            engine.on_pause(lambda: events.append(f"pause@{engine.weight_version}"))
+            engine.on_resume(lambda: events.append(f"resume@{engine.weight_version}"))
+
+            def verify(step: int, version: str):
+                events.append(f"verify {step} {version}")
+                hf = {k: bf16_bits(v) for k, v in hf_weights(spec, step).items()}
+                for name, a in params.items():
+                    bad = first_mismatch(a, engine_expected(spec.config, hf, name, tp, r))
+                    if bad:
+                        return f"{name}: {bad}"
+                return None
+
+            engine.on_verify(verify)
+            served = engine.serve()
+            result = {
+                "params": {k: v.copy() for k, v in params.items()},
+                "events": events,
+                "served": served,
+                "version": engine.weight_version,
+            }
+        out.put(("engine", engine_rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001
+        out.put(("engine", engine_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_refit(
+    cfg: refit.Config, steps: int = 1, verify: bool = False, wait_s: float = 60.0
+) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+    """Runs every trainer and engine rank of `cfg` as a process on loopback; returns their results.
+
+    Raises AssertionError with every failing rank's message.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    text = cfg.to_yaml()
+    procs = [
+        ctx.Process(target=_trainer_main, args=(text, r, port, steps, verify, out))
+        for r in range(cfg.world_size)
+    ] + [ctx.Process(target=_engine_main, args=(text, e, port, out)) for e in range(cfg.engine_ranks)]
+    for p in procs:
+        p.start()
+    results: Dict[Tuple[str, int], Any] = {}
+    errors: List[str] = []
+    try:
+        for _ in procs:
+            role, rank, status, payload = out.get(timeout=wait_s)
+            if status == "ok":
+                results[(role, rank)] = payload
+            else:
+                errors.append(f"{role} {rank}: {payload}")
+    except queue.Empty:
+        errors.append(f"timed out after {wait_s} s waiting for the ranks")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert not errors, "\n".join(errors)
+    trainers = {r: v for (role, r), v in results.items() if role == "trainer"}
+    engines = {r: v for (role, r), v in results.items() if role == "engine"}
+    return trainers, engines
+
+
+class Ranks:
+    """One trainer rank and one engine rank (world 1, TP 1) in this process, the engine serving on
+    a thread: the GIL is released while either side blocks."""
+
+    def __init__(self, model="tiny-qwen3", protocol="sglang"):
+        self.cfg = refit.Config.from_dict(
+            {"model": model, "policy": {"world_size": 1},
+             "generation": {"backend": protocol, "tp_size": 1}, "refit": {"timeout_s": 10}}
+        )
+        port = free_port()
+        box = {}
+        t = threading.Thread(
+            target=lambda: box.setdefault("engine", refit.Engine(self.cfg, 0, master_port=port))
+        )
+        t.start()
+        self.trainer = refit.Trainer(self.cfg, 0, master_port=port)
+        t.join()
+        self.engine = box["engine"]
+        self.shards = {s.name: np.zeros(s.shape, np.float32) for s in self.trainer.tensors}
+        self.params = {p.name: np.zeros(p.shape, np.uint16) for p in self.engine.params}
+
+    def register_all(self):
+        for name, a in self.shards.items():
+            self.trainer.register(name, a)
+        for name, a in self.params.items():
+            self.engine.register(name, a)
+
+    def serve_in_thread(self):
+        box = {}
+
+        def run():
+            try:
+                box["served"] = self.engine.serve()
+            except BaseException as e:  # noqa: BLE001
+                box["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread, box
+
+    def close(self):
+        self.trainer.close()
+        self.engine.close()

@@ -1,0 +1,209 @@
+"""Refits driven from Python: trainer and engine ranks as processes on loopback, NumPy storage
+registered zero-copy, engine parameters checked bit for bit against the DESIGN §6.4 layout computed
+here in NumPy."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import refit
+from refit_testing import (
+    Ranks,
+    bf16_bits,
+    engine_expected,
+    first_mismatch,
+    fsdp2_shard,
+    hf_weights,
+    run_refit,
+)
+
+
+def check_engines(cfg, engines, step):
+    spec = refit.model_spec(cfg.model)
+    hf = {k: bf16_bits(v) for k, v in hf_weights(spec, step).items()}
+    assert sorted(engines) == list(range(cfg.engine_ranks))
+    for rank, result in engines.items():
+        r = rank % cfg.tp_size
+        assert result["params"], "engine registered no parameters"
+        for name, got in result["params"].items():
+            want = engine_expected(spec.config, hf, name, cfg.tp_size, r)
+            assert got.dtype == np.uint16
+            bad = first_mismatch(got, want)
+            assert bad is None, f"engine rank {rank}: {name}: {bad}"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # The seed's cell: FSDP2 -> SGLang, non-colocated broadcast, world size 2, TP 2.
+        {"generation": {"backend": "sglang", "tp_size": 2}},
+        # Colocated: shared-memory ipc, one engine rank per trainer rank, vLLM manifest.
+        {"generation": {"backend": "vllm", "colocated": True, "tp_size": 2}},
+    ],
+    ids=["broadcast-sglang-tp2", "ipc-vllm-tp2"],
+)
+def test_refit_from_python_matches_the_engine_layout(overrides):
+    base = {"model": "tiny-qwen3", "policy": {"world_size": 2}, "refit": {"timeout_s": 20}}
+    cfg = refit.Config.from_dict(base).replace(overrides)
+    steps = 2
+    trainers, engines = run_refit(cfg, steps=steps, verify=True)
+    # Trainer shards are torch.chunk dim-0 slices of the HF tensors (DESIGN §6.2).
+    spec = refit.model_spec(cfg.model)
+    for rank, result in trainers.items():
+        for name, shape in spec.tensors:
+            want = fsdp2_shard(np.empty(shape), rank, cfg.world_size).shape
+            assert tuple(result["shapes"][name]) == want, name
+        assert len(result["stats"]) == steps
+        assert all(s["bytes"] == 2 * spec.total_parameters for s in result["stats"])
+    # The engines hold the last step's weights, in the engine layout, bit for bit.
+    check_engines(cfg, engines, steps)
+    prefix = "step-" if cfg.engine_protocol == "sglang" else ""
+    for rank, result in engines.items():
+        assert result["served"] == steps
+        assert result["version"] == f"{prefix}{steps}"
+        # Hooks in order, with the version bumped only at the commit; verified every step.
+        assert result["events"] == [
+            "pause@0",
+            f"resume@{prefix}1",
+            f"verify 1 {prefix}1",
+            f"pause@{prefix}1",
+            f"resume@{prefix}2",
+            f"verify 2 {prefix}2",
+        ]
+
+
+def test_uneven_shards_and_tied_embeddings_with_bias():
+    # tiny-qwen2: q/k/v bias, tied embeddings, 14 heads / 2 kv heads; 3 trainer ranks hold
+    # uneven dim-0 chunks, TP 2 splits the kv heads.
+    cfg = refit.Config.from_dict(
+        {"model": "tiny-qwen2", "policy": {"world_size": 3}, "generation": {"tp_size": 2},
+         "refit": {"timeout_s": 20, "buffer_size_bytes": 65536}}
+    )
+    _, engines = run_refit(cfg, steps=1, verify=True)
+    check_engines(cfg, engines, 1)
+    names = set(engines[0]["params"])
+    assert "lm_head.weight" not in names and "model.layers.0.self_attn.qkv_proj.bias" in names
+
+
+def test_registration_errors_name_the_tensor():
+    ranks = Ranks()
+    try:
+        t, e = ranks.trainer, ranks.engine
+        name = t.tensors[1].name
+        shape = t.tensors[1].shape
+        with pytest.raises(refit.SetupError) as info:
+            t.register(name, np.zeros((3, 5), np.float32))
+        assert info.value.code == "invalid_argument"
+        assert name in str(info.value) and str(list(shape)).replace(" ", "") in str(info.value)
+        with pytest.raises(refit.SetupError, match=f"{name} registered as float64"):
+            t.register(name, np.zeros(shape, np.float64))
+        with pytest.raises(refit.SetupError, match=f"{name} is not contiguous"):
+            t.register(name, np.zeros(shape[::-1], np.float32).T)
+        with pytest.raises(refit.SetupError, match="no tensor named model.bogus.weight") as info:
+            t.register("model.bogus.weight", np.zeros(3, np.float32))
+        assert info.value.code == "not_found"
+        with pytest.raises(refit.SetupError, match="not a tensor"):
+            t.register(name, [1.0, 2.0])
+
+        class FakeCuda:  # what a CUDA tensor reports, refused before any export
+            def __dlpack_device__(self):
+                return (2, 0)
+
+            def __dlpack__(self, **kwargs):
+                raise AssertionError("must not be exported")
+
+        with pytest.raises(refit.SetupError) as info:
+            t.register(name, FakeCuda())
+        assert info.value.code == "unsupported" and "cuda:0" in str(info.value)
+        assert name in str(info.value)
+        assert not refit.accepts_device_memory()
+
+        pname, pshape = e.params[0].name, e.params[0].shape
+        with pytest.raises(refit.SetupError, match=f"{pname} registered as float32"):
+            e.register(pname, np.zeros(pshape, np.float32))  # the engine stores bf16
+        ro = np.zeros(pshape, np.uint16)
+        ro.flags.writeable = False
+        with pytest.raises(refit.SetupError, match=pname):
+            e.register(pname, ro)  # the engine writes in place
+        # A refit with tensors missing names them and changes nothing.
+        assert len(t.unregistered()) == len(t.tensors)
+        with pytest.raises(refit.SetupError, match="not registered"):
+            t.refit(1)
+    finally:
+        ranks.close()
+
+
+def test_zero_copy_in_place_updates_and_hooks_across_threads():
+    ranks = Ranks(protocol="vllm")
+    try:
+        ranks.register_all()
+        assert ranks.trainer.registered(ranks.trainer.tensors[0].name) is ranks.shards[
+            ranks.trainer.tensors[0].name]
+        versions = []
+        ranks.engine.on_resume(lambda: versions.append(ranks.engine.weight_version))
+        thread, box = ranks.serve_in_thread()
+        norm = "model.norm.weight"
+        for step, value in ((1, 1.5), (2, -0.25)):
+            ranks.shards[norm][...] = value  # in place: refit reads the registered storage
+            ranks.trainer.refit(step)
+            # refit() returns after the engine committed: its storage already holds the values.
+            assert np.all(ranks.params[norm] == bf16_bits(np.full(1, value, np.float32))[0])
+            assert ranks.engine.weight_version == str(step)
+        ranks.trainer.shutdown()
+        thread.join(timeout=20)
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 2 and versions == ["1", "2"]
+    finally:
+        ranks.close()
+
+
+def test_failed_verification_raises_on_the_trainer_with_the_engine_message():
+    ranks = Ranks()
+    try:
+        ranks.register_all()
+        ranks.engine.on_verify(lambda step, version: f"norm looks wrong at {version}")
+        thread, box = ranks.serve_in_thread()
+        with pytest.raises(refit.Error) as info:
+            ranks.trainer.refit(1, version="v1", verify=True)
+        # The verdict, or the engine's own failure report racing it: both carry the message.
+        assert info.value.code in ("corruption", "aborted")
+        assert "norm looks wrong at v1" in str(info.value) and "engine 0 tp rank 0" in str(info.value)
+        thread.join(timeout=20)
+        assert isinstance(box.get("error"), refit.Error)
+        assert "norm looks wrong at v1" in str(box["error"])
+        # The refit itself committed before verification.
+        assert ranks.engine.weight_version == "v1"
+    finally:
+        ranks.close()
+
+
+def test_a_raising_hook_surfaces_after_the_refit():
+    ranks = Ranks()
+    try:
+        ranks.register_all()
+
+        def boom():
+            raise ValueError("generation did not pause")
+
+        ranks.engine.on_pause(boom)
+        ranks.engine.on_verify(None)
+        result = {}
+        thread = threading.Thread(target=lambda: result.setdefault("t", ranks.trainer.refit(1)))
+        thread.start()
+        with pytest.raises(ValueError, match="generation did not pause"):
+            ranks.engine.serve_one()
+        thread.join(timeout=20)
+        assert "t" in result  # the trainer's refit completed
+        assert ranks.engine.weight_version == "step-1"
+    finally:
+        ranks.close()
+
+
+def test_one_thread_at_a_time_and_closed_objects():
+    ranks = Ranks()
+    ranks.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        ranks.trainer.refit(1)
+    with pytest.raises(RuntimeError, match="after close"):
+        ranks.engine.serve_one()
