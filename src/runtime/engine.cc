@@ -121,7 +121,9 @@ class EngineImpl final : public Engine {
   const std::vector<TensorSlot>& params() const override { return slots_; }
   Status register_param(const std::string& name, void* data, DType dtype,
                         const std::vector<std::int64_t>& shape) override {
-    return register_slot(slots_, ptrs_, id(), name, data, dtype, shape);
+    REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
+    plan_runs_.clear();  // they hold the registered addresses: rebuilt at the next refit
+    return Status::Ok();
   }
   void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
   void on_resume(std::function<void()> hook) override { resume_hook_ = std::move(hook); }
@@ -158,7 +160,6 @@ class EngineImpl final : public Engine {
   Result<bool> serve_one() override {
     bool committed = false;
     Status st = guarded([&]() -> Status {
-      if (!hello_sent_) REFIT_RETURN_IF_ERROR(send_hello());
       REFIT_ASSIGN_OR_RETURN(committed, next());
       return Status::Ok();
     });
@@ -211,27 +212,24 @@ class EngineImpl final : public Engine {
                                                           ipc_segment_prefix(run_id, rank_), topt));
     }
     run_id_ = run_id;
-    return Status::Ok();
-  }
-
-  // The engine announces itself once its storage is in place (first serve): the trainer's setup
-  // waits for it, and learns here whether it may write the parameters directly.
-  Status send_hello() {
+    // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
     std::string plan_hash = model_->plan.hash_hex();
     if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
     nlohmann::json hello = {{"engine_rank", rank_},
                             {"protocol", engine_protocol_name(cfg_.generation.backend)},
                             {"plan_hash", plan_hash},
                             {"total_parameters", model_->spec.total_parameters()}};
-    if (exported_ && !broadcast_mode()) {
-      std::vector<std::size_t> offsets;
-      for (void* p : ptrs_)
-        offsets.push_back(static_cast<std::size_t>(static_cast<std::byte*>(p) - exported_->data()));
-      hello["direct"] = {
-          {"handle", export_handle_}, {"bytes", exported_->size()}, {"offsets", offsets}};
-    }
-    hello_sent_ = true;
     return mailbox_->send(feeder_, MessageType::kHello, hello.dump());
+  }
+
+  // Answer to a trainer that offers to write our parameters in place: where they are, if refit
+  // allocated them (allocate_params), else null (the trainer then sends buckets).
+  nlohmann::json direct_info() const {
+    if (!exported_) return nullptr;
+    std::vector<std::size_t> offsets;
+    for (void* p : ptrs_)
+      offsets.push_back(static_cast<std::size_t>(static_cast<std::byte*>(p) - exported_->data()));
+    return {{"handle", export_handle_}, {"bytes", exported_->size()}, {"offsets", offsets}};
   }
 
   void maybe_fault(int step, int bucket) {
@@ -293,8 +291,7 @@ class EngineImpl final : public Engine {
     const bool raw = begin.value("raw", false);
     const bool verify = begin.value("verify", false);
     const std::string version = begin.value("version", std::string());
-    const bool direct = begin.value("direct", false);    // the trainer writes our parameters
-    if (direct && exported_) exported_->release_name();  // mapped by the trainer at its setup
+    const bool offer_direct = begin.value("offer_direct", false);
     if (buckets != static_cast<int>(model_->plan.buckets.size()) && vllm())
       return Status::InvalidArgument(
           fmt::format("vllm: the trainer announced {} buckets, the manifest has {}", buckets,
@@ -307,7 +304,15 @@ class EngineImpl final : public Engine {
     }
     log::debug("pause generation for refit step {} ({} buckets)", step, buckets);
     if (pause_hook_ && !raw) pause_hook_();
-    if (direct) REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kPaused, ""));
+    // A trainer holding full tensors offers to write in place; we accept when refit owns our
+    // parameters. Either way it learns here that generation is paused.
+    bool direct = false;
+    if (offer_direct) {
+      const nlohmann::json info = direct_info();
+      direct = !info.is_null();
+      REFIT_RETURN_IF_ERROR(
+          mailbox_->send(feeder_, MessageType::kPaused, nlohmann::json{{"direct", info}}.dump()));
+    }
     apply_seconds_ = 0;
     applied_ = 0;
     for (int b = 0; b < (direct ? 0 : buckets); ++b) {
@@ -332,6 +337,7 @@ class EngineImpl final : public Engine {
     REFIT_RETURN_IF_ERROR(applier_.drain(timeout()));
     REFIT_ASSIGN_OR_RETURN(
         Message commit, expect_message(*mailbox_, MessageType::kCommit, timeout(), "the commit"));
+    if (direct && exported_) exported_->release_name();  // the trainer has mapped it by now
     if (!direct && applied_ != buckets)
       return Status::Internal(
           fmt::format("commit of step {} after {} of {} buckets", step, applied_, buckets));
@@ -407,7 +413,6 @@ class EngineImpl final : public Engine {
   std::string run_id_;
   std::unique_ptr<DeviceBuffer> exported_;  // allocate_params(): parameters the trainer maps
   std::string export_handle_;
-  bool hello_sent_ = false;
   std::function<void()> pause_hook_, resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
   Status failed_;

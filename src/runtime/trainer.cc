@@ -64,8 +64,11 @@ class TrainerImpl final : public Trainer {
 
   Status register_tensor(const std::string& name, void* data, DType dtype,
                          const std::vector<std::int64_t>& shape) override {
-    return register_slot(slots_, ptrs_, "trainer rank " + std::to_string(rank_), name, data, dtype,
-                         shape);
+    REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
+    // Copy lists hold the registered addresses: rebuild them at the next refit.
+    bucket_runs_.clear();
+    direct_runs_.clear();
+    return Status::Ok();
   }
 
   Status refit(int step, const std::string& version, bool verify) override {
@@ -186,6 +189,7 @@ class TrainerImpl final : public Trainer {
     if (feeds()) {
       REFIT_RETURN_IF_ERROR(check_engines());
       sender_->on_receivers_attached();
+      offer_direct_ = direct_eligible();
     }
     // Setup is complete on every trainer rank before the first refit.
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
@@ -211,7 +215,6 @@ class TrainerImpl final : public Trainer {
             "both sides must use the same model, refit.target_precision and "
             "refit.buffer_size_bytes",
             hello.from, theirs, model_->plan.hash_hex()));
-      if (j.contains("direct")) REFIT_RETURN_IF_ERROR(map_engine_params(j["direct"]));
     }
     return Status::Ok();
   }
@@ -235,10 +238,14 @@ class TrainerImpl final : public Trainer {
     return true;
   }
 
-  Status map_engine_params(const nlohmann::json& direct) {
+  // Whether to offer the engine to write its parameters in place (decided once, at setup).
+  bool direct_eligible() const {
     const char* env = std::getenv("REFIT_ZERO_COPY");
-    if (env != nullptr && std::string(env) == "0") return Status::Ok();
-    if (broadcast_mode() || !holds_full_tensors()) return Status::Ok();
+    if (env != nullptr && std::string(env) == "0") return false;
+    return !broadcast_mode() && holds_full_tensors();
+  }
+
+  Status map_engine_params(const nlohmann::json& direct) {
     const int tp = cfg_.generation.tp_size;
     REFIT_ASSIGN_OR_RETURN(EngineShardLayout engine, engine_layout(model_->spec, tp, rank_ % tp));
     const auto offsets = direct.value("offsets", std::vector<std::size_t>());
@@ -277,8 +284,6 @@ class TrainerImpl final : public Trainer {
     }
     return direct_runs_;
   }
-
-  bool direct() const { return engine_params_ != nullptr; }
 
   Status send_all(MessageType type, const std::string& payload) {
     for (const auto& e : fed_engines_) REFIT_RETURN_IF_ERROR(mailbox_->send(e, type, payload));
@@ -369,16 +374,26 @@ class TrainerImpl final : public Trainer {
   // One refit (or, with raw, one pass of the bare transport).
   Status refit_once(int step, const std::string& version, bool verify, bool raw) {
     early_verdicts_.clear();
-    if (direct() && !raw) return refit_direct(step, version, verify);
     const BucketPlan& plan = model_->plan;
     const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
     if (feeds()) {
+      const bool offer = offer_direct_ && !raw;
       nlohmann::json begin = {{"step", step},
                               {"version", version},
                               {"buckets", plan.buckets.size()},
                               {"verify", verify && !raw},
-                              {"raw", raw}};
+                              {"raw", raw},
+                              {"offer_direct", offer}};
       REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, begin.dump()));
+      if (offer) {  // the engine paused; it says whether we may write its parameters in place
+        REFIT_ASSIGN_OR_RETURN(Message paused, expect_message(*mailbox_, MessageType::kPaused,
+                                                              timeout(), "the engine's pause"));
+        auto j = nlohmann::json::parse(paused.payload, nullptr, false);
+        if (!j.is_discarded() && j.contains("direct") && !j["direct"].is_null()) {
+          if (!engine_params_) REFIT_RETURN_IF_ERROR(map_engine_params(j["direct"]));
+          return refit_direct(step);
+        }
+      }
     }
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
       std::byte* slot = nullptr;
@@ -420,16 +435,8 @@ class TrainerImpl final : public Trainer {
     return Status::Ok();
   }
 
-  Status refit_direct(int step, const std::string& version, bool verify) {
-    nlohmann::json begin = {
-        {"step", step},     {"version", version}, {"buckets", model_->plan.buckets.size()},
-        {"verify", verify}, {"raw", false},       {"direct", true}};
-    REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, begin.dump()));
-    // Write only once the engine has stopped generating with these parameters.
-    for (std::size_t i = 0; i < fed_engines_.size(); ++i)
-      REFIT_RETURN_IF_ERROR(
-          expect_message(*mailbox_, MessageType::kPaused, timeout(), "the engine's pause")
-              .status());
+  // The engine is paused and its parameters are mapped: cast the shards straight into them.
+  Status refit_direct(int step) {
     Timer t;
     REFIT_RETURN_IF_ERROR(
         plane_->copy(direct_runs(), cfg_.policy.dtype, cfg_.refit.target_precision));
@@ -534,6 +541,7 @@ class TrainerImpl final : public Trainer {
   EngineShardLayout engine_params_layout_;
   std::vector<std::size_t> engine_param_offsets_;
   std::vector<CopyRun> direct_runs_;
+  bool offer_direct_ = false;
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
