@@ -97,30 +97,43 @@ TEST(CudaKernels, LaunchesReportUnsupportedWithoutCuda) {
 
 // Every dtype pair, flat, at start offsets that force the scalar head/tail and the
 // never-co-aligned fallback.
+// Every kernel variant (CopyKernelTuning) must give the same bits.
+const CopyKernelTuning kTunings[] = {{false}, {true}};
+
+struct TuningScope {
+  explicit TuningScope(const CopyKernelTuning& t) : saved(copy_kernel_tuning()) {
+    set_copy_kernel_tuning(t);
+  }
+  ~TuningScope() { set_copy_kernel_tuning(saved); }
+  CopyKernelTuning saved;
+};
+
 TEST(CudaKernels, FlatConvertMatchesCpuForEveryDtypePair) {
   REFIT_REQUIRE_GPU();
   std::mt19937_64 rng(7);
   const std::size_t n = 200003;
-  for (DType s : kAll)
-    for (DType d : kAll)
-      for (std::size_t soff : {0, 1, 3})
-        for (std::size_t doff : {0, 5}) {
-          const std::size_t ss = dtype_size(s), ds = dtype_size(d);
-          const auto src = random_elements(s, n + soff, rng);
-          std::vector<std::byte> want(ds * (n + doff), std::byte{0x5A});
-          convert(src.data() + soff * ss, s, want.data() + doff * ds, d, n);
-          GpuBuffer gs(src.size()), gd(want.size());
-          upload(gs, src);
-          ASSERT_TRUE(fill_bytes_async(gd.data(), 0x5A, want.size(), nullptr).ok());
-          const Status st =
-              launch_flat_convert(gs.data() + soff * ss, s, gd.data() + doff * ds, d, n, nullptr);
-          ASSERT_TRUE(st.ok()) << st.to_string();
-          sync();
-          const auto got = download(gd, want.size());
-          EXPECT_EQ(first_difference(got, want, ds), -1)
-              << dtype_name(s) << " -> " << dtype_name(d) << " src offset " << soff
-              << " dst offset " << doff;
-        }
+  for (const CopyKernelTuning& tuning : kTunings)
+    for (DType s : kAll)
+      for (DType d : kAll)
+        for (std::size_t soff : {0, 1, 3})
+          for (std::size_t doff : {0, 5}) {
+            const std::size_t ss = dtype_size(s), ds = dtype_size(d);
+            const auto src = random_elements(s, n + soff, rng);
+            std::vector<std::byte> want(ds * (n + doff), std::byte{0x5A});
+            convert(src.data() + soff * ss, s, want.data() + doff * ds, d, n);
+            GpuBuffer gs(src.size()), gd(want.size());
+            upload(gs, src);
+            ASSERT_TRUE(fill_bytes_async(gd.data(), 0x5A, want.size(), nullptr).ok());
+            TuningScope scope(tuning);
+            const Status st =
+                launch_flat_convert(gs.data() + soff * ss, s, gd.data() + doff * ds, d, n, nullptr);
+            ASSERT_TRUE(st.ok()) << st.to_string();
+            sync();
+            const auto got = download(gd, want.size());
+            EXPECT_EQ(first_difference(got, want, ds), -1)
+                << dtype_name(s) << " -> " << dtype_name(d) << " src offset " << soff
+                << " dst offset " << doff << " bulk " << tuning.bulk_same_dtype;
+          }
 }
 
 // Runs of every kind the tiler produces: contiguous (collapsed and split into many tiles),
@@ -165,23 +178,25 @@ TEST(CudaKernels, BlockCopyMatchesConvertBlockForEveryDtypePair) {
   auto table = DeviceBlockTable::upload({runs}, 0);
   ASSERT_TRUE(table.ok()) << table.status().to_string();
   EXPECT_GT(table->num_tiles(), static_cast<std::int64_t>(runs.size()));
-  for (DType s : kAll)
-    for (DType d : kAll) {
-      const std::size_t ds = dtype_size(d);
-      const auto src = random_elements(s, static_cast<std::size_t>(src_elems), rng);
-      std::vector<std::byte> want(ds * static_cast<std::size_t>(dst_elems), std::byte{0xC3});
-      for (const Block2D& b : runs)
-        convert_block(src.data(), s, b.src_offset, b.src_stride, want.data(), d, b.dst_offset,
-                      b.dst_stride, b.rows, b.cols);
-      GpuBuffer gs(src.size()), gd(want.size());
-      upload(gs, src);
-      ASSERT_TRUE(fill_bytes_async(gd.data(), 0xC3, want.size(), nullptr).ok());
-      const Status st = launch_block_copy(*table, gs.data(), s, gd.data(), d, nullptr);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-      sync();
-      EXPECT_EQ(first_difference(download(gd, want.size()), want, ds), -1)
-          << dtype_name(s) << " -> " << dtype_name(d);
-    }
+  for (const CopyKernelTuning& tuning : kTunings)
+    for (DType s : kAll)
+      for (DType d : kAll) {
+        const std::size_t ds = dtype_size(d);
+        const auto src = random_elements(s, static_cast<std::size_t>(src_elems), rng);
+        std::vector<std::byte> want(ds * static_cast<std::size_t>(dst_elems), std::byte{0xC3});
+        for (const Block2D& b : runs)
+          convert_block(src.data(), s, b.src_offset, b.src_stride, want.data(), d, b.dst_offset,
+                        b.dst_stride, b.rows, b.cols);
+        GpuBuffer gs(src.size()), gd(want.size());
+        upload(gs, src);
+        ASSERT_TRUE(fill_bytes_async(gd.data(), 0xC3, want.size(), nullptr).ok());
+        TuningScope scope(tuning);
+        const Status st = launch_block_copy(*table, gs.data(), s, gd.data(), d, nullptr);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        sync();
+        EXPECT_EQ(first_difference(download(gd, want.size()), want, ds), -1)
+            << dtype_name(s) << " -> " << dtype_name(d) << " bulk " << tuning.bulk_same_dtype;
+      }
 }
 
 TEST(CudaKernels, GroupLaunchWritesOnlyItsGroup) {

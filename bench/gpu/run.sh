@@ -9,7 +9,8 @@
 #
 # Environment: REFIT_DEPS_DIR (default .carry/deps), REFIT_GPU_BUILD (default build-gpu),
 # REFIT_BENCH_STEPS (5), REFIT_BENCH_SHAPES ("qwen3-8b:float32 qwen3-30b-a3b:bfloat16"),
-# REFIT_SKIP_TORCH=1 to skip the baseline, REFIT_SKIP_TESTS=1 to skip the unit tests.
+# REFIT_SKIP_TORCH=1 to skip the baseline, REFIT_SKIP_TESTS=1 to skip the unit tests,
+# REFIT_BENCH_BULK=0 to leave the bulk-copy-engine kernel variant out of the benchmark.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -41,10 +42,20 @@ fi
 echo "built in $(( $(date +%s) - start )) s"
 
 status=0
+# The copy kernels' variants first, on a short leash: a variant that fails (or hangs) its
+# bit-exactness tests is left out of the benchmark instead of sinking the run.
+if ! timeout 90 "$build/refit_gpu_tests" --gtest_filter='CudaKernels.FlatConvert*:CudaKernels.BlockCopy*' \
+     > "$out/tests.log" 2>&1; then
+  echo "copy kernel variants failed their tests: benchmarking without the bulk engine"
+  grep -A8 'Failure' "$out/tests.log" | head -30
+  export REFIT_BENCH_BULK=0
+  status=1
+fi
 if [ "${REFIT_SKIP_TESTS:-0}" != 1 ]; then
   echo "== CUDA unit tests"
   # NCCL separately, with a short leash: a wedged NCCL abort must not eat the whole run.
-  timeout 300 "$build/refit_gpu_tests" --gtest_filter='-CudaNccl.*' > "$out/tests.log" 2>&1
+  timeout 150 "$build/refit_gpu_tests" \
+    --gtest_filter='-CudaNccl.*:CudaKernels.FlatConvert*:CudaKernels.BlockCopy*' >> "$out/tests.log" 2>&1
   rc1=$?
   timeout 120 "$build/refit_gpu_tests" --gtest_filter='CudaNccl.*' >> "$out/tests.log" 2>&1
   rc2=$?
@@ -62,7 +73,7 @@ for shape in $shapes; do
   model=${shape%%:*}
   dtype=${shape##*:}
   echo "== bench $model ($dtype trainer)"
-  timeout 600 "$build/zero_copy_bench" --model "$model" --trainer-dtype "$dtype" --steps "$steps" \
+  timeout 300 "$build/zero_copy_bench" --model "$model" --trainer-dtype "$dtype" --steps "$steps" \
     --json "$work/bench-$model.json" >> "$out/bench.log" 2>&1
   rc=$?
   tail -3 "$out/bench.log"
@@ -70,7 +81,7 @@ for shape in $shapes; do
   if [ "${REFIT_SKIP_TORCH:-0}" != 1 ]; then
     echo "== torch baseline $model"
     "$build/zero_copy_bench" --model "$model" --dump-layout "/tmp/layout-$model.json" &&
-      timeout 600 python3 bench/baselines/torch_colocated.py --layout "/tmp/layout-$model.json" \
+      timeout 300 python3 bench/baselines/torch_colocated.py --layout "/tmp/layout-$model.json" \
         --trainer-dtype "$dtype" --steps "$steps" --json "$work/torch-$model.json" >> "$out/torch.log" 2>&1
     rc=$?
     tail -2 "$out/torch.log"

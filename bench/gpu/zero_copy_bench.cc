@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -241,6 +242,12 @@ T unpod(const std::string& s) {
   T v{};
   std::memcpy(&v, s.data(), std::min(sizeof(T), s.size()));
   return v;
+}
+
+// bench/gpu/run.sh sets REFIT_BENCH_BULK=0 when the bulk-engine variant failed its tests.
+bool bulk_allowed() {
+  const char* v = std::getenv("REFIT_BENCH_BULK");
+  return v == nullptr || std::string(v) != "0";
 }
 
 double median(std::vector<double> v) {
@@ -499,9 +506,27 @@ Status trainer_main(const Options& o, const Plan& p, Channel& ch, nlohmann::json
         timed([&] { return copy_device_async(engine.data(), a.data(), probe, st); }, 5));
     std::fprintf(stderr, "[%s diag] cudaMemcpy local->ipc: %.3f ms = %.0f GB/s read+write\n",
                  o.model.c_str(), ipc_ms, 2.0 * probe / (ipc_ms * 1e-3) / 1e9);
-    REFIT_RETURN_IF_ERROR(diag("copy kernel local->local", a.data(), b.data()));
-    REFIT_RETURN_IF_ERROR(diag("copy kernel local->ipc", a.data(), engine.data()));
-    REFIT_RETURN_IF_ERROR(diag("copy kernel ipc->local", engine.data(), b.data()));
+    const std::pair<const char*, CopyKernelTuning> variants[] = {{"thread kernel", {false}},
+                                                                 {"bulk engine", {true}}};
+    for (const auto& [name, tuning] : variants) {
+      if (tuning.bulk_same_dtype && !bulk_allowed()) continue;
+      set_copy_kernel_tuning(tuning);
+      std::fprintf(stderr, "[%s diag] -- kernel variant: %s\n", o.model.c_str(), name);
+      REFIT_RETURN_IF_ERROR(diag("bf16 copy kernel local->local", a.data(), b.data()));
+      REFIT_RETURN_IF_ERROR(diag("bf16 copy kernel local->ipc", a.data(), engine.data()));
+      REFIT_ASSIGN_OR_RETURN(double cast, timed(
+                                              [&] {
+                                                return launch_flat_convert(
+                                                    a.data(), DType::kFloat32, b.data(),
+                                                    DType::kBFloat16, probe / 4, st);
+                                              },
+                                              5));
+      std::fprintf(stderr,
+                   "[%s diag] fp32->bf16 cast kernel local->local: %.3f ms = %.0f GB/s "
+                   "read+write\n",
+                   o.model.c_str(), cast, 1.5 * probe / (cast * 1e-3) / 1e9);
+    }
+    set_copy_kernel_tuning({});
   }
   const double floor_ms = (src_bytes + payload) / rw_bandwidth * 1e3;
   REFIT_ASSIGN_OR_RETURN(double cast_ms, timed(
@@ -519,32 +544,43 @@ Status trainer_main(const Options& o, const Plan& p, Channel& ch, nlohmann::json
   row("floor: one flat cast pass", cast_ms, cast_ms, 0,
       "launch_flat_convert over every element, into the engine's IPC-mapped arena");
 
-  // Zero-copy colocated refit.
-  REFIT_RETURN_IF_ERROR(poison());
-  Timing zc;
+  // Zero-copy colocated refit, with each kernel variant (CopyKernelTuning; the bulk engine only
+  // applies to equal dtypes). Each verified on the engine.
   int last = 0;
-  for (int step = 1; step <= o.steps + 1; ++step) {
-    REFIT_RETURN_IF_ERROR(generate(step));
-    const auto start = Clock::now();
-    REFIT_RETURN_IF_ERROR(t0.record(st));
-    REFIT_RETURN_IF_ERROR(
-        launch_block_copy(zero_copy, weights.data(), tdt, engine.data(), DType::kBFloat16, st));
-    REFIT_RETURN_IF_ERROR(t1.record(st));
-    REFIT_RETURN_IF_ERROR(zero_copy_done.record(st));
-    REFIT_RETURN_IF_ERROR(ch.send(kZeroCopyGo));
-    REFIT_RETURN_IF_ERROR(ch.expect(kZeroCopyDone).status());
-    const double wall = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    REFIT_ASSIGN_OR_RETURN(float dev, DeviceEvent::elapsed_ms(t0, t1));
-    if (step > 1) {  // the first refit is a warm-up
-      zc.wall_ms.push_back(wall);
-      zc.device_ms.push_back(dev);
+  int wbase = 0;
+  auto zero_copy_refits = [&](const char* label, const CopyKernelTuning& tuning) -> Status {
+    set_copy_kernel_tuning(tuning);
+    REFIT_RETURN_IF_ERROR(poison());
+    Timing zc;
+    wbase += 20;
+    for (int step = 1; step <= o.steps + 1; ++step) {
+      REFIT_RETURN_IF_ERROR(generate(wbase + step));
+      const auto start = Clock::now();
+      REFIT_RETURN_IF_ERROR(t0.record(st));
+      REFIT_RETURN_IF_ERROR(
+          launch_block_copy(zero_copy, weights.data(), tdt, engine.data(), DType::kBFloat16, st));
+      REFIT_RETURN_IF_ERROR(t1.record(st));
+      REFIT_RETURN_IF_ERROR(zero_copy_done.record(st));
+      REFIT_RETURN_IF_ERROR(ch.send(kZeroCopyGo));
+      REFIT_RETURN_IF_ERROR(ch.expect(kZeroCopyDone).status());
+      const double wall = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+      REFIT_ASSIGN_OR_RETURN(float dev, DeviceEvent::elapsed_ms(t0, t1));
+      if (step > 1) {  // the first refit is a warm-up
+        zc.wall_ms.push_back(wall);
+        zc.device_ms.push_back(dev);
+      }
+      last = wbase + step;
     }
-    last = step;
-  }
-  REFIT_RETURN_IF_ERROR(verify(last, "zero-copy"));
-  row("refit zero-copy", median(zc.wall_ms), median(zc.device_ms),
-      static_cast<double>(zero_copy.device_bytes()),
-      fmt::format("1 launch, {} tiles; verified bit-exact", zero_copy.num_tiles()));
+    REFIT_RETURN_IF_ERROR(verify(last, label));
+    row(label, median(zc.wall_ms), median(zc.device_ms),
+        static_cast<double>(zero_copy.device_bytes()),
+        fmt::format("1 launch, {} tiles; verified bit-exact", zero_copy.num_tiles()));
+    return Status::Ok();
+  };
+  REFIT_RETURN_IF_ERROR(zero_copy_refits("refit zero-copy", {}));
+  if (tdt == DType::kBFloat16 && bulk_allowed())
+    REFIT_RETURN_IF_ERROR(zero_copy_refits("refit zero-copy [bulk engine]", {true}));
+  set_copy_kernel_tuning({});
 
   // Zero-copy, pull variant: the engine runs the same copy reading the trainer's exported shards.
   REFIT_RETURN_IF_ERROR(poison());

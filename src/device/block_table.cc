@@ -8,6 +8,8 @@
 namespace refit {
 namespace {
 
+CopyKernelTuning g_tuning;
+
 constexpr std::int64_t kMaxI32 = std::numeric_limits<std::int32_t>::max();
 
 DeviceTile make_tile(std::int64_t src_offset, std::int64_t src_stride, std::int64_t dst_offset,
@@ -25,6 +27,9 @@ DeviceTile make_tile(std::int64_t src_offset, std::int64_t src_stride, std::int6
 }
 
 }  // namespace
+
+void set_copy_kernel_tuning(const CopyKernelTuning& tuning) { g_tuning = tuning; }
+CopyKernelTuning copy_kernel_tuning() { return g_tuning; }
 
 Status tile_run(const Block2D& run, std::uint32_t tag, std::vector<DeviceTile>& out) {
   if (run.rows < 0 || run.cols < 0 || run.src_offset < 0 || run.dst_offset < 0 ||

@@ -123,6 +123,12 @@ struct VecShape {
   static constexpr int kUnroll = kSrcWords >= 32 ? 1 : 32 / kSrcWords;
 };
 
+// Kernel modes (CopyKernelTuning): 16-byte thread loads and stores (evict-first), or — for
+// same-dtype contiguous tiles — the Hopper bulk-copy engine (TMA, cp.async.bulk) staged through
+// shared memory. (An L2::256B prefetch hint on the thread loads was measured too: no gain; see
+// notes/gpu-runs.md, run 3.)
+enum Mode : int { kPlain = 0, kBulk = 1 };
+
 template <class S, class D>
 __device__ __forceinline__ void load_vec(const typename S::T* s,
                                          std::uint32_t (&w)[VecShape<S, D>::kSrcWords]) {
@@ -197,9 +203,93 @@ __device__ __forceinline__ void copy_row(const typename S::T* s, typename D::T* 
   copy_scalar<S, D>(s, d, head + units * V::kV, n);
 }
 
+// ---- bulk-copy engine (sm_90): one thread streams a row through shared memory ----
+
+constexpr int kBulkStages = 4;
+constexpr int kBulkChunk = 16384;
+constexpr int kBulkSmem = kBulkStages * kBulkChunk + 64;  // + the stages' mbarriers
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Copies `bytes` (a multiple of 16; src and dst 16-byte aligned) with the TMA engine. Called by
+// one thread; kBulkStages chunk loads in flight, each stage reused once its store read it.
+__device__ void bulk_copy_bytes(const char* src, char* dst, long long bytes, unsigned char* smem) {
+  auto* bars = reinterpret_cast<unsigned long long*>(smem + kBulkStages * kBulkChunk);
+  const int n = static_cast<int>((bytes + kBulkChunk - 1) / kBulkChunk);
+  for (int st = 0; st < kBulkStages; ++st)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bars[st])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  auto chunk_size = [&](int c) {
+    const long long left = bytes - static_cast<long long>(c) * kBulkChunk;
+    return static_cast<unsigned>(left < kBulkChunk ? left : kBulkChunk);
+  };
+  auto issue_load = [&](int c) {
+    const int st = c % kBulkStages;
+    const unsigned size = chunk_size(c);
+    asm volatile(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bars[st])),
+        "r"(size)
+        : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];" ::"r"(smem_u32(smem + st * kBulkChunk)),
+        "l"(src + static_cast<long long>(c) * kBulkChunk), "r"(size), "r"(smem_u32(&bars[st]))
+        : "memory");
+  };
+  const int prologue = n < kBulkStages ? n : kBulkStages;
+  for (int c = 0; c < prologue; ++c) issue_load(c);
+  for (int c = 0; c < n; ++c) {
+    const int st = c % kBulkStages;
+    const unsigned parity = static_cast<unsigned>(c / kBulkStages) & 1u;
+    unsigned done = 0;
+    do {
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+          " selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(smem_u32(&bars[st])), "r"(parity)
+          : "memory");
+    } while (!done);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                     dst + static_cast<long long>(c) * kBulkChunk),
+                 "r"(smem_u32(smem + st * kBulkChunk)), "r"(chunk_size(c))
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (c + kBulkStages < n) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      issue_load(c + kBulkStages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// A contiguous same-dtype row: thread 0 moves the 16-byte-multiple prefix with the bulk engine,
+// the other threads the tail. False when the addresses do not allow it.
+template <class S>
+__device__ __forceinline__ bool bulk_row(const typename S::T* s, typename S::T* d, int n) {
+  using T = typename S::T;
+  if (((reinterpret_cast<std::uintptr_t>(s) | reinterpret_cast<std::uintptr_t>(d)) & 15) != 0)
+    return false;
+  const long long bytes = static_cast<long long>(n) * sizeof(T);
+  const long long prefix = bytes & ~15ll;
+  extern __shared__ __align__(128) unsigned char bulk_smem[];
+  if (threadIdx.x == 0) {
+    if (prefix > 0)
+      bulk_copy_bytes(reinterpret_cast<const char*>(s), reinterpret_cast<char*>(d), prefix,
+                      bulk_smem);
+  } else {
+    for (int i = static_cast<int>(prefix / sizeof(T)) + threadIdx.x - 1; i < n; i += kThreads - 1)
+      d[i] = s[i];
+  }
+  return true;
+}
+
 // ---- the batched strided copy: one thread block per tile ----
 
-template <class S, class D>
+template <class S, class D, int kMode>
 __global__ void __launch_bounds__(kThreads)
     block_copy_kernel(const DeviceTile* __restrict__ tiles, std::int64_t tile0,
                       const typename S::T* __restrict__ src, typename D::T* __restrict__ dst) {
@@ -210,6 +300,9 @@ __global__ void __launch_bounds__(kThreads)
   const ST* s = src + t.src_offset;
   DT* d = dst + t.dst_offset;
   if (t.rows == 1) {
+    if constexpr (kMode == kBulk && std::is_same_v<S, D>) {
+      if (bulk_row<S>(s, d, t.cols)) return;
+    }
     copy_row<S, D>(s, d, t.cols);
     return;
   }
@@ -252,14 +345,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class S, class D>
+template <class S, class D, int kMode>
 __global__ void __launch_bounds__(kThreads)
     flat_convert_kernel(const typename S::T* __restrict__ src, typename D::T* __restrict__ dst,
                         std::int64_t n) {
   const std::int64_t begin = static_cast<std::int64_t>(blockIdx.x) * kTileElems;
   const std::int64_t rest = n - begin;
-  copy_row<S, D>(src + begin, dst + begin, static_cast<int>(rest < kTileElems ? rest : kTileElems));
+  const int len = static_cast<int>(rest < kTileElems ? rest : kTileElems);
+  if constexpr (kMode == kBulk && std::is_same_v<S, D>) {
+    if (bulk_row<S>(src + begin, dst + begin, len)) return;
+  }
+  copy_row<S, D>(src + begin, dst + begin, len);
 }
+
+// Launches K<kPlain>, or K<kBulk> (with its shared memory) when the tuning asks for the bulk
+// engine and the dtypes are equal (`kSame`); the bulk kernels are only instantiated then.
+template <bool kSame, template <int> class K, class... Args>
+Status launch_mode_kernel(unsigned blocks, cudaStream_t stream, const char* what, Args... args) {
+  if constexpr (kSame) {
+    if (copy_kernel_tuning().bulk_same_dtype) {
+      static bool attribute_set = false;  // per kernel instantiation
+      if (!attribute_set) {
+        REFIT_CUDA_CHECK(cudaFuncSetAttribute(
+            K<kBulk>::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem));
+        attribute_set = true;
+      }
+      K<kBulk>::kernel<<<blocks, kThreads, kBulkSmem, stream>>>(args...);
+      REFIT_CUDA_CHECK_LAUNCH(what);
+      return Status::Ok();
+    }
+  }
+  K<kPlain>::kernel<<<blocks, kThreads, 0, stream>>>(args...);
+  REFIT_CUDA_CHECK_LAUNCH(what);
+  return Status::Ok();
+}
+
+template <class S, class D>
+struct BlockCopyK {
+  template <int M>
+  struct K {
+    static constexpr auto kernel = block_copy_kernel<S, D, M>;
+  };
+};
+template <class S, class D>
+struct FlatK {
+  template <int M>
+  struct K {
+    static constexpr auto kernel = flat_convert_kernel<S, D, M>;
+  };
+};
 
 // ---- deterministic weights (runtime/weights.cc) ----
 
@@ -396,12 +530,10 @@ Status launch_copy_range(const DeviceBlockTable& table, std::int64_t t0, std::in
     return dispatch_dtype(ddt, [&](auto d) {
       using S = decltype(s);
       using D = decltype(d);
-      block_copy_kernel<S, D>
-          <<<static_cast<unsigned>(t1 - t0), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-              table.tiles(), t0, static_cast<const typename S::T*>(src),
-              static_cast<typename D::T*>(dst));
-      REFIT_CUDA_CHECK_LAUNCH("block_copy_kernel launch");
-      return Status::Ok();
+      return launch_mode_kernel<std::is_same_v<S, D>, BlockCopyK<S, D>::template K>(
+          static_cast<unsigned>(t1 - t0), static_cast<cudaStream_t>(stream),
+          "block_copy_kernel launch", table.tiles(), t0, static_cast<const typename S::T*>(src),
+          static_cast<typename D::T*>(dst));
     });
   });
 }
@@ -447,12 +579,10 @@ Status launch_flat_convert(const void* src, DType src_dtype, void* dst, DType ds
     return dispatch_dtype(dst_dtype, [&](auto d) {
       using S = decltype(s);
       using D = decltype(d);
-      flat_convert_kernel<S, D>
-          <<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-              static_cast<const typename S::T*>(src), static_cast<typename D::T*>(dst),
-              static_cast<std::int64_t>(n));
-      REFIT_CUDA_CHECK_LAUNCH("flat_convert_kernel launch");
-      return Status::Ok();
+      return launch_mode_kernel<std::is_same_v<S, D>, FlatK<S, D>::template K>(
+          static_cast<unsigned>(blocks), static_cast<cudaStream_t>(stream),
+          "flat_convert_kernel launch", static_cast<const typename S::T*>(src),
+          static_cast<typename D::T*>(dst), static_cast<std::int64_t>(n));
     });
   });
 }

@@ -87,6 +87,21 @@ class DeviceBlockTable {
   std::vector<std::int64_t> group_numel_;
 };
 
+// How the copy kernels move bytes. Process-wide; set it at setup, before launches start (it is
+// read at every launch without synchronisation). Measured on an H200 (notes/gpu-runs.md, run 3):
+// the bulk engine copies same-dtype data between two buffers of one process 6 % faster than the
+// thread kernel (4.03 vs 3.79 TB/s read+write) but writes through a CUDA IPC mapping 6 % slower
+// (3.56 vs 3.78) — so the default (off) suits the zero-copy refit, which writes into the
+// engine's IPC-mapped parameters; turn it on in a process whose same-dtype copies stay local
+// (unshard scatter, an engine applying from its own bucket).
+struct CopyKernelTuning {
+  // Same-dtype contiguous tiles go through the Hopper bulk-copy engine (cp.async.bulk, staged in
+  // 64 KiB of shared memory per block); other tiles use the thread kernel.
+  bool bulk_same_dtype = false;
+};
+void set_copy_kernel_tuning(const CopyKernelTuning& tuning);
+CopyKernelTuning copy_kernel_tuning();
+
 // Executes the runs of one group (or of every group) of `table`: converts src elements (dtype
 // src_dtype) to dst elements (dtype dst_dtype). Runs must not overlap in dst; src and dst must
 // not overlap. Empty groups launch nothing.
