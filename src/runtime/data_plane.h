@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/piece.h"
@@ -29,9 +31,18 @@ struct CopyRun {
   Block2D block;
 };
 
-class DeviceBuffer {
+struct RankModel;
+
+// A tensor of plane memory built from pieces of HF tensors (trainer shards, engine parameters).
+struct PieceTarget {
+  const std::vector<Piece>* pieces = nullptr;
+  std::vector<std::int64_t> shape;
+  std::byte* data = nullptr;
+};
+
+class PlaneBuffer {
  public:
-  virtual ~DeviceBuffer() = default;
+  virtual ~PlaneBuffer() = default;
   virtual std::byte* data() = 0;
   virtual std::size_t size() const = 0;
   // Exported memory: the peer has mapped it, drop any name that would outlive a crash.
@@ -42,17 +53,34 @@ class DataPlane {
  public:
   virtual ~DataPlane() = default;
   virtual Device device() const = 0;
+  virtual int ordinal() const = 0;  // GPU index (0 on CPU)
+  // Copies `bytes` bytes within plane memory (raw transport passes).
+  Status copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes);
   // Zero-filled memory of this plane, faulted in / allocated now (registration cost is paid at
   // setup, not during a refit).
-  virtual Result<std::unique_ptr<DeviceBuffer>> allocate(std::size_t bytes) = 0;
+  virtual Result<std::unique_ptr<PlaneBuffer>> allocate(std::size_t bytes) = 0;
   // Memory another process on the same device can map (CPU: a POSIX shared-memory segment named
   // `name`; CUDA: an IPC memory handle). `handle` receives what the peer passes to open_exported.
-  virtual Result<std::unique_ptr<DeviceBuffer>> allocate_exported(std::size_t bytes,
-                                                                  const std::string& name,
-                                                                  std::string* handle) = 0;
+  virtual Result<std::unique_ptr<PlaneBuffer>> allocate_exported(std::size_t bytes,
+                                                                 const std::string& name,
+                                                                 std::string* handle) = 0;
   // Maps memory exported by a peer on the same device, once (never per refit).
-  virtual Result<std::unique_ptr<DeviceBuffer>> open_exported(const std::string& handle,
-                                                              std::size_t bytes) = 0;
+  virtual Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
+                                                             std::size_t bytes) = 0;
+  // Copies `bytes` of plane memory to host memory (reading results, error messages).
+  virtual Status read(void* host_dst, const std::byte* src, std::size_t bytes) = 0;
+
+  // The deterministic weights (runtime/weights.h) of `step` into several tensors at once: each
+  // target's pieces, rounded to `via`, then written as `out` dtype. Elements no piece covers are
+  // left as they are.
+  virtual Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets,
+                              int step, DType via, DType out) = 0;
+  // Compares each target with what fill_weights would write; the first differing element
+  // (target index, element index), or nullopt when every covered element matches.
+  virtual Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
+      const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
+      DType dtype) = 0;
+
   // Executes every run, converting `src_dtype` elements to `dst_dtype`. Runs must not overlap in
   // their destinations. When `src_base` is set it replaces every run's `src` (a bucket that
   // arrived in one of several slots). Returns when the copies are complete.
@@ -60,8 +88,11 @@ class DataPlane {
                       const std::byte* src_base = nullptr) = 0;
 };
 
-// The plane of `config.device`. CPU: `threads` workers (0 = REFIT_CPU_THREADS or the number of
-// cores, at most 8).
-Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int threads = 0);
+// The plane of `config.device`. CPU: REFIT_CPU_THREADS workers (default: the number of cores,
+// at most 8). CUDA: GPU `device` (REFIT_DEVICE overrides it), one stream.
+Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device = 0);
+// The GPU a rank uses by default: colocated ranks share the device of their trainer rank;
+// otherwise trainer ranks take the first GPUs and engine ranks the next (modulo the count).
+int default_device(const Config& config, bool trainer, int rank);
 
 }  // namespace refit

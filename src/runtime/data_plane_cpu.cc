@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -11,14 +12,16 @@
 #include "common/convert.h"
 #include "common/host_buffer.h"
 #include "runtime/data_plane.h"
+#include "runtime/materialize.h"
+#include "runtime/setup.h"
 #include "transport/shared_memory.h"
 
 namespace refit {
 namespace {
 
-class HostDeviceBuffer final : public DeviceBuffer {
+class HostPlaneBuffer final : public PlaneBuffer {
  public:
-  explicit HostDeviceBuffer(std::size_t bytes) : buf_(bytes) {}
+  explicit HostPlaneBuffer(std::size_t bytes) : buf_(bytes) {}
   std::byte* data() override { return buf_.data(); }
   std::size_t size() const override { return buf_.size(); }
 
@@ -26,9 +29,9 @@ class HostDeviceBuffer final : public DeviceBuffer {
   HostBuffer buf_;
 };
 
-class SharedDeviceBuffer final : public DeviceBuffer {
+class SharedPlaneBuffer final : public PlaneBuffer {
  public:
-  explicit SharedDeviceBuffer(std::unique_ptr<SharedMemory> shm) : shm_(std::move(shm)) {}
+  explicit SharedPlaneBuffer(std::unique_ptr<SharedMemory> shm) : shm_(std::move(shm)) {}
   std::byte* data() override { return shm_->data(); }
   std::size_t size() const override { return shm_->size(); }
   void release_name() override { shm_->unlink(); }
@@ -98,27 +101,59 @@ class CpuDataPlane final : public DataPlane {
  public:
   explicit CpuDataPlane(int threads) : pool_(threads) {}
   Device device() const override { return Device::kCpu; }
+  int ordinal() const override { return 0; }
 
-  Result<std::unique_ptr<DeviceBuffer>> allocate(std::size_t bytes) override {
+  Result<std::unique_ptr<PlaneBuffer>> allocate(std::size_t bytes) override {
     try {
-      return std::unique_ptr<DeviceBuffer>(new HostDeviceBuffer(bytes));
+      return std::unique_ptr<PlaneBuffer>(new HostPlaneBuffer(bytes));
     } catch (const std::bad_alloc&) {
       return Status::IOError(fmt::format("cannot allocate {} bytes of host memory", bytes));
     }
   }
 
-  Result<std::unique_ptr<DeviceBuffer>> allocate_exported(std::size_t bytes,
-                                                          const std::string& name,
-                                                          std::string* handle) override {
+  Result<std::unique_ptr<PlaneBuffer>> allocate_exported(std::size_t bytes, const std::string& name,
+                                                         std::string* handle) override {
     REFIT_ASSIGN_OR_RETURN(auto shm, SharedMemory::create(name, bytes));
     *handle = name;
-    return std::unique_ptr<DeviceBuffer>(new SharedDeviceBuffer(std::move(shm)));
+    return std::unique_ptr<PlaneBuffer>(new SharedPlaneBuffer(std::move(shm)));
   }
 
-  Result<std::unique_ptr<DeviceBuffer>> open_exported(const std::string& handle,
-                                                      std::size_t bytes) override {
+  Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
+                                                     std::size_t bytes) override {
     REFIT_ASSIGN_OR_RETURN(auto shm, SharedMemory::open(handle, bytes));
-    return std::unique_ptr<DeviceBuffer>(new SharedDeviceBuffer(std::move(shm)));
+    return std::unique_ptr<PlaneBuffer>(new SharedPlaneBuffer(std::move(shm)));
+  }
+
+  Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {
+    std::memcpy(host_dst, src, bytes);
+    return Status::Ok();
+  }
+
+  Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets, int step,
+                      DType via, DType out) override {
+    for (const PieceTarget& t : targets)
+      materialize_pieces(model.spec, *t.pieces, t.shape, *model.weights, step, via, out, t.data);
+    return Status::Ok();
+  }
+
+  Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
+      const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
+      DType dtype) override {
+    const std::size_t esize = dtype_size(dtype);
+    std::vector<std::byte> expected;
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      const PieceTarget& t = targets[i];
+      const std::size_t n = static_cast<std::size_t>(matrix_shape(t.shape).numel());
+      expected.assign(n * esize, std::byte{0});  // uncovered elements (padding) must be zero
+      materialize_pieces(model.spec, *t.pieces, t.shape, *model.weights, step, via, dtype,
+                         expected.data());
+      if (std::memcmp(expected.data(), t.data, n * esize) == 0) continue;
+      std::size_t k = 0;
+      while (std::memcmp(expected.data() + k * esize, t.data + k * esize, esize) == 0) ++k;
+      return std::optional<std::pair<std::size_t, std::int64_t>>(
+          std::make_pair(i, static_cast<std::int64_t>(k)));
+    }
+    return std::optional<std::pair<std::size_t, std::int64_t>>();
   }
 
   Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
@@ -178,16 +213,33 @@ int default_threads() {
 
 }  // namespace
 
-Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int threads) {
+Status DataPlane::copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  // One-byte elements of the same dtype: a plain copy on every plane.
+  const std::vector<CopyRun> runs = {
+      {src,
+       dst,
+       {0, static_cast<std::int64_t>(bytes), 0, static_cast<std::int64_t>(bytes), 1,
+        static_cast<std::int64_t>(bytes)}}};
+  return copy(runs, DType::kFloat8E4M3, DType::kFloat8E4M3);
+}
+
+Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, int device);
+
+Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device) {
   switch (config.device) {
     case Device::kCpu:
-      return std::unique_ptr<DataPlane>(
-          new CpuDataPlane(threads > 0 ? threads : default_threads()));
+      return std::unique_ptr<DataPlane>(new CpuDataPlane(default_threads()));
     case Device::kCuda:
-      return Status::Unsupported(
-          "device: cuda — the CUDA data plane is not part of this runtime yet; use device: cpu");
+      return make_cuda_data_plane(config, device);
   }
   return Status::Internal("unknown device");
+}
+
+int default_device(const Config& config, bool trainer, int rank) {
+  if (const char* env = std::getenv("REFIT_DEVICE")) return std::atoi(env);
+  if (trainer || config.generation.colocated) return rank;
+  return config.policy.world_size + rank;
 }
 
 }  // namespace refit

@@ -192,7 +192,7 @@ class EngineImpl final : public Engine {
     for (const EngineParam& p : layout_.params)
       slots_.push_back(TensorSlot{p.name, p.shape, cfg_.refit.target_precision});
     ptrs_.assign(slots_.size(), nullptr);
-    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_));
+    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, default_device(cfg_, false, rank_)));
     REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
@@ -207,8 +207,7 @@ class EngineImpl final : public Engine {
                              make_broadcast_receiver(*update_comm_, *mailbox_, *plane_, topt));
     } else {
       feeder_ = fmt::format("trainer/{}", rank_);
-      REFIT_RETURN_IF_ERROR(store_->wait({fmt::format("ipc/{}/ready", rank_)}, timeout()));
-      REFIT_ASSIGN_OR_RETURN(receiver_, make_ipc_receiver(*mailbox_, feeder_,
+      REFIT_ASSIGN_OR_RETURN(receiver_, make_ipc_receiver(*mailbox_, *store_, *plane_, feeder_,
                                                           ipc_segment_prefix(run_id, rank_), topt));
     }
     run_id_ = run_id;
@@ -255,8 +254,10 @@ class EngineImpl final : public Engine {
     const DType dt = cfg_.refit.target_precision;
     if (raw) {  // bench: the bare copy out of the transport buffer
       if (!broadcast_mode()) {
-        if (scratch_.size() < in.header.bytes) scratch_ = HostBuffer(in.header.bytes);
-        std::memcpy(scratch_.data(), in.data, in.header.bytes);
+        if (!scratch_ || scratch_->size() < in.header.bytes) {
+          REFIT_ASSIGN_OR_RETURN(scratch_, plane_->allocate(in.header.bytes));
+        }
+        REFIT_RETURN_IF_ERROR(plane_->copy_bytes(scratch_->data(), in.data, in.header.bytes));
       }
     } else {
       std::vector<CopyRun> decoded;
@@ -401,7 +402,7 @@ class EngineImpl final : public Engine {
   EngineShardLayout layout_;
   std::vector<TensorSlot> slots_;
   std::vector<void*> ptrs_;  // registered storage of slots_
-  HostBuffer scratch_;
+  std::unique_ptr<PlaneBuffer> scratch_;
   std::unique_ptr<DataPlane> plane_;
   std::vector<std::vector<CopyRun>> plan_runs_;
   std::unique_ptr<Store> store_;
@@ -411,7 +412,7 @@ class EngineImpl final : public Engine {
   std::string feeder_;
   std::string version_ = "0";
   std::string run_id_;
-  std::unique_ptr<DeviceBuffer> exported_;  // allocate_params(): parameters the trainer maps
+  std::unique_ptr<PlaneBuffer> exported_;  // allocate_params(): parameters the trainer maps
   std::string export_handle_;
   std::function<void()> pause_hook_, resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;

@@ -1,5 +1,7 @@
 #include "runtime/groups.h"
 
+#include "comm/nccl/nccl_communicator.h"
+
 namespace refit {
 
 Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOptions& o,
@@ -14,8 +16,16 @@ Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOption
       g.timeout = o.timeout;
       return make_gloo_communicator(store, g);
     }
-    case Device::kCuda:
-      return Status::Unsupported("group " + o.name + ": NCCL groups are not part of this runtime");
+    case Device::kCuda: {
+      NcclOptions n;
+      n.name = o.name;
+      n.rank = o.rank;
+      n.size = o.size;
+      n.device = plane.ordinal();
+      n.timeout = o.timeout;
+      REFIT_ASSIGN_OR_RETURN(auto comm, make_nccl_communicator(store, n));
+      return std::unique_ptr<Communicator>(std::move(comm));
+    }
   }
   return Status::Internal("unknown device");
 }

@@ -13,6 +13,7 @@
 #include "control/store.h"
 #include "engine/engine_layout.h"
 #include "engine/forward.h"
+#include "runtime/data_plane.h"
 #include "runtime/materialize.h"
 #include "runtime/protocol.h"
 #include "runtime/setup.h"
@@ -28,21 +29,23 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// One allocation holding every slot, 64-byte aligned each.
+// One allocation of plane memory holding every slot, 256-byte aligned each.
 struct SlotArena {
-  HostBuffer memory;
+  std::unique_ptr<PlaneBuffer> memory;
   std::vector<std::byte*> ptrs;
 
-  explicit SlotArena(const std::vector<TensorSlot>& slots) {
+  static Result<SlotArena> create(DataPlane& plane, const std::vector<TensorSlot>& slots) {
+    SlotArena a;
     std::vector<std::size_t> offsets;
     std::size_t total = 0;
     for (const TensorSlot& s : slots) {
       offsets.push_back(total);
       total += static_cast<std::size_t>(s.numel()) * dtype_size(s.dtype);
-      total = (total + 63) / 64 * 64;
+      total = (total + 255) / 256 * 256;
     }
-    memory = HostBuffer(total);
-    for (std::size_t o : offsets) ptrs.push_back(memory.data() + o);
+    REFIT_ASSIGN_OR_RETURN(a.memory, plane.allocate(std::max<std::size_t>(total, 1)));
+    for (std::size_t o : offsets) a.ptrs.push_back(a.memory->data() + o);
+    return a;
   }
 };
 
@@ -59,19 +62,22 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   REFIT_ASSIGN_OR_RETURN(auto layout, trainer_layout(model->spec, o.config.policy, rank));
   REFIT_ASSIGN_OR_RETURN(auto trainer, Trainer::create(o.config, rank, o.endpoint));
   set_trainer_fault(*trainer, o.fault);
-  SlotArena arena(trainer->tensors());
+  // The shards live on the rank's device: host memory, or GPU memory for device: cuda.
+  REFIT_ASSIGN_OR_RETURN(auto plane,
+                         make_data_plane(o.config, default_device(o.config, true, rank)));
+  REFIT_ASSIGN_OR_RETURN(SlotArena arena, SlotArena::create(*plane, trainer->tensors()));
+  std::vector<PieceTarget> shards;
   for (std::size_t i = 0; i < trainer->tensors().size(); ++i) {
     const TensorSlot& s = trainer->tensors()[i];
     REFIT_RETURN_IF_ERROR(trainer->register_tensor(s.name, arena.ptrs[i], s.dtype, s.shape));
+    shards.push_back({&layout.tensors[i].pieces, layout.tensors[i].shape, arena.ptrs[i]});
   }
   RefitReport rep;
   std::vector<double> unshard, cast, transfer, apply;
   for (int step = 1; step <= o.steps; ++step) {
     // The "training step": new weights in the registered shards.
-    for (std::size_t i = 0; i < layout.tensors.size(); ++i)
-      materialize_pieces(model->spec, layout.tensors[i].pieces, layout.tensors[i].shape,
-                         *model->weights, step, o.config.policy.dtype, o.config.policy.dtype,
-                         arena.ptrs[i]);
+    REFIT_RETURN_IF_ERROR(
+        plane->fill_weights(*model, shards, step, o.config.policy.dtype, o.config.policy.dtype));
     REFIT_RETURN_IF_ERROR(trainer->refit(step, weight_version(o.config.generation.backend, step),
                                          o.verify || o.check_logits));
     const RefitStats& st = trainer->last_stats();
@@ -106,46 +112,40 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
 
 namespace {
 
-// Recomputes what every parameter must hold after `step` and compares bit for bit.
-Status verify_params(const RankModel& model, const EngineShardLayout& layout,
-                     const std::vector<std::byte*>& params, const Config& cfg, int step,
+// Recomputes what every parameter must hold after `step` and compares bit for bit, on the
+// engine's device; the first mismatch names the parameter, the element and its HF source.
+Status verify_params(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
+                     const std::vector<PieceTarget>& params, const Config& cfg, int step,
                      const std::string& who) {
   const DType dt = cfg.refit.target_precision;
   const std::size_t esize = dtype_size(dt);
-  std::vector<std::byte> expected;
-  for (std::size_t i = 0; i < layout.params.size(); ++i) {
-    const EngineParam& p = layout.params[i];
-    const std::size_t n = static_cast<std::size_t>(matrix_shape(p.shape).numel());
-    expected.assign(n * esize, std::byte{0});
-    materialize_pieces(model.spec, p.pieces, p.shape, *model.weights, step, cfg.policy.dtype, dt,
-                       expected.data());
-    const std::byte* got = params[i];
-    if (std::memcmp(expected.data(), got, n * esize) == 0) continue;
-    std::size_t k = 0;
-    while (std::memcmp(expected.data() + k * esize, got + k * esize, esize) == 0) ++k;
-    const std::int64_t cols = matrix_shape(p.shape).cols;
-    const std::int64_t row = static_cast<std::int64_t>(k) / cols;
-    const std::int64_t col = static_cast<std::int64_t>(k) % cols;
-    std::string source = "vocabulary padding (must be zero)";
-    for (const Piece& pc : p.pieces)
-      if (row >= pc.dst_row && row < pc.dst_row + pc.rows && col >= pc.dst_col &&
-          col < pc.dst_col + pc.cols) {
-        source = fmt::format("{}[{}, {}]", model.spec.tensors()[pc.hf_tensor].name,
-                             pc.src_row + row - pc.dst_row, pc.src_col + col - pc.dst_col);
-        break;
-      }
-    auto bits = [&](const std::byte* at) {
-      std::uint32_t v = 0;
-      std::memcpy(&v, at, esize);
-      return v;
-    };
-    return Status::Corruption(fmt::format(
-        "verify: {}: tensor {} element {} (row {}, col {}; from {}) is 0x{:0{}x}, expected "
-        "0x{:0{}x} (step {})",
-        who, p.name, k, row, col, source, bits(got + k * esize), esize * 2,
-        bits(expected.data() + k * esize), esize * 2, step));
+  REFIT_ASSIGN_OR_RETURN(auto found,
+                         plane.find_mismatch(model, params, step, cfg.policy.dtype, dt));
+  if (!found) return Status::Ok();
+  const auto [index, k] = *found;
+  const EngineParam& p = layout.params[index];
+  const std::int64_t cols = matrix_shape(p.shape).cols;
+  const std::int64_t row = k / cols, col = k % cols;
+  std::uint32_t got = 0, want = 0;
+  REFIT_RETURN_IF_ERROR(
+      plane.read(&got, params[index].data + k * static_cast<std::int64_t>(esize), esize));
+  std::string source = "vocabulary padding (must be zero)";
+  for (const Piece& pc : p.pieces) {
+    if (row < pc.dst_row || row >= pc.dst_row + pc.rows || col < pc.dst_col ||
+        col >= pc.dst_col + pc.cols)
+      continue;
+    const std::int64_t hf_row = pc.src_row + row - pc.dst_row;
+    const std::int64_t hf_col = pc.src_col + col - pc.dst_col;
+    source = fmt::format("{}[{}, {}]", model.spec.tensors()[pc.hf_tensor].name, hf_row, hf_col);
+    const Piece one{pc.hf_tensor, hf_row, hf_col, 1, 1, 0, 0};
+    materialize_pieces(model.spec, {one}, {1}, *model.weights, step, cfg.policy.dtype, dt,
+                       reinterpret_cast<std::byte*>(&want));
+    break;
   }
-  return Status::Ok();
+  return Status::Corruption(
+      fmt::format("verify: {}: tensor {} element {} (row {}, col {}; from {}) is 0x{:0{}x}, "
+                  "expected 0x{:0{}x} (step {})",
+                  who, p.name, k, row, col, source, got, esize * 2, want, esize * 2, step));
 }
 
 // The engine's TP forward pass against a single-process forward on the trainer's weights.
@@ -172,8 +172,8 @@ class LogitCheck {
     return lc;
   }
 
-  Status check(const RankModel& model, const EngineShardLayout& layout,
-               const std::vector<std::byte*>& params, const Config& cfg, int step,
+  Status check(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
+               const std::vector<PieceTarget>& params, const Config& cfg, int step,
                const std::string& who) {
     if (cfg.refit.target_precision != DType::kBFloat16)
       return Status::Unsupported("--check-logits needs bf16 engine parameters");
@@ -194,8 +194,13 @@ class LogitCheck {
       hf_ptrs.push_back(hf[t].data());
     }
     REFIT_ASSIGN_OR_RETURN(auto want, reference_forward(model.spec, hf_ptrs, tokens_));
+    std::vector<std::vector<std::uint16_t>> host(params.size());  // the engine's bf16 shards
     std::vector<const std::uint16_t*> p16;
-    for (std::byte* p : params) p16.push_back(reinterpret_cast<const std::uint16_t*>(p));
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      host[i].resize(static_cast<std::size_t>(matrix_shape(params[i].shape).numel()));
+      REFIT_RETURN_IF_ERROR(plane.read(host[i].data(), params[i].data, host[i].size() * 2));
+      p16.push_back(host[i].data());
+    }
     REFIT_ASSIGN_OR_RETURN(auto got,
                            engine_forward(model.spec, layout, p16, tokens_, tp_group_.get()));
     Status st = compare_logits(got, want, model.spec.config().vocab_size, kLogitTolerance);
@@ -225,8 +230,11 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in
   // place.
   REFIT_ASSIGN_OR_RETURN(std::vector<void*> storage, engine->allocate_params());
-  std::vector<std::byte*> params;
-  for (void* p : storage) params.push_back(static_cast<std::byte*>(p));
+  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(cfg, default_device(cfg, false, engine_rank)));
+  std::vector<PieceTarget> params;
+  for (std::size_t i = 0; i < storage.size(); ++i)
+    params.push_back(
+        {&layout.params[i].pieces, layout.params[i].shape, static_cast<std::byte*>(storage[i])});
   std::unique_ptr<LogitCheck> logits;
   if (o.check_logits) {
     REFIT_ASSIGN_OR_RETURN(logits, LogitCheck::create(o, *model, engine_rank));
@@ -234,8 +242,9 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   engine->on_verify([&](int step, const std::string&) -> Status {
     // Element-wise verification unless the engine was started for the logit check alone.
     if (o.verify || !logits)
-      REFIT_RETURN_IF_ERROR(verify_params(*model, layout, params, cfg, step, who));
-    if (logits) REFIT_RETURN_IF_ERROR(logits->check(*model, layout, params, cfg, step, who));
+      REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, layout, params, cfg, step, who));
+    if (logits)
+      REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, layout, params, cfg, step, who));
     return Status::Ok();
   });
   return engine->serve();

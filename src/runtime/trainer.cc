@@ -133,7 +133,7 @@ class TrainerImpl final : public Trainer {
     const int world = cfg_.policy.world_size;
     progress_ = rank_ == 0 && isatty(2);
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
-    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_));
+    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, default_device(cfg_, true, rank_)));
     const ModelSpec& spec = model_->spec;
     // Every rank's layout: this rank packs its own shards and scatters everyone's contribution.
     for (int r = 0; r < world; ++r) {
@@ -175,9 +175,8 @@ class TrainerImpl final : public Trainer {
       }
     } else {
       fed_engines_.push_back(fmt::format("engine/{}", rank_));
-      REFIT_ASSIGN_OR_RETURN(sender_, make_ipc_sender(*mailbox_, fed_engines_[0],
+      REFIT_ASSIGN_OR_RETURN(sender_, make_ipc_sender(*mailbox_, *store_, *plane_, fed_engines_[0],
                                                       ipc_segment_prefix(run_id, rank_), topt));
-      REFIT_RETURN_IF_ERROR(store_->set(fmt::format("ipc/{}/ready", rank_), "1"));
     }
     const auto bucket_bytes = static_cast<std::size_t>(model_->plan.max_bucket_bytes);
     if (feeds() || world > 1) {
@@ -404,7 +403,8 @@ class TrainerImpl final : public Trainer {
       }
       if (raw) {
         if (slot != nullptr && !broadcast_mode())  // ipc: the bare copy into shared memory
-          std::memcpy(slot, stage_->data(), static_cast<std::size_t>(plan.buckets[b].bytes));
+          REFIT_RETURN_IF_ERROR(plane_->copy_bytes(
+              slot, stage_->data(), static_cast<std::size_t>(plan.buckets[b].bytes)));
       } else if (feeds() || trainer_comm_) {
         maybe_fault(step, b, nullptr);
         REFIT_RETURN_IF_ERROR(unshard(b, slot));
@@ -534,10 +534,10 @@ class TrainerImpl final : public Trainer {
   std::vector<TrainerShardLayout> layouts_;
   std::vector<BucketGather> gather_;
   std::vector<TensorSlot> slots_;
-  std::vector<void*> ptrs_;                     // registered storage of slots_
-  std::unique_ptr<DeviceBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
+  std::vector<void*> ptrs_;                    // registered storage of slots_
+  std::unique_ptr<PlaneBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
   std::vector<BucketRuns> bucket_runs_;
-  std::unique_ptr<DeviceBuffer> engine_params_;  // zero-copy: the engine's mapped parameters
+  std::unique_ptr<PlaneBuffer> engine_params_;  // zero-copy: the engine's mapped parameters
   EngineShardLayout engine_params_layout_;
   std::vector<std::size_t> engine_param_offsets_;
   std::vector<CopyRun> direct_runs_;

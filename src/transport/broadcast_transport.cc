@@ -17,7 +17,7 @@ namespace {
 class BroadcastSender final : public BucketSender {
  public:
   BroadcastSender(Communicator& update, Mailbox& mailbox,
-                  std::vector<std::unique_ptr<DeviceBuffer>> slots,
+                  std::vector<std::unique_ptr<PlaneBuffer>> slots,
                   std::vector<std::string> engine_ids, bool send_meta, const TransportOptions& opt)
       : update_(update),
         mailbox_(mailbox),
@@ -118,7 +118,7 @@ class BroadcastSender final : public BucketSender {
   std::vector<std::string> engine_ids_;
   bool send_meta_;
   std::chrono::milliseconds timeout_;
-  std::vector<std::unique_ptr<DeviceBuffer>> slots_;
+  std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
@@ -133,7 +133,7 @@ class BroadcastSender final : public BucketSender {
 class BroadcastReceiver final : public BucketReceiver {
  public:
   BroadcastReceiver(Communicator& update, Mailbox& mailbox,
-                    std::vector<std::unique_ptr<DeviceBuffer>> slots, const TransportOptions& opt)
+                    std::vector<std::unique_ptr<PlaneBuffer>> slots, const TransportOptions& opt)
       : update_(update),
         mailbox_(mailbox),
         timeout_(opt.timeout),
@@ -183,7 +183,7 @@ class BroadcastReceiver final : public BucketReceiver {
   Communicator& update_;
   Mailbox& mailbox_;
   std::chrono::milliseconds timeout_;
-  std::vector<std::unique_ptr<DeviceBuffer>> slots_;
+  std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<bool> busy_;
@@ -192,9 +192,9 @@ class BroadcastReceiver final : public BucketReceiver {
 
 }  // namespace
 
-Result<std::vector<std::unique_ptr<DeviceBuffer>>> allocate_slots(DataPlane& plane,
-                                                                  const TransportOptions& o) {
-  std::vector<std::unique_ptr<DeviceBuffer>> slots;
+Result<std::vector<std::unique_ptr<PlaneBuffer>>> allocate_slots(DataPlane& plane,
+                                                                 const TransportOptions& o) {
+  std::vector<std::unique_ptr<PlaneBuffer>> slots;
   for (int s = 0; s < o.num_slots; ++s) {
     REFIT_ASSIGN_OR_RETURN(auto buf, plane.allocate(o.slot_bytes));
     slots.push_back(std::move(buf));

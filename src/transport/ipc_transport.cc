@@ -5,7 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/timer.h"
-#include "transport/shared_memory.h"
+#include "control/store.h"
+#include "runtime/data_plane.h"
 #include "transport/transport.h"
 
 namespace refit {
@@ -17,7 +18,7 @@ std::string segment_name(const std::string& prefix, int slot) {
 
 class IpcSender final : public BucketSender {
  public:
-  IpcSender(Mailbox& mailbox, std::string peer, std::vector<std::unique_ptr<SharedMemory>> slots,
+  IpcSender(Mailbox& mailbox, std::string peer, std::vector<std::unique_ptr<PlaneBuffer>> slots,
             std::chrono::milliseconds timeout)
       : mailbox_(mailbox),
         peer_(std::move(peer)),
@@ -51,7 +52,7 @@ class IpcSender final : public BucketSender {
   double take_busy_seconds() override { return std::exchange(busy_seconds_, 0.0); }
 
   void on_receivers_attached() override {
-    for (auto& s : slots_) s->unlink();
+    for (auto& s : slots_) s->release_name();
   }
 
  private:
@@ -70,7 +71,7 @@ class IpcSender final : public BucketSender {
 
   Mailbox& mailbox_;
   std::string peer_;
-  std::vector<std::unique_ptr<SharedMemory>> slots_;
+  std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::vector<bool> in_flight_;
   std::chrono::milliseconds timeout_;
   double busy_seconds_ = 0;
@@ -78,7 +79,7 @@ class IpcSender final : public BucketSender {
 
 class IpcReceiver final : public BucketReceiver {
  public:
-  IpcReceiver(Mailbox& mailbox, std::string peer, std::vector<std::unique_ptr<SharedMemory>> slots,
+  IpcReceiver(Mailbox& mailbox, std::string peer, std::vector<std::unique_ptr<PlaneBuffer>> slots,
               std::chrono::milliseconds timeout)
       : mailbox_(mailbox), peer_(std::move(peer)), slots_(std::move(slots)), timeout_(timeout) {}
 
@@ -108,33 +109,40 @@ class IpcReceiver final : public BucketReceiver {
  private:
   Mailbox& mailbox_;
   std::string peer_;
-  std::vector<std::unique_ptr<SharedMemory>> slots_;
+  std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::chrono::milliseconds timeout_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<BucketSender>> make_ipc_sender(Mailbox& mailbox, std::string peer_id,
+Result<std::unique_ptr<BucketSender>> make_ipc_sender(Mailbox& mailbox, Store& store,
+                                                      DataPlane& plane, std::string peer_id,
                                                       const std::string& segment_prefix,
                                                       const TransportOptions& options) {
-  std::vector<std::unique_ptr<SharedMemory>> slots;
+  std::vector<std::unique_ptr<PlaneBuffer>> slots;
   for (int s = 0; s < options.num_slots; ++s) {
+    std::string handle;
     REFIT_ASSIGN_OR_RETURN(
-        auto shm, SharedMemory::create(segment_name(segment_prefix, s), options.slot_bytes));
-    slots.push_back(std::move(shm));
+        auto buf,
+        plane.allocate_exported(options.slot_bytes, segment_name(segment_prefix, s), &handle));
+    REFIT_RETURN_IF_ERROR(store.set(fmt::format("{}/slot/{}", segment_prefix, s), handle));
+    slots.push_back(std::move(buf));
   }
   return std::unique_ptr<BucketSender>(
       new IpcSender(mailbox, std::move(peer_id), std::move(slots), options.timeout));
 }
 
-Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, std::string peer_id,
+Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, Store& store,
+                                                          DataPlane& plane, std::string peer_id,
                                                           const std::string& segment_prefix,
                                                           const TransportOptions& options) {
-  std::vector<std::unique_ptr<SharedMemory>> slots;
+  std::vector<std::unique_ptr<PlaneBuffer>> slots;
   for (int s = 0; s < options.num_slots; ++s) {
-    REFIT_ASSIGN_OR_RETURN(auto shm,
-                           SharedMemory::open(segment_name(segment_prefix, s), options.slot_bytes));
-    slots.push_back(std::move(shm));
+    REFIT_ASSIGN_OR_RETURN(
+        std::string handle,
+        store.get(fmt::format("{}/slot/{}", segment_prefix, s), options.timeout));
+    REFIT_ASSIGN_OR_RETURN(auto buf, plane.open_exported(handle, options.slot_bytes));
+    slots.push_back(std::move(buf));
   }
   return std::unique_ptr<BucketReceiver>(
       new IpcReceiver(mailbox, std::move(peer_id), std::move(slots), options.timeout));

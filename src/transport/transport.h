@@ -25,6 +25,7 @@ namespace refit {
 
 class Communicator;
 class DataPlane;
+class Store;
 
 struct BucketHeader {
   int step = 0;
@@ -84,12 +85,15 @@ Result<std::unique_ptr<BucketReceiver>> make_broadcast_receiver(Communicator& up
                                                                 Mailbox& mailbox, DataPlane& plane,
                                                                 const TransportOptions& options);
 
-// IPC: `segment_prefix` names the shared-memory segments ("<prefix>-<slot>"); the sender
-// creates them, the receiver maps them. `peer_id` is the mailbox of the other side.
-Result<std::unique_ptr<BucketSender>> make_ipc_sender(Mailbox& mailbox, std::string peer_id,
+// IPC: the sender allocates the slots as exported memory of `plane` (POSIX shared memory on
+// CPU, CUDA IPC on GPU) and publishes their handles in `store` under "<segment_prefix>/slot/<s>";
+// the receiver maps them once. `peer_id` is the mailbox of the other side.
+Result<std::unique_ptr<BucketSender>> make_ipc_sender(Mailbox& mailbox, Store& store,
+                                                      DataPlane& plane, std::string peer_id,
                                                       const std::string& segment_prefix,
                                                       const TransportOptions& options);
-Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, std::string peer_id,
+Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, Store& store,
+                                                          DataPlane& plane, std::string peer_id,
                                                           const std::string& segment_prefix,
                                                           const TransportOptions& options);
 

@@ -1,0 +1,247 @@
+// The CUDA data plane (device: cuda): device memory, one stream, the copy kernels of
+// device/copy_kernels.h, CUDA IPC for exported memory. Compiled in every build; without CUDA the
+// device layer answers kUnsupported and so does make_cuda_data_plane.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "device/copy_kernels.h"
+#include "device/cuda_ipc.h"
+#include "device/device.h"
+#include "runtime/data_plane.h"
+#include "runtime/materialize.h"
+#include "runtime/setup.h"
+
+namespace refit {
+namespace {
+
+std::string to_hex(const std::string& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(d[c >> 4]);
+    out.push_back(d[c & 15]);
+  }
+  return out;
+}
+
+Result<std::string> from_hex(const std::string& hex) {
+  if (hex.size() % 2 != 0) return Status::Corruption("ipc handle: odd hex length");
+  std::string out;
+  for (std::size_t i = 0; i < hex.size(); i += 2) {
+    auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+    out.push_back(static_cast<char>(v(hex[i]) * 16 + v(hex[i + 1])));
+  }
+  return out;
+}
+
+class CudaPlaneBuffer final : public PlaneBuffer {
+ public:
+  explicit CudaPlaneBuffer(DeviceBuffer buf) : buf_(std::move(buf)) {}
+  std::byte* data() override { return buf_.bytes(); }
+  std::size_t size() const override { return buf_.size(); }
+
+ private:
+  DeviceBuffer buf_;
+};
+
+class OpenedPlaneBuffer final : public PlaneBuffer {
+ public:
+  explicit OpenedPlaneBuffer(IpcMemory mem) : mem_(std::move(mem)) {}
+  std::byte* data() override { return mem_.data(); }
+  std::size_t size() const override { return mem_.size(); }
+
+ private:
+  IpcMemory mem_;
+};
+
+class CudaDataPlane final : public DataPlane {
+ public:
+  CudaDataPlane(int device, DeviceStream stream, std::chrono::milliseconds timeout)
+      : device_(device), stream_(std::move(stream)), timeout_(timeout) {}
+  Device device() const override { return Device::kCuda; }
+  int ordinal() const override { return device_; }
+
+  Result<std::unique_ptr<PlaneBuffer>> allocate(std::size_t bytes) override {
+    REFIT_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::allocate(bytes, device_));
+    REFIT_RETURN_IF_ERROR(fill_bytes_async(buf.data(), 0, bytes, stream_.handle()));
+    REFIT_RETURN_IF_ERROR(sync("zero-filling a new buffer"));
+    return std::unique_ptr<PlaneBuffer>(new CudaPlaneBuffer(std::move(buf)));
+  }
+
+  Result<std::unique_ptr<PlaneBuffer>> allocate_exported(std::size_t bytes, const std::string&,
+                                                         std::string* handle) override {
+    REFIT_ASSIGN_OR_RETURN(auto buf, allocate(bytes));
+    REFIT_ASSIGN_OR_RETURN(std::string raw, export_device_memory(buf->data(), bytes));
+    *handle = to_hex(raw);
+    return buf;
+  }
+
+  Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
+                                                     std::size_t) override {
+    REFIT_ASSIGN_OR_RETURN(std::string raw, from_hex(handle));
+    REFIT_ASSIGN_OR_RETURN(IpcMemory mem, IpcMemory::open(raw, device_));
+    return std::unique_ptr<PlaneBuffer>(new OpenedPlaneBuffer(std::move(mem)));
+  }
+
+  Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {
+    REFIT_RETURN_IF_ERROR(sync("before a read"));
+    return copy_to_host(host_dst, src, bytes);
+  }
+
+  Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets, int step,
+                      DType via, DType out) override {
+    if (model.checkpoint != nullptr) {  // base values live on the host: build there, upload
+      for (const PieceTarget& t : targets) {
+        const std::size_t bytes =
+            static_cast<std::size_t>(matrix_shape(t.shape).numel()) * dtype_size(out);
+        std::vector<std::byte> host(bytes);
+        REFIT_RETURN_IF_ERROR(copy_to_host(host.data(), t.data, bytes));
+        materialize_pieces(model.spec, *t.pieces, t.shape, *model.weights, step, via, out,
+                           host.data());
+        REFIT_RETURN_IF_ERROR(copy_to_device(t.data, host.data(), bytes));
+      }
+      return Status::Ok();
+    }
+    REFIT_ASSIGN_OR_RETURN(Table * table, weights_table(model, targets, dtype_size(out)));
+    REFIT_RETURN_IF_ERROR(launch_generate(table->table, WeightsParams{model_seed_, step, via},
+                                          table->base, out, stream_.handle()));
+    return sync("generating weights");
+  }
+
+  Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
+      const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
+      DType dtype) override {
+    using Found = std::optional<std::pair<std::size_t, std::int64_t>>;
+    if (model.checkpoint != nullptr)
+      return Status::Unsupported("verify on device: cuda with a checkpoint's base values");
+    REFIT_ASSIGN_OR_RETURN(Table * table, weights_table(model, targets, dtype_size(dtype)));
+    REFIT_ASSIGN_OR_RETURN(VerifyResult r,
+                           verify_generated(table->table, WeightsParams{model_seed_, step, via},
+                                            table->base, dtype, stream_.handle(), timeout_));
+    if (r.mismatches == 0) return Found();
+    // Map the element back to its target (element offsets from the table's base).
+    const std::size_t esize = dtype_size(dtype);
+    const std::byte* at = table->base + r.first_dst_offset * static_cast<std::int64_t>(esize);
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      const std::byte* b = targets[i].data;
+      const std::byte* e =
+          b + matrix_shape(targets[i].shape).numel() * static_cast<std::int64_t>(esize);
+      if (at >= b && at < e)
+        return Found(std::make_pair(i, (at - b) / static_cast<std::int64_t>(esize)));
+    }
+    return Status::Internal("verify: mismatch outside every target");
+  }
+
+  Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
+              const std::byte* src_base) override {
+    if (runs.empty()) return Status::Ok();
+    REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(runs, sdt, ddt, src_base));
+    REFIT_RETURN_IF_ERROR(launch_block_copy(t->table, 0, src_base != nullptr ? src_base : t->src,
+                                            sdt, t->dst, ddt, stream_.handle()));
+    return sync("a block copy");
+  }
+
+  void set_seed(std::uint64_t seed) { model_seed_ = seed; }
+
+ private:
+  Status sync(const char* what) { return synchronize_stream(stream_.handle(), timeout_, what); }
+
+  // Runs with absolute pointers become one uploaded table of offsets from the lowest source and
+  // destination address; cached by the runs' identity and content (run lists are built once).
+  struct CopyTable {
+    DeviceBlockTable table;
+    const std::byte* src = nullptr;
+    std::byte* dst = nullptr;
+  };
+  Result<CopyTable*> copy_table(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
+                                const std::byte* src_base) {
+    std::uint64_t h = 1469598103934665603ull;
+    auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    for (const CopyRun& r : runs) {
+      mix(reinterpret_cast<std::uintptr_t>(src_base != nullptr ? nullptr : r.src));
+      mix(reinterpret_cast<std::uintptr_t>(r.dst));
+      mix(static_cast<std::uint64_t>(r.block.src_offset));
+      mix(static_cast<std::uint64_t>(r.block.dst_offset));
+      mix(static_cast<std::uint64_t>(r.block.rows * 131 + r.block.cols));
+    }
+    const auto key = std::make_tuple(static_cast<const void*>(runs.data()), runs.size(), h);
+    auto it = copies_.find(key);
+    if (it != copies_.end()) return &it->second;
+    const std::int64_t ss = static_cast<std::int64_t>(dtype_size(sdt));
+    const std::int64_t ds = static_cast<std::int64_t>(dtype_size(ddt));
+    CopyTable t;
+    if (src_base == nullptr) {
+      t.src = runs[0].src;
+      for (const CopyRun& r : runs) t.src = std::min(t.src, r.src);
+    }
+    t.dst = runs[0].dst;
+    for (const CopyRun& r : runs) t.dst = std::min(t.dst, r.dst);
+    std::vector<std::vector<Block2D>> groups(1);
+    for (const CopyRun& r : runs) {
+      Block2D b = r.block;
+      if (src_base == nullptr) b.src_offset += (r.src - t.src) / ss;
+      b.dst_offset += (r.dst - t.dst) / ds;
+      groups[0].push_back(b);
+    }
+    REFIT_ASSIGN_OR_RETURN(t.table, DeviceBlockTable::upload(groups, device_));
+    return &copies_.emplace(key, std::move(t)).first->second;
+  }
+
+  // The weights table of a set of targets (generate / verify), cached by their identity.
+  struct Table {
+    DeviceBlockTable table;
+    std::byte* base = nullptr;
+  };
+  Result<Table*> weights_table(const RankModel& model, const std::vector<PieceTarget>& targets,
+                               std::size_t esize) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const PieceTarget& t : targets)
+      h = (h ^ reinterpret_cast<std::uintptr_t>(t.data)) * 1099511628211ull;
+    const auto key = std::make_pair(targets.size(), h);
+    auto it = tables_.find(key);
+    if (it != tables_.end()) return &it->second;
+    Table tab;
+    tab.base = targets.empty() ? nullptr : targets[0].data;
+    for (const PieceTarget& t : targets) tab.base = std::min(tab.base, t.data);
+    std::vector<std::vector<Block2D>> groups(1);
+    std::vector<std::vector<std::uint32_t>> tags(1);
+    for (const PieceTarget& t : targets)
+      append_piece_runs(model.spec, *t.pieces, t.shape,
+                        (t.data - tab.base) / static_cast<std::int64_t>(esize), nullptr, groups[0],
+                        tags[0]);
+    REFIT_ASSIGN_OR_RETURN(tab.table, DeviceBlockTable::upload(groups, device_, &tags));
+    return &tables_.emplace(key, std::move(tab)).first->second;
+  }
+
+  int device_;
+  DeviceStream stream_;
+  std::chrono::milliseconds timeout_;
+  std::uint64_t model_seed_ = 0;
+  std::map<std::tuple<const void*, std::size_t, std::uint64_t>, CopyTable> copies_;
+  std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, int device) {
+  if (!cuda_built())
+    return Status::Unsupported(
+        "device: cuda — this build of refit has no CUDA (configure with "
+        "/usr/local/cuda present)");
+  const int count = device_count();
+  if (count == 0)
+    return Status::Unsupported("device: cuda — no CUDA device is visible to this process");
+  device %= count;
+  REFIT_RETURN_IF_ERROR(set_device(device));
+  REFIT_ASSIGN_OR_RETURN(DeviceStream stream, DeviceStream::create(device));
+  auto plane = std::make_unique<CudaDataPlane>(
+      device, std::move(stream),
+      std::chrono::milliseconds(static_cast<long long>(config.refit.timeout_s * 1000)));
+  plane->set_seed(config.seed);
+  return std::unique_ptr<DataPlane>(std::move(plane));
+}
+
+}  // namespace refit
