@@ -67,6 +67,9 @@ class DataPlane {
   // Maps memory exported by a peer on the same device, once (never per refit).
   virtual Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                              std::size_t bytes) = 0;
+  // Read+write bytes per second of a large copy within this plane's memory (median of a few
+  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (DESIGN §7).
+  virtual Result<double> measure_copy_bandwidth() = 0;
   // Copies `bytes` of plane memory to host memory (reading results, error messages).
   virtual Status read(void* host_dst, const std::byte* src, std::size_t bytes) = 0;
 

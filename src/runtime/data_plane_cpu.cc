@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -122,6 +123,19 @@ class CpuDataPlane final : public DataPlane {
                                                      std::size_t bytes) override {
     REFIT_ASSIGN_OR_RETURN(auto shm, SharedMemory::open(handle, bytes));
     return std::unique_ptr<PlaneBuffer>(new SharedPlaneBuffer(std::move(shm)));
+  }
+
+  Result<double> measure_copy_bandwidth() override {
+    constexpr std::size_t kBytes = 256u << 20;
+    HostBuffer a(kBytes), b(kBytes);
+    std::vector<double> secs;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(b.data(), a.data(), kBytes);
+      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(secs.begin(), secs.end());
+    return 2.0 * kBytes / secs[1];
   }
 
   Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <tuple>
 
@@ -84,6 +85,21 @@ class CudaDataPlane final : public DataPlane {
     REFIT_ASSIGN_OR_RETURN(std::string raw, from_hex(handle));
     REFIT_ASSIGN_OR_RETURN(IpcMemory mem, IpcMemory::open(raw, device_));
     return std::unique_ptr<PlaneBuffer>(new OpenedPlaneBuffer(std::move(mem)));
+  }
+
+  Result<double> measure_copy_bandwidth() override {
+    constexpr std::size_t kBytes = 1u << 30;
+    REFIT_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::allocate(kBytes, device_));
+    REFIT_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::allocate(kBytes, device_));
+    std::vector<double> secs;
+    for (int i = 0; i < 5; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      REFIT_RETURN_IF_ERROR(copy_device_async(b.data(), a.data(), kBytes, stream_.handle()));
+      REFIT_RETURN_IF_ERROR(sync("measuring the copy bandwidth"));
+      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(secs.begin(), secs.end());
+    return 2.0 * kBytes / secs[2];
   }
 
   Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {

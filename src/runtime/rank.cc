@@ -95,6 +95,14 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     REFIT_ASSIGN_OR_RETURN(double secs, trainer->raw_transport_pass());
     rep.raw_seconds.push_back(secs);
   }
+  if (o.raw_passes > 0 && rank == 0) {
+    REFIT_ASSIGN_OR_RETURN(rep.copy_bandwidth, plane->measure_copy_bandwidth());
+    const double params = static_cast<double>(model->spec.total_parameters());
+    rep.floor_seconds = params *
+                        static_cast<double>(dtype_size(o.config.policy.dtype) +
+                                            dtype_size(o.config.refit.target_precision)) /
+                        rep.copy_bandwidth;
+  }
   REFIT_RETURN_IF_ERROR(trainer->shutdown());
   rep.steps = o.steps;
   rep.verified = o.verify;

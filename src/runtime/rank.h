@@ -33,6 +33,10 @@ struct RefitReport {
   std::vector<double> refit_seconds;
   double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;  // medians per refit
   std::vector<double> raw_seconds;  // bench: raw transport passes
+  // bench: the floor of DESIGN §7 — the refit's reads (policy dtype) and writes (target dtype)
+  // at the copy bandwidth measured on the trainer's device in the same run.
+  double floor_seconds = 0;
+  double copy_bandwidth = 0;  // read+write bytes/s
   std::string plan_hash;
 };
 

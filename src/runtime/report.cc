@@ -85,6 +85,11 @@ Status write_report_json(const std::string& path, const RankOptions& options,
                      ? "gloo broadcast of the same bytes in the same bucket sizes"
                      : "memcpy through the same shared-memory buffers";
   }
+  if (r.floor_seconds > 0) {
+    j["floor_seconds"] = r.floor_seconds;
+    j["copy_bandwidth_gbps"] = r.copy_bandwidth / 1e9;
+    j["ratio_to_floor"] = med > 0 ? r.floor_seconds / med : 0.0;
+  }
   j["plan_hash"] = r.plan_hash;
   j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
   std::ofstream out(path);
@@ -121,6 +126,12 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
     const double gbps = med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0;
     s += fmt::format("  raw transport: {:.3f} s -> {:.2f} GB/s; refit / raw = {:.2f}\n", raw, limit,
                      limit > 0 ? gbps / limit : 0.0);
+  }
+  if (r.floor_seconds > 0) {
+    s += fmt::format(
+        "  floor (source read once + destination written once at {:.0f} GB/s r+w): "
+        "{:.4f} s; floor / refit = {:.2f}\n",
+        r.copy_bandwidth / 1e9, r.floor_seconds, med > 0 ? r.floor_seconds / med : 0.0);
   }
   return s;
 }

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Here (the build machine): stages what bench/gpu/refit_device.sh needs on the device machine into
+# the git-ignored .carry/refit: the refit CLI and test binaries and librefit_core.a (stripped of
+# debug info), and the non-system shared libraries they load (gloo, ZeroMQ, yaml-cpp, fmt and
+# their dependencies; NCCL and CUDA come from the device). Then:
+#   run(command="bash bench/gpu/refit_device.sh", carry=[".carry/refit"])
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+build=${1:-build}
+dst=.carry/refit
+rm -rf "$dst" && mkdir -p "$dst/bin" "$dst/lib"
+strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"
+strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"
+strip --strip-debug -o "$dst/lib/librefit_core.a" "$build/src/librefit_core.a"
+ldd "$build/src/refit" | awk '/=> \// {print $3}' |
+  grep -v -E '/(libc|libm|libgcc_s|libstdc\+\+|libpthread|libdl|librt|libresolv|ld-linux[^/]*|libnccl)\.so' |
+  while read -r lib; do cp -L "$lib" "$dst/lib/"; done
+du -sh "$dst"

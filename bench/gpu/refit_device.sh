@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The integrated GPU check of refit on the device machine (one H200): the CUDA unit tests, every
+# `device: cuda` cell one GPU allows through the real CLI (colocated trainer + engine processes,
+# zero-copy and CUDA-IPC buckets, FSDP2 and Megatron, --verify on the GPU, --check-logits, a
+# corruption fault), `refit bench` on qwen3-8b (fp32 trainer) and qwen3-30b-a3b (bf16 trainer)
+# shapes with the floor measured in the same run, and the Python module's PyTorch device test.
+# One table last; logs under $OUT.
+#
+#   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
+#   run(command="bash bench/gpu/refit_device.sh", carry=[".carry/refit"], timeout_s=600)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=${OUT:-/tmp/refit-device}
+mkdir -p "$out"
+c=$root/.carry/refit
+nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '*/proc/*' 2>/dev/null | head -1)")
+export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+R=$c/bin/refit
+work=$(mktemp -d)
+summary=$out/summary.txt
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+nvidia-smi -L | tee -a "$summary"
+note "nccl from: $nccl_dir"
+
+echo "== CUDA unit tests"
+timeout 240 "$c/bin/refit_tests" --gtest_filter='Cuda*' > "$out/tests.log" 2>&1
+note "cuda unit tests: rc=$? ($(grep -c '^\[       OK' "$out/tests.log") ok, $(grep -c '^\[  FAILED' "$out/tests.log") failed, $(grep -c '^\[  SKIPPED' "$out/tests.log") skipped)"
+
+cfg() {  # model backend engine dtype [megatron]
+  local f=$work/$1-$2-$3-$4.yaml
+  {
+    echo "model: $1"; echo "device: cuda"
+    echo "policy: {backend: $2, world_size: 1, dtype: $4}"
+    echo "generation: {backend: $3, colocated: true, num_engines: 1, tp_size: 1}"
+    echo "refit: {buffer_size_bytes: ${BUF:-268435456}, timeout_s: 120}"
+  } > "$f"
+  echo "$f"
+}
+cell() {  # name expected-rc args...
+  local name=$1 want=$2; shift 2
+  local start=$(date +%s.%N)
+  timeout 300 "$R" "$@" >> "$out/cells.log" 2>&1
+  local rc=$?
+  local ok=FAIL; { [ "$want" = 0 ] && [ $rc = 0 ]; } || { [ "$want" != 0 ] && [ $rc != 0 ]; } && ok=ok
+  note "$(printf 'cell %-44s rc=%-3s %s (%s s)' "$name" "$rc" "$ok" "$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $start}")")"
+}
+echo "== device: cuda cells"
+: > "$out/cells.log"
+cell "fsdp2->sglang zero-copy tiny-qwen3" 0 run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 3 --verify --check-logits
+cell "fsdp2->vllm zero-copy tiny-moe" 0 run "$(cfg tiny-moe fsdp2 vllm float32)" --steps 3 --verify --check-logits
+REFIT_ZERO_COPY=0 BUF=65536 cell "fsdp2->vllm cuda-ipc buckets tiny-moe" 0 run "$(BUF=65536 cfg tiny-moe fsdp2 vllm bfloat16)" --steps 3 --verify
+REFIT_ZERO_COPY=0 cell "fsdp2->sglang cuda-ipc buckets tiny-qwen2" 0 run "$(BUF=4096 cfg tiny-qwen2 fsdp2 sglang float32)" --steps 2 --verify
+cell "megatron->vllm zero-copy tiny-qwen2" 0 run "$(cfg tiny-qwen2 megatron vllm float32)" --steps 2 --verify --check-logits
+cell "megatron->sglang zero-copy qwen2.5-0.5b" 0 run "$(cfg qwen2.5-0.5b megatron sglang float32)" --steps 2 --verify
+cell "corrupt:0 must fail naming the tensor" 1 run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 1 --verify --fault corrupt:0
+grep -m1 "verify:" "$out/cells.log" | cut -c1-240 | tee -a "$summary"
+
+echo "== benchmarks"
+: > "$out/bench.log"
+bench() {  # label model dtype [env]
+  local label=$1 model=$2 dtype=$3
+  local f; f=$(cfg "$model" fsdp2 vllm "$dtype")
+  timeout 400 "$R" run "$f" --steps 2 --verify >> "$out/bench.log" 2>&1
+  note "$(printf '%-28s verify rc=%s' "$label" "$?")"
+  timeout 400 "$R" bench "$f" --steps 5 --json "$out/bench-$label.json" >> "$out/bench.log" 2>&1
+  note "$(printf '%-28s bench  rc=%s' "$label" "$?")"
+}
+bench qwen3-8b-fp32 qwen3-8b float32
+bench qwen3-30b-a3b-bf16 qwen3-30b-a3b bfloat16
+REFIT_ZERO_COPY=0 timeout 400 "$R" bench "$(BUF=536870912 cfg qwen3-8b fsdp2 vllm float32)" --steps 5 \
+  --json "$work/bench-qwen3-8b-fp32-buckets.json" >> "$out/bench.log" 2>&1
+note "qwen3-8b-fp32 cuda-ipc buckets bench rc=$?"
+
+echo "== python module (built here for this interpreter) + PyTorch device test"
+py=$work/py/refit
+mkdir -p "$py" && cp "$root"/python/refit/*.py "$py/"
+cudalib=/usr/local/cuda/lib64
+if g++ -O2 -shared -fPIC -std=c++20 "$root"/python/src/*.cc -I"$root/include" -I"$root/python/src" \
+     $(python3 -m pybind11 --includes) -o "$py/_refit$(python3-config --extension-suffix)" \
+     -Wl,--start-group "$c/lib/librefit_core.a" "$c/lib/libgloo.so.0" "$c/lib/libzmq.so.5" \
+     "$c/lib/libyaml-cpp.so.0.7" "$c/lib/libfmt.so.9" -Wl,--end-group \
+     -L"$cudalib" -lcudart_static -L"$nccl_dir" -l:libnccl.so.2 -lpthread -ldl -lrt > "$out/python.log" 2>&1; then
+  PYTHONPATH=$work/py timeout 300 python3 "$root/bench/gpu/python_device_test.py" --steps 2 \
+    --json "$work/python.json" >> "$out/python.log" 2>&1
+  note "python device test rc=$?"
+else
+  note "python module build FAILED (python.log)"
+fi
+
+echo "== table"
+python3 - "$out" "$work" <<'PY' | tee -a "$summary"
+import glob, json, os, sys
+out, work = sys.argv[1], sys.argv[2]
+rows = []
+for f in sorted(glob.glob(os.path.join(out, "bench-*.json")) + glob.glob(os.path.join(work, "bench-*.json"))):
+    j = json.load(open(f))
+    med = sorted(j["refit_seconds"])[len(j["refit_seconds"]) // 2]
+    rows.append((os.path.basename(f)[6:-5], med * 1e3, j["gbps"], j.get("floor_seconds", 0) * 1e3,
+                 j.get("ratio_to_floor", 0), j.get("ratio", 0)))
+print(f"{'case':34} {'refit ms':>9} {'GB/s':>8} {'floor ms':>9} {'floor/refit':>11} {'refit/raw':>9}")
+for r in rows:
+    print(f"{r[0]:34} {r[1]:9.2f} {r[2]:8.1f} {r[3]:9.2f} {r[4]:11.2f} {r[5]:9.2f}")
+PY
