@@ -171,6 +171,20 @@ TEST(RuntimeFaults, KilledEngineRankIpc) {
   expect_dies_cleanly({.colocated = true, .timeout_s = 5}, "kill-engine:0:1", "engine 0 tp rank 0");
 }
 
+// A rank that dies without a word is noticed through the control plane's liveness checks long
+// before the (here deliberately long) timeout.
+TEST(RuntimeFaults, KilledTrainerRankIpcIsNoticedWellBeforeTheTimeout) {
+  auto start = std::chrono::steady_clock::now();
+  auto r = run_cell({.colocated = true, .timeout_s = 60},
+                    {"--steps", "2", "--fault", "kill-trainer:0:1"});
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(secs, 20) << r.output;
+  EXPECT_NE(r.output.find("trainer rank 0 was killed by signal 9"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("exited with code 0"), std::string::npos) << r.output;
+}
+
 TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
   auto r =
       run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});

@@ -13,7 +13,9 @@
 
 #include "cli/commands.h"
 #include "common/host_buffer.h"
+#include "control/store.h"
 #include "io/safetensors.h"
+#include "runtime/failure.h"
 #include "runtime/launcher.h"
 #include "runtime/materialize.h"
 #include "runtime/rank.h"
@@ -171,7 +173,15 @@ void run_local(const RunFlags& f) {
     c.env.emplace_back("ENGINE_RANK", std::to_string(g));
     children.push_back(std::move(c));
   }
-  auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s);
+  // A child that dies without a word (a signal) is recorded in the store as the run's first
+  // failure, so every other rank stops within a second, naming it.
+  const int store_port = *port;
+  auto on_failure = [store_port](const std::string& child, const std::string& how) {
+    auto store = connect_store("127.0.0.1", store_port, std::chrono::milliseconds(1000));
+    if (store.ok())
+      announce_failure(store->get(), child, Status::Aborted(fmt::format("the process {}", how)));
+  };
+  auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s, on_failure);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   exit_if_error(result.status(), kExitRuntime);

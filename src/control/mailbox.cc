@@ -12,6 +12,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <zmq.hpp>
@@ -154,11 +155,20 @@ class ZmqMailbox final : public Mailbox {
       } catch (const zmq::error_t& e) {
         return Status::IOError(fmt::format("mailbox '{}': receive failed: {}", id_, e.what()));
       }
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
         return Status::Timeout(
             fmt::format("mailbox '{}': no message within {} ms", id_, timeout.count()));
+      }
+      // While waiting, ask the liveness check now and then: a peer that died without a word
+      // (killed, crashed) is noticed there long before the timeout.
+      if (liveness_) {
+        if (Clock::now() >= next_check_) {
+          Status alive = liveness_();
+          if (!alive.ok()) return alive;
+          next_check_ = Clock::now() + liveness_interval_;
+        }
+        left = std::min(left, liveness_interval_);
       }
       zmq_pollitem_t item{pull_.handle(), 0, ZMQ_POLLIN, 0};
       if (zmq_poll(&item, 1, static_cast<long>(left.count())) < 0 && zmq_errno() != EINTR) {
@@ -168,11 +178,21 @@ class ZmqMailbox final : public Mailbox {
     }
   }
 
+  void set_liveness_check(std::function<Status()> check,
+                          std::chrono::milliseconds interval) override {
+    liveness_ = std::move(check);
+    liveness_interval_ = interval;
+    next_check_ = Clock::now() + interval;
+  }
+
  private:
   struct Peer {
     std::string address;
     zmq::socket_t socket;
   };
+  std::function<Status()> liveness_;
+  std::chrono::milliseconds liveness_interval_{1000};
+  Clock::time_point next_check_{};
 
   Result<Message> decode(const std::vector<zmq::message_t>& frames) const {
     if (frames.size() != 3 || frames[0].size() != 1 ||

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -52,6 +53,10 @@ class Mailbox {
   virtual Status send(const std::string& to, MessageType type, const std::string& payload) = 0;
   // The next message, or kTimeout.
   virtual Result<Message> receive(std::chrono::milliseconds timeout) = 0;
+  // While receive() waits, `check` runs every `interval`; a non-ok Status ends the wait with it.
+  // (The runtime checks that the store is reachable and that no other rank has failed.)
+  virtual void set_liveness_check(std::function<Status()> check,
+                                  std::chrono::milliseconds interval) = 0;
 };
 
 }  // namespace refit

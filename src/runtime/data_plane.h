@@ -72,6 +72,10 @@ class DataPlane {
   virtual Result<double> measure_copy_bandwidth() = 0;
   // Copies `bytes` of plane memory to host memory (reading results, error messages).
   virtual Status read(void* host_dst, const std::byte* src, std::size_t bytes) = 0;
+  // Copies `bytes` of host memory into plane memory.
+  virtual Status write(std::byte* dst, const void* host_src, std::size_t bytes) = 0;
+  // Flips bits of one byte of plane memory (fault injection).
+  Status corrupt_byte(std::byte* at);
 
   // The deterministic weights (runtime/weights.h) of `step` into several tensors at once: each
   // target's pieces, rounded to `via`, then written as `out` dtype. Elements no piece covers are

@@ -142,6 +142,10 @@ class CpuDataPlane final : public DataPlane {
     std::memcpy(host_dst, src, bytes);
     return Status::Ok();
   }
+  Status write(std::byte* dst, const void* host_src, std::size_t bytes) override {
+    std::memcpy(dst, host_src, bytes);
+    return Status::Ok();
+  }
 
   Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets, int step,
                       DType via, DType out) override {
@@ -226,6 +230,13 @@ int default_threads() {
 }
 
 }  // namespace
+
+Status DataPlane::corrupt_byte(std::byte* at) {
+  std::byte b{};
+  REFIT_RETURN_IF_ERROR(read(&b, at, 1));
+  b ^= std::byte{0x5a};
+  return write(at, &b, 1);
+}
 
 Status DataPlane::copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes) {
   if (bytes == 0) return Status::Ok();

@@ -106,6 +106,10 @@ class CudaDataPlane final : public DataPlane {
     REFIT_RETURN_IF_ERROR(sync("before a read"));
     return copy_to_host(host_dst, src, bytes);
   }
+  Status write(std::byte* dst, const void* host_src, std::size_t bytes) override {
+    REFIT_RETURN_IF_ERROR(sync("before a write"));
+    return copy_to_device(dst, host_src, bytes);
+  }
 
   Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets, int step,
                       DType via, DType out) override {

@@ -107,7 +107,7 @@ class EngineImpl final : public Engine {
     Status st = body();
     if (!st.ok()) {
       st = with_root_cause(store_.get(), id(), st);
-      announce_failure(store_.get(), mailbox_.get(), {feeder_}, id(), st);
+      announce_failure(store_.get(), id(), st);
       if (update_comm_) update_comm_->abort();  // peers blocked on us fail now, not at timeout
       failed_ = st;
     }
@@ -197,6 +197,7 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout()));
+    mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
     TransportOptions topt{cfg_.refit.num_buffers,
                           static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
     if (broadcast_mode()) {

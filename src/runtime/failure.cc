@@ -2,20 +2,27 @@
 
 #include <fmt/format.h>
 
-#include "control/mailbox.h"
 #include "control/store.h"
 
 namespace refit {
 
-void announce_failure(Store* store, Mailbox* mailbox, const std::vector<std::string>& peers,
-                      const std::string& who, const Status& status) {
+void announce_failure(Store* store, const std::string& who, const Status& status) {
+  if (store == nullptr) return;
   const std::string cause = fmt::format("{}: {}", who, status.to_string());
-  if (store != nullptr) {
-    auto n = store->add("error/count", 1);
-    if (n.ok() && *n == 1) (void)store->set("error/first", cause);
-  }
-  if (mailbox != nullptr)
-    for (const auto& peer : peers) (void)mailbox->send(peer, MessageType::kAbort, cause);
+  auto n = store->add("error/count", 1);
+  if (n.ok() && *n == 1) (void)store->set("error/first", cause);
+}
+
+std::function<Status()> liveness_check(Store& store, const std::string& who) {
+  return [&store, who]() -> Status {
+    auto first = store.try_get("error/first");
+    if (!first.ok())
+      return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank 0): {}",
+                                         first.status().to_string()));
+    if (first->has_value() && (*first)->rfind(who + ":", 0) != 0)
+      return Status::Aborted("aborted because " + **first);
+    return Status::Ok();
+  };
 }
 
 Status with_root_cause(Store* store, const std::string& who, const Status& status) {

@@ -1,10 +1,14 @@
 // How a failure on one process reaches every other one.
 //
 // The failing process records its cause once per run under the store key "error/first" (the
-// first writer wins) and sends an abort message to the peers it talks to; processes that fail
-// because a peer vanished look that key up, so every process reports the same root cause.
+// first writer wins) and closes its collectives. Every process checks that key (and that the
+// store, hosted by trainer rank 0, is still there) while it waits on its mailbox, and processes
+// that fail because a peer vanished look it up, so every process stops within a second of the
+// first failure and reports the same root cause. (No abort messages: a send to a dead peer would
+// block for the send timeout.)
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,10 +18,12 @@
 namespace refit {
 
 class Store;
-class Mailbox;
 
-void announce_failure(Store* store, Mailbox* mailbox, const std::vector<std::string>& peers,
-                      const std::string& who, const Status& status);
+void announce_failure(Store* store, const std::string& who, const Status& status);
+
+// A liveness check for mailbox waits: fails when the store (hosted by trainer rank 0) is gone or
+// another process recorded the run's first failure.
+std::function<Status()> liveness_check(Store& store, const std::string& who);
 
 // `status`, prefixed with the run's first recorded failure when that came from elsewhere.
 Status with_root_cause(Store* store, const std::string& who, const Status& status);

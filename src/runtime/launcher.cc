@@ -62,8 +62,9 @@ Result<int> pick_free_port() {
   return static_cast<int>(ntohs(addr.sin_port));
 }
 
-Result<LaunchResult> launch_and_wait(const std::string& executable,
-                                     const std::vector<ChildSpec>& children, double timeout_s) {
+Result<LaunchResult> launch_and_wait(
+    const std::string& executable, const std::vector<ChildSpec>& children, double timeout_s,
+    const std::function<void(const std::string&, const std::string&)>& on_failure) {
   std::vector<pid_t> pids(children.size(), -1);
   g_children = &pids;
   signal(SIGINT, forward_signal);
@@ -111,6 +112,7 @@ Result<LaunchResult> launch_and_wait(const std::string& executable,
         if (bad && !failed) {
           failed = true;
           result.summary = fmt::format("{} {}", children[i].name, describe_exit(status));
+          if (on_failure) on_failure(children[i].name, describe_exit(status));
           deadline = std::chrono::steady_clock::now() +
                      std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000) + 5000);
         }

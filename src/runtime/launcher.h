@@ -6,6 +6,7 @@
 // propagate — and are then killed, so no process outlives the launcher in any outcome.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,9 +26,12 @@ struct LaunchResult {
 };
 
 // Runs all children to completion. `timeout_s` bounds how long the others may take to follow a
-// failed child before they are killed.
-Result<LaunchResult> launch_and_wait(const std::string& executable,
-                                     const std::vector<ChildSpec>& children, double timeout_s);
+// failed child before they are killed. `on_failure(child, how)` runs once, for the first child
+// that exits abnormally (the runtime records it as the run's first failure, so the other ranks
+// stop within their liveness-check interval instead of their timeout).
+Result<LaunchResult> launch_and_wait(
+    const std::string& executable, const std::vector<ChildSpec>& children, double timeout_s,
+    const std::function<void(const std::string&, const std::string&)>& on_failure = {});
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
 Result<int> pick_free_port();

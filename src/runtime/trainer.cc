@@ -47,7 +47,7 @@ class TrainerImpl final : public Trainer {
     Status st = body();
     if (!st.ok()) {
       st = with_root_cause(store_.get(), id(), st);
-      announce_failure(store_.get(), mailbox_.get(), fed_engines_, id(), st);
+      announce_failure(store_.get(), id(), st);
       // Then close our collectives: peers blocked on us fail now instead of at their timeout.
       if (trainer_comm_) trainer_comm_->abort();
       if (update_comm_) update_comm_->abort();
@@ -156,6 +156,7 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout()));
+    mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
     if (world > 1) {
       GroupOptions g{"trainer", rank_, world, ep_.host, timeout()};
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_group(*store_, g, *plane_));
@@ -366,7 +367,7 @@ class TrainerImpl final : public Trainer {
           static_cast<std::size_t>(e.offset) + static_cast<std::size_t>(e.elem_count / 2) * tsize;
       log::info("fault injection: corrupting bucket {} ({}) in flight", b,
                 model_->spec.tensors()[e.tensor].name);
-      bucket[at] ^= std::byte{0x5a};
+      corrupt_status_ = plane_->corrupt_byte(bucket + at);
     }
   }
 
@@ -409,6 +410,7 @@ class TrainerImpl final : public Trainer {
         maybe_fault(step, b, nullptr);
         REFIT_RETURN_IF_ERROR(unshard(b, slot));
         maybe_fault(step, b, slot);
+        REFIT_RETURN_IF_ERROR(std::exchange(corrupt_status_, Status::Ok()));
       }
       if (feeds()) {
         BucketHeader h;
@@ -446,8 +448,9 @@ class TrainerImpl final : public Trainer {
       const CopyRun& r = runs[std::min<std::size_t>(
           runs.size() - 1, static_cast<std::size_t>(std::max(fault_.bucket, 0)))];
       log::info("fault injection: corrupting a parameter written in place");
-      r.dst[r.block.dst_offset *
-            static_cast<std::int64_t>(dtype_size(cfg_.refit.target_precision))] ^= std::byte{0x5a};
+      REFIT_RETURN_IF_ERROR(plane_->corrupt_byte(
+          r.dst +
+          r.block.dst_offset * static_cast<std::int64_t>(dtype_size(cfg_.refit.target_precision))));
     }
     REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
     for (std::size_t i = 0; i < fed_engines_.size(); ++i)
@@ -542,6 +545,7 @@ class TrainerImpl final : public Trainer {
   std::vector<std::size_t> engine_param_offsets_;
   std::vector<CopyRun> direct_runs_;
   bool offer_direct_ = false;
+  Status corrupt_status_;  // a failed fault injection
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
