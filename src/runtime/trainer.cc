@@ -439,6 +439,8 @@ class TrainerImpl final : public Trainer {
 
   // The engine is paused and its parameters are mapped: cast the shards straight into them.
   Status refit_direct(int step) {
+    if (fault_.kind == Fault::Kind::kKillTrainer)  // no buckets here: the fault's bucket is moot
+      maybe_fault(step, static_cast<std::size_t>(std::max(fault_.bucket, 0)), nullptr);
     Timer t;
     REFIT_RETURN_IF_ERROR(
         plane_->copy(direct_runs(), cfg_.policy.dtype, cfg_.refit.target_precision));
