@@ -66,6 +66,7 @@ class CudaDataPlane final : public DataPlane {
   int ordinal() const override { return device_; }
 
   Result<std::unique_ptr<PlaneBuffer>> allocate(std::size_t bytes) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     REFIT_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::allocate(bytes, device_));
     REFIT_RETURN_IF_ERROR(fill_bytes_async(buf.data(), 0, bytes, stream_.handle()));
     REFIT_RETURN_IF_ERROR(sync("zero-filling a new buffer"));
@@ -82,12 +83,14 @@ class CudaDataPlane final : public DataPlane {
 
   Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                      std::size_t) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     REFIT_ASSIGN_OR_RETURN(std::string raw, from_hex(handle));
     REFIT_ASSIGN_OR_RETURN(IpcMemory mem, IpcMemory::open(raw, device_));
     return std::unique_ptr<PlaneBuffer>(new OpenedPlaneBuffer(std::move(mem)));
   }
 
   Result<double> measure_copy_bandwidth() override {
+    REFIT_RETURN_IF_ERROR(on_device());
     constexpr std::size_t kBytes = 1u << 30;
     REFIT_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::allocate(kBytes, device_));
     REFIT_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::allocate(kBytes, device_));
@@ -103,16 +106,19 @@ class CudaDataPlane final : public DataPlane {
   }
 
   Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     REFIT_RETURN_IF_ERROR(sync("before a read"));
     return copy_to_host(host_dst, src, bytes);
   }
   Status write(std::byte* dst, const void* host_src, std::size_t bytes) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     REFIT_RETURN_IF_ERROR(sync("before a write"));
     return copy_to_device(dst, host_src, bytes);
   }
 
   Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets, int step,
                       DType via, DType out) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     if (model.checkpoint != nullptr) {  // base values live on the host: build there, upload
       for (const PieceTarget& t : targets) {
         const std::size_t bytes =
@@ -134,6 +140,7 @@ class CudaDataPlane final : public DataPlane {
   Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
       const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
       DType dtype) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     using Found = std::optional<std::pair<std::size_t, std::int64_t>>;
     if (model.checkpoint != nullptr)
       return Status::Unsupported("verify on device: cuda with a checkpoint's base values");
@@ -157,6 +164,7 @@ class CudaDataPlane final : public DataPlane {
 
   Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
               const std::byte* src_base) override {
+    REFIT_RETURN_IF_ERROR(on_device());
     if (runs.empty()) return Status::Ok();
     REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(runs, sdt, ddt, src_base));
     REFIT_RETURN_IF_ERROR(launch_block_copy(t->table, 0, src_base != nullptr ? src_base : t->src,
@@ -167,6 +175,10 @@ class CudaDataPlane final : public DataPlane {
   void set_seed(std::uint64_t seed) { model_seed_ = seed; }
 
  private:
+  // The CUDA device is per thread: the plane is driven by whichever thread runs a stage (the
+  // engine's apply thread, a transport thread), so each entry point makes its device current.
+  Status on_device() const { return set_device(device_); }
+
   Status sync(const char* what) { return synchronize_stream(stream_.handle(), timeout_, what); }
 
   // Runs with absolute pointers become one uploaded table of offsets from the lowest source and
