@@ -100,18 +100,11 @@ class EngineImpl final : public Engine {
         rank_(engine_rank),
         tp_rank_(engine_rank % cfg.generation.tp_size) {}
 
-  // Runs `body`; the first failure is latched, announced to the feeder, and returned by every
-  // later call.
+  // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    if (!failed_.ok()) return failed_;
-    Status st = body();
-    if (!st.ok()) {
-      st = with_root_cause(store_.get(), id(), st);
-      announce_failure(store_.get(), id(), st);
-      if (update_comm_) update_comm_->abort();  // peers blocked on us fail now, not at timeout
-      failed_ = st;
-    }
-    return st;
+    return latch_.guard(body, store_.get(), id(), [this] {
+      if (update_comm_) update_comm_->abort();
+    });
   }
 
   Status init() {
@@ -417,7 +410,7 @@ class EngineImpl final : public Engine {
   std::string export_handle_;
   std::function<void()> pause_hook_, resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
-  Status failed_;
+  FailureLatch latch_;
   std::mutex apply_mu_;
   double apply_seconds_ = 0;
   int applied_ = 0;

@@ -36,4 +36,16 @@ Status with_root_cause(Store* store, const std::string& who, const Status& statu
                 fmt::format("aborted because {} (seen here as: {})", cause, status.to_string()));
 }
 
+Status FailureLatch::guard(const std::function<Status()>& step, Store* store,
+                           const std::string& who, const std::function<void()>& close_collectives) {
+  if (!failed_.ok()) return failed_;
+  Status st = step();
+  if (st.ok()) return st;
+  st = with_root_cause(store, who, st);
+  announce_failure(store, who, st);
+  close_collectives();
+  failed_ = st;
+  return st;
+}
+
 }  // namespace refit

@@ -28,4 +28,19 @@ std::function<Status()> liveness_check(Store& store, const std::string& who);
 // `status`, prefixed with the run's first recorded failure when that came from elsewhere.
 Status with_root_cause(Store* store, const std::string& who, const Status& status);
 
+// The first failure of a rank, latched: guard() runs a step of the rank; when it fails, the
+// cause is traced to the run's root cause, recorded in the store, the rank's collectives are
+// closed (peers blocked on us fail now instead of at their timeout), and every later guard()
+// returns the same Status without running anything — a rank never runs half a refit after a
+// failure.
+class FailureLatch {
+ public:
+  Status guard(const std::function<Status()>& step, Store* store, const std::string& who,
+               const std::function<void()>& close_collectives);
+  const Status& status() const { return failed_; }
+
+ private:
+  Status failed_;
+};
+
 }  // namespace refit

@@ -1,5 +1,6 @@
 // CLI-mode ranks: own the storage, fill it with the deterministic weights every step, and verify.
 #include "runtime/rank.h"
+#include "common/stats.h"
 
 #include <fmt/format.h>
 
@@ -21,13 +22,6 @@
 
 namespace refit {
 namespace {
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // One allocation of plane memory holding every slot, 256-byte aligned each.
 struct SlotArena {

@@ -6,17 +6,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/stats.h"
 #include "runtime/rank.h"
 
 namespace refit {
 namespace {
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 bool parse_int(std::string_view s, int& out) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);

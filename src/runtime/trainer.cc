@@ -40,20 +40,12 @@ class TrainerImpl final : public Trainer {
  public:
   TrainerImpl(const Config& cfg, int rank, const Endpoint& ep) : cfg_(cfg), ep_(ep), rank_(rank) {}
 
-  // Runs `body`; the first failure is latched, announced to the peers, and returned by every
-  // later call, so a rank never runs half a refit after a peer failed.
+  // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    if (!failed_.ok()) return failed_;
-    Status st = body();
-    if (!st.ok()) {
-      st = with_root_cause(store_.get(), id(), st);
-      announce_failure(store_.get(), id(), st);
-      // Then close our collectives: peers blocked on us fail now instead of at their timeout.
+    return latch_.guard(body, store_.get(), id(), [this] {
       if (trainer_comm_) trainer_comm_->abort();
       if (update_comm_) update_comm_->abort();
-      failed_ = st;
-    }
-    return st;
+    });
   }
 
   Status init() {
@@ -560,7 +552,7 @@ class TrainerImpl final : public Trainer {
   Fault fault_;
   int raw_passes_ = 0;
   bool progress_ = false;
-  Status failed_;
+  FailureLatch latch_;
 };
 
 }  // namespace
