@@ -86,6 +86,9 @@ std::string config_to_yaml(const Config& config);
 // The resolved config as JSON text (for the --json report).
 std::string config_to_json(const Config& config);
 
+// Whether this build of refit has the CUDA data plane (device: cuda).
+bool build_has_cuda();
+
 // One cell of the support matrix.
 struct MatrixCell {
   PolicyBackend policy;

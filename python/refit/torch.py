@@ -158,7 +158,7 @@ class TorchTrainer:
         self._staged: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
         self.zero_copy: List[str] = []
         try:
-            direct_ok = _refit.accepts_device_memory()
+            direct_ok = _refit.accepts_device_memory(config)
             for name, slot in slots.items():
                 p = params[name]
                 local = _local_shard(name, p, rank, config.world_size)
@@ -205,7 +205,7 @@ class TorchTrainer:
             for name, (p, local) in list(self._direct.items()):
                 now = _local_shard(name, params[name], self.rank, world)
                 if now.data_ptr() != local.data_ptr() or now.shape != local.shape:
-                    if not now.is_contiguous() or not (now.device.type == "cpu" or _refit.accepts_device_memory()):
+                    if not now.is_contiguous() or not (now.device.type == "cpu" or _refit.accepts_device_memory(self.config)):
                         raise setup_error(
                             f"trainer rank {self.rank}: parameter {name} was replaced by a "
                             f"{'non-contiguous' if not now.is_contiguous() else now.device.type} "

@@ -94,8 +94,10 @@ struct Registration {
 // Registered storage of one rank: slot lookup, DLPack checks, and the registrations themselves.
 class Registry {
  public:
-  void init(const std::vector<TensorSlot>& slots) {
+  // `device_memory`: the rank runs with device: cuda, so its storage is GPU memory.
+  void init(const std::vector<TensorSlot>& slots, bool device_memory) {
     slots_ = slots;
+    device_memory_ = device_memory;
     regs_.clear();
     regs_.resize(slots_.size());
     for (std::size_t i = 0; i < slots_.size(); ++i) index_[slots_[i].name] = i;
@@ -116,12 +118,12 @@ class Registry {
     const std::string what = who + ": tensor " + name;
     auto dev = ExportedTensor::device_of(obj.ptr(), what);
     raise_if_error(dev.status());
-    if (!dev->host()) raise_status(device_error(what, *dev));
+    if (!placed_right(*dev)) raise_status(device_error(what, *dev));
     auto exported = ExportedTensor::from_object(obj.ptr(), what);
     raise_if_error(exported.status());
     const dlpack::Tensor* t = exported->tensor();
     const TensorDevice actual{t->device.device_type, t->device.device_id};
-    if (!actual.host()) raise_status(device_error(what, actual));
+    if (!placed_right(actual)) raise_status(device_error(what, actual));
     const std::vector<std::int64_t> shape = exported->shape();
     if (!dtype_matches(t->dtype, slot.dtype)) {
       std::string allowed = std::string(dtype_name(slot.dtype));
@@ -167,17 +169,25 @@ class Registry {
   void clear() { regs_.clear(); }
 
  private:
-  static Status device_error(const std::string& what, const TensorDevice& dev) {
+  bool placed_right(const TensorDevice& dev) const {
+    return device_memory_ ? dev.type == dlpack::kCuda : dev.host();
+  }
+  Status device_error(const std::string& what, const TensorDevice& dev) const {
+    if (device_memory_)
+      return Status::InvalidArgument(what + " is on " + dev.name() +
+                                     "; with device: cuda refit reads and writes GPU memory in "
+                                     "place: register a CUDA tensor on this rank's GPU");
     return Status::Unsupported(
         what + " is on " + dev.name() +
-        "; this build registers host memory only (the GPU data plane is not available to Python "
-        "yet): register a host tensor (e.g. t.cpu(), pinned) and copy into it before each refit "
-        "— refit.torch does this for you");
+        "; with device: cpu refit registers host memory: register a host tensor (e.g. t.cpu(), "
+        "pinned) and copy into it before each refit — refit.torch does this for you — or run "
+        "with device: cuda");
   }
 
   std::vector<TensorSlot> slots_;
   std::unordered_map<std::string, std::size_t> index_;
   std::vector<Registration> regs_;
+  bool device_memory_ = false;
 };
 
 class PyTrainer {
@@ -196,7 +206,7 @@ class PyTrainer {
         st = created.status();
     }
     raise_if_error(st);
-    registry_.init(trainer_->tensors());
+    registry_.init(trainer_->tensors(), config_.device == Device::kCuda);
   }
 
   ~PyTrainer() {
@@ -317,7 +327,7 @@ class PyEngine {
         st = created.status();
     }
     raise_if_error(st);
-    registry_.init(engine_->params());
+    registry_.init(engine_->params(), config_.device == Device::kCuda);
     version_ = engine_->weight_version();
     // Runs on the serving thread right after the commit published the version: keep a copy other
     // threads may read, then the user's hook.
@@ -634,9 +644,15 @@ thread, also while another serves.
       .def("__repr__", [](PyEngine& e) { return cat("refit.Engine(", e.who(), ")"); });
 
   m.def(
-      "accepts_device_memory", [] { return false; },
-      "Whether Trainer/Engine.register accept GPU (CUDA) tensors in this build. False: register "
-      "host tensors; refit.torch stages GPU tensors through host copies.");
+      "accepts_device_memory",
+      [](const py::object& config) {
+        if (config.is_none()) return false;
+        return build_has_cuda() && config.cast<const PyConfig&>().config.device == Device::kCuda;
+      },
+      py::arg("config") = py::none(),
+      "Whether Trainer/Engine.register take GPU (CUDA) tensors in place for `config`: true when this "
+      "build has the CUDA data plane and config.device is cuda. Otherwise register host tensors; "
+      "refit.torch then stages GPU tensors through pinned host copies.");
 }
 
 }  // namespace refit::python

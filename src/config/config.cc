@@ -7,6 +7,14 @@
 
 namespace refit {
 
+bool build_has_cuda() {
+#ifdef REFIT_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::string_view device_name(Device d) {
   switch (d) {
     case Device::kCpu:
