@@ -71,10 +71,14 @@ def import_refit():
 
 
 CASES = {
-    # name: (architecture, refit engine protocol, colocated, trainer device)
-    "qwen3": ("Qwen3ForCausalLM", "sglang", False, "cuda"),
-    "llama": ("LlamaForCausalLM", "vllm", True, "cuda"),
-    "qwen3-cpu-trainer": ("Qwen3ForCausalLM", "sglang", False, "cpu"),
+    # name: (architecture, refit engine protocol, colocated, trainer device, refit device)
+    "qwen3": ("Qwen3ForCausalLM", "sglang", False, "cuda", "cpu"),
+    "llama": ("LlamaForCausalLM", "vllm", True, "cuda", "cpu"),
+    "qwen3-cpu-trainer": ("Qwen3ForCausalLM", "sglang", False, "cpu", "cpu"),
+    # refit's CUDA data plane: GPU shards registered in place, colocated over CUDA IPC (one GPU
+    # cannot hold two ranks of one NCCL group, so no non-colocated cuda case here).
+    "qwen3-cuda-plane": ("Qwen3ForCausalLM", "sglang", True, "cuda", "cuda"),
+    "llama-cuda-plane": ("LlamaForCausalLM", "vllm", True, "cuda", "cuda"),
 }
 TOKENS = [[1, 17, 256, 511, 3, 999, 42, 7, 128, 64, 300, 5]]
 
@@ -132,7 +136,7 @@ def trainer_main(case: str, model_dir: str, cfg_yaml: str, port: int, steps: int
         refit = import_refit()
         import refit.torch as rt
 
-        arch, _, _, device = CASES[case]
+        arch, _, _, device, _ = CASES[case]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -275,14 +279,14 @@ def compare(case: str, out_dir: str, steps: int) -> list:
 
 
 def run_case(refit, case: str, steps: int) -> dict:
-    arch, protocol, colocated, trainer_device = CASES[case]
+    arch, protocol, colocated, trainer_device, refit_device = CASES[case]
     with tempfile.TemporaryDirectory(prefix=f"refit-{case}-") as tmp:
         model_dir = os.path.join(tmp, "model")
         hf_config(arch).save_pretrained(model_dir)  # config.json only: refit reads the shapes
         cfg = refit.Config.from_dict(
             {
                 "model": model_dir,
-                "device": "cpu",  # host staging: refit's CPU data plane
+                "device": refit_device,  # cpu: host staging on refit's CPU data plane
                 "policy": {"backend": "fsdp2", "world_size": 1, "dtype": "float32"},
                 "generation": {"backend": protocol, "colocated": colocated, "num_engines": 1, "tp_size": 1},
                 "refit": {"target_precision": "bf16", "timeout_s": 300},

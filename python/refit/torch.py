@@ -303,9 +303,16 @@ class HFEngine:
                 {n: tuple(p.shape) for n, p in self._params.items()},
             )
             pin = any(p.device.type == "cuda" for p in self._params.values())
+            # device: cuda — the staging (in the engine layout) lives on the module's GPU and
+            # refit writes it there; otherwise pinned host memory, copied up after each commit.
+            on_gpu = _refit.accepts_device_memory(config)
+            gpu = next((p.device for p in self._params.values() if p.device.type == "cuda"), None)
             self.staging: Dict[str, torch.Tensor] = {}
             for slot in self.engine.params:
-                t = torch.zeros(tuple(slot.shape), dtype=torch_dtype(slot.dtype), pin_memory=pin)
+                if on_gpu and gpu is not None:
+                    t = torch.zeros(tuple(slot.shape), dtype=torch_dtype(slot.dtype), device=gpu)
+                else:
+                    t = torch.zeros(tuple(slot.shape), dtype=torch_dtype(slot.dtype), pin_memory=pin)
                 self.engine.register(slot.name, t)
                 self.staging[slot.name] = t
         except ValueError as e:
