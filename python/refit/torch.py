@@ -3,9 +3,9 @@
 ``trainer_from_fsdp(module, config, rank)``
     The trainer side over a model wrapped with FSDP2 (``torch.distributed.fsdp.fully_shard``): each
     parameter's local shard (``DTensor.to_local()``, placement ``Shard(0)``) is registered under its
-    HF name. CPU shards are registered zero-copy (refit reads them in place); GPU shards are staged
-    through host copies refreshed before every refit while this build registers host memory only
-    (``refit.accepts_device_memory()`` is False).
+    HF name. CPU shards — and GPU shards with ``device: cuda`` — are registered zero-copy (refit
+    reads them in place); with ``device: cpu`` GPU shards are staged through pinned host copies
+    refreshed before every refit (``refit.accepts_device_memory(config)`` tells which).
 
 ``engine_from_hf(module, config, engine_rank)``
     An engine backed by a Hugging Face ``nn.Module`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``,
