@@ -14,11 +14,12 @@ weights cast to bf16 bit for bit, that the engine's logits equal those of an HF 
 those bf16 weights (same kernels), and that they agree with the trainer's float32 logits within
 bf16 tolerance.
 
-GPU tensors: this build registers host memory only (``refit.accepts_device_memory()`` is False),
+GPU tensors: in the ``qwen3``/``llama`` cases refit runs on its CPU data plane (``device: cpu``),
 so the trainer's GPU shards are staged through pinned host copies refreshed before each refit, and
-the engine's parameters through host staging copied to the GPU after each commit; the refit itself
-runs on refit's CPU data plane (``device: cpu``). The ``*-cpu-trainer`` case keeps the trainer on
-the CPU (FSDP2 over gloo), where its shards are registered zero-copy.
+the engine's parameters through host staging copied to the GPU after each commit. The
+``*-cuda-plane`` cases run ``device: cuda``: GPU shards are registered in place and refit's CUDA
+data plane moves them (colocated, CUDA IPC). The ``*-cpu-trainer`` case keeps the trainer on the
+CPU (FSDP2 over gloo), where its shards are registered zero-copy.
 
 Needs: torch, transformers, and the refit module built for this interpreter, e.g.
     cmake -S . -B build-py -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
@@ -345,7 +346,7 @@ def main() -> int:
 
     print(
         f"refit {refit.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"cuda {torch.cuda.is_available()}, accepts_device_memory {refit.accepts_device_memory()}",
+        f"cuda {torch.cuda.is_available()}, build has CUDA {refit.accepts_device_memory(refit.Config.from_dict({'device': 'cuda'}))}",
         flush=True,
     )
     summaries = []

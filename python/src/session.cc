@@ -525,10 +525,12 @@ shapes), in the policy dtype.
 )doc")
       .def("register", &PyTrainer::register_tensor, py::arg("name"), py::arg("tensor"), R"doc(
 Registers the storage of local tensor `name`: any object with __dlpack__ (NumPy array, torch
-tensor) in host memory, C-contiguous, of the slot's shape and dtype. No copy is made: refit keeps
+tensor) in host memory (device: cpu) or CUDA memory (device: cuda), C-contiguous, of the slot's
+shape and dtype. No copy is made: refit keeps
 a reference to `tensor` and reads its storage at every refit, so update it in place. Registering a
 name again replaces the previous storage. Raises refit.SetupError naming the tensor and the
-expected shape/dtype; CUDA tensors are refused (see refit.accepts_device_memory()).
+expected shape/dtype; a tensor on the wrong kind of device is refused (see
+refit.accepts_device_memory(config)).
 )doc")
       .def("refit", &PyTrainer::refit, py::arg("step"), py::arg("version") = py::none(),
            py::arg("verify") = false, R"doc(
