@@ -37,6 +37,7 @@ shapes=${REFIT_MG_SHAPES:-"qwen3-8b:float32 qwen3-8b:bfloat16 qwen3-30b-a3b:bflo
 bench_buf=${REFIT_MG_BUCKET:-536870912}
 py=${REFIT_MG_PYTHON:-python3}  # with torch (the device machine's python3 has it)
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 summary=$out/summary.txt
 : > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
@@ -58,7 +59,7 @@ fi
 # cfg TAG MODEL POLICY WORLD MEGATRON ENGINE ENGINES TP DTYPE [BUF] [TIMEOUT_S]
 # MEGATRON is "tp,pp,ep" or "-". The file records the GPUs the cell needs: WORLD + ENGINES*TP.
 cfg() {
-  local f=$work/$1.yaml mg=""
+  local f=$work/$1.yaml mg="" mtp mpp mep
   if [ "$5" != - ]; then
     IFS=, read -r mtp mpp mep <<< "$5"
     mg=", megatron: {tp: $mtp, pp: $mpp, ep: $mep}"
