@@ -208,6 +208,9 @@ Status synchronize_event(void* event, std::chrono::milliseconds timeout, const c
 Status copy_to_device(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return Status::Ok();
   REFIT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy may return once the bytes are staged, before the DMA lands;
+  // kernels on non-blocking streams are not ordered after it. Wait for the legacy stream.
+  REFIT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   return Status::Ok();
 }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -116,6 +117,7 @@ class EngineImpl final : public Engine {
                         const std::vector<std::int64_t>& shape) override {
     REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
     plan_runs_.clear();  // they hold the registered addresses: rebuilt at the next refit
+    sglang_runs_.clear();
     return Status::Ok();
   }
   void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
@@ -254,7 +256,6 @@ class EngineImpl final : public Engine {
         REFIT_RETURN_IF_ERROR(plane_->copy_bytes(scratch_->data(), in.data, in.header.bytes));
       }
     } else {
-      std::vector<CopyRun> decoded;
       const std::vector<CopyRun>* runs = nullptr;
       if (vllm()) {
         if (in.header.bucket < 0 || in.header.bucket >= static_cast<int>(plan_runs_.size()))
@@ -264,10 +265,17 @@ class EngineImpl final : public Engine {
                           in.header.bucket, plan_runs_.size()));
         runs = &plan_runs_[in.header.bucket];
       } else {
-        REFIT_ASSIGN_OR_RETURN(
-            auto entries, decode_sglang_meta(model_->spec, in.header.meta, dt, in.header.bucket));
-        decoded = copy_runs(build_apply_runs(model_->spec, layout_, entries, dt));
-        runs = &decoded;
+        // The metadata of a bucket is the same every refit (the trainer's plan is fixed), so the
+        // decoded runs are kept per bucket and reused while the metadata is unchanged: a device
+        // plane then finds its uploaded copy table again.
+        auto& cached = sglang_runs_[in.header.bucket];
+        if (cached.first != in.header.meta) {
+          REFIT_ASSIGN_OR_RETURN(
+              auto entries, decode_sglang_meta(model_->spec, in.header.meta, dt, in.header.bucket));
+          cached = {in.header.meta,
+                    copy_runs(build_apply_runs(model_->spec, layout_, entries, dt))};
+        }
+        runs = &cached.second;
       }
       REFIT_RETURN_IF_ERROR(plane_->copy(*runs, dt, dt, in.data));  // from the slot it arrived in
     }
@@ -399,6 +407,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<PlaneBuffer> scratch_;
   std::unique_ptr<DataPlane> plane_;
   std::vector<std::vector<CopyRun>> plan_runs_;
+  std::map<int, std::pair<std::string, std::vector<CopyRun>>> sglang_runs_;  // bucket: meta, runs
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
   std::unique_ptr<Communicator> update_comm_;

@@ -492,15 +492,20 @@ class TrainerImpl final : public Trainer {
                                      : j.value("error", std::string("verification failed"));
       }
     }
-    if (trainer_comm_) {  // share verdicts so every trainer rank fails with the same cause
-      constexpr std::size_t kLen = 1024;
-      std::string mine = verdict.substr(0, kLen - 1);
-      mine.resize(kLen, '\0');
-      std::vector<char> all(kLen * static_cast<std::size_t>(trainer_comm_->size()));
-      std::vector<std::size_t> counts(static_cast<std::size_t>(trainer_comm_->size()), kLen);
-      REFIT_RETURN_IF_ERROR(trainer_comm_->all_gather_v(mine.data(), all.data(), counts));
-      for (std::size_t r = 0; r < counts.size() && verdict.empty(); ++r)
-        verdict = std::string(all.data() + r * kLen);
+    if (trainer_comm_) {
+      // Share verdicts through the store (host-side on every device) so every trainer rank fails
+      // with the same cause: the lowest rank's failure wins.
+      const int world = trainer_comm_->size();
+      const std::string key = fmt::format("verdict/{}/", ++verifications_);
+      // "ok", or "!" + the failure (a key must hold something to exist).
+      REFIT_RETURN_IF_ERROR(
+          store_->set(key + std::to_string(rank_), verdict.empty() ? "ok" : "!" + verdict));
+      std::string first;
+      for (int r = 0; r < world; ++r) {
+        REFIT_ASSIGN_OR_RETURN(std::string theirs, store_->get(key + std::to_string(r), timeout()));
+        if (first.empty() && theirs.rfind('!', 0) == 0) first = theirs.substr(1);
+      }
+      verdict = first;
     }
     if (!verdict.empty()) return Status::Corruption(verdict);
     return Status::Ok();
@@ -540,6 +545,7 @@ class TrainerImpl final : public Trainer {
   std::vector<CopyRun> direct_runs_;
   bool offer_direct_ = false;
   Status corrupt_status_;  // a failed fault injection
+  int verifications_ = 0;  // verified refits so far: namespaces the verdict keys
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;

@@ -196,12 +196,18 @@ class CudaDataPlane final : public DataPlane {
       mix(reinterpret_cast<std::uintptr_t>(src_base != nullptr ? nullptr : r.src));
       mix(reinterpret_cast<std::uintptr_t>(r.dst));
       mix(static_cast<std::uint64_t>(r.block.src_offset));
+      mix(static_cast<std::uint64_t>(r.block.src_stride));
       mix(static_cast<std::uint64_t>(r.block.dst_offset));
-      mix(static_cast<std::uint64_t>(r.block.rows * 131 + r.block.cols));
+      mix(static_cast<std::uint64_t>(r.block.dst_stride));
+      mix(static_cast<std::uint64_t>(r.block.rows));
+      mix(static_cast<std::uint64_t>(r.block.cols));
     }
     const auto key = std::make_tuple(static_cast<const void*>(runs.data()), runs.size(), h);
     auto it = copies_.find(key);
     if (it != copies_.end()) return &it->second;
+    // Run lists are built once per bucket; a cache this large means lists are being rebuilt
+    // (re-registration): drop the stale tables rather than grow without bound.
+    if (copies_.size() >= kMaxCachedTables) copies_.clear();
     const std::int64_t ss = static_cast<std::int64_t>(dtype_size(sdt));
     const std::int64_t ds = static_cast<std::int64_t>(dtype_size(ddt));
     CopyTable t;
@@ -235,6 +241,7 @@ class CudaDataPlane final : public DataPlane {
     const auto key = std::make_pair(targets.size(), h);
     auto it = tables_.find(key);
     if (it != tables_.end()) return &it->second;
+    if (tables_.size() >= kMaxCachedTables) tables_.clear();
     Table tab;
     tab.base = targets.empty() ? nullptr : targets[0].data;
     for (const PieceTarget& t : targets) tab.base = std::min(tab.base, t.data);
@@ -248,6 +255,7 @@ class CudaDataPlane final : public DataPlane {
     return &tables_.emplace(key, std::move(tab)).first->second;
   }
 
+  static constexpr std::size_t kMaxCachedTables = 4096;
   int device_;
   DeviceStream stream_;
   std::chrono::milliseconds timeout_;
