@@ -198,6 +198,7 @@ class EngineImpl final : public Engine {
     if (broadcast_mode()) {
       feeder_ = "trainer/0";
       GroupOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
+      g.liveness = liveness_check(*store_, id());
       REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
       REFIT_ASSIGN_OR_RETURN(receiver_,
                              make_broadcast_receiver(*update_comm_, *mailbox_, *plane_, topt));

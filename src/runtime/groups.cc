@@ -23,6 +23,7 @@ Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOption
       n.size = o.size;
       n.device = plane.ordinal();
       n.timeout = o.timeout;
+      n.liveness = o.liveness;
       REFIT_ASSIGN_OR_RETURN(auto comm, make_nccl_communicator(store, n));
       return std::unique_ptr<Communicator>(std::move(comm));
     }

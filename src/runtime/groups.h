@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -17,6 +18,8 @@ struct GroupOptions {
   int size = 1;
   std::string host = "127.0.0.1";
   std::chrono::milliseconds timeout{60000};
+  // NCCL: checked while a collective is waited for (Gloo notices a dead peer's closed sockets).
+  std::function<Status()> liveness;
 };
 
 Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOptions& options,

@@ -151,6 +151,7 @@ class TrainerImpl final : public Trainer {
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
     if (world > 1) {
       GroupOptions g{"trainer", rank_, world, ep_.host, timeout()};
+      g.liveness = liveness_check(*store_, id());
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_group(*store_, g, *plane_));
     }
     // Which engine ranks this rank feeds, and the transport to them.
@@ -162,6 +163,7 @@ class TrainerImpl final : public Trainer {
       if (rank_ == 0) {
         for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
         GroupOptions g{"update", 0, 1 + engines, ep_.host, timeout()};
+        g.liveness = liveness_check(*store_, id());
         REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
         REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_, *plane_,
                                                               fed_engines_, sglang, topt));

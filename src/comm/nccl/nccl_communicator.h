@@ -31,6 +31,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -51,6 +52,11 @@ struct NcclOptions {
   // cudaStream_t the collectives run on; null = the communicator creates (and owns) a
   // non-blocking stream.
   void* stream = nullptr;
+  // Optional: asked every `liveness_interval` while a collective is waited for; a non-ok Status
+  // aborts the communicator and ends the wait with it (NCCL itself does not notice a peer
+  // process that died on the same host). The runtime checks the store's first failure.
+  std::function<Status()> liveness;
+  std::chrono::milliseconds liveness_interval{500};
 };
 
 class NcclCommunicator : public Communicator {

@@ -226,6 +226,7 @@ class NcclComm final : public NcclCommunicator {
   // Polls the stream and NCCL's async error until the stream drained, with the timeout.
   Status wait_stream() {
     const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+    auto next_liveness = std::chrono::steady_clock::now() + opt_.liveness_interval;
     std::chrono::microseconds nap{0};
     for (int spins = 0;; ++spins) {
       if (abort_requested_.load()) return fail(aborted_status());
@@ -244,6 +245,11 @@ class NcclComm final : public NcclCommunicator {
             "{}: collective did not complete within {} ms (a peer missing, stopped or slow); "
             "communicator aborted",
             where(), opt_.timeout.count())));
+      if (opt_.liveness && std::chrono::steady_clock::now() >= next_liveness) {
+        Status alive = opt_.liveness();
+        if (!alive.ok()) return fail(alive);
+        next_liveness = std::chrono::steady_clock::now() + opt_.liveness_interval;
+      }
       if (spins > 2000) {
         nap = std::min(std::chrono::microseconds{200}, nap + std::chrono::microseconds{5});
         std::this_thread::sleep_for(nap);
