@@ -13,8 +13,6 @@
 #include <thread>
 
 #include "comm/communicator.h"
-#include "common/convert.h"
-#include "common/host_buffer.h"
 #include "common/log.h"
 #include "common/timer.h"
 #include "control/mailbox.h"

@@ -4,8 +4,9 @@
 //  - broadcast (non-colocated): the sender's slots are host buffers; a background thread sends
 //    each handed-over bucket with one broadcast on the update group (trainer rank 0 → every
 //    engine rank), preceded, for SGLang, by the bucket's metadata on the control plane.
-//  - ipc (colocated): the slots are shared-memory segments created by the trainer rank and
-//    mapped once by the engine rank on its device; handing over a bucket is one control message,
+//  - ipc (colocated): the slots are memory the trainer rank exports once (POSIX shared memory on
+//    CPU, CUDA IPC on GPU) and the engine rank on its device maps once; handing over a bucket is
+//    one control message,
 //    and the engine acknowledges when it has applied it, after which the slot may be refilled.
 // Senders are driven by one thread (the packer); receivers by one thread (the engine's receive
 // loop) plus release() from the apply thread. Every wait is bounded by the timeout.
