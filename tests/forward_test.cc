@@ -172,6 +172,9 @@ class ThreadGroup {
       }
       return g_.wait("all_gather_v", rank_);  // peers may reuse `send` after this
     }
+    Status exchange(const std::vector<P2POp>&) override {
+      return Status::Unsupported("exchange: not used by the forward pass");
+    }
     Status broadcast(void* buf, std::size_t bytes, int root) override {
       if (rank_ == root) g_.sends_[static_cast<std::size_t>(root)] = buf;
       REFIT_RETURN_IF_ERROR(g_.wait("broadcast", rank_));

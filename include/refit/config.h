@@ -21,11 +21,20 @@ enum class Device { kCpu, kCuda };
 enum class PolicyBackend { kFsdp2, kMegatron };
 enum class EngineProtocol { kSglang, kVllm };
 enum class TransferMode { kBroadcast, kIpc };
+// How bytes move from trainer ranks to engine ranks (docs/config.md, refit.executor).
+//  auto:   the transfer plan; per (trainer rank, engine rank) pair, peer access when both are on
+//          one host and the engine's parameters are exported, point-to-point otherwise
+//  peer:   the transfer plan, peer access for every pair (rejected when a pair is on two hosts)
+//  p2p:    the transfer plan, point-to-point (Gloo / NCCL send-recv) for every pair
+//  gather: full buckets: all-gather over the trainer group, then weight_transfer_mode
+//          (broadcast from trainer rank 0, or ipc slots of the colocated trainer rank)
+enum class Executor { kAuto, kPeer, kP2p, kGather };
 
 std::string_view device_name(Device d);
 std::string_view policy_backend_name(PolicyBackend b);
 std::string_view engine_protocol_name(EngineProtocol p);
 std::string_view transfer_mode_name(TransferMode m);
+std::string_view executor_name(Executor e);
 
 struct MegatronParallel {
   int tp = 1;  // tensor parallel
@@ -53,6 +62,7 @@ struct RefitConfig {
   std::int64_t buffer_size_bytes = 256ll << 20;  // one bucket at most
   int num_buffers = 2;                           // in-flight buckets (>= 1)
   double timeout_s = 60.0;                       // bound on every wait
+  Executor executor = Executor::kAuto;           // how bytes move (see Executor)
 };
 
 struct Config {

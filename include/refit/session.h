@@ -49,6 +49,18 @@ struct RefitStats {
   int buckets = 0;
 };
 
+// What one rank moved in the last refit.
+struct RankTraffic {
+  std::string role;  // "trainer" | "engine"
+  int rank = 0;      // trainer rank, or global engine rank (engine index * tp_size + tp rank)
+  std::int64_t bytes_sent = 0;
+  std::int64_t bytes_received = 0;
+  // Transfer plan (refit.executor other than gather): the rank's pairs served by peer access and
+  // by point-to-point.
+  int peer_pairs = 0;
+  int p2p_pairs = 0;
+};
+
 class Trainer {
  public:
   // Trainer rank `rank`: joins the control plane (rank 0 hosts it), forms the trainer group and,
@@ -78,6 +90,9 @@ class Trainer {
   virtual std::int64_t bytes_per_refit() const = 0;
   virtual int buckets_per_refit() const = 0;
   virtual std::string plan_hash() const = 0;
+  // Every rank's traffic in the last refit (trainer ranks, then engine ranks), as each rank
+  // reported it on the control plane after the refit. Call after refit().
+  virtual Result<std::vector<RankTraffic>> traffic() = 0;
 
   // Tells the engines it feeds that no refit follows and waits until they left. Collective.
   virtual Status shutdown() = 0;

@@ -20,6 +20,15 @@ namespace refit {
 
 class Store;
 
+// One point-to-point transfer of an exchange (Communicator::exchange).
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  int peer = 0;           // group rank of the other side
+  void* buf = nullptr;    // send: read from; recv: written to
+  std::size_t bytes = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -34,6 +43,10 @@ class Communicator {
   // `bytes` from `root`'s buf into every other member's buf.
   virtual Status broadcast(void* buf, std::size_t bytes, int root) = 0;
   virtual Status barrier() = 0;
+  // Point-to-point: posts every op at once and returns when all completed. Not collective: only
+  // the peers named take part. Between two ranks, the k-th send of one matches the k-th receive
+  // of the other (over all exchanges), with equal sizes.
+  virtual Status exchange(const std::vector<P2POp>& ops) = 0;
   virtual void abort() = 0;
 };
 

@@ -55,6 +55,20 @@ std::string_view transfer_mode_name(TransferMode m) {
   return "?";
 }
 
+std::string_view executor_name(Executor e) {
+  switch (e) {
+    case Executor::kAuto:
+      return "auto";
+    case Executor::kPeer:
+      return "peer";
+    case Executor::kP2p:
+      return "p2p";
+    case Executor::kGather:
+      return "gather";
+  }
+  return "?";
+}
+
 // The DESIGN §5.1 example, value for value. `policy.megatron` is accepted with backend fsdp2
 // only while it is the no-op {tp: 1, pp: 1, ep: 1}, so this text is valid as written.
 std::string_view default_config_yaml() {
@@ -117,6 +131,7 @@ std::string config_to_yaml(const Config& c) {
   out << YAML::Key << "num_buffers" << YAML::Value << r.num_buffers;
   // Shortest text that reads back as the same double ("60", "0.5").
   out << YAML::Key << "timeout_s" << YAML::Value << fmt::format("{}", r.timeout_s);
+  out << YAML::Key << "executor" << YAML::Value << std::string(executor_name(r.executor));
   out << YAML::EndMap;
 
   out << YAML::EndMap;
@@ -147,6 +162,7 @@ std::string config_to_json(const Config& c) {
       {"buffer_size_bytes", c.refit.buffer_size_bytes},
       {"num_buffers", c.refit.num_buffers},
       {"timeout_s", c.refit.timeout_s},
+      {"executor", executor_name(c.refit.executor)},
   };
   return j.dump(2);
 }

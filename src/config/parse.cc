@@ -308,7 +308,7 @@ Status parse_generation(const Section& top, GenerationConfig& g) {
 Status parse_refit(const Section& top, RefitConfig& r) {
   REFIT_ASSIGN_OR_RETURN(Section s, open_section(top, "refit",
                                                  {"target_precision", "buffer_size_bytes",
-                                                  "num_buffers", "timeout_s"}));
+                                                  "num_buffers", "timeout_s", "executor"}));
   if (auto v = s.get("target_precision")) {
     REFIT_ASSIGN_OR_RETURN(r.target_precision,
                            read_enum<DType>(s.key("target_precision"), *v,
@@ -325,6 +325,13 @@ Status parse_refit(const Section& top, RefitConfig& r) {
                          read_count(s, "num_buffers", r.num_buffers, kNumBuffersRule));
   if (auto v = s.get("timeout_s")) {
     REFIT_ASSIGN_OR_RETURN(r.timeout_s, read_seconds(s.key("timeout_s"), *v));
+  }
+  if (auto v = s.get("executor")) {
+    REFIT_ASSIGN_OR_RETURN(r.executor, read_enum<Executor>(s.key("executor"), *v,
+                                                           {{"auto", Executor::kAuto},
+                                                            {"peer", Executor::kPeer},
+                                                            {"p2p", Executor::kP2p},
+                                                            {"gather", Executor::kGather}}));
   }
   return Status::Ok();
 }

@@ -87,6 +87,18 @@ Status check_transfer_mode(const GenerationConfig& g) {
   return Status::Ok();
 }
 
+// NCCL cannot join two processes on one GPU, so point-to-point between a colocated trainer rank and
+// its engine rank on CUDA does not exist; peer access serves them.
+Status check_executor(const Config& c) {
+  if (c.refit.executor == Executor::kP2p && c.device == Device::kCuda && c.generation.colocated)
+    return invalid("refit.executor",
+                   "p2p uses NCCL send/recv, and NCCL cannot join a colocated trainer rank and "
+                   "engine rank that share one GPU",
+                   "p2p with device: cuda and generation.colocated: true",
+                   "auto or peer (CUDA IPC peer access), or gather");
+  return Status::Ok();
+}
+
 Status check_matrix_cell(const Config& c) {
   const MatrixCell* cell =
       find_matrix_cell(c.policy.backend, c.generation.backend, c.generation.weight_transfer_mode);
@@ -260,6 +272,7 @@ Status check_megatron(const Config& c, const ModelSpec& spec) {
 Status validate_config(const Config& config, const ModelSpec& spec) {
   REFIT_RETURN_IF_ERROR(check_values(config));
   REFIT_RETURN_IF_ERROR(check_transfer_mode(config.generation));
+  REFIT_RETURN_IF_ERROR(check_executor(config));
   REFIT_RETURN_IF_ERROR(check_matrix_cell(config));
   REFIT_RETURN_IF_ERROR(check_colocation(config));
   REFIT_RETURN_IF_ERROR(check_device(config));

@@ -19,76 +19,23 @@
 #include "control/store.h"
 #include "engine/engine_layout.h"
 #include "refit/session.h"
+#include "runtime/applier.h"
 #include "runtime/data_plane.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
 #include "runtime/groups.h"
+#include "runtime/messages.h"
 #include "runtime/protocol.h"
+#include "runtime/route_receiver.h"
+#include "runtime/routes.h"
 #include "runtime/schedule.h"
 #include "runtime/setup.h"
 #include "runtime/slots.h"
+#include "runtime/traffic.h"
 #include "transport/transport.h"
 
 namespace refit {
 namespace {
-
-// Applies received buckets on a thread of its own so receiving bucket k+1 overlaps applying k.
-class Applier {
- public:
-  using Work = std::function<Status()>;
-  Applier() : thread_([this] { loop(); }) {}
-  ~Applier() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void post(Work w) {
-    std::lock_guard lock(mu_);
-    queue_.push_back(std::move(w));
-    cv_.notify_all();
-  }
-  // Waits until the queue is empty; returns the first failure.
-  Status drain(std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_for(lock, timeout, [&] { return (queue_.empty() && !running_) || !error_.ok(); }))
-      return Status::Timeout("apply did not finish within the timeout");
-    return error_;
-  }
-  Status error() {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
-
- private:
-  void loop() {
-    while (true) {
-      Work w;
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (stop_) return;
-        w = std::move(queue_.front());
-        queue_.pop_front();
-        running_ = true;
-      }
-      Status st = error().ok() ? w() : Status::Ok();
-      std::lock_guard lock(mu_);
-      running_ = false;
-      if (!st.ok() && error_.ok()) error_ = st;
-      cv_.notify_all();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Work> queue_;
-  bool running_ = false;
-  bool stop_ = false;
-  Status error_;
-  std::thread thread_;
-};
 
 class EngineImpl final : public Engine {
  public:
@@ -116,6 +63,7 @@ class EngineImpl final : public Engine {
     REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
     plan_runs_.clear();  // they hold the registered addresses: rebuilt at the next refit
     sglang_runs_.clear();
+    if (route_receiver_) route_receiver_->invalidate();
     return Status::Ok();
   }
   void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
@@ -187,43 +135,111 @@ class EngineImpl final : public Engine {
     ptrs_.assign(slots_.size(), nullptr);
     REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, default_device(cfg_, false, rank_)));
     REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
-    REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
+    REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout()));
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
+    std::string plan_hash = model_->plan.hash_hex();
+    if (uses_transfer_plan(cfg_)) {
+      REFIT_RETURN_IF_ERROR(setup_routes());
+      plan_hash = routes_->plan.hash_hex();
+    } else {
+      REFIT_RETURN_IF_ERROR(setup_gather());
+    }
+    // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
+    if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
+    nlohmann::json hello = {{"engine_rank", rank_},
+                            {"protocol", engine_protocol_name(cfg_.generation.backend)},
+                            {"plan_hash", plan_hash},
+                            {"total_parameters", model_->spec.total_parameters()}};
+    for (const std::string& f : feeders_)
+      REFIT_RETURN_IF_ERROR(mailbox_->send(f, MessageType::kHello, hello.dump()));
+    return Status::Ok();
+  }
+
+  // Full buckets from one feeder: trainer rank 0 (broadcast) or the colocated trainer rank (ipc).
+  Status setup_gather() {
     TransportOptions topt{cfg_.refit.num_buffers,
                           static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
     if (broadcast_mode()) {
-      feeder_ = "trainer/0";
+      feeders_ = {"trainer/0"};
       GroupOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
       g.liveness = liveness_check(*store_, id());
       REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
       REFIT_ASSIGN_OR_RETURN(receiver_,
                              make_broadcast_receiver(*update_comm_, *mailbox_, *plane_, topt));
     } else {
-      feeder_ = fmt::format("trainer/{}", rank_);
-      REFIT_ASSIGN_OR_RETURN(receiver_, make_ipc_receiver(*mailbox_, *store_, *plane_, feeder_,
-                                                          ipc_segment_prefix(run_id, rank_), topt));
+      feeders_ = {fmt::format("trainer/{}", rank_)};
+      REFIT_ASSIGN_OR_RETURN(receiver_,
+                             make_ipc_receiver(*mailbox_, *store_, *plane_, feeders_[0],
+                                               ipc_segment_prefix(run_id_, rank_), topt));
     }
-    run_id_ = run_id;
-    // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
-    std::string plan_hash = model_->plan.hash_hex();
-    if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
-    nlohmann::json hello = {{"engine_rank", rank_},
-                            {"protocol", engine_protocol_name(cfg_.generation.backend)},
-                            {"plan_hash", plan_hash},
-                            {"total_parameters", model_->spec.total_parameters()}};
-    return mailbox_->send(feeder_, MessageType::kHello, hello.dump());
+    return Status::Ok();
   }
 
-  // Answer to a trainer that offers to write our parameters in place: where they are, if refit
-  // allocated them (allocate_params), else null (the trainer then sends buckets).
-  nlohmann::json direct_info() const {
-    if (!exported_) return nullptr;
-    std::vector<std::size_t> offsets;
+  // The transfer plan: the trainer ranks that feed this rank, where they run, and the
+  // point-to-point group.
+  Status setup_routes() {
+    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg_, model_->spec));
+    routes_ = std::make_unique<RouteSetup>(std::move(s));
+    REFIT_RETURN_IF_ERROR(publish_host(*store_, fmt::format("engine/{}", rank_)));
+    RouteReceiverOptions o{.config = &cfg_, .engine_rank = rank_, .setup = routes_.get(),
+                           .plane = plane_.get()};
+    o.sources = control_sources(routes_->plan, rank_);
+    for (int r : o.sources) feeders_.push_back(fmt::format("trainer/{}", r));
+    REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, feeders_, timeout()));
+    for (const std::string& h : hosts) o.source_same_host.push_back(h == host_identity());
+    if (needs_p2p_group(cfg_)) {
+      GroupOptions g{"p2p", p2p_rank_of_engine(cfg_, rank_),
+                     cfg_.policy.world_size + cfg_.engine_ranks(), ep_.host, timeout()};
+      g.liveness = liveness_check(*store_, id());
+      REFIT_ASSIGN_OR_RETURN(p2p_comm_, make_group(*store_, g, *plane_));
+      o.p2p = p2p_comm_.get();
+    }
+    REFIT_ASSIGN_OR_RETURN(route_receiver_, RouteReceiver::create(o));
+    return Status::Ok();
+  }
+
+  // Where our parameters are, if refit allocated them (allocate_params).
+  std::optional<ExportedParams> exported_params() const {
+    if (!exported_) return std::nullopt;
+    ExportedParams e{.handle = export_handle_, .bytes = exported_->size()};
     for (void* p : ptrs_)
-      offsets.push_back(static_cast<std::size_t>(static_cast<std::byte*>(p) - exported_->data()));
-    return {{"handle", export_handle_}, {"bytes", exported_->size()}, {"offsets", offsets}};
+      e.offsets.push_back(static_cast<std::uint64_t>(static_cast<std::byte*>(p) - exported_->data()));
+    return e;
+  }
+
+  Status send_feeders(MessageType type, const std::string& payload) {
+    for (const std::string& f : feeders_) REFIT_RETURN_IF_ERROR(mailbox_->send(f, type, payload));
+    return Status::Ok();
+  }
+
+  // One message of `type` from every feeder (any order), starting with `first` from `from`.
+  Status expect_from_every_feeder(MessageType type, const std::string& from, const char* what) {
+    std::vector<bool> seen(feeders_.size(), false);
+    std::size_t got = 0;
+    auto mark = [&](const std::string& who) -> Status {
+      const auto it = std::find(feeders_.begin(), feeders_.end(), who);
+      if (it == feeders_.end() || seen[static_cast<std::size_t>(it - feeders_.begin())])
+        return Status::Corruption(fmt::format("{}: unexpected {} from {}", id(),
+                                              message_type_name(type), who));
+      seen[static_cast<std::size_t>(it - feeders_.begin())] = true;
+      ++got;
+      return Status::Ok();
+    };
+    if (!from.empty()) REFIT_RETURN_IF_ERROR(mark(from));
+    while (got < feeders_.size()) {
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, type, timeout(), what));
+      if (type == MessageType::kBegin) {
+        REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
+        if (b.step != begin_.step || b.raw != begin_.raw)
+          return Status::Corruption(fmt::format(
+              "{}: {} began step {}{}, {} began step {}{}", id(), feeders_[0], begin_.step,
+              begin_.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
+      }
+      REFIT_RETURN_IF_ERROR(mark(m.from));
+    }
+    return Status::Ok();
   }
 
   void maybe_fault(int step, int bucket) {
@@ -286,14 +302,12 @@ class EngineImpl final : public Engine {
     return receiver_->release(in);
   }
 
-  // One refit: every bucket of the plan, then the commit.
-  Status refit(const nlohmann::json& begin) {
-    const int step = begin.value("step", 0);
-    const int buckets = begin.value("buckets", 0);
-    const bool raw = begin.value("raw", false);
-    const bool verify = begin.value("verify", false);
-    const std::string version = begin.value("version", std::string());
-    const bool offer_direct = begin.value("offer_direct", false);
+  // One refit of the gather executor: every bucket of the plan from the one feeder.
+  Status refit_buckets() {
+    const BeginMessage& begin = begin_;
+    const int step = begin.step;
+    const int buckets = begin.buckets;
+    const bool raw = begin.raw;
     if (buckets != static_cast<int>(model_->plan.buckets.size()) && vllm())
       return Status::InvalidArgument(
           fmt::format("vllm: the trainer announced {} buckets, the manifest has {}", buckets,
@@ -306,18 +320,9 @@ class EngineImpl final : public Engine {
     }
     log::debug("pause generation for refit step {} ({} buckets)", step, buckets);
     if (pause_hook_ && !raw) pause_hook_();
-    // A trainer holding full tensors offers to write in place; we accept when refit owns our
-    // parameters. Either way it learns here that generation is paused.
-    bool direct = false;
-    if (offer_direct) {
-      const nlohmann::json info = direct_info();
-      direct = !info.is_null();
-      REFIT_RETURN_IF_ERROR(
-          mailbox_->send(feeder_, MessageType::kPaused, nlohmann::json{{"direct", info}}.dump()));
-    }
     apply_seconds_ = 0;
     applied_ = 0;
-    for (int b = 0; b < (direct ? 0 : buckets); ++b) {
+    for (int b = 0; b < buckets; ++b) {
       std::optional<BucketHeader> expected;
       if (vllm() && broadcast_mode()) {
         BucketHeader h;
@@ -337,24 +342,60 @@ class EngineImpl final : public Engine {
       applier_.post([this, in, raw] { return apply(in, raw); });
     }
     REFIT_RETURN_IF_ERROR(applier_.drain(timeout()));
-    REFIT_ASSIGN_OR_RETURN(
-        Message commit, expect_message(*mailbox_, MessageType::kCommit, timeout(), "the commit"));
-    if (direct && exported_) exported_->release_name();  // the trainer has mapped it by now
-    if (!direct && applied_ != buckets)
+    REFIT_RETURN_IF_ERROR(expect_from_every_feeder(MessageType::kCommit, "", "the commit"));
+    if (applied_ != buckets)
       return Status::Internal(
           fmt::format("commit of step {} after {} of {} buckets", step, applied_, buckets));
-    if (!raw) version_ = version;  // only a complete refit publishes a new version
+    traffic_ = RankTraffic{.role = "engine", .rank = rank_,
+                           .bytes_received = model_->plan.payload_bytes};
+    return finish(apply_seconds_);
+  }
+
+  // One refit of the transfer plan: every feeder begins, we pause once and tell each whether our
+  // parameters are exported; peer feeders write them, point-to-point segments arrive here.
+  Status refit_routes(const std::string& first_from) {
+    const bool raw = begin_.raw;
+    REFIT_RETURN_IF_ERROR(expect_from_every_feeder(MessageType::kBegin, first_from, "begins"));
+    if (!raw) REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
+    log::debug("pause generation for refit step {}", begin_.step);
+    if (pause_hook_ && !raw) pause_hook_();
+    const std::optional<ExportedParams> exported = exported_params();
+    REFIT_RETURN_IF_ERROR(route_receiver_->choose(exported.has_value()));
+    REFIT_RETURN_IF_ERROR(
+        send_feeders(MessageType::kPaused, encode(PausedMessage{.direct = exported})));
+    REFIT_RETURN_IF_ERROR(route_receiver_->receive(begin_.step, raw, ptrs_, applier_, fault_));
+    REFIT_RETURN_IF_ERROR(applier_.drain(timeout()));
+    REFIT_RETURN_IF_ERROR(expect_from_every_feeder(MessageType::kCommit, "", "the commit"));
+    // Every peer feeder has mapped the exported memory by now: its name may go.
+    if (exported_ && route_receiver_->peer_sources() > 0) exported_->release_name();
+    traffic_ = RankTraffic{.role = "engine",
+                           .rank = rank_,
+                           .bytes_received = route_receiver_->bytes_received(),
+                           .peer_pairs = route_receiver_->peer_sources(),
+                           .p2p_pairs = route_receiver_->p2p_sources()};
+    return finish(route_receiver_->apply_seconds());
+  }
+
+  // After a complete refit: publish the version, resume, acknowledge, verify.
+  Status finish(double apply_s) {
+    const bool raw = begin_.raw;
+    if (!raw) version_ = begin_.version;  // only a complete refit publishes a new version
     log::debug("resume generation at weight version {}", version_);
     if (resume_hook_ && !raw) resume_hook_();
-    nlohmann::json ack = {{"version", version_}, {"apply_s", apply_seconds_}};
-    REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kCommitted, ack.dump()));
-    if (verify) {
-      Status v = verify_hook_ ? verify_hook_(step, version_)
+    REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
+    REFIT_RETURN_IF_ERROR(send_feeders(
+        MessageType::kCommitted,
+        encode(CommittedMessage{.version = version_,
+                                .apply_s = apply_s,
+                                .bytes_received = traffic_.bytes_received})));
+    if (begin_.verify) {
+      Status v = verify_hook_ ? verify_hook_(begin_.step, version_)
                               : Status::Unsupported(id() +
                                                     ": verification was asked for but this "
                                                     "engine has no verification hook");
-      nlohmann::json res = {{"verified", v.ok()}, {"error", v.ok() ? "" : v.message()}};
-      REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kVerified, res.dump()));
+      REFIT_RETURN_IF_ERROR(send_feeders(
+          MessageType::kVerified,
+          encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
       if (!v.ok()) return v;
     }
     return Status::Ok();
@@ -362,34 +403,47 @@ class EngineImpl final : public Engine {
 
   // Handles the next message between refits: a refit (true) or the shutdown (false).
   Result<bool> next() {
-    {
-      auto msg = mailbox_->receive(timeout());
-      if (!msg.ok())
-        return msg.status().with_context(
-            fmt::format("{} waiting for the next refit from {}", id(), feeder_));
-      switch (msg->type) {
-        case MessageType::kBegin: {
-          auto j = nlohmann::json::parse(msg->payload, nullptr, false);
-          if (j.is_discarded()) return Status::Corruption("malformed begin from " + msg->from);
-          REFIT_RETURN_IF_ERROR(refit(j));
-          return true;
-        }
-        case MessageType::kShutdown:
-          REFIT_RETURN_IF_ERROR(mailbox_->send(feeder_, MessageType::kShutdown, ""));
-          return false;
-        case MessageType::kAbort:
-        case MessageType::kError:
-          return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
-        case MessageType::kHello:
-        case MessageType::kBucket:
-        case MessageType::kBucketDone:
-        case MessageType::kCommit:
-        case MessageType::kCommitted:
-        case MessageType::kVerified:
-        case MessageType::kPaused:
-          return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
-                                              message_type_name(msg->type), msg->from));
+    auto msg = mailbox_->receive(timeout());
+    if (!msg.ok())
+      return msg.status().with_context(
+          fmt::format("{} waiting for the next refit from {}", id(), feeders_[0]));
+    switch (msg->type) {
+      case MessageType::kBegin: {
+        REFIT_ASSIGN_OR_RETURN(begin_, decode_begin(msg->payload, msg->from));
+        if (route_receiver_)
+          REFIT_RETURN_IF_ERROR(refit_routes(msg->from));
+        else
+          REFIT_RETURN_IF_ERROR(refit_buckets());
+        return true;
       }
+      case MessageType::kShutdown: {
+        // Every feeder says so; each is answered at once (its shutdown waits for the answer).
+        std::vector<std::string> pending = feeders_;
+        std::string from = msg->from;
+        while (true) {
+          const auto it = std::find(pending.begin(), pending.end(), from);
+          if (it == pending.end())
+            return Status::Corruption(fmt::format("{}: unexpected shutdown from {}", id(), from));
+          pending.erase(it);
+          REFIT_RETURN_IF_ERROR(mailbox_->send(from, MessageType::kShutdown, ""));
+          if (pending.empty()) return false;
+          REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kShutdown,
+                                                           timeout(), "the shutdown"));
+          from = m.from;
+        }
+      }
+      case MessageType::kAbort:
+      case MessageType::kError:
+        return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
+      case MessageType::kHello:
+      case MessageType::kBucket:
+      case MessageType::kBucketDone:
+      case MessageType::kCommit:
+      case MessageType::kCommitted:
+      case MessageType::kVerified:
+      case MessageType::kPaused:
+        return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
+                                            message_type_name(msg->type), msg->from));
     }
     return Status::Internal("unreachable");
   }
@@ -411,7 +465,12 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Mailbox> mailbox_;
   std::unique_ptr<Communicator> update_comm_;
   std::unique_ptr<BucketReceiver> receiver_;
-  std::string feeder_;
+  std::vector<std::string> feeders_;  // mailbox ids of the trainer ranks that feed this rank
+  std::unique_ptr<RouteSetup> routes_;  // transfer plan (every executor but gather)
+  std::unique_ptr<RouteReceiver> route_receiver_;
+  std::unique_ptr<Communicator> p2p_comm_;
+  BeginMessage begin_;  // of the refit in progress
+  RankTraffic traffic_;
   std::string version_ = "0";
   std::string run_id_;
   std::unique_ptr<PlaneBuffer> exported_;  // allocate_params(): parameters the trainer maps

@@ -25,10 +25,14 @@
 #include "runtime/failure.h"
 #include "runtime/fault.h"
 #include "runtime/groups.h"
+#include "runtime/messages.h"
 #include "runtime/protocol.h"
+#include "runtime/route_sender.h"
+#include "runtime/routes.h"
 #include "runtime/schedule.h"
 #include "runtime/setup.h"
 #include "runtime/slots.h"
+#include "runtime/traffic.h"
 #include "transport/transport.h"
 
 namespace refit {
@@ -57,7 +61,7 @@ class TrainerImpl final : public Trainer {
     REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
     // Copy lists hold the registered addresses: rebuild them at the next refit.
     bucket_runs_.clear();
-    direct_runs_.clear();
+    if (route_sender_) route_sender_->invalidate();
     return Status::Ok();
   }
 
@@ -76,6 +80,7 @@ class TrainerImpl final : public Trainer {
       stats_.apply_s = phase_.apply;
       stats_.bytes = model_->plan.payload_bytes;
       stats_.buckets = static_cast<int>(model_->plan.buckets.size());
+      REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
       if (verify)
         REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
       return Status::Ok();
@@ -100,7 +105,12 @@ class TrainerImpl final : public Trainer {
 
   std::int64_t bytes_per_refit() const override { return model_->plan.payload_bytes; }
   int buckets_per_refit() const override { return static_cast<int>(model_->plan.buckets.size()); }
-  std::string plan_hash() const override { return model_->plan.hash_hex(); }
+  std::string plan_hash() const override {
+    return routes_ ? routes_->plan.hash_hex() : model_->plan.hash_hex();
+  }
+  Result<std::vector<RankTraffic>> traffic() override {
+    return read_traffic(*store_, cfg_, timeout());
+  }
 
   Status shutdown() override {
     return guarded([&] { return do_shutdown(); });
@@ -152,6 +162,11 @@ class TrainerImpl final : public Trainer {
       g.liveness = liveness_check(*store_, id());
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_group(*store_, g, *plane_));
     }
+    if (uses_transfer_plan(cfg_)) {
+      REFIT_RETURN_IF_ERROR(setup_routes());
+      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+      return Status::Ok();
+    }
     // Which engine ranks this rank feeds, and the transport to them.
     const int engines = cfg_.engine_ranks();
     TransportOptions topt{cfg_.refit.num_buffers,
@@ -181,11 +196,44 @@ class TrainerImpl final : public Trainer {
     if (feeds()) {
       REFIT_RETURN_IF_ERROR(check_engines());
       sender_->on_receivers_attached();
-      offer_direct_ = direct_eligible();
     }
+    // Bytes per refit: this rank's all-gather contribution, and what it hands to its transport.
+    traffic_ = RankTraffic{.role = "trainer", .rank = rank_};
+    if (world > 1)
+      for (const BucketGather& g : gather_)
+        traffic_.bytes_sent += static_cast<std::int64_t>(g.counts[static_cast<std::size_t>(rank_)]);
+    if (feeds())
+      traffic_.bytes_sent += model_->plan.payload_bytes *
+                             (broadcast_mode() ? 1 : static_cast<std::int64_t>(fed_engines_.size()));
     // Setup is complete on every trainer rank before the first refit.
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
     return Status::Ok();
+  }
+
+  // The transfer plan: this rank's targets, where they run, the point-to-point group, and the
+  // engines' hellos.
+  Status setup_routes() {
+    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg_, model_->spec));
+    routes_ = std::make_unique<RouteSetup>(std::move(s));
+    REFIT_RETURN_IF_ERROR(publish_host(*store_, fmt::format("trainer/{}", rank_)));
+    RouteSenderOptions o{.config = &cfg_, .rank = rank_, .setup = routes_.get(),
+                         .mailbox = mailbox_.get(), .plane = plane_.get()};
+    o.targets = control_targets(routes_->plan, rank_);
+    std::vector<std::string> who;
+    for (int g : o.targets) who.push_back(fmt::format("engine/{}", g));
+    REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, who, timeout()));
+    for (const std::string& h : hosts) o.target_same_host.push_back(h == host_identity());
+    if (needs_p2p_group(cfg_)) {
+      GroupOptions g{"p2p", p2p_rank_of_trainer(rank_),
+                     cfg_.policy.world_size + cfg_.engine_ranks(), ep_.host, timeout()};
+      g.liveness = liveness_check(*store_, id());
+      REFIT_ASSIGN_OR_RETURN(p2p_comm_, make_group(*store_, g, *plane_));
+      o.p2p = p2p_comm_.get();
+    }
+    REFIT_ASSIGN_OR_RETURN(route_sender_, RouteSender::create(o));
+    fed_engines_ = route_sender_->engine_ids();
+    traffic_ = RankTraffic{.role = "trainer", .rank = rank_};
+    return check_engines();
   }
 
   // Every fed engine says hello; for vLLM its plan hash must equal ours (refused at setup).
@@ -196,85 +244,20 @@ class TrainerImpl final : public Trainer {
       auto j = nlohmann::json::parse(hello.payload, nullptr, false);
       if (j.is_discarded()) return Status::Corruption("malformed hello from " + hello.from);
       const std::string theirs = j.value("plan_hash", "");
+      const std::string ours = plan_hash();
       if (j.value("total_parameters", 0ll) != model_->spec.total_parameters())
         return Status::InvalidArgument(fmt::format(
             "setup: {} serves a model of {} parameters, the trainer's has {}; both sides must "
             "load the same model",
             hello.from, j.value("total_parameters", 0ll), model_->spec.total_parameters()));
-      if (cfg_.generation.backend == EngineProtocol::kVllm && theirs != model_->plan.hash_hex())
+      if (cfg_.generation.backend == EngineProtocol::kVllm && theirs != ours)
         return Status::InvalidArgument(fmt::format(
-            "setup: vllm manifest mismatch: {} derived bucket plan {} but the trainer's is {}; "
-            "both sides must use the same model, refit.target_precision and "
-            "refit.buffer_size_bytes",
-            hello.from, theirs, model_->plan.hash_hex()));
+            "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is {}; "
+            "both sides must use the same model, layouts, refit.target_precision, "
+            "refit.buffer_size_bytes and refit.executor",
+            hello.from, routes_ ? "transfer plan" : "bucket plan", theirs, ours));
     }
     return Status::Ok();
-  }
-
-  // Zero-copy colocated path: when this rank holds every HF tensor whole (world size 1) and its
-  // engine exported its parameter storage, map that storage once; every refit then casts the
-  // shards straight into the engine's parameters with one copy call.
-  bool holds_full_tensors() const {
-    const TrainerShardLayout& mine = layouts_[rank_];
-    for (std::size_t t = 0; t < model_->spec.tensors().size(); ++t) {
-      const auto& owned = mine.owned_by_hf[t];
-      if (owned.size() != 1) return false;
-      const LocalTensor& lt = mine.tensors[owned[0].first];
-      const Piece& p = lt.pieces[owned[0].second];
-      const MatrixShape m = matrix_shape(model_->spec.tensors()[t].shape);
-      const MatrixShape l = matrix_shape(lt.shape);
-      if (p.src_row != 0 || p.src_col != 0 || p.dst_row != 0 || p.dst_col != 0 ||
-          p.rows != m.rows || p.cols != m.cols || l.rows != m.rows || l.cols != m.cols)
-        return false;
-    }
-    return true;
-  }
-
-  // Whether to offer the engine to write its parameters in place (decided once, at setup).
-  bool direct_eligible() const {
-    const char* env = std::getenv("REFIT_ZERO_COPY");
-    if (env != nullptr && std::string(env) == "0") return false;
-    return !broadcast_mode() && holds_full_tensors();
-  }
-
-  Status map_engine_params(const nlohmann::json& direct) {
-    const int tp = cfg_.generation.tp_size;
-    REFIT_ASSIGN_OR_RETURN(EngineShardLayout engine, engine_layout(model_->spec, tp, rank_ % tp));
-    const auto offsets = direct.value("offsets", std::vector<std::size_t>());
-    const std::size_t bytes = direct.value("bytes", std::size_t{0});
-    if (offsets.size() != engine.params.size())
-      return Status::Corruption(
-          fmt::format("zero-copy: {} exported {} parameters, the engine "
-                      "layout has {}",
-                      fed_engines_[0], offsets.size(), engine.params.size()));
-    REFIT_ASSIGN_OR_RETURN(engine_params_,
-                           plane_->open_exported(direct.value("handle", ""), bytes));
-    engine_params_layout_ = std::move(engine);
-    engine_param_offsets_ = offsets;
-    log::debug("{}: zero-copy into {}'s parameters ({} bytes)", id(), fed_engines_[0], bytes);
-    return Status::Ok();
-  }
-
-  // One copy list for the whole refit: every engine piece, read from the local tensor that holds
-  // its HF tensor whole, cast and written in place.
-  const std::vector<CopyRun>& direct_runs() {
-    if (!direct_runs_.empty()) return direct_runs_;
-    const TrainerShardLayout& mine = layouts_[rank_];
-    for (std::size_t i = 0; i < engine_params_layout_.params.size(); ++i) {
-      const EngineParam& p = engine_params_layout_.params[i];
-      const std::int64_t dst_cols = matrix_shape(p.shape).cols;
-      std::byte* dst = engine_params_->data() + engine_param_offsets_[i];
-      for (const Piece& pc : p.pieces) {
-        const std::int64_t hf_cols = matrix_shape(model_->spec.tensors()[pc.hf_tensor].shape).cols;
-        const auto* src =
-            static_cast<const std::byte*>(ptrs_[mine.owned_by_hf[pc.hf_tensor][0].first]);
-        direct_runs_.push_back({src,
-                                dst,
-                                {pc.src_row * hf_cols + pc.src_col, hf_cols,
-                                 pc.dst_row * dst_cols + pc.dst_col, dst_cols, pc.rows, pc.cols}});
-      }
-    }
-    return direct_runs_;
   }
 
   Status send_all(MessageType type, const std::string& payload) {
@@ -366,26 +349,16 @@ class TrainerImpl final : public Trainer {
   // One refit (or, with raw, one pass of the bare transport).
   Status refit_once(int step, const std::string& version, bool verify, bool raw) {
     early_verdicts_.clear();
+    if (route_sender_) return refit_routes(step, version, verify, raw);
     const BucketPlan& plan = model_->plan;
     const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
     if (feeds()) {
-      const bool offer = offer_direct_ && !raw;
-      nlohmann::json begin = {{"step", step},
-                              {"version", version},
-                              {"buckets", plan.buckets.size()},
-                              {"verify", verify && !raw},
-                              {"raw", raw},
-                              {"offer_direct", offer}};
-      REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, begin.dump()));
-      if (offer) {  // the engine paused; it says whether we may write its parameters in place
-        REFIT_ASSIGN_OR_RETURN(Message paused, expect_message(*mailbox_, MessageType::kPaused,
-                                                              timeout(), "the engine's pause"));
-        auto j = nlohmann::json::parse(paused.payload, nullptr, false);
-        if (!j.is_discarded() && j.contains("direct") && !j["direct"].is_null()) {
-          if (!engine_params_) REFIT_RETURN_IF_ERROR(map_engine_params(j["direct"]));
-          return refit_direct(step);
-        }
-      }
+      const BeginMessage begin{.step = step,
+                               .version = version,
+                               .verify = verify && !raw,
+                               .raw = raw,
+                               .buckets = static_cast<int>(plan.buckets.size())};
+      REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, encode(begin)));
     }
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
       std::byte* slot = nullptr;
@@ -420,35 +393,30 @@ class TrainerImpl final : public Trainer {
     if (!feeds()) return Status::Ok();
     REFIT_RETURN_IF_ERROR(sender_->drain());
     phase_.transfer += sender_->take_busy_seconds();
-    REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
-    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
-      REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
-      auto j = nlohmann::json::parse(m.payload, nullptr, false);
-      if (!j.is_discarded()) phase_.apply = std::max(phase_.apply, j.value("apply_s", 0.0));
-    }
-    return Status::Ok();
+    return commit(step);
   }
 
-  // The engine is paused and its parameters are mapped: cast the shards straight into them.
-  Status refit_direct(int step) {
-    if (fault_.kind == Fault::Kind::kKillTrainer)  // no buckets here: the fault's bucket is moot
-      maybe_fault(step, static_cast<std::size_t>(std::max(fault_.bucket, 0)), nullptr);
-    Timer t;
-    REFIT_RETURN_IF_ERROR(
-        plane_->copy(direct_runs(), cfg_.policy.dtype, cfg_.refit.target_precision));
-    phase_.cast_pack += t.seconds();
-    if (step == 1 && fault_.kind == Fault::Kind::kCorrupt) {
-      const auto& runs = direct_runs();
-      const CopyRun& r = runs[std::min<std::size_t>(
-          runs.size() - 1, static_cast<std::size_t>(std::max(fault_.bucket, 0)))];
-      log::info("fault injection: corrupting a parameter written in place");
-      REFIT_RETURN_IF_ERROR(plane_->corrupt_byte(
-          r.dst +
-          r.block.dst_offset * static_cast<std::int64_t>(dtype_size(cfg_.refit.target_precision))));
+  // The transfer plan: this rank's routes, then the commit.
+  Status refit_routes(int step, const std::string& version, bool verify, bool raw) {
+    RouteTimes times;
+    const BeginMessage begin{.step = step, .version = version, .verify = verify && !raw, .raw = raw};
+    REFIT_RETURN_IF_ERROR(route_sender_->transfer(begin, ptrs_, fault_, times));
+    phase_.cast_pack += times.cast_pack;
+    phase_.transfer += times.transfer;
+    traffic_.bytes_sent = route_sender_->bytes_sent();
+    traffic_.peer_pairs = route_sender_->peer_targets();
+    traffic_.p2p_pairs = route_sender_->p2p_targets();
+    return commit(step);
+  }
+
+  // Every fed engine commits; the slowest one's apply time is the refit's.
+  Status commit(int step) {
+    REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, encode(CommitMessage{.step = step})));
+    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
+      REFIT_ASSIGN_OR_RETURN(CommittedMessage c, decode_committed(m.payload, m.from));
+      phase_.apply = std::max(phase_.apply, c.apply_s);
     }
-    REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, std::to_string(step)));
-    for (std::size_t i = 0; i < fed_engines_.size(); ++i)
-      REFIT_RETURN_IF_ERROR(expect_commit_ack().status());
     return Status::Ok();
   }
 
@@ -485,12 +453,10 @@ class TrainerImpl final : public Trainer {
         REFIT_ASSIGN_OR_RETURN(m, expect_message(*mailbox_, MessageType::kVerified, timeout() * 4,
                                                  "verification results"));
       }
-      auto j = nlohmann::json::parse(m.payload, nullptr, false);
-      if (j.is_discarded() || !j.value("verified", false)) {
-        if (verdict.empty())
-          verdict = j.is_discarded() ? "malformed verification result from " + m.from
-                                     : j.value("error", std::string("verification failed"));
-      }
+      auto v = decode_verified(m.payload, m.from);
+      if (verdict.empty() && (!v.ok() || !v->verified))
+        verdict = v.ok() ? (v->error.empty() ? "verification failed on " + m.from : v->error)
+                         : v.status().message();
     }
     if (trainer_comm_) {
       // Share verdicts through the store (host-side on every device) so every trainer rank fails
@@ -539,11 +505,6 @@ class TrainerImpl final : public Trainer {
   std::vector<void*> ptrs_;                    // registered storage of slots_
   std::unique_ptr<PlaneBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
   std::vector<BucketRuns> bucket_runs_;
-  std::unique_ptr<PlaneBuffer> engine_params_;  // zero-copy: the engine's mapped parameters
-  EngineShardLayout engine_params_layout_;
-  std::vector<std::size_t> engine_param_offsets_;
-  std::vector<CopyRun> direct_runs_;
-  bool offer_direct_ = false;
   Status corrupt_status_;  // a failed fault injection
   int verifications_ = 0;  // verified refits so far: namespaces the verdict keys
   std::unique_ptr<StoreServer> server_;
@@ -552,6 +513,10 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<Communicator> trainer_comm_, update_comm_;
   std::unique_ptr<BucketSender> sender_;
   std::vector<std::string> fed_engines_;
+  std::unique_ptr<RouteSetup> routes_;  // transfer plan (every executor but gather)
+  std::unique_ptr<RouteSender> route_sender_;
+  std::unique_ptr<Communicator> p2p_comm_;
+  RankTraffic traffic_;
   std::deque<Message> early_verdicts_;  // verdicts that overtook a commit acknowledgement
   Phases phase_;
   RefitStats stats_;

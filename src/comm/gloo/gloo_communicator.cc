@@ -20,6 +20,7 @@
 #include <exception>
 #include <mutex>
 #include <numeric>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "comm/communicator.h"
@@ -197,6 +198,42 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
+  Status exchange(const std::vector<P2POp>& ops) override {
+    std::size_t total = 0;
+    for (const P2POp& o : ops) {
+      if (o.peer < 0 || o.peer >= options_.size || o.peer == options_.rank)
+        return Status::InvalidArgument(fmt::format("{}exchange ({}): peer {} is not another rank",
+                                                   prefix(), where(), o.peer));
+      total += o.bytes;
+    }
+    const std::string op = fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
+    REFIT_RETURN_IF_ERROR(usable(op));
+    return run(op, [&] {
+      // Slots pair the k-th send of a rank to a peer with that peer's k-th receive from it.
+      std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> bufs;
+      bufs.reserve(ops.size());
+      for (const P2POp& o : ops) {
+        if (o.bytes == 0) continue;
+        const bool send = o.kind == P2POp::Kind::kSend;
+        auto& seq = send ? sent_[o.peer] : received_[o.peer];
+        const std::uint64_t slot = kP2PSlotPrefix | seq++;
+        bufs.push_back(wrap(static_cast<char*>(o.buf), o.bytes));
+        if (send)
+          bufs.back()->send(o.peer, slot);
+        else
+          bufs.back()->recv(o.peer, slot);
+      }
+      std::size_t i = 0;
+      for (const P2POp& o : ops) {
+        if (o.bytes == 0) continue;
+        if (o.kind == P2POp::Kind::kSend)
+          bufs[i++]->waitSend(options_.timeout);
+        else
+          bufs[i++]->waitRecv(options_.timeout);
+      }
+    });
+  }
+
   void abort() override {
     if (abort_.aborted.exchange(true)) return;
     for (int peer = 0; peer < options_.size; ++peer) {
@@ -277,6 +314,10 @@ class GlooCommunicator final : public Communicator {
   AbortState abort_;
   Status broken_;  // the first failure; the context is unusable after it
   std::uint32_t tag_ = 0;
+  // Point-to-point sequence numbers per peer; the slot prefix keeps them apart from the slots
+  // Gloo's collectives derive from tags.
+  static constexpr std::uint64_t kP2PSlotPrefix = std::uint64_t{0x7e} << 56;
+  std::unordered_map<int, std::uint64_t> sent_, received_;
 };
 
 }  // namespace

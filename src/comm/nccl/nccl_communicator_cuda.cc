@@ -132,6 +132,33 @@ class NcclComm final : public NcclCommunicator {
     return st;
   }
 
+  Status exchange(const std::vector<P2POp>& ops) override {
+    for (const P2POp& o : ops)
+      if (o.peer < 0 || o.peer >= opt_.size || o.peer == opt_.rank)
+        return Status::InvalidArgument(
+            fmt::format("{}: exchange with peer {}, not another rank", where(), o.peer));
+    REFIT_RETURN_IF_ERROR(begin("exchange"));
+    // Every send and receive in one NCCL group: NCCL matches them per peer in order.
+    Status st = issue("exchange", [&] {
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) return r;
+      for (const P2POp& o : ops) {
+        if (o.bytes == 0) continue;
+        r = o.kind == P2POp::Kind::kSend
+                ? ncclSend(o.buf, o.bytes, ncclUint8, o.peer, comm_,
+                           static_cast<cudaStream_t>(stream_))
+                : ncclRecv(o.buf, o.bytes, ncclUint8, o.peer, comm_,
+                           static_cast<cudaStream_t>(stream_));
+        if (r != ncclSuccess) break;
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+    end();
+    if (!st.ok()) return st;
+    return synchronize();
+  }
+
   Status synchronize() override {
     REFIT_RETURN_IF_ERROR(begin("synchronize"));
     Status st = wait_stream();

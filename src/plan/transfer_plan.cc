@@ -1,0 +1,206 @@
+#include "plan/transfer_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "common/piece.h"
+
+namespace refit {
+namespace {
+
+struct Hasher {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  void add(std::int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<std::uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+};
+
+// The rectangle both pieces read from the same HF tensor, or nothing.
+void intersect(const Piece& own, const Piece& keep, int trainer, std::uint32_t trainer_tensor,
+               int engine, std::uint32_t engine_param, std::vector<Route>& out) {
+  const std::int64_t r0 = std::max(own.src_row, keep.src_row);
+  const std::int64_t r1 = std::min(own.src_row + own.rows, keep.src_row + keep.rows);
+  const std::int64_t c0 = std::max(own.src_col, keep.src_col);
+  const std::int64_t c1 = std::min(own.src_col + own.cols, keep.src_col + keep.cols);
+  if (r0 >= r1 || c0 >= c1) return;
+  out.push_back(Route{
+      .trainer = trainer,
+      .engine = engine,
+      .hf_tensor = own.hf_tensor,
+      .trainer_tensor = trainer_tensor,
+      .engine_param = engine_param,
+      .rows = r1 - r0,
+      .cols = c1 - c0,
+      .trainer_row = own.dst_row + (r0 - own.src_row),
+      .trainer_col = own.dst_col + (c0 - own.src_col),
+      .engine_row = keep.dst_row + (r0 - keep.src_row),
+      .engine_col = keep.dst_col + (c0 - keep.src_col),
+  });
+}
+
+// Splits a route into pieces of at most `max_elems` elements: by rows, and a row longer than
+// that by columns.
+void split_route(const Route& r, std::int64_t max_elems, std::vector<Route>& out) {
+  if (r.numel() <= max_elems) {
+    out.push_back(r);
+    return;
+  }
+  if (r.cols > max_elems) {
+    for (std::int64_t row = 0; row < r.rows; ++row)
+      for (std::int64_t c = 0; c < r.cols; c += max_elems) {
+        Route p = r;
+        p.rows = 1;
+        p.cols = std::min(max_elems, r.cols - c);
+        p.trainer_row += row;
+        p.engine_row += row;
+        p.trainer_col += c;
+        p.engine_col += c;
+        out.push_back(p);
+      }
+    return;
+  }
+  const std::int64_t rows_per = max_elems / r.cols;
+  for (std::int64_t row = 0; row < r.rows; row += rows_per) {
+    Route p = r;
+    p.rows = std::min(rows_per, r.rows - row);
+    p.trainer_row += row;
+    p.engine_row += row;
+    out.push_back(p);
+  }
+}
+
+}  // namespace
+
+std::string TransferPlan::hash_hex() const { return fmt::format("{:016x}", hash); }
+
+std::int64_t TransferPlan::pair_bytes(int trainer, int engine) const {
+  std::int64_t n = 0;
+  for (const auto& round : segments)
+    for (const Segment& s : round)
+      if (s.trainer == trainer && s.engine == engine) n += s.bytes;
+  return n;
+}
+
+std::vector<int> TransferPlan::sources_of(int engine) const {
+  std::vector<bool> seen(static_cast<std::size_t>(trainer_ranks), false);
+  for (const auto& round : segments)
+    for (const Segment& s : round)
+      if (s.engine == engine) seen[static_cast<std::size_t>(s.trainer)] = true;
+  std::vector<int> out;
+  for (int r = 0; r < trainer_ranks; ++r)
+    if (seen[static_cast<std::size_t>(r)]) out.push_back(r);
+  return out;
+}
+
+std::vector<int> TransferPlan::targets_of(int trainer) const {
+  std::vector<bool> seen(static_cast<std::size_t>(engine_ranks), false);
+  for (const auto& round : segments)
+    for (const Segment& s : round)
+      if (s.trainer == trainer) seen[static_cast<std::size_t>(s.engine)] = true;
+  std::vector<int> out;
+  for (int g = 0; g < engine_ranks; ++g)
+    if (seen[static_cast<std::size_t>(g)]) out.push_back(g);
+  return out;
+}
+
+TransferPlan make_transfer_plan(const ModelSpec& spec,
+                                const std::vector<TrainerShardLayout>& trainers,
+                                const std::vector<EngineShardLayout>& engines, int num_engines,
+                                DType dtype, std::int64_t buffer_bytes) {
+  TransferPlan plan;
+  plan.trainer_ranks = static_cast<int>(trainers.size());
+  const int tp = static_cast<int>(engines.size());
+  plan.engine_ranks = num_engines * tp;
+  plan.dtype = dtype;
+  plan.buffer_bytes = buffer_bytes;
+  const auto esize = static_cast<std::int64_t>(dtype_size(dtype));
+  const std::int64_t max_elems = std::max<std::int64_t>(1, buffer_bytes / esize);
+
+  // Routes in model order: tensor by tensor, so rounds advance through the model.
+  std::vector<Route> routes, whole;
+  for (std::uint32_t t = 0; t < spec.tensors().size(); ++t)
+    for (int r = 0; r < plan.trainer_ranks; ++r) {
+      const TrainerShardLayout& lay = trainers[static_cast<std::size_t>(r)];
+      for (const auto& [local, piece] : lay.owned_by_hf[t]) {
+        const Piece& own = lay.tensors[local].pieces[piece];
+        for (int e = 0; e < num_engines; ++e)
+          for (int k = 0; k < tp; ++k) {
+            const EngineShardLayout& eng = engines[static_cast<std::size_t>(k)];
+            for (const auto& [param, epiece] : eng.pieces_by_hf[t]) {
+              whole.clear();
+              intersect(own, eng.params[param].pieces[epiece], r, local, e * tp + k, param,
+                        whole);
+              for (const Route& w : whole) split_route(w, max_elems, routes);
+            }
+          }
+      }
+    }
+
+  // Rounds: greedily, in model order, while no rank exceeds the buffer.
+  std::vector<std::int64_t> send(trainers.size(), 0), recv(static_cast<std::size_t>(plan.engine_ranks), 0);
+  int round = 0;
+  for (Route& r : routes) {
+    const std::int64_t b = r.numel() * esize;
+    auto& s = send[static_cast<std::size_t>(r.trainer)];
+    auto& v = recv[static_cast<std::size_t>(r.engine)];
+    if (s + b > buffer_bytes || v + b > buffer_bytes) {
+      ++round;
+      std::fill(send.begin(), send.end(), 0);
+      std::fill(recv.begin(), recv.end(), 0);
+    }
+    send[static_cast<std::size_t>(r.trainer)] += b;
+    recv[static_cast<std::size_t>(r.engine)] += b;
+    r.round = round;
+  }
+  plan.rounds = routes.empty() ? 0 : round + 1;
+  std::stable_sort(routes.begin(), routes.end(), [](const Route& a, const Route& b) {
+    return std::tie(a.round, a.trainer, a.engine) < std::tie(b.round, b.trainer, b.engine);
+  });
+
+  // Segments, offsets, per-rank totals and the hash.
+  plan.segments.assign(static_cast<std::size_t>(plan.rounds), {});
+  plan.trainer_bytes.assign(trainers.size(), 0);
+  plan.engine_bytes.assign(static_cast<std::size_t>(plan.engine_ranks), 0);
+  Hasher h;
+  h.add(plan.trainer_ranks);
+  h.add(plan.engine_ranks);
+  h.add(static_cast<std::int64_t>(dtype));
+  h.add(buffer_bytes);
+  for (std::size_t i = 0; i < routes.size(); ++i) {
+    Route& r = routes[i];
+    auto& segs = plan.segments[static_cast<std::size_t>(r.round)];
+    if (segs.empty() || segs.back().trainer != r.trainer || segs.back().engine != r.engine)
+      segs.push_back(Segment{.trainer = r.trainer, .engine = r.engine, .first_route = i});
+    Segment& seg = segs.back();
+    r.segment_offset = seg.bytes / esize;
+    seg.bytes += r.numel() * esize;
+    seg.num_routes++;
+    plan.trainer_bytes[static_cast<std::size_t>(r.trainer)] += r.numel() * esize;
+    plan.engine_bytes[static_cast<std::size_t>(r.engine)] += r.numel() * esize;
+    for (std::int64_t v : {std::int64_t{r.trainer}, std::int64_t{r.engine},
+                           std::int64_t{r.hf_tensor}, std::int64_t{r.trainer_tensor},
+                           std::int64_t{r.engine_param}, r.rows, r.cols, r.trainer_row,
+                           r.trainer_col, r.engine_row, r.engine_col, std::int64_t{r.round}})
+      h.add(v);
+  }
+  // Staging sizes: a rank's segments of one round laid out back to back, each aligned.
+  for (const auto& segs : plan.segments) {
+    std::vector<std::int64_t> s(trainers.size(), 0), v(static_cast<std::size_t>(plan.engine_ranks), 0);
+    for (const Segment& seg : segs) {
+      s[static_cast<std::size_t>(seg.trainer)] += aligned_segment_bytes(seg.bytes);
+      v[static_cast<std::size_t>(seg.engine)] += aligned_segment_bytes(seg.bytes);
+    }
+    for (auto x : s) plan.max_send_bytes = std::max(plan.max_send_bytes, x);
+    for (auto x : v) plan.max_recv_bytes = std::max(plan.max_recv_bytes, x);
+  }
+  plan.routes = std::move(routes);
+  plan.hash = h.h;
+  return plan;
+}
+
+}  // namespace refit

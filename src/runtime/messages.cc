@@ -1,0 +1,165 @@
+#include "runtime/messages.h"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+namespace refit {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string dump(Json j) {
+  j["v"] = kMessageWireVersion;
+  return j.dump();
+}
+
+// Reads the fields of one message; the first problem is kept and named.
+class Reader {
+ public:
+  Reader(const std::string& payload, const char* message, const std::string& from)
+      : message_(message), from_(from) {
+    j_ = Json::parse(payload, nullptr, false);
+    if (j_.is_discarded() || !j_.is_object()) {
+      fail("is not a JSON object");
+      return;
+    }
+    int v = 0;
+    get("v", v);
+    if (error_.ok() && v != kMessageWireVersion)
+      fail(fmt::format("has wire version {}, this build speaks {}", v, kMessageWireVersion));
+  }
+
+  template <typename T>
+  void get(const char* field, T& out) {
+    if (!error_.ok()) return;
+    auto it = j_.find(field);
+    if (it == j_.end()) return fail(fmt::format("has no field '{}'", field));
+    if (!type_ok(*it, out))
+      return fail(fmt::format("field '{}' has the wrong type ({})", field, it->type_name()));
+    out = it->get<T>();
+  }
+  const Json& json() const { return j_; }
+  bool has(const char* field) const { return j_.contains(field) && !j_[field].is_null(); }
+  Status status() const { return error_; }
+
+ private:
+  static bool type_ok(const Json& v, const bool&) { return v.is_boolean(); }
+  static bool type_ok(const Json& v, const std::string&) { return v.is_string(); }
+  static bool type_ok(const Json& v, const double&) { return v.is_number(); }
+  static bool type_ok(const Json& v, const int&) { return v.is_number_integer(); }
+  static bool type_ok(const Json& v, const std::int64_t&) { return v.is_number_integer(); }
+  static bool type_ok(const Json& v, const std::uint64_t&) { return v.is_number_unsigned(); }
+  static bool type_ok(const Json& v, const std::vector<std::uint64_t>&) {
+    if (!v.is_array()) return false;
+    for (const Json& x : v)
+      if (!x.is_number_unsigned()) return false;
+    return true;
+  }
+  void fail(const std::string& what) {
+    if (error_.ok())
+      error_ = Status::Corruption(fmt::format("{} message from {} {}", message_, from_, what));
+  }
+
+  Json j_;
+  const char* message_;
+  const std::string& from_;
+  Status error_;
+};
+
+}  // namespace
+
+std::string encode(const BeginMessage& m) {
+  return dump({{"step", m.step},
+               {"version", m.version},
+               {"verify", m.verify},
+               {"raw", m.raw},
+               {"buckets", m.buckets},
+               {"offer_direct", m.offer_direct}});
+}
+
+std::string encode(const PausedMessage& m) {
+  Json j = Json::object();
+  if (m.direct)
+    j["direct"] = {
+        {"handle", m.direct->handle}, {"bytes", m.direct->bytes}, {"offsets", m.direct->offsets}};
+  else
+    j["direct"] = nullptr;
+  return dump(std::move(j));
+}
+
+std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
+
+std::string encode(const CommittedMessage& m) {
+  return dump(
+      {{"version", m.version}, {"apply_s", m.apply_s}, {"bytes_received", m.bytes_received}});
+}
+
+std::string encode(const VerifiedMessage& m) {
+  return dump({{"verified", m.verified}, {"error", m.error}});
+}
+
+Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from) {
+  Reader r(payload, "begin", from);
+  BeginMessage m;
+  r.get("step", m.step);
+  r.get("version", m.version);
+  r.get("verify", m.verify);
+  r.get("raw", m.raw);
+  r.get("buckets", m.buckets);
+  r.get("offer_direct", m.offer_direct);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from) {
+  Reader r(payload, "paused", from);
+  PausedMessage m;
+  if (r.status().ok() && !r.json().contains("direct"))
+    return Status::Corruption(fmt::format("paused message from {} has no field 'direct'", from));
+  if (r.status().ok() && r.has("direct")) {
+    Json copy = r.json()["direct"];
+    if (!copy.is_object())
+      return Status::Corruption(
+          fmt::format("paused message from {}: field 'direct' is not an object", from));
+    copy["v"] = kMessageWireVersion;
+    Reader d(copy.dump(), "paused.direct", from);
+    ExportedParams e;
+    d.get("handle", e.handle);
+    d.get("bytes", e.bytes);
+    d.get("offsets", e.offsets);
+    if (!d.status().ok()) return d.status();
+    m.direct = std::move(e);
+  }
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<CommitMessage> decode_commit(const std::string& payload, const std::string& from) {
+  Reader r(payload, "commit", from);
+  CommitMessage m;
+  r.get("step", m.step);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<CommittedMessage> decode_committed(const std::string& payload, const std::string& from) {
+  Reader r(payload, "committed", from);
+  CommittedMessage m;
+  r.get("version", m.version);
+  r.get("apply_s", m.apply_s);
+  r.get("bytes_received", m.bytes_received);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<VerifiedMessage> decode_verified(const std::string& payload, const std::string& from) {
+  Reader r(payload, "verified", from);
+  VerifiedMessage m;
+  r.get("verified", m.verified);
+  r.get("error", m.error);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+}  // namespace refit

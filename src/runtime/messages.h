@@ -1,0 +1,74 @@
+// Typed control messages of a refit (the payloads of control/mailbox.h messages).
+//
+// Each message is one struct with one encoder and one decoder. Payloads are JSON objects that
+// carry the wire version `v`; decoding checks the version, every field's presence and type, and
+// returns kCorruption naming the message, the sender and the field — never a silent default, and
+// never an exception on the caller's thread.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "refit/status.h"
+
+namespace refit {
+
+inline constexpr int kMessageWireVersion = 1;
+
+// trainer -> engine: a refit starts.
+struct BeginMessage {
+  int step = 0;
+  std::string version;       // the weight version the engine publishes on commit
+  bool verify = false;       // run the verification hook after the commit
+  bool raw = false;          // bench: bare transport pass, nothing is applied or published
+  int buckets = 0;           // gather executor: buckets that follow (0 with the transfer plan)
+  bool offer_direct = false; // gather executor: the trainer offers to write parameters in place
+};
+
+// Parameters an engine exported for peer access: `handle` maps `bytes` of memory, parameter i
+// starts `offsets[i]` bytes into it.
+struct ExportedParams {
+  std::string handle;
+  std::uint64_t bytes = 0;
+  std::vector<std::uint64_t> offsets;
+};
+
+// engine -> trainer: generation is paused; parameters may be written from now on.
+struct PausedMessage {
+  std::optional<ExportedParams> direct;  // set when the engine's parameters are exported
+};
+
+// trainer -> engine: every byte of this refit was sent.
+struct CommitMessage {
+  int step = 0;
+};
+
+// engine -> trainer: the version was published.
+struct CommittedMessage {
+  std::string version;
+  double apply_s = 0;               // seconds the engine spent applying
+  std::int64_t bytes_received = 0;  // bytes that reached this engine rank in this refit
+};
+
+// engine -> trainer: the verification verdict after a commit.
+struct VerifiedMessage {
+  bool verified = false;
+  std::string error;  // empty when verified
+};
+
+std::string encode(const BeginMessage& m);
+std::string encode(const PausedMessage& m);
+std::string encode(const CommitMessage& m);
+std::string encode(const CommittedMessage& m);
+std::string encode(const VerifiedMessage& m);
+
+// `from` names the sender in errors.
+Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from);
+Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from);
+Result<CommitMessage> decode_commit(const std::string& payload, const std::string& from);
+Result<CommittedMessage> decode_committed(const std::string& payload, const std::string& from);
+Result<VerifiedMessage> decode_verified(const std::string& payload, const std::string& from);
+
+}  // namespace refit

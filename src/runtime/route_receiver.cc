@@ -1,0 +1,136 @@
+#include "runtime/route_receiver.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "common/timer.h"
+
+namespace refit {
+
+Result<std::unique_ptr<RouteReceiver>> RouteReceiver::create(const RouteReceiverOptions& o) {
+  if (o.sources.size() != o.source_same_host.size())
+    return Status::Internal("route receiver: one host flag per source expected");
+  return std::unique_ptr<RouteReceiver>(new RouteReceiver(o));
+}
+
+Status RouteReceiver::choose(bool params_exported) {
+  modes_.assign(o_.sources.size(), PairExecutor::kP2p);
+  peer_sources_ = p2p_sources_ = 0;
+  for (std::size_t i = 0; i < o_.sources.size(); ++i) {
+    REFIT_ASSIGN_OR_RETURN(
+        modes_[i], choose_pair_executor(*o_.config, o_.source_same_host[i], params_exported,
+                                        o_.p2p != nullptr, o_.sources[i], o_.engine_rank));
+    (modes_[i] == PairExecutor::kPeer ? peer_sources_ : p2p_sources_)++;
+  }
+  if (modes_ != built_for_) {
+    runs_.clear();
+    built_for_ = modes_;
+  }
+  return Status::Ok();
+}
+
+// Per round with point-to-point segments: one receive per source into the round's slot (laid out
+// by source, as the plan says) and the scatter of those segments into the parameters.
+Status RouteReceiver::build(const std::vector<void*>& params) {
+  const TransferPlan& plan = o_.setup->plan;
+  const int g = o_.engine_rank;
+  const EngineShardLayout& lay =
+      o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
+  const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype));
+  const auto nslots = static_cast<std::size_t>(o_.config->refit.num_buffers);
+  if (slots_.empty())
+    for (std::size_t s = 0; s < nslots; ++s) {
+      REFIT_ASSIGN_OR_RETURN(auto buf, o_.plane->allocate(static_cast<std::size_t>(
+                                           std::max<std::int64_t>(plan.max_recv_bytes, 1))));
+      slots_.push_back(std::move(buf));
+    }
+  runs_.assign(static_cast<std::size_t>(plan.rounds), {});
+  recv_ops_.assign(static_cast<std::size_t>(plan.rounds), {});
+  std::size_t used = 0;  // rounds with segments so far: slots rotate over them
+  for (int k = 0; k < plan.rounds; ++k) {
+    const auto kk = static_cast<std::size_t>(k);
+    std::byte* slot = slots_[used % nslots]->data();
+    std::int64_t base = 0;
+    for (const Segment& s : plan.segments[kk]) {
+      if (s.engine != g) continue;
+      const auto it = std::find(o_.sources.begin(), o_.sources.end(), s.trainer);
+      if (modes_[static_cast<std::size_t>(it - o_.sources.begin())] == PairExecutor::kP2p) {
+        recv_ops_[kk].push_back(P2POp{.kind = P2POp::Kind::kRecv,
+                                      .peer = p2p_rank_of_trainer(s.trainer),
+                                      .buf = slot + base,
+                                      .bytes = static_cast<std::size_t>(s.bytes)});
+        for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
+          const Route& r = plan.routes[q];
+          const std::int64_t dst_cols = matrix_shape(lay.params[r.engine_param].shape).cols;
+          runs_[kk].push_back(CopyRun{
+              .src = slot,
+              .dst = static_cast<std::byte*>(params[r.engine_param]),
+              .block = {.src_offset = base / esize + r.segment_offset,
+                        .src_stride = r.cols,
+                        .dst_offset = r.engine_row * dst_cols + r.engine_col,
+                        .dst_stride = dst_cols,
+                        .rows = r.rows,
+                        .cols = r.cols}});
+        }
+      }
+      base += aligned_segment_bytes(s.bytes);
+    }
+    if (!recv_ops_[kk].empty()) ++used;
+  }
+  return Status::Ok();
+}
+
+Status RouteReceiver::receive(int step, bool raw, const std::vector<void*>& params,
+                              Applier& applier, const Fault& fault) {
+  const TransferPlan& plan = o_.setup->plan;
+  const int g = o_.engine_rank;
+  bytes_received_ = 0;
+  apply_seconds_ = 0;
+  for (std::size_t i = 0; i < o_.sources.size(); ++i)
+    if (modes_[i] == PairExecutor::kPeer) bytes_received_ += plan.pair_bytes(o_.sources[i], g);
+  const bool killed_here = step == 1 && fault.kind == Fault::Kind::kKillEngine && fault.rank == g;
+  if (p2p_sources_ == 0) {
+    if (killed_here) {
+      log::info("fault injection: killing myself while peers write my parameters");
+      raise(SIGKILL);
+    }
+    return Status::Ok();
+  }
+  if (runs_.empty()) REFIT_RETURN_IF_ERROR(build(params));
+  const auto nslots = static_cast<std::int64_t>(o_.config->refit.num_buffers);
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<long long>(o_.config->refit.timeout_s * 1000));
+  const std::int64_t base = applier.completed();
+  std::int64_t posted = 0;
+  const DType tgt = o_.config->refit.target_precision;
+  for (int k = 0; k < plan.rounds; ++k) {
+    const auto kk = static_cast<std::size_t>(k);
+    if (recv_ops_[kk].empty()) continue;
+    if (killed_here && fault.bucket == k) {
+      log::info("fault injection: killing myself at round {}", k);
+      raise(SIGKILL);
+    }
+    // The slot is free once the round that used it before was applied.
+    if (posted >= nslots)
+      REFIT_RETURN_IF_ERROR(applier.wait_completed(base + posted - nslots + 1, timeout)
+                                .with_context(fmt::format("engine rank {} round {}", g, k)));
+    Status st = o_.p2p->exchange(recv_ops_[kk]);
+    if (!st.ok()) return st.with_context(fmt::format("p2p round {} of engine rank {}", k, g));
+    for (const P2POp& op : recv_ops_[kk]) bytes_received_ += static_cast<std::int64_t>(op.bytes);
+    const std::vector<CopyRun>* runs = &runs_[kk];
+    applier.post([this, runs, tgt, raw] {
+      if (raw) return Status::Ok();
+      Timer t;
+      Status st = o_.plane->copy(*runs, tgt, tgt);
+      apply_seconds_ += t.seconds();
+      return st;
+    });
+    ++posted;
+  }
+  return Status::Ok();
+}
+
+}  // namespace refit

@@ -1,0 +1,233 @@
+#include "runtime/route_sender.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "common/timer.h"
+#include "control/mailbox.h"
+#include "transport/transport.h"
+
+namespace refit {
+namespace {
+
+std::chrono::milliseconds timeout_of(const Config& c) {
+  return std::chrono::milliseconds(static_cast<long long>(c.refit.timeout_s * 1000));
+}
+
+bool fires(const Fault& f, int step, Fault::Kind kind) { return step == 1 && f.kind == kind; }
+
+}  // namespace
+
+RouteSender::RouteSender(const RouteSenderOptions& o) : o_(o) {
+  for (int g : o_.targets) ids_.push_back(fmt::format("engine/{}", g));
+}
+
+Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOptions& o) {
+  if (o.targets.size() != o.target_same_host.size())
+    return Status::Internal("route sender: one host flag per target expected");
+  return std::unique_ptr<RouteSender>(new RouteSender(o));
+}
+
+Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
+  Mapped& m = mapped_[i];
+  if (m.memory && m.handle == direct.handle) return Status::Ok();
+  const int g = o_.targets[i];
+  const EngineShardLayout& lay =
+      o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
+  if (direct.offsets.size() != lay.params.size())
+    return Status::Corruption(fmt::format(
+        "peer: engine rank {} exported {} parameters, its layout has {}", g,
+        direct.offsets.size(), lay.params.size()));
+  auto mem = o_.plane->open_exported(direct.handle, direct.bytes);
+  if (!mem.ok())
+    return mem.status().with_context(
+        fmt::format("peer: trainer rank {} mapping engine rank {}'s parameters", o_.rank, g));
+  m.memory = std::move(mem).value();
+  m.handle = direct.handle;
+  m.offsets = direct.offsets;
+  peer_runs_.clear();  // they hold the mapped addresses
+  log::debug("trainer rank {}: mapped engine rank {}'s parameters ({} bytes)", o_.rank, g,
+             direct.bytes);
+  return Status::Ok();
+}
+
+// Every route of this rank to a peer target: read from the shard, cast, written in place.
+void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
+  peer_runs_.clear();
+  const TransferPlan& plan = o_.setup->plan;
+  const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
+  const int tp = o_.config->generation.tp_size;
+  for (std::size_t i = 0; i < o_.targets.size(); ++i) {
+    if (modes_[i] != PairExecutor::kPeer) continue;
+    const Mapped& m = mapped_.at(i);
+    const int g = o_.targets[i];
+    const EngineShardLayout& lay = o_.setup->engines[static_cast<std::size_t>(g % tp)];
+    for (const auto& segs : plan.segments)
+      for (const Segment& s : segs) {
+        if (s.trainer != o_.rank || s.engine != g) continue;
+        for (std::size_t k = s.first_route; k < s.first_route + s.num_routes; ++k) {
+          const Route& r = plan.routes[k];
+          const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+          const std::int64_t dst_cols = matrix_shape(lay.params[r.engine_param].shape).cols;
+          peer_runs_.push_back(CopyRun{
+              .src = static_cast<const std::byte*>(shards[r.trainer_tensor]),
+              .dst = m.memory->data() + m.offsets[r.engine_param],
+              .block = {.src_offset = r.trainer_row * src_cols + r.trainer_col,
+                        .src_stride = src_cols,
+                        .dst_offset = r.engine_row * dst_cols + r.engine_col,
+                        .dst_stride = dst_cols,
+                        .rows = r.rows,
+                        .cols = r.cols}});
+        }
+      }
+  }
+}
+
+// Per round: this rank's routes to p2p targets, cast into their segments of the staging buffer,
+// and one send per segment.
+void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
+  const TransferPlan& plan = o_.setup->plan;
+  const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
+  const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype));
+  pack_runs_.assign(static_cast<std::size_t>(plan.rounds), {});
+  send_ops_.assign(static_cast<std::size_t>(plan.rounds), {});
+  for (int k = 0; k < plan.rounds; ++k) {
+    std::int64_t base = 0;  // bytes into the staging buffer
+    for (const Segment& s : plan.segments[static_cast<std::size_t>(k)]) {
+      if (s.trainer != o_.rank) continue;
+      const auto it = std::find(o_.targets.begin(), o_.targets.end(), s.engine);
+      const auto i = static_cast<std::size_t>(it - o_.targets.begin());
+      if (modes_[i] == PairExecutor::kP2p) {
+        for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
+          const Route& r = plan.routes[q];
+          const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+          pack_runs_[static_cast<std::size_t>(k)].push_back(CopyRun{
+              .src = static_cast<const std::byte*>(shards[r.trainer_tensor]),
+              .dst = staging_->data(),
+              .block = {.src_offset = r.trainer_row * src_cols + r.trainer_col,
+                        .src_stride = src_cols,
+                        .dst_offset = base / esize + r.segment_offset,
+                        .dst_stride = r.cols,
+                        .rows = r.rows,
+                        .cols = r.cols}});
+        }
+        send_ops_[static_cast<std::size_t>(k)].push_back(
+            P2POp{.kind = P2POp::Kind::kSend,
+                  .peer = p2p_rank_of_engine(*o_.config, s.engine),
+                  .buf = staging_->data() + base,
+                  .bytes = static_cast<std::size_t>(s.bytes)});
+      }
+      base += aligned_segment_bytes(s.bytes);
+    }
+  }
+}
+
+Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& shards,
+                             const Fault& fault, RouteTimes& times) {
+  const Config& cfg = *o_.config;
+  const auto timeout = timeout_of(cfg);
+  bytes_sent_ = 0;
+  const std::string payload = encode(begin);
+  for (const std::string& id : ids_)
+    REFIT_RETURN_IF_ERROR(o_.mailbox->send(id, MessageType::kBegin, payload));
+
+  // Every target pauses and says whether its parameters are exported.
+  std::vector<std::optional<PausedMessage>> answers(ids_.size());
+  for (std::size_t got = 0; got < ids_.size(); ++got) {
+    REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*o_.mailbox, MessageType::kPaused, timeout,
+                                                     "the engines' pause"));
+    const auto it = std::find(ids_.begin(), ids_.end(), m.from);
+    if (it == ids_.end() || answers[static_cast<std::size_t>(it - ids_.begin())])
+      return Status::Corruption(
+          fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m.from));
+    REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m.payload, m.from));
+    answers[static_cast<std::size_t>(it - ids_.begin())] = std::move(p);
+  }
+  modes_.assign(ids_.size(), PairExecutor::kP2p);
+  peer_targets_ = p2p_targets_ = 0;
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    const bool exported = answers[i]->direct.has_value();
+    REFIT_ASSIGN_OR_RETURN(modes_[i],
+                           choose_pair_executor(cfg, o_.target_same_host[i], exported,
+                                                o_.p2p != nullptr, o_.rank, o_.targets[i]));
+    if (modes_[i] == PairExecutor::kPeer) {
+      REFIT_RETURN_IF_ERROR(map_engine(i, *answers[i]->direct));
+      ++peer_targets_;
+    } else {
+      ++p2p_targets_;
+    }
+  }
+  if (modes_ != runs_built_for_) {
+    invalidate();
+    runs_built_for_ = modes_;
+  }
+
+  const DType tgt = cfg.refit.target_precision;
+  const DType src = begin.raw ? tgt : cfg.policy.dtype;  // raw: the bytes without the cast
+  const std::size_t tsize = dtype_size(tgt);
+  if (peer_targets_ > 0) {
+    if (peer_runs_.empty()) build_peer_runs(shards);
+    if (fires(fault, begin.step, Fault::Kind::kKillTrainer) && fault.rank == o_.rank &&
+        p2p_targets_ == 0) {
+      log::info("fault injection: killing myself before writing the engines' parameters");
+      raise(SIGKILL);
+    }
+    Timer t;
+    REFIT_RETURN_IF_ERROR(o_.plane->copy(peer_runs_, src, tgt));
+    times.cast_pack += t.seconds();
+    for (const CopyRun& r : peer_runs_) bytes_sent_ += r.block.numel() * static_cast<std::int64_t>(tsize);
+    if (fires(fault, begin.step, Fault::Kind::kCorrupt) && !begin.raw && !peer_runs_.empty()) {
+      const CopyRun& r = peer_runs_[std::min<std::size_t>(
+          peer_runs_.size() - 1, static_cast<std::size_t>(std::max(fault.bucket, 0)))];
+      log::info("fault injection: corrupting a parameter written in place");
+      REFIT_RETURN_IF_ERROR(
+          o_.plane->corrupt_byte(r.dst + r.block.dst_offset * static_cast<std::int64_t>(tsize)));
+    }
+  }
+  if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, fault, times));
+  return Status::Ok();
+}
+
+Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>& shards,
+                            const Fault& fault, RouteTimes& times) {
+  const Config& cfg = *o_.config;
+  const TransferPlan& plan = o_.setup->plan;
+  if (!staging_) {
+    REFIT_ASSIGN_OR_RETURN(
+        staging_, o_.plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(
+                      plan.max_send_bytes, 1))));
+  }
+  if (pack_runs_.empty()) build_pack_runs(shards);
+  const DType tgt = cfg.refit.target_precision;
+  for (int k = 0; k < plan.rounds; ++k) {
+    const auto& ops = send_ops_[static_cast<std::size_t>(k)];
+    if (ops.empty()) continue;
+    if (fires(fault, begin.step, Fault::Kind::kKillTrainer) && fault.rank == o_.rank &&
+        fault.bucket == k) {
+      log::info("fault injection: killing myself at round {}", k);
+      raise(SIGKILL);
+    }
+    if (!begin.raw) {
+      Timer t;
+      REFIT_RETURN_IF_ERROR(o_.plane->copy(pack_runs_[static_cast<std::size_t>(k)],
+                                           cfg.policy.dtype, tgt));
+      times.cast_pack += t.seconds();
+      if (fires(fault, begin.step, Fault::Kind::kCorrupt) && fault.bucket == k) {
+        log::info("fault injection: corrupting round {} in flight", k);
+        REFIT_RETURN_IF_ERROR(
+            o_.plane->corrupt_byte(static_cast<std::byte*>(ops.front().buf) + ops.front().bytes / 2));
+      }
+    }
+    Timer t;
+    Status st = o_.p2p->exchange(ops);
+    times.transfer += t.seconds();
+    if (!st.ok()) return st.with_context(fmt::format("p2p round {} of trainer rank {}", k, o_.rank));
+    for (const P2POp& op : ops) bytes_sent_ += static_cast<std::int64_t>(op.bytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace refit

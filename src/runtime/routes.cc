@@ -1,0 +1,113 @@
+#include "runtime/routes.h"
+
+#include <fmt/format.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+
+#include "control/store.h"
+
+namespace refit {
+
+Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec) {
+  RouteSetup s;
+  for (int r = 0; r < config.policy.world_size; ++r) {
+    REFIT_ASSIGN_OR_RETURN(auto lay, trainer_layout(spec, config.policy, r));
+    s.trainers.push_back(std::move(lay));
+  }
+  for (int t = 0; t < config.generation.tp_size; ++t) {
+    REFIT_ASSIGN_OR_RETURN(auto lay, engine_layout(spec, config.generation.tp_size, t));
+    s.engines.push_back(std::move(lay));
+  }
+  s.plan = make_transfer_plan(spec, s.trainers, s.engines, config.generation.num_engines,
+                              config.refit.target_precision, config.refit.buffer_size_bytes);
+  return s;
+}
+
+bool uses_transfer_plan(const Config& config) {
+  return config.refit.executor != Executor::kGather;
+}
+
+bool needs_p2p_group(const Config& config) {
+  if (!uses_transfer_plan(config) || config.refit.executor == Executor::kPeer) return false;
+  return !(config.device == Device::kCuda && config.generation.colocated);
+}
+
+std::string host_identity() {
+  if (const char* env = std::getenv("REFIT_HOST_ID"); env != nullptr && env[0] != '\0')
+    return env;
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  struct stat st {};
+  const unsigned long long ipc_ns =
+      ::stat("/proc/self/ns/ipc", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
+  return fmt::format("{}/ipc:{}", boot.empty() ? "unknown-boot" : boot, ipc_ns);
+}
+
+Status publish_host(Store& store, const std::string& who) {
+  return store.set("host/" + who, host_identity());
+}
+
+Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,
+                                            std::chrono::milliseconds timeout) {
+  std::vector<std::string> out;
+  for (const std::string& w : who) {
+    auto h = store.get("host/" + w, timeout);
+    if (!h.ok()) return h.status().with_context(fmt::format("reading the host of {}", w));
+    out.push_back(std::move(h).value());
+  }
+  return out;
+}
+
+std::vector<int> control_targets(const TransferPlan& plan, int rank) {
+  std::vector<int> out = plan.targets_of(rank);
+  if (rank == 0) {
+    for (int g = 0; g < plan.engine_ranks; ++g)
+      if (plan.sources_of(g).empty()) out.push_back(g);
+    std::sort(out.begin(), out.end());
+  }
+  return out;
+}
+
+std::vector<int> control_sources(const TransferPlan& plan, int engine_rank) {
+  std::vector<int> out = plan.sources_of(engine_rank);
+  if (out.empty()) out.push_back(0);
+  return out;
+}
+
+const char* pair_executor_name(PairExecutor e) {
+  switch (e) {
+    case PairExecutor::kPeer:
+      return "peer";
+    case PairExecutor::kP2p:
+      return "p2p";
+  }
+  return "?";
+}
+
+Result<PairExecutor> choose_pair_executor(const Config& config, bool same_host,
+                                          bool engine_exported, bool have_p2p_group, int trainer,
+                                          int engine_rank) {
+  const Executor want = config.refit.executor;
+  const bool peer_ok = same_host && engine_exported;
+  if (want != Executor::kP2p && peer_ok) return PairExecutor::kPeer;
+  if (want != Executor::kPeer && have_p2p_group) return PairExecutor::kP2p;
+  const std::string pair = fmt::format("trainer rank {} -> engine rank {}", trainer, engine_rank);
+  if (!same_host)
+    return Status::InvalidArgument(fmt::format(
+        "refit.executor: {}: {} are on different hosts, so peer access is impossible; use "
+        "refit.executor: auto or p2p",
+        executor_name(want), pair));
+  return Status::InvalidArgument(fmt::format(
+      "refit.executor: {}: {}: the engine's parameters are not exported memory (peer access "
+      "writes into memory refit allocated: Engine::allocate_params()), and {}; allocate the "
+      "parameters with allocate_params(), or set refit.executor: gather",
+      executor_name(want), pair,
+      want == Executor::kPeer ? "executor peer forms no point-to-point group"
+                              : "no point-to-point group exists (device: cuda with colocated "
+                                "ranks sharing GPUs)"));
+}
+
+}  // namespace refit

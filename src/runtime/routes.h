@@ -1,0 +1,75 @@
+// What the trainer and engine sides of the transfer plan (plan/transfer_plan.h) share: the plan
+// built from the config, where each rank runs, and which executor moves each pair's bytes.
+//
+// Executors, chosen per (trainer rank, engine rank) pair at every refit from what is reachable:
+//  - peer: both ranks are on one host and the engine's parameters are exported memory
+//    (Engine::allocate_params): the trainer rank maps them once and writes its routes straight
+//    into them, cast fused, in one copy call per refit (POSIX shared memory on CPU, CUDA IPC
+//    over NVLink / PCIe on GPU). No staging, no rounds.
+//  - p2p: everything else. Round by round, the trainer rank casts its routes for each engine rank
+//    into one contiguous segment of a staging buffer and sends it (Gloo on CPU, NCCL on GPU,
+//    grouped send/recv on the "p2p" group); the engine rank receives its segments into its own
+//    staging buffer and scatters them into its parameters on an apply thread.
+// Both sides decide a pair's executor the same way: the engine says in its pause answer whether
+// its parameters are exported, and both know each other's host from the store.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine_layout.h"
+#include "plan/transfer_plan.h"
+#include "refit/config.h"
+#include "refit/model_spec.h"
+#include "refit/status.h"
+#include "trainer/trainer_layout.h"
+
+namespace refit {
+
+class Store;
+
+// Everything of the transfer plan every rank derives from the config alone.
+struct RouteSetup {
+  std::vector<TrainerShardLayout> trainers;  // index = trainer rank
+  std::vector<EngineShardLayout> engines;    // index = TP rank
+  TransferPlan plan;
+};
+Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec);
+
+// Whether the config moves bytes along the transfer plan (every executor but gather).
+bool uses_transfer_plan(const Config& config);
+// Whether the ranks form the point-to-point group: not for executor peer, and not on CUDA when
+// trainer and engine ranks share GPUs (NCCL cannot join two processes on one device).
+bool needs_p2p_group(const Config& config);
+// Group ranks of the "p2p" group: trainer ranks first, then engine ranks.
+inline int p2p_rank_of_trainer(int rank) { return rank; }
+inline int p2p_rank_of_engine(const Config& config, int engine_rank) {
+  return config.policy.world_size + engine_rank;
+}
+
+// Which machine this process runs on, as far as shared memory and CUDA IPC are concerned:
+// REFIT_HOST_ID when set (tests use it to split one machine into several "hosts"), else the
+// kernel's boot id and this process's IPC namespace.
+std::string host_identity();
+// Publishes this process's host under "host/<who>" ("trainer/0", "engine/3").
+Status publish_host(Store& store, const std::string& who);
+// Reads the host of every id in `who` (bounded by `timeout`).
+Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,
+                                            std::chrono::milliseconds timeout);
+
+// Engine ranks that trainer rank `rank` talks to: its plan targets, and, on trainer rank 0, every
+// engine rank that receives from no one (it still needs a begin and a commit).
+std::vector<int> control_targets(const TransferPlan& plan, int rank);
+// Trainer ranks that engine rank `g` hears from (the mirror of control_targets).
+std::vector<int> control_sources(const TransferPlan& plan, int engine_rank);
+
+enum class PairExecutor { kPeer, kP2p };
+const char* pair_executor_name(PairExecutor e);
+// The executor of one pair, or an error naming the pair and the fix.
+Result<PairExecutor> choose_pair_executor(const Config& config, bool same_host,
+                                          bool engine_exported, bool have_p2p_group, int trainer,
+                                          int engine_rank);
+
+}  // namespace refit

@@ -1,0 +1,21 @@
+// Per-rank traffic of a refit (refit/session.h RankTraffic), shared through the store: every rank
+// publishes its own after each refit under "traffic/<role>/<rank>"; trainer ranks read them all.
+#pragma once
+
+#include <chrono>
+#include <vector>
+
+#include "refit/config.h"
+#include "refit/session.h"
+#include "refit/status.h"
+
+namespace refit {
+
+class Store;
+
+Status publish_traffic(Store& store, const RankTraffic& traffic);
+// Trainer ranks 0.., then engine ranks 0.. of `config`.
+Result<std::vector<RankTraffic>> read_traffic(Store& store, const Config& config,
+                                              std::chrono::milliseconds timeout);
+
+}  // namespace refit
