@@ -12,6 +12,7 @@
 #include "config/support.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
+#include "runtime/routes.h"
 
 namespace refit::cli {
 namespace {
@@ -21,6 +22,60 @@ void print(const std::string& text) { std::fputs(text.c_str(), stdout); }
 std::string cell_label(const MatrixCell& cell) {
   return fmt::format("{} -> {}, {}", policy_backend_name(cell.policy),
                      engine_protocol_name(cell.engine), transfer_mode_label(cell.mode));
+}
+
+std::string mb(std::int64_t bytes) { return fmt::format("{:.3f} MB", static_cast<double>(bytes) / 1e6); }
+
+// The transfer plan: per trainer/engine pair, the executor and the bytes; per rank, the totals.
+void print_transfer_plan(const Config& c, const ModelSpec& spec) {
+  if (!uses_transfer_plan(c)) {
+    print(fmt::format(
+        "executor: gather — every bucket all-gathered over the trainer group, then {} to every "
+        "engine rank (each receives the whole model)\n",
+        c.generation.weight_transfer_mode == TransferMode::kBroadcast
+            ? "broadcast from trainer rank 0"
+            : "handed over through the colocated trainer rank's ipc slots"));
+    return;
+  }
+  auto routes = make_route_setup(c, spec);
+  exit_if_error(routes.status(), kExitSetup);
+  const TransferPlan& plan = routes->plan;
+  std::string pair_executor;
+  switch (c.refit.executor) {
+    case Executor::kAuto:
+      pair_executor = needs_p2p_group(c)
+                          ? "peer on one host (refit run: every pair), p2p across hosts"
+                          : "peer (CUDA IPC; colocated ranks share GPUs)";
+      break;
+    case Executor::kPeer:
+      pair_executor = "peer";
+      break;
+    case Executor::kP2p:
+      pair_executor = "p2p";
+      break;
+    case Executor::kGather:
+      break;
+  }
+  print(fmt::format("transfer plan {}: {} routes in {} round(s) of <= {} bytes per rank; "
+                    "executor {}: {}\n",
+                    plan.hash_hex(), plan.routes.size(), plan.rounds, plan.buffer_bytes,
+                    executor_name(c.refit.executor), pair_executor));
+  for (int r = 0; r < plan.trainer_ranks; ++r)
+    for (int g : plan.targets_of(r))
+      print(fmt::format("  trainer rank {} -> engine rank {} (engine {} tp rank {}): {}\n", r, g,
+                        g / c.generation.tp_size, g % c.generation.tp_size,
+                        mb(plan.pair_bytes(r, g))));
+  for (int r = 0; r < plan.trainer_ranks; ++r)
+    print(fmt::format("  trainer rank {} sends {}\n", r,
+                      mb(plan.trainer_bytes[static_cast<std::size_t>(r)])));
+  const auto model_bytes =
+      spec.total_parameters() * static_cast<std::int64_t>(dtype_size(c.refit.target_precision));
+  for (int g = 0; g < plan.engine_ranks; ++g) {
+    const std::int64_t b = plan.engine_bytes[static_cast<std::size_t>(g)];
+    print(fmt::format("  engine rank {} receives {} ({:.3f} of the model)\n", g, mb(b),
+                      model_bytes > 0 ? static_cast<double>(b) / static_cast<double>(model_bytes)
+                                      : 0.0));
+  }
 }
 
 void run_check(const std::string& path, bool print_config) {
@@ -57,6 +112,7 @@ void run_check(const std::string& path, bool print_config) {
                     dtype_name(c.refit.target_precision), device_name(c.device),
                     params * static_cast<std::int64_t>(dtype_size(c.refit.target_precision)),
                     c.refit.num_buffers, c.refit.buffer_size_bytes, c.refit.timeout_s));
+  print_transfer_plan(c, *spec);
   if (c.device == Device::kCuda)
     print(
         "note: this build has CUDA; whether enough GPUs are present is checked when ranks start\n");

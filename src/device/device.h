@@ -106,6 +106,12 @@ Status copy_to_device(void* dst, const void* src, std::size_t bytes);
 Status copy_to_host(void* dst, const void* src, std::size_t bytes);
 Status copy_device_async(void* dst, const void* src, std::size_t bytes, void* stream);
 Status fill_bytes_async(void* dst, std::uint8_t value, std::size_t bytes, void* stream);
+// Lets the current device access `peer`'s memory (idempotent); errors name both devices.
+Status enable_peer_access(int peer);
+// Copies `bytes` from device memory on `src_device` to device memory on `dst_device`, on `stream`
+// (copy engines; cudaMemcpyPeerAsync).
+Status copy_peer_async(void* dst, int dst_device, const void* src, int src_device,
+                       std::size_t bytes, void* stream);
 
 // Free and total memory of the current device (cudaMemGetInfo).
 struct DeviceMemoryInfo {

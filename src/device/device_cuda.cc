@@ -227,6 +227,32 @@ Status copy_device_async(void* dst, const void* src, std::size_t bytes, void* st
   return Status::Ok();
 }
 
+Status enable_peer_access(int peer) {
+  int current = 0;
+  REFIT_CUDA_CHECK(cudaGetDevice(&current));
+  if (peer == current) return Status::Ok();
+  int can = 0;
+  REFIT_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, current, peer));
+  if (can == 0)
+    return Status::Unsupported(
+        fmt::format("device {} cannot access device {}'s memory (no peer access)", current, peer));
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+    return Status::Ok();
+  }
+  REFIT_CUDA_CHECK(e);
+  return Status::Ok();
+}
+
+Status copy_peer_async(void* dst, int dst_device, const void* src, int src_device,
+                       std::size_t bytes, void* stream) {
+  if (bytes == 0) return Status::Ok();
+  REFIT_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes,
+                                       static_cast<cudaStream_t>(stream)));
+  return Status::Ok();
+}
+
 Status fill_bytes_async(void* dst, std::uint8_t value, std::size_t bytes, void* stream) {
   if (bytes == 0) return Status::Ok();
   REFIT_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream)));

@@ -70,6 +70,10 @@ class DataPlane {
   // Read+write bytes per second of a large copy within this plane's memory (median of a few
   // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (DESIGN §7).
   virtual Result<double> measure_copy_bandwidth() = 0;
+  // Payload bytes per second of a large copy from this plane's device to device `peer` (GPU:
+  // copy engines over NVLink / PCIe; CPU, or peer == ordinal(): half the copy bandwidth, since
+  // every byte is read and written in one memory). The floor of a refit across devices.
+  virtual Result<double> measure_peer_bandwidth(int peer) = 0;
   // Copies `bytes` of plane memory to host memory (reading results, error messages).
   virtual Status read(void* host_dst, const std::byte* src, std::size_t bytes) = 0;
   // Copies `bytes` of host memory into plane memory.
@@ -101,5 +105,8 @@ Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int dev
 // The GPU a rank uses by default: colocated ranks share the device of their trainer rank;
 // otherwise trainer ranks take the first GPUs and engine ranks the next (modulo the count).
 int default_device(const Config& config, bool trainer, int rank);
+// The device ordinal that rank's plane actually uses: default_device modulo the visible GPUs
+// (0 on CPU, where every rank shares one memory).
+int device_ordinal(const Config& config, bool trainer, int rank);
 
 }  // namespace refit

@@ -12,6 +12,7 @@
 
 #include "common/convert.h"
 #include "common/host_buffer.h"
+#include "device/device.h"
 #include "runtime/data_plane.h"
 #include "runtime/materialize.h"
 #include "runtime/setup.h"
@@ -136,6 +137,11 @@ class CpuDataPlane final : public DataPlane {
     }
     std::sort(secs.begin(), secs.end());
     return 2.0 * kBytes / secs[1];
+  }
+
+  Result<double> measure_peer_bandwidth(int) override {
+    REFIT_ASSIGN_OR_RETURN(double rw, measure_copy_bandwidth());
+    return rw / 2;
   }
 
   Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {
@@ -265,6 +271,12 @@ int default_device(const Config& config, bool trainer, int rank) {
   if (const char* env = std::getenv("REFIT_DEVICE")) return std::atoi(env);
   if (trainer || config.generation.colocated) return rank;
   return config.policy.world_size + rank;
+}
+
+int device_ordinal(const Config& config, bool trainer, int rank) {
+  if (config.device == Device::kCpu) return 0;
+  const int count = device_count();
+  return count > 0 ? default_device(config, trainer, rank) % count : 0;
 }
 
 }  // namespace refit

@@ -105,6 +105,29 @@ class CudaDataPlane final : public DataPlane {
     return 2.0 * kBytes / secs[2];
   }
 
+  Result<double> measure_peer_bandwidth(int peer) override {
+    if (peer == device_) {
+      REFIT_ASSIGN_OR_RETURN(double rw, measure_copy_bandwidth());
+      return rw / 2;
+    }
+    REFIT_RETURN_IF_ERROR(on_device());
+    REFIT_RETURN_IF_ERROR(enable_peer_access(peer));
+    constexpr std::size_t kBytes = 1u << 30;
+    REFIT_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::allocate(kBytes, device_));
+    REFIT_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::allocate(kBytes, peer));
+    REFIT_RETURN_IF_ERROR(on_device());
+    std::vector<double> secs;
+    for (int i = 0; i < 5; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      REFIT_RETURN_IF_ERROR(
+          copy_peer_async(b.data(), peer, a.data(), device_, kBytes, stream_.handle()));
+      REFIT_RETURN_IF_ERROR(sync("measuring the peer bandwidth"));
+      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(secs.begin(), secs.end());
+    return static_cast<double>(kBytes) / secs[2];
+  }
+
   Status read(void* host_dst, const std::byte* src, std::size_t bytes) override {
     REFIT_RETURN_IF_ERROR(on_device());
     REFIT_RETURN_IF_ERROR(sync("before a read"));

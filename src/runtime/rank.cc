@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <cstring>
 
 #include "comm/communicator.h"
@@ -17,6 +19,7 @@
 #include "runtime/data_plane.h"
 #include "runtime/materialize.h"
 #include "runtime/protocol.h"
+#include "runtime/routes.h"
 #include "runtime/setup.h"
 #include "trainer/trainer_layout.h"
 
@@ -89,13 +92,29 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     REFIT_ASSIGN_OR_RETURN(double secs, trainer->raw_transport_pass());
     rep.raw_seconds.push_back(secs);
   }
+  if (rank == 0) {
+    REFIT_ASSIGN_OR_RETURN(rep.ranks, trainer->traffic());
+  }
   if (o.raw_passes > 0 && rank == 0) {
     REFIT_ASSIGN_OR_RETURN(rep.copy_bandwidth, plane->measure_copy_bandwidth());
-    const double params = static_cast<double>(model->spec.total_parameters());
-    rep.floor_seconds = params *
-                        static_cast<double>(dtype_size(o.config.policy.dtype) +
-                                            dtype_size(o.config.refit.target_precision)) /
-                        rep.copy_bandwidth;
+    if (uses_transfer_plan(o.config)) {
+      REFIT_ASSIGN_OR_RETURN(RouteSetup routes, make_route_setup(o.config, model->spec));
+      // The link: from this rank's device to the first engine rank on another device.
+      int peer = plane->ordinal();
+      for (int g = 0; g < o.config.engine_ranks() && peer == plane->ordinal(); ++g)
+        peer = device_ordinal(o.config, false, g);
+      REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->measure_peer_bandwidth(peer));
+      rep.floor_seconds = transfer_plan_floor(o.config, routes, rep.copy_bandwidth,
+                                              rep.peer_bandwidth, &rep.floor_basis);
+    } else {
+      const double params = static_cast<double>(model->spec.total_parameters());
+      rep.floor_seconds = params *
+                          static_cast<double>(dtype_size(o.config.policy.dtype) +
+                                              dtype_size(o.config.refit.target_precision)) /
+                          rep.copy_bandwidth;
+      rep.floor_basis = "every parameter read once in the policy dtype and written once in the "
+                        "target dtype at the copy bandwidth";
+    }
   }
   REFIT_RETURN_IF_ERROR(trainer->shutdown());
   rep.steps = o.steps;
@@ -108,8 +127,45 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   rep.transfer_s = median(transfer);
   rep.apply_s = median(apply);
   rep.plan_hash = trainer->plan_hash();
+  rep.executor = std::string(executor_name(o.config.refit.executor));
   if (report != nullptr) *report = rep;
   return Status::Ok();
+}
+
+double transfer_plan_floor(const Config& config, const RouteSetup& routes, double copy_bandwidth,
+                           double peer_bandwidth, std::string* basis) {
+  const auto ssize = static_cast<double>(dtype_size(config.policy.dtype));
+  const auto tsize = static_cast<double>(dtype_size(config.refit.target_precision));
+  std::map<int, double> local, out, in;  // per device: bytes read+written there, sent, received
+  for (const Route& r : routes.plan.routes) {
+    const int dt = device_ordinal(config, true, r.trainer);
+    const int de = device_ordinal(config, false, r.engine);
+    const auto n = static_cast<double>(r.numel());
+    local[dt] += n * ssize;  // the source is read where it lives
+    if (dt == de) {
+      local[dt] += n * tsize;
+    } else {
+      out[dt] += n * tsize;
+      in[de] += n * tsize;
+    }
+  }
+  std::set<int> devices;
+  for (const auto& [d, bytes] : local) devices.insert(d);
+  for (const auto& [d, bytes] : in) devices.insert(d);
+  double floor = 0;
+  for (int d : devices) {
+    const double link = std::max(out[d], in[d]);
+    const double secs =
+        local[d] / copy_bandwidth + (peer_bandwidth > 0 ? link / peer_bandwidth : 0.0);
+    if (secs <= floor) continue;
+    floor = secs;
+    if (basis != nullptr)
+      *basis = fmt::format(
+          "device {}: {:.3f} GB read+written locally at {:.0f} GB/s, {:.3f} GB over the link at "
+          "{:.0f} GB/s",
+          d, local[d] / 1e9, copy_bandwidth / 1e9, link / 1e9, peer_bandwidth / 1e9);
+  }
+  return floor;
 }
 
 namespace {

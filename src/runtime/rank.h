@@ -13,6 +13,8 @@
 
 namespace refit {
 
+struct RouteSetup;
+
 struct RankOptions {
   Config config;
   Endpoint endpoint;
@@ -22,6 +24,10 @@ struct RankOptions {
   int raw_passes = 0;         // bench: raw transport passes after the refits
   Fault fault;
 };
+
+// Version of the --json report's layout (docs/runtime.md): 2 added `ranks`, `executor`,
+// `peer_bandwidth_gbps` and `floor_basis`.
+inline constexpr int kReportSchemaVersion = 2;
 
 // Per-run numbers collected by trainer rank 0.
 struct RefitReport {
@@ -37,8 +43,20 @@ struct RefitReport {
   // at the copy bandwidth measured on the trainer's device in the same run.
   double floor_seconds = 0;
   double copy_bandwidth = 0;  // read+write bytes/s
+  double peer_bandwidth = 0;  // bench, transfer plan across devices: payload bytes/s device to device
   std::string plan_hash;
+  std::string executor;                 // refit.executor as resolved
+  std::vector<RankTraffic> ranks;       // per rank, of the last refit
+
+  // Transfer plan bench: what bounds the floor (the busiest device).
+  std::string floor_basis;
 };
+
+// The floor of a refit along the transfer plan: per device, the bytes its routes read and write
+// there at `copy_bandwidth` (read+write bytes/s) plus the bytes it sends to or receives from other
+// devices at `peer_bandwidth` (bytes/s); the busiest device sets the floor. `basis` describes it.
+double transfer_plan_floor(const Config& config, const RouteSetup& routes,
+                           double copy_bandwidth, double peer_bandwidth, std::string* basis);
 
 // Runs trainer rank `rank` for options.steps refits; trainer rank 0 fills `report`.
 Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report);

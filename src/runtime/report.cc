@@ -8,6 +8,7 @@
 
 #include "common/stats.h"
 #include "runtime/rank.h"
+#include "runtime/routes.h"
 
 namespace refit {
 namespace {
@@ -16,6 +17,18 @@ bool parse_int(std::string_view s, int& out) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   return ec == std::errc() && p == s.data() + s.size() && out >= 0;
 }
+
+// What `refit bench`'s raw pass measured.
+std::string raw_limit_text(const Config& c) {
+  if (uses_transfer_plan(c))
+    return "the transfer plan's own moves without the cast or the scatter (peer: the same copy "
+           "calls reading target-dtype bytes; p2p: the same sends and receives)";
+  return c.generation.weight_transfer_mode == TransferMode::kBroadcast
+             ? "gloo broadcast of the same bytes in the same bucket sizes"
+             : "memcpy through the same shared-memory buffers";
+}
+
+std::string mb(std::int64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
 
 }  // namespace
 
@@ -57,6 +70,7 @@ Status write_report_json(const std::string& path, const RankOptions& options,
                          const RefitReport& r) {
   const double med = median(r.refit_seconds);
   nlohmann::ordered_json j;
+  j["schema_version"] = kReportSchemaVersion;
   j["steps"] = r.steps;
   j["verified"] = r.verified;
   j["logits_checked"] = r.logits_checked;
@@ -75,15 +89,29 @@ Status write_report_json(const std::string& path, const RankOptions& options,
     j["raw_seconds"] = r.raw_seconds;
     j["limit_gbps"] = limit;
     j["ratio"] = limit > 0 ? gbps / limit : 0.0;
-    j["limit"] = options.config.generation.weight_transfer_mode == TransferMode::kBroadcast
-                     ? "gloo broadcast of the same bytes in the same bucket sizes"
-                     : "memcpy through the same shared-memory buffers";
+    j["limit"] = raw_limit_text(options.config);
   }
   if (r.floor_seconds > 0) {
     j["floor_seconds"] = r.floor_seconds;
     j["copy_bandwidth_gbps"] = r.copy_bandwidth / 1e9;
+    if (r.peer_bandwidth > 0) j["peer_bandwidth_gbps"] = r.peer_bandwidth / 1e9;
     j["ratio_to_floor"] = med > 0 ? r.floor_seconds / med : 0.0;
+    j["floor_basis"] = r.floor_basis;
   }
+  j["executor"] = r.executor;
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  for (const RankTraffic& t : r.ranks) {
+    nlohmann::ordered_json e = {{"role", t.role},
+                                {"rank", t.rank},
+                                {"bytes_sent", t.bytes_sent},
+                                {"bytes_received", t.bytes_received}};
+    if (uses_transfer_plan(options.config)) {
+      e["peer_pairs"] = t.peer_pairs;
+      e["p2p_pairs"] = t.p2p_pairs;
+    }
+    ranks.push_back(std::move(e));
+  }
+  j["ranks"] = std::move(ranks);
   j["plan_hash"] = r.plan_hash;
   j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
   std::ofstream out(path);
@@ -97,15 +125,32 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
   const Config& c = options.config;
   const double med = median(r.refit_seconds);
   std::string s;
-  s +=
-      fmt::format("refit {} -> {} {} ({}), model {}, {} trainer rank(s), {} engine(s) x TP {}\n",
-                  policy_backend_name(c.policy.backend), engine_protocol_name(c.generation.backend),
-                  c.generation.colocated ? "colocated" : "non-colocated",
-                  transfer_mode_name(c.generation.weight_transfer_mode), c.model,
-                  c.policy.world_size, c.generation.num_engines, c.generation.tp_size);
-  s += fmt::format("  per refit: {:.1f} MB in {} bucket(s) of <= {} bytes, plan {}\n",
-                   r.bytes_per_refit / 1e6, r.buckets_per_refit, c.refit.buffer_size_bytes,
-                   r.plan_hash);
+  const bool routes = uses_transfer_plan(c);
+  s += fmt::format(
+      "refit {} -> {} {} ({}), model {}, {} trainer rank(s), {} engine(s) x TP {}\n",
+      policy_backend_name(c.policy.backend), engine_protocol_name(c.generation.backend),
+      c.generation.colocated ? "colocated" : "non-colocated",
+      routes ? fmt::format("executor {}", executor_name(c.refit.executor))
+             : fmt::format("executor gather, {}", transfer_mode_name(c.generation.weight_transfer_mode)),
+      c.model, c.policy.world_size, c.generation.num_engines, c.generation.tp_size);
+  s += fmt::format("  per refit: {:.1f} MB in {} {}(s) of <= {} bytes{}, plan {}\n",
+                   r.bytes_per_refit / 1e6, r.buckets_per_refit, routes ? "round" : "bucket",
+                   c.refit.buffer_size_bytes, routes ? " per rank" : "", r.plan_hash);
+  if (!r.ranks.empty()) {
+    std::string sent, received;
+    int peer = 0, p2p = 0;
+    for (const RankTraffic& t : r.ranks) {
+      if (t.role == "trainer") {
+        sent += fmt::format("{}{} {}", sent.empty() ? "" : ", ", t.rank, mb(t.bytes_sent));
+        peer += t.peer_pairs;
+        p2p += t.p2p_pairs;
+      } else {
+        received += fmt::format("{}{} {}", received.empty() ? "" : ", ", t.rank, mb(t.bytes_received));
+      }
+    }
+    s += fmt::format("  sent by trainer rank: {}; received by engine rank: {}\n", sent, received);
+    if (routes) s += fmt::format("  pairs by executor: peer {}, p2p {}\n", peer, p2p);
+  }
   s += fmt::format("  refits: {}  median {:.3f} s  ->  {:.2f} GB/s{}{}\n", r.steps, med,
                    med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0,
                    r.verified ? "  (every element verified bit-exact)" : "",
@@ -122,10 +167,8 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
                      limit > 0 ? gbps / limit : 0.0);
   }
   if (r.floor_seconds > 0) {
-    s += fmt::format(
-        "  floor (source read once + destination written once at {:.0f} GB/s r+w): "
-        "{:.4f} s; floor / refit = {:.2f}\n",
-        r.copy_bandwidth / 1e9, r.floor_seconds, med > 0 ? r.floor_seconds / med : 0.0);
+    s += fmt::format("  floor ({}): {:.4f} s; floor / refit = {:.2f}\n", r.floor_basis,
+                     r.floor_seconds, med > 0 ? r.floor_seconds / med : 0.0);
   }
   return s;
 }

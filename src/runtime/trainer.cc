@@ -79,7 +79,7 @@ class TrainerImpl final : public Trainer {
       stats_.transfer_s = phase_.transfer;
       stats_.apply_s = phase_.apply;
       stats_.bytes = model_->plan.payload_bytes;
-      stats_.buckets = static_cast<int>(model_->plan.buckets.size());
+      stats_.buckets = buckets_per_refit();
       REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
       if (verify)
         REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
@@ -104,7 +104,9 @@ class TrainerImpl final : public Trainer {
   }
 
   std::int64_t bytes_per_refit() const override { return model_->plan.payload_bytes; }
-  int buckets_per_refit() const override { return static_cast<int>(model_->plan.buckets.size()); }
+  int buckets_per_refit() const override {
+    return routes_ ? routes_->plan.rounds : static_cast<int>(model_->plan.buckets.size());
+  }
   std::string plan_hash() const override {
     return routes_ ? routes_->plan.hash_hex() : model_->plan.hash_hex();
   }
