@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "test_util.h"
@@ -28,6 +29,7 @@ struct Cell {
   long long buffer = 1 << 16;
   int num_buffers = 2;
   double timeout_s = 20;
+  std::string executor = "auto";
 };
 
 std::string config_yaml(const Cell& c) {
@@ -40,7 +42,8 @@ std::string config_yaml(const Cell& c) {
     << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
     << "\n  tp_size: " << c.tp << "\n"
     << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
-    << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s << "\n";
+    << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s
+    << "\n  executor: " << c.executor << "\n";
   return y.str();
 }
 
@@ -58,6 +61,14 @@ void expect_verified(const Cell& c) {
   EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
 }
 
+// Like expect_verified, and the pairs were served by the executors named ("peer 4, p2p 0").
+void expect_pairs(const Cell& c, const std::string& pairs) {
+  auto r = run_cell(c);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pairs by executor: " + pairs), std::string::npos) << r.output;
+}
+
 // The four FSDP2 cells of the support matrix.
 TEST(RuntimeCells, Fsdp2SglangBroadcast) { expect_verified({}); }
 TEST(RuntimeCells, Fsdp2VllmBroadcast) { expect_verified({.engine = "vllm"}); }
@@ -66,21 +77,22 @@ TEST(RuntimeCells, Fsdp2VllmIpc) { expect_verified({.engine = "vllm", .colocated
 
 TEST(RuntimeShapes, OneTrainerRank) { expect_verified({.world_size = 1, .tp = 1}); }
 
-// Colocated with one trainer rank: the trainer writes the engine's parameters in place
-// (zero-copy), or — with REFIT_ZERO_COPY=0 — goes through the shared-memory buffers.
+// Colocated with one trainer rank: the trainer writes the engine's parameters in place (peer
+// access), or — with executor gather — goes through the shared-memory buffers.
 TEST(RuntimeZeroCopy, DirectWritesIntoTheEngine) {
-  for (const char* model : {"tiny-qwen3", "tiny-qwen2", "tiny-moe"}) {
-    auto r = run_cell({.model = model, .colocated = true, .world_size = 1, .tp = 1},
-                      {"--steps", "2", "--verify"});
-    EXPECT_EQ(r.exit_code, 0) << model << r.output;
-  }
+  for (const char* model : {"tiny-qwen3", "tiny-qwen2", "tiny-moe"})
+    expect_pairs({.model = model, .colocated = true, .world_size = 1, .tp = 1}, "peer 1, p2p 0");
 }
-TEST(RuntimeZeroCopy, BuffersWhenDisabled) {
-  setenv("REFIT_ZERO_COPY", "0", 1);
-  auto r = run_cell({.engine = "vllm", .colocated = true, .world_size = 1, .tp = 1, .buffer = 4096},
+TEST(RuntimeZeroCopy, BuffersWithTheGatherExecutor) {
+  auto r = run_cell({.engine = "vllm",
+                     .colocated = true,
+                     .world_size = 1,
+                     .tp = 1,
+                     .buffer = 4096,
+                     .executor = "gather"},
                     {"--steps", "2", "--verify"});
-  unsetenv("REFIT_ZERO_COPY");
   EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("executor gather, ipc"), std::string::npos) << r.output;
 }
 TEST(RuntimeZeroCopy, CorruptionIsCaught) {
   auto r = run_cell({.colocated = true, .world_size = 1, .tp = 1},
@@ -206,18 +218,25 @@ namespace {
 
 // Separate launch: every rank started on its own with a torchrun-style environment, as users
 // spread ranks over hosts. Returns the exit codes (trainer 0, trainer 1, engine 0, engine 1).
+// `hosts` (optional): REFIT_HOST_ID of trainer 0, trainer 1, engine 0, engine 1.
 std::vector<int> launch_separately(const std::string& trainer_cfg, const std::string& engine_cfg,
-                                   const TempDir& dir, std::string* output) {
+                                   const TempDir& dir, std::string* output,
+                                   const std::vector<std::string>& hosts = {}) {
+  auto host = [&](std::size_t i) {
+    return hosts.empty() ? std::string() : "REFIT_HOST_ID=" + hosts[i] + " ";
+  };
   const int port = 20000 + static_cast<int>(getpid() % 20000);
   const std::string exe = REFIT_CLI_PATH;
   std::ostringstream sh;
   sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port << "; "
-     << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
+     << host(0) << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
      << " --steps 2 --verify > t0.log 2>&1 & p0=$!; "
-     << "RANK=1 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
+     << host(1) << "RANK=1 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
      << " --steps 2 --verify > t1.log 2>&1 & p1=$!; "
-     << "ENGINE_RANK=0 " << exe << " engine " << engine_cfg << " > e0.log 2>&1 & p2=$!; "
-     << "ENGINE_RANK=1 " << exe << " engine " << engine_cfg << " > e1.log 2>&1 & p3=$!; "
+     << host(2) << "ENGINE_RANK=0 " << exe << " engine " << engine_cfg
+     << " > e0.log 2>&1 & p2=$!; "
+     << host(3) << "ENGINE_RANK=1 " << exe << " engine " << engine_cfg
+     << " > e1.log 2>&1 & p3=$!; "
      << "for p in $p0 $p1 $p2 $p3; do wait $p; echo $? >> codes; done; "
      << "cat t0.log t1.log e0.log e1.log";
   const std::string cmd =
@@ -244,6 +263,31 @@ TEST(SeparateLaunch, TorchrunStyleRanks) {
   EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
 }
 
+// Two "hosts" (REFIT_HOST_ID): trainer rank r and engine TP rank r on host r. Executor auto uses
+// peer access within a host and point-to-point across: one run, both executors.
+TEST(SeparateLaunch, AutoMixesPeerAndP2pAcrossHosts) {
+  TempDir dir;
+  Cell c{.engine = "vllm", .buffer = 8192};
+  const std::string cfg = dir.write("c.yaml", config_yaml(c));
+  std::string out;
+  auto codes = launch_separately(cfg, cfg, dir, &out, {"host-a", "host-b", "host-a", "host-b"});
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0})) << out;
+  EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
+  EXPECT_NE(out.find("pairs by executor: peer 2, p2p 2"), std::string::npos) << out;
+}
+
+TEST(SeparateLaunch, PeerAcrossHostsIsRefused) {
+  TempDir dir;
+  Cell c{.timeout_s = 5, .executor = "peer"};
+  const std::string cfg = dir.write("c.yaml", config_yaml(c));
+  std::string out;
+  auto codes = launch_separately(cfg, cfg, dir, &out, {"host-a", "host-b", "host-a", "host-b"});
+  ASSERT_EQ(codes.size(), 4u) << out;
+  for (int code : codes) EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("are on different hosts, so peer access is impossible"), std::string::npos)
+      << out;
+}
+
 TEST(SeparateLaunch, VllmManifestMismatchIsRefusedAtSetup) {
   TempDir dir;
   Cell c{.engine = "vllm", .timeout_s = 5};
@@ -256,6 +300,126 @@ TEST(SeparateLaunch, VllmManifestMismatchIsRefusedAtSetup) {
   for (int code : codes) EXPECT_NE(code, 0) << out;
   EXPECT_NE(out.find("vllm manifest mismatch"), std::string::npos) << out;
   EXPECT_EQ(out.find("step 1/2"), std::string::npos) << "no refit may start:\n" << out;
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// The full-bucket design, kept as the explicit `refit.executor: gather`: all-gather over the
+// trainer group, then broadcast from trainer rank 0 or the colocated rank's ipc slots.
+TEST(RuntimeGather, Fsdp2SglangBroadcast) { expect_verified({.executor = "gather"}); }
+TEST(RuntimeGather, Fsdp2VllmBroadcastTwoEngines) {
+  expect_verified({.engine = "vllm", .num_engines = 2, .executor = "gather"});
+}
+TEST(RuntimeGather, Fsdp2SglangIpcSmallBuffers) {
+  expect_verified({.colocated = true, .buffer = 4096, .executor = "gather"});
+}
+TEST(RuntimeGather, CorruptBucketFailsAndNamesTheTensor) {
+  auto r = run_cell({.executor = "gather"}, {"--steps", "1", "--verify", "--fault", "corrupt:1"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tensor model."), std::string::npos) << r.output;
+}
+
+// The transfer plan over point-to-point (Gloo send/recv), across world sizes, TP sizes and
+// replicas, with buffers smaller than a tensor (routes split, many rounds).
+TEST(RuntimeP2p, ThreeRanksTwoEnginesTp2TinyBuffers) {
+  expect_pairs({.world_size = 3, .num_engines = 2, .tp = 2, .buffer = 4096, .executor = "p2p"},
+               "peer 0, p2p 12");
+}
+TEST(RuntimeP2p, OneRankTp1) {
+  expect_pairs({.world_size = 1, .tp = 1, .executor = "p2p"}, "peer 0, p2p 1");
+}
+TEST(RuntimeP2p, Tp4VllmSingleBuffer) {
+  expect_pairs({.engine = "vllm", .tp = 4, .num_buffers = 1, .executor = "p2p"}, "peer 0, p2p 8");
+}
+TEST(RuntimeP2p, ColocatedMoeBf16) {
+  expect_pairs({.model = "tiny-moe", .colocated = true, .dtype = "bfloat16", .executor = "p2p"},
+               "peer 0, p2p 4");
+}
+TEST(RuntimeP2p, EmptyChunksSevenRanks) {
+  // tiny-qwen3 q_norm has 16 rows: with 7 ranks rank 6 holds none of it.
+  auto r = run_cell({.world_size = 7, .tp = 1, .timeout_s = 30, .executor = "p2p"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
+}
+
+// Peer access: trainer ranks write every engine rank's exported parameters in place.
+TEST(RuntimePeer, ThreeRanksTp2) {
+  expect_pairs({.model = "tiny-qwen2", .world_size = 3, .tp = 2, .executor = "peer"},
+               "peer 6, p2p 0");
+}
+TEST(RuntimePeer, TwoEnginesTp4) {
+  expect_pairs({.engine = "vllm", .num_engines = 2, .tp = 4}, "peer 16, p2p 0");
+}
+TEST(RuntimePeer, ColocatedTp2Moe) {
+  expect_pairs({.model = "tiny-moe", .engine = "vllm", .colocated = true}, "peer 4, p2p 0");
+}
+
+// Faults on the transfer plan: a corrupted round is caught and named; a killed rank ends the run.
+TEST(RuntimeP2p, CorruptRoundFailsAndNamesTheTensor) {
+  auto r = run_cell({.buffer = 4096, .executor = "p2p"},
+                    {"--steps", "1", "--verify", "--fault", "corrupt:2"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("corrupting round 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("verify:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tensor model."), std::string::npos) << r.output;
+}
+TEST(RuntimeP2p, KilledEngineRank) {
+  expect_dies_cleanly({.buffer = 4096, .executor = "p2p"}, "kill-engine:1:3", "engine 0 tp rank 1");
+}
+TEST(RuntimeP2p, KilledTrainerRank) {
+  expect_dies_cleanly({.buffer = 4096, .executor = "p2p"}, "kill-trainer:1:2", "trainer rank 1");
+}
+TEST(RuntimePeer, KilledEngineRank) {
+  expect_dies_cleanly({.executor = "peer"}, "kill-engine:0:0", "engine 0 tp rank 0");
+}
+TEST(RuntimePeer, KilledTrainerRank) {
+  expect_dies_cleanly({.executor = "peer"}, "kill-trainer:1:0", "trainer rank 1");
+}
+
+// The report's per-rank traffic: each engine rank of TP T receives its own shard (about 1/T of
+// the model), every replica the whole model once; trainer ranks send what engines receive.
+TEST(RuntimeReport, RanksArrayShowsShardSizedReceives) {
+  for (const char* executor : {"peer", "p2p"}) {
+    TempDir dir;
+    const std::string json = dir.path() + "/report.json";
+    Cell c{.world_size = 3, .num_engines = 2, .tp = 2, .executor = executor};
+    auto r = run_cli({"run", dir.write("c.yaml", config_yaml(c)), "--steps", "1", "--json", json},
+                     120);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::ifstream in(json);
+    const auto j = nlohmann::json::parse(in);
+    EXPECT_EQ(j.at("schema_version").get<int>(), 2);
+    EXPECT_EQ(j.at("executor").get<std::string>(), executor);
+    const double model = j.at("bytes_per_refit").get<double>();
+    long long sent = 0, received = 0;
+    int trainers = 0, engines = 0, pairs_t = 0, pairs_e = 0;
+    for (const auto& rank : j.at("ranks")) {
+      const bool trainer = rank.at("role") == "trainer";
+      sent += rank.at("bytes_sent").get<long long>();
+      received += rank.at("bytes_received").get<long long>();
+      const int pairs = rank.at("peer_pairs").get<int>() + rank.at("p2p_pairs").get<int>();
+      if (trainer) {
+        ++trainers;
+        pairs_t += pairs;
+      } else {
+        ++engines;
+        pairs_e += pairs;
+        const double b = rank.at("bytes_received").get<double>();
+        // TP rank 1 holds fewer real vocabulary rows (1000 padded to 1024, split 512 / 488).
+        EXPECT_GT(b, model / 2 * 0.97) << executor << " engine rank " << rank.at("rank");
+        EXPECT_LT(b, model / 2 * 1.05) << executor << " engine rank " << rank.at("rank");
+      }
+    }
+    EXPECT_EQ(trainers, 3);
+    EXPECT_EQ(engines, 4);
+    EXPECT_EQ(sent, received) << executor;
+    EXPECT_EQ(pairs_t, pairs_e) << executor;
+    EXPECT_NEAR(static_cast<double>(received), 2 * model, 0.05 * model) << executor;
+  }
 }
 
 }  // namespace
