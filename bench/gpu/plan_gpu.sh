@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The transfer plan on 2 GPUs of one host: cells with --verify (and --check-logits on tiny models),
+# faults, then `refit bench` on the targets' shapes against the plan-aware floor, and the PyTorch
+# baselines on the same GPUs. One table last; logs under $OUT (summary.txt, cells.log, bench.log,
+# torch.log, results.json, topology.txt).
+#
+#   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
+#   run(command="bash bench/gpu/plan_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
+#
+# Environment: REFIT_PG_PARTS (default "cells bench torch"), REFIT_PG_BENCH (space-separated bench
+# names to run, default all), REFIT_PG_STEPS (bench steps, default 5).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=${OUT:-/tmp/refit-plan-gpu}
+mkdir -p "$out"
+c=$root/.carry/refit
+R=${REFIT_BIN:-$c/bin/refit}
+parts=${REFIT_PG_PARTS:-"cells bench torch"}
+steps=${REFIT_PG_STEPS:-5}
+has() { [[ " $parts " == *" $1 "* ]]; }
+want_bench() { [ -z "${REFIT_PG_BENCH:-}" ] || [[ " $REFIT_PG_BENCH " == *" $1 "* ]]; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+summary=$out/summary.txt
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)")
+export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+nvidia-smi -L | tee -a "$summary"
+nvidia-smi topo -m > "$out/topology.txt" 2>&1
+note "nccl: $(ls "$nccl_dir"/libnccl.so.2* 2>/dev/null | head -1)"
+
+# cfg NAME MODEL POLICY WORLD MEGATRON ENGINE COLOCATED ENGINES TP DTYPE EXECUTOR [BUF] [TIMEOUT]
+# MEGATRON is "tp,pp,ep" or "-".
+cfg() {
+  local f=$work/$1.yaml mg="" mtp mpp mep
+  if [ "$5" != - ]; then
+    IFS=, read -r mtp mpp mep <<< "$5"
+    mg=", megatron: {tp: $mtp, pp: $mpp, ep: $mep}"
+  fi
+  {
+    echo "model: $2"
+    echo "device: cuda"
+    echo "policy: {backend: $3, world_size: $4, dtype: ${10}$mg}"
+    echo "generation: {backend: $6, colocated: $7, num_engines: $8, tp_size: $9}"
+    echo "refit: {buffer_size_bytes: ${12:-536870912}, num_buffers: 2, timeout_s: ${13:-60}, executor: ${11}}"
+  } > "$f"
+  echo "$f"
+}
+
+# cell NAME WANT CONFIG ARGS... — WANT: 0, or "fail:TEXT" (non-zero exit naming TEXT).
+cell() {
+  local name=$1 want=$2 f=$3; shift 3
+  local log=$work/cell.log start
+  start=$(date +%s.%N)
+  timeout 180 "$R" run "$f" "$@" > "$log" 2>&1
+  local rc=$? ok=FAIL
+  case $want in
+    0) [ $rc = 0 ] && ok=ok ;;
+    fail:*) [ $rc != 0 ] && [ $rc != 124 ] && grep -q -- "${want#fail:}" "$log" && ok=ok ;;
+  esac
+  { echo "=== $name: $R run $f $*"; cat "$f" "$log"; echo; } >> "$out/cells.log"
+  note "$(printf 'cell %-62s rc=%-3s %-4s (%s s) %s' "$name" "$rc" "$ok" \
+    "$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $start}")" \
+    "$(grep -m1 -o 'pairs by executor: .*' "$log")")"
+  if [ $ok != ok ]; then
+    grep -E 'error|failed|FAIL|abort' "$log" | head -3 | cut -c1-300 | sed 's/^/    /' | tee -a "$summary"
+  elif [ "$want" != 0 ]; then
+    grep -m1 -E 'run failed|verify:|killed' "$log" | cut -c1-300 | sed 's/^/    /' | tee -a "$summary"
+  fi
+}
+
+if has cells; then
+  echo "== cells"
+  : > "$out/cells.log"
+  cell "colocated fsdp2 w2 -> sglang tp2, tiny-qwen3 (auto)" 0 \
+    "$(cfg c1 tiny-qwen3 fsdp2 2 - sglang true 1 2 float32 auto)" --steps 3 --verify --check-logits
+  cell "colocated fsdp2 w2 -> vllm 2 engines tp1, tiny-moe (auto)" 0 \
+    "$(cfg c2 tiny-moe fsdp2 2 - vllm true 2 1 float32 auto)" --steps 3 --verify --check-logits
+  cell "colocated megatron tp2 -> vllm tp2, tiny-qwen2 (auto)" 0 \
+    "$(cfg c3 tiny-qwen2 megatron 2 2,1,1 vllm true 1 2 float32 auto)" --steps 3 --verify --check-logits
+  cell "colocated fsdp2 w2 -> sglang tp2, qwen2.5-0.5b bf16 (peer)" 0 \
+    "$(cfg c4 qwen2.5-0.5b fsdp2 2 - sglang true 1 2 bfloat16 peer)" --steps 2 --verify
+  cell "colocated fsdp2 w1 -> vllm tp1 (1 GPU), tiny-qwen3 (auto)" 0 \
+    "$(cfg c5 tiny-qwen3 fsdp2 1 - vllm true 1 1 float32 auto)" --steps 3 --verify --check-logits
+  cell "non-colocated fsdp2 w1 -> sglang tp1, tiny-qwen3 (auto: peer over NVLink)" 0 \
+    "$(cfg n1 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 auto)" --steps 3 --verify --check-logits
+  cell "non-colocated fsdp2 w1 -> vllm tp1, tiny-moe (p2p NCCL, 4 KiB rounds)" 0 \
+    "$(cfg n2 tiny-moe fsdp2 1 - vllm false 1 1 float32 p2p 4096)" --steps 3 --verify --check-logits
+  cell "non-colocated megatron w1 -> vllm tp1, tiny-qwen2 (p2p NCCL)" 0 \
+    "$(cfg n3 tiny-qwen2 megatron 1 1,1,1 vllm false 1 1 float32 p2p 65536)" --steps 2 --verify
+  cell "non-colocated fsdp2 w1 -> sglang tp1, tiny-qwen3 (gather: NCCL broadcast)" 0 \
+    "$(cfg n4 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 gather)" --steps 2 --verify
+  cell "colocated w2 tp2, corrupt:0 must fail naming the tensor" "fail:verify:" \
+    "$(cfg f1 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 20)" --steps 1 --verify --fault corrupt:0
+  cell "colocated w2 tp2, killed engine rank 1: every rank exits" "fail:killed by signal 9" \
+    "$(cfg f2 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 20)" --steps 2 --fault kill-engine:1:0
+  cell "non-colocated p2p, killed trainer rank 0: every rank exits" "fail:killed by signal 9" \
+    "$(cfg f3 tiny-qwen3 fsdp2 1 - vllm false 1 1 float32 p2p 4096 20)" --steps 2 --fault kill-trainer:0:2
+fi
+
+# bench NAME CONFIG
+bench() {
+  want_bench "$1" || return 0
+  timeout 300 "$R" bench "$2" --steps "$steps" --json "$work/bench-$1.json" >> "$out/bench.log" 2>&1
+  local rc=$?
+  note "$(printf 'bench %-40s rc=%s' "$1" "$rc")"
+  [ $rc = 0 ] || tail -5 "$out/bench.log" | cut -c1-300 | sed 's/^/    /' | tee -a "$summary"
+}
+
+if has bench; then
+  echo "== benchmarks"
+  : > "$out/bench.log"
+  bench colo-w2-tp2-8b-fp32 "$(cfg b1 qwen3-8b fsdp2 2 - vllm true 1 2 float32 auto)"
+  bench colo-w2-tp2-30b-bf16 "$(cfg b2 qwen3-30b-a3b fsdp2 2 - vllm true 1 2 bfloat16 auto)"
+  bench colo-meg-tp2-tp2-8b-bf16 "$(cfg b3 qwen3-8b megatron 2 2,1,1 vllm true 1 2 bfloat16 auto)"
+  bench colo-w2-2xtp1-8b-fp32 "$(cfg b4 qwen3-8b fsdp2 2 - vllm true 2 1 float32 auto)"
+  bench noncolo-1to1-8b-fp32 "$(cfg b5 qwen3-8b fsdp2 1 - vllm false 1 1 float32 auto)"
+  bench noncolo-1to1-8b-bf16 "$(cfg b6 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)"
+  bench noncolo-1to1-8b-bf16-p2p "$(cfg b7 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 p2p)"
+  bench colo-1gpu-8b-fp32 "$(cfg b8 qwen3-8b fsdp2 1 - vllm true 1 1 float32 auto)"
+fi
+
+if has torch; then
+  echo "== PyTorch baselines"
+  : > "$out/torch.log"
+  for s in qwen3-8b:float32 qwen3-30b-a3b:bfloat16; do
+    m=${s%%:*} d=${s#*:}
+    timeout 240 python3 "$root/bench/baselines/torch_shard.py" --refit "$R" --model "$m" \
+      --trainer-dtype "$d" --json "$work/torch-shard-$m-$d.json" >> "$out/torch.log" 2>&1
+    note "torch shard-to-shard $m $d rc=$?"
+  done
+  for d in float32 bfloat16; do
+    timeout 240 python3 "$root/bench/baselines/torch_broadcast.py" --device cuda --refit "$R" \
+      --model qwen3-8b --trainer-dtype "$d" --engines 1 --bucket-bytes 536870912 --steps 5 \
+      --json "$work/torch-bcast-qwen3-8b-$d.json" >> "$out/torch.log" 2>&1
+    note "torch packed broadcast qwen3-8b $d rc=$?"
+  done
+fi
+
+echo "== table"
+python3 - "$out" "$work" <<'PY' | tee -a "$summary"
+import glob, json, os, statistics, sys
+out, work = sys.argv[1], sys.argv[2]
+res = {}
+print(f"{'cell':28} {'ms':>8} {'floor ms':>8} {'ratio':>6} {'raw ms':>7} {'GB/s':>7} {'peer GB/s':>9}  pairs / bytes received per engine rank")
+for f in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
+    j = json.load(open(f))
+    name = os.path.basename(f)[6:-5]
+    ms = statistics.median(j["refit_seconds"]) * 1e3
+    raw = statistics.median(j.get("raw_seconds", [0])) * 1e3
+    ranks = j.get("ranks", [])
+    pairs = sum(r.get("peer_pairs", 0) for r in ranks if r["role"] == "trainer"), \
+        sum(r.get("p2p_pairs", 0) for r in ranks if r["role"] == "trainer")
+    recv = " ".join(f"{r['bytes_received'] / 1e9:.2f}GB" for r in ranks if r["role"] == "engine")
+    print(f"{name:28} {ms:8.2f} {j.get('floor_seconds', 0) * 1e3:8.2f} "
+          f"{j.get('ratio_to_floor', 0):6.2f} {raw:7.2f} {j['gbps']:7.1f} "
+          f"{j.get('peer_bandwidth_gbps', 0):9.1f}  peer {pairs[0]} p2p {pairs[1]}; {recv}")
+    res[name] = j
+for f in sorted(glob.glob(os.path.join(work, "torch-*.json"))):
+    j = json.load(open(f))
+    name = os.path.basename(f)[:-5]
+    print(f"{name:40} {j.get('ms', 0):8.2f} ms")
+    res[name] = j
+json.dump(res, open(os.path.join(out, "results.json"), "w"), indent=1)
+PY
