@@ -102,12 +102,14 @@ if has cells; then
     "$(cfg f3 tiny-qwen3 fsdp2 1 - vllm false 1 1 float32 p2p 4096 20)" --steps 2 --fault kill-trainer:0:2
 fi
 
-# bench NAME CONFIG
+# bench NAME CONFIG [VAR=VALUE ...]
 bench() {
   want_bench "$1" || return 0
-  timeout 300 "$R" bench "$2" --steps "$steps" --json "$work/bench-$1.json" >> "$out/bench.log" 2>&1
+  local name=$1 f=$2; shift 2
+  echo "=== $name $*" >> "$out/bench.log"
+  env "$@" timeout 300 "$R" bench "$f" --steps "$steps" --json "$work/bench-$name.json" >> "$out/bench.log" 2>&1
   local rc=$?
-  note "$(printf 'bench %-40s rc=%s' "$1" "$rc")"
+  note "$(printf 'bench %-40s rc=%s' "$name" "$rc")"
   [ $rc = 0 ] || tail -5 "$out/bench.log" | cut -c1-300 | sed 's/^/    /' | tee -a "$summary"
 }
 
@@ -122,6 +124,10 @@ if has bench; then
   bench noncolo-1to1-8b-bf16 "$(cfg b6 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)"
   bench noncolo-1to1-8b-bf16-p2p "$(cfg b7 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 p2p)"
   bench colo-1gpu-8b-fp32 "$(cfg b8 qwen3-8b fsdp2 1 - vllm true 1 1 float32 auto)"
+  # The copy engines instead of the SM kernel for uncast contiguous copies.
+  bench noncolo-1to1-8b-bf16-ce "$(cfg b9 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)" REFIT_COPY_ENGINE=1
+  bench colo-w2-tp2-8b-bf16-ce "$(cfg b10 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)" REFIT_COPY_ENGINE=1
+  bench colo-w2-tp2-8b-bf16 "$(cfg b11 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)"
 fi
 
 if has torch; then
@@ -146,7 +152,7 @@ python3 - "$out" "$work" <<'PY' | tee -a "$summary"
 import glob, json, os, statistics, sys
 out, work = sys.argv[1], sys.argv[2]
 res = {}
-print(f"{'cell':28} {'ms':>8} {'floor ms':>8} {'ratio':>6} {'raw ms':>7} {'GB/s':>7} {'peer GB/s':>9}  pairs / bytes received per engine rank")
+print(f"{'cell':30} {'ms':>8} {'floor ms':>8} {'ratio':>6} {'ovl ms':>7} {'ratio':>6} {'raw ms':>7} {'GB/s':>7} {'peer GB/s':>9}  pairs / bytes received per engine rank")
 for f in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
     j = json.load(open(f))
     name = os.path.basename(f)[6:-5]
@@ -156,8 +162,9 @@ for f in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
     pairs = sum(r.get("peer_pairs", 0) for r in ranks if r["role"] == "trainer"), \
         sum(r.get("p2p_pairs", 0) for r in ranks if r["role"] == "trainer")
     recv = " ".join(f"{r['bytes_received'] / 1e9:.2f}GB" for r in ranks if r["role"] == "engine")
-    print(f"{name:28} {ms:8.2f} {j.get('floor_seconds', 0) * 1e3:8.2f} "
-          f"{j.get('ratio_to_floor', 0):6.2f} {raw:7.2f} {j['gbps']:7.1f} "
+    print(f"{name:30} {ms:8.2f} {j.get('floor_seconds', 0) * 1e3:8.2f} "
+          f"{j.get('ratio_to_floor', 0):6.2f} {j.get('floor_overlap_seconds', 0) * 1e3:7.2f} "
+          f"{j.get('ratio_to_overlap_floor', 0):6.2f} {raw:7.2f} {j['gbps']:7.1f} "
           f"{j.get('peer_bandwidth_gbps', 0):9.1f}  peer {pairs[0]} p2p {pairs[1]}; {recv}")
     res[name] = j
 for f in sorted(glob.glob(os.path.join(work, "torch-*.json"))):

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <map>
 #include <tuple>
 
@@ -190,12 +192,18 @@ class CudaDataPlane final : public DataPlane {
     REFIT_RETURN_IF_ERROR(on_device());
     if (runs.empty()) return Status::Ok();
     REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(runs, sdt, ddt, src_base));
+    if (!t->engine_copies.empty()) {  // copy engines: one call per contiguous stretch
+      for (const auto& [dst, src, bytes] : t->engine_copies)
+        REFIT_RETURN_IF_ERROR(copy_device_async(dst, src, bytes, stream_.handle()));
+      return sync("copy-engine copies");
+    }
     REFIT_RETURN_IF_ERROR(launch_block_copy(t->table, 0, src_base != nullptr ? src_base : t->src,
                                             sdt, t->dst, ddt, stream_.handle()));
     return sync("a block copy");
   }
 
   void set_seed(std::uint64_t seed) { model_seed_ = seed; }
+  void set_copy_engine(bool on) { copy_engine_ = on; }
 
  private:
   // The CUDA device is per thread: the plane is driven by whichever thread runs a stage (the
@@ -210,6 +218,9 @@ class CudaDataPlane final : public DataPlane {
     DeviceBlockTable table;
     const std::byte* src = nullptr;
     std::byte* dst = nullptr;
+    // Set when the copy engines serve the list instead (REFIT_COPY_ENGINE=1, no cast, every run
+    // contiguous, long stretches): (dst, src, bytes) per stretch of adjacent runs.
+    std::vector<std::tuple<std::byte*, const std::byte*, std::size_t>> engine_copies;
   };
   Result<CopyTable*> copy_table(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
                                 const std::byte* src_base) {
@@ -248,7 +259,34 @@ class CudaDataPlane final : public DataPlane {
       groups[0].push_back(b);
     }
     REFIT_ASSIGN_OR_RETURN(t.table, DeviceBlockTable::upload(groups, device_));
+    if (copy_engine_ && sdt == ddt && src_base == nullptr) t.engine_copies = engine_stretches(runs, ss);
     return &copies_.emplace(key, std::move(t)).first->second;
+  }
+
+  // Adjacent contiguous runs merged into stretches for the copy engines; empty when a run is
+  // strided or the stretches average under 4 MiB (then the kernel is faster).
+  static std::vector<std::tuple<std::byte*, const std::byte*, std::size_t>> engine_stretches(
+      const std::vector<CopyRun>& runs, std::int64_t esize) {
+    std::vector<std::tuple<std::byte*, const std::byte*, std::size_t>> out;
+    std::size_t total = 0;
+    for (const CopyRun& r : runs) {
+      const Block2D& b = r.block;
+      if (b.rows > 1 && (b.src_stride != b.cols || b.dst_stride != b.cols)) return {};
+      const auto bytes = static_cast<std::size_t>(b.numel() * esize);
+      const std::byte* src = r.src + b.src_offset * esize;
+      std::byte* dst = r.dst + b.dst_offset * esize;
+      total += bytes;
+      if (!out.empty()) {
+        auto& [pd, ps, pb] = out.back();
+        if (pd + pb == dst && ps + pb == src) {
+          pb += bytes;
+          continue;
+        }
+      }
+      out.emplace_back(dst, src, bytes);
+    }
+    if (out.empty() || total / out.size() < (std::size_t{4} << 20)) return {};
+    return out;
   }
 
   // The weights table of a set of targets (generate / verify), cached by their identity.
@@ -283,6 +321,7 @@ class CudaDataPlane final : public DataPlane {
   DeviceStream stream_;
   std::chrono::milliseconds timeout_;
   std::uint64_t model_seed_ = 0;
+  bool copy_engine_ = false;  // REFIT_COPY_ENGINE=1
   std::map<std::tuple<const void*, std::size_t, std::uint64_t>, CopyTable> copies_;
   std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
 };
@@ -304,6 +343,14 @@ Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, in
       device, std::move(stream),
       std::chrono::milliseconds(static_cast<long long>(config.refit.timeout_s * 1000)));
   plane->set_seed(config.seed);
+  if (const char* env = std::getenv("REFIT_COPY_ENGINE")) {
+    const std::string v = env;
+    if (v != "0" && v != "1")
+      return Status::InvalidArgument(fmt::format(
+          "REFIT_COPY_ENGINE must be 0 or 1 (copy engines for uncast contiguous copies), got '{}'",
+          v));
+    plane->set_copy_engine(v == "1");
+  }
   return std::unique_ptr<DataPlane>(std::move(plane));
 }
 

@@ -104,8 +104,11 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
       for (int g = 0; g < o.config.engine_ranks() && peer == plane->ordinal(); ++g)
         peer = device_ordinal(o.config, false, g);
       REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->measure_peer_bandwidth(peer));
-      rep.floor_seconds = transfer_plan_floor(o.config, routes, rep.copy_bandwidth,
-                                              rep.peer_bandwidth, &rep.floor_basis);
+      const PlanFloor f =
+          transfer_plan_floor(o.config, routes, rep.copy_bandwidth, rep.peer_bandwidth);
+      rep.floor_seconds = f.seconds;
+      rep.floor_overlap_seconds = f.overlap_seconds;
+      rep.floor_basis = f.basis;
     } else {
       const double params = static_cast<double>(model->spec.total_parameters());
       rep.floor_seconds = params *
@@ -132,15 +135,18 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   return Status::Ok();
 }
 
-double transfer_plan_floor(const Config& config, const RouteSetup& routes, double copy_bandwidth,
-                           double peer_bandwidth, std::string* basis) {
+PlanFloor transfer_plan_floor(const Config& config, const RouteSetup& routes,
+                              double copy_bandwidth, double peer_bandwidth) {
   const auto ssize = static_cast<double>(dtype_size(config.policy.dtype));
   const auto tsize = static_cast<double>(dtype_size(config.refit.target_precision));
   std::map<int, double> local, out, in;  // per device: bytes read+written there, sent, received
+  std::set<int> devices;
   for (const Route& r : routes.plan.routes) {
     const int dt = device_ordinal(config, true, r.trainer);
     const int de = device_ordinal(config, false, r.engine);
     const auto n = static_cast<double>(r.numel());
+    devices.insert(dt);
+    devices.insert(de);
     local[dt] += n * ssize;  // the source is read where it lives
     if (dt == de) {
       local[dt] += n * tsize;
@@ -149,23 +155,20 @@ double transfer_plan_floor(const Config& config, const RouteSetup& routes, doubl
       in[de] += n * tsize;
     }
   }
-  std::set<int> devices;
-  for (const auto& [d, bytes] : local) devices.insert(d);
-  for (const auto& [d, bytes] : in) devices.insert(d);
-  double floor = 0;
+  PlanFloor f;
   for (int d : devices) {
     const double link = std::max(out[d], in[d]);
-    const double secs =
-        local[d] / copy_bandwidth + (peer_bandwidth > 0 ? link / peer_bandwidth : 0.0);
-    if (secs <= floor) continue;
-    floor = secs;
-    if (basis != nullptr)
-      *basis = fmt::format(
-          "device {}: {:.3f} GB read+written locally at {:.0f} GB/s, {:.3f} GB over the link at "
-          "{:.0f} GB/s",
-          d, local[d] / 1e9, copy_bandwidth / 1e9, link / 1e9, peer_bandwidth / 1e9);
+    const double local_s = local[d] / copy_bandwidth;
+    const double link_s = peer_bandwidth > 0 ? link / peer_bandwidth : 0.0;
+    f.overlap_seconds = std::max(f.overlap_seconds, std::max(local_s, link_s));
+    if (local_s + link_s <= f.seconds) continue;
+    f.seconds = local_s + link_s;
+    f.basis = fmt::format(
+        "device {}: {:.3f} GB read+written locally at {:.0f} GB/s, {:.3f} GB over the link at "
+        "{:.0f} GB/s",
+        d, local[d] / 1e9, copy_bandwidth / 1e9, link / 1e9, peer_bandwidth / 1e9);
   }
-  return floor;
+  return f;
 }
 
 namespace {

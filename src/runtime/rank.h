@@ -48,15 +48,24 @@ struct RefitReport {
   std::string executor;                 // refit.executor as resolved
   std::vector<RankTraffic> ranks;       // per rank, of the last refit
 
-  // Transfer plan bench: what bounds the floor (the busiest device).
+  // Transfer plan bench: the floor with local traffic and the link overlapping, and what bounds
+  // the floor (the busiest device).
+  double floor_overlap_seconds = 0;
   std::string floor_basis;
 };
 
 // The floor of a refit along the transfer plan: per device, the bytes its routes read and write
 // there at `copy_bandwidth` (read+write bytes/s) plus the bytes it sends to or receives from other
-// devices at `peer_bandwidth` (bytes/s); the busiest device sets the floor. `basis` describes it.
-double transfer_plan_floor(const Config& config, const RouteSetup& routes,
-                           double copy_bandwidth, double peer_bandwidth, std::string* basis);
+// devices at `peer_bandwidth` (bytes/s); the busiest device sets the floor. `overlap_seconds` is
+// the same with local traffic and the link overlapping perfectly (the larger of the two per
+// device): a strict lower bound, where `seconds` assumes they take turns.
+struct PlanFloor {
+  double seconds = 0;
+  double overlap_seconds = 0;
+  std::string basis;  // the busiest device and its bytes
+};
+PlanFloor transfer_plan_floor(const Config& config, const RouteSetup& routes,
+                              double copy_bandwidth, double peer_bandwidth);
 
 // Runs trainer rank `rank` for options.steps refits; trainer rank 0 fills `report`.
 Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report);

@@ -97,6 +97,10 @@ Status write_report_json(const std::string& path, const RankOptions& options,
     if (r.peer_bandwidth > 0) j["peer_bandwidth_gbps"] = r.peer_bandwidth / 1e9;
     j["ratio_to_floor"] = med > 0 ? r.floor_seconds / med : 0.0;
     j["floor_basis"] = r.floor_basis;
+    if (r.floor_overlap_seconds > 0) {
+      j["floor_overlap_seconds"] = r.floor_overlap_seconds;
+      j["ratio_to_overlap_floor"] = med > 0 ? r.floor_overlap_seconds / med : 0.0;
+    }
   }
   j["executor"] = r.executor;
   nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
@@ -169,6 +173,9 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
   if (r.floor_seconds > 0) {
     s += fmt::format("  floor ({}): {:.4f} s; floor / refit = {:.2f}\n", r.floor_basis,
                      r.floor_seconds, med > 0 ? r.floor_seconds / med : 0.0);
+    if (r.floor_overlap_seconds > 0)
+      s += fmt::format("  floor with local traffic and the link overlapping: {:.4f} s; / refit = {:.2f}\n",
+                       r.floor_overlap_seconds, med > 0 ? r.floor_overlap_seconds / med : 0.0);
   }
   return s;
 }

@@ -54,35 +54,41 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
   return Status::Ok();
 }
 
-// Every route of this rank to a peer target: read from the shard, cast, written in place.
+// Every route of this rank to a peer target: read from the shard, cast, written in place. One
+// list, in model order with the targets interleaved tensor by tensor, so that one copy call keeps
+// local writes and writes over the link to other devices in flight at the same time.
 void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   peer_runs_.clear();
   const TransferPlan& plan = o_.setup->plan;
   const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
   const int tp = o_.config->generation.tp_size;
+  std::vector<std::pair<const Route*, std::size_t>> routes;  // route, target index
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
     if (modes_[i] != PairExecutor::kPeer) continue;
-    const Mapped& m = mapped_.at(i);
-    const int g = o_.targets[i];
-    const EngineShardLayout& lay = o_.setup->engines[static_cast<std::size_t>(g % tp)];
     for (const auto& segs : plan.segments)
-      for (const Segment& s : segs) {
-        if (s.trainer != o_.rank || s.engine != g) continue;
-        for (std::size_t k = s.first_route; k < s.first_route + s.num_routes; ++k) {
-          const Route& r = plan.routes[k];
-          const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-          const std::int64_t dst_cols = matrix_shape(lay.params[r.engine_param].shape).cols;
-          peer_runs_.push_back(CopyRun{
-              .src = static_cast<const std::byte*>(shards[r.trainer_tensor]),
-              .dst = m.memory->data() + m.offsets[r.engine_param],
-              .block = {.src_offset = r.trainer_row * src_cols + r.trainer_col,
-                        .src_stride = src_cols,
-                        .dst_offset = r.engine_row * dst_cols + r.engine_col,
-                        .dst_stride = dst_cols,
-                        .rows = r.rows,
-                        .cols = r.cols}});
-        }
-      }
+      for (const Segment& s : segs)
+        if (s.trainer == o_.rank && s.engine == o_.targets[i])
+          for (std::size_t k = s.first_route; k < s.first_route + s.num_routes; ++k)
+            routes.emplace_back(&plan.routes[k], i);
+  }
+  std::stable_sort(routes.begin(), routes.end(), [](const auto& a, const auto& b) {
+    return a.first->hf_tensor < b.first->hf_tensor;
+  });
+  for (const auto& [r, i] : routes) {
+    const Mapped& m = mapped_.at(i);
+    const EngineShardLayout& lay =
+        o_.setup->engines[static_cast<std::size_t>(o_.targets[i] % tp)];
+    const std::int64_t src_cols = matrix_shape(mine.tensors[r->trainer_tensor].shape).cols;
+    const std::int64_t dst_cols = matrix_shape(lay.params[r->engine_param].shape).cols;
+    peer_runs_.push_back(CopyRun{
+        .src = static_cast<const std::byte*>(shards[r->trainer_tensor]),
+        .dst = m.memory->data() + m.offsets[r->engine_param],
+        .block = {.src_offset = r->trainer_row * src_cols + r->trainer_col,
+                  .src_stride = src_cols,
+                  .dst_offset = r->engine_row * dst_cols + r->engine_col,
+                  .dst_stride = dst_cols,
+                  .rows = r->rows,
+                  .cols = r->cols}});
   }
 }
 
