@@ -26,6 +26,7 @@ struct MCell {
   int tp = 2, pp = 1, ep = 1;
   int num_engines = 1;
   int engine_tp = 2;
+  std::string executor = "auto";
 };
 
 std::string yaml(const MCell& c) {
@@ -38,7 +39,7 @@ std::string yaml(const MCell& c) {
   y << "generation:\n  backend: " << c.engine
     << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
     << "\n  tp_size: " << c.engine_tp << "\n"
-    << "refit:\n  buffer_size_bytes: 16384\n  timeout_s: 20\n";
+    << "refit:\n  buffer_size_bytes: 16384\n  timeout_s: 20\n  executor: " << c.executor << "\n";
   return y.str();
 }
 
@@ -72,6 +73,29 @@ TEST(MegatronShapes, Gqa1Tp4) {
 TEST(MegatronShapes, MoeEp2Dp2) {
   expect_cell({.model = "tiny-moe", .engine = "vllm", .world_size = 4, .tp = 2, .ep = 2});
 }
+// Megatron over the transfer plan's point-to-point executor (Gloo send/recv), and the full-bucket
+// gather executor (the bridge's all-gather, then broadcast).
+TEST(MegatronP2p, Tp2Pp2ToTwoEnginesTp2) {
+  expect_cell({.model = "tiny-qwen2",
+               .world_size = 4,
+               .tp = 2,
+               .pp = 2,
+               .num_engines = 2,
+               .executor = "p2p"});
+}
+TEST(MegatronP2p, MoeTp2Ep2ToTp4) {
+  expect_cell({.model = "tiny-moe",
+               .engine = "vllm",
+               .world_size = 4,
+               .tp = 2,
+               .ep = 2,
+               .engine_tp = 4,
+               .executor = "p2p"});
+}
+TEST(MegatronGather, Tp2Pp2Broadcast) {
+  expect_cell({.world_size = 4, .tp = 2, .pp = 2, .executor = "gather"});
+}
+
 TEST(MegatronShapes, MoeEp2Pp2Tp1Ipc) {
   expect_cell({.model = "tiny-moe",
                .colocated = true,

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <tuple>
 
 #include "common/piece.h"
@@ -121,6 +122,26 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
   const auto esize = static_cast<std::int64_t>(dtype_size(dtype));
   const std::int64_t max_elems = std::max<std::int64_t>(1, buffer_bytes / esize);
 
+  // Every rank that holds a copy of an owned piece (data-parallel replicas, TP-replicated norms,
+  // a tied embedding's second copy): the same HF rectangle, wherever it sits locally. Engine
+  // replica e's TP rank k reads piece copies from holder (e + k) mod holders, which spreads the
+  // sending over the replicas instead of loading every byte on the owner.
+  using Rect = std::tuple<std::uint32_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  struct Copy {
+    int rank;
+    std::uint32_t local, piece;
+  };
+  std::map<Rect, std::vector<Copy>> holders;
+  for (int r = 0; r < plan.trainer_ranks; ++r) {
+    const TrainerShardLayout& lay = trainers[static_cast<std::size_t>(r)];
+    for (std::uint32_t l = 0; l < lay.tensors.size(); ++l)
+      for (std::uint32_t p = 0; p < lay.tensors[l].pieces.size(); ++p) {
+        const Piece& pc = lay.tensors[l].pieces[p];
+        holders[Rect{pc.hf_tensor, pc.src_row, pc.src_col, pc.rows, pc.cols}].push_back(
+            Copy{r, l, p});
+      }
+  }
+
   // Routes in model order: tensor by tensor, so rounds advance through the model.
   std::vector<Route> routes, whole;
   for (std::uint32_t t = 0; t < spec.tensors().size(); ++t)
@@ -128,13 +149,19 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
       const TrainerShardLayout& lay = trainers[static_cast<std::size_t>(r)];
       for (const auto& [local, piece] : lay.owned_by_hf[t]) {
         const Piece& own = lay.tensors[local].pieces[piece];
+        const std::vector<Copy>& copies =
+            holders.at(Rect{own.hf_tensor, own.src_row, own.src_col, own.rows, own.cols});
         for (int e = 0; e < num_engines; ++e)
           for (int k = 0; k < tp; ++k) {
+            const Copy& from = copies[static_cast<std::size_t>(e + k) % copies.size()];
+            const Piece& src = trainers[static_cast<std::size_t>(from.rank)]
+                                   .tensors[from.local]
+                                   .pieces[from.piece];
             const EngineShardLayout& eng = engines[static_cast<std::size_t>(k)];
             for (const auto& [param, epiece] : eng.pieces_by_hf[t]) {
               whole.clear();
-              intersect(own, eng.params[param].pieces[epiece], r, local, e * tp + k, param,
-                        whole);
+              intersect(src, eng.params[param].pieces[epiece], from.rank, from.local, e * tp + k,
+                        param, whole);
               for (const Route& w : whole) split_route(w, max_elems, routes);
             }
           }

@@ -4,10 +4,11 @@
 // pieces (each element of every HF tensor has exactly one owner, trainer_layout.h) intersected
 // with every engine rank's pieces (engine_layout.h), over every engine replica. The result is a
 // list of routes; each route is a rectangle of one HF tensor that moves once, straight from the
-// trainer rank that owns it to one engine rank that keeps it — no all-gather, no funnel through
+// trainer rank that holds it to one engine rank that keeps it — no all-gather, no funnel through
 // trainer rank 0. An engine rank therefore receives exactly the elements of its own shard
-// (1/T of the model with TP = T, plus what every TP rank replicates), and a trainer rank sends
-// each element it owns once per engine replica.
+// (1/T of the model with TP = T, plus what every TP rank replicates). Every element is sent once
+// per engine rank that keeps it; where several trainer ranks hold copies of it (data-parallel
+// replicas, TP-replicated norms), the engine ranks take turns among the holders.
 //
 // Routes are grouped into rounds for executors that stage bytes through buffers (point-to-point
 // over Gloo or NCCL): within one round every trainer rank sends, and every engine rank receives,
