@@ -1,6 +1,5 @@
 // `refit run`, `refit bench` (launch every rank on this machine), `refit trainer` / `refit engine`
 // (one rank, torchrun-style environment) and `refit shard` (what a trainer rank holds).
-#include <unistd.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -10,6 +9,7 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include "cli/commands.h"
 #include "common/host_buffer.h"
@@ -35,6 +35,7 @@ struct RunFlags {
   std::string host;
   int engine_rank = -1;
   int raw_passes = 0;
+  std::string dump_dir;
 };
 
 // Loads CONFIG (or the embedded default) and checks it against its model: setup errors exit 2
@@ -72,6 +73,14 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   o.verify = f.verify;
   o.check_logits = f.check_logits;
   o.raw_passes = f.raw_passes;
+  o.dump_dir = f.dump_dir;
+  if (!o.dump_dir.empty()) {  // a directory we cannot write is a setup error, before any rank
+    std::error_code ec;
+    std::filesystem::create_directories(o.dump_dir, ec);
+    if (ec || access(o.dump_dir.c_str(), W_OK) != 0)
+      throw CliExit(kExitSetup, fmt::format("--dump {}: not a writable directory{}", o.dump_dir,
+                                            ec ? " (" + ec.message() + ")" : ""));
+  }
   auto fault = parse_fault(f.fault);
   exit_if_error(fault.status(), kExitSetup);
   o.fault = *fault;
@@ -150,6 +159,7 @@ void run_local(const RunFlags& f) {
   if (!f.fault.empty()) common.insert(common.end(), {"--fault", f.fault});
   if (f.verify) common.push_back("--verify");
   if (f.check_logits) common.push_back("--check-logits");
+  if (!f.dump_dir.empty()) common.insert(common.end(), {"--dump", f.dump_dir});
   std::vector<ChildSpec> children;
   const std::vector<std::pair<std::string, std::string>> master = {
       {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}};
@@ -227,6 +237,9 @@ void add_run_commands(CLI::App& app) {
     cmd->add_option("--fault", f->fault,
                     "inject a fault (tests): corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
                     "kill-engine:RANK:BUCKET, plan-mismatch");
+    cmd->add_option("--dump", f->dump_dir,
+                    "after the last refit write DIR/trainer.safetensors, DIR/expected.safetensors "
+                    "and DIR/engine-<g>.safetensors (created if missing)");
   };
 
   auto* run = app.add_subcommand("run", "Run refits with every rank as a process on this machine");

@@ -5,9 +5,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <set>
-#include <cstring>
 
 #include "comm/communicator.h"
 #include "common/convert.h"
@@ -16,6 +16,7 @@
 #include "control/store.h"
 #include "engine/engine_layout.h"
 #include "engine/forward.h"
+#include "io/safetensors.h"
 #include "runtime/data_plane.h"
 #include "runtime/materialize.h"
 #include "runtime/protocol.h"
@@ -50,6 +51,57 @@ struct SlotArena {
 constexpr std::int64_t kLogitCheckMaxParams = 2'000'000'000;
 constexpr int kLogitCheckTokens = 8;
 constexpr double kLogitTolerance = 1e-4;
+
+}  // namespace
+
+namespace {
+
+// The full HF tensors of `step` as every trainer rank's shards hold them (the same deterministic
+// source fills them), in the policy dtype and after the cast.
+Status dump_trainer_tensors(const RankOptions& o, const RankModel& model, int step) {
+  const Config& cfg = o.config;
+  std::vector<HostBuffer> held, cast;
+  std::vector<TensorView> trainer_views, expected_views;
+  for (std::uint32_t t = 0; t < model.spec.tensors().size(); ++t) {
+    const TensorSpec& ts = model.spec.tensors()[t];
+    const MatrixShape m = matrix_shape(ts.shape);
+    const std::vector<Piece> whole = {Piece{.hf_tensor = t, .rows = m.rows, .cols = m.cols}};
+    const auto n = static_cast<std::size_t>(m.numel());
+    held.emplace_back(n * dtype_size(cfg.policy.dtype) + 1);
+    cast.emplace_back(n * dtype_size(cfg.refit.target_precision) + 1);
+    materialize_pieces(model.spec, whole, ts.shape, *model.weights, step, cfg.policy.dtype,
+                       cfg.policy.dtype, held.back().data());
+    materialize_pieces(model.spec, whole, ts.shape, *model.weights, step, cfg.policy.dtype,
+                       cfg.refit.target_precision, cast.back().data());
+    trainer_views.push_back({ts.name, cfg.policy.dtype, ts.shape, held.back().data()});
+    expected_views.push_back({ts.name, cfg.refit.target_precision, ts.shape, cast.back().data()});
+  }
+  const std::map<std::string, std::string> meta = {{"refit_model", cfg.model},
+                                                   {"refit_step", std::to_string(step)}};
+  REFIT_RETURN_IF_ERROR(write_safetensors(o.dump_dir + "/trainer.safetensors", trainer_views, meta));
+  return write_safetensors(o.dump_dir + "/expected.safetensors", expected_views, meta);
+}
+
+// Engine rank `g`'s parameters as they are now, under the engine's names and shapes.
+Status dump_engine_params(const RankOptions& o, DataPlane& plane, const EngineShardLayout& layout,
+                          const std::vector<PieceTarget>& params, int g) {
+  const DType dt = o.config.refit.target_precision;
+  std::vector<HostBuffer> host;
+  std::vector<TensorView> views;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto bytes =
+        static_cast<std::size_t>(matrix_shape(layout.params[i].shape).numel()) * dtype_size(dt);
+    host.emplace_back(bytes + 1);
+    REFIT_RETURN_IF_ERROR(plane.read(host.back().data(), params[i].data, bytes));
+    views.push_back({layout.params[i].name, dt, layout.params[i].shape, host.back().data()});
+  }
+  return write_safetensors(
+      fmt::format("{}/engine-{}.safetensors", o.dump_dir, g), views,
+      {{"refit_model", o.config.model},
+       {"refit_engine", std::to_string(g / o.config.generation.tp_size)},
+       {"refit_tp_rank", std::to_string(g % o.config.generation.tp_size)},
+       {"refit_tp_size", std::to_string(o.config.generation.tp_size)}});
+}
 
 }  // namespace
 
@@ -120,6 +172,8 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     }
   }
   REFIT_RETURN_IF_ERROR(trainer->shutdown());
+  if (rank == 0 && !o.dump_dir.empty())
+    REFIT_RETURN_IF_ERROR(dump_trainer_tensors(o, *model, o.steps));
   rep.steps = o.steps;
   rep.verified = o.verify;
   rep.logits_checked = o.check_logits;
@@ -308,7 +362,9 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
       REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, layout, params, cfg, step, who));
     return Status::Ok();
   });
-  return engine->serve();
+  REFIT_RETURN_IF_ERROR(engine->serve());
+  if (o.dump_dir.empty()) return Status::Ok();
+  return dump_engine_params(o, *plane, layout, params, engine_rank);
 }
 
 }  // namespace refit

@@ -23,6 +23,10 @@ struct RankOptions {
   bool check_logits = false;  // engines also compare a TP forward pass with a reference
   int raw_passes = 0;         // bench: raw transport passes after the refits
   Fault fault;
+  // After the last refit: trainer rank 0 writes DIR/trainer.safetensors (the full HF tensors in
+  // the policy dtype) and DIR/expected.safetensors (after the cast); engine rank g writes
+  // DIR/engine-<g>.safetensors (its parameters, engine names and layout). Empty: no dump.
+  std::string dump_dir;
 };
 
 // Version of the --json report's layout (docs/runtime.md): 2 added `ranks`, `executor`,
