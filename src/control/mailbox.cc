@@ -36,10 +36,6 @@ const char* message_type_name(MessageType type) {
       return "commit";
     case MessageType::kCommitted:
       return "committed";
-    case MessageType::kAbort:
-      return "abort";
-    case MessageType::kError:
-      return "error";
     case MessageType::kShutdown:
       return "shutdown";
     case MessageType::kVerified:

@@ -1,5 +1,5 @@
-// Point-to-point control messages between refit processes (begin, bucket metadata, commit,
-// abort, error, acks), on ZeroMQ.
+// Point-to-point control messages between refit processes (begin, bucket metadata, commit, acks),
+// on ZeroMQ. Failures travel through the store, not as messages (runtime/failure.h).
 //
 // Every process owns one Mailbox: a socket bound to an ephemeral port on `host`, whose address
 // it publishes in the store under "mailbox/<id>". send() connects lazily to a peer's published
@@ -27,8 +27,6 @@ enum class MessageType : std::uint8_t {
   kBucketDone,  // engine -> trainer: a bucket was applied; its buffer may be reused
   kCommit,      // trainer -> engine: every bucket was sent; bump the version
   kCommitted,   // engine -> trainer: the version was bumped (payload: apply time)
-  kAbort,       // any -> any: stop; payload: the cause
-  kError,       // any -> any: this process failed; payload: the cause
   kShutdown,    // trainer -> engine: no more refits (engine -> trainer: leaving)
   kVerified,    // engine -> trainer: verification verdict of the last refit
   kPaused,      // engine -> trainer: generation paused; the trainer may write in place

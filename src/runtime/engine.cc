@@ -9,7 +9,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "comm/communicator.h"
@@ -148,13 +147,11 @@ class EngineImpl final : public Engine {
     }
     // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
     if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
-    nlohmann::json hello = {{"engine_rank", rank_},
-                            {"protocol", engine_protocol_name(cfg_.generation.backend)},
-                            {"plan_hash", plan_hash},
-                            {"total_parameters", model_->spec.total_parameters()}};
-    for (const std::string& f : feeders_)
-      REFIT_RETURN_IF_ERROR(mailbox_->send(f, MessageType::kHello, hello.dump()));
-    return Status::Ok();
+    const HelloMessage hello{.engine_rank = rank_,
+                             .protocol = std::string(engine_protocol_name(cfg_.generation.backend)),
+                             .plan_hash = plan_hash,
+                             .total_parameters = model_->spec.total_parameters()};
+    return send_feeders(MessageType::kHello, encode(hello));
   }
 
   // Full buckets from one feeder: trainer rank 0 (broadcast) or the colocated trainer rank (ipc).
@@ -432,9 +429,6 @@ class EngineImpl final : public Engine {
           from = m.from;
         }
       }
-      case MessageType::kAbort:
-      case MessageType::kError:
-        return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
       case MessageType::kHello:
       case MessageType::kBucket:
       case MessageType::kBucketDone:

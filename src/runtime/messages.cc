@@ -69,6 +69,13 @@ class Reader {
 
 }  // namespace
 
+std::string encode(const HelloMessage& m) {
+  return dump({{"engine_rank", m.engine_rank},
+               {"protocol", m.protocol},
+               {"plan_hash", m.plan_hash},
+               {"total_parameters", m.total_parameters}});
+}
+
 std::string encode(const BeginMessage& m) {
   return dump({{"step", m.step},
                {"version", m.version},
@@ -97,6 +104,17 @@ std::string encode(const CommittedMessage& m) {
 
 std::string encode(const VerifiedMessage& m) {
   return dump({{"verified", m.verified}, {"error", m.error}});
+}
+
+Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from) {
+  Reader r(payload, "hello", from);
+  HelloMessage m;
+  r.get("engine_rank", m.engine_rank);
+  r.get("protocol", m.protocol);
+  r.get("plan_hash", m.plan_hash);
+  r.get("total_parameters", m.total_parameters);
+  if (!r.status().ok()) return r.status();
+  return m;
 }
 
 Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from) {

@@ -17,6 +17,14 @@ namespace refit {
 
 inline constexpr int kMessageWireVersion = 1;
 
+// engine -> trainer, once at setup: the engine joined.
+struct HelloMessage {
+  int engine_rank = 0;
+  std::string protocol;              // "sglang" | "vllm"
+  std::string plan_hash;             // the plan the engine derived (vLLM: must equal the trainer's)
+  std::int64_t total_parameters = 0; // of the model the engine loaded
+};
+
 // trainer -> engine: a refit starts.
 struct BeginMessage {
   int step = 0;
@@ -58,6 +66,7 @@ struct VerifiedMessage {
   std::string error;  // empty when verified
 };
 
+std::string encode(const HelloMessage& m);
 std::string encode(const BeginMessage& m);
 std::string encode(const PausedMessage& m);
 std::string encode(const CommitMessage& m);
@@ -65,6 +74,7 @@ std::string encode(const CommittedMessage& m);
 std::string encode(const VerifiedMessage& m);
 
 // `from` names the sender in errors.
+Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from);
 Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from);
 Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from);
 Result<CommitMessage> decode_commit(const std::string& payload, const std::string& from);

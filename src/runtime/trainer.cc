@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
 #include "common/log.h"
@@ -243,15 +242,14 @@ class TrainerImpl final : public Trainer {
     for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(Message hello, expect_message(*mailbox_, MessageType::kHello,
                                                            timeout(), "engine hellos"));
-      auto j = nlohmann::json::parse(hello.payload, nullptr, false);
-      if (j.is_discarded()) return Status::Corruption("malformed hello from " + hello.from);
-      const std::string theirs = j.value("plan_hash", "");
+      REFIT_ASSIGN_OR_RETURN(HelloMessage h, decode_hello(hello.payload, hello.from));
+      const std::string& theirs = h.plan_hash;
       const std::string ours = plan_hash();
-      if (j.value("total_parameters", 0ll) != model_->spec.total_parameters())
+      if (h.total_parameters != model_->spec.total_parameters())
         return Status::InvalidArgument(fmt::format(
             "setup: {} serves a model of {} parameters, the trainer's has {}; both sides must "
             "load the same model",
-            hello.from, j.value("total_parameters", 0ll), model_->spec.total_parameters()));
+            hello.from, h.total_parameters, model_->spec.total_parameters()));
       if (cfg_.generation.backend == EngineProtocol::kVllm && theirs != ours)
         return Status::InvalidArgument(fmt::format(
             "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is {}; "
@@ -436,8 +434,6 @@ class TrainerImpl final : public Trainer {
         return msg.status().with_context(
             fmt::format("{} waiting for commit acknowledgements", mailbox_->id()));
       if (msg->type == MessageType::kCommitted) return msg;
-      if (msg->type == MessageType::kAbort || msg->type == MessageType::kError)
-        return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
       return Status::Internal(fmt::format("{} waiting for commit acknowledgements: got {} from {}",
                                           mailbox_->id(), message_type_name(msg->type), msg->from));
     }

@@ -102,8 +102,7 @@ Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, Stor
 std::string encode_bucket_message(int slot, const BucketHeader& header);
 Status decode_bucket_message(const std::string& payload, int& slot, BucketHeader& header);
 
-// Waits for a message of `type` on `mailbox`; an abort or error message from a peer becomes a
-// kAborted Status carrying the peer's cause; any other type is a protocol error naming both.
+// Waits for a message of `type` on `mailbox`; any other type is a protocol error naming both.
 Result<Message> expect_message(Mailbox& mailbox, MessageType type,
                                std::chrono::milliseconds timeout, const std::string& waiting_for);
 

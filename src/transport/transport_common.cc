@@ -30,8 +30,6 @@ Result<Message> expect_message(Mailbox& mailbox, MessageType type,
   if (!msg.ok())
     return msg.status().with_context(fmt::format("{} waiting for {}", mailbox.id(), waiting_for));
   if (msg->type == type) return msg;
-  if (msg->type == MessageType::kAbort || msg->type == MessageType::kError)
-    return Status::Aborted(fmt::format("{} (reported by {})", msg->payload, msg->from));
   return Status::Internal(fmt::format("{} waiting for {}: got {} from {}", mailbox.id(),
                                       waiting_for, message_type_name(msg->type), msg->from));
 }
