@@ -64,7 +64,12 @@ class DataPlane {
   virtual Result<std::unique_ptr<PlaneBuffer>> allocate_exported(std::size_t bytes,
                                                                  const std::string& name,
                                                                  std::string* handle) = 0;
-  // Maps memory exported by a peer on the same device, once (never per refit).
+  // A handle for open_exported to `bytes` of memory the caller allocated (registered storage).
+  // CUDA: an IPC handle of the cudaMalloc allocation holding it (the caching allocators' memory
+  // qualifies); CPU: kUnsupported — host memory a caller allocated cannot be mapped by another
+  // process (use allocate_exported).
+  virtual Result<std::string> export_existing(std::byte* ptr, std::size_t bytes) = 0;
+  // Maps memory exported by a peer on the same host, once (never per refit).
   virtual Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                              std::size_t bytes) = 0;
   // Read+write bytes per second of a large copy within this plane's memory (median of a few

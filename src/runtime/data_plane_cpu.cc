@@ -120,6 +120,12 @@ class CpuDataPlane final : public DataPlane {
     return std::unique_ptr<PlaneBuffer>(new SharedPlaneBuffer(std::move(shm)));
   }
 
+  Result<std::string> export_existing(std::byte*, std::size_t) override {
+    return Status::Unsupported(
+        "host memory the caller allocated cannot be mapped by another process; allocate it with "
+        "allocate_params()");
+  }
+
   Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                      std::size_t bytes) override {
     REFIT_ASSIGN_OR_RETURN(auto shm, SharedMemory::open(handle, bytes));

@@ -83,6 +83,12 @@ class CudaDataPlane final : public DataPlane {
     return buf;
   }
 
+  Result<std::string> export_existing(std::byte* ptr, std::size_t bytes) override {
+    REFIT_RETURN_IF_ERROR(on_device());
+    REFIT_ASSIGN_OR_RETURN(std::string raw, export_device_memory(ptr, bytes));
+    return to_hex(raw);
+  }
+
   Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                      std::size_t) override {
     REFIT_RETURN_IF_ERROR(on_device());

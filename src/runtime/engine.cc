@@ -63,6 +63,7 @@ class EngineImpl final : public Engine {
     plan_runs_.clear();  // they hold the registered addresses: rebuilt at the next refit
     sglang_runs_.clear();
     if (route_receiver_) route_receiver_->invalidate();
+    param_handles_.clear();
     return Status::Ok();
   }
   void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
@@ -197,13 +198,37 @@ class EngineImpl final : public Engine {
     return Status::Ok();
   }
 
-  // Where our parameters are, if refit allocated them (allocate_params).
-  std::optional<ExportedParams> exported_params() const {
-    if (!exported_) return std::nullopt;
-    ExportedParams e{.handle = export_handle_, .bytes = exported_->size()};
-    for (void* p : ptrs_)
-      e.offsets.push_back(static_cast<std::uint64_t>(static_cast<std::byte*>(p) - exported_->data()));
-    return e;
+  // Where our parameters are for peer access: the region refit allocated (allocate_params), or,
+  // on CUDA, an IPC handle per registered parameter (exported once per registration). Nothing when
+  // the storage cannot be shared (host memory the caller allocated): point-to-point serves then.
+  std::optional<ExportedParams> exported_params() {
+    if (exported_) {
+      ExportedParams e{.handle = export_handle_, .bytes = exported_->size()};
+      for (void* p : ptrs_)
+        e.offsets.push_back(
+            static_cast<std::uint64_t>(static_cast<std::byte*>(p) - exported_->data()));
+      return e;
+    }
+    if (cfg_.device != Device::kCuda) return std::nullopt;
+    if (param_handles_.empty()) {
+      for (std::size_t i = 0; i < ptrs_.size(); ++i) {
+        const auto bytes = static_cast<std::size_t>(slots_[i].numel()) * dtype_size(slots_[i].dtype);
+        if (bytes == 0) {
+          param_handles_.emplace_back();
+          continue;
+        }
+        auto h = plane_->export_existing(static_cast<std::byte*>(ptrs_[i]), bytes);
+        if (!h.ok()) {
+          log::warn("{}: parameter {} cannot be exported for peer access ({}); feeders on this "
+                    "host use point-to-point",
+                    id(), slots_[i].name, h.status().message());
+          param_handles_.clear();
+          return std::nullopt;
+        }
+        param_handles_.push_back(std::move(h).value());
+      }
+    }
+    return ExportedParams{.handles = param_handles_};
   }
 
   Status send_feeders(MessageType type, const std::string& payload) {
@@ -464,6 +489,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<RouteReceiver> route_receiver_;
   std::unique_ptr<Communicator> p2p_comm_;
   BeginMessage begin_;  // of the refit in progress
+  std::vector<std::string> param_handles_;  // CUDA: IPC handles of the registered parameters
   RankTraffic traffic_;
   std::string version_ = "0";
   std::string run_id_;

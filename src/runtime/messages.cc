@@ -50,6 +50,12 @@ class Reader {
   static bool type_ok(const Json& v, const int&) { return v.is_number_integer(); }
   static bool type_ok(const Json& v, const std::int64_t&) { return v.is_number_integer(); }
   static bool type_ok(const Json& v, const std::uint64_t&) { return v.is_number_unsigned(); }
+  static bool type_ok(const Json& v, const std::vector<std::string>&) {
+    if (!v.is_array()) return false;
+    for (const Json& x : v)
+      if (!x.is_string()) return false;
+    return true;
+  }
   static bool type_ok(const Json& v, const std::vector<std::uint64_t>&) {
     if (!v.is_array()) return false;
     for (const Json& x : v)
@@ -88,8 +94,10 @@ std::string encode(const BeginMessage& m) {
 std::string encode(const PausedMessage& m) {
   Json j = Json::object();
   if (m.direct)
-    j["direct"] = {
-        {"handle", m.direct->handle}, {"bytes", m.direct->bytes}, {"offsets", m.direct->offsets}};
+    j["direct"] = {{"handle", m.direct->handle},
+                   {"bytes", m.direct->bytes},
+                   {"offsets", m.direct->offsets},
+                   {"handles", m.direct->handles}};
   else
     j["direct"] = nullptr;
   return dump(std::move(j));
@@ -146,6 +154,7 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
     d.get("handle", e.handle);
     d.get("bytes", e.bytes);
     d.get("offsets", e.offsets);
+    d.get("handles", e.handles);
     if (!d.status().ok()) return d.status();
     m.direct = std::move(e);
   }

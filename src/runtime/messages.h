@@ -35,12 +35,14 @@ struct BeginMessage {
   bool offer_direct = false; // gather executor: the trainer offers to write parameters in place
 };
 
-// Parameters an engine exported for peer access: `handle` maps `bytes` of memory, parameter i
-// starts `offsets[i]` bytes into it.
+// Parameters an engine exported for peer access, either as one region — `handle` maps `bytes`
+// of memory and parameter i starts `offsets[i]` bytes into it (Engine::allocate_params) — or, for
+// registered CUDA storage, one handle per parameter in `handles` (each maps that parameter).
 struct ExportedParams {
   std::string handle;
   std::uint64_t bytes = 0;
   std::vector<std::uint64_t> offsets;
+  std::vector<std::string> handles;
 };
 
 // engine -> trainer: generation is paused; parameters may be written from now on.

@@ -32,25 +32,43 @@ Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOption
 }
 
 Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
+  std::string key = direct.handle;
+  for (const std::string& h : direct.handles) key += "|" + h;
   Mapped& m = mapped_[i];
-  if (m.memory && m.handle == direct.handle) return Status::Ok();
+  if (!m.params.empty() && m.key == key) return Status::Ok();
   const int g = o_.targets[i];
   const EngineShardLayout& lay =
       o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
-  if (direct.offsets.size() != lay.params.size())
+  const bool per_param = !direct.handles.empty();
+  const std::size_t n = per_param ? direct.handles.size() : direct.offsets.size();
+  if (n != lay.params.size())
     return Status::Corruption(fmt::format(
-        "peer: engine rank {} exported {} parameters, its layout has {}", g,
-        direct.offsets.size(), lay.params.size()));
-  auto mem = o_.plane->open_exported(direct.handle, direct.bytes);
-  if (!mem.ok())
-    return mem.status().with_context(
-        fmt::format("peer: trainer rank {} mapping engine rank {}'s parameters", o_.rank, g));
-  m.memory = std::move(mem).value();
-  m.handle = direct.handle;
-  m.offsets = direct.offsets;
+        "peer: engine rank {} exported {} parameters, its layout has {}", g, n, lay.params.size()));
+  const std::string what =
+      fmt::format("peer: trainer rank {} mapping engine rank {}'s parameters", o_.rank, g);
+  m = Mapped{.key = key};
+  if (per_param) {  // registered CUDA storage: one handle per parameter
+    for (std::size_t p = 0; p < n; ++p) {
+      if (direct.handles[p].empty()) {  // an empty parameter: nothing to map
+        m.params.push_back(nullptr);
+        continue;
+      }
+      const auto bytes = static_cast<std::size_t>(matrix_shape(lay.params[p].shape).numel()) *
+                         dtype_size(o_.setup->plan.dtype);
+      auto mem = o_.plane->open_exported(direct.handles[p], bytes);
+      if (!mem.ok()) return mem.status().with_context(what + " (" + lay.params[p].name + ")");
+      m.params.push_back((*mem)->data());
+      m.memory.push_back(std::move(mem).value());
+    }
+  } else {  // one region (allocate_params)
+    auto mem = o_.plane->open_exported(direct.handle, direct.bytes);
+    if (!mem.ok()) return mem.status().with_context(what);
+    for (std::uint64_t off : direct.offsets) m.params.push_back((*mem)->data() + off);
+    m.memory.push_back(std::move(mem).value());
+  }
   peer_runs_.clear();  // they hold the mapped addresses
-  log::debug("trainer rank {}: mapped engine rank {}'s parameters ({} bytes)", o_.rank, g,
-             direct.bytes);
+  log::debug("trainer rank {}: mapped engine rank {}'s parameters ({})", o_.rank, g,
+             per_param ? fmt::format("{} handles", n) : fmt::format("{} bytes", direct.bytes));
   return Status::Ok();
 }
 
@@ -82,7 +100,7 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
     const std::int64_t dst_cols = matrix_shape(lay.params[r->engine_param].shape).cols;
     peer_runs_.push_back(CopyRun{
         .src = static_cast<const std::byte*>(shards[r->trainer_tensor]),
-        .dst = m.memory->data() + m.offsets[r->engine_param],
+        .dst = m.params[r->engine_param],
         .block = {.src_offset = r->trainer_row * src_cols + r->trainer_col,
                   .src_stride = src_cols,
                   .dst_offset = r->engine_row * dst_cols + r->engine_col,

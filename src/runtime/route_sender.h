@@ -69,10 +69,12 @@ class RouteSender {
   Status run_p2p(const BeginMessage& begin, const std::vector<void*>& shards, const Fault& fault,
                  RouteTimes& times);
 
+  // An engine rank's parameters as mapped here: the exported region(s) and each parameter's
+  // address. `key` identifies what was exported (remapped when it changes).
   struct Mapped {
-    std::string handle;
-    std::unique_ptr<PlaneBuffer> memory;
-    std::vector<std::uint64_t> offsets;
+    std::string key;
+    std::vector<std::unique_ptr<PlaneBuffer>> memory;
+    std::vector<std::byte*> params;
   };
 
   RouteSenderOptions o_;
