@@ -63,9 +63,10 @@ struct RankTraffic {
 
 class Trainer {
  public:
-  // Trainer rank `rank`: joins the control plane (rank 0 hosts it), forms the trainer group and,
-  // for broadcast, the update group, and waits for its engines to join; vLLM manifests are
-  // compared here. Collective with every rank of the refit.
+  // Trainer rank `rank`: joins the control plane (rank 0 hosts it), forms the trainer group and
+  // the point-to-point group (or, with executor gather and broadcast, the update group), and
+  // waits for the engines it feeds to join; vLLM plan hashes are compared here. Collective with
+  // every rank of the refit.
   static Result<std::unique_ptr<Trainer>> create(const Config& config, int rank,
                                                  const Endpoint& endpoint);
   virtual ~Trainer() = default;
@@ -84,9 +85,10 @@ class Trainer {
   // trainer rank). Collective over the trainer group.
   virtual Status refit(int step, const std::string& version, bool verify) = 0;
   virtual const RefitStats& last_stats() const = 0;
-  // bench: one pass of the bare transport over the same bucket sizes (no unshard, pack, apply).
+  // bench: one pass of the bare moves over the same bytes (no unshard, cast or apply).
   virtual Result<double> raw_transport_pass() = 0;
-  // The bucket plan: bytes per refit, buckets, hash.
+  // The plan: bytes of one copy of the model (target dtype), rounds of the transfer plan (buckets
+  // with executor gather), and the plan's hash.
   virtual std::int64_t bytes_per_refit() const = 0;
   virtual int buckets_per_refit() const = 0;
   virtual std::string plan_hash() const = 0;
@@ -100,9 +102,9 @@ class Trainer {
 
 class Engine {
  public:
-  // Engine rank `engine_rank` (= engine index * tp_size + tp rank): joins the control plane and,
-  // for broadcast, the update group, or maps its trainer rank's shared memory for ipc, then
-  // announces itself (with its vLLM manifest hash) to the trainer rank that feeds it.
+  // Engine rank `engine_rank` (= engine index * tp_size + tp rank): joins the control plane and
+  // the point-to-point group (executor gather: the update group, or its trainer rank's ipc slots),
+  // then announces itself (with its plan hash) to every trainer rank that feeds it.
   static Result<std::unique_ptr<Engine>> create(const Config& config, int engine_rank,
                                                 const Endpoint& endpoint);
   virtual ~Engine() = default;
@@ -113,11 +115,13 @@ class Engine {
   virtual Status register_param(const std::string& name, void* data, DType dtype,
                                 const std::vector<std::int64_t>& shape) = 0;
   // Instead of registering: refit allocates zero-filled storage for every parameter, in memory the
-  // colocated trainer rank can map, and registers it. A colocated trainer rank that holds full
-  // tensors (policy.world_size 1, so one engine rank of TP 1) then writes the parameters
-  // directly — one read of the source and one write of the destination per refit,
-  // no transport buffers (set REFIT_ZERO_COPY=0 on the trainer to use the buffers anyway).
-  // Returns the pointers in params() order; they live as long as the Engine.
+  // trainer ranks on this host can map (POSIX shared memory on CPU, CUDA IPC on GPU), and
+  // registers it. Those trainer ranks then write their routes straight into the parameters
+  // (refit.executor auto or peer) — one read of the source and one write of the destination per
+  // element, no staging buffers. On CUDA, registered cudaMalloc memory (the caching allocators')
+  // is exported per parameter instead; host memory the caller allocated cannot be mapped, and
+  // its feeders use point-to-point. Returns the pointers in params() order; they live as long as
+  // the Engine.
   virtual Result<std::vector<void*>> allocate_params() = 0;
 
   // Called around every refit: generation must pause before any parameter changes and may
