@@ -1,5 +1,5 @@
 // GPU copy/cast and weights kernels (device/copy_kernels.h) against the CPU code they mirror:
-// common/convert.h and runtime/weights.h, bit for bit. Skips without a GPU (and in CPU builds,
+// common/convert.h and weights/weights.h, bit for bit. Skips without a GPU (and in CPU builds,
 // where it checks that launches report kUnsupported instead).
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include "device/copy_kernels.h"
 #include "device/device.h"
 #include "engine/engine_layout.h"
-#include "runtime/weights.h"
+#include "weights/weights.h"
 
 namespace refit {
 namespace {

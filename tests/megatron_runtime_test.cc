@@ -8,7 +8,7 @@
 #include "common/convert.h"
 #include "io/safetensors.h"
 #include "refit/model_spec.h"
-#include "runtime/weights.h"
+#include "weights/weights.h"
 #include "test_util.h"
 
 namespace refit {

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/messages.h"
+#include "control/messages.h"
 
 namespace refit {
 namespace {

@@ -14,7 +14,7 @@
 #include "plan/transfer_plan.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
-#include "runtime/routes.h"
+#include "executor/routes.h"
 
 namespace refit {
 namespace {

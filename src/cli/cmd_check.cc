@@ -12,7 +12,7 @@
 #include "config/support.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
-#include "runtime/routes.h"
+#include "executor/routes.h"
 
 namespace refit::cli {
 namespace {

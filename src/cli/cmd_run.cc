@@ -16,10 +16,10 @@
 #include "control/store.h"
 #include "io/safetensors.h"
 #include "runtime/failure.h"
-#include "runtime/launcher.h"
-#include "runtime/materialize.h"
-#include "runtime/rank.h"
-#include "runtime/setup.h"
+#include "harness/launcher.h"
+#include "weights/materialize.h"
+#include "harness/rank.h"
+#include "weights/setup.h"
 #include "trainer/trainer_layout.h"
 
 namespace refit::cli {

@@ -1,5 +1,5 @@
 // CUDA kernels of device/copy_kernels.h. Bit-level conversions mirror common/convert.cc exactly;
-// weights mirror runtime/weights.cc (splitmix64, float ops without contraction).
+// weights mirror weights/weights.cc (splitmix64, float ops without contraction).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -395,7 +395,7 @@ struct FlatK {
   };
 };
 
-// ---- deterministic weights (runtime/weights.cc) ----
+// ---- deterministic weights (weights/weights.cc) ----
 
 __device__ __forceinline__ std::uint64_t mix(std::uint64_t x) {
   x ^= x >> 30;

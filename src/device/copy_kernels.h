@@ -13,8 +13,8 @@
 //
 // The same tables drive the deterministic-weights kernels: with runs whose src_offset is a flat
 // element index into HF tensor `tag` (src_stride = that tensor's row length), launch_generate
-// writes exactly what runtime/weights.h WeightSource::values would compute (synthetic weights,
-// no checkpoint), rounded through `via` like runtime/materialize.h, and verify_generated counts
+// writes exactly what weights/weights.h WeightSource::values would compute (synthetic weights,
+// no checkpoint), rounded through `via` like weights/materialize.h, and verify_generated counts
 // the elements of a tensor that differ from it — so GPU ranks fill and verify billions of
 // elements without a host copy.
 //
@@ -115,7 +115,7 @@ Status launch_block_copy(const DeviceBlockTable& table, const void* src, DType s
 Status launch_flat_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                            std::size_t n, void* stream);
 
-// The deterministic weights of runtime/weights.h at `step` for every tile of `group` (or of all
+// The deterministic weights of weights/weights.h at `step` for every tile of `group` (or of all
 // groups): element (r, c) of a run is HF element src_offset + r*src_stride + c of tensor `tag`;
 // its fp32 value is rounded to `via` (the trainer's dtype) and then to dst_dtype, and written at
 // dst element dst_offset + r*dst_stride + c.

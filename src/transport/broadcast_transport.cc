@@ -8,7 +8,7 @@
 
 #include "comm/communicator.h"
 #include "common/timer.h"
-#include "runtime/data_plane.h"
+#include "plane/data_plane.h"
 #include "transport/transport.h"
 
 namespace refit {

@@ -6,7 +6,7 @@
 
 #include "common/timer.h"
 #include "control/store.h"
-#include "runtime/data_plane.h"
+#include "plane/data_plane.h"
 #include "transport/transport.h"
 
 namespace refit {

@@ -13,9 +13,9 @@
 #include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
 #include "device/device.h"
-#include "runtime/data_plane.h"
-#include "runtime/materialize.h"
-#include "runtime/setup.h"
+#include "plane/data_plane.h"
+#include "weights/materialize.h"
+#include "weights/setup.h"
 
 namespace refit {
 namespace {

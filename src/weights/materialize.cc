@@ -1,4 +1,4 @@
-#include "runtime/materialize.h"
+#include "weights/materialize.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "runtime/setup.h"
+#include "weights/setup.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-// The engine side of the transfer plan (runtime/routes.h): which trainer ranks feed this engine
+// The engine side of the transfer plan (executor/routes.h): which trainer ranks feed this engine
 // rank by which executor, and the point-to-point rounds — receive each round's segments into a
 // staging slot, scatter them into the parameters on the apply thread. Peer-access feeders write
 // the parameters themselves; nothing runs here for them. Driven by the engine's thread.
@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "runtime/applier.h"
-#include "runtime/data_plane.h"
-#include "runtime/fault.h"
-#include "runtime/routes.h"
+#include "executor/applier.h"
+#include "plane/data_plane.h"
+#include "common/fault.h"
+#include "executor/routes.h"
 
 namespace refit {
 

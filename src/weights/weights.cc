@@ -1,4 +1,4 @@
-#include "runtime/weights.h"
+#include "weights/weights.h"
 
 #include "io/safetensors.h"
 

@@ -11,7 +11,7 @@
 #include "common/piece.h"
 #include "refit/dtype.h"
 #include "refit/model_spec.h"
-#include "runtime/weights.h"
+#include "weights/weights.h"
 
 namespace refit {
 

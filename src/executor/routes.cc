@@ -1,4 +1,4 @@
-#include "runtime/routes.h"
+#include "executor/routes.h"
 
 #include <fmt/format.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "runtime/launcher.h"
+#include "harness/launcher.h"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>

@@ -9,7 +9,7 @@
 #include "plan/bucket_plan.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
-#include "runtime/weights.h"
+#include "weights/weights.h"
 
 namespace refit {
 

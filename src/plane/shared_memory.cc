@@ -1,4 +1,4 @@
-#include "transport/shared_memory.h"
+#include "plane/shared_memory.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

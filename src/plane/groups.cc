@@ -1,4 +1,4 @@
-#include "runtime/groups.h"
+#include "plane/groups.h"
 
 #include "comm/nccl/nccl_communicator.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "comm/communicator.h"
-#include "runtime/data_plane.h"
+#include "plane/data_plane.h"
 
 namespace refit {
 

@@ -1,4 +1,4 @@
-#include "runtime/route_sender.h"
+#include "executor/route_sender.h"
 
 #include <fmt/format.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-// The trainer side of the transfer plan (runtime/routes.h): one trainer rank's routes to the
+// The trainer side of the transfer plan (executor/routes.h): one trainer rank's routes to the
 // engine ranks it feeds, moved by peer access or point-to-point, chosen per engine rank at every
 // refit. Driven by the trainer's thread; owns its staging buffer and its mappings of engines'
 // exported parameters.
@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "runtime/data_plane.h"
-#include "runtime/fault.h"
-#include "runtime/messages.h"
-#include "runtime/routes.h"
+#include "plane/data_plane.h"
+#include "common/fault.h"
+#include "control/messages.h"
+#include "executor/routes.h"
 
 namespace refit {
 

@@ -86,7 +86,7 @@ class DataPlane {
   // Flips bits of one byte of plane memory (fault injection).
   Status corrupt_byte(std::byte* at);
 
-  // The deterministic weights (runtime/weights.h) of `step` into several tensors at once: each
+  // The deterministic weights (weights/weights.h) of `step` into several tensors at once: each
   // target's pieces, rounded to `via`, then written as `out` dtype. Elements no piece covers are
   // left as they are.
   virtual Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets,

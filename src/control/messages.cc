@@ -1,4 +1,4 @@
-#include "runtime/messages.h"
+#include "control/messages.h"
 
 #include <fmt/format.h>
 

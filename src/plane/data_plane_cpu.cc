@@ -13,10 +13,10 @@
 #include "common/convert.h"
 #include "common/host_buffer.h"
 #include "device/device.h"
-#include "runtime/data_plane.h"
-#include "runtime/materialize.h"
-#include "runtime/setup.h"
-#include "transport/shared_memory.h"
+#include "plane/data_plane.h"
+#include "weights/materialize.h"
+#include "weights/setup.h"
+#include "plane/shared_memory.h"
 
 namespace refit {
 namespace {

@@ -1,4 +1,4 @@
-// Fault parsing, the JSON report (DESIGN §5.3) and the one-screen summary.
+// The JSON report (DESIGN §5.3) and the one-screen summary.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,16 +7,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/stats.h"
-#include "runtime/rank.h"
-#include "runtime/routes.h"
+#include "harness/rank.h"
+#include "executor/routes.h"
 
 namespace refit {
 namespace {
-
-bool parse_int(std::string_view s, int& out) {
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
-  return ec == std::errc() && p == s.data() + s.size() && out >= 0;
-}
 
 // What `refit bench`'s raw pass measured.
 std::string raw_limit_text(const Config& c) {
@@ -32,39 +27,6 @@ std::string mb(std::int64_t bytes) { return fmt::format("{:.1f} MB", static_cast
 
 }  // namespace
 
-Result<Fault> parse_fault(std::string_view text) {
-  Fault f;
-  auto bad = [&] {
-    return Status::InvalidArgument(fmt::format(
-        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
-        "kill-engine:RANK:BUCKET, plan-mismatch",
-        text));
-  };
-  if (text.empty() || text == "none") return f;
-  if (text == "plan-mismatch") {
-    f.kind = Fault::Kind::kPlanMismatch;
-    return f;
-  }
-  const auto colon = text.find(':');
-  if (colon == std::string_view::npos) return bad();
-  const std::string_view kind = text.substr(0, colon), rest = text.substr(colon + 1);
-  if (kind == "corrupt") {
-    f.kind = Fault::Kind::kCorrupt;
-    if (!parse_int(rest, f.bucket)) return bad();
-    return f;
-  }
-  if (kind == "kill-trainer")
-    f.kind = Fault::Kind::kKillTrainer;
-  else if (kind == "kill-engine")
-    f.kind = Fault::Kind::kKillEngine;
-  else
-    return bad();
-  const auto colon2 = rest.find(':');
-  if (colon2 == std::string_view::npos || !parse_int(rest.substr(0, colon2), f.rank) ||
-      !parse_int(rest.substr(colon2 + 1), f.bucket))
-    return bad();
-  return f;
-}
 
 Status write_report_json(const std::string& path, const RankOptions& options,
                          const RefitReport& r) {

@@ -1,6 +1,6 @@
 // The refit processes of the CLI (`refit run`, `refit trainer`, `refit engine`): a Trainer or
 // Engine of the library API (refit/session.h) whose storage the process owns and fills with the
-// deterministic weights of runtime/weights.h, so that engines can verify every element.
+// deterministic weights of weights/weights.h, so that engines can verify every element.
 #pragma once
 
 #include <string>

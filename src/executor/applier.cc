@@ -1,4 +1,4 @@
-#include "runtime/applier.h"
+#include "executor/applier.h"
 
 namespace refit {
 

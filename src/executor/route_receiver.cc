@@ -1,4 +1,4 @@
-#include "runtime/route_receiver.h"
+#include "executor/route_receiver.h"
 
 #include <fmt/format.h>
 #include <signal.h>

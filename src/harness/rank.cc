@@ -1,5 +1,5 @@
 // CLI-mode ranks: own the storage, fill it with the deterministic weights every step, and verify.
-#include "runtime/rank.h"
+#include "harness/rank.h"
 #include "common/stats.h"
 
 #include <fmt/format.h>
@@ -17,11 +17,11 @@
 #include "engine/engine_layout.h"
 #include "engine/forward.h"
 #include "io/safetensors.h"
-#include "runtime/data_plane.h"
-#include "runtime/materialize.h"
+#include "plane/data_plane.h"
+#include "weights/materialize.h"
 #include "runtime/protocol.h"
-#include "runtime/routes.h"
-#include "runtime/setup.h"
+#include "executor/routes.h"
+#include "weights/setup.h"
 #include "trainer/trainer_layout.h"
 
 namespace refit {

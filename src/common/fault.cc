@@ -1,0 +1,51 @@
+#include "common/fault.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+
+namespace refit {
+namespace {
+
+bool parse_int(std::string_view s, int& out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+  return ec == std::errc() && p == s.data() + s.size() && out >= 0;
+}
+
+}  // namespace
+
+Result<Fault> parse_fault(std::string_view text) {
+  Fault f;
+  auto bad = [&] {
+    return Status::InvalidArgument(fmt::format(
+        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
+        "kill-engine:RANK:BUCKET, plan-mismatch",
+        text));
+  };
+  if (text.empty() || text == "none") return f;
+  if (text == "plan-mismatch") {
+    f.kind = Fault::Kind::kPlanMismatch;
+    return f;
+  }
+  const auto colon = text.find(':');
+  if (colon == std::string_view::npos) return bad();
+  const std::string_view kind = text.substr(0, colon), rest = text.substr(colon + 1);
+  if (kind == "corrupt") {
+    f.kind = Fault::Kind::kCorrupt;
+    if (!parse_int(rest, f.bucket)) return bad();
+    return f;
+  }
+  if (kind == "kill-trainer")
+    f.kind = Fault::Kind::kKillTrainer;
+  else if (kind == "kill-engine")
+    f.kind = Fault::Kind::kKillEngine;
+  else
+    return bad();
+  const auto colon2 = rest.find(':');
+  if (colon2 == std::string_view::npos || !parse_int(rest.substr(0, colon2), f.rank) ||
+      !parse_int(rest.substr(colon2 + 1), f.bucket))
+    return bad();
+  return f;
+}
+
+}  // namespace refit

@@ -1,0 +1,21 @@
+// Fault injection for tests (`refit run --fault`): what fires where, applied in step 1 of a run by
+// the trainer and engine ranks (runtime/fault.h) and the executors.
+#pragma once
+
+#include <string_view>
+
+#include "refit/status.h"
+
+namespace refit {
+
+struct Fault {
+  enum class Kind { kNone, kCorrupt, kKillTrainer, kKillEngine, kPlanMismatch };
+  Kind kind = Kind::kNone;
+  int rank = -1;    // trainer rank / engine rank the fault hits
+  int bucket = -1;  // bucket (executor gather) or round (transfer plan) at which it fires
+};
+
+// "corrupt:K" | "kill-trainer:R:K" | "kill-engine:R:K" | "plan-mismatch" | "" (none).
+Result<Fault> parse_fault(std::string_view text);
+
+}  // namespace refit
