@@ -278,7 +278,7 @@ class EngineImpl final : public Engine {
     std::vector<CopyRun> out;
     out.reserve(runs.size());
     for (const ApplyRun& r : runs)
-      out.push_back({nullptr, static_cast<std::byte*>(ptrs_[r.param]), r.block});
+      out.push_back(CopyRun{.src = nullptr, .dst = static_cast<std::byte*>(ptrs_[r.param]), .block = r.block});
     return out;
   }
 

@@ -23,9 +23,14 @@ std::vector<BucketGather> build_gather_schedule(const ModelSpec& spec, const Buc
           blocks.clear();
           intersect_piece(lt.pieces[piece], hf_cols, matrix_shape(lt.shape).cols, e.elem_begin,
                           e.elem_begin + e.elem_count, blocks);
-          for (Block2D blk : blocks) {
-            blk.src_offset += entry_elem;
-            g.runs[r].push_back(GatherRun{local, blk});
+          for (const Block2D& blk : blocks) {  // intersect_piece: src = HF/bucket, dst = local
+            g.runs[r].push_back(GatherRun{.local = local,
+                                          .block = {.src_offset = blk.dst_offset,
+                                                    .src_stride = blk.dst_stride,
+                                                    .dst_offset = blk.src_offset + entry_elem,
+                                                    .dst_stride = blk.src_stride,
+                                                    .rows = blk.rows,
+                                                    .cols = blk.cols}});
             g.counts[r] += static_cast<std::size_t>(blk.numel()) * esize;
           }
         }

@@ -21,9 +21,9 @@
 
 namespace refit {
 
-// One strided block of a trainer rank's local tensor `local` that lands in the bucket.
-// block.dst_* address the local tensor; block.src_* address the bucket (elements from the start
-// of the bucket, target dtype).
+// One strided block of a trainer rank's local tensor `local` that lands in the bucket, in the
+// direction of the copy: block.src_* address the local tensor (policy dtype); block.dst_* address
+// the bucket (elements from the start of the bucket, target dtype).
 struct GatherRun {
   std::uint32_t local = 0;
   Block2D block;

@@ -280,21 +280,23 @@ class TrainerImpl final : public Trainer {
     r.built = true;
     const BucketGather& g = gather_[b];
     if (!trainer_comm_) {  // one trainer rank: cast straight into the bucket
-      for (const GatherRun& run : g.runs[rank_]) {
-        const Block2D& k = run.block;
-        r.pack.push_back(
-            {static_cast<const std::byte*>(ptrs_[run.local]),
-             dst,
-             {k.dst_offset, k.dst_stride, k.src_offset, k.src_stride, k.rows, k.cols}});
-      }
+      for (const GatherRun& run : g.runs[rank_])
+        r.pack.push_back(CopyRun{.src = static_cast<const std::byte*>(ptrs_[run.local]),
+                                 .dst = dst,
+                                 .block = run.block});
       return r;
     }
     std::int64_t cursor = 0;
     for (const GatherRun& run : g.runs[rank_]) {  // this rank's owned blocks, end to end
       const Block2D& k = run.block;
-      r.pack.push_back({static_cast<const std::byte*>(ptrs_[run.local]),
-                        send_->data(),
-                        {k.dst_offset, k.dst_stride, cursor, k.cols, k.rows, k.cols}});
+      r.pack.push_back(CopyRun{.src = static_cast<const std::byte*>(ptrs_[run.local]),
+                               .dst = send_->data(),
+                               .block = {.src_offset = k.src_offset,
+                                         .src_stride = k.src_stride,
+                                         .dst_offset = cursor,
+                                         .dst_stride = k.cols,
+                                         .rows = k.rows,
+                                         .cols = k.cols}});
       cursor += k.numel();
     }
     if (dst == nullptr) return r;
@@ -302,8 +304,14 @@ class TrainerImpl final : public Trainer {
     for (const auto& rank_runs : g.runs)
       for (const GatherRun& run : rank_runs) {
         const Block2D& k = run.block;
-        r.scatter.push_back(
-            {stage_->data(), dst, {offset, k.cols, k.src_offset, k.src_stride, k.rows, k.cols}});
+        r.scatter.push_back(CopyRun{.src = stage_->data(),
+                                    .dst = dst,
+                                    .block = {.src_offset = offset,
+                                              .src_stride = k.cols,
+                                              .dst_offset = k.dst_offset,
+                                              .dst_stride = k.dst_stride,
+                                              .rows = k.rows,
+                                              .cols = k.cols}});
         offset += k.numel();
       }
     return r;
