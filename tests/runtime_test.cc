@@ -288,6 +288,20 @@ TEST(SeparateLaunch, PeerAcrossHostsIsRefused) {
       << out;
 }
 
+TEST(SeparateLaunch, SglangTransferPlanMismatchIsRefusedAtSetup) {
+  TempDir dir;
+  Cell c{.timeout_s = 5};
+  const std::string trainer_cfg = dir.write("t.yaml", config_yaml(c));
+  c.buffer = 1 << 15;  // the engines derive other rounds
+  const std::string engine_cfg = dir.write("e.yaml", config_yaml(c));
+  std::string out;
+  auto codes = launch_separately(trainer_cfg, engine_cfg, dir, &out);
+  ASSERT_EQ(codes.size(), 4u) << out;
+  for (int code : codes) EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("transfer plan mismatch"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 1/2"), std::string::npos) << "no refit may start:\n" << out;
+}
+
 TEST(SeparateLaunch, VllmManifestMismatchIsRefusedAtSetup) {
   TempDir dir;
   Cell c{.engine = "vllm", .timeout_s = 5};

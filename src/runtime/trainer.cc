@@ -250,12 +250,17 @@ class TrainerImpl final : public Trainer {
             "setup: {} serves a model of {} parameters, the trainer's has {}; both sides must "
             "load the same model",
             hello.from, h.total_parameters, model_->spec.total_parameters()));
-      if (cfg_.generation.backend == EngineProtocol::kVllm && theirs != ours)
+      // vLLM agrees on its manifest; with the transfer plan every engine applies routes it
+      // derived itself, so SGLang engines must agree on the plan too (the bucket plan's SGLang
+      // metadata travels with every bucket instead).
+      const bool vllm = cfg_.generation.backend == EngineProtocol::kVllm;
+      if ((vllm || routes_) && theirs != ours)
         return Status::InvalidArgument(fmt::format(
-            "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is {}; "
+            "setup: {} mismatch: {} derived {} {} but the trainer's is {}; "
             "both sides must use the same model, layouts, refit.target_precision, "
             "refit.buffer_size_bytes and refit.executor",
-            hello.from, routes_ ? "transfer plan" : "bucket plan", theirs, ours));
+            vllm ? "vllm manifest" : "transfer plan", hello.from,
+            routes_ ? "transfer plan" : "bucket plan", theirs, ours));
     }
     return Status::Ok();
   }
