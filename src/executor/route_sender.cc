@@ -202,7 +202,8 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
     Timer t;
     REFIT_RETURN_IF_ERROR(o_.plane->copy(peer_runs_, src, tgt));
     times.cast_pack += t.seconds();
-    for (const CopyRun& r : peer_runs_) bytes_sent_ += r.block.numel() * static_cast<std::int64_t>(tsize);
+    for (std::size_t i = 0; i < ids_.size(); ++i)
+      if (modes_[i] == PairExecutor::kPeer) bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
     if (fires(fault, begin.step, Fault::Kind::kCorrupt) && !begin.raw && !peer_runs_.empty()) {
       const CopyRun& r = peer_runs_[std::min<std::size_t>(
           peer_runs_.size() - 1, static_cast<std::size_t>(std::max(fault.bucket, 0)))];

@@ -80,32 +80,21 @@ void split_route(const Route& r, std::int64_t max_elems, std::vector<Route>& out
 std::string TransferPlan::hash_hex() const { return fmt::format("{:016x}", hash); }
 
 std::int64_t TransferPlan::pair_bytes(int trainer, int engine) const {
-  std::int64_t n = 0;
-  for (const auto& round : segments)
-    for (const Segment& s : round)
-      if (s.trainer == trainer && s.engine == engine) n += s.bytes;
-  return n;
+  return pair_bytes_[static_cast<std::size_t>(trainer) * static_cast<std::size_t>(engine_ranks) +
+                     static_cast<std::size_t>(engine)];
 }
 
 std::vector<int> TransferPlan::sources_of(int engine) const {
-  std::vector<bool> seen(static_cast<std::size_t>(trainer_ranks), false);
-  for (const auto& round : segments)
-    for (const Segment& s : round)
-      if (s.engine == engine) seen[static_cast<std::size_t>(s.trainer)] = true;
   std::vector<int> out;
   for (int r = 0; r < trainer_ranks; ++r)
-    if (seen[static_cast<std::size_t>(r)]) out.push_back(r);
+    if (pair_bytes(r, engine) > 0) out.push_back(r);
   return out;
 }
 
 std::vector<int> TransferPlan::targets_of(int trainer) const {
-  std::vector<bool> seen(static_cast<std::size_t>(engine_ranks), false);
-  for (const auto& round : segments)
-    for (const Segment& s : round)
-      if (s.trainer == trainer) seen[static_cast<std::size_t>(s.engine)] = true;
   std::vector<int> out;
   for (int g = 0; g < engine_ranks; ++g)
-    if (seen[static_cast<std::size_t>(g)]) out.push_back(g);
+    if (pair_bytes(trainer, g) > 0) out.push_back(g);
   return out;
 }
 
@@ -193,6 +182,7 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
   plan.segments.assign(static_cast<std::size_t>(plan.rounds), {});
   plan.trainer_bytes.assign(trainers.size(), 0);
   plan.engine_bytes.assign(static_cast<std::size_t>(plan.engine_ranks), 0);
+  plan.pair_bytes_.assign(trainers.size() * static_cast<std::size_t>(plan.engine_ranks), 0);
   Hasher h;
   h.add(plan.trainer_ranks);
   h.add(plan.engine_ranks);
@@ -209,6 +199,9 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
     seg.num_routes++;
     plan.trainer_bytes[static_cast<std::size_t>(r.trainer)] += r.numel() * esize;
     plan.engine_bytes[static_cast<std::size_t>(r.engine)] += r.numel() * esize;
+    plan.pair_bytes_[static_cast<std::size_t>(r.trainer) *
+                         static_cast<std::size_t>(plan.engine_ranks) +
+                     static_cast<std::size_t>(r.engine)] += r.numel() * esize;
     for (std::int64_t v : {std::int64_t{r.trainer}, std::int64_t{r.engine},
                            std::int64_t{r.hf_tensor}, std::int64_t{r.trainer_tensor},
                            std::int64_t{r.engine_param}, r.rows, r.cols, r.trainer_row,

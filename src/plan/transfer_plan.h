@@ -83,6 +83,8 @@ struct TransferPlan {
   std::vector<int> sources_of(int engine) const;
   // Engine ranks trainer rank r has at least one route to, ascending.
   std::vector<int> targets_of(int trainer) const;
+
+  std::vector<std::int64_t> pair_bytes_;  // trainer_ranks x engine_ranks, row-major
 };
 
 // `trainers[r]` is trainer rank r's layout; `engines[t]` is TP rank t's layout (the same for
