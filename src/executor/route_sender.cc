@@ -46,7 +46,8 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
         "peer: engine rank {} exported {} parameters, its layout has {}", g, n, lay.params.size()));
   const std::string what =
       fmt::format("peer: trainer rank {} mapping engine rank {}'s parameters", o_.rank, g);
-  m = Mapped{.key = key};
+  m = Mapped{};
+  m.key = key;
   if (per_param) {  // registered CUDA storage: one handle per parameter
     for (std::size_t p = 0; p < n; ++p) {
       if (direct.handles[p].empty()) {  // an empty parameter: nothing to map

@@ -119,6 +119,18 @@ class EngineImpl final : public Engine {
   std::string id() const {
     return fmt::format("engine {} tp rank {}", rank_ / cfg_.generation.tp_size, tp_rank_);
   }
+  // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
+  // it also checks the run's first failure.
+  Result<std::unique_ptr<Communicator>> join_group(const char* name, int rank, int size) {
+    return make_group(*store_,
+                      GroupOptions{.name = name,
+                                   .rank = rank,
+                                   .size = size,
+                                   .host = ep_.host,
+                                   .timeout = timeout(),
+                                   .liveness = liveness_check(*store_, id())},
+                      *plane_);
+  }
   std::chrono::milliseconds timeout() const {
     return std::chrono::milliseconds(static_cast<long long>(cfg_.refit.timeout_s * 1000));
   }
@@ -161,9 +173,8 @@ class EngineImpl final : public Engine {
                           static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
     if (broadcast_mode()) {
       feeders_ = {"trainer/0"};
-      GroupOptions g{"update", 1 + rank_, 1 + cfg_.engine_ranks(), ep_.host, timeout()};
-      g.liveness = liveness_check(*store_, id());
-      REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
+      REFIT_ASSIGN_OR_RETURN(update_comm_,
+                             join_group("update", 1 + rank_, 1 + cfg_.engine_ranks()));
       REFIT_ASSIGN_OR_RETURN(receiver_,
                              make_broadcast_receiver(*update_comm_, *mailbox_, *plane_, topt));
     } else {
@@ -181,17 +192,18 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg_, model_->spec));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
     REFIT_RETURN_IF_ERROR(publish_host(*store_, fmt::format("engine/{}", rank_)));
-    RouteReceiverOptions o{.config = &cfg_, .engine_rank = rank_, .setup = routes_.get(),
-                           .plane = plane_.get()};
+    RouteReceiverOptions o;
+    o.config = &cfg_;
+    o.engine_rank = rank_;
+    o.setup = routes_.get();
+    o.plane = plane_.get();
     o.sources = control_sources(routes_->plan, rank_);
     for (int r : o.sources) feeders_.push_back(fmt::format("trainer/{}", r));
     REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, feeders_, timeout()));
     for (const std::string& h : hosts) o.source_same_host.push_back(h == host_identity());
     if (needs_p2p_group(cfg_)) {
-      GroupOptions g{"p2p", p2p_rank_of_engine(cfg_, rank_),
-                     cfg_.policy.world_size + cfg_.engine_ranks(), ep_.host, timeout()};
-      g.liveness = liveness_check(*store_, id());
-      REFIT_ASSIGN_OR_RETURN(p2p_comm_, make_group(*store_, g, *plane_));
+      REFIT_ASSIGN_OR_RETURN(p2p_comm_, join_group("p2p", p2p_rank_of_engine(cfg_, rank_),
+                                                   cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
     REFIT_ASSIGN_OR_RETURN(route_receiver_, RouteReceiver::create(o));
@@ -203,7 +215,9 @@ class EngineImpl final : public Engine {
   // the storage cannot be shared (host memory the caller allocated): point-to-point serves then.
   std::optional<ExportedParams> exported_params() {
     if (exported_) {
-      ExportedParams e{.handle = export_handle_, .bytes = exported_->size()};
+      ExportedParams e;
+      e.handle = export_handle_;
+      e.bytes = exported_->size();
       for (void* p : ptrs_)
         e.offsets.push_back(
             static_cast<std::uint64_t>(static_cast<std::byte*>(p) - exported_->data()));
@@ -228,7 +242,9 @@ class EngineImpl final : public Engine {
         param_handles_.push_back(std::move(h).value());
       }
     }
-    return ExportedParams{.handles = param_handles_};
+    ExportedParams e;
+    e.handles = param_handles_;
+    return e;
   }
 
   Status send_feeders(MessageType type, const std::string& payload) {

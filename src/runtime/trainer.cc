@@ -122,6 +122,18 @@ class TrainerImpl final : public Trainer {
 
  private:
   std::string id() const { return fmt::format("trainer rank {}", rank_); }
+  // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
+  // it also checks the run's first failure.
+  Result<std::unique_ptr<Communicator>> join_group(const char* name, int rank, int size) {
+    return make_group(*store_,
+                      GroupOptions{.name = name,
+                                   .rank = rank,
+                                   .size = size,
+                                   .host = ep_.host,
+                                   .timeout = timeout(),
+                                   .liveness = liveness_check(*store_, id())},
+                      *plane_);
+  }
   std::chrono::milliseconds timeout() const {
     return std::chrono::milliseconds(static_cast<long long>(cfg_.refit.timeout_s * 1000));
   }
@@ -159,9 +171,7 @@ class TrainerImpl final : public Trainer {
         mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout()));
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
     if (world > 1) {
-      GroupOptions g{"trainer", rank_, world, ep_.host, timeout()};
-      g.liveness = liveness_check(*store_, id());
-      REFIT_ASSIGN_OR_RETURN(trainer_comm_, make_group(*store_, g, *plane_));
+      REFIT_ASSIGN_OR_RETURN(trainer_comm_, join_group("trainer", rank_, world));
     }
     if (uses_transfer_plan(cfg_)) {
       REFIT_RETURN_IF_ERROR(setup_routes());
@@ -176,9 +186,7 @@ class TrainerImpl final : public Trainer {
     if (broadcast_mode()) {
       if (rank_ == 0) {
         for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
-        GroupOptions g{"update", 0, 1 + engines, ep_.host, timeout()};
-        g.liveness = liveness_check(*store_, id());
-        REFIT_ASSIGN_OR_RETURN(update_comm_, make_group(*store_, g, *plane_));
+        REFIT_ASSIGN_OR_RETURN(update_comm_, join_group("update", 0, 1 + engines));
         REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_, *plane_,
                                                               fed_engines_, sglang, topt));
       }
@@ -217,18 +225,20 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg_, model_->spec));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
     REFIT_RETURN_IF_ERROR(publish_host(*store_, fmt::format("trainer/{}", rank_)));
-    RouteSenderOptions o{.config = &cfg_, .rank = rank_, .setup = routes_.get(),
-                         .mailbox = mailbox_.get(), .plane = plane_.get()};
+    RouteSenderOptions o;
+    o.config = &cfg_;
+    o.rank = rank_;
+    o.setup = routes_.get();
+    o.mailbox = mailbox_.get();
+    o.plane = plane_.get();
     o.targets = control_targets(routes_->plan, rank_);
     std::vector<std::string> who;
     for (int g : o.targets) who.push_back(fmt::format("engine/{}", g));
     REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, who, timeout()));
     for (const std::string& h : hosts) o.target_same_host.push_back(h == host_identity());
     if (needs_p2p_group(cfg_)) {
-      GroupOptions g{"p2p", p2p_rank_of_trainer(rank_),
-                     cfg_.policy.world_size + cfg_.engine_ranks(), ep_.host, timeout()};
-      g.liveness = liveness_check(*store_, id());
-      REFIT_ASSIGN_OR_RETURN(p2p_comm_, make_group(*store_, g, *plane_));
+      REFIT_ASSIGN_OR_RETURN(p2p_comm_, join_group("p2p", p2p_rank_of_trainer(rank_),
+                                                   cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
     REFIT_ASSIGN_OR_RETURN(route_sender_, RouteSender::create(o));
