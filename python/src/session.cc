@@ -257,6 +257,29 @@ class PyTrainer {
     return d;
   }
 
+  py::list traffic() {
+    CallGuard guard(busy_, who_, "traffic");
+    Trainer& t = open("traffic");
+    Result<std::vector<RankTraffic>> r = std::vector<RankTraffic>{};
+    {
+      py::gil_scoped_release nogil;
+      r = t.traffic();
+    }
+    raise_if_error(r.status());
+    py::list out;
+    for (const RankTraffic& x : *r) {
+      py::dict d;
+      d["role"] = x.role;
+      d["rank"] = x.rank;
+      d["bytes_sent"] = x.bytes_sent;
+      d["bytes_received"] = x.bytes_received;
+      d["peer_pairs"] = x.peer_pairs;
+      d["p2p_pairs"] = x.p2p_pairs;
+      out.append(std::move(d));
+    }
+    return out;
+  }
+
   void shutdown() {
     CallGuard guard(busy_, who_, "shutdown");
     Trainer& t = open("shutdown");
@@ -543,6 +566,11 @@ group; the GIL is released while it runs.
       .def_property_readonly("last_stats", &PyTrainer::last_stats, R"doc(
 The last refit: {"seconds", "unshard_s", "cast_pack_s", "transfer_s", "apply_s" (stages overlap),
 "bytes", "buckets", "gbps"}.
+)doc")
+      .def("traffic", &PyTrainer::traffic, R"doc(
+Every rank's traffic in the last refit, trainer ranks then engine ranks: a list of {"role"
+("trainer" | "engine"), "rank", "bytes_sent", "bytes_received", "peer_pairs", "p2p_pairs"}, as
+each rank recorded it on the control plane. The GIL is released while it reads them.
 )doc")
       .def_property_readonly(
           "bytes_per_refit",

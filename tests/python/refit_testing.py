@@ -164,7 +164,11 @@ def _trainer_main(cfg_yaml: str, rank: int, port: int, steps: int, verify: bool,
                     a[...] = fsdp2_shard(full[name], rank, cfg.world_size)
                 trainer.refit(step, verify=verify)
                 stats.append(trainer.last_stats)
-            result = {"shapes": {s.name: s.shape for s in trainer.tensors}, "stats": stats}
+            result = {
+                "shapes": {s.name: s.shape for s in trainer.tensors},
+                "stats": stats,
+                "traffic": trainer.traffic(),
+            }
         out.put(("trainer", rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out.put(("trainer", rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

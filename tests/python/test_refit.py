@@ -56,6 +56,17 @@ def test_refit_from_python_matches_the_engine_layout(overrides):
             assert tuple(result["shapes"][name]) == want, name
         assert len(result["stats"]) == steps
         assert all(s["bytes"] == 2 * spec.total_parameters for s in result["stats"])
+    # Shard to shard: NumPy parameters cannot be mapped, so every pair went point-to-point, and
+    # each engine rank of TP 2 received about half of the model (its shard), not all of it.
+    traffic = trainers[0]["traffic"]
+    assert [t["role"] for t in traffic] == ["trainer"] * 2 + ["engine"] * 2
+    assert sum(t["p2p_pairs"] for t in traffic if t["role"] == "trainer") == 4
+    assert sum(t["peer_pairs"] for t in traffic) == 0
+    model_bytes = 2 * spec.total_parameters
+    for t in traffic:
+        if t["role"] == "engine":
+            assert 0.45 * model_bytes < t["bytes_received"] < 0.55 * model_bytes, t
+    assert sum(t["bytes_sent"] for t in traffic) == sum(t["bytes_received"] for t in traffic)
     # The engines hold the last step's weights, in the engine layout, bit for bit.
     check_engines(cfg, engines, steps)
     prefix = "step-" if cfg.engine_protocol == "sglang" else ""
