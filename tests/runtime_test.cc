@@ -286,6 +286,8 @@ TEST(SeparateLaunch, PeerAcrossHostsIsRefused) {
   for (int code : codes) EXPECT_NE(code, 0) << out;
   EXPECT_NE(out.find("are on different hosts, so peer access is impossible"), std::string::npos)
       << out;
+  EXPECT_EQ(out.find("step 1/2"), std::string::npos) << "refused at setup, before any refit:\n"
+                                                     << out;
 }
 
 TEST(SeparateLaunch, SglangTransferPlanMismatchIsRefusedAtSetup) {

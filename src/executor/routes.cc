@@ -77,6 +77,13 @@ std::vector<int> control_sources(const TransferPlan& plan, int engine_rank) {
   return out;
 }
 
+Status check_pair_at_setup(const Config& config, bool same_host, int trainer, int engine_rank) {
+  if (config.refit.executor != Executor::kPeer || same_host) return Status::Ok();
+  return choose_pair_executor(config, same_host, /*engine_exported=*/true,
+                              /*have_p2p_group=*/false, trainer, engine_rank)
+      .status();
+}
+
 const char* pair_executor_name(PairExecutor e) {
   switch (e) {
     case PairExecutor::kPeer:

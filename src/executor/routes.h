@@ -65,6 +65,10 @@ std::vector<int> control_targets(const TransferPlan& plan, int rank);
 // Trainer ranks that engine rank `g` hears from (the mirror of control_targets).
 std::vector<int> control_sources(const TransferPlan& plan, int engine_rank);
 
+// At setup, what can be known then: with executor peer, both ranks of the pair share a host
+// (whether the engine's parameters can be mapped is known only at the first refit).
+Status check_pair_at_setup(const Config& config, bool same_host, int trainer, int engine_rank);
+
 enum class PairExecutor { kPeer, kP2p };
 const char* pair_executor_name(PairExecutor e);
 // The executor of one pair, or an error naming the pair and the fix.

@@ -200,7 +200,11 @@ class EngineImpl final : public Engine {
     o.sources = control_sources(routes_->plan, rank_);
     for (int r : o.sources) feeders_.push_back(fmt::format("trainer/{}", r));
     REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, feeders_, timeout()));
-    for (const std::string& h : hosts) o.source_same_host.push_back(h == host_identity());
+    for (std::size_t i = 0; i < hosts.size(); ++i) {
+      o.source_same_host.push_back(hosts[i] == host_identity());
+      REFIT_RETURN_IF_ERROR(
+          check_pair_at_setup(cfg_, o.source_same_host.back(), o.sources[i], rank_));
+    }
     if (needs_p2p_group(cfg_)) {
       REFIT_ASSIGN_OR_RETURN(p2p_comm_, join_group("p2p", p2p_rank_of_engine(cfg_, rank_),
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));

@@ -235,7 +235,11 @@ class TrainerImpl final : public Trainer {
     std::vector<std::string> who;
     for (int g : o.targets) who.push_back(fmt::format("engine/{}", g));
     REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, who, timeout()));
-    for (const std::string& h : hosts) o.target_same_host.push_back(h == host_identity());
+    for (std::size_t i = 0; i < hosts.size(); ++i) {
+      o.target_same_host.push_back(hosts[i] == host_identity());
+      REFIT_RETURN_IF_ERROR(
+          check_pair_at_setup(cfg_, o.target_same_host.back(), rank_, o.targets[i]));
+    }
     if (needs_p2p_group(cfg_)) {
       REFIT_ASSIGN_OR_RETURN(p2p_comm_, join_group("p2p", p2p_rank_of_trainer(rank_),
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));
