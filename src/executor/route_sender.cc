@@ -111,17 +111,20 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   }
 }
 
-// Per round: this rank's routes to p2p targets, cast into their segments of the staging buffer,
-// and one send per segment.
+// Per round: this rank's routes to p2p targets, cast into their segments of the round's staging
+// slot, and one send per segment. Rounds this rank sends in take the slots in turn.
 void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   const TransferPlan& plan = o_.setup->plan;
   const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
   const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype));
   pack_runs_.assign(static_cast<std::size_t>(plan.rounds), {});
   send_ops_.assign(static_cast<std::size_t>(plan.rounds), {});
+  std::size_t used = 0;  // rounds with sends so far
   for (int k = 0; k < plan.rounds; ++k) {
-    std::int64_t base = 0;  // bytes into the staging buffer
-    for (const Segment& s : plan.segments[static_cast<std::size_t>(k)]) {
+    const auto kk = static_cast<std::size_t>(k);
+    std::byte* slot = staging_[used % staging_.size()]->data();
+    std::int64_t base = 0;  // bytes into the slot
+    for (const Segment& s : plan.segments[kk]) {
       if (s.trainer != o_.rank) continue;
       const auto it = std::find(o_.targets.begin(), o_.targets.end(), s.engine);
       const auto i = static_cast<std::size_t>(it - o_.targets.begin());
@@ -129,9 +132,9 @@ void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
         for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
           const Route& r = plan.routes[q];
           const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-          pack_runs_[static_cast<std::size_t>(k)].push_back(CopyRun{
+          pack_runs_[kk].push_back(CopyRun{
               .src = static_cast<const std::byte*>(shards[r.trainer_tensor]),
-              .dst = staging_->data(),
+              .dst = slot,
               .block = {.src_offset = r.trainer_row * src_cols + r.trainer_col,
                         .src_stride = src_cols,
                         .dst_offset = base / esize + r.segment_offset,
@@ -139,14 +142,14 @@ void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
                         .rows = r.rows,
                         .cols = r.cols}});
         }
-        send_ops_[static_cast<std::size_t>(k)].push_back(
-            P2POp{.kind = P2POp::Kind::kSend,
-                  .peer = p2p_rank_of_engine(*o_.config, s.engine),
-                  .buf = staging_->data() + base,
-                  .bytes = static_cast<std::size_t>(s.bytes)});
+        send_ops_[kk].push_back(P2POp{.kind = P2POp::Kind::kSend,
+                                      .peer = p2p_rank_of_engine(*o_.config, s.engine),
+                                      .buf = slot + base,
+                                      .bytes = static_cast<std::size_t>(s.bytes)});
       }
       base += aligned_segment_bytes(s.bytes);
     }
+    if (!send_ops_[kk].empty()) ++used;
   }
 }
 
@@ -221,13 +224,20 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
                             const Fault& fault, RouteTimes& times) {
   const Config& cfg = *o_.config;
   const TransferPlan& plan = o_.setup->plan;
-  if (!staging_) {
-    REFIT_ASSIGN_OR_RETURN(
-        staging_, o_.plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(
-                      plan.max_send_bytes, 1))));
-  }
-  if (pack_runs_.empty()) build_pack_runs(shards);
+  if (staging_.empty())
+    for (int s = 0; s < cfg.refit.num_buffers; ++s) {
+      REFIT_ASSIGN_OR_RETURN(auto buf, o_.plane->allocate(static_cast<std::size_t>(
+                                           std::max<std::int64_t>(plan.max_send_bytes, 1))));
+      staging_.push_back(std::move(buf));
+    }
+  if (send_ops_.empty()) build_pack_runs(shards);
   const DType tgt = cfg.refit.target_precision;
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<long long>(cfg.refit.timeout_s * 1000));
+  const auto nslots = static_cast<std::int64_t>(staging_.size());
+  const std::int64_t base = sender_.completed();
+  std::int64_t posted = 0;
+  send_seconds_ = 0;
   for (int k = 0; k < plan.rounds; ++k) {
     const auto& ops = send_ops_[static_cast<std::size_t>(k)];
     if (ops.empty()) continue;
@@ -236,6 +246,10 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
       log::info("fault injection: killing myself at round {}", k);
       raise(SIGKILL);
     }
+    // The slot is free once the round that used it before was sent.
+    if (posted >= nslots)
+      REFIT_RETURN_IF_ERROR(sender_.wait_completed(base + posted - nslots + 1, timeout)
+                                .with_context(fmt::format("p2p sends of trainer rank {}", o_.rank)));
     if (!begin.raw) {
       Timer t;
       REFIT_RETURN_IF_ERROR(o_.plane->copy(pack_runs_[static_cast<std::size_t>(k)],
@@ -247,13 +261,19 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
             o_.plane->corrupt_byte(static_cast<std::byte*>(ops.front().buf) + ops.front().bytes / 2));
       }
     }
-    Timer t;
-    Status st = o_.p2p->exchange(ops);
-    times.transfer += t.seconds();
-    if (!st.ok()) return st.with_context(fmt::format("p2p round {} of trainer rank {}", k, o_.rank));
     for (const P2POp& op : ops) bytes_sent_ += static_cast<std::int64_t>(op.bytes);
+    sender_.post([this, &ops, k] {
+      Timer t;
+      Status st = o_.p2p->exchange(ops);
+      send_seconds_ += t.seconds();
+      return st.ok() ? st
+                     : st.with_context(fmt::format("p2p round {} of trainer rank {}", k, o_.rank));
+    });
+    ++posted;
   }
-  return Status::Ok();
+  Status st = sender_.drain(timeout);
+  times.transfer += send_seconds_;
+  return st;
 }
 
 }  // namespace refit

@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "plane/data_plane.h"
 #include "common/fault.h"
+#include "executor/applier.h"
 #include "control/messages.h"
 #include "executor/routes.h"
 
@@ -54,6 +55,7 @@ class RouteSender {
   void invalidate() {
     peer_runs_.clear();
     pack_runs_.clear();
+    send_ops_.clear();
   }
 
   // Of the last transfer: bytes this rank moved, and how many targets each executor served.
@@ -85,7 +87,11 @@ class RouteSender {
   std::vector<CopyRun> peer_runs_;
   std::vector<std::vector<CopyRun>> pack_runs_;  // per round (p2p targets only)
   std::vector<std::vector<P2POp>> send_ops_;     // per round
-  std::unique_ptr<PlaneBuffer> staging_;
+  // num_buffers staging slots; rounds with sends rotate over them, so packing round k+1 overlaps
+  // sending round k (on sender_, the one thread that drives the p2p group during a refit).
+  std::vector<std::unique_ptr<PlaneBuffer>> staging_;
+  Applier sender_;
+  double send_seconds_ = 0;  // written on sender_'s thread, read after it drained
   std::int64_t bytes_sent_ = 0;
   int peer_targets_ = 0, p2p_targets_ = 0;
 };
