@@ -219,8 +219,12 @@ class NcclComm final : public NcclCommunicator {
     return wait_ready(op);
   }
 
+  // Until NCCL accepted the enqueued operations. Point-to-point connects lazily, on the first
+  // send/recv between two ranks, so this can wait on a peer too: the liveness check runs here as
+  // in wait_stream, and a dead peer ends the wait within the liveness interval.
   Status wait_ready(const char* op) {
     const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+    auto next_liveness = std::chrono::steady_clock::now() + opt_.liveness_interval;
     for (;;) {
       if (abort_requested_.load()) return fail(aborted_status());
       ncclResult_t async = ncclSuccess;
@@ -233,6 +237,11 @@ class NcclComm final : public NcclCommunicator {
       if (std::chrono::steady_clock::now() >= deadline)
         return fail(Status::Timeout(fmt::format("{}: {} not accepted by NCCL within {} ms", where(),
                                                 op, opt_.timeout.count())));
+      if (opt_.liveness && std::chrono::steady_clock::now() >= next_liveness) {
+        Status alive = opt_.liveness();
+        if (!alive.ok()) return fail(alive);
+        next_liveness = std::chrono::steady_clock::now() + opt_.liveness_interval;
+      }
       std::this_thread::yield();
     }
   }
