@@ -85,7 +85,9 @@ class Trainer {
   // trainer rank). Collective over the trainer group.
   virtual Status refit(int step, const std::string& version, bool verify) = 0;
   virtual const RefitStats& last_stats() const = 0;
-  // bench: one pass of the bare moves over the same bytes (no unshard, cast or apply).
+  // bench: one pass of the bare moves over the same bytes (no unshard, cast or apply). The bytes
+  // are not the weights: with peer access they land in the engines' parameters (which keep their
+  // published version), so run a refit after it before generating again.
   virtual Result<double> raw_transport_pass() = 0;
   // The plan: bytes of one copy of the model (target dtype), rounds of the transfer plan (buckets
   // with executor gather), and the plan's hash.

@@ -64,6 +64,7 @@ class EngineImpl final : public Engine {
     sglang_runs_.clear();
     if (route_receiver_) route_receiver_->invalidate();
     param_handles_.clear();
+    export_failed_ = false;
     return Status::Ok();
   }
   void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
@@ -227,7 +228,7 @@ class EngineImpl final : public Engine {
             static_cast<std::uint64_t>(static_cast<std::byte*>(p) - exported_->data()));
       return e;
     }
-    if (cfg_.device != Device::kCuda) return std::nullopt;
+    if (cfg_.device != Device::kCuda || export_failed_) return std::nullopt;
     if (param_handles_.empty()) {
       for (std::size_t i = 0; i < ptrs_.size(); ++i) {
         const auto bytes = static_cast<std::size_t>(slots_[i].numel()) * dtype_size(slots_[i].dtype);
@@ -241,6 +242,7 @@ class EngineImpl final : public Engine {
                     "host use point-to-point",
                     id(), slots_[i].name, h.status().message());
           param_handles_.clear();
+          export_failed_ = true;  // until the next registration
           return std::nullopt;
         }
         param_handles_.push_back(std::move(h).value());
@@ -510,6 +512,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Communicator> p2p_comm_;
   BeginMessage begin_;  // of the refit in progress
   std::vector<std::string> param_handles_;  // CUDA: IPC handles of the registered parameters
+  bool export_failed_ = false;              // a registered parameter cannot be exported
   RankTraffic traffic_;
   std::string version_ = "0";
   std::string run_id_;
