@@ -40,7 +40,7 @@ cfg() {  # model backend engine dtype [megatron]
     echo "model: $1"; echo "device: cuda"
     echo "policy: {backend: $2, world_size: 1, dtype: $4}"
     echo "generation: {backend: $3, colocated: true, num_engines: 1, tp_size: 1}"
-    echo "refit: {buffer_size_bytes: ${BUF:-268435456}, timeout_s: 120}"
+    echo "refit: {buffer_size_bytes: ${BUF:-268435456}, timeout_s: 120, executor: ${EXEC:-auto}}"
   } > "$f"
   echo "$f"
 }
@@ -57,13 +57,13 @@ echo "== device: cuda cells"
 : > "$out/cells.log"
 cell "fsdp2->sglang zero-copy tiny-qwen3" 0 run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 3 --verify --check-logits
 cell "fsdp2->vllm zero-copy tiny-moe" 0 run "$(cfg tiny-moe fsdp2 vllm float32)" --steps 3 --verify --check-logits
-REFIT_ZERO_COPY=0 BUF=65536 cell "fsdp2->vllm cuda-ipc buckets tiny-moe" 0 run "$(BUF=65536 cfg tiny-moe fsdp2 vllm bfloat16)" --steps 3 --verify
-REFIT_ZERO_COPY=0 cell "fsdp2->sglang cuda-ipc buckets tiny-qwen2" 0 run "$(BUF=4096 cfg tiny-qwen2 fsdp2 sglang float32)" --steps 2 --verify
+cell "fsdp2->vllm cuda-ipc buckets tiny-moe" 0 run "$(EXEC=gather BUF=65536 cfg tiny-moe fsdp2 vllm bfloat16)" --steps 3 --verify
+cell "fsdp2->sglang cuda-ipc buckets tiny-qwen2" 0 run "$(EXEC=gather BUF=4096 cfg tiny-qwen2 fsdp2 sglang float32)" --steps 2 --verify
 cell "megatron->vllm zero-copy tiny-qwen2" 0 run "$(cfg tiny-qwen2 megatron vllm float32)" --steps 2 --verify --check-logits
 cell "megatron->sglang zero-copy qwen2.5-0.5b" 0 run "$(cfg qwen2.5-0.5b megatron sglang float32)" --steps 2 --verify
 cell "corrupt:0 must fail naming the tensor" 1 run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 1 --verify --fault corrupt:0
-REFIT_ZERO_COPY=0 cell "buckets, corrupt:1 must fail" 1 run "$(BUF=4096 cfg tiny-qwen3 fsdp2 vllm float32)" --steps 1 --verify --fault corrupt:1
-REFIT_ZERO_COPY=0 cell "buckets, killed engine: all exit quickly" 1 run "$(BUF=4096 cfg tiny-qwen3 fsdp2 vllm float32)" --steps 2 --fault kill-engine:0:3
+cell "buckets, corrupt:1 must fail" 1 run "$(EXEC=gather BUF=4096 cfg tiny-qwen3 fsdp2 vllm float32)" --steps 1 --verify --fault corrupt:1
+cell "buckets, killed engine: all exit quickly" 1 run "$(EXEC=gather BUF=4096 cfg tiny-qwen3 fsdp2 vllm float32)" --steps 2 --fault kill-engine:0:3
 cell "zero-copy, killed trainer: all exit quickly" 1 run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 2 --fault kill-trainer:0:0
 grep -m1 "verify:" "$out/cells.log" | cut -c1-240 | tee -a "$summary"
 fi
@@ -81,7 +81,7 @@ bench() {  # label model dtype [env]
 }
 bench qwen3-8b-fp32 qwen3-8b float32
 bench qwen3-30b-a3b-bf16 qwen3-30b-a3b bfloat16
-REFIT_ZERO_COPY=0 timeout 400 "$R" bench "$(BUF=536870912 cfg qwen3-8b fsdp2 vllm float32)" --steps 5 \
+timeout 400 "$R" bench "$(EXEC=gather BUF=536870912 cfg qwen3-8b fsdp2 vllm float32)" --steps 5 \
   --json "$work/bench-qwen3-8b-fp32-buckets.json" >> "$out/bench.log" 2>&1
 note "qwen3-8b-fp32 cuda-ipc buckets bench rc=$?"
 fi
