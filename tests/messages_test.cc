@@ -59,6 +59,26 @@ TEST(Messages, RoundTrip) {
   EXPECT_EQ(v->error, "bad");
 }
 
+TEST(Messages, RoutesRoundTripAndRefusal) {
+  RoutesMessage m;
+  m.routes.push_back(RouteMetadata{.round = 3, .param = "model.layers.0.self_attn.qkv_proj.weight",
+                                   .row = 1, .col = 2, .rows = 3, .cols = 4, .offset = 5});
+  auto r = decode_routes(encode(m), "trainer/1");
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ASSERT_EQ(r->routes.size(), 1u);
+  EXPECT_EQ(r->routes[0].round, 3);
+  EXPECT_EQ(r->routes[0].param, "model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(r->routes[0].row, 1);
+  EXPECT_EQ(r->routes[0].offset, 5);
+  auto j = nlohmann::json::parse(encode(m));
+  j["routes"][0][4] = -3;
+  auto bad = decode_routes(j.dump(), "trainer/1");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("routes message from trainer/1: route 0"),
+            std::string::npos)
+      << bad.status().to_string();
+}
+
 TEST(Messages, MissingFieldIsNamed) {
   auto j = nlohmann::json::parse(encode(BeginMessage{.step = 1}));
   j.erase("version");

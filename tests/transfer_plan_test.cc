@@ -215,6 +215,53 @@ TEST(TransferPlan, DataParallelReplicasShareTheSending) {
   }
 }
 
+// SGLang route metadata: what a trainer rank sends an engine rank rebuilds exactly the segments
+// the engine derives itself, and metadata that does not fit the engine's layout is refused.
+TEST(TransferPlan, RouteMetadataRebuildsTheIncomingSegments) {
+  auto spec = load_model_spec("tiny-qwen2");
+  ASSERT_TRUE(spec.ok());
+  Config cfg = config_of({.model = "tiny-qwen2", .world = 3, .tp = 2, .buffer = 2048});
+  auto s = make_route_setup(cfg, *spec);
+  ASSERT_TRUE(s.ok());
+  for (int g = 0; g < 2; ++g) {
+    const IncomingRoutes want = incoming_from_plan(s->plan, g);
+    IncomingRoutes got;
+    for (int r : s->plan.sources_of(g))
+      ASSERT_TRUE(add_routes_metadata(got, routes_metadata(s->plan, s->engines[g], r, g), r,
+                                      s->engines[g], DType::kBFloat16)
+                      .ok());
+    finish_incoming(got);
+    ASSERT_EQ(got.rounds.size(), want.rounds.size());
+    EXPECT_EQ(got.max_slot_bytes, want.max_slot_bytes);
+    for (std::size_t k = 0; k < want.rounds.size(); ++k) {
+      ASSERT_EQ(got.rounds[k].size(), want.rounds[k].size()) << "round " << k;
+      for (std::size_t i = 0; i < want.rounds[k].size(); ++i) {
+        const IncomingSegment &a = got.rounds[k][i], &b = want.rounds[k][i];
+        EXPECT_EQ(a.trainer, b.trainer);
+        EXPECT_EQ(a.bytes, b.bytes);
+        ASSERT_EQ(a.routes.size(), b.routes.size());
+        for (std::size_t q = 0; q < a.routes.size(); ++q) {
+          EXPECT_EQ(a.routes[q].engine_param, b.routes[q].engine_param);
+          EXPECT_EQ(a.routes[q].engine_row, b.routes[q].engine_row);
+          EXPECT_EQ(a.routes[q].engine_col, b.routes[q].engine_col);
+          EXPECT_EQ(a.routes[q].numel(), b.routes[q].numel());
+          EXPECT_EQ(a.routes[q].segment_offset, b.routes[q].segment_offset);
+        }
+      }
+    }
+  }
+  RoutesMessage m = routes_metadata(s->plan, s->engines[0], 0, 0);
+  ASSERT_FALSE(m.routes.empty());
+  RoutesMessage unknown = m, outside = m;
+  unknown.routes[0].param = "model.no_such.weight";
+  outside.routes[0].row = 1 << 20;
+  IncomingRoutes in;
+  Status st = add_routes_metadata(in, unknown, 0, s->engines[0], DType::kBFloat16);
+  EXPECT_NE(st.message().find("model.no_such.weight"), std::string::npos) << st.to_string();
+  st = add_routes_metadata(in, outside, 0, s->engines[0], DType::kBFloat16);
+  EXPECT_NE(st.message().find("lie outside"), std::string::npos) << st.to_string();
+}
+
 TEST(TransferPlan, HashCoversTheRoutes) {
   auto spec = load_model_spec("tiny-qwen3");
   ASSERT_TRUE(spec.ok());

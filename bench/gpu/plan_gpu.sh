@@ -90,6 +90,8 @@ if has cells; then
     "$(cfg n1 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 auto)" --steps 3 --verify --check-logits
   cell "non-colocated fsdp2 w1 -> vllm tp1, tiny-moe (p2p NCCL, 4 KiB rounds)" 0 \
     "$(cfg n2 tiny-moe fsdp2 1 - vllm false 1 1 float32 p2p 4096)" --steps 3 --verify --check-logits
+  cell "non-colocated fsdp2 w1 -> sglang tp1, tiny-qwen3 (p2p NCCL, route metadata)" 0 \
+    "$(cfg n5 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 p2p 8192)" --steps 3 --verify --check-logits
   cell "non-colocated megatron w1 -> vllm tp1, tiny-qwen2 (p2p NCCL)" 0 \
     "$(cfg n3 tiny-qwen2 megatron 1 1,1,1 vllm false 1 1 float32 p2p 65536)" --steps 2 --verify
   cell "non-colocated fsdp2 w1 -> sglang tp1, tiny-qwen3 (gather: NCCL broadcast)" 0 \

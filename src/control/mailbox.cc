@@ -42,6 +42,8 @@ const char* message_type_name(MessageType type) {
       return "verified";
     case MessageType::kPaused:
       return "paused";
+    case MessageType::kRoutes:
+      return "routes";
   }
   return "unknown";
 }
@@ -54,7 +56,7 @@ constexpr std::chrono::milliseconds kSendLinger{2000};
 
 bool is_known_type(std::uint8_t t) {
   return t >= static_cast<std::uint8_t>(MessageType::kHello) &&
-         t <= static_cast<std::uint8_t>(MessageType::kPaused);
+         t <= static_cast<std::uint8_t>(MessageType::kRoutes);
 }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }

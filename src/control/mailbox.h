@@ -30,6 +30,7 @@ enum class MessageType : std::uint8_t {
   kShutdown,    // trainer -> engine: no more refits (engine -> trainer: leaving)
   kVerified,    // engine -> trainer: verification verdict of the last refit
   kPaused,      // engine -> trainer: generation paused; the trainer may write in place
+  kRoutes,      // trainer -> engine, at setup (SGLang protocol): the routes it will send
 };
 const char* message_type_name(MessageType type);
 

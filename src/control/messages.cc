@@ -114,6 +114,40 @@ std::string encode(const VerifiedMessage& m) {
   return dump({{"verified", m.verified}, {"error", m.error}});
 }
 
+std::string encode(const RoutesMessage& m) {
+  Json routes = Json::array();
+  for (const RouteMetadata& r : m.routes)
+    routes.push_back(Json::array({r.round, r.param, r.row, r.col, r.rows, r.cols, r.offset}));
+  return dump({{"routes", std::move(routes)}});
+}
+
+Result<RoutesMessage> decode_routes(const std::string& payload, const std::string& from) {
+  Reader r(payload, "routes", from);
+  if (!r.status().ok()) return r.status();
+  auto it = r.json().find("routes");
+  if (it == r.json().end() || !it->is_array())
+    return Status::Corruption(fmt::format("routes message from {} has no array 'routes'", from));
+  RoutesMessage m;
+  for (std::size_t i = 0; i < it->size(); ++i) {
+    const Json& e = (*it)[i];
+    bool ok = e.is_array() && e.size() == 7 && e[0].is_number_integer() && e[1].is_string();
+    for (std::size_t k = 2; ok && k < 7; ++k) ok = e[k].is_number_integer() && e[k].get<std::int64_t>() >= 0;
+    if (!ok || e[0].get<std::int64_t>() < 0)
+      return Status::Corruption(fmt::format(
+          "routes message from {}: route {} is not [round, param, row, col, rows, cols, offset] "
+          "with non-negative integers",
+          from, i));
+    m.routes.push_back(RouteMetadata{.round = e[0].get<int>(),
+                                     .param = e[1].get<std::string>(),
+                                     .row = e[2].get<std::int64_t>(),
+                                     .col = e[3].get<std::int64_t>(),
+                                     .rows = e[4].get<std::int64_t>(),
+                                     .cols = e[5].get<std::int64_t>(),
+                                     .offset = e[6].get<std::int64_t>()});
+  }
+  return m;
+}
+
 Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from) {
   Reader r(payload, "hello", from);
   HelloMessage m;

@@ -68,6 +68,21 @@ struct VerifiedMessage {
   std::string error;  // empty when verified
 };
 
+// trainer -> engine, once at setup (SGLang protocol): every route the trainer rank will send
+// this engine rank, in the engine's terms — the engine places bytes as this says.
+struct RouteMetadata {
+  int round = 0;
+  std::string param;                // engine parameter name
+  std::int64_t row = 0, col = 0;    // top-left in the parameter
+  std::int64_t rows = 0, cols = 0;
+  std::int64_t offset = 0;          // elements from the start of its segment
+};
+struct RoutesMessage {
+  std::vector<RouteMetadata> routes;
+};
+
+std::string encode(const RoutesMessage& m);
+Result<RoutesMessage> decode_routes(const std::string& payload, const std::string& from);
 std::string encode(const HelloMessage& m);
 std::string encode(const BeginMessage& m);
 std::string encode(const PausedMessage& m);

@@ -33,39 +33,40 @@ Status RouteReceiver::choose(bool params_exported) {
 }
 
 // Per round with point-to-point segments: one receive per source into the round's slot (laid out
-// by source, as the plan says) and the scatter of those segments into the parameters.
+// by source) and the scatter of those segments into the parameters.
 Status RouteReceiver::build(const std::vector<void*>& params) {
-  const TransferPlan& plan = o_.setup->plan;
+  const IncomingRoutes& in = o_.incoming;
   const int g = o_.engine_rank;
   const EngineShardLayout& lay =
       o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
-  const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype));
+  const auto esize = static_cast<std::int64_t>(dtype_size(o_.config->refit.target_precision));
   const auto nslots = static_cast<std::size_t>(o_.config->refit.num_buffers);
   if (slots_.empty())
     for (std::size_t s = 0; s < nslots; ++s) {
       REFIT_ASSIGN_OR_RETURN(auto buf, o_.plane->allocate(static_cast<std::size_t>(
-                                           std::max<std::int64_t>(plan.max_recv_bytes, 1))));
+                                           std::max<std::int64_t>(in.max_slot_bytes, 1))));
       slots_.push_back(std::move(buf));
     }
-  runs_.assign(static_cast<std::size_t>(plan.rounds), {});
-  recv_ops_.assign(static_cast<std::size_t>(plan.rounds), {});
+  runs_.assign(in.rounds.size(), {});
+  recv_ops_.assign(in.rounds.size(), {});
   std::size_t used = 0;  // rounds with segments so far: slots rotate over them
-  for (int k = 0; k < plan.rounds; ++k) {
-    const auto kk = static_cast<std::size_t>(k);
+  for (std::size_t k = 0; k < in.rounds.size(); ++k) {
     std::byte* slot = slots_[used % nslots]->data();
     std::int64_t base = 0;
-    for (const Segment& s : plan.segments[kk]) {
-      if (s.engine != g) continue;
+    for (const IncomingSegment& s : in.rounds[k]) {
       const auto it = std::find(o_.sources.begin(), o_.sources.end(), s.trainer);
+      if (it == o_.sources.end())
+        return Status::Corruption(fmt::format("engine rank {}: routes from trainer rank {}, which "
+                                              "does not feed it",
+                                              g, s.trainer));
       if (modes_[static_cast<std::size_t>(it - o_.sources.begin())] == PairExecutor::kP2p) {
-        recv_ops_[kk].push_back(P2POp{.kind = P2POp::Kind::kRecv,
-                                      .peer = p2p_rank_of_trainer(s.trainer),
-                                      .buf = slot + base,
-                                      .bytes = static_cast<std::size_t>(s.bytes)});
-        for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
-          const Route& r = plan.routes[q];
+        recv_ops_[k].push_back(P2POp{.kind = P2POp::Kind::kRecv,
+                                     .peer = p2p_rank_of_trainer(s.trainer),
+                                     .buf = slot + base,
+                                     .bytes = static_cast<std::size_t>(s.bytes)});
+        for (const Route& r : s.routes) {
           const std::int64_t dst_cols = matrix_shape(lay.params[r.engine_param].shape).cols;
-          runs_[kk].push_back(CopyRun{
+          runs_[k].push_back(CopyRun{
               .src = slot,
               .dst = static_cast<std::byte*>(params[r.engine_param]),
               .block = {.src_offset = base / esize + r.segment_offset,
@@ -78,19 +79,18 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
       }
       base += aligned_segment_bytes(s.bytes);
     }
-    if (!recv_ops_[kk].empty()) ++used;
+    if (!recv_ops_[k].empty()) ++used;
   }
   return Status::Ok();
 }
 
 Status RouteReceiver::receive(int step, bool raw, const std::vector<void*>& params,
                               Applier& applier, const Fault& fault) {
-  const TransferPlan& plan = o_.setup->plan;
   const int g = o_.engine_rank;
   bytes_received_ = 0;
   apply_seconds_ = 0;
   for (std::size_t i = 0; i < o_.sources.size(); ++i)
-    if (modes_[i] == PairExecutor::kPeer) bytes_received_ += plan.pair_bytes(o_.sources[i], g);
+    if (modes_[i] == PairExecutor::kPeer) bytes_received_ += o_.incoming.bytes_from(o_.sources[i]);
   const bool killed_here = step == 1 && fault.kind == Fault::Kind::kKillEngine && fault.rank == g;
   if (p2p_sources_ == 0) {
     if (killed_here) {
@@ -106,8 +106,8 @@ Status RouteReceiver::receive(int step, bool raw, const std::vector<void*>& para
   const std::int64_t base = applier.completed();
   std::int64_t posted = 0;
   const DType tgt = o_.config->refit.target_precision;
-  for (int k = 0; k < plan.rounds; ++k) {
-    const auto kk = static_cast<std::size_t>(k);
+  for (std::size_t kk = 0; kk < recv_ops_.size(); ++kk) {
+    const int k = static_cast<int>(kk);
     if (recv_ops_[kk].empty()) continue;
     if (killed_here && k >= fault.bucket) {  // the first round from K on that reaches us
       log::info("fault injection: killing myself at round {}", k);

@@ -23,6 +23,7 @@ struct RouteReceiverOptions {
   Communicator* p2p = nullptr;        // null when no point-to-point group exists
   std::vector<int> sources;           // control_sources(plan, engine_rank)
   std::vector<bool> source_same_host; // per entry of sources
+  IncomingRoutes incoming;            // what arrives point-to-point (incoming_from_plan)
 };
 
 class RouteReceiver {
@@ -38,6 +39,12 @@ class RouteReceiver {
   Status receive(int step, bool raw, const std::vector<void*>& params, Applier& applier,
                  const Fault& fault);
   void invalidate() { runs_.clear(); }
+  // SGLang protocol: the routes as the trainer ranks' metadata says (replaces the plan's).
+  void set_incoming(IncomingRoutes incoming) {
+    o_.incoming = std::move(incoming);
+    runs_.clear();
+    slots_.clear();
+  }
 
   // Of the last refit: bytes that reached this rank (received point-to-point, plus what peer
   // feeders wrote per the plan), and the sources each executor served.

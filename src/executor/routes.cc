@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <string_view>
 
 #include "control/store.h"
 
@@ -82,6 +84,103 @@ Status check_pair_at_setup(const Config& config, bool same_host, int trainer, in
   return choose_pair_executor(config, same_host, /*engine_exported=*/true,
                               /*have_p2p_group=*/false, trainer, engine_rank)
       .status();
+}
+
+std::int64_t IncomingRoutes::bytes_from(int trainer) const {
+  std::int64_t n = 0;
+  for (const auto& round : rounds)
+    for (const IncomingSegment& s : round)
+      if (s.trainer == trainer) n += s.bytes;
+  return n;
+}
+
+void finish_incoming(IncomingRoutes& in) {
+  in.max_slot_bytes = 0;
+  for (auto& round : in.rounds) {
+    std::stable_sort(round.begin(), round.end(),
+                     [](const IncomingSegment& a, const IncomingSegment& b) {
+                       return a.trainer < b.trainer;
+                     });
+    std::int64_t slot = 0;
+    for (const IncomingSegment& s : round) slot += aligned_segment_bytes(s.bytes);
+    in.max_slot_bytes = std::max(in.max_slot_bytes, slot);
+  }
+}
+
+IncomingRoutes incoming_from_plan(const TransferPlan& plan, int engine_rank) {
+  IncomingRoutes in;
+  in.rounds.resize(static_cast<std::size_t>(plan.rounds));
+  for (int k = 0; k < plan.rounds; ++k)
+    for (const Segment& s : plan.segments[static_cast<std::size_t>(k)]) {
+      if (s.engine != engine_rank) continue;
+      IncomingSegment seg{.trainer = s.trainer, .bytes = s.bytes};
+      seg.routes.assign(plan.routes.begin() + static_cast<std::ptrdiff_t>(s.first_route),
+                        plan.routes.begin() + static_cast<std::ptrdiff_t>(s.first_route + s.num_routes));
+      in.rounds[static_cast<std::size_t>(k)].push_back(std::move(seg));
+    }
+  finish_incoming(in);
+  return in;
+}
+
+RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout& layout, int trainer,
+                              int engine_rank) {
+  RoutesMessage m;
+  for (const auto& round : plan.segments)
+    for (const Segment& s : round) {
+      if (s.trainer != trainer || s.engine != engine_rank) continue;
+      for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
+        const Route& r = plan.routes[q];
+        m.routes.push_back(RouteMetadata{.round = r.round,
+                                         .param = layout.params[r.engine_param].name,
+                                         .row = r.engine_row,
+                                         .col = r.engine_col,
+                                         .rows = r.rows,
+                                         .cols = r.cols,
+                                         .offset = r.segment_offset});
+      }
+    }
+  return m;
+}
+
+Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int trainer,
+                           const EngineShardLayout& layout, DType dtype) {
+  std::map<std::string_view, std::uint32_t> index;
+  for (std::uint32_t p = 0; p < layout.params.size(); ++p) index.emplace(layout.params[p].name, p);
+  const auto esize = static_cast<std::int64_t>(dtype_size(dtype));
+  IncomingSegment* seg = nullptr;
+  int seg_round = -1;
+  for (std::size_t i = 0; i < m.routes.size(); ++i) {
+    const RouteMetadata& r = m.routes[i];
+    auto bad = [&](const std::string& what) {
+      return Status::Corruption(fmt::format("routes from trainer rank {}: route {} ({} round {}): {}",
+                                            trainer, i, r.param, r.round, what));
+    };
+    const auto it = index.find(r.param);
+    if (it == index.end()) return bad("this engine rank has no such parameter");
+    const MatrixShape shape = matrix_shape(layout.params[it->second].shape);
+    if (r.rows <= 0 || r.cols <= 0 || r.row + r.rows > shape.rows || r.col + r.cols > shape.cols)
+      return bad(fmt::format("rows [{}, +{}) x cols [{}, +{}) lie outside its [{}, {}]", r.row,
+                             r.rows, r.col, r.cols, shape.rows, shape.cols));
+    if (r.round < seg_round) return bad("rounds go backwards");
+    if (static_cast<std::size_t>(r.round) >= in.rounds.size())
+      in.rounds.resize(static_cast<std::size_t>(r.round) + 1);
+    if (r.round != seg_round) {
+      in.rounds[static_cast<std::size_t>(r.round)].push_back(IncomingSegment{.trainer = trainer});
+      seg = &in.rounds[static_cast<std::size_t>(r.round)].back();
+      seg_round = r.round;
+    }
+    if (r.offset * esize != seg->bytes) return bad("its segment offset leaves a gap or overlaps");
+    seg->routes.push_back(Route{.trainer = trainer,
+                                .engine_param = it->second,
+                                .rows = r.rows,
+                                .cols = r.cols,
+                                .engine_row = r.row,
+                                .engine_col = r.col,
+                                .round = r.round,
+                                .segment_offset = r.offset});
+    seg->bytes += r.rows * r.cols * esize;
+  }
+  return Status::Ok();
 }
 
 const char* pair_executor_name(PairExecutor e) {

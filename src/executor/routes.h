@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "control/messages.h"
 #include "engine/engine_layout.h"
 #include "plan/transfer_plan.h"
 #include "refit/config.h"
@@ -58,6 +59,32 @@ Status publish_host(Store& store, const std::string& who);
 // Reads the host of every id in `who` (bounded by `timeout`).
 Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,
                                             std::chrono::milliseconds timeout);
+
+// What one engine rank receives point-to-point, round by round: its segments in trainer-rank order
+// (the layout of its staging slot), each with its routes (engine side: parameter, position,
+// rows x cols, offset in the segment). Derived from its own transfer plan (vLLM protocol), or built
+// from the route metadata the trainer ranks send at setup (SGLang protocol).
+struct IncomingSegment {
+  int trainer = 0;
+  std::int64_t bytes = 0;
+  std::vector<Route> routes;
+};
+struct IncomingRoutes {
+  std::vector<std::vector<IncomingSegment>> rounds;
+  std::int64_t max_slot_bytes = 0;  // the largest round's segments, each aligned
+  std::int64_t bytes_from(int trainer) const;
+};
+IncomingRoutes incoming_from_plan(const TransferPlan& plan, int engine_rank);
+// The metadata trainer rank `trainer` sends engine rank `engine_rank`: its routes there, in plan
+// order, with the parameters named as the engine names them.
+RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout& layout, int trainer,
+                              int engine_rank);
+// Adds trainer rank `trainer`'s metadata to `in`, checking every route against the engine's
+// layout (known parameter, inside its shape, segments laid end to end); errors name the trainer,
+// the route and the parameter. Call finish_incoming after the last source.
+Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int trainer,
+                           const EngineShardLayout& layout, DType dtype);
+void finish_incoming(IncomingRoutes& in);
 
 // Engine ranks that trainer rank `rank` talks to: its plan targets, and, on trainer rank 0, every
 // engine rank that receives from no one (it still needs a begin and a commit).

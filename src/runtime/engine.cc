@@ -165,7 +165,33 @@ class EngineImpl final : public Engine {
                              .protocol = std::string(engine_protocol_name(cfg_.generation.backend)),
                              .plan_hash = plan_hash,
                              .total_parameters = model_->spec.total_parameters()};
-    return send_feeders(MessageType::kHello, encode(hello));
+    REFIT_RETURN_IF_ERROR(send_feeders(MessageType::kHello, encode(hello)));
+    if (route_receiver_ && !vllm()) REFIT_RETURN_IF_ERROR(receive_route_metadata());
+    return Status::Ok();
+  }
+
+  // SGLang protocol: each feeder says which routes it will send here, and those are what this rank
+  // receives and places (its own derivation of the plan only names the feeders).
+  Status receive_route_metadata() {
+    IncomingRoutes in;
+    std::vector<bool> seen(feeders_.size(), false);
+    for (std::size_t got = 0; got < feeders_.size(); ++got) {
+      REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kRoutes, timeout(),
+                                                       "the feeders' route metadata"));
+      const auto it = std::find(feeders_.begin(), feeders_.end(), m.from);
+      if (it == feeders_.end() || seen[static_cast<std::size_t>(it - feeders_.begin())])
+        return Status::Corruption(fmt::format(
+            "{}: unexpected route metadata from {} (not a feeder, or sent twice)", id(), m.from));
+      seen[static_cast<std::size_t>(it - feeders_.begin())] = true;
+      REFIT_ASSIGN_OR_RETURN(RoutesMessage routes, decode_routes(m.payload, m.from));
+      const int trainer =
+          control_sources(routes_->plan, rank_)[static_cast<std::size_t>(it - feeders_.begin())];
+      REFIT_RETURN_IF_ERROR(add_routes_metadata(in, routes, trainer, layout_,
+                                                cfg_.refit.target_precision));
+    }
+    finish_incoming(in);
+    route_receiver_->set_incoming(std::move(in));
+    return Status::Ok();
   }
 
   // Full buckets from one feeder: trainer rank 0 (broadcast) or the colocated trainer rank (ipc).
@@ -211,6 +237,7 @@ class EngineImpl final : public Engine {
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
+    o.incoming = incoming_from_plan(routes_->plan, rank_);
     REFIT_ASSIGN_OR_RETURN(route_receiver_, RouteReceiver::create(o));
     return Status::Ok();
   }
@@ -483,6 +510,7 @@ class EngineImpl final : public Engine {
       case MessageType::kCommitted:
       case MessageType::kVerified:
       case MessageType::kPaused:
+      case MessageType::kRoutes:
         return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
                                             message_type_name(msg->type), msg->from));
     }

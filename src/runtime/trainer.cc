@@ -248,7 +248,20 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(route_sender_, RouteSender::create(o));
     fed_engines_ = route_sender_->engine_ids();
     traffic_ = RankTraffic{.role = "trainer", .rank = rank_};
-    return check_engines();
+    REFIT_RETURN_IF_ERROR(check_engines());
+    // SGLang protocol: the metadata of every route travels to its engine rank (once, here).
+    if (cfg_.generation.backend == EngineProtocol::kSglang) {
+      const std::vector<int> targets = control_targets(routes_->plan, rank_);
+      for (std::size_t i = 0; i < targets.size(); ++i) {
+        const int g = targets[i];
+        const EngineShardLayout& lay =
+            routes_->engines[static_cast<std::size_t>(g % cfg_.generation.tp_size)];
+        REFIT_RETURN_IF_ERROR(mailbox_->send(
+            fed_engines_[i], MessageType::kRoutes,
+            encode(routes_metadata(routes_->plan, lay, rank_, g))));
+      }
+    }
+    return Status::Ok();
   }
 
   // Every fed engine says hello; for vLLM its plan hash must equal ours (refused at setup).
@@ -264,17 +277,14 @@ class TrainerImpl final : public Trainer {
             "setup: {} serves a model of {} parameters, the trainer's has {}; both sides must "
             "load the same model",
             hello.from, h.total_parameters, model_->spec.total_parameters()));
-      // vLLM agrees on its manifest; with the transfer plan every engine applies routes it
-      // derived itself, so SGLang engines must agree on the plan too (the bucket plan's SGLang
-      // metadata travels with every bucket instead).
-      const bool vllm = cfg_.generation.backend == EngineProtocol::kVllm;
-      if ((vllm || routes_) && theirs != ours)
+      // vLLM agrees on its manifest at setup; SGLang engines place what the metadata says (per
+      // bucket with executor gather, per route from the trainer ranks with the transfer plan).
+      if (cfg_.generation.backend == EngineProtocol::kVllm && theirs != ours)
         return Status::InvalidArgument(fmt::format(
-            "setup: {} mismatch: {} derived {} {} but the trainer's is {}; "
+            "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is {}; "
             "both sides must use the same model, layouts, refit.target_precision, "
             "refit.buffer_size_bytes and refit.executor",
-            vllm ? "vllm manifest" : "transfer plan", hello.from,
-            routes_ ? "transfer plan" : "bucket plan", theirs, ours));
+            hello.from, routes_ ? "transfer plan" : "bucket plan", theirs, ours));
     }
     return Status::Ok();
   }
