@@ -227,6 +227,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"generation: {weight_transfer_mode: nccl}",
              {"generation.weight_transfer_mode: unknown value; got nccl",
               "allowed: broadcast | ipc"}},
+        Case{"refit: {executor: fast}",
+             {"refit.executor: unknown value; got fast", "allowed: auto | peer | p2p | gather"}},
         Case{"refit: {target_precision: fp16}",
              {"refit.target_precision: unknown value; got fp16",
               "allowed: bf16 | bfloat16 | fp8 | float8_e4m3"}},
@@ -450,6 +452,32 @@ TEST(ConfigCli, CheckDefaultConfigExitsZeroAndPrintsTheCell) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "ok: fsdp2 -> sglang, non-colocated (broadcast) — supported");
   EXPECT_CONTAINS(r.output, "qwen2.5-0.5b (Qwen2ForCausalLM): 290 tensors, 494032768");
+  // The transfer plan: every pair's bytes, each engine rank of TP 2 with half of the model.
+  EXPECT_CONTAINS(r.output, "moved along the transfer plan");
+  EXPECT_CONTAINS(r.output, "trainer rank 1 -> engine rank 0 (engine 0 tp rank 0): ");
+  EXPECT_CONTAINS(r.output, "engine rank 1 receives");
+  EXPECT_CONTAINS(r.output, "(0.50");
+}
+
+TEST(ConfigCli, CheckWithTheGatherExecutorPrintsTheFullBucketPath) {
+  testing::TempDir dir;
+  auto r = testing::run_cli(
+      {"check", dir.write("c.yaml", "model: tiny-qwen3\nrefit: {executor: gather}\n")}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "executor: gather");
+  EXPECT_CONTAINS(r.output, "each receives the whole model");
+}
+
+TEST(ConfigCli, P2pWithColocatedCudaRanksIsASetupError) {
+  if (!build_has_cuda()) GTEST_SKIP() << "device: cuda is refused earlier in a CPU-only build";
+  testing::TempDir dir;
+  auto r = testing::run_cli(
+      {"check", dir.write("c.yaml", "model: tiny-qwen3\ndevice: cuda\n"
+                                    "generation: {colocated: true, tp_size: 2}\n"
+                                    "refit: {executor: p2p}\n")},
+      60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_CONTAINS(r.output, "refit.executor: p2p uses NCCL send/recv");
 }
 
 TEST(ConfigCli, CheckPrintsResolvedConfig) {

@@ -91,7 +91,9 @@ void run_check(const std::string& path, bool print_config) {
   const MatrixCell* cell =
       find_matrix_cell(c.policy.backend, c.generation.backend, c.generation.weight_transfer_mode);
   if (cell == nullptr) throw CliExit(kExitSetup, "internal: validated config has no matrix cell");
-  print(fmt::format("ok: {} — supported\n  {}\n", cell_label(*cell), cell->note));
+  // The matrix cell's note describes the full-bucket path; the transfer plan is printed below.
+  print(fmt::format("ok: {} — supported\n  {}\n", cell_label(*cell),
+                    uses_transfer_plan(c) ? "moved along the transfer plan (below)" : cell->note));
   const std::int64_t params = spec->total_parameters();
   print(fmt::format("model: {} ({}): {} tensors, {} parameters\n", c.model,
                     architecture_name(spec->config().arch), spec->tensors().size(), params));
