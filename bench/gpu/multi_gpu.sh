@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Non-colocated refit on several GPUs of one host (issue 7): trainer ranks on the first GPUs,
-# engine ranks on the next ones, the update group and the trainer group on NCCL.
+# Non-colocated refit on several GPUs of one host (issues 7 and 15): trainer ranks on the first
+# GPUs, engine ranks on the next ones. Cells run the transfer plan (refit.executor auto: peer
+# access over NVLink); every benchmark runs twice in the same session, as the transfer plan and as
+# the full-bucket broadcast (executor gather: NCCL unshard + broadcast), and the table gives the
+# plan's speed-up over the broadcast.
 #  - cells: `refit run --verify` (and --check-logits where cheap) on tiny models for every split
 #    the GPU count allows: FSDP2 → SGLang / vLLM with 1 trainer GPU + 1 engine GPU; with ≥ 4 GPUs
 #    multi-rank FSDP2 unsharding over NCCL (world 2 and 3) and Megatron TP 2 → both protocols with
@@ -69,7 +72,7 @@ cfg() {
     echo "model: $2"; echo "device: $dev"
     echo "policy: {backend: $3, world_size: $4, dtype: $9$mg}"
     echo "generation: {backend: $6, colocated: false, weight_transfer_mode: broadcast, num_engines: $7, tp_size: $8}"
-    echo "refit: {buffer_size_bytes: ${10:-268435456}, num_buffers: 2, timeout_s: ${11:-60}}"
+    echo "refit: {buffer_size_bytes: ${10:-268435456}, num_buffers: 2, timeout_s: ${11:-60}, executor: ${EXEC:-auto}}"
   } > "$f"
   echo "$f"
 }
@@ -158,12 +161,15 @@ if has bench; then
     model=${shape%%:*} dtype=${shape#*:}
     for split in $splits; do
       IFS=: read -r w e tp <<< "$split"
-      label=$model-$dtype-w$w-e$e-tp$tp
-      f=$(cfg "$label" "$model" fsdp2 "$w" - vllm "$e" "$tp" "$dtype" "$bench_buf" 120)
-      timeout 400 "$R" run "$f" --steps 1 --verify >> "$out/bench.log" 2>&1
-      note "$(printf '%-40s verify rc=%s' "$label" "$?")"
-      timeout 400 "$R" bench "$f" --steps 5 --json "$work/bench-$label.json" >> "$out/bench.log" 2>&1
-      note "$(printf '%-40s bench  rc=%s' "$label" "$?")"
+      # The transfer plan (executor auto) and the full-bucket broadcast (gather), same run.
+      for ex in auto gather; do
+        label=$model-$dtype-w$w-e$e-tp$tp-$ex
+        f=$(EXEC=$ex cfg "$label" "$model" fsdp2 "$w" - vllm "$e" "$tp" "$dtype" "$bench_buf" 120)
+        timeout 400 "$R" run "$f" --steps 1 --verify >> "$out/bench.log" 2>&1
+        note "$(printf '%-46s verify rc=%s' "$label" "$?")"
+        timeout 400 "$R" bench "$f" --steps 5 --json "$work/bench-$label.json" >> "$out/bench.log" 2>&1
+        note "$(printf '%-46s bench  rc=%s' "$label" "$?")"
+      done
       # The PyTorch method on the same GPUs: trainer GPU 0, every engine GPU a receiver.
       egpus=$((e * tp))
       tj=$work/torch-$model-$dtype-g$egpus.json
@@ -181,23 +187,27 @@ echo "== table"
 python3 - "$out" "$work" "$(nvidia-smi -L 2>/dev/null | head -1 | sed 's/ (UUID.*//')" <<'PY' | tee -a "$summary"
 import glob, json, os, statistics, sys
 out, work, gpu = sys.argv[1], sys.argv[2], sys.argv[3]
-rows, results = [], []
+rows, results, by_case = [], [], {}
 for f in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
     j = json.load(open(f))
     label = os.path.basename(f)[6:-5]
-    model, dtype, w, e, tp = label.rsplit("-", 4)
+    model, dtype, w, e, tp, ex = label.rsplit("-", 5)
     w, e, tp = int(w[1:]), int(e[1:]), int(tp[2:])
     ms = statistics.median(j["refit_seconds"]) * 1e3
+    by_case[(model, dtype, w, e, tp, ex)] = ms
     tf = os.path.join(work, f"torch-{model}-{dtype}-g{e * tp}.json")
     t = json.load(open(tf)) if os.path.exists(tf) else {}
-    rows.append((f"{model} {dtype}", f"{w}+{e}x{tp} ({w + e * tp})", ms, j["gbps"],
-                 j.get("limit_gbps", 0), j.get("ratio", 0), t.get("ms"), t.get("gbps")))
+    rows.append((model, dtype, w, e, tp, ex, ms, j["gbps"], j.get("ratio_to_floor", 0),
+                 t.get("ms")))
     results.append({"case": label, "refit": j, "torch": t})
 json.dump({"gpu": gpu, "rows": results}, open(os.path.join(out, "results.json"), "w"), indent=1)
 print(f"machine: {gpu or 'no GPU'}")
-print(f"{'shape':24} {'GPUs: trainer+engines x tp':>27} {'refit ms':>9} {'GB/s':>7} "
-      f"{'raw GB/s':>8} {'refit/raw':>9} {'torch ms':>9} {'torch GB/s':>10} {'speed-up':>8}")
-for s, g, ms, gb, lim, ratio, tms, tgb in rows:
-    tcol = f"{tms:9.2f} {tgb:10.1f} {tms / ms:7.2f}x" if tms else f"{'-':>9} {'-':>10} {'-':>8}"
-    print(f"{s:24} {g:>27} {ms:9.2f} {gb:7.1f} {lim:8.1f} {ratio:9.2f} {tcol}")
+print(f"{'shape':24} {'GPUs: trainer+engines x tp':>27} {'executor':>8} {'refit ms':>9} {'GB/s':>7} "
+      f"{'floor/refit':>11} {'vs gather':>9} {'torch ms':>9} {'vs torch':>8}")
+for model, dtype, w, e, tp, ex, ms, gb, floor, tms in rows:
+    g = by_case.get((model, dtype, w, e, tp, "gather"))
+    vs_g = f"{g / ms:8.2f}x" if g and ex != "gather" else f"{'-':>9}"
+    tcol = f"{tms:9.2f} {tms / ms:7.2f}x" if tms else f"{'-':>9} {'-':>8}"
+    print(f"{model + ' ' + dtype:24} {f'{w}+{e}x{tp} ({w + e * tp})':>27} {ex:>8} {ms:9.2f} "
+          f"{gb:7.1f} {floor:11.2f} {vs_g} {tcol}")
 PY
