@@ -41,7 +41,7 @@ TEST(NetworkNamespaces, PeerWithinAHostAndP2pAcrossTheLink) {
       "refit: {buffer_size_bytes: 8192, timeout_s: 20, executor: auto}\n");
   const std::string exe = REFIT_CLI_PATH;
   const std::string setup = fmt::format(
-      "ip netns add {a} && ip netns add {b} && "
+      "command -v unshare && ip netns add {a} && ip netns add {b} && "
       "ip link add {a}v type veth peer name {b}v && "
       "ip link set {a}v netns {a} && ip link set {b}v netns {b} && "
       "ip -n {a} addr add {ipa}/24 dev {a}v && ip -n {b} addr add {ipb}/24 dev {b}v && "
