@@ -19,7 +19,7 @@
 
 // engine_layout() calls check_engine_tp(), whose definition (src/engine/tp_check.cc) arrives with
 // the config branch. Until that file exists in this tree, the test links a stand-in with the same
-// rules (DESIGN §6.4); it disappears by itself once the real one is present.
+// rules (docs/design.md §6.4); it disappears by itself once the real one is present.
 #if !__has_include("engine/tp_check.cc")
 #include <fmt/format.h>
 namespace refit {

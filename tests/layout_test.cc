@@ -1,6 +1,6 @@
 // Trainer (FSDP2) and engine layouts, checked element by element: full HF tensors filled with
 // distinct values are cut by each rank's pieces and compared against references written directly
-// from DESIGN §6.2 / §6.4, then the ranks' slices are reassembled into the full tensors.
+// from docs/design.md §6.2 / §6.4, then the ranks' slices are reassembled into the full tensors.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -237,7 +237,7 @@ struct RefParam {
   Tensor data;
 };
 
-// The kv heads engine rank r of t holds (DESIGN §6.4): a contiguous share when t <= nkv; one
+// The kv heads engine rank r of t holds (docs/design.md §6.4): a contiguous share when t <= nkv; one
 // replicated head otherwise, each head shared by t/nkv consecutive ranks.
 std::pair<std::int64_t, std::int64_t> ref_kv_heads(std::int64_t nkv, std::int64_t t,
                                                    std::int64_t r) {
@@ -247,7 +247,7 @@ std::pair<std::int64_t, std::int64_t> ref_kv_heads(std::int64_t nkv, std::int64_
 
 std::int64_t ref_padded_vocab(std::int64_t v) { return (v + 63) / 64 * 64; }
 
-// Engine rank r's parameters written straight from DESIGN §6.4 by concatenating row and column
+// Engine rank r's parameters written straight from docs/design.md §6.4 by concatenating row and column
 // ranges of the full HF tensors.
 std::vector<RefParam> reference_engine(const ModelSpec& spec, const std::vector<Tensor>& full,
                                        std::int64_t t, std::int64_t r) {
@@ -353,7 +353,7 @@ std::int64_t expected_copies(const ModelSpec& spec, const TensorSpec& ts, std::i
 }
 
 // Rebuilds full HF tensors from the engine ranks' parameters by undoing the fusing and sharding
-// of DESIGN §6.4; an element seen on several ranks must be identical on all of them.
+// of docs/design.md §6.4; an element seen on several ranks must be identical on all of them.
 class Reassembler {
  public:
   Reassembler(const ModelSpec& spec) : spec_(spec) {

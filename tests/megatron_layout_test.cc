@@ -59,7 +59,7 @@ std::int64_t element_id(std::size_t t, std::int64_t i) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Reference: what rank `rank` holds, per the textual facts (DESIGN §6.3 / docs/megatron.md).
+// Reference: what rank `rank` holds, per the textual facts (docs/design.md §6.3 / docs/megatron.md).
 struct Expected {
   std::vector<std::int64_t> shape;
   Mat content;

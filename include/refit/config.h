@@ -1,4 +1,4 @@
-// refit/config.h — the refit configuration (DESIGN §5.1) and its setup-time validation.
+// refit/config.h — the refit configuration (docs/design.md §5.1) and its setup-time validation.
 //
 // A Config is a plain value. load_config() parses YAML text or a file and applies the rule
 // "absent → default, present but invalid → error"; validate_config() checks every cross-key

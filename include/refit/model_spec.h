@@ -1,4 +1,4 @@
-// refit/model_spec.h — the Hugging Face parameter table of a model (DESIGN §6.1).
+// refit/model_spec.h — the Hugging Face parameter table of a model (docs/design.md §6.1).
 //
 // A ModelSpec is an immutable value: the parsed config.json (ModelConfig) and the exact,
 // ordered list of HF parameters (TensorSpec). Every participant of a refit derives the same

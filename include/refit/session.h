@@ -1,7 +1,7 @@
 // refit/session.h — the library API: one trainer rank or one engine rank of a refit.
 //
 // A refit connects `policy.world_size` trainer ranks to `num_engines * tp_size` engine ranks
-// (DESIGN §3). Each rank is one process that creates a Trainer or an Engine with the same Config
+// (docs/design.md §3). Each rank is one process that creates a Trainer or an Engine with the same Config
 // and the address of trainer rank 0, which hosts the rendezvous store. The caller owns the
 // tensors: it registers the storage of every local tensor (trainer) or parameter (engine) once,
 // and refit reads or writes that storage in place — no copies into refit-owned tensors.

@@ -1,6 +1,6 @@
 """Engine layout -> Hugging Face parameters, for an engine backed by an unfused HF module.
 
-vLLM and SGLang store attention and MLP projections fused (DESIGN §6.4): ``qkv_proj`` = [q; k; v]
+vLLM and SGLang store attention and MLP projections fused (docs/design.md §6.4): ``qkv_proj`` = [q; k; v]
 rows, ``gate_up_proj`` = [gate; up] rows, MoE ``w13_weight`` [E, 2*I, H] = [gate; up] per expert and
 ``w2_weight`` [E, H, I], and ``embed_tokens`` / ``lm_head`` padded to a multiple of 64 rows. A Hugging
 Face module keeps each projection as its own parameter. ``hf_copy_plan`` lists, for tensor

@@ -10,7 +10,7 @@ from ._common import TensorSlot
 __version__: str
 
 class Config:
-    """A resolved refit configuration (DESIGN §5.1, docs/config.md)."""
+    """A resolved refit configuration (docs/design.md §5.1, docs/config.md)."""
 
     @staticmethod
     def from_yaml(source: Union[str, os.PathLike[str]]) -> Config: ...
@@ -52,7 +52,7 @@ class Config:
     def timeout_s(self) -> float: ...
 
 class ModelSpec:
-    """The Hugging Face parameter table of a model (DESIGN §6.1)."""
+    """The Hugging Face parameter table of a model (docs/design.md §6.1)."""
 
     @property
     def architecture(self) -> str: ...

@@ -11,7 +11,7 @@
     An engine backed by a Hugging Face ``nn.Module`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``,
     ...). HF keeps q/k/v, gate/up and experts unfused while the engine layout is fused, so refit
     writes into staging tensors in the engine layout, and after each committed refit they are
-    copied into the module's parameters (fused rows split per DESIGN §6.4). Tensor parallelism 1
+    copied into the module's parameters (fused rows split per docs/design.md §6.4). Tensor parallelism 1
     only: the module holds the whole model. A real vLLM/SGLang engine registers its own fused
     parameters with ``refit.Engine`` instead, with no staging.
 

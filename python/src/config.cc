@@ -127,7 +127,7 @@ py::dict model_config_dict(const ModelConfig& c) {
 
 void bind_config(py::module_& m) {
   py::class_<PyConfig>(m, "Config", R"doc(
-A resolved refit configuration (the YAML contract of DESIGN §5.1, docs/config.md).
+A resolved refit configuration (the YAML contract of docs/design.md §5.1, docs/config.md).
 
 Build one with Config.from_yaml(path_or_text), Config.from_dict(d) or Config.default(); every
 key is optional (absent -> default, present but invalid -> refit.SetupError naming the key, the
@@ -243,7 +243,7 @@ refit.SetupError with the CLI's message otherwise.
 )doc");
 
   py::class_<ModelSpec>(m, "ModelSpec", R"doc(
-The Hugging Face parameter table of a model (DESIGN §6.1): HF names and shapes in state_dict order.
+The Hugging Face parameter table of a model (docs/design.md §6.1): HF names and shapes in state_dict order.
 )doc")
       .def_property_readonly(
           "architecture",

@@ -211,7 +211,7 @@ void add_check_commands(CLI::App& app) {
   auto print_config = std::make_shared<bool>(false);
   auto* check = app.add_subcommand(
       "check", "Validate a config at setup: keys, model, support matrix; exit 0 or 2");
-  check->add_option("CONFIG", *path, "YAML config file (DESIGN 5.1, docs/config.md)")->required();
+  check->add_option("CONFIG", *path, "YAML config file (docs/config.md)")->required();
   check->add_flag("--print-config", *print_config,
                   "also print the resolved config (every key, defaults filled in)");
   check->callback([path, print_config] { run_check(*path, *print_config); });

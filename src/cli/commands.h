@@ -13,7 +13,7 @@ class App;
 
 namespace refit::cli {
 
-// Exit codes: 0 success, 1 runtime failure, 2 setup/usage error (DESIGN §5.2, §5.4).
+// Exit codes: 0 success, 1 runtime failure, 2 setup/usage error (docs/design.md §5.2, §5.4).
 inline constexpr int kExitRuntime = 1;
 inline constexpr int kExitSetup = 2;
 

@@ -69,10 +69,10 @@ std::string_view executor_name(Executor e) {
   return "?";
 }
 
-// The DESIGN §5.1 example, value for value. `policy.megatron` is accepted with backend fsdp2
+// The docs/design.md §5.1 example, value for value. `policy.megatron` is accepted with backend fsdp2
 // only while it is the no-op {tp: 1, pp: 1, ep: 1}, so this text is valid as written.
 std::string_view default_config_yaml() {
-  return R"(# refit config (DESIGN 5.1). Every key is optional: absent -> default, present but invalid -> error.
+  return R"(# refit config (docs/config.md). Every key is optional: absent -> default, present but invalid -> error.
 model: qwen2.5-0.5b            # built-in preset name, or a path to an HF model directory
 device: cpu                    # cpu | cuda
 seed: 0                        # deterministic initial weights when no safetensors are given

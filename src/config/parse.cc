@@ -260,7 +260,7 @@ Status parse_policy(const Section& top, PolicyConfig& p) {
     REFIT_ASSIGN_OR_RETURN(par.tp, read_count(m, "tp", par.tp, kAtLeastOneRule));
     REFIT_ASSIGN_OR_RETURN(par.pp, read_count(m, "pp", par.pp, kAtLeastOneRule));
     REFIT_ASSIGN_OR_RETURN(par.ep, read_count(m, "ep", par.ep, kAtLeastOneRule));
-    // With fsdp2 the block is tolerated only as the no-op {tp: 1, pp: 1, ep: 1} (the DESIGN
+    // With fsdp2 the block is tolerated only as the no-op {tp: 1, pp: 1, ep: 1} (the design
     // example carries it); anything else would be silently ignored, so it is an error.
     if (p.backend != PolicyBackend::kMegatron) {
       using Named = std::pair<const char*, int>;

@@ -1,4 +1,4 @@
-// The support matrix (DESIGN §1) and the target precisions each engine protocol accepts.
+// The support matrix (docs/design.md §1) and the target precisions each engine protocol accepts.
 #include <fmt/format.h>
 
 #include "config/support.h"

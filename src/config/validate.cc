@@ -1,4 +1,4 @@
-// validate_config: cross-key and model checks at setup, before any rank starts (DESIGN §1, §5.4).
+// validate_config: cross-key and model checks at setup, before any rank starts (docs/design.md §1, §5.4).
 #include <fmt/format.h>
 
 #include <string>
@@ -187,7 +187,7 @@ bool any_moe_layer(const ModelConfig& m) {
   return false;
 }
 
-// Megatron-Core constraints (DESIGN §6.3): world_size = tp*pp*dp; query groups, heads and MLP
+// Megatron-Core constraints (docs/design.md §6.3): world_size = tp*pp*dp; query groups, heads and MLP
 // rows split evenly over TP; layers evenly over PP; experts evenly over EP, and EP within DP.
 // The vocabulary is padded to 128*tp, so it never constrains tp.
 Status check_megatron(const Config& c, const ModelSpec& spec) {

@@ -1,4 +1,4 @@
-// The rendezvous store of the control plane (DESIGN §3), on ZeroMQ.
+// The rendezvous store of the control plane (docs/design.md §3), on ZeroMQ.
 //
 // A StoreServer is hosted by trainer rank 0 (or any process: tests host their own); StoreClients
 // connect to it over TCP. Keys are strings, values byte strings. Every blocking call takes a

@@ -1,4 +1,4 @@
-// CUDA IPC between the processes of one host (DESIGN §2 stage 6, `ipc` on `device: cuda`):
+// CUDA IPC between the processes of one host (docs/design.md §2 stage 6, `ipc` on `device: cuda`):
 // device memory and events exported once at setup and opened once by the peer — never a handle
 // per bucket.
 //

@@ -1,4 +1,4 @@
-// The GPU runtime pieces refit needs (DESIGN §2 stages 4–7 on `device: cuda`): device discovery,
+// The GPU runtime pieces refit needs (docs/design.md §2 stages 4–7 on `device: cuda`): device discovery,
 // RAII device buffers, streams and events, bounded waits.
 //
 // This header has no CUDA includes, so CPU code (the runtime, the CLI, tests) can include it in

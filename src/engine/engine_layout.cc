@@ -1,4 +1,4 @@
-// Engine TP layout (DESIGN §6.4): vLLM / SGLang parameter names and shapes of one TP rank, each
+// Engine TP layout (docs/design.md §6.4): vLLM / SGLang parameter names and shapes of one TP rank, each
 // parameter described as Pieces of the full HF tensors.
 #include <fmt/format.h>
 #include <algorithm>

@@ -1,4 +1,4 @@
-// The engine's parameter layout (DESIGN §6.4; vLLM and SGLang share it for these models).
+// The engine's parameter layout (docs/design.md §6.4; vLLM and SGLang share it for these models).
 //
 // An EngineShardLayout lists the parameters one engine TP rank stores, under the engine's names
 // (fused qkv_proj / gate_up_proj, vocabulary-parallel embed_tokens / lm_head padded to a multiple

@@ -43,7 +43,7 @@ struct RefitReport {
   std::vector<double> refit_seconds;
   double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;  // medians per refit
   std::vector<double> raw_seconds;  // bench: raw transport passes
-  // bench: the floor of DESIGN §7 — the refit's reads (policy dtype) and writes (target dtype)
+  // bench: the floor of docs/design.md §7 — the refit's reads (policy dtype) and writes (target dtype)
   // at the copy bandwidth measured on the trainer's device in the same run.
   double floor_seconds = 0;
   double copy_bandwidth = 0;  // read+write bytes/s
@@ -76,7 +76,7 @@ Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* repor
 // Runs engine rank `engine_rank` until the trainer shuts it down.
 Status run_engine_rank(const RankOptions& options, int engine_rank);
 
-// The JSON report of DESIGN §5.3 (plus bench fields when raw passes ran).
+// The JSON report of docs/design.md §5.3 (plus bench fields when raw passes ran).
 Status write_report_json(const std::string& path, const RankOptions& options,
                          const RefitReport& report);
 // The one-screen summary.

@@ -1,4 +1,4 @@
-// The JSON report (DESIGN §5.3) and the one-screen summary.
+// The JSON report (docs/design.md §5.3) and the one-screen summary.
 #include <fmt/format.h>
 
 #include <algorithm>

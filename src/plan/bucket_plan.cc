@@ -1,4 +1,4 @@
-// Bucket plan (DESIGN §2 stage 5): a greedy, order-preserving packing of the spec's tensors into
+// Bucket plan (docs/design.md §2 stage 5): a greedy, order-preserving packing of the spec's tensors into
 // buckets, derived from metadata only so that every participant computes the same plan.
 #include "plan/bucket_plan.h"
 

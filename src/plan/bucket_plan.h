@@ -1,4 +1,4 @@
-// The bucket plan (DESIGN §2 stage 5): a deterministic assignment of HF tensors (in spec order)
+// The bucket plan (docs/design.md §2 stage 5): a deterministic assignment of HF tensors (in spec order)
 // to flat buckets of at most buffer_size_bytes, computed from metadata alone, identical on every
 // participant. Tensors start at offsets aligned to `alignment` (kBucketAlignment by default).
 // A tensor that does not fit behind the current bucket's last entry starts a new bucket. A tensor

@@ -73,7 +73,7 @@ class DataPlane {
   virtual Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                              std::size_t bytes) = 0;
   // Read+write bytes per second of a large copy within this plane's memory (median of a few
-  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (DESIGN §7).
+  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (docs/design.md §7).
   virtual Result<double> measure_copy_bandwidth() = 0;
   // Payload bytes per second of a large copy from this plane's device to device `peer` (GPU:
   // copy engines over NVLink / PCIe; CPU, or peer == ordinal(): half the copy bandwidth, since

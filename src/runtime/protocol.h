@@ -1,4 +1,4 @@
-// The two engine protocols (DESIGN §4).
+// The two engine protocols (docs/design.md §4).
 //  - sglang: the metadata of every bucket (names, dtypes, shapes, byte offsets and, for a tensor
 //    split over buckets, its element range) travels with the bucket; the engine applies what the
 //    metadata says. bf16 only; a weight_version string per refit.

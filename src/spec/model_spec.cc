@@ -1,4 +1,4 @@
-// Builds the HF parameter table of a ModelConfig (DESIGN §6.1), in HF's state_dict order.
+// Builds the HF parameter table of a ModelConfig (docs/design.md §6.1), in HF's state_dict order.
 #include "refit/model_spec.h"
 
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-// FSDP2 / DTensor Shard(0) layout (DESIGN §6.2): every rank holds a torch.chunk slice along dim 0
+// FSDP2 / DTensor Shard(0) layout (docs/design.md §6.2): every rank holds a torch.chunk slice along dim 0
 // of every HF tensor, under the HF name, and is the unshard source of all of it (no replicas).
 #include <algorithm>
 

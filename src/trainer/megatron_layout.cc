@@ -1,4 +1,4 @@
-// Megatron-Core GPT layout (DESIGN §6.3; verified facts and sources in docs/megatron.md).
+// Megatron-Core GPT layout (docs/design.md §6.3; verified facts and sources in docs/megatron.md).
 //
 // Each local tensor is described by Pieces of the full HF tensors. Ownership follows one rule
 // per kind of parameter so that the owned pieces of all ranks tile every HF tensor once:

@@ -1,4 +1,4 @@
-// What each trainer rank holds at setup, under the trainer's own names (DESIGN §2 stage 2).
+// What each trainer rank holds at setup, under the trainer's own names (docs/design.md §2 stage 2).
 //
 // A TrainerShardLayout lists the rank's local tensors (FSDP2: HF names, dim-0 chunks; Megatron:
 // Megatron names, TP/PP/EP shards with fused QKV and gate/up), each built from Pieces of full HF
@@ -39,7 +39,7 @@ struct TrainerShardLayout {
   void index_owned(std::size_t num_hf_tensors);
 };
 
-// FSDP2 / DTensor Shard(0) with torch.chunk semantics (DESIGN §6.2): chunk = ceil(n / W) rows,
+// FSDP2 / DTensor Shard(0) with torch.chunk semantics (docs/design.md §6.2): chunk = ceil(n / W) rows,
 // rank r holds rows [r*chunk, min((r+1)*chunk, n)), possibly none.
 struct RowRange {
   std::int64_t begin = 0, end = 0;
@@ -48,7 +48,7 @@ struct RowRange {
 RowRange fsdp2_rows(std::int64_t rows, int world_size, int rank);
 TrainerShardLayout fsdp2_layout(const ModelSpec& spec, int world_size, int rank);
 
-// Megatron-Core GPT layout (DESIGN §6.3) of trainer rank `rank`; errors name the parallel size
+// Megatron-Core GPT layout (docs/design.md §6.3) of trainer rank `rank`; errors name the parallel size
 // that does not divide the model.
 Result<TrainerShardLayout> megatron_layout(const ModelSpec& spec, const MegatronParallel& par,
                                            int world_size, int rank);

@@ -1,4 +1,4 @@
-// Transports move packed buckets from a trainer rank to engine ranks (DESIGN §2 stage 6).
+// Transports move packed buckets from a trainer rank to engine ranks (docs/design.md §2 stage 6).
 //
 // Both transports own `num_buffers` slots of `buffer_size_bytes`, registered once at setup:
 //  - broadcast (non-colocated): the sender's slots are host buffers; a background thread sends

@@ -1,4 +1,4 @@
-// Deterministic trainer weights (DESIGN §5.2 `refit run`).
+// Deterministic trainer weights (docs/design.md §5.2 `refit run`).
 //
 // The value of HF tensor t, element i after training step s is
 //     w(t, i, s) = base(t, i) + s * delta(t, i)        (fp32, no FMA contraction)

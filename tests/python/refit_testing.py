@@ -1,7 +1,7 @@
 """Helpers for the Python tests: known trainer weights, the engine layout computed independently
-in NumPy (DESIGN §6.2 and §6.4), and refits run as real processes on loopback.
+in NumPy (docs/design.md §6.2 and §6.4), and refits run as real processes on loopback.
 
-The expectations here do not use refit's layout code: they follow the DESIGN rules directly.
+The expectations here do not use refit's layout code: they follow the rules of docs/design.md §6 directly.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def fsdp2_shard(full: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """torch.chunk semantics over dim 0 (DESIGN §6.2)."""
+    """torch.chunk semantics over dim 0 (docs/design.md §6.2)."""
     n = full.shape[0]
     chunk = -(-n // world)
     lo, hi = min(rank * chunk, n), min((rank + 1) * chunk, n)
@@ -61,7 +61,7 @@ def fsdp2_shard(full: np.ndarray, rank: int, world: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Engine layout, from DESIGN §6.4
+# Engine layout, from docs/design.md §6.4
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

@@ -1,5 +1,5 @@
 """Refits driven from Python: trainer and engine ranks as processes on loopback, NumPy storage
-registered zero-copy, engine parameters checked bit for bit against the DESIGN §6.4 layout computed
+registered zero-copy, engine parameters checked bit for bit against the docs/design.md §6.4 layout computed
 here in NumPy."""
 
 import threading
@@ -48,7 +48,7 @@ def test_refit_from_python_matches_the_engine_layout(overrides):
     cfg = refit.Config.from_dict(base).replace(overrides)
     steps = 2
     trainers, engines = run_refit(cfg, steps=steps, verify=True)
-    # Trainer shards are torch.chunk dim-0 slices of the HF tensors (DESIGN §6.2).
+    # Trainer shards are torch.chunk dim-0 slices of the HF tensors (docs/design.md §6.2).
     spec = refit.model_spec(cfg.model)
     for rank, result in trainers.items():
         for name, shape in spec.tensors:
