@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "cli/commands.h"
+#include "common/env.h"
 #include "common/host_buffer.h"
 #include "control/store.h"
 #include "io/safetensors.h"
@@ -49,21 +50,11 @@ Config load_checked_config(const std::string& path) {
   return *cfg;
 }
 
-const char* env_or(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : fallback;
-}
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0)
-    throw CliExit(kExitSetup, fmt::format("environment variable {}={} is not a non-negative "
-                                          "integer",
-                                          name, v));
-  return static_cast<int>(x);
+// The value of an environment accessor (common/env.h); a bad value exits 2 naming the variable.
+template <typename T>
+T setup_env(Result<T> value) {
+  exit_if_error(value.status(), kExitSetup);
+  return std::move(value).value();
 }
 
 RankOptions rank_options(const RunFlags& f, const Config& cfg) {
@@ -84,9 +75,9 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   auto fault = parse_fault(f.fault);
   exit_if_error(fault.status(), kExitSetup);
   o.fault = *fault;
-  o.endpoint.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
-  o.endpoint.master_port = env_int("MASTER_PORT", 29500);
-  o.endpoint.host = !f.host.empty() ? f.host : env_or("REFIT_HOST", o.endpoint.master_addr.c_str());
+  o.endpoint.master_addr = env::master_addr();
+  o.endpoint.master_port = setup_env(env::master_port());
+  o.endpoint.host = !f.host.empty() ? f.host : env::host().value_or(o.endpoint.master_addr);
   return o;
 }
 
@@ -109,9 +100,10 @@ int exit_code_for(const Status& st) {
 }
 
 void run_trainer(const RunFlags& f) {
+  exit_if_error(env::check(), kExitSetup);
   const Config cfg = load_checked_config(f.config_path);
-  const int rank = env_int("RANK", 0);
-  const int world = env_int("WORLD_SIZE", cfg.policy.world_size);
+  const int rank = setup_env(env::rank()).value_or(0);
+  const int world = setup_env(env::world_size()).value_or(cfg.policy.world_size);
   if (world != cfg.policy.world_size)
     throw CliExit(kExitSetup, fmt::format("WORLD_SIZE={} but policy.world_size is {}", world,
                                           cfg.policy.world_size));
@@ -131,8 +123,13 @@ void run_trainer(const RunFlags& f) {
 }
 
 void run_engine(const RunFlags& f) {
+  exit_if_error(env::check(), kExitSetup);
   const Config cfg = load_checked_config(f.config_path);
-  int rank = f.engine_rank >= 0 ? f.engine_rank : env_int("ENGINE_RANK", env_int("RANK", -1));
+  int rank = f.engine_rank;
+  if (rank < 0) {
+    const std::optional<int> engine_rank = setup_env(env::engine_rank());
+    rank = engine_rank ? *engine_rank : setup_env(env::rank()).value_or(-1);
+  }
   if (rank < 0 || rank >= cfg.engine_ranks())
     throw CliExit(kExitSetup, fmt::format("engine rank {} is outside 0..{} (set --engine-rank or "
                                           "ENGINE_RANK = engine index * tp_size + tp rank)",
@@ -144,6 +141,7 @@ void run_engine(const RunFlags& f) {
 
 // `refit run` / `refit bench`: every rank as a process of this machine.
 void run_local(const RunFlags& f) {
+  exit_if_error(env::check(), kExitSetup);  // every rank inherits this environment
   const Config cfg = load_checked_config(f.config_path);
   (void)rank_options(f, cfg);  // flags are checked before anything starts
   // Children read the resolved config from a private file.

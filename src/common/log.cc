@@ -1,9 +1,9 @@
 #include "common/log.h"
 
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
+
+#include "common/env.h"
 
 namespace refit::log {
 namespace {
@@ -16,14 +16,18 @@ std::string& prefix() {
   static std::string p = "refit";
   return p;
 }
+// REFIT_LOG through its accessor (common/env.h), which does not log; the chosen level is logged
+// here once it is known. A bad value is refused at setup (env::check); the logger itself cannot
+// fail, so until then it warns once and logs at info.
 Level threshold() {
   static const Level level = [] {
-    const char* env = std::getenv("REFIT_LOG");
-    if (env == nullptr) return Level::kInfo;
-    if (std::strcmp(env, "debug") == 0) return Level::kDebug;
-    if (std::strcmp(env, "warn") == 0) return Level::kWarn;
-    if (std::strcmp(env, "error") == 0) return Level::kError;
-    return Level::kInfo;
+    const Result<Level> l = env::log_level();
+    if (!l.ok()) {
+      write(Level::kWarn, l.status().message() + "; logging at info");
+      return Level::kInfo;
+    }
+    if (*l == Level::kDebug) write(Level::kDebug, "environment: REFIT_LOG=debug");
+    return *l;
   }();
   return level;
 }

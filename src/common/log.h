@@ -1,5 +1,5 @@
 // Process-wide log prefix and leveled logging to stderr. REFIT_LOG=debug|info|warn|error
-// (default info) is read once.
+// (default info), read once through refit::env::log_level() (common/env.h).
 #pragma once
 
 #include <fmt/format.h>

@@ -4,11 +4,11 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <string_view>
 
+#include "common/env.h"
 #include "control/store.h"
 
 namespace refit {
@@ -38,8 +38,7 @@ bool needs_p2p_group(const Config& config) {
 }
 
 std::string host_identity() {
-  if (const char* env = std::getenv("REFIT_HOST_ID"); env != nullptr && env[0] != '\0')
-    return env;
+  if (std::optional<std::string> id = env::host_id()) return *id;
   std::string boot;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
   struct stat st {};

@@ -112,8 +112,8 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   REFIT_ASSIGN_OR_RETURN(auto trainer, Trainer::create(o.config, rank, o.endpoint));
   set_trainer_fault(*trainer, o.fault);
   // The shards live on the rank's device: host memory, or GPU memory for device: cuda.
-  REFIT_ASSIGN_OR_RETURN(auto plane,
-                         make_data_plane(o.config, default_device(o.config, true, rank)));
+  REFIT_ASSIGN_OR_RETURN(const int device, default_device(o.config, true, rank));
+  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(o.config, device));
   REFIT_ASSIGN_OR_RETURN(SlotArena arena, SlotArena::create(*plane, trainer->tensors()));
   std::vector<PieceTarget> shards;
   for (std::size_t i = 0; i < trainer->tensors().size(); ++i) {
@@ -153,11 +153,13 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
       REFIT_ASSIGN_OR_RETURN(RouteSetup routes, make_route_setup(o.config, model->spec));
       // The link: from this rank's device to the first engine rank on another device.
       int peer = plane->ordinal();
-      for (int g = 0; g < o.config.engine_ranks() && peer == plane->ordinal(); ++g)
-        peer = device_ordinal(o.config, false, g);
+      for (int g = 0; g < o.config.engine_ranks() && peer == plane->ordinal(); ++g) {
+        REFIT_ASSIGN_OR_RETURN(peer, device_ordinal(o.config, false, g));
+      }
       REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->measure_peer_bandwidth(peer));
-      const PlanFloor f =
-          transfer_plan_floor(o.config, routes, rep.copy_bandwidth, rep.peer_bandwidth);
+      REFIT_ASSIGN_OR_RETURN(
+          const PlanFloor f,
+          transfer_plan_floor(o.config, routes, rep.copy_bandwidth, rep.peer_bandwidth));
       rep.floor_seconds = f.seconds;
       rep.floor_overlap_seconds = f.overlap_seconds;
       rep.floor_basis = f.basis;
@@ -189,15 +191,15 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   return Status::Ok();
 }
 
-PlanFloor transfer_plan_floor(const Config& config, const RouteSetup& routes,
-                              double copy_bandwidth, double peer_bandwidth) {
+Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
+                                      double copy_bandwidth, double peer_bandwidth) {
   const auto ssize = static_cast<double>(dtype_size(config.policy.dtype));
   const auto tsize = static_cast<double>(dtype_size(config.refit.target_precision));
   std::map<int, double> local, out, in;  // per device: bytes read+written there, sent, received
   std::set<int> devices;
   for (const Route& r : routes.plan.routes) {
-    const int dt = device_ordinal(config, true, r.trainer);
-    const int de = device_ordinal(config, false, r.engine);
+    REFIT_ASSIGN_OR_RETURN(const int dt, device_ordinal(config, true, r.trainer));
+    REFIT_ASSIGN_OR_RETURN(const int de, device_ordinal(config, false, r.engine));
     const auto n = static_cast<double>(r.numel());
     devices.insert(dt);
     devices.insert(de);
@@ -345,7 +347,8 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in
   // place.
   REFIT_ASSIGN_OR_RETURN(std::vector<void*> storage, engine->allocate_params());
-  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(cfg, default_device(cfg, false, engine_rank)));
+  REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg, false, engine_rank));
+  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(cfg, device));
   std::vector<PieceTarget> params;
   for (std::size_t i = 0; i < storage.size(); ++i)
     params.push_back(

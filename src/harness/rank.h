@@ -62,14 +62,15 @@ struct RefitReport {
 // there at `copy_bandwidth` (read+write bytes/s) plus the bytes it sends to or receives from other
 // devices at `peer_bandwidth` (bytes/s); the busiest device sets the floor. `overlap_seconds` is
 // the same with local traffic and the link overlapping perfectly (the larger of the two per
-// device): a strict lower bound, where `seconds` assumes they take turns.
+// device): a strict lower bound, where `seconds` assumes they take turns. Fails only on a bad
+// REFIT_DEVICE (device_ordinal).
 struct PlanFloor {
   double seconds = 0;
   double overlap_seconds = 0;
   std::string basis;  // the busiest device and its bytes
 };
-PlanFloor transfer_plan_floor(const Config& config, const RouteSetup& routes,
-                              double copy_bandwidth, double peer_bandwidth);
+Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
+                                      double copy_bandwidth, double peer_bandwidth);
 
 // Runs trainer rank `rank` for options.steps refits; trainer rank 0 fills `report`.
 Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report);

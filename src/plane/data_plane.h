@@ -105,13 +105,15 @@ class DataPlane {
 };
 
 // The plane of `config.device`. CPU: REFIT_CPU_THREADS workers (default: the number of cores,
-// at most 8). CUDA: GPU `device` (REFIT_DEVICE overrides it), one stream.
+// at most 8). CUDA: GPU `device` (modulo the visible GPUs), one stream, REFIT_COPY_ENGINE.
+// A bad value of either variable is an InvalidArgument naming it (common/env.h).
 Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device = 0);
-// The GPU a rank uses by default: colocated ranks share the device of their trainer rank;
-// otherwise trainer ranks take the first GPUs and engine ranks the next (modulo the count).
-int default_device(const Config& config, bool trainer, int rank);
+// The GPU a rank uses: REFIT_DEVICE when set; otherwise colocated ranks share the device of their
+// trainer rank, and non-colocated trainer ranks take the first GPUs and engine ranks the next
+// (modulo the count). A bad REFIT_DEVICE is an InvalidArgument naming it.
+Result<int> default_device(const Config& config, bool trainer, int rank);
 // The device ordinal that rank's plane actually uses: default_device modulo the visible GPUs
 // (0 on CPU, where every rank shares one memory).
-int device_ordinal(const Config& config, bool trainer, int rank);
+Result<int> device_ordinal(const Config& config, bool trainer, int rank);
 
 }  // namespace refit

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/convert.h"
+#include "common/env.h"
 #include "common/host_buffer.h"
 #include "device/device.h"
 #include "plane/data_plane.h"
@@ -233,14 +234,6 @@ class CpuDataPlane final : public DataPlane {
   WorkerPool pool_;
 };
 
-int default_threads() {
-  if (const char* env = std::getenv("REFIT_CPU_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return std::min(n, 64);
-  }
-  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
-}
-
 }  // namespace
 
 Status DataPlane::corrupt_byte(std::byte* at) {
@@ -265,24 +258,28 @@ Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, in
 
 Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device) {
   switch (config.device) {
-    case Device::kCpu:
-      return std::unique_ptr<DataPlane>(new CpuDataPlane(default_threads()));
+    case Device::kCpu: {
+      REFIT_ASSIGN_OR_RETURN(const int threads, env::cpu_threads());
+      return std::unique_ptr<DataPlane>(new CpuDataPlane(threads));
+    }
     case Device::kCuda:
       return make_cuda_data_plane(config, device);
   }
   return Status::Internal("unknown device");
 }
 
-int default_device(const Config& config, bool trainer, int rank) {
-  if (const char* env = std::getenv("REFIT_DEVICE")) return std::atoi(env);
+Result<int> default_device(const Config& config, bool trainer, int rank) {
+  REFIT_ASSIGN_OR_RETURN(const std::optional<int> device, env::device());
+  if (device) return *device;
   if (trainer || config.generation.colocated) return rank;
   return config.policy.world_size + rank;
 }
 
-int device_ordinal(const Config& config, bool trainer, int rank) {
+Result<int> device_ordinal(const Config& config, bool trainer, int rank) {
   if (config.device == Device::kCpu) return 0;
+  REFIT_ASSIGN_OR_RETURN(const int device, default_device(config, trainer, rank));
   const int count = device_count();
-  return count > 0 ? default_device(config, trainer, rank) % count : 0;
+  return count > 0 ? device % count : 0;
 }
 
 }  // namespace refit

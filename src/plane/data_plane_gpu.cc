@@ -10,6 +10,7 @@
 #include <map>
 #include <tuple>
 
+#include "common/env.h"
 #include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
 #include "device/device.h"
@@ -349,14 +350,8 @@ Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, in
       device, std::move(stream),
       std::chrono::milliseconds(static_cast<long long>(config.refit.timeout_s * 1000)));
   plane->set_seed(config.seed);
-  if (const char* env = std::getenv("REFIT_COPY_ENGINE")) {
-    const std::string v = env;
-    if (v != "0" && v != "1")
-      return Status::InvalidArgument(fmt::format(
-          "REFIT_COPY_ENGINE must be 0 or 1 (copy engines for uncast contiguous copies), got '{}'",
-          v));
-    plane->set_copy_engine(v == "1");
-  }
+  REFIT_ASSIGN_OR_RETURN(const bool copy_engine, env::copy_engine());
+  plane->set_copy_engine(copy_engine);
   return std::unique_ptr<DataPlane>(std::move(plane));
 }
 

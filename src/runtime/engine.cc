@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "comm/communicator.h"
+#include "common/env.h"
 #include "common/log.h"
 #include "common/timer.h"
 #include "control/mailbox.h"
@@ -146,7 +147,8 @@ class EngineImpl final : public Engine {
     for (const EngineParam& p : layout_.params)
       slots_.push_back(TensorSlot{p.name, p.shape, cfg_.refit.target_precision});
     ptrs_.assign(slots_.size(), nullptr);
-    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, default_device(cfg_, false, rank_)));
+    REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg_, false, rank_));
+    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, device));
     REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
     REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
@@ -564,6 +566,7 @@ Result<std::unique_ptr<Engine>> create_engine_with_fault(const Config& config, i
     return Status::InvalidArgument(
         fmt::format("engine rank {} is outside 0..{} (engine index * generation.tp_size + tp rank)",
                     engine_rank, config.engine_ranks() - 1));
+  REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
   auto e = std::make_unique<EngineImpl>(config, engine_rank, endpoint, fault);
   REFIT_RETURN_IF_ERROR(e->init());
   return std::unique_ptr<Engine>(std::move(e));

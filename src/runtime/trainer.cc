@@ -12,6 +12,7 @@
 #include <deque>
 
 #include "comm/communicator.h"
+#include "common/env.h"
 #include "common/log.h"
 #include "common/timer.h"
 #include "control/mailbox.h"
@@ -146,7 +147,8 @@ class TrainerImpl final : public Trainer {
     const int world = cfg_.policy.world_size;
     progress_ = rank_ == 0 && isatty(2);
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
-    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, default_device(cfg_, true, rank_)));
+    REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg_, true, rank_));
+    REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, device));
     const ModelSpec& spec = model_->spec;
     // Every rank's layout: this rank packs its own shards and scatters everyone's contribution.
     for (int r = 0; r < world; ++r) {
@@ -568,6 +570,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Config& config, int rank,
   if (rank < 0 || rank >= config.policy.world_size)
     return Status::InvalidArgument(fmt::format("trainer rank {} is outside policy.world_size {}",
                                                rank, config.policy.world_size));
+  REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
   auto t = std::make_unique<TrainerImpl>(config, rank, endpoint);
   REFIT_RETURN_IF_ERROR(t->init());
   return std::unique_ptr<Trainer>(std::move(t));

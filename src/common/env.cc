@@ -1,0 +1,215 @@
+#include "common/env.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <climits>
+#include <cstdlib>
+#include <thread>
+#include <type_traits>
+
+namespace refit::env {
+namespace {
+
+Status bad_value(std::string_view name, std::string_view text, std::string_view accepted) {
+  return Status::InvalidArgument(fmt::format(
+      "environment variable {}='{}' is not valid: expected {} (or leave it unset for the default)",
+      name, text, accepted));
+}
+
+std::string int_range(int lo, int hi) {
+  if (hi == INT_MAX && lo == 0) return "a non-negative integer";
+  if (hi == INT_MAX && lo == 1) return "a positive integer";
+  return fmt::format("an integer from {} to {}", lo, hi);
+}
+
+template <typename T>
+std::string show(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "1" : "0";
+  } else {
+    return fmt::format("{}", v);
+  }
+}
+
+// Reads `name` once and parses it; logs the chosen value at debug level (the caller caches).
+// `when_unset` describes the default when the value itself does not (optional results).
+template <typename T>
+Result<T> load(const char* name, Result<T> (*parse)(Text), const char* when_unset = nullptr) {
+  const std::optional<std::string> raw = read(name);
+  Result<T> r = parse(raw ? Text(*raw) : Text());
+  if (r.ok()) {
+    if (raw) {
+      log::debug("environment: {}={}", name, *raw);
+    } else if (when_unset != nullptr) {
+      log::debug("environment: {} not set: {} (default)", name, when_unset);
+    } else if constexpr (!std::is_same_v<T, std::optional<int>>) {
+      log::debug("environment: {} not set: {} (default)", name, show(*r));
+    }
+  }
+  return r;
+}
+
+std::optional<std::string> load_string(const char* name, const char* when_unset) {
+  std::optional<std::string> v = read(name);
+  if (v)
+    log::debug("environment: {}={}", name, *v);
+  else
+    log::debug("environment: {} not set: {} (default)", name, when_unset);
+  return v;
+}
+
+}  // namespace
+
+std::optional<std::string> read(const char* name) {
+  const char* v = std::getenv(name);  // the one getenv of src/
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+Result<std::optional<int>> parse_int(std::string_view name, Text text, int lo, int hi) {
+  if (!text || text->empty()) return std::optional<int>();
+  int v = 0;
+  const char* first = text->data();
+  const char* last = first + text->size();
+  const auto [end, ec] = std::from_chars(first, last, v, 10);
+  if (ec != std::errc() || end != last || v < lo || v > hi)
+    return bad_value(name, *text, int_range(lo, hi));
+  return std::optional<int>(v);
+}
+
+Result<std::optional<int>> parse_word(std::string_view name, Text text,
+                                      std::initializer_list<std::string_view> words) {
+  if (!text || text->empty()) return std::optional<int>();
+  int i = 0;
+  for (std::string_view w : words) {
+    if (*text == w) return std::optional<int>(i);
+    ++i;
+  }
+  std::string accepted = "one of";
+  i = 0;
+  for (std::string_view w : words) accepted += fmt::format("{}{}", i++ == 0 ? " " : ", ", w);
+  return bad_value(name, *text, accepted);
+}
+
+std::optional<std::string> parse_string(Text text) {
+  if (!text || text->empty()) return std::nullopt;
+  return std::string(*text);
+}
+
+// ---- refit's own variables -----------------------------------------------------------------
+
+Result<log::Level> parse_log_level(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> w,
+                         parse_word("REFIT_LOG", text, {"debug", "info", "warn", "error"}));
+  if (!w) return log::Level::kInfo;
+  constexpr log::Level kLevels[] = {log::Level::kDebug, log::Level::kInfo, log::Level::kWarn,
+                                    log::Level::kError};
+  return kLevels[*w];
+}
+
+Result<log::Level> log_level() {
+  // No logging here: the logger asks for its level through this accessor (common/log.cc).
+  static const Result<log::Level> v = [] {
+    const std::optional<std::string> raw = read("REFIT_LOG");
+    return parse_log_level(raw ? Text(*raw) : Text());
+  }();
+  return v;
+}
+
+Result<int> parse_cpu_threads(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> n, parse_int("REFIT_CPU_THREADS", text, 1, 64));
+  if (n) return *n;
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
+}
+
+Result<int> cpu_threads() {
+  static const Result<int> v = load("REFIT_CPU_THREADS", &parse_cpu_threads);
+  return v;
+}
+
+Result<std::optional<int>> parse_device(Text text) {
+  return parse_int("REFIT_DEVICE", text, 0, INT_MAX);
+}
+
+Result<std::optional<int>> device() {
+  static const Result<std::optional<int>> v =
+      load("REFIT_DEVICE", &parse_device, "the rank's GPU placement");
+  return v;
+}
+
+Result<bool> parse_copy_engine(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> w, parse_word("REFIT_COPY_ENGINE", text, {"0", "1"}));
+  return w.value_or(0) == 1;
+}
+
+Result<bool> copy_engine() {
+  static const Result<bool> v = load("REFIT_COPY_ENGINE", &parse_copy_engine);
+  return v;
+}
+
+std::optional<std::string> host_id() {
+  static const std::optional<std::string> v =
+      load_string("REFIT_HOST_ID", "the boot id and the IPC namespace");
+  return v;
+}
+
+std::optional<std::string> host() {
+  static const std::optional<std::string> v = load_string("REFIT_HOST", "MASTER_ADDR");
+  return v;
+}
+
+Status check() {
+  // REFIT_LOG first: the others log when read, and the logger needs its level.
+  REFIT_RETURN_IF_ERROR(log_level().status());
+  REFIT_RETURN_IF_ERROR(cpu_threads().status());
+  REFIT_RETURN_IF_ERROR(device().status());
+  REFIT_RETURN_IF_ERROR(copy_engine().status());
+  return Status::Ok();
+}
+
+// ---- torchrun-style variables --------------------------------------------------------------
+
+std::string master_addr() {
+  static const std::string v = load_string("MASTER_ADDR", "127.0.0.1").value_or("127.0.0.1");
+  return v;
+}
+
+Result<int> parse_master_port(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> p, parse_int("MASTER_PORT", text, 1, 65535));
+  return p.value_or(29500);
+}
+
+Result<int> master_port() {
+  static const Result<int> v = load("MASTER_PORT", &parse_master_port);
+  return v;
+}
+
+Result<std::optional<int>> parse_rank(Text text) { return parse_int("RANK", text, 0, INT_MAX); }
+
+Result<std::optional<int>> rank() {
+  static const Result<std::optional<int>> v = load("RANK", &parse_rank, "none");
+  return v;
+}
+
+Result<std::optional<int>> parse_world_size(Text text) {
+  return parse_int("WORLD_SIZE", text, 1, INT_MAX);
+}
+
+Result<std::optional<int>> world_size() {
+  static const Result<std::optional<int>> v =
+      load("WORLD_SIZE", &parse_world_size, "policy.world_size");
+  return v;
+}
+
+Result<std::optional<int>> parse_engine_rank(Text text) {
+  return parse_int("ENGINE_RANK", text, 0, INT_MAX);
+}
+
+Result<std::optional<int>> engine_rank() {
+  static const Result<std::optional<int>> v = load("ENGINE_RANK", &parse_engine_rank, "RANK");
+  return v;
+}
+
+}  // namespace refit::env

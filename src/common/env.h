@@ -1,0 +1,90 @@
+// Every environment variable refit reads, read one way: one typed accessor per variable, the only
+// place in src/ that calls getenv. README.md "Environment variables" lists them all.
+//
+// An accessor reads its variable once, caches the result (the value, or the error) for the life
+// of the process and logs the chosen value at debug level once. An empty value counts as unset.
+// A bad value is an InvalidArgument Status naming the variable, the value and what is accepted;
+// setup code returns it (the CLI exits 2), never falls back to the default.
+//
+// parse_<variable>(text) is the same parse without the environment and without the cache (tests):
+// `text` is the value, nullopt when unset.
+#pragma once
+
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "common/log.h"
+#include "refit/status.h"
+
+namespace refit::env {
+
+using Text = std::optional<std::string_view>;
+
+// The raw value of `name`, nullopt when unset or empty.
+std::optional<std::string> read(const char* name);
+
+// The typed helpers every variable is parsed with.
+// An integer in [lo, hi] (decimal, no sign for non-negative values, no spaces); nullopt when unset.
+Result<std::optional<int>> parse_int(std::string_view name, Text text, int lo, int hi);
+// The index of `text` in `words` (exact match); nullopt when unset.
+Result<std::optional<int>> parse_word(std::string_view name, Text text,
+                                      std::initializer_list<std::string_view> words);
+// Any text; nullopt when unset.
+std::optional<std::string> parse_string(Text text);
+
+// ---- refit's own variables -------------------------------------------------------------------
+
+// REFIT_LOG: debug | info | warn | error (default info). Read by the logger itself, so this
+// accessor does not log (common/log.cc logs the level once it is set).
+Result<log::Level> parse_log_level(Text text);
+Result<log::Level> log_level();
+
+// REFIT_CPU_THREADS: worker threads of the CPU data plane, 1..64 (default: the number of cores,
+// at most 8).
+Result<int> parse_cpu_threads(Text text);
+Result<int> cpu_threads();
+
+// REFIT_DEVICE: device: cuda — the GPU ordinal this process uses (taken modulo the visible GPUs),
+// a non-negative integer; nullopt (default): the rank's placement (default_device).
+Result<std::optional<int>> parse_device(Text text);
+Result<std::optional<int>> device();
+
+// REFIT_COPY_ENGINE: device: cuda — 0 | 1 (default 0): uncast contiguous copies on the copy
+// engines instead of the copy kernel.
+Result<bool> parse_copy_engine(Text text);
+Result<bool> copy_engine();
+
+// REFIT_HOST_ID: which host this process is on for the executor choice; nullopt (default): the
+// kernel's boot id and the IPC namespace (host_identity).
+std::optional<std::string> host_id();
+
+// REFIT_HOST: the address this process listens on; nullopt (default): MASTER_ADDR.
+std::optional<std::string> host();
+
+// Every REFIT_* variable above: the first bad one's error, else ok. Called at setup (CLI
+// commands that start ranks, Trainer/Engine creation) so a bad value is refused before anything
+// starts, whether or not this run would use it.
+Status check();
+
+// ---- torchrun-style variables of `refit trainer` / `refit engine` ------------------------------
+
+// MASTER_ADDR: trainer rank 0's address (default 127.0.0.1).
+std::string master_addr();
+// MASTER_PORT: its store port, 1..65535 (default 29500).
+Result<int> parse_master_port(Text text);
+Result<int> master_port();
+// RANK: trainer rank (non-negative; unset: nullopt). refit engine falls back to it when
+// ENGINE_RANK is unset.
+Result<std::optional<int>> parse_rank(Text text);
+Result<std::optional<int>> rank();
+// WORLD_SIZE: trainer group size (positive; unset: nullopt, i.e. policy.world_size).
+Result<std::optional<int>> parse_world_size(Text text);
+Result<std::optional<int>> world_size();
+// ENGINE_RANK: global engine rank = engine index * tp_size + tp rank (non-negative; unset:
+// nullopt).
+Result<std::optional<int>> parse_engine_rank(Text text);
+Result<std::optional<int>> engine_rank();
+
+}  // namespace refit::env
