@@ -112,6 +112,9 @@ Result<LaunchResult> launch_and_wait(
         if (bad && !failed) {
           failed = true;
           result.summary = fmt::format("{} {}", children[i].name, describe_exit(status));
+          result.first_failed = static_cast<int>(i);
+          result.first_how = describe_exit(status);
+          result.first_killed = WIFSIGNALED(status);
           if (on_failure) on_failure(children[i].name, describe_exit(status));
           deadline = std::chrono::steady_clock::now() +
                      std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000) + 5000);

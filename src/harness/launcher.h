@@ -23,6 +23,11 @@ struct ChildSpec {
 struct LaunchResult {
   bool ok = false;
   std::string summary;  // which process failed first, and how
+  // The first child that exited abnormally (index into the children; -1: none), how ("was
+  // killed by signal 9 (Killed)", "exited with code 1"), and whether a signal ended it.
+  int first_failed = -1;
+  std::string first_how;
+  bool first_killed = false;
 };
 
 // Runs all children to completion. `timeout_s` bounds how long the others may take to follow a

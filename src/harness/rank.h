@@ -9,6 +9,7 @@
 #include "refit/config.h"
 #include "refit/session.h"
 #include "refit/status.h"
+#include "runtime/failure.h"
 #include "runtime/fault.h"
 
 namespace refit {
@@ -29,9 +30,10 @@ struct RankOptions {
   std::string dump_dir;
 };
 
-// Version of the --json report's layout (docs/runtime.md): 2 added `ranks`, `executor`,
-// `peer_bandwidth_gbps` and `floor_basis`.
-inline constexpr int kReportSchemaVersion = 2;
+// Version of the --json report's layout (docs/runtime.md, docs/report.schema.json): 2 added
+// `ranks`, `executor`, `peer_bandwidth_gbps` and `floor_basis`; 3 added `ok` and `error` (a
+// report is written for failed runs too).
+inline constexpr int kReportSchemaVersion = 3;
 
 // Per-run numbers collected by trainer rank 0.
 struct RefitReport {
@@ -77,9 +79,25 @@ Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* repor
 // Runs engine rank `engine_rank` until the trainer shuts it down.
 Status run_engine_rank(const RankOptions& options, int engine_rank);
 
-// The JSON report of docs/design.md §5.3 (plus bench fields when raw passes ran).
+// The JSON report of docs/design.md §5.3 (plus bench fields when raw passes ran), `ok: true`.
+// Every report is written to a temporary file next to `path` and renamed over it.
 Status write_report_json(const std::string& path, const RankOptions& options,
                          const RefitReport& report);
+// The report of a run that failed: `ok: false` and `error` naming the process blamed.
+Status write_failure_report_json(const std::string& path, const RankOptions& options,
+                                 const Blame& error);
+// `refit run` after a run that failed, `first` being the first process that exited abnormally
+// (`killed`: by a signal). The failure report trainer rank 0 wrote (its root cause comes from the
+// run's "error/first") stays, unless `first` was killed outright: that is always the root cause.
+// Without one (trainer rank 0 died, or it wrote a success report and a process failed after it)
+// the launcher writes a failure report blaming `first`. A device or pipe (`--json /dev/stdout`) is
+// left to trainer rank 0.
+Status settle_failed_run_report(const std::string& path, const RankOptions& options,
+                                const Blame& first, bool killed);
+// --json FILE before any rank starts: InvalidArgument naming the path when the report could not be
+// written there (missing directory, a directory, no write permission); otherwise removes a report
+// an earlier run left there, so that the file is this run's report or absent.
+Status prepare_report_path(const std::string& path);
 // The one-screen summary.
 std::string format_summary(const RankOptions& options, const RefitReport& report);
 

@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include "common/stats.h"
 #include "harness/rank.h"
@@ -25,6 +27,60 @@ std::string raw_limit_text(const Config& c) {
 
 std::string mb(std::int64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
 
+std::filesystem::path report_dir(const std::string& path) {
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  return dir.empty() ? std::filesystem::path(".") : dir;
+}
+
+// Writes the report: a regular file (or none yet) through a temporary file in the same directory
+// renamed over it, so that a reader never sees half a report; a link, device or pipe in place.
+Status write_report_file(const std::string& path, const nlohmann::ordered_json& j) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(path, ec);
+  const bool in_place = fs::exists(st) && !fs::is_regular_file(st);
+  const std::string tmp =
+      in_place ? path
+               : (report_dir(path) / fmt::format(".{}.tmp-{}",
+                                                 fs::path(path).filename().string(), getpid()))
+                     .string();
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return Status::IOError(fmt::format("cannot write the report to {}", tmp));
+    out << j.dump(2) << "\n";
+    out.flush();
+    if (!out) {
+      if (!in_place) fs::remove(tmp, ec);
+      return Status::IOError(fmt::format("writing the report to {} failed", tmp));
+    }
+  }
+  if (!in_place) {
+    fs::rename(tmp, path, ec);
+    if (ec) {
+      fs::remove(tmp, ec);
+      return Status::IOError(fmt::format("cannot rename the report to {}: {}", path, ec.message()));
+    }
+  }
+  return Status::Ok();
+}
+
+// The keys every report has, then `error`: what was asked, and who failed.
+nlohmann::ordered_json failure_report(const RankOptions& options, const Blame& error) {
+  nlohmann::ordered_json j;
+  j["schema_version"] = kReportSchemaVersion;
+  j["ok"] = false;
+  j["steps"] = options.steps;
+  j["verified"] = options.verify;
+  j["logits_checked"] = options.check_logits;
+  j["executor"] = std::string(executor_name(options.config.refit.executor));
+  j["error"] = {{"message", error.message},
+                {"process", error.process},
+                {"role", error.role},
+                {"rank", error.rank}};
+  j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
+  return j;
+}
+
 }  // namespace
 
 
@@ -33,6 +89,7 @@ Status write_report_json(const std::string& path, const RankOptions& options,
   const double med = median(r.refit_seconds);
   nlohmann::ordered_json j;
   j["schema_version"] = kReportSchemaVersion;
+  j["ok"] = true;
   j["steps"] = r.steps;
   j["verified"] = r.verified;
   j["logits_checked"] = r.logits_checked;
@@ -80,10 +137,56 @@ Status write_report_json(const std::string& path, const RankOptions& options,
   j["ranks"] = std::move(ranks);
   j["plan_hash"] = r.plan_hash;
   j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
-  std::ofstream out(path);
-  if (!out) return Status::IOError(fmt::format("cannot write the report to {}", path));
-  out << j.dump(2) << "\n";
-  if (!out) return Status::IOError(fmt::format("writing the report to {} failed", path));
+  return write_report_file(path, j);
+}
+
+Status write_failure_report_json(const std::string& path, const RankOptions& options,
+                                 const Blame& error) {
+  return write_report_file(path, failure_report(options, error));
+}
+
+Status settle_failed_run_report(const std::string& path, const RankOptions& options,
+                                const Blame& first, bool killed) {
+  // A device or pipe cannot be read back (reading /dev/stdout would block): what trainer rank 0
+  // wrote there stands.
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) return Status::Ok();
+  if (!killed) {
+    std::ifstream in(path);
+    if (in) {
+      const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.value("ok", true) == false && j.contains("error")) return Status::Ok();
+    }
+  }
+  return write_report_file(path, failure_report(options, first));
+}
+
+Status prepare_report_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);  // follows links
+  if (fs::is_directory(st))
+    return Status::InvalidArgument(fmt::format("--json {}: is a directory", path));
+  if (fs::exists(st) && !fs::is_regular_file(st)) {  // a device or a pipe: written in place
+    if (access(path.c_str(), W_OK) != 0)
+      return Status::InvalidArgument(fmt::format("--json {}: not writable", path));
+    return Status::Ok();
+  }
+  const fs::path dir = report_dir(path);
+  if (!fs::is_directory(dir, ec))
+    return Status::InvalidArgument(fmt::format(
+        "--json {}: {} is not an existing directory", path, dir.string()));
+  if (access(dir.c_str(), W_OK | X_OK) != 0)
+    return Status::InvalidArgument(
+        fmt::format("--json {}: the directory {} is not writable", path, dir.string()));
+  if (fs::is_symlink(fs::symlink_status(path, ec))) {
+    if (fs::exists(st) && (access(path.c_str(), W_OK) != 0 || truncate(path.c_str(), 0) != 0))
+      return Status::InvalidArgument(fmt::format("--json {}: not writable", path));
+  } else if (fs::exists(st) && !fs::remove(path, ec)) {
+    return Status::InvalidArgument(fmt::format(
+        "--json {}: cannot remove the report of an earlier run ({})", path, ec.message()));
+  }
   return Status::Ok();
 }
 

@@ -7,6 +7,7 @@ The expectations here do not use refit's layout code: they follow the rules of d
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import re
 import socket
@@ -17,6 +18,29 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import refit
+
+# ---------------------------------------------------------------------------------------------
+# The CLI
+
+
+def refit_cli() -> Optional[str]:
+    """The `refit` CLI to test: $REFIT_CLI; else the one installed with the imported package
+    (refit.cli_path()); else the one of the build tree whose package is imported
+    (<build>/python/refit -> <build>/src/refit); else ./build/src/refit of this checkout. None
+    when none exists."""
+    if os.environ.get("REFIT_CLI"):  # asked for explicitly: that one or none
+        c = os.environ["REFIT_CLI"]
+        return c if os.path.isfile(c) and os.access(c, os.X_OK) else None
+    installed = getattr(refit, "cli_path", None)
+    if installed is not None and installed() is not None:
+        return installed()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    package_build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(refit.__file__))))
+    for c in (os.path.join(package_build, "src", "refit"), os.path.join(root, "build", "src", "refit")):
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
 
 # ---------------------------------------------------------------------------------------------
 # Known weights

@@ -1,0 +1,118 @@
+// The --json report's failure side without processes: which process a failure is blamed on, the
+// checks of the path, and who keeps the last word on a failed run's report (docs/runtime.md,
+// "Report"; docs/report.schema.json).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "harness/rank.h"
+#include "runtime/failure.h"
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+using testing::TempDir;
+
+TEST(ReportBlame, ProcessNames) {
+  auto t = blame_process("trainer rank 3", 2);
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->role, "trainer");
+  EXPECT_EQ(t->rank, 3);
+  auto e = blame_process("engine 1 tp rank 1", 4);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->role, "engine");
+  EXPECT_EQ(e->rank, 5);  // engine index * tp_size + tp rank
+  EXPECT_EQ(e->process, "engine 1 tp rank 1");
+  EXPECT_FALSE(blame_process("trainer rank 3x", 2).has_value());
+  EXPECT_FALSE(blame_process("the launcher", 2).has_value());
+}
+
+TEST(ReportBlame, RootCauseFromElsewhere) {
+  const Status st(StatusCode::kAborted,
+                  "step 1: aborted because engine 0 tp rank 1: corruption: verify: engine 0 tp "
+                  "rank 1: tensor x element 3 (seen here as: timeout: mailbox (waiting))");
+  const Blame b = blame_failure("trainer rank 0", st, 2);
+  EXPECT_EQ(b.process, "engine 0 tp rank 1");
+  EXPECT_EQ(b.role, "engine");
+  EXPECT_EQ(b.rank, 1);
+  EXPECT_EQ(b.message, "engine 0 tp rank 1: corruption: verify: engine 0 tp rank 1: tensor x element 3");
+  // liveness_check's form has no "seen here as".
+  const Blame l = blame_failure(
+      "trainer rank 0",
+      Status::Aborted("aborted because trainer rank 1: aborted: the process was killed by signal 9"),
+      2);
+  EXPECT_EQ(l.process, "trainer rank 1");
+  EXPECT_EQ(l.message, "trainer rank 1: aborted: the process was killed by signal 9");
+}
+
+TEST(ReportBlame, OwnFailure) {
+  const Blame b = blame_failure("trainer rank 0", Status::Timeout("no engine answered"), 2);
+  EXPECT_EQ(b.process, "trainer rank 0");
+  EXPECT_EQ(b.role, "trainer");
+  EXPECT_EQ(b.rank, 0);
+  EXPECT_EQ(b.message, "trainer rank 0: timeout: no engine answered");
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+TEST(ReportPath, SetupChecks) {
+  TempDir dir;
+  EXPECT_EQ(prepare_report_path(dir.path()).code(), StatusCode::kInvalidArgument);
+  const Status missing = prepare_report_path(dir.path() + "/no/report.json");
+  EXPECT_EQ(missing.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.message().find("--json " + dir.path() + "/no/report.json"), std::string::npos)
+      << missing.message();
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/no"));
+  // Passing the check creates nothing and removes an earlier run's report.
+  EXPECT_TRUE(prepare_report_path(dir.path() + "/new.json").ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/new.json"));
+  const std::string old = dir.write("old.json", R"({"ok": true})");
+  EXPECT_TRUE(prepare_report_path(old).ok());
+  EXPECT_FALSE(std::filesystem::exists(old));
+}
+
+TEST(ReportFile, FailedRunReports) {
+  TempDir dir;
+  RankOptions o;
+  o.steps = 2;
+  o.verify = true;
+  const std::string path = dir.path() + "/report.json";
+  Blame engine = *blame_process("engine 0 tp rank 1", 2);
+  engine.message = "engine 0 tp rank 1: corruption: verify: …";
+  ASSERT_TRUE(write_failure_report_json(path, o, engine).ok());
+  auto j = read_json(path);
+  EXPECT_EQ(j.at("schema_version"), kReportSchemaVersion);
+  EXPECT_EQ(j.at("ok"), false);
+  EXPECT_EQ(j.at("steps"), 2);
+  EXPECT_EQ(j.at("error").at("rank"), 1);
+  EXPECT_EQ(j.at("error").at("role"), "engine");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()),
+                          std::filesystem::directory_iterator()),
+            1)
+      << "the temporary file was renamed";
+
+  // The launcher keeps trainer rank 0's failure report when the first process to fail exited...
+  Blame trainer = *blame_process("trainer rank 1", 2);
+  trainer.message = "trainer rank 1: aborted: the process exited with code 1";
+  ASSERT_TRUE(settle_failed_run_report(path, o, trainer, /*killed=*/false).ok());
+  EXPECT_EQ(read_json(path).at("error").at("process"), "engine 0 tp rank 1");
+  // ...and blames a process killed outright.
+  ASSERT_TRUE(settle_failed_run_report(path, o, trainer, /*killed=*/true).ok());
+  EXPECT_EQ(read_json(path).at("error").at("process"), "trainer rank 1");
+  // A success report of a run that failed afterwards, or none at all, is replaced.
+  dir.write("report.json", R"({"schema_version": 3, "ok": true})");
+  ASSERT_TRUE(settle_failed_run_report(path, o, engine, /*killed=*/false).ok());
+  EXPECT_EQ(read_json(path).at("ok"), false);
+  std::filesystem::remove(path);
+  ASSERT_TRUE(settle_failed_run_report(path, o, engine, /*killed=*/false).ok());
+  EXPECT_EQ(read_json(path).at("error").at("rank"), 1);
+}
+
+}  // namespace
+}  // namespace refit
