@@ -11,8 +11,9 @@ Every rank is a process on this machine, as in a real job:
   bigram model: embed_tokens then lm_head) and sends the rollouts, tagged with its weight
   version, back to the trainers.
 
-Run it (after `bash scripts/build.sh`): ``python3 examples/rl_loop.py --steps 3``. It needs NumPy,
-no GPU. With PyTorch the same wiring is ``refit.torch.trainer_from_fsdp`` on the trainer side and
+Run it with an interpreter that has refit and NumPy (docs/rl-loop.md), e.g. after
+``python3 -m venv --system-site-packages .venv && .venv/bin/python -m pip install .``:
+``.venv/bin/python examples/rl_loop.py --steps 3``. No GPU needed. With PyTorch the same wiring is ``refit.torch.trainer_from_fsdp`` on the trainer side and
 ``refit.torch.engine_from_hf`` (or your engine's own parameters) on the engine side; see
 docs/rl-loop.md.
 """
@@ -24,9 +25,19 @@ import multiprocessing as mp
 import socket
 import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:
+    sys.exit(f"examples/rl_loop.py needs NumPy, which {sys.executable} does not have: run it with "
+             "an interpreter that has NumPy and refit, e.g. a venv made with "
+             "`python3 -m venv --system-site-packages .venv` from Debian's /usr/bin/python3 "
+             "(python3-numpy) and `.venv/bin/python -m pip install .` (docs/rl-loop.md)")
 
-import refit
+try:
+    import refit
+except ImportError:
+    sys.exit(f"examples/rl_loop.py needs refit, which {sys.executable} cannot import: install it "
+             "with `python -m pip install .` from the refit checkout (docs/python.md)")
 
 MODEL = "tiny-qwen3"
 PROMPTS = [3, 14, 15, 92, 65, 35, 89, 79]  # first token of each rollout

@@ -92,9 +92,10 @@ void expect_dump_matches(const std::string& executor) {
           }
       }
       for (std::size_t k = 0; k < covered.size(); ++k)
-        if (!covered[k])
+        if (!covered[k]) {
           ASSERT_EQ(bf16_at(**eng, *info, static_cast<std::int64_t>(k)), 0)
               << "padding of " << p.name;
+        }
     }
   }
 }

@@ -503,7 +503,9 @@ TEST(EngineLayout, MatchesReferenceReassemblesAndPadsVocabulary) {
             const std::int64_t row = static_cast<std::int64_t>(e) / cols;
             const bool pad = is_vocab_param(p.name) && r * p.shape[0] + row >= c.vocab_size;
             ASSERT_EQ(a.writes[e], pad ? 0 : 1) << p.name << " element " << e;
-            if (pad) ASSERT_EQ(a.data[e], 0) << p.name << " padding element " << e;
+            if (pad) {
+              ASSERT_EQ(a.data[e], 0) << p.name << " padding element " << e;
+            }
           }
           if (is_vocab_param(p.name))
             padding_rows += std::max<std::int64_t>(
@@ -607,8 +609,9 @@ TEST(EngineLayout, RealModelsCountsShapesAndSpeed) {
       EXPECT_EQ(L->params[1].shape, rc.qkv);
       for (const auto& p : L->params) {
         if (p.name == "model.layers.0.mlp.gate_up_proj.weight" ||
-            p.name == "model.layers.0.mlp.experts.w13_weight")
+            p.name == "model.layers.0.mlp.experts.w13_weight") {
           EXPECT_EQ(p.shape, rc.mlp_first);
+        }
         for (const Piece& pc : p.pieces) piece_elems += pc.rows * pc.cols;
       }
       total += L->total_numel();

@@ -1,6 +1,7 @@
 // Typed control messages: every message survives encode -> decode unchanged, and a payload with a
 // missing, mistyped or extra-versioned field is refused with an error naming the message, the
 // sender and the field (never a silent default).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -116,6 +117,41 @@ TEST(Messages, OtherWireVersionOrGarbageIsRefused) {
     ASSERT_FALSE(g.ok()) << bad;
     EXPECT_NE(g.status().message().find("verified message from engine/9"), std::string::npos);
   }
+}
+
+// Hellos and version stamps name the refit and wire versions; another version on either is
+// refused naming both sides, as is a peer that announces none.
+TEST(Messages, PeerVersionsAreCheckedNamingBothSides) {
+  EXPECT_TRUE(check_peer_versions(encode(HelloMessage{}), "engine/0", "trainer rank 0").ok());
+  EXPECT_TRUE(check_peer_versions(encode_version_stamp(version()), "trainer rank 1",
+                                  "trainer rank 0")
+                  .ok());
+  auto hello = decode_hello(encode(HelloMessage{.engine_rank = 3}), "engine/3");
+  ASSERT_TRUE(hello.ok()) << hello.status().to_string();
+  EXPECT_EQ(hello->refit_version, version());
+
+  const Status other =
+      check_peer_versions(encode_version_stamp("9.9.9"), "trainer rank 1", "trainer rank 0");
+  EXPECT_EQ(other.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(other.message().find(fmt::format("trainer rank 1 runs refit 9.9.9 (wire protocol {})",
+                                             kMessageWireVersion)),
+            std::string::npos)
+      << other.to_string();
+  EXPECT_NE(other.message().find(fmt::format("trainer rank 0 runs refit {} (wire protocol {})",
+                                             version(), kMessageWireVersion)),
+            std::string::npos)
+      << other.to_string();
+
+  auto j = nlohmann::json::parse(encode(HelloMessage{}));
+  j["v"] = kMessageWireVersion + 1;
+  const Status wire = check_peer_versions(j.dump(), "engine/1", "trainer rank 0");
+  EXPECT_NE(wire.message().find(fmt::format("runs refit {} (wire protocol {})", version(),
+                                            kMessageWireVersion + 1)),
+            std::string::npos)
+      << wire.to_string();
+  const Status none = check_peer_versions("{\"v\": 1}", "engine/2", "trainer rank 0");
+  EXPECT_NE(none.message().find("engine/2 announced no refit version"), std::string::npos)
+      << none.to_string();
 }
 
 }  // namespace

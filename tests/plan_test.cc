@@ -90,13 +90,13 @@ TEST(BucketPlan, DeterministicAndHashSensitive) {
 }
 
 TEST(BucketPlan, BoundsAlignmentAndCompletenessOnEveryPreset) {
-  for (const std::string& preset : {"tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-moe"}) {
+  for (const char* preset : {"tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-moe"}) {
     const ModelSpec spec = load(preset);
     for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
       for (std::int64_t buffer : {256ll, 1000ll, 4096ll, 20000ll, 1ll << 20}) {
         for (std::int64_t alignment : {1ll, 4ll, 256ll}) {
           if (buffer < alignment) continue;
-          SCOPED_TRACE(preset + " " + std::string(dtype_name(dtype)) + " buffer " +
+          SCOPED_TRACE(std::string(preset) + " " + std::string(dtype_name(dtype)) + " buffer " +
                        std::to_string(buffer) + " alignment " + std::to_string(alignment));
           expect_valid(spec, plan_or_die(spec, dtype, buffer, alignment));
         }

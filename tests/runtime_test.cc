@@ -1,5 +1,6 @@
 // End-to-end refits across real processes on loopback: `refit run --verify` for every FSDP2 cell,
 // uneven shards, several engines and TP sizes, small buffers, faults and killed ranks.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "refit/version.h"
 #include "test_util.h"
 
 namespace refit {
@@ -138,10 +140,44 @@ TEST(RuntimeReport, JsonHasTheContractKeys) {
   std::stringstream ss;
   ss << in.rdbuf();
   for (const char* key :
-       {"\"steps\": 3", "\"verified\": false", "\"bytes_per_refit\"", "\"buckets_per_refit\"",
-        "\"refit_seconds\"", "\"gbps\"", "\"phases\"", "\"unshard\"", "\"cast_pack\"",
-        "\"transfer\"", "\"apply\"", "\"config\""})
+       {"\"ok\": true", "\"steps\": 3", "\"verified\": false", "\"bytes_per_refit\"",
+        "\"buckets_per_refit\"", "\"refit_seconds\"", "\"gbps\"", "\"phases\"", "\"unshard\"",
+        "\"cast_pack\"", "\"transfer\"", "\"apply\"", "\"config\""})
     EXPECT_NE(ss.str().find(key), std::string::npos) << key << "\n" << ss.str();
+}
+
+// A failed run writes its report too (docs/runtime.md, "Report"): ok false, the error and the
+// process blamed, none of the measurements — and no earlier run's report survives.
+TEST(RuntimeReport, FailedRunReportBlamesTheKilledRank) {
+  TempDir dir;
+  const std::string json = dir.write("report.json", R"({"schema_version": 3, "ok": true})");
+  auto r = run_cli({"run", dir.write("c.yaml", config_yaml({.timeout_s = 5})), "--steps", "2",
+                    "--fault", "kill-engine:1:0", "--json", json},
+                   120);
+  ASSERT_EQ(r.exit_code, 1) << r.output;
+  std::ifstream in(json);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j.at("schema_version").get<int>(), 3);
+  EXPECT_FALSE(j.at("ok").get<bool>()) << j.dump(2);
+  const auto& e = j.at("error");
+  EXPECT_EQ(e.at("role"), "engine") << j.dump(2);
+  EXPECT_EQ(e.at("rank").get<int>(), 1) << j.dump(2);
+  EXPECT_EQ(e.at("process"), "engine 0 tp rank 1") << j.dump(2);
+  EXPECT_NE(e.at("message").get<std::string>().find("killed by signal 9"), std::string::npos)
+      << j.dump(2);
+  EXPECT_FALSE(j.contains("refit_seconds")) << j.dump(2);
+  EXPECT_EQ(j.at("config").at("model"), "tiny-qwen3");
+}
+
+TEST(RuntimeReport, UnwritablePathExits2BeforeAnyRankStarts) {
+  TempDir dir;
+  const std::string cfg = dir.write("c.yaml", config_yaml({}));
+  for (const std::string& path : {dir.path() + "/missing/report.json", dir.path()}) {
+    auto r = run_cli({"run", cfg, "--json", path}, 60);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--json " + path), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("refit(s) completed"), std::string::npos) << r.output;
+  }
 }
 
 TEST(RuntimeFaults, CorruptBucketFailsAndNamesTheTensor) {
@@ -202,6 +238,23 @@ TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
       run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("manifest mismatch"), std::string::npos) << r.output;
+}
+
+// Two ranks of different refit versions: the engine announces "<version>+mismatch" in its hello
+// and the trainer refuses it at setup, naming both sides and both versions.
+TEST(RuntimeSetup, VersionMismatchIsRefusedNamingBothSides) {
+  auto r = run_cell({.timeout_s = 5}, {"--steps", "1", "--fault", "version-mismatch"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("version mismatch"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(fmt::format("runs refit {}+mismatch (wire protocol {})", version(),
+                                      wire_version())),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(fmt::format("trainer rank 0 runs refit {} (wire protocol {})",
+                                      version(), wire_version())),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step 1/1"), std::string::npos) << r.output;  // no refit ran
 }
 
 TEST(RuntimeSetup, InvalidConfigExits2BeforeStarting) {
@@ -409,7 +462,9 @@ TEST(RuntimeReport, RanksArrayShowsShardSizedReceives) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     std::ifstream in(json);
     const auto j = nlohmann::json::parse(in);
-    EXPECT_EQ(j.at("schema_version").get<int>(), 2);
+    EXPECT_EQ(j.at("schema_version").get<int>(), 3);
+    EXPECT_TRUE(j.at("ok").get<bool>());
+    EXPECT_FALSE(j.contains("error"));
     EXPECT_EQ(j.at("executor").get<std::string>(), executor);
     const double model = j.at("bytes_per_refit").get<double>();
     long long sent = 0, received = 0;

@@ -153,7 +153,9 @@ TEST(Safetensors, RoundTripsEveryDtypeAndShape) {
     for (auto d : v.shape) numel *= d;
     EXPECT_EQ(info->numel(), numel);
     ASSERT_EQ(info->nbytes(), numel * dtype_size(v.dtype)) << v.name;
-    if (numel > 0) EXPECT_EQ(std::memcmp((*f)->data(*info), v.data, info->nbytes()), 0) << v.name;
+    if (numel > 0) {
+      EXPECT_EQ(std::memcmp((*f)->data(*info), v.data, info->nbytes()), 0) << v.name;
+    }
   }
   EXPECT_EQ((*f)->file_size(), bytes.size());
   // Reading with conversion, and a sub-range.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The usual non-colocated refit, written in PyTorch, as refit's reference baseline (ANCHORS.md:
-NeMo-RL's "packed broadcast").
+"""The usual non-colocated refit, written in PyTorch, as refit's reference baseline
+(NeMo-RL's "packed broadcast").
 
 One process per GPU, started with torch.multiprocessing: rank 0 is the trainer on GPU 0 and holds
 every HF tensor whole (FSDP2 world size 1, or an already unsharded model); ranks 1..E are engine

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The usual colocated refit, written in PyTorch, as refit's reference baseline (ANCHORS.md).
+"""The usual colocated refit, written in PyTorch, as refit's reference baseline.
 
 Idealised: trainer and engine are two processes on one GPU; per bucket of at most --bucket-bytes
 the trainer casts each tensor, concatenates them (torch.cat) into one flat buffer, sends its

@@ -18,7 +18,7 @@ c=$root/.carry/refit
 nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '*/proc/*' 2>/dev/null | head -1)")
 export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 R=$c/bin/refit
-parts=${REFIT_DEVICE_PARTS:-"tests cells bench python"}  # a subset for a shorter run
+parts=${REFIT_DEVICE_PARTS:-"tests cells archcheck bench python"}  # a subset for a shorter run
 has() { [[ " $parts " == *" $1 "* ]]; }
 work=$(mktemp -d)
 summary=$out/summary.txt
@@ -86,14 +86,26 @@ timeout 400 "$R" bench "$(EXEC=gather BUF=536870912 cfg qwen3-8b fsdp2 vllm floa
 note "qwen3-8b-fp32 cuda-ipc buckets bench rc=$?"
 fi
 
+if has archcheck && [ -x "$c/bin/refit-sm80" ]; then
+echo "== a CLI with sm_80 kernels only, on this GPU: must be refused at setup, naming the GPU"
+timeout 120 "$c/bin/refit-sm80" run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 1 \
+  > "$out/archcheck.log" 2>&1
+rc=$?
+if [ $rc != 0 ] && grep -q "has no refit kernels" "$out/archcheck.log"; then
+  note "archcheck: ok, rc=$rc: $(grep -o 'device [0-9]* ([^)]*) has no refit kernels[^;]*' "$out/archcheck.log" | head -1)"
+else
+  note "archcheck: FAIL rc=$rc (archcheck.log)"
+fi
+fi
+
 if has python; then
 echo "== python module (built here for this interpreter) + PyTorch device test"
 py=$work/py/refit
 mkdir -p "$py" && cp "$root"/python/refit/*.py "$py/"
 cudalib=/usr/local/cuda/lib64
-if g++ -O2 -shared -fPIC -std=c++20 "$root"/python/src/*.cc -I"$root/include" -I"$root/python/src" \
+if g++ -O2 -shared -fPIC -std=c++20 "$root"/python/src/*.cc -I"$root/include" -I"$c/include" -I"$root/python/src" \
      $(python3 -m pybind11 --includes) -o "$py/_refit$(python3-config --extension-suffix)" \
-     -Wl,--start-group "$c/lib/librefit_core.a" "$c/lib/libgloo.so.0" "$c/lib/libzmq.so.5" \
+     -Wl,--start-group "$c/lib/librefit.a" "$c/lib/libgloo.so.0" "$c/lib/libzmq.so.5" \
      "$c/lib/libyaml-cpp.so.0.7" "$c/lib/libfmt.so.9" -Wl,--end-group \
      -L"$cudalib" -lcudart_static -L"$nccl_dir" -l:libnccl.so.2 -lpthread -ldl -lrt > "$out/python.log" 2>&1; then
   PYTHONPATH=$work/py timeout 300 python3 "$root/bench/gpu/python_device_test.py" --steps 2 \
@@ -111,6 +123,9 @@ out, work = sys.argv[1], sys.argv[2]
 rows = []
 for f in sorted(glob.glob(os.path.join(out, "bench-*.json")) + glob.glob(os.path.join(work, "bench-*.json"))):
     j = json.load(open(f))
+    if not j.get("ok", True):  # a failed run's report (schema_version 3): no measurements
+        print(f"{os.path.basename(f)[6:-5]}: failed: {j['error']['message']}")
+        continue
     med = sorted(j["refit_seconds"])[len(j["refit_seconds"]) // 2]
     rows.append((os.path.basename(f)[6:-5], med * 1e3, j["gbps"], j.get("floor_seconds", 0) * 1e3,
                  j.get("ratio_to_floor", 0), j.get("ratio", 0)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from ._cli import cli_path
 from ._common import Error, SetupError, TensorSlot
 from ._refit import (
     Config,
@@ -25,6 +26,7 @@ from ._refit import (
     ModelSpec,
     Trainer,
     __version__,
+    __wire_version__,
     accepts_device_memory,
     check,
     model_spec,
@@ -44,8 +46,10 @@ __all__ = [
     "TensorSlot",
     "Trainer",
     "__version__",
+    "__wire_version__",
     "accepts_device_memory",
     "check",
+    "cli_path",
     "model_spec",
     "presets",
     "support_matrix",

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from ._common import TensorSlot
 
 __version__: str
+__wire_version__: int
 
 class Config:
     """A resolved refit configuration (docs/design.md §5.1, docs/config.md)."""

@@ -99,6 +99,24 @@ int exit_code_for(const Status& st) {
   return kExitRuntime;
 }
 
+// --json FILE (`refit run`, `refit bench`, trainer rank 0), like --dump: a path the report cannot
+// be written to is a setup error before any rank starts, and a report an earlier run left there is
+// removed, so that after the command the file is this run's report or absent.
+void prepare_report(const std::string& json_path) {
+  if (!json_path.empty()) exit_if_error(prepare_report_path(json_path), kExitSetup);
+}
+
+// Trainer rank 0 of a run that failed writes the failure report, blaming the run's root cause
+// (the process with_root_cause names in `st`, or itself).
+void report_trainer_failure(const std::string& json_path, const RankOptions& o, int rank,
+                            const Status& st) {
+  if (json_path.empty() || rank != 0) return;
+  const Blame blame =
+      blame_failure(fmt::format("trainer rank {}", rank), st, o.config.generation.tp_size);
+  Status written = write_failure_report_json(json_path, o, blame);
+  if (!written.ok()) std::fprintf(stderr, "refit: %s\n", written.to_string().c_str());
+}
+
 void run_trainer(const RunFlags& f) {
   exit_if_error(env::check(), kExitSetup);
   const Config cfg = load_checked_config(f.config_path);
@@ -110,11 +128,14 @@ void run_trainer(const RunFlags& f) {
   if (rank >= world)
     throw CliExit(kExitSetup,
                   fmt::format("RANK={} is outside the trainer group of {}", rank, world));
+  if (rank == 0) prepare_report(f.json_path);
   RankOptions o = rank_options(f, cfg);
   RefitReport report;
   Status st = run_trainer_rank(o, rank, &report);
-  if (!st.ok())
+  if (!st.ok()) {
+    report_trainer_failure(f.json_path, o, rank, st);
     throw CliExit(exit_code_for(st), fmt::format("trainer rank {}: {}", rank, st.to_string()));
+  }
   if (rank == 0) {
     std::fputs(format_summary(o, report).c_str(), stdout);
     std::fflush(stdout);
@@ -142,8 +163,9 @@ void run_engine(const RunFlags& f) {
 // `refit run` / `refit bench`: every rank as a process of this machine.
 void run_local(const RunFlags& f) {
   exit_if_error(env::check(), kExitSetup);  // every rank inherits this environment
+  prepare_report(f.json_path);
   const Config cfg = load_checked_config(f.config_path);
-  (void)rank_options(f, cfg);  // flags are checked before anything starts
+  const RankOptions options = rank_options(f, cfg);  // flags are checked before anything starts
   // Children read the resolved config from a private file.
   char dir_template[] = "/tmp/refit-run-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) throw CliExit(kExitRuntime, "mkdtemp failed");
@@ -193,7 +215,21 @@ void run_local(const RunFlags& f) {
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   exit_if_error(result.status(), kExitRuntime);
-  if (!result->ok) throw CliExit(kExitRuntime, "run failed: " + result->summary);
+  if (!result->ok) {
+    // Trainer rank 0 wrote the failure report, unless it died or the first process to fail was
+    // killed outright (then that process is the root cause, whatever the ranks saw).
+    if (!f.json_path.empty() && result->first_failed >= 0) {
+      const std::string& name = children[result->first_failed].name;
+      Blame first;
+      if (auto parsed = blame_process(name, cfg.generation.tp_size)) first = *parsed;
+      first.process = name;
+      first.message = fmt::format("{}: {}", name,
+                                  Status::Aborted("the process " + result->first_how).to_string());
+      Status written = settle_failed_run_report(f.json_path, options, first, result->first_killed);
+      if (!written.ok()) std::fprintf(stderr, "refit: %s\n", written.to_string().c_str());
+    }
+    throw CliExit(kExitRuntime, "run failed: " + result->summary);
+  }
   std::fprintf(stdout, "refit: %d refit(s) completed%s%s\n", f.steps,
                f.verify ? ", verified bit-exact on every engine rank" : "",
                f.check_logits ? ", engine logits match the reference forward" : "");
@@ -234,7 +270,7 @@ void add_run_commands(CLI::App& app) {
   auto add_common = [&](CLI::App* cmd) {
     cmd->add_option("--fault", f->fault,
                     "inject a fault (tests): corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
-                    "kill-engine:RANK:BUCKET, plan-mismatch");
+                    "kill-engine:RANK:BUCKET, plan-mismatch, version-mismatch");
     cmd->add_option("--dump", f->dump_dir,
                     "after the last refit write DIR/trainer.safetensors, DIR/expected.safetensors "
                     "and DIR/engine-<g>.safetensors (created if missing)");

@@ -1,6 +1,10 @@
 // refit — push a sharded trainer's weights into inference engines (see README.md).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <string>
+
+#include "refit/config.h"
+#include "refit/version.h"
 
 #include "cli/commands.h"
 
@@ -15,7 +19,10 @@ void exit_if_error(const Status& status, int exit_code) {
 int main(int argc, char** argv) {
   CLI::App app{"refit: move a sharded trainer's weights into inference engines"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "refit 0.1.0");
+  app.set_version_flag("--version", std::string("refit ") + refit::version() + " (wire protocol " +
+                                        std::to_string(refit::wire_version()) + ", " +
+                                        (refit::build_has_cuda() ? "CUDA" : "CPU-only") +
+                                        " build)");
   refit::cli::add_spec_commands(app);
   refit::cli::add_check_commands(app);
   refit::cli::add_run_commands(app);

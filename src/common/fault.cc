@@ -19,12 +19,16 @@ Result<Fault> parse_fault(std::string_view text) {
   auto bad = [&] {
     return Status::InvalidArgument(fmt::format(
         "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
-        "kill-engine:RANK:BUCKET, plan-mismatch",
+        "kill-engine:RANK:BUCKET, plan-mismatch, version-mismatch",
         text));
   };
   if (text.empty() || text == "none") return f;
   if (text == "plan-mismatch") {
     f.kind = Fault::Kind::kPlanMismatch;
+    return f;
+  }
+  if (text == "version-mismatch") {
+    f.kind = Fault::Kind::kVersionMismatch;
     return f;
   }
   const auto colon = text.find(':');

@@ -9,13 +9,14 @@
 namespace refit {
 
 struct Fault {
-  enum class Kind { kNone, kCorrupt, kKillTrainer, kKillEngine, kPlanMismatch };
+  enum class Kind { kNone, kCorrupt, kKillTrainer, kKillEngine, kPlanMismatch, kVersionMismatch };
   Kind kind = Kind::kNone;
   int rank = -1;    // trainer rank / engine rank the fault hits
   int bucket = -1;  // bucket (executor gather) or round (transfer plan) at which it fires
 };
 
-// "corrupt:K" | "kill-trainer:R:K" | "kill-engine:R:K" | "plan-mismatch" | "" (none).
+// "corrupt:K" | "kill-trainer:R:K" | "kill-engine:R:K" | "plan-mismatch" | "version-mismatch" |
+// "" (none).
 Result<Fault> parse_fault(std::string_view text);
 
 }  // namespace refit

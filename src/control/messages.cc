@@ -75,8 +75,34 @@ class Reader {
 
 }  // namespace
 
+std::string encode_version_stamp(const std::string& refit_version) {
+  return dump({{"refit_version", refit_version}});
+}
+
+Status check_peer_versions(const std::string& payload, const std::string& from,
+                           const std::string& self) {
+  const Json j = Json::parse(payload, nullptr, false);
+  const bool ok = !j.is_discarded() && j.is_object() && j.contains("v") &&
+                  j["v"].is_number_integer() && j.contains("refit_version") &&
+                  j["refit_version"].is_string();
+  if (!ok)
+    return Status::InvalidArgument(fmt::format(
+        "setup: {} announced no refit version and wire protocol version (a refit older than "
+        "0.3.0, or not refit); {} runs refit {} (wire protocol {}): every rank of a refit must run "
+        "the same refit version",
+        from, self, version(), kMessageWireVersion));
+  const std::string& theirs = j["refit_version"].get_ref<const std::string&>();
+  const int wire = j["v"].get<int>();
+  if (theirs == version() && wire == kMessageWireVersion) return Status::Ok();
+  return Status::InvalidArgument(fmt::format(
+      "setup: version mismatch: {} runs refit {} (wire protocol {}), {} runs refit {} (wire "
+      "protocol {}); every rank of a refit must run the same refit version",
+      from, theirs, wire, self, version(), kMessageWireVersion));
+}
+
 std::string encode(const HelloMessage& m) {
-  return dump({{"engine_rank", m.engine_rank},
+  return dump({{"refit_version", m.refit_version},
+               {"engine_rank", m.engine_rank},
                {"protocol", m.protocol},
                {"plan_hash", m.plan_hash},
                {"total_parameters", m.total_parameters}});
@@ -151,6 +177,7 @@ Result<RoutesMessage> decode_routes(const std::string& payload, const std::strin
 Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from) {
   Reader r(payload, "hello", from);
   HelloMessage m;
+  r.get("refit_version", m.refit_version);
   r.get("engine_rank", m.engine_rank);
   r.get("protocol", m.protocol);
   r.get("plan_hash", m.plan_hash);

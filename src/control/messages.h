@@ -12,18 +12,29 @@
 #include <vector>
 
 #include "refit/status.h"
+#include "refit/version.h"
 
 namespace refit {
 
-inline constexpr int kMessageWireVersion = 1;
+inline constexpr int kMessageWireVersion = REFIT_WIRE_VERSION;
 
-// engine -> trainer, once at setup: the engine joined.
+// engine -> trainer, once at setup: the engine joined. Its `v` (wire version) and
+// `refit_version` keep their names and meaning in every refit version, so a rank of another
+// version is reported as such (check_peer_versions), never misparsed.
 struct HelloMessage {
+  std::string refit_version = version();  // the sender's refit (REFIT_VERSION_STRING)
   int engine_rank = 0;
   std::string protocol;              // "sglang" | "vllm"
   std::string plan_hash;             // the plan the engine derived (vLLM: must equal the trainer's)
   std::int64_t total_parameters = 0; // of the model the engine loaded
 };
+
+// The versions a rank announces: its hello, and (trainer ranks) the store key `version/<id>`.
+std::string encode_version_stamp(const std::string& refit_version);
+// Compares the refit and wire versions in `payload` (a hello or a version stamp from `from`) with
+// this build's; InvalidArgument naming both sides (`from` and `self`) when they differ.
+Status check_peer_versions(const std::string& payload, const std::string& from,
+                           const std::string& self);
 
 // trainer -> engine: a refit starts.
 struct BeginMessage {

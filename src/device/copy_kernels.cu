@@ -213,6 +213,13 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// The bulk engine exists from sm_90 on; older architectures take the plain path (bulk_row
+// returns false there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define REFIT_BULK_COPY 1
+#endif
+
+#ifdef REFIT_BULK_COPY
 // Copies `bytes` (a multiple of 16; src and dst 16-byte aligned) with the TMA engine. Called by
 // one thread; kBulkStages chunk loads in flight, each stage reused once its store read it.
 __device__ void bulk_copy_bytes(const char* src, char* dst, long long bytes, unsigned char* smem) {
@@ -265,11 +272,15 @@ __device__ void bulk_copy_bytes(const char* src, char* dst, long long bytes, uns
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+#endif  // REFIT_BULK_COPY
 
 // A contiguous same-dtype row: thread 0 moves the 16-byte-multiple prefix with the bulk engine,
 // the other threads the tail. False when the addresses do not allow it.
 template <class S>
 __device__ __forceinline__ bool bulk_row(const typename S::T* s, typename S::T* d, int n) {
+#ifndef REFIT_BULK_COPY
+  return false;
+#else
   using T = typename S::T;
   if (((reinterpret_cast<std::uintptr_t>(s) | reinterpret_cast<std::uintptr_t>(d)) & 15) != 0)
     return false;
@@ -285,6 +296,7 @@ __device__ __forceinline__ bool bulk_row(const typename S::T* s, typename S::T* 
       d[i] = s[i];
   }
   return true;
+#endif
 }
 
 // ---- the batched strided copy: one thread block per tile ----
@@ -515,6 +527,9 @@ Status dispatch_dtype(DType dtype, F&& f) {
   return Status::Internal("unknown dtype");
 }
 
+// Launched never: cudaFuncGetAttributes on it tells whether this binary has code for a device.
+__global__ void kernel_image_probe() {}
+
 Status check_grid(std::int64_t blocks, const char* what) {
   if (blocks > std::numeric_limits<int>::max())
     return Status::InvalidArgument(std::string(what) + ": " + std::to_string(blocks) +
@@ -631,6 +646,27 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable& table, const Weigh
   result.mismatches = host.mismatches;
   result.first_dst_offset = host.mismatches == 0 ? -1 : static_cast<std::int64_t>(host.first);
   return result;
+}
+
+Status check_kernel_image(int device) {
+#ifndef REFIT_CUDA_ARCHITECTURES
+#define REFIT_CUDA_ARCHITECTURES "(unknown)"
+#endif
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, kernel_image_probe);
+  if (err == cudaSuccess) return Status::Ok();
+  (void)cudaGetLastError();
+  if (err != cudaErrorNoKernelImageForDevice && err != cudaErrorInvalidDeviceFunction &&
+      err != cudaErrorUnsupportedPtxVersion)
+    return cuda_status(err, "cudaFuncGetAttributes");
+  cudaDeviceProp prop{};
+  (void)cudaGetDeviceProperties(&prop, device);
+  return Status::Unsupported(
+      "device " + std::to_string(device) + " (" + prop.name + ", compute capability " +
+      std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+      ") has no refit kernels: this build has CUDA architectures " REFIT_CUDA_ARCHITECTURES
+      "; rebuild with -DCMAKE_CUDA_ARCHITECTURES=" + std::to_string(prop.major * 10 + prop.minor) +
+      " (" + cudaGetErrorName(err) + ")");
 }
 
 }  // namespace refit

@@ -139,6 +139,12 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable& table, const Weigh
                                       const void* actual, DType dtype, void* stream,
                                       std::chrono::milliseconds timeout);
 
+// Whether this binary carries kernels `device` can run (SASS for its architecture, or PTX it can
+// JIT). kUnsupported names the GPU, its compute capability and the architectures built
+// (CMAKE_CUDA_ARCHITECTURES) when it does not. set_device() checks this once per device, so a
+// rank on such a GPU fails at setup instead of at its first launch.
+Status check_kernel_image(int device);
+
 // ---- building runs from layouts (CPU) ----
 
 // Runs that move the pieces of one local tensor (shape `dst_shape`, starting at element

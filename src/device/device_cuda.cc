@@ -2,9 +2,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <mutex>
+#include <vector>
 #include <thread>
 #include <utility>
 
+#include "device/copy_kernels.h"
 #include "device/cuda_check.h"
 #include "device/device.h"
 
@@ -45,6 +48,13 @@ Status set_device(int device) {
     return Status::InvalidArgument(
         fmt::format("device {} does not exist: this process sees {} CUDA device(s)", device, n));
   REFIT_CUDA_CHECK(cudaSetDevice(device));
+  // Once per device and process: does this binary have kernels for it?
+  static std::mutex mu;
+  static std::vector<int> checked;
+  std::lock_guard lock(mu);
+  if (std::find(checked.begin(), checked.end(), device) != checked.end()) return Status::Ok();
+  REFIT_RETURN_IF_ERROR(check_kernel_image(device));
+  checked.push_back(device);
   return Status::Ok();
 }
 

@@ -163,7 +163,10 @@ class EngineImpl final : public Engine {
     }
     // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
     if (fault_.kind == Fault::Kind::kPlanMismatch) plan_hash = "0000000000000000";
-    const HelloMessage hello{.engine_rank = rank_,
+    const HelloMessage hello{.refit_version = fault_.kind == Fault::Kind::kVersionMismatch
+                                                  ? std::string(version()) + "+mismatch"
+                                                  : std::string(version()),
+                             .engine_rank = rank_,
                              .protocol = std::string(engine_protocol_name(cfg_.generation.backend)),
                              .plan_hash = plan_hash,
                              .total_parameters = model_->spec.total_parameters()};

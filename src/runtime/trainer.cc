@@ -169,6 +169,7 @@ class TrainerImpl final : public Trainer {
     if (rank_ == 0)
       REFIT_RETURN_IF_ERROR(store_->set("run_id", fmt::format("{}-{}", getpid(), time(nullptr))));
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
+    REFIT_RETURN_IF_ERROR(check_trainer_versions(world));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout()));
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
@@ -266,11 +267,26 @@ class TrainerImpl final : public Trainer {
     return Status::Ok();
   }
 
+  // Every trainer rank stamps its refit and wire versions into the store; rank 0 checks every
+  // other rank's stamp and the others check rank 0's, so both sides of a mismatch name it.
+  Status check_trainer_versions(int world) {
+    REFIT_RETURN_IF_ERROR(
+        store_->set(fmt::format("version/trainer/{}", rank_), encode_version_stamp(version())));
+    for (int r = 0; r < world; ++r) {
+      if (r == rank_ || (rank_ != 0 && r != 0)) continue;
+      REFIT_ASSIGN_OR_RETURN(std::string stamp,
+                             store_->get(fmt::format("version/trainer/{}", r), timeout()));
+      REFIT_RETURN_IF_ERROR(check_peer_versions(stamp, fmt::format("trainer rank {}", r), id()));
+    }
+    return Status::Ok();
+  }
+
   // Every fed engine says hello; for vLLM its plan hash must equal ours (refused at setup).
   Status check_engines() {
     for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(Message hello, expect_message(*mailbox_, MessageType::kHello,
                                                            timeout(), "engine hellos"));
+      REFIT_RETURN_IF_ERROR(check_peer_versions(hello.payload, hello.from, id()));
       REFIT_ASSIGN_OR_RETURN(HelloMessage h, decode_hello(hello.payload, hello.from));
       const std::string& theirs = h.plan_hash;
       const std::string ours = plan_hash();
@@ -505,8 +521,9 @@ class TrainerImpl final : public Trainer {
           store_->set(key + std::to_string(rank_), verdict.empty() ? "ok" : "!" + verdict));
       std::string first;
       for (int r = 0; r < world; ++r) {
-        REFIT_ASSIGN_OR_RETURN(std::string theirs, store_->get(key + std::to_string(r), timeout()));
-        if (first.empty() && theirs.rfind('!', 0) == 0) first = theirs.substr(1);
+        Result<std::string> theirs = store_->get(key + std::to_string(r), timeout());
+        if (!theirs.ok()) return theirs.status();
+        if (first.empty() && !theirs->empty() && theirs->front() == '!') first = theirs->substr(1);
       }
       verdict = first;
     }

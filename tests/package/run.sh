@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# CTest `cpp_package`: installs the build (cmake --install) into a scratch prefix, then builds
+# tests/package/consumer.cc as an outside project three ways and runs each (a real refit):
+#   1. find_package(refit CONFIG) -> refit::refit (librefit.so)
+#   2. find_package(refit CONFIG) -> refit::refit_static (librefit.a)
+#   3. pkg-config --cflags --libs refit (librefit.so)
+# Usage: run.sh BUILD_DIR
+set -euo pipefail
+build=$(cd "$1" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d /tmp/refit-package.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+prefix="$work/prefix"
+
+cmake --install "$build" --prefix "$prefix" >"$work/install.log"
+for f in include/refit/session.h include/refit/version.h bin/refit; do
+  [ -e "$prefix/$f" ] || { echo "cpp_package: $f not installed"; exit 1; }
+done
+libdir=$(dirname "$(find "$prefix" -name librefit.so -print -quit)")
+[ -f "$libdir/librefit.a" ] || { echo "cpp_package: librefit.a not installed"; exit 1; }
+"$prefix/bin/refit" --version
+
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+for kind in shared static; do
+  static=OFF; [ "$kind" = static ] && static=ON
+  cmake -S "$here" -B "$work/$kind" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
+        -DCONSUMER_STATIC=$static -DCMAKE_BUILD_RPATH="$libdir" >"$work/$kind.log" 2>&1 ||
+    { cat "$work/$kind.log"; exit 1; }
+  cmake --build "$work/$kind" >>"$work/$kind.log" 2>&1 || { cat "$work/$kind.log"; exit 1; }
+  if [ "$kind" = static ] && ldd "$work/$kind/consumer" | grep -q librefit; then
+    echo "cpp_package: the static consumer links librefit.so"; exit 1
+  fi
+  if [ "$kind" = shared ] && ! ldd "$work/$kind/consumer" | grep -q "$libdir/librefit.so"; then
+    echo "cpp_package: the shared consumer does not load the installed librefit.so"; exit 1
+  fi
+  echo "cpp_package: cmake $kind: $("$work/$kind/consumer")"
+done
+
+export PKG_CONFIG_PATH="$libdir/pkgconfig"
+pkg-config --modversion refit
+# shellcheck disable=SC2046
+g++ -std=c++20 -o "$work/pc-consumer" "$here/consumer.cc" $(pkg-config --cflags --libs refit) \
+    -Wl,-rpath,"$libdir" -pthread
+echo "cpp_package: pkg-config: $("$work/pc-consumer")"
