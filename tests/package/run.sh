@@ -27,11 +27,13 @@ for kind in shared static; do
         -DCONSUMER_STATIC=$static -DCMAKE_BUILD_RPATH="$libdir" >"$work/$kind.log" 2>&1 ||
     { cat "$work/$kind.log"; exit 1; }
   cmake --build "$work/$kind" >>"$work/$kind.log" 2>&1 || { cat "$work/$kind.log"; exit 1; }
-  if [ "$kind" = static ] && ldd "$work/$kind/consumer" | grep -q librefit; then
-    echo "cpp_package: the static consumer links librefit.so"; exit 1
+  deps=$(ldd "$work/$kind/consumer")  # whole, before matching (grep -q under pipefail races)
+  if [ "$kind" = static ] && [[ "$deps" == *librefit* ]]; then
+    echo "cpp_package: the static consumer links librefit.so:"; echo "$deps"; exit 1
   fi
-  if [ "$kind" = shared ] && ! ldd "$work/$kind/consumer" | grep -q "$libdir/librefit.so"; then
-    echo "cpp_package: the shared consumer does not load the installed librefit.so"; exit 1
+  if [ "$kind" = shared ] && [[ "$deps" != *"$libdir/librefit.so"* ]]; then
+    echo "cpp_package: the shared consumer does not load the installed librefit.so:"; echo "$deps"
+    exit 1
   fi
   echo "cpp_package: cmake $kind: $("$work/$kind/consumer")"
 done
