@@ -321,11 +321,36 @@ TEST(Gloo, AbortWakesAPendingBarrier) {
 
 // Forked ranks: rank `kDying` exits abruptly after the first barrier; the others' next collective
 // must fail within the timeout with a message naming the group, the operation and the rank.
+// The ranks are forked (no exec) from a process with no thread of its own: the store server runs
+// in a forked child too. A fork while another thread holds an allocator lock (the server's and
+// ZeroMQ's threads, under ASan's allocator) could leave a child deadlocked in malloc.
 TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
   constexpr int kRanks = 3, kDying = 2;
-  auto server = StoreServer::start("127.0.0.1", 0);
-  ASSERT_TRUE(server.ok());
-  const int port = (*server)->port();
+  int port_pipe[2];
+  ASSERT_EQ(pipe(port_pipe), 0);
+  const pid_t server_pid = fork();
+  ASSERT_GE(server_pid, 0);
+  if (server_pid == 0) {
+    close(port_pipe[0]);
+    auto server = StoreServer::start("127.0.0.1", 0);
+    const int p = server.ok() ? (*server)->port() : -1;
+    (void)!write(port_pipe[1], &p, sizeof p);
+    close(port_pipe[1]);
+    if (!server.ok()) _exit(1);
+    for (int i = 0; i < 600; ++i) sleep(1);  // killed by the parent; bounded regardless
+    _exit(0);
+  }
+  close(port_pipe[1]);
+  int port = -1;
+  pollfd port_fd{port_pipe[0], POLLIN, 0};
+  const bool got_port = poll(&port_fd, 1, 10000) > 0 &&
+                        read(port_pipe[0], &port, sizeof port) == static_cast<ssize_t>(sizeof port);
+  close(port_pipe[0]);
+  if (!got_port || port <= 0) {
+    kill(server_pid, SIGKILL);
+    waitpid(server_pid, nullptr, 0);
+    FAIL() << "the store server process did not start";
+  }
 
   std::vector<pid_t> pids;
   std::vector<int> pipes;  // read ends, one per rank
@@ -376,6 +401,7 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
     }
     close(pipes[r]);
   }
+  pids.push_back(server_pid);
   for (pid_t pid : pids) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
