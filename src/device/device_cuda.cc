@@ -2,8 +2,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <mutex>
-#include <vector>
+#include <array>
+#include <atomic>
 #include <thread>
 #include <utility>
 
@@ -48,13 +48,14 @@ Status set_device(int device) {
     return Status::InvalidArgument(
         fmt::format("device {} does not exist: this process sees {} CUDA device(s)", device, n));
   REFIT_CUDA_CHECK(cudaSetDevice(device));
-  // Once per device and process: does this binary have kernels for it?
-  static std::mutex mu;
-  static std::vector<int> checked;
-  std::lock_guard lock(mu);
-  if (std::find(checked.begin(), checked.end(), device) != checked.end()) return Status::Ok();
-  REFIT_RETURN_IF_ERROR(check_kernel_image(device));
-  checked.push_back(device);
+  // Once per device and process: does this binary have kernels for it? set_device() runs before
+  // every data-plane operation, so the checked case is one atomic load, without a lock.
+  // Devices past the table are checked every time.
+  static std::array<std::atomic<bool>, 64> checked{};
+  const auto slot = static_cast<std::size_t>(device);
+  if (slot < checked.size() && checked[slot].load(std::memory_order_acquire)) return Status::Ok();
+  REFIT_RETURN_IF_ERROR(check_kernel_image(device));  // idempotent: a race checks twice
+  if (slot < checked.size()) checked[slot].store(true, std::memory_order_release);
   return Status::Ok();
 }
 

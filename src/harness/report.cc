@@ -64,14 +64,21 @@ Status write_report_file(const std::string& path, const nlohmann::ordered_json& 
   return Status::Ok();
 }
 
-// The keys every report has, then `error`: what was asked, and who failed.
-nlohmann::ordered_json failure_report(const RankOptions& options, const Blame& error) {
+// The keys every report starts with (docs/report.schema.json).
+nlohmann::ordered_json report_head(bool ok, int steps, bool verified, bool logits_checked) {
   nlohmann::ordered_json j;
   j["schema_version"] = kReportSchemaVersion;
-  j["ok"] = false;
-  j["steps"] = options.steps;
-  j["verified"] = options.verify;
-  j["logits_checked"] = options.check_logits;
+  j["ok"] = ok;
+  j["steps"] = steps;
+  j["verified"] = verified;
+  j["logits_checked"] = logits_checked;
+  return j;
+}
+
+// The keys every report has, then `error`: what was asked, and who failed.
+nlohmann::ordered_json failure_report(const RankOptions& options, const Blame& error) {
+  nlohmann::ordered_json j =
+      report_head(false, options.steps, options.verify, options.check_logits);
   j["executor"] = std::string(executor_name(options.config.refit.executor));
   j["error"] = {{"message", error.message},
                 {"process", error.process},
@@ -87,12 +94,7 @@ nlohmann::ordered_json failure_report(const RankOptions& options, const Blame& e
 Status write_report_json(const std::string& path, const RankOptions& options,
                          const RefitReport& r) {
   const double med = median(r.refit_seconds);
-  nlohmann::ordered_json j;
-  j["schema_version"] = kReportSchemaVersion;
-  j["ok"] = true;
-  j["steps"] = r.steps;
-  j["verified"] = r.verified;
-  j["logits_checked"] = r.logits_checked;
+  nlohmann::ordered_json j = report_head(true, r.steps, r.verified, r.logits_checked);
   j["bytes_per_refit"] = r.bytes_per_refit;
   j["buckets_per_refit"] = r.buckets_per_refit;
   j["refit_seconds"] = r.refit_seconds;
