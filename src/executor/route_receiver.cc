@@ -1,14 +1,25 @@
 #include "executor/route_receiver.h"
 
 #include <fmt/format.h>
-#include <signal.h>
 
 #include <algorithm>
 
-#include "common/log.h"
 #include "common/timer.h"
+#include "transport/transport.h"
 
 namespace refit {
+
+namespace {
+
+std::chrono::milliseconds timeout_of(const Config& c) {
+  return std::chrono::milliseconds(static_cast<long long>(c.refit.timeout_s * 1000));
+}
+
+}  // namespace
+
+RouteReceiver::RouteReceiver(const RouteReceiverOptions& o) : o_(o) {
+  for (int r : o_.sources) feeders_.push_back(fmt::format("trainer/{}", r));
+}
 
 Result<std::unique_ptr<RouteReceiver>> RouteReceiver::create(const RouteReceiverOptions& o) {
   if (o.sources.size() != o.source_same_host.size())
@@ -84,44 +95,83 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
   return Status::Ok();
 }
 
-Status RouteReceiver::receive(int step, bool raw, const std::vector<void*>& params,
-                              Applier& applier, const Fault& fault) {
+Status RouteReceiver::attach() {
+  if (o_.config->generation.backend != EngineProtocol::kSglang) return Status::Ok();
+  const EngineShardLayout& lay =
+      o_.setup->engines[static_cast<std::size_t>(o_.engine_rank % o_.config->generation.tp_size)];
+  IncomingRoutes in;
+  std::vector<bool> seen(feeders_.size(), false);
+  for (std::size_t got = 0; got < feeders_.size(); ++got) {
+    REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*o_.mailbox, MessageType::kRoutes,
+                                                     timeout_of(*o_.config),
+                                                     "the feeders' route metadata"));
+    const auto it = std::find(feeders_.begin(), feeders_.end(), m.from);
+    const auto i = static_cast<std::size_t>(it - feeders_.begin());
+    if (it == feeders_.end() || seen[i])
+      return Status::Corruption(fmt::format(
+          "{}: unexpected route metadata from {} (not a feeder, or sent twice)", o_.who, m.from));
+    seen[i] = true;
+    REFIT_ASSIGN_OR_RETURN(RoutesMessage routes, decode_routes(m.payload, m.from));
+    REFIT_RETURN_IF_ERROR(add_routes_metadata(in, routes, o_.sources[i], lay,
+                                              o_.config->refit.target_precision));
+  }
+  finish_incoming(in);
+  o_.incoming = std::move(in);
+  runs_.clear();
+  slots_.clear();
+  return Status::Ok();
+}
+
+Status RouteReceiver::receive(const EngineRefit& r) {
+  const BeginMessage& begin = r.begin;
+  REFIT_RETURN_IF_ERROR(expect_from_each(
+      *o_.mailbox, feeders_, MessageType::kBegin, r.first_from, timeout_of(*o_.config), o_.who,
+      "begins", [&](const Message& m) -> Status {
+        REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
+        if (b.step != begin.step || b.raw != begin.raw)
+          return Status::Corruption(fmt::format(
+              "{}: {} began step {}{}, {} began step {}{}", o_.who, r.first_from, begin.step,
+              begin.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
+        return Status::Ok();
+      }));
+  REFIT_RETURN_IF_ERROR(r.pause());
+  const std::optional<ExportedParams> exported = r.exported();
+  REFIT_RETURN_IF_ERROR(choose(exported.has_value()));
+  REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, feeders_, MessageType::kPaused,
+                                  encode(PausedMessage{.direct = exported})));
+  REFIT_RETURN_IF_ERROR(receive_rounds(begin.step, begin.raw, *r.params));
+  return applier_.drain(timeout_of(*o_.config));
+}
+
+Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*>& params) {
   const int g = o_.engine_rank;
   bytes_received_ = 0;
   apply_seconds_ = 0;
   for (std::size_t i = 0; i < o_.sources.size(); ++i)
     if (modes_[i] == PairExecutor::kPeer) bytes_received_ += o_.incoming.bytes_from(o_.sources[i]);
-  const bool killed_here = step == 1 && fault.kind == Fault::Kind::kKillEngine && fault.rank == g;
-  if (p2p_sources_ == 0) {
-    if (killed_here) {
-      log::info("fault injection: killing myself while peers write my parameters");
-      raise(SIGKILL);
-    }
+  if (p2p_sources_ == 0) {  // every feeder writes our parameters itself
+    if (!raw) probe_->before_round(step, RefitProbe::kEveryRound);
     return Status::Ok();
   }
   if (runs_.empty()) REFIT_RETURN_IF_ERROR(build(params));
   const auto nslots = static_cast<std::int64_t>(o_.config->refit.num_buffers);
-  const auto timeout =
-      std::chrono::milliseconds(static_cast<long long>(o_.config->refit.timeout_s * 1000));
-  const std::int64_t base = applier.completed();
+  const auto timeout = timeout_of(*o_.config);
+  const std::int64_t base = applier_.completed();
   std::int64_t posted = 0;
   const DType tgt = o_.config->refit.target_precision;
   for (std::size_t kk = 0; kk < recv_ops_.size(); ++kk) {
     const int k = static_cast<int>(kk);
     if (recv_ops_[kk].empty()) continue;
-    if (killed_here && k >= fault.bucket) {  // the first round from K on that reaches us
-      log::info("fault injection: killing myself at round {}", k);
-      raise(SIGKILL);
-    }
+    if (!raw) probe_->before_round(step, k);
     // The slot is free once the round that used it before was applied.
     if (posted >= nslots)
-      REFIT_RETURN_IF_ERROR(applier.wait_completed(base + posted - nslots + 1, timeout)
+      REFIT_RETURN_IF_ERROR(applier_.wait_completed(base + posted - nslots + 1, timeout)
                                 .with_context(fmt::format("engine rank {} round {}", g, k)));
     Status st = o_.p2p->exchange(recv_ops_[kk]);
     if (!st.ok()) return st.with_context(fmt::format("p2p round {} of engine rank {}", k, g));
     for (const P2POp& op : recv_ops_[kk]) bytes_received_ += static_cast<std::int64_t>(op.bytes);
     const std::vector<CopyRun>* runs = &runs_[kk];
-    applier.post([this, runs, tgt, raw] {
+    applier_.post([this, runs, tgt, raw] {
       if (raw) return Status::Ok();
       Timer t;
       Status st = o_.plane->copy(*runs, tgt, tgt);

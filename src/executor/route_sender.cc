@@ -1,7 +1,6 @@
 #include "executor/route_sender.h"
 
 #include <fmt/format.h>
-#include <signal.h>
 
 #include <algorithm>
 
@@ -16,8 +15,6 @@ namespace {
 std::chrono::milliseconds timeout_of(const Config& c) {
   return std::chrono::milliseconds(static_cast<long long>(c.refit.timeout_s * 1000));
 }
-
-bool fires(const Fault& f, int step, Fault::Kind kind) { return step == 1 && f.kind == kind; }
 
 }  // namespace
 
@@ -153,14 +150,25 @@ void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   }
 }
 
+Status RouteSender::attach() {
+  if (o_.config->generation.backend != EngineProtocol::kSglang) return Status::Ok();
+  for (std::size_t i = 0; i < o_.targets.size(); ++i) {
+    const int g = o_.targets[i];
+    const EngineShardLayout& lay =
+        o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
+    REFIT_RETURN_IF_ERROR(o_.mailbox->send(ids_[i], MessageType::kRoutes,
+                                           encode(routes_metadata(o_.setup->plan, lay, o_.rank, g))));
+  }
+  return Status::Ok();
+}
+
 Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& shards,
-                             const Fault& fault, RouteTimes& times) {
+                             TransferTimes& times) {
   const Config& cfg = *o_.config;
   const auto timeout = timeout_of(cfg);
   bytes_sent_ = 0;
   const std::string payload = encode(begin);
-  for (const std::string& id : ids_)
-    REFIT_RETURN_IF_ERROR(o_.mailbox->send(id, MessageType::kBegin, payload));
+  REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
 
   // Every target pauses and says whether its parameters are exported.
   std::vector<std::optional<PausedMessage>> answers(ids_.size());
@@ -195,33 +203,26 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
 
   const DType tgt = cfg.refit.target_precision;
   const DType src = begin.raw ? tgt : cfg.policy.dtype;  // raw: the bytes without the cast
-  const std::size_t tsize = dtype_size(tgt);
   if (peer_targets_ > 0) {
     if (peer_runs_.empty()) build_peer_runs(shards);
-    if (fires(fault, begin.step, Fault::Kind::kKillTrainer) && fault.rank == o_.rank &&
-        p2p_targets_ == 0) {
-      log::info("fault injection: killing myself before writing the engines' parameters");
-      raise(SIGKILL);
-    }
+    // With point-to-point targets too, the rounds below are this rank's probe points.
+    if (!begin.raw && p2p_targets_ == 0) probe_->before_round(begin.step, RefitProbe::kEveryRound);
     Timer t;
     REFIT_RETURN_IF_ERROR(o_.plane->copy(peer_runs_, src, tgt));
     times.cast_pack += t.seconds();
     for (std::size_t i = 0; i < ids_.size(); ++i)
-      if (modes_[i] == PairExecutor::kPeer) bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
-    if (fires(fault, begin.step, Fault::Kind::kCorrupt) && !begin.raw && !peer_runs_.empty()) {
-      const CopyRun& r = peer_runs_[std::min<std::size_t>(
-          peer_runs_.size() - 1, static_cast<std::size_t>(std::max(fault.bucket, 0)))];
-      log::info("fault injection: corrupting a parameter written in place");
-      REFIT_RETURN_IF_ERROR(
-          o_.plane->corrupt_byte(r.dst + r.block.dst_offset * static_cast<std::int64_t>(tsize)));
-    }
+      if (modes_[i] == PairExecutor::kPeer)
+        bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
+    if (!begin.raw)
+      REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, RefitProbe::kEveryRound, *o_.plane,
+                                                peer_runs_, tgt));
   }
-  if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, fault, times));
+  if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, times));
   return Status::Ok();
 }
 
 Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>& shards,
-                            const Fault& fault, RouteTimes& times) {
+                            TransferTimes& times) {
   const Config& cfg = *o_.config;
   const TransferPlan& plan = o_.setup->plan;
   if (staging_.empty())
@@ -241,11 +242,7 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
   for (int k = 0; k < plan.rounds; ++k) {
     const auto& ops = send_ops_[static_cast<std::size_t>(k)];
     if (ops.empty()) continue;
-    if (fires(fault, begin.step, Fault::Kind::kKillTrainer) && fault.rank == o_.rank &&
-        k >= fault.bucket) {  // the first round from K on that this rank sends in
-      log::info("fault injection: killing myself at round {}", k);
-      raise(SIGKILL);
-    }
+    if (!begin.raw) probe_->before_round(begin.step, k);
     // The slot is free once the round that used it before was sent.
     if (posted >= nslots)
       REFIT_RETURN_IF_ERROR(sender_.wait_completed(base + posted - nslots + 1, timeout)
@@ -255,11 +252,8 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
       REFIT_RETURN_IF_ERROR(o_.plane->copy(pack_runs_[static_cast<std::size_t>(k)],
                                            cfg.policy.dtype, tgt));
       times.cast_pack += t.seconds();
-      if (fires(fault, begin.step, Fault::Kind::kCorrupt) && fault.bucket == k) {
-        log::info("fault injection: corrupting round {} in flight", k);
-        REFIT_RETURN_IF_ERROR(
-            o_.plane->corrupt_byte(static_cast<std::byte*>(ops.front().buf) + ops.front().bytes / 2));
-      }
+      REFIT_RETURN_IF_ERROR(probe_->after_write(
+          begin.step, k, *o_.plane, pack_runs_[static_cast<std::size_t>(k)], tgt));
     }
     for (const P2POp& op : ops) bytes_sent_ += static_cast<std::int64_t>(op.bytes);
     sender_.post([this, &ops, k] {

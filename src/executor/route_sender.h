@@ -1,7 +1,7 @@
-// The trainer side of the transfer plan (executor/routes.h): one trainer rank's routes to the
-// engine ranks it feeds, moved by peer access or point-to-point, chosen per engine rank at every
-// refit. Driven by the trainer's thread; owns its staging buffer and its mappings of engines'
-// exported parameters.
+// The trainer side of the transfer plan (executor/routes.h; a TrainerExecutor, executor.h): one
+// trainer rank's routes to the engine ranks it feeds, moved by peer access or point-to-point,
+// chosen per engine rank at every refit. Driven by the trainer's thread; owns its staging buffer
+// and its mappings of engines' exported parameters.
 #pragma once
 
 #include <map>
@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "plane/data_plane.h"
-#include "common/fault.h"
-#include "executor/applier.h"
 #include "control/messages.h"
+#include "executor/applier.h"
+#include "executor/executor.h"
 #include "executor/routes.h"
+#include "plane/data_plane.h"
 
 namespace refit {
 
@@ -32,44 +32,40 @@ struct RouteSenderOptions {
   std::vector<bool> target_same_host;    // per entry of targets
 };
 
-// Seconds per stage of the last transfer.
-struct RouteTimes {
-  double cast_pack = 0;  // peer copies (cast fused) and packing of p2p segments
-  double transfer = 0;   // p2p sends
-};
-
-class RouteSender {
+class RouteSender final : public TrainerExecutor {
  public:
   static Result<std::unique_ptr<RouteSender>> create(const RouteSenderOptions& options);
 
-  // Mailbox ids of the engines this rank talks to ("engine/<g>").
-  const std::vector<std::string>& engine_ids() const { return ids_; }
-
+  const std::vector<std::string>& engine_ids() const override { return ids_; }
+  std::string plan_hash() const override { return o_.setup->plan.hash_hex(); }
+  int rounds() const override { return o_.setup->plan.rounds; }
+  // SGLang protocol: the metadata of every route travels to its engine rank (once).
+  Status attach() override;
   // Begins the refit on every target, waits until each has paused, then moves every route of
   // this rank (cast to the target precision; `raw`: the same bytes without a cast, bench).
-  // `shards` are the registered local tensors. Returns when every byte left this rank; the
-  // caller then commits.
-  Status transfer(const BeginMessage& begin, const std::vector<void*>& shards, const Fault& fault,
-                  RouteTimes& times);
-  // The registered storage changed: copy lists are rebuilt at the next transfer.
-  void invalidate() {
+  Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
+                  TransferTimes& times) override;
+  void invalidate() override {
     peer_runs_.clear();
     pack_runs_.clear();
     send_ops_.clear();
   }
-
-  // Of the last transfer: bytes this rank moved, and how many targets each executor served.
-  std::int64_t bytes_sent() const { return bytes_sent_; }
-  int peer_targets() const { return peer_targets_; }
-  int p2p_targets() const { return p2p_targets_; }
+  // Bytes this rank moved in the last transfer, and how many targets each executor served.
+  RankTraffic traffic() const override {
+    return RankTraffic{.role = "trainer",
+                       .rank = o_.rank,
+                       .bytes_sent = bytes_sent_,
+                       .peer_pairs = peer_targets_,
+                       .p2p_pairs = p2p_targets_};
+  }
 
  private:
   explicit RouteSender(const RouteSenderOptions& o);
   Status map_engine(std::size_t i, const ExportedParams& direct);
   void build_peer_runs(const std::vector<void*>& shards);
   void build_pack_runs(const std::vector<void*>& shards);
-  Status run_p2p(const BeginMessage& begin, const std::vector<void*>& shards, const Fault& fault,
-                 RouteTimes& times);
+  Status run_p2p(const BeginMessage& begin, const std::vector<void*>& shards,
+                 TransferTimes& times);
 
   // An engine rank's parameters as mapped here: the exported region(s) and each parameter's
   // address. `key` identifies what was exported (remapped when it changes).

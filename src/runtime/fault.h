@@ -1,13 +1,24 @@
-// Arming fault injection (common/fault.h) on the library's Trainer and Engine.
+// Fault injection (common/fault.h) on the library's Trainer and Engine: a RefitProbe
+// (executor/executor.h) that kills this process or corrupts bytes at the probe points of step 1.
+// Nothing of it runs in the executors' code beyond the probe calls.
 #pragma once
 
 #include <memory>
 
 #include "common/fault.h"
+#include "executor/executor.h"
 #include "refit/session.h"
 #include "refit/status.h"
 
 namespace refit {
+
+// The probe that injects `fault` on trainer rank `rank` (trainer) or engine rank `rank`:
+//  - kill-trainer:R:K / kill-engine:R:K: SIGKILL before the first round >= K that rank R moves
+//    (immediately when one copy moves every round: peer access);
+//  - corrupt:K (trainer ranks that write engine-bound bytes): flips a byte of round K's first
+//    written run after it was written (peer access: of the K-th run, or the last);
+//  - other kinds act at setup, not here: the probe does nothing.
+std::unique_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank);
 
 // Arms `fault` on a Trainer / Engine made by this library.
 void set_trainer_fault(Trainer& trainer, const Fault& fault);

@@ -1,14 +1,13 @@
-// refit::Trainer: one trainer rank. Reads the caller's registered shards, unshards bucket by bucket
-// with the rest of the trainer group and — when it feeds engines — packs and hands buckets to its
-// transport.
+// refit::Trainer: one trainer rank. Owns the rank's control — the store (rank 0 hosts it), its
+// mailbox, the trainer group, the engines' hellos, the commit, verification, failures and the
+// shutdown — around one executor (executor/executor.h) that moves the bytes of each refit from
+// the caller's registered shards: the transfer plan, or gather.
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
 
 #include "comm/communicator.h"
@@ -16,24 +15,20 @@
 #include "common/log.h"
 #include "common/timer.h"
 #include "control/mailbox.h"
-#include "control/store.h"
-#include "engine/engine_layout.h"
-#include "io/safetensors.h"
-#include "plan/bucket_plan.h"
-#include "refit/session.h"
-#include "plane/data_plane.h"
-#include "runtime/failure.h"
-#include "runtime/fault.h"
-#include "plane/groups.h"
 #include "control/messages.h"
-#include "runtime/protocol.h"
+#include "control/store.h"
+#include "executor/executor.h"
+#include "executor/gather_sender.h"
 #include "executor/route_sender.h"
 #include "executor/routes.h"
-#include "runtime/schedule.h"
-#include "weights/setup.h"
+#include "plane/data_plane.h"
+#include "plane/groups.h"
+#include "refit/session.h"
+#include "runtime/failure.h"
+#include "runtime/fault.h"
 #include "runtime/slots.h"
 #include "runtime/traffic.h"
-#include "transport/transport.h"
+#include "weights/setup.h"
 
 namespace refit {
 namespace {
@@ -46,7 +41,8 @@ class TrainerImpl final : public Trainer {
   Status guarded(const std::function<Status()>& body) {
     return latch_.guard(body, store_.get(), id(), [this] {
       if (trainer_comm_) trainer_comm_->abort();
-      if (update_comm_) update_comm_->abort();
+      if (p2p_comm_) p2p_comm_->abort();
+      if (executor_) executor_->abort();
     });
   }
 
@@ -60,8 +56,7 @@ class TrainerImpl final : public Trainer {
                          const std::vector<std::int64_t>& shape) override {
     REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
     // Copy lists hold the registered addresses: rebuild them at the next refit.
-    bucket_runs_.clear();
-    if (route_sender_) route_sender_->invalidate();
+    if (executor_) executor_->invalidate();
     return Status::Ok();
   }
 
@@ -79,7 +74,7 @@ class TrainerImpl final : public Trainer {
       stats_.transfer_s = phase_.transfer;
       stats_.apply_s = phase_.apply;
       stats_.bytes = model_->plan.payload_bytes;
-      stats_.buckets = buckets_per_refit();
+      stats_.buckets = executor_->rounds();
       REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
       if (verify)
         REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
@@ -104,12 +99,8 @@ class TrainerImpl final : public Trainer {
   }
 
   std::int64_t bytes_per_refit() const override { return model_->plan.payload_bytes; }
-  int buckets_per_refit() const override {
-    return routes_ ? routes_->plan.rounds : static_cast<int>(model_->plan.buckets.size());
-  }
-  std::string plan_hash() const override {
-    return routes_ ? routes_->plan.hash_hex() : model_->plan.hash_hex();
-  }
+  int buckets_per_refit() const override { return executor_->rounds(); }
+  std::string plan_hash() const override { return executor_->plan_hash(); }
   Result<std::vector<RankTraffic>> traffic() override {
     return read_traffic(*store_, cfg_, timeout());
   }
@@ -118,8 +109,11 @@ class TrainerImpl final : public Trainer {
     return guarded([&] { return do_shutdown(); });
   }
 
-  // Test hook: fault injection of `refit run --fault` (step 1 only).
-  void set_fault(const Fault& f) { fault_ = f; }
+  // Test hook: fault injection of `refit run --fault` (step 1 only), through the executor's probe.
+  void set_fault(const Fault& f) {
+    probe_ = make_fault_probe(f, /*trainer=*/true, rank_);
+    executor_->set_probe(probe_.get());
+  }
 
  private:
   std::string id() const { return fmt::format("trainer rank {}", rank_); }
@@ -138,26 +132,15 @@ class TrainerImpl final : public Trainer {
   std::chrono::milliseconds timeout() const {
     return std::chrono::milliseconds(static_cast<long long>(cfg_.refit.timeout_s * 1000));
   }
-  bool broadcast_mode() const {
-    return cfg_.generation.weight_transfer_mode == TransferMode::kBroadcast;
-  }
-  bool feeds() const { return !fed_engines_.empty(); }
-
   Status setup() {
     const int world = cfg_.policy.world_size;
-    progress_ = rank_ == 0 && isatty(2);
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
     REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg_, true, rank_));
     REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, device));
-    const ModelSpec& spec = model_->spec;
-    // Every rank's layout: this rank packs its own shards and scatters everyone's contribution.
-    for (int r = 0; r < world; ++r) {
-      REFIT_ASSIGN_OR_RETURN(auto lay, trainer_layout(spec, cfg_.policy, r));
-      layouts_.push_back(std::move(lay));
-    }
-    gather_ = build_gather_schedule(spec, model_->plan, layouts_);
     // The caller registers the storage of each local shard, in the policy dtype.
-    for (const LocalTensor& t : layouts_[rank_].tensors)
+    REFIT_ASSIGN_OR_RETURN(const TrainerShardLayout mine,
+                           trainer_layout(model_->spec, cfg_.policy, rank_));
+    for (const LocalTensor& t : mine.tensors)
       slots_.push_back(TensorSlot{t.name, t.shape, cfg_.policy.dtype});
     ptrs_.assign(slots_.size(), nullptr);
 
@@ -178,52 +161,29 @@ class TrainerImpl final : public Trainer {
     }
     if (uses_transfer_plan(cfg_)) {
       REFIT_RETURN_IF_ERROR(setup_routes());
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      return Status::Ok();
-    }
-    // Which engine ranks this rank feeds, and the transport to them.
-    const int engines = cfg_.engine_ranks();
-    TransportOptions topt{cfg_.refit.num_buffers,
-                          static_cast<std::size_t>(cfg_.refit.buffer_size_bytes), timeout()};
-    const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
-    if (broadcast_mode()) {
-      if (rank_ == 0) {
-        for (int g = 0; g < engines; ++g) fed_engines_.push_back(fmt::format("engine/{}", g));
-        REFIT_ASSIGN_OR_RETURN(update_comm_, join_group("update", 0, 1 + engines));
-        REFIT_ASSIGN_OR_RETURN(sender_, make_broadcast_sender(*update_comm_, *mailbox_, *plane_,
-                                                              fed_engines_, sglang, topt));
-      }
     } else {
-      fed_engines_.push_back(fmt::format("engine/{}", rank_));
-      REFIT_ASSIGN_OR_RETURN(sender_, make_ipc_sender(*mailbox_, *store_, *plane_, fed_engines_[0],
-                                                      ipc_segment_prefix(run_id, rank_), topt));
+      REFIT_ASSIGN_OR_RETURN(
+          executor_, GatherSender::create(GatherSenderOptions{
+                         .config = &cfg_,
+                         .rank = rank_,
+                         .model = model_.get(),
+                         .mailbox = mailbox_.get(),
+                         .store = store_.get(),
+                         .plane = plane_.get(),
+                         .trainer_group = trainer_comm_.get(),
+                         .run_id = run_id,
+                         .join_group = [this](const char* name, int rank, int size) {
+                           return join_group(name, rank, size);
+                         }}));
     }
-    const auto bucket_bytes = static_cast<std::size_t>(model_->plan.max_bucket_bytes);
-    if (feeds() || world > 1) {
-      REFIT_ASSIGN_OR_RETURN(stage_, plane_->allocate(bucket_bytes));
-    }
-    if (world > 1) {
-      REFIT_ASSIGN_OR_RETURN(send_, plane_->allocate(bucket_bytes));
-    }
-    if (feeds()) {
-      REFIT_RETURN_IF_ERROR(check_engines());
-      sender_->on_receivers_attached();
-    }
-    // Bytes per refit: this rank's all-gather contribution, and what it hands to its transport.
-    traffic_ = RankTraffic{.role = "trainer", .rank = rank_};
-    if (world > 1)
-      for (const BucketGather& g : gather_)
-        traffic_.bytes_sent += static_cast<std::int64_t>(g.counts[static_cast<std::size_t>(rank_)]);
-    if (feeds())
-      traffic_.bytes_sent += model_->plan.payload_bytes *
-                             (broadcast_mode() ? 1 : static_cast<std::int64_t>(fed_engines_.size()));
+    REFIT_RETURN_IF_ERROR(check_engines());
+    REFIT_RETURN_IF_ERROR(executor_->attach());
     // Setup is complete on every trainer rank before the first refit.
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
     return Status::Ok();
   }
 
-  // The transfer plan: this rank's targets, where they run, the point-to-point group, and the
-  // engines' hellos.
+  // The transfer plan: this rank's targets, where they run, and the point-to-point group.
   Status setup_routes() {
     REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg_, model_->spec));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
@@ -248,22 +208,7 @@ class TrainerImpl final : public Trainer {
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
-    REFIT_ASSIGN_OR_RETURN(route_sender_, RouteSender::create(o));
-    fed_engines_ = route_sender_->engine_ids();
-    traffic_ = RankTraffic{.role = "trainer", .rank = rank_};
-    REFIT_RETURN_IF_ERROR(check_engines());
-    // SGLang protocol: the metadata of every route travels to its engine rank (once, here).
-    if (cfg_.generation.backend == EngineProtocol::kSglang) {
-      const std::vector<int> targets = control_targets(routes_->plan, rank_);
-      for (std::size_t i = 0; i < targets.size(); ++i) {
-        const int g = targets[i];
-        const EngineShardLayout& lay =
-            routes_->engines[static_cast<std::size_t>(g % cfg_.generation.tp_size)];
-        REFIT_RETURN_IF_ERROR(mailbox_->send(
-            fed_engines_[i], MessageType::kRoutes,
-            encode(routes_metadata(routes_->plan, lay, rank_, g))));
-      }
-    }
+    REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
     return Status::Ok();
   }
 
@@ -281,9 +226,11 @@ class TrainerImpl final : public Trainer {
     return Status::Ok();
   }
 
+  const std::vector<std::string>& fed_engines() const { return executor_->engine_ids(); }
+
   // Every fed engine says hello; for vLLM its plan hash must equal ours (refused at setup).
   Status check_engines() {
-    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+    for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(Message hello, expect_message(*mailbox_, MessageType::kHello,
                                                            timeout(), "engine hellos"));
       REFIT_RETURN_IF_ERROR(check_peer_versions(hello.payload, hello.from, id()));
@@ -302,172 +249,31 @@ class TrainerImpl final : public Trainer {
             "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is {}; "
             "both sides must use the same model, layouts, refit.target_precision, "
             "refit.buffer_size_bytes and refit.executor",
-            hello.from, routes_ ? "transfer plan" : "bucket plan", theirs, ours));
+            hello.from, uses_transfer_plan(cfg_) ? "transfer plan" : "bucket plan", theirs, ours));
     }
     return Status::Ok();
   }
 
-  Status send_all(MessageType type, const std::string& payload) {
-    for (const auto& e : fed_engines_) REFIT_RETURN_IF_ERROR(mailbox_->send(e, type, payload));
-    return Status::Ok();
-  }
-
-  // The copy lists of bucket b, built on first use (storage is registered by then and never
-  // moves): pack (this rank's shards → bucket or send buffer, with the cast) and scatter
-  // (everyone's gathered contributions → bucket). `dst` is the bucket's slot (fixed per bucket:
-  // slot = bucket % num_buffers), null when this rank does not feed engines.
-  struct BucketRuns {
-    bool built = false;
-    std::vector<CopyRun> pack, scatter;
-  };
-  const BucketRuns& runs_of(std::size_t b, std::byte* dst) {
-    if (bucket_runs_.empty()) bucket_runs_.resize(gather_.size());
-    BucketRuns& r = bucket_runs_[b];
-    if (r.built) return r;
-    r.built = true;
-    const BucketGather& g = gather_[b];
-    if (!trainer_comm_) {  // one trainer rank: cast straight into the bucket
-      for (const GatherRun& run : g.runs[rank_])
-        r.pack.push_back(CopyRun{.src = static_cast<const std::byte*>(ptrs_[run.local]),
-                                 .dst = dst,
-                                 .block = run.block});
-      return r;
-    }
-    std::int64_t cursor = 0;
-    for (const GatherRun& run : g.runs[rank_]) {  // this rank's owned blocks, end to end
-      const Block2D& k = run.block;
-      r.pack.push_back(CopyRun{.src = static_cast<const std::byte*>(ptrs_[run.local]),
-                               .dst = send_->data(),
-                               .block = {.src_offset = k.src_offset,
-                                         .src_stride = k.src_stride,
-                                         .dst_offset = cursor,
-                                         .dst_stride = k.cols,
-                                         .rows = k.rows,
-                                         .cols = k.cols}});
-      cursor += k.numel();
-    }
-    if (dst == nullptr) return r;
-    std::int64_t offset = 0;  // elements into the gathered stage
-    for (const auto& rank_runs : g.runs)
-      for (const GatherRun& run : rank_runs) {
-        const Block2D& k = run.block;
-        r.scatter.push_back(CopyRun{.src = stage_->data(),
-                                    .dst = dst,
-                                    .block = {.src_offset = offset,
-                                              .src_stride = k.cols,
-                                              .dst_offset = k.dst_offset,
-                                              .dst_stride = k.dst_stride,
-                                              .rows = k.rows,
-                                              .cols = k.cols}});
-        offset += k.numel();
-      }
-    return r;
-  }
-
-  // Unshard bucket b; when `dst` is set, pack the full bucket there.
-  Status unshard(std::size_t b, std::byte* dst) {
-    const BucketGather& g = gather_[b];
-    const DType pol = cfg_.policy.dtype, tgt = cfg_.refit.target_precision;
-    const BucketRuns& runs = runs_of(b, dst);
-    Timer t;
-    REFIT_RETURN_IF_ERROR(plane_->copy(runs.pack, pol, tgt));
-    phase_.cast_pack += t.seconds();
-    if (!trainer_comm_) return Status::Ok();
-    t.reset();
-    Status st = trainer_comm_->all_gather_v(send_->data(), stage_->data(), g.counts);
-    phase_.unshard += t.seconds();
-    if (!st.ok()) return st.with_context(fmt::format("unshard of bucket {}", b));
-    t.reset();
-    REFIT_RETURN_IF_ERROR(plane_->copy(runs.scatter, tgt, tgt));
-    phase_.cast_pack += t.seconds();
-    return Status::Ok();
-  }
-
-  void maybe_fault(int step, std::size_t b, std::byte* bucket) {
-    const Fault& f = fault_;
-    if (step != 1 || f.bucket != static_cast<int>(b)) return;
-    if (f.kind == Fault::Kind::kKillTrainer && f.rank == rank_) {
-      log::info("fault injection: killing myself at bucket {}", b);
-      raise(SIGKILL);
-    }
-    if (f.kind == Fault::Kind::kCorrupt && bucket != nullptr) {
-      const BucketEntry& e = model_->plan.buckets[b].entries.front();
-      const std::size_t tsize = dtype_size(cfg_.refit.target_precision);
-      const std::size_t at =
-          static_cast<std::size_t>(e.offset) + static_cast<std::size_t>(e.elem_count / 2) * tsize;
-      log::info("fault injection: corrupting bucket {} ({}) in flight", b,
-                model_->spec.tensors()[e.tensor].name);
-      corrupt_status_ = plane_->corrupt_byte(bucket + at);
-    }
-  }
-
-  // One refit (or, with raw, one pass of the bare transport).
+  // One refit (or, with raw, one pass of the bare transport): the executor moves every byte,
+  // then the commit.
   Status refit_once(int step, const std::string& version, bool verify, bool raw) {
     early_verdicts_.clear();
-    if (route_sender_) return refit_routes(step, version, verify, raw);
-    const BucketPlan& plan = model_->plan;
-    const bool sglang = cfg_.generation.backend == EngineProtocol::kSglang;
-    if (feeds()) {
-      const BeginMessage begin{.step = step,
-                               .version = version,
-                               .verify = verify && !raw,
-                               .raw = raw,
-                               .buckets = static_cast<int>(plan.buckets.size())};
-      REFIT_RETURN_IF_ERROR(send_all(MessageType::kBegin, encode(begin)));
-    }
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-      std::byte* slot = nullptr;
-      const int s = static_cast<int>(b % static_cast<std::size_t>(cfg_.refit.num_buffers));
-      if (feeds()) {
-        REFIT_RETURN_IF_ERROR(sender_->wait_slot(s));
-        slot = sender_->slot_data(s);
-      }
-      if (raw) {
-        if (slot != nullptr && !broadcast_mode())  // ipc: the bare copy into shared memory
-          REFIT_RETURN_IF_ERROR(plane_->copy_bytes(
-              slot, stage_->data(), static_cast<std::size_t>(plan.buckets[b].bytes)));
-      } else if (feeds() || trainer_comm_) {
-        maybe_fault(step, b, nullptr);
-        REFIT_RETURN_IF_ERROR(unshard(b, slot));
-        maybe_fault(step, b, slot);
-        REFIT_RETURN_IF_ERROR(std::exchange(corrupt_status_, Status::Ok()));
-      }
-      if (feeds()) {
-        BucketHeader h;
-        h.step = step;
-        h.bucket = static_cast<int>(b);
-        h.bytes = static_cast<std::size_t>(plan.buckets[b].bytes);
-        if (sglang && !raw) h.meta = encode_sglang_meta(model_->spec, plan.buckets[b], plan.dtype);
-        REFIT_RETURN_IF_ERROR(sender_->send(s, std::move(h)));
-      }
-      if (rank_ == 0 && progress_) {
-        std::fprintf(stderr, "\r[refit] %s %d: bucket %zu/%zu   ", raw ? "raw pass" : "step", step,
-                     b + 1, plan.buckets.size());
-      }
-    }
-    if (!feeds()) return Status::Ok();
-    REFIT_RETURN_IF_ERROR(sender_->drain());
-    phase_.transfer += sender_->take_busy_seconds();
-    return commit(step);
-  }
-
-  // The transfer plan: this rank's routes, then the commit.
-  Status refit_routes(int step, const std::string& version, bool verify, bool raw) {
-    RouteTimes times;
+    TransferTimes times;
     const BeginMessage begin{.step = step, .version = version, .verify = verify && !raw, .raw = raw};
-    REFIT_RETURN_IF_ERROR(route_sender_->transfer(begin, ptrs_, fault_, times));
+    REFIT_RETURN_IF_ERROR(executor_->transfer(begin, ptrs_, times));
+    phase_.unshard += times.unshard;
     phase_.cast_pack += times.cast_pack;
     phase_.transfer += times.transfer;
-    traffic_.bytes_sent = route_sender_->bytes_sent();
-    traffic_.peer_pairs = route_sender_->peer_targets();
-    traffic_.p2p_pairs = route_sender_->p2p_targets();
+    traffic_ = executor_->traffic();
+    if (fed_engines().empty()) return Status::Ok();
     return commit(step);
   }
 
   // Every fed engine commits; the slowest one's apply time is the refit's.
   Status commit(int step) {
-    REFIT_RETURN_IF_ERROR(send_all(MessageType::kCommit, encode(CommitMessage{.step = step})));
-    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+    REFIT_RETURN_IF_ERROR(send_each(*mailbox_, fed_engines(), MessageType::kCommit,
+                                    encode(CommitMessage{.step = step})));
+    for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
       REFIT_ASSIGN_OR_RETURN(CommittedMessage c, decode_committed(m.payload, m.from));
       phase_.apply = std::max(phase_.apply, c.apply_s);
@@ -497,7 +303,7 @@ class TrainerImpl final : public Trainer {
   // After a verified refit: every fed engine's verdict; ranks agree on the first failure.
   Status collect_verification() {
     std::string verdict;
-    for (std::size_t i = 0; i < fed_engines_.size(); ++i) {
+    for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       Message m;
       if (!early_verdicts_.empty()) {
         m = std::move(early_verdicts_.front());
@@ -534,12 +340,11 @@ class TrainerImpl final : public Trainer {
   // Engines acknowledge the shutdown before their feeder leaves, and trainer rank 0 (which hosts
   // the store) leaves last, so no process loses the control plane while it still needs it.
   Status do_shutdown() {
-    if (feeds()) {
-      REFIT_RETURN_IF_ERROR(send_all(MessageType::kShutdown, ""));
-      for (std::size_t i = 0; i < fed_engines_.size(); ++i)
-        REFIT_RETURN_IF_ERROR(
-            expect_message(*mailbox_, MessageType::kShutdown, timeout(), "engine exits").status());
-    }
+    if (!fed_engines().empty())
+      REFIT_RETURN_IF_ERROR(send_each(*mailbox_, fed_engines(), MessageType::kShutdown, ""));
+    for (std::size_t i = 0; i < fed_engines().size(); ++i)
+      REFIT_RETURN_IF_ERROR(
+          expect_message(*mailbox_, MessageType::kShutdown, timeout(), "engine exits").status());
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
     return Status::Ok();
   }
@@ -553,30 +358,21 @@ class TrainerImpl final : public Trainer {
   const int rank_;
   std::unique_ptr<RankModel> model_;
   std::unique_ptr<DataPlane> plane_;  // before every buffer allocated on it
-  std::vector<TrainerShardLayout> layouts_;
-  std::vector<BucketGather> gather_;
   std::vector<TensorSlot> slots_;
-  std::vector<void*> ptrs_;                    // registered storage of slots_
-  std::unique_ptr<PlaneBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts
-  std::vector<BucketRuns> bucket_runs_;
-  Status corrupt_status_;  // a failed fault injection
-  int verifications_ = 0;  // verified refits so far: namespaces the verdict keys
+  std::vector<void*> ptrs_;  // registered storage of slots_
+  int verifications_ = 0;    // verified refits so far: namespaces the verdict keys
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Mailbox> mailbox_;
-  std::unique_ptr<Communicator> trainer_comm_, update_comm_;
-  std::unique_ptr<BucketSender> sender_;
-  std::vector<std::string> fed_engines_;
-  std::unique_ptr<RouteSetup> routes_;  // transfer plan (every executor but gather)
-  std::unique_ptr<RouteSender> route_sender_;
-  std::unique_ptr<Communicator> p2p_comm_;
+  std::unique_ptr<Communicator> trainer_comm_, p2p_comm_;
+  std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
+  std::unique_ptr<TrainerExecutor> executor_;
+  std::unique_ptr<RefitProbe> probe_;  // fault injection (tests)
   RankTraffic traffic_;
   std::deque<Message> early_verdicts_;  // verdicts that overtook a commit acknowledgement
   Phases phase_;
   RefitStats stats_;
-  Fault fault_;
   int raw_passes_ = 0;
-  bool progress_ = false;
   FailureLatch latch_;
 };
 

@@ -1,4 +1,4 @@
-#include "runtime/schedule.h"
+#include "plan/gather_schedule.h"
 
 namespace refit {
 

@@ -1,0 +1,59 @@
+#include "runtime/fault.h"
+
+#include <signal.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+
+namespace refit {
+namespace {
+
+class FaultProbe final : public RefitProbe {
+ public:
+  FaultProbe(const Fault& f, bool trainer, int rank) : f_(f), trainer_(trainer), rank_(rank) {}
+
+  void before_round(int step, int round) override {
+    const Fault::Kind kill = trainer_ ? Fault::Kind::kKillTrainer : Fault::Kind::kKillEngine;
+    if (step != 1 || f_.kind != kill || f_.rank != rank_) return;
+    if (round == kEveryRound) {
+      log::info("fault injection: killing myself while {} the engines' parameters",
+                trainer_ ? "writing" : "peers write");
+      raise(SIGKILL);
+    }
+    if (round >= f_.bucket) {  // the first round from K on that this rank moves
+      log::info("fault injection: killing myself at round {}", round);
+      raise(SIGKILL);
+    }
+  }
+
+  Status after_write(int step, int round, DataPlane& plane, const std::vector<CopyRun>& written,
+                     DType dtype) override {
+    if (step != 1 || !trainer_ || f_.kind != Fault::Kind::kCorrupt || written.empty())
+      return Status::Ok();
+    if (round != kEveryRound && round != f_.bucket) return Status::Ok();
+    const CopyRun& r =
+        written[round == kEveryRound
+                    ? std::min<std::size_t>(written.size() - 1, static_cast<std::size_t>(f_.bucket))
+                    : 0];
+    if (round == kEveryRound)
+      log::info("fault injection: corrupting a parameter written in place");
+    else
+      log::info("fault injection: corrupting round {} in flight", round);
+    const auto at = (r.block.dst_offset + r.block.cols / 2) * static_cast<std::int64_t>(dtype_size(dtype));
+    return plane.corrupt_byte(r.dst + at);
+  }
+
+ private:
+  const Fault f_;
+  const bool trainer_;
+  const int rank_;
+};
+
+}  // namespace
+
+std::unique_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank) {
+  return std::make_unique<FaultProbe>(fault, trainer, rank);
+}
+
+}  // namespace refit
