@@ -263,6 +263,28 @@ TEST(RuntimeSetup, InvalidConfigExits2BeforeStarting) {
   EXPECT_NE(r.output.find("world_size"), std::string::npos) << r.output;
 }
 
+// A fault the run could never reach is refused before any rank starts (it would silently do
+// nothing), naming the limit: ranks that do not exist, rounds or buckets past the plan.
+TEST(RuntimeSetup, FaultsOutsideThePlanExit2) {
+  struct Case {
+    Cell cell;
+    const char* fault;
+    const char* words;
+  };
+  const Case cases[] = {
+      {{.world_size = 2}, "kill-trainer:2:0", "there is no trainer rank 2 (policy.world_size is 2)"},
+      {{.tp = 2}, "kill-engine:2:0", "there is no engine rank 2"},
+      {{.executor = "gather"}, "corrupt:999", "bucket 999 is past the plan"},
+      {{.buffer = 4096, .executor = "p2p"}, "kill-engine:0:99999", "round 99999 is past the plan"},
+  };
+  for (const Case& c : cases) {
+    auto r = run_cell(c.cell, {"--steps", "1", "--fault", c.fault});
+    EXPECT_EQ(r.exit_code, 2) << c.fault << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.words), std::string::npos) << c.fault << "\n" << r.output;
+    EXPECT_EQ(r.output.find("step 1/1"), std::string::npos) << "a rank ran: " << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace refit
 

@@ -131,16 +131,24 @@ class Engine {
   virtual void on_pause(std::function<void()> hook) = 0;
   virtual void on_resume(std::function<void()> hook) = 0;
   // Called after a commit when the trainer asked for verification; its Status is the verdict
-  // sent back to the trainer. Receives the step and the new weight version.
+  // sent back to the trainer. Receives the step and the weight version the refit will publish
+  // when the verdict is OK (the resume hook runs after it; on a failed verdict, never).
   virtual void on_verify(std::function<Status(int step, const std::string& version)> hook) = 0;
 
-  // Serves one refit (blocking, bounded by the timeout while waiting for it to start). Returns
-  // true after a committed refit, false when the trainer shut the engines down.
+  // Serves one refit (blocking). Waits for it to start as long as the trainer lives (a failure of
+  // any rank, or the loss of the store, ends the wait); each step of the refit is bounded by
+  // refit.timeout_s. Returns true after a committed refit, false when the trainer shut the
+  // engines down.
   virtual Result<bool> serve_one() = 0;
   // Serves refits until shutdown.
   virtual Status serve() = 0;
-  // The version published by the last committed refit ("0" before the first).
+  // The version published by the last committed refit ("0" before the first). Empty while a
+  // refit may be writing the parameters, and after a refit that failed once it could have
+  // written them (a failure, or a failed verification): the weights are then a mix of two
+  // versions and generation stays paused (the resume hook did not run).
   virtual std::string weight_version() const = 0;
+  // False exactly when weight_version() is empty: the parameters hold no complete version.
+  virtual bool is_valid() const = 0;
 };
 
 }  // namespace refit

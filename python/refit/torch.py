@@ -365,6 +365,11 @@ class HFEngine:
     def weight_version(self) -> str:
         return self.engine.weight_version
 
+    @property
+    def is_valid(self) -> bool:
+        """False when a failed refit may have torn the module's weights (weight_version is "")."""
+        return self.engine.is_valid
+
     def close(self) -> None:
         self.engine.close()
 

@@ -358,6 +358,7 @@ class PyEngine {
       {
         std::lock_guard lock(version_mu_);
         version_ = engine_->weight_version();
+        valid_ = engine_->is_valid();
       }
       run_hook(resume_);
     });
@@ -432,6 +433,10 @@ class PyEngine {
     std::lock_guard lock(version_mu_);
     return version_;
   }
+  bool is_valid() {
+    std::lock_guard lock(version_mu_);
+    return valid_;
+  }
 
   void close() {
     CallGuard guard(busy_, who_, "close");
@@ -460,6 +465,13 @@ class PyEngine {
         committed = *r;
       else
         st = r.status();
+    }
+    {
+      // The serving thread is the only writer: after a failure the weights may be torn, and
+      // the copy other threads read must say so (empty version, not valid).
+      std::lock_guard lock(version_mu_);
+      version_ = e.weight_version();
+      valid_ = e.is_valid();
     }
     py::object pending = std::move(pending_);
     pending_ = py::object();
@@ -522,6 +534,7 @@ class PyEngine {
   py::object pending_;  // the first exception a hook raised during the current serve_one
   std::mutex version_mu_;
   std::string version_;
+  bool valid_ = true;
 };
 
 }  // namespace
@@ -633,7 +646,8 @@ hook() runs on the serving thread before any parameter changes (pause generation
 )doc")
       .def("on_resume", &PyEngine::set_resume, py::arg("hook"), R"doc(
 hook() runs on the serving thread after the commit, once weight_version is the new version and
-before the trainer's refit() returns (resume generation); None removes it. An exception in
+before the trainer's refit() returns (resume generation; with verify, only after the verification
+passed); None removes it. An exception in
 on_pause/on_resume does not undo the refit; serve_one()/serve() re-raise it afterwards.
 )doc")
       .def("on_verify", &PyEngine::set_verify, py::arg("hook"), R"doc(
@@ -642,7 +656,8 @@ True when the parameters are right; False or a message string, or raise, when no
 refit(verify=True) then raises refit.Error (code "corruption") with that message.
 )doc")
       .def("serve_one", &PyEngine::serve_one, R"doc(
-Serves one refit (GIL released; waits at most config.timeout_s for it to start). Returns True
+Serves one refit (GIL released; waits for it to start as long as the trainer lives, and
+config.timeout_s for each step of it). Returns True
 after a committed refit, False when the trainer shut the engines down.
 )doc")
       .def("serve", &PyEngine::serve, R"doc(
@@ -650,8 +665,13 @@ Serves refits until the trainer shuts down; returns how many committed. Ctrl-C i
 refits.
 )doc")
       .def_property_readonly("weight_version", &PyEngine::weight_version, R"doc(
-The version published by the last committed refit ("0" before the first). Safe to read from any
-thread, also while another serves.
+The version published by the last committed refit ("0" before the first); "" after a refit that
+failed once it could have written the parameters (they are then torn, and generation stays
+paused). With verify, a refit publishes only after its verification passed. Safe to read from
+any thread, also while another serves.
+)doc")
+      .def_property_readonly("is_valid", &PyEngine::is_valid, R"doc(
+False exactly when weight_version is "": the parameters hold no complete version.
 )doc")
       .def_property_readonly("engine_rank", &PyEngine::engine_rank)
       .def_property_readonly("engine_index", &PyEngine::engine_index)

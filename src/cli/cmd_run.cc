@@ -74,6 +74,7 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   }
   auto fault = parse_fault(f.fault);
   exit_if_error(fault.status(), kExitSetup);
+  exit_if_error(check_fault_fits(*fault, cfg), kExitSetup);
   o.fault = *fault;
   o.endpoint.master_addr = env::master_addr();
   o.endpoint.master_port = setup_env(env::master_port());

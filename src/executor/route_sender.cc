@@ -59,6 +59,18 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
       m.memory.push_back(std::move(mem).value());
     }
   } else {  // one region (allocate_params)
+    // Every parameter must lie inside the region the engine says it exported: a paused message
+    // with other offsets (a bug, or a forged message) must not make us write outside it.
+    const auto esize = static_cast<std::uint64_t>(dtype_size(o_.setup->plan.dtype));
+    for (std::size_t p = 0; p < n; ++p) {
+      const auto bytes = static_cast<std::uint64_t>(matrix_shape(lay.params[p].shape).numel()) * esize;
+      const std::uint64_t off = direct.offsets[p];
+      if (off % esize != 0 || off > direct.bytes || bytes > direct.bytes - off)
+        return Status::Corruption(fmt::format(
+            "peer: engine rank {} exported parameter {} ({} bytes) at offset {} of a {}-byte "
+            "region: outside it, refusing to write",
+            g, lay.params[p].name, bytes, off, direct.bytes));
+    }
     auto mem = o_.plane->open_exported(direct.handle, direct.bytes);
     if (!mem.ok()) return mem.status().with_context(what);
     for (std::uint64_t off : direct.offsets) m.params.push_back((*mem)->data() + off);

@@ -105,6 +105,40 @@ Status dump_engine_params(const RankOptions& o, DataPlane& plane, const EngineSh
 
 }  // namespace
 
+Status check_fault_fits(const Fault& f, const Config& config) {
+  if (f.kind != Fault::Kind::kCorrupt && f.kind != Fault::Kind::kKillTrainer &&
+      f.kind != Fault::Kind::kKillEngine)
+    return Status::Ok();
+  const std::string what = f.kind == Fault::Kind::kCorrupt
+                               ? fmt::format("corrupt:{}", f.bucket)
+                               : fmt::format("{}:{}:{}",
+                                             f.kind == Fault::Kind::kKillTrainer ? "kill-trainer"
+                                                                                 : "kill-engine",
+                                             f.rank, f.bucket);
+  if (f.kind == Fault::Kind::kKillTrainer && f.rank >= config.policy.world_size)
+    return Status::InvalidArgument(
+        fmt::format("--fault {}: there is no trainer rank {} (policy.world_size is {})", what,
+                    f.rank, config.policy.world_size));
+  if (f.kind == Fault::Kind::kKillEngine && f.rank >= config.engine_ranks())
+    return Status::InvalidArgument(fmt::format(
+        "--fault {}: there is no engine rank {} (generation.num_engines x tp_size is {})", what,
+        f.rank, config.engine_ranks()));
+  REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(config));
+  int rounds = static_cast<int>(model->plan.buckets.size());
+  const char* unit = "bucket";
+  if (uses_transfer_plan(config)) {
+    REFIT_ASSIGN_OR_RETURN(RouteSetup routes, make_route_setup(config, model->spec));
+    rounds = routes.plan.rounds;
+    unit = "round";
+  }
+  if (f.bucket >= rounds)
+    return Status::InvalidArgument(fmt::format(
+        "--fault {}: {} {} is past the plan, which moves {} {}(s) per refit (0..{}) with "
+        "refit.buffer_size_bytes {}",
+        what, unit, f.bucket, rounds, unit, rounds - 1, config.refit.buffer_size_bytes));
+  return Status::Ok();
+}
+
 Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   log::set_prefix(fmt::format("trainer {}", rank));
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(o.config));

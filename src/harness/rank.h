@@ -75,6 +75,10 @@ Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& ro
                                       double copy_bandwidth, double peer_bandwidth);
 
 // Runs trainer rank `rank` for options.steps refits; trainer rank 0 fills `report`.
+// `--fault` against the run it would act on: the rank exists and the bucket or round is one the
+// plan moves (0 .. rounds-1). An error names the fault, the limit and the key behind it.
+Status check_fault_fits(const Fault& fault, const Config& config);
+
 Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report);
 // Runs engine rank `engine_rank` until the trainer shuts it down.
 Status run_engine_rank(const RankOptions& options, int engine_rank);

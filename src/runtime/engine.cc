@@ -68,6 +68,7 @@ class EngineImpl final : public Engine {
     verify_hook_ = std::move(hook);
   }
   std::string weight_version() const override { return version_; }
+  bool is_valid() const override { return valid_; }
 
   Result<std::vector<void*>> allocate_params() override {
     std::vector<void*> out;
@@ -260,6 +261,10 @@ class EngineImpl final : public Engine {
                         .pause = [&]() -> Status {
                           if (raw) return Status::Ok();
                           REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
+                          // From here bytes may land: the old version no longer describes the
+                          // weights until this refit publishes its own.
+                          valid_ = false;
+                          version_.clear();
                           log::debug("pause generation for refit step {}", begin_.step);
                           if (pause_hook_) pause_hook_();
                           return Status::Ok();
@@ -274,34 +279,50 @@ class EngineImpl final : public Engine {
     return finish(executor_->apply_seconds());
   }
 
-  // After a complete refit: publish the version, resume, acknowledge, verify.
+  // After every byte of a refit landed and every feeder committed: acknowledge, then — once the
+  // verification hook passed, when the trainer asked for one — publish the version and resume.
+  // A failed verification leaves the weights invalid and generation paused.
   Status finish(double apply_s) {
     const bool raw = begin_.raw;
-    if (!raw) version_ = begin_.version;  // only a complete refit publishes a new version
-    log::debug("resume generation at weight version {}", version_);
-    if (resume_hook_ && !raw) resume_hook_();
     REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
+    if (!raw && !begin_.verify) publish();
     REFIT_RETURN_IF_ERROR(send_each(
         *mailbox_, feeders(), MessageType::kCommitted,
-        encode(CommittedMessage{.version = version_,
+        encode(CommittedMessage{.version = raw ? version_ : begin_.version,
                                 .apply_s = apply_s,
                                 .bytes_received = traffic_.bytes_received})));
-    if (begin_.verify) {
-      Status v = verify_hook_ ? verify_hook_(begin_.step, version_)
-                              : Status::Unsupported(id() +
-                                                    ": verification was asked for but this "
-                                                    "engine has no verification hook");
-      REFIT_RETURN_IF_ERROR(send_each(
-          *mailbox_, feeders(), MessageType::kVerified,
-          encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
-      if (!v.ok()) return v;
-    }
-    return Status::Ok();
+    if (!begin_.verify) return Status::Ok();
+    Status v = verify_hook_ ? verify_hook_(begin_.step, begin_.version)
+                            : Status::Unsupported(id() +
+                                                  ": verification was asked for but this "
+                                                  "engine has no verification hook");
+    if (v.ok()) publish();
+    REFIT_RETURN_IF_ERROR(send_each(
+        *mailbox_, feeders(), MessageType::kVerified,
+        encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
+    return v;
+  }
+
+  // The refit's weights are complete (and verified when asked): they carry its version now.
+  void publish() {
+    version_ = begin_.version;
+    valid_ = true;
+    log::debug("resume generation at weight version {}", version_);
+    if (resume_hook_) resume_hook_();
   }
 
   // Handles the next message between refits: a refit (true) or the shutdown (false).
+  // Between refits the wait has no bound but the trainer's life: the mailbox's liveness check
+  // (every 500 ms) ends it when the store's host is gone or any rank recorded a failure.
+  // refit.timeout_s bounds each step of a refit in flight, not the gap between refits, which
+  // lasts a rollout and a training step.
   Result<bool> next() {
-    auto msg = mailbox_->receive(timeout());
+    Result<Message> msg = mailbox_->receive(timeout());
+    while (!msg.ok() && msg.status().code() == StatusCode::kTimeout) {
+      log::debug("{}: no refit for {} s; the trainer is alive, waiting on", id(),
+                 cfg_.refit.timeout_s);
+      msg = mailbox_->receive(timeout());
+    }
     if (!msg.ok())
       return msg.status().with_context(
           fmt::format("{} waiting for the next refit from {}", id(), feeders()[0]));
@@ -362,6 +383,7 @@ class EngineImpl final : public Engine {
   bool export_failed_ = false;              // a registered parameter cannot be exported
   RankTraffic traffic_;
   std::string version_ = "0";
+  bool valid_ = true;  // false from the moment a refit may write until it publishes
   std::string run_id_;
   std::unique_ptr<PlaneBuffer> exported_;  // allocate_params(): parameters the trainer maps
   std::string export_handle_;

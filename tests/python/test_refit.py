@@ -3,6 +3,7 @@ registered zero-copy, engine parameters checked bit for bit against the docs/des
 here in NumPy."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,14 +74,15 @@ def test_refit_from_python_matches_the_engine_layout(overrides):
     for rank, result in engines.items():
         assert result["served"] == steps
         assert result["version"] == f"{prefix}{steps}"
-        # Hooks in order, with the version bumped only at the commit; verified every step.
+        # Hooks in order: verified every step, and only then the version published and
+        # generation resumed.
         assert result["events"] == [
             "pause@0",
-            f"resume@{prefix}1",
             f"verify 1 {prefix}1",
+            f"resume@{prefix}1",
             f"pause@{prefix}1",
-            f"resume@{prefix}2",
             f"verify 2 {prefix}2",
+            f"resume@{prefix}2",
         ]
 
 
@@ -174,6 +176,9 @@ def test_failed_verification_raises_on_the_trainer_with_the_engine_message():
     try:
         ranks.register_all()
         ranks.engine.on_verify(lambda step, version: f"norm looks wrong at {version}")
+        resumed = []
+        ranks.engine.on_resume(lambda: resumed.append(ranks.engine.weight_version))
+        assert ranks.engine.is_valid and ranks.engine.weight_version == "0"
         thread, box = ranks.serve_in_thread()
         with pytest.raises(refit.Error) as info:
             ranks.trainer.refit(1, version="v1", verify=True)
@@ -183,8 +188,49 @@ def test_failed_verification_raises_on_the_trainer_with_the_engine_message():
         thread.join(timeout=20)
         assert isinstance(box.get("error"), refit.Error)
         assert "norm looks wrong at v1" in str(box["error"])
-        # The refit itself committed before verification.
-        assert ranks.engine.weight_version == "v1"
+        # Every byte landed, but the weights failed their check: no version describes them, and
+        # generation stays paused.
+        assert ranks.engine.weight_version == ""
+        assert not ranks.engine.is_valid
+        assert resumed == []
+    finally:
+        ranks.close()
+
+
+def test_engines_wait_between_refits_as_long_as_the_trainer_lives():
+    # timeout_s bounds a refit in flight, not the gap between refits (a rollout and a training
+    # step): gaps of three timeouts leave the session usable.
+    ranks = Ranks(timeout_s=1)
+    try:
+        ranks.register_all()
+        thread, box = ranks.serve_in_thread()
+        for step in (1, 2):
+            time.sleep(3.0)
+            ranks.trainer.refit(step, verify=False)
+            assert ranks.engine.weight_version == f"step-{step}" and ranks.engine.is_valid
+        ranks.trainer.shutdown()
+        thread.join(timeout=20)
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 2
+    finally:
+        ranks.close()
+
+
+def test_an_engine_waiting_for_a_refit_fails_when_the_trainer_goes():
+    # The wait between refits ends with the trainer: closing it takes the store away, and the
+    # engine's liveness check (every 500 ms) ends the wait naming the lost control plane.
+    ranks = Ranks(timeout_s=30)
+    try:
+        ranks.register_all()
+        thread, box = ranks.serve_in_thread()
+        time.sleep(1.0)
+        start = time.monotonic()
+        ranks.trainer.close()
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+        assert time.monotonic() - start < 10, "the wait outlived the trainer by far"
+        assert isinstance(box.get("error"), refit.Error), box
+        assert "lost the control plane" in str(box["error"]), box["error"]
     finally:
         ranks.close()
 

@@ -1,0 +1,95 @@
+// The trainer side of the transfer plan against an engine that answers its begin with a paused
+// message naming a region whose parameters lie outside it (a bug, or a forged message on the
+// control plane): the sender must refuse before writing a byte, naming the parameter.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "control/mailbox.h"
+#include "control/store.h"
+#include "executor/route_sender.h"
+#include "executor/routes.h"
+#include "plane/data_plane.h"
+#include "refit/model_spec.h"
+
+namespace refit {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
+  Config cfg;
+  cfg.model = "tiny-qwen3";
+  cfg.policy.world_size = 1;
+  cfg.generation.tp_size = 1;
+  cfg.generation.colocated = true;
+  cfg.refit.timeout_s = 10;
+  auto spec = load_model_spec(cfg.model);
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  auto setup = make_route_setup(cfg, *spec);
+  ASSERT_TRUE(setup.ok()) << setup.status().to_string();
+  auto plane = make_data_plane(cfg);
+  ASSERT_TRUE(plane.ok());
+
+  auto server = StoreServer::start("127.0.0.1", 0);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s);
+  ASSERT_TRUE(store.ok());
+  auto trainer_box = Mailbox::open(**store, "trainer/0", "127.0.0.1", 5s);
+  auto engine_box = Mailbox::open(**store, "engine/0", "127.0.0.1", 5s);
+  ASSERT_TRUE(trainer_box.ok() && engine_box.ok());
+
+  // The engine's region, as allocate_params would lay it out, and the trainer's shards.
+  const EngineShardLayout& lay = setup->engines[0];
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t total = 0;
+  for (const EngineParam& p : lay.params) {
+    offsets.push_back(total);
+    total += static_cast<std::uint64_t>(matrix_shape(p.shape).numel()) * 2;
+    total = (total + 255) / 256 * 256;
+  }
+  std::string handle;
+  auto region = (*plane)->allocate_exported(total, "/refit-test-route-sender", &handle);
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  std::vector<std::vector<float>> shard_memory;
+  std::vector<void*> shards;
+  for (const LocalTensor& t : setup->trainers[0].tensors) {
+    shard_memory.emplace_back(static_cast<std::size_t>(matrix_shape(t.shape).numel()), 1.0f);
+    shards.push_back(shard_memory.back().data());
+  }
+  const std::vector<std::byte> before(region->get()->data(), region->get()->data() + total);
+  offsets.back() = total - 2;  // the last parameter starts inside and runs past the end
+
+  RouteSenderOptions o;
+  o.config = &cfg;
+  o.rank = 0;
+  o.setup = &*setup;
+  o.mailbox = trainer_box->get();
+  o.plane = plane->get();
+  o.targets = control_targets(setup->plan, 0);
+  o.target_same_host.assign(o.targets.size(), true);
+  ASSERT_EQ(o.targets, std::vector<int>{0});
+  auto sender = RouteSender::create(o);
+  ASSERT_TRUE(sender.ok());
+
+  std::thread engine([&] {
+    auto begin = (*engine_box)->receive(5s);
+    ASSERT_TRUE(begin.ok() && begin->type == MessageType::kBegin);
+    PausedMessage paused;
+    paused.direct = ExportedParams{.handle = handle, .bytes = total, .offsets = offsets};
+    ASSERT_TRUE((*engine_box)->send("trainer/0", MessageType::kPaused, encode(paused)).ok());
+  });
+  TransferTimes times;
+  const Status st = (*sender)->transfer(BeginMessage{.step = 1, .version = "1"}, shards, times);
+  engine.join();
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.to_string();
+  EXPECT_NE(st.message().find("outside it, refusing to write"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find(lay.params.back().name), std::string::npos) << st.message();
+  const std::vector<std::byte> after(region->get()->data(), region->get()->data() + total);
+  EXPECT_TRUE(before == after) << "the sender wrote into the region";
+}
+
+}  // namespace
+}  // namespace refit
