@@ -74,23 +74,7 @@ static double median_gbps_with(size_t bytes, cudaStream_t st, const std::functio
 }
 
 static double median_gbps(size_t bytes, cudaStream_t st, const std::function<void()>& issue) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<double> v;
-  for (int i = 0; i < 9; ++i) {
-    CK(cudaEventRecord(a, st));
-    issue();
-    CK(cudaEventRecord(b, st));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (i >= 2) v.push_back(bytes / (ms * 1e-3) / 1e9);
-  }
-  std::sort(v.begin(), v.end());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  return v[v.size() / 2];
+  return median_gbps_with(bytes, st, [](int) {}, issue);
 }
 
 static int sms(int dev) {

@@ -6,6 +6,7 @@
 // is allowed, and `refit check` exits 2 on any of them.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -61,8 +62,13 @@ struct RefitConfig {
   DType target_precision = DType::kBFloat16;
   std::int64_t buffer_size_bytes = 256ll << 20;  // one bucket at most
   int num_buffers = 2;                           // in-flight buckets (>= 1)
-  double timeout_s = 60.0;                       // bound on every wait
+  double timeout_s = 60.0;                       // bound on every wait inside a refit
   Executor executor = Executor::kAuto;           // how bytes move (see Executor)
+
+  // timeout_s as a duration.
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
+  }
 };
 
 struct Config {

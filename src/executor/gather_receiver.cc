@@ -19,8 +19,7 @@ Status GatherReceiver::setup() {
   const Config& cfg = *o_.config;
   const TransportOptions topt{cfg.refit.num_buffers,
                               static_cast<std::size_t>(cfg.refit.buffer_size_bytes),
-                              std::chrono::milliseconds(
-                                  static_cast<long long>(cfg.refit.timeout_s * 1000))};
+                              cfg.refit.timeout()};
   if (cfg.generation.weight_transfer_mode == TransferMode::kBroadcast) {
     feeders_ = {"trainer/0"};
     REFIT_ASSIGN_OR_RETURN(update_,
@@ -126,7 +125,7 @@ Status GatherReceiver::receive(const EngineRefit& r) {
     applier_.post([this, in, raw, &params] { return apply(in, raw, params); });
   }
   REFIT_RETURN_IF_ERROR(
-      applier_.drain(std::chrono::milliseconds(static_cast<long long>(o_.config->refit.timeout_s * 1000))));
+      applier_.drain(o_.config->refit.timeout()));
   if (applied_ != buckets)
     return Status::Internal(
         fmt::format("{}: step {} applied {} of {} buckets", o_.who, step, applied_, buckets));

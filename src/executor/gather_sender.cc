@@ -31,8 +31,7 @@ Status GatherSender::setup() {
   // Which engine ranks this rank feeds, and the transport to them.
   const TransportOptions topt{cfg.refit.num_buffers,
                               static_cast<std::size_t>(cfg.refit.buffer_size_bytes),
-                              std::chrono::milliseconds(
-                                  static_cast<long long>(cfg.refit.timeout_s * 1000))};
+                              cfg.refit.timeout()};
   if (cfg.generation.weight_transfer_mode == TransferMode::kBroadcast) {
     if (o_.rank == 0) {
       for (int g = 0; g < cfg.engine_ranks(); ++g) fed_.push_back(fmt::format("engine/{}", g));

@@ -9,14 +9,6 @@
 
 namespace refit {
 
-namespace {
-
-std::chrono::milliseconds timeout_of(const Config& c) {
-  return std::chrono::milliseconds(static_cast<long long>(c.refit.timeout_s * 1000));
-}
-
-}  // namespace
-
 RouteReceiver::RouteReceiver(const RouteReceiverOptions& o) : o_(o) {
   for (int r : o_.sources) feeders_.push_back(fmt::format("trainer/{}", r));
 }
@@ -103,7 +95,7 @@ Status RouteReceiver::attach() {
   std::vector<bool> seen(feeders_.size(), false);
   for (std::size_t got = 0; got < feeders_.size(); ++got) {
     REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*o_.mailbox, MessageType::kRoutes,
-                                                     timeout_of(*o_.config),
+                                                     o_.config->refit.timeout(),
                                                      "the feeders' route metadata"));
     const auto it = std::find(feeders_.begin(), feeders_.end(), m.from);
     const auto i = static_cast<std::size_t>(it - feeders_.begin());
@@ -125,7 +117,7 @@ Status RouteReceiver::attach() {
 Status RouteReceiver::receive(const EngineRefit& r) {
   const BeginMessage& begin = r.begin;
   REFIT_RETURN_IF_ERROR(expect_from_each(
-      *o_.mailbox, feeders_, MessageType::kBegin, r.first_from, timeout_of(*o_.config), o_.who,
+      *o_.mailbox, feeders_, MessageType::kBegin, r.first_from, o_.config->refit.timeout(), o_.who,
       "begins", [&](const Message& m) -> Status {
         REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
         if (b.step != begin.step || b.raw != begin.raw)
@@ -140,7 +132,7 @@ Status RouteReceiver::receive(const EngineRefit& r) {
   REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, feeders_, MessageType::kPaused,
                                   encode(PausedMessage{.direct = exported})));
   REFIT_RETURN_IF_ERROR(receive_rounds(begin.step, begin.raw, *r.params));
-  return applier_.drain(timeout_of(*o_.config));
+  return applier_.drain(o_.config->refit.timeout());
 }
 
 Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*>& params) {
@@ -155,7 +147,7 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
   }
   if (runs_.empty()) REFIT_RETURN_IF_ERROR(build(params));
   const auto nslots = static_cast<std::int64_t>(o_.config->refit.num_buffers);
-  const auto timeout = timeout_of(*o_.config);
+  const auto timeout = o_.config->refit.timeout();
   const std::int64_t base = applier_.completed();
   std::int64_t posted = 0;
   const DType tgt = o_.config->refit.target_precision;

@@ -10,13 +10,6 @@
 #include "transport/transport.h"
 
 namespace refit {
-namespace {
-
-std::chrono::milliseconds timeout_of(const Config& c) {
-  return std::chrono::milliseconds(static_cast<long long>(c.refit.timeout_s * 1000));
-}
-
-}  // namespace
 
 RouteSender::RouteSender(const RouteSenderOptions& o) : o_(o) {
   for (int g : o_.targets) ids_.push_back(fmt::format("engine/{}", g));
@@ -177,7 +170,7 @@ Status RouteSender::attach() {
 Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& shards,
                              TransferTimes& times) {
   const Config& cfg = *o_.config;
-  const auto timeout = timeout_of(cfg);
+  const auto timeout = cfg.refit.timeout();
   bytes_sent_ = 0;
   const std::string payload = encode(begin);
   REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
@@ -245,8 +238,7 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
     }
   if (send_ops_.empty()) build_pack_runs(shards);
   const DType tgt = cfg.refit.target_precision;
-  const auto timeout =
-      std::chrono::milliseconds(static_cast<long long>(cfg.refit.timeout_s * 1000));
+  const auto timeout = cfg.refit.timeout();
   const auto nslots = static_cast<std::int64_t>(staging_.size());
   const std::int64_t base = sender_.completed();
   std::int64_t posted = 0;

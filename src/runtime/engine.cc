@@ -129,7 +129,7 @@ class EngineImpl final : public Engine {
                       *plane_);
   }
   std::chrono::milliseconds timeout() const {
-    return std::chrono::milliseconds(static_cast<long long>(cfg_.refit.timeout_s * 1000));
+    return cfg_.refit.timeout();
   }
 
   Status setup() {

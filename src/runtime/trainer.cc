@@ -130,7 +130,7 @@ class TrainerImpl final : public Trainer {
                       *plane_);
   }
   std::chrono::milliseconds timeout() const {
-    return std::chrono::milliseconds(static_cast<long long>(cfg_.refit.timeout_s * 1000));
+    return cfg_.refit.timeout();
   }
   Status setup() {
     const int world = cfg_.policy.world_size;
