@@ -365,33 +365,39 @@ TEST(SeparateLaunch, PeerAcrossHostsIsRefused) {
                                                      << out;
 }
 
-// SGLang protocol: engines place what the trainers' route metadata says, so an engine whose own
-// config would derive other rounds (another buffer size) still receives correctly over p2p.
-TEST(SeparateLaunch, SglangEnginesPlaceWhatTheRouteMetadataSays) {
+// Ranks launched with configs that differ in a setting every rank must share are refused at
+// setup (runtime/agreement.h), naming the key and both values — under either protocol, before
+// any group forms or refit starts, and on every rank.
+void expect_settings_refused(const Cell& trainer, const Cell& engine,
+                             const std::vector<std::string>& words) {
   TempDir dir;
-  Cell c{.buffer = 4096, .executor = "p2p"};
-  const std::string trainer_cfg = dir.write("t.yaml", config_yaml(c));
-  c.buffer = 1 << 15;  // the engines alone would derive other rounds
-  const std::string engine_cfg = dir.write("e.yaml", config_yaml(c));
-  std::string out;
-  auto codes = launch_separately(trainer_cfg, engine_cfg, dir, &out);
-  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0})) << out;
-  EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
-  EXPECT_NE(out.find("pairs by executor: peer 0, p2p 4"), std::string::npos) << out;
-}
-
-TEST(SeparateLaunch, VllmManifestMismatchIsRefusedAtSetup) {
-  TempDir dir;
-  Cell c{.engine = "vllm", .timeout_s = 5};
-  const std::string trainer_cfg = dir.write("t.yaml", config_yaml(c));
-  c.buffer = 1 << 15;  // the engines derive a different bucket plan
-  const std::string engine_cfg = dir.write("e.yaml", config_yaml(c));
+  const std::string trainer_cfg = dir.write("t.yaml", config_yaml(trainer));
+  const std::string engine_cfg = dir.write("e.yaml", config_yaml(engine));
   std::string out;
   auto codes = launch_separately(trainer_cfg, engine_cfg, dir, &out);
   ASSERT_EQ(codes.size(), 4u) << out;
   for (int code : codes) EXPECT_NE(code, 0) << out;
-  EXPECT_NE(out.find("vllm manifest mismatch"), std::string::npos) << out;
+  EXPECT_NE(std::find(codes.begin(), codes.end(), 2), codes.end()) << "a setup error exits 2\n"
+                                                                    << out;
+  for (const std::string& w : words) EXPECT_NE(out.find(w), std::string::npos) << w << "\n" << out;
   EXPECT_EQ(out.find("step 1/2"), std::string::npos) << "no refit may start:\n" << out;
+}
+TEST(SeparateLaunch, SglangBufferSizeMismatchIsRefusedNamingTheKey) {
+  expect_settings_refused({.buffer = 4096, .timeout_s = 10, .executor = "p2p"},
+                          {.buffer = 1 << 15, .timeout_s = 10, .executor = "p2p"},
+                          {"disagree on refit.buffer_size_bytes: trainer rank 0 has 4096, engine 0 "
+                           "tp rank ",
+                           " has 32768"});
+}
+TEST(SeparateLaunch, VllmEngineCountMismatchIsRefusedNamingTheKey) {
+  expect_settings_refused({.engine = "vllm", .timeout_s = 10},
+                          {.engine = "vllm", .num_engines = 2, .timeout_s = 10},
+                          {"disagree on generation.num_engines: trainer rank 0 has 1", " has 2"});
+}
+TEST(SeparateLaunch, TransferModeMismatchIsRefusedNamingTheKey) {
+  expect_settings_refused({.timeout_s = 10, .executor = "gather"},
+                          {.timeout_s = 10, .executor = "p2p"},
+                          {"disagree on refit.executor: trainer rank 0 has gather", " has p2p"});
 }
 
 }  // namespace

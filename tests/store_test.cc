@@ -102,6 +102,48 @@ TEST(Store, GetBlocksUntilAnotherClientSets) {
   EXPECT_EQ(*second, "2");
 }
 
+// get_while_alive asks its liveness check between 500 ms slices: a failing check ends the wait
+// with the check's Status (counted, so the path that ran is known); a passing one lets the wait
+// run to its timeout, which names the key; a key set meanwhile is returned.
+TEST(Store, GetWhileAliveEndsWhenTheCheckFails) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto c = connect(server->port());
+  ASSERT_TRUE(c);
+  int asked = 0;
+  auto v = get_while_alive(*c, "never/set", 60s, [&] {
+    return ++asked < 2 ? Status::Ok() : Status::Aborted("aborted because engine 3 died");
+  });
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), StatusCode::kAborted) << v.status().to_string();
+  EXPECT_EQ(asked, 2);
+  EXPECT_NE(v.status().message().find("waiting for store key 'never/set'"), std::string::npos)
+      << v.status().message();
+  EXPECT_NE(v.status().message().find("engine 3 died"), std::string::npos);
+
+  asked = 0;
+  auto t = get_while_alive(*c, "never/set", 1200ms, [&] {
+    ++asked;
+    return Status::Ok();
+  });
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kTimeout);
+  EXPECT_NE(t.status().message().find("store key 'never/set' was not set within 1200 ms"),
+            std::string::npos)
+      << t.status().message();
+  EXPECT_GE(asked, 1);
+
+  std::thread setter([&] {
+    std::this_thread::sleep_for(700ms);
+    auto other = connect(server->port());
+    ASSERT_TRUE(other && other->set("late/key", "v").ok());
+  });
+  auto late = get_while_alive(*c, "late/key", 10s, [] { return Status::Ok(); });
+  setter.join();
+  ASSERT_TRUE(late.ok()) << late.status().to_string();
+  EXPECT_EQ(*late, "v");
+}
+
 TEST(Store, GetTimeoutNamesTheKey) {
   auto server = start_server();
   ASSERT_TRUE(server);

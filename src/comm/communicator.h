@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -59,6 +60,9 @@ struct GlooOptions {
   std::chrono::milliseconds timeout{60000};
   // Broadcasts and all-gathers above this many bytes are split into chunks of at most this size.
   std::size_t max_chunk_bytes = std::size_t{1} << 30;
+  // Asked every 500 ms while the rendezvous waits for peers' keys; a non-ok Status ends the wait
+  // (a peer failed at setup). Null: wait out the timeout.
+  std::function<Status()> liveness;
 };
 
 // Forms a Gloo group through `store` (keys under "gloo/<name>/"). Errors name the group and rank.

@@ -56,6 +56,12 @@ class Reader {
       if (!x.is_string()) return false;
     return true;
   }
+  static bool type_ok(const Json& v, const std::map<std::string, std::string>&) {
+    if (!v.is_object()) return false;
+    for (const auto& [k, x] : v.items())
+      if (!x.is_string()) return false;
+    return true;
+  }
   static bool type_ok(const Json& v, const std::vector<std::uint64_t>&) {
     if (!v.is_array()) return false;
     for (const Json& x : v)
@@ -75,8 +81,9 @@ class Reader {
 
 }  // namespace
 
-std::string encode_version_stamp(const std::string& refit_version) {
-  return dump({{"refit_version", refit_version}});
+std::string encode_version_stamp(const std::string& refit_version,
+                                 const std::map<std::string, std::string>& settings) {
+  return dump({{"refit_version", refit_version}, {"settings", settings}});
 }
 
 Status check_peer_versions(const std::string& payload, const std::string& from,
@@ -105,7 +112,8 @@ std::string encode(const HelloMessage& m) {
                {"engine_rank", m.engine_rank},
                {"protocol", m.protocol},
                {"plan_hash", m.plan_hash},
-               {"total_parameters", m.total_parameters}});
+               {"total_parameters", m.total_parameters},
+               {"settings", m.settings}});
 }
 
 std::string encode(const BeginMessage& m) {
@@ -182,8 +190,18 @@ Result<HelloMessage> decode_hello(const std::string& payload, const std::string&
   r.get("protocol", m.protocol);
   r.get("plan_hash", m.plan_hash);
   r.get("total_parameters", m.total_parameters);
+  r.get("settings", m.settings);
   if (!r.status().ok()) return r.status();
   return m;
+}
+
+Result<std::map<std::string, std::string>> decode_stamp_settings(const std::string& payload,
+                                                                 const std::string& from) {
+  Reader r(payload, "version stamp", from);
+  std::map<std::string, std::string> settings;
+  r.get("settings", settings);
+  if (!r.status().ok()) return r.status();
+  return settings;
 }
 
 Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from) {

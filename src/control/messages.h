@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,10 +28,17 @@ struct HelloMessage {
   std::string protocol;              // "sglang" | "vllm"
   std::string plan_hash;             // the plan the engine derived (vLLM: must equal the trainer's)
   std::int64_t total_parameters = 0; // of the model the engine loaded
+  // Every setting both sides must agree on, by config key (runtime/agreement.h); wire version 3.
+  std::map<std::string, std::string> settings;
 };
 
-// The versions a rank announces: its hello, and (trainer ranks) the store key `version/<id>`.
-std::string encode_version_stamp(const std::string& refit_version);
+// The versions a rank announces: its hello, and (trainer ranks) the store key `version/<id>`,
+// which also carries the trainer rank's agreed settings.
+std::string encode_version_stamp(const std::string& refit_version,
+                                 const std::map<std::string, std::string>& settings = {});
+// The settings of a version stamp (after check_peer_versions passed on it).
+Result<std::map<std::string, std::string>> decode_stamp_settings(const std::string& payload,
+                                                                 const std::string& from);
 // Compares the refit and wire versions in `payload` (a hello or a version stamp from `from`) with
 // this build's; InvalidArgument naming both sides (`from` and `self`) when they differ.
 Status check_peer_versions(const std::string& payload, const std::string& from,

@@ -1,5 +1,9 @@
 #include "control/store.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
+
 namespace refit {
 
 Status PrefixStore::set(const std::string& key, const std::string& value) {
@@ -23,6 +27,23 @@ Status PrefixStore::wait(const std::vector<std::string>& keys, std::chrono::mill
 
 Result<std::int64_t> PrefixStore::add(const std::string& key, std::int64_t delta) {
   return base_.add(prefix_ + key, delta);
+}
+
+Result<std::string> get_while_alive(Store& store, const std::string& key,
+                                    std::chrono::milliseconds timeout,
+                                    const std::function<Status()>& alive) {
+  constexpr std::chrono::milliseconds kSlice(500);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    Result<std::string> v = store.get(key, std::max(std::chrono::milliseconds(1), std::min(left, kSlice)));
+    if (v.ok() || v.status().code() != StatusCode::kTimeout) return v;
+    if (left <= kSlice)
+      return Status::Timeout(
+          fmt::format("store key '{}' was not set within {} ms", key, timeout.count()));
+    if (alive) REFIT_RETURN_IF_ERROR(alive().with_context("waiting for store key '" + key + "'"));
+  }
 }
 
 }  // namespace refit

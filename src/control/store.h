@@ -11,6 +11,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -34,6 +35,13 @@ class Store {
   // Atomically adds `delta` to the integer stored at `key` (absent = 0); returns the new value.
   virtual Result<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
 };
+
+// get() that also asks `alive` every 500 ms while it waits: a non-ok Status from it ends the wait
+// (the runtime's liveness check: another rank failed, or the store's host is gone), so a rank
+// whose peer failed at setup does not wait out the whole timeout.
+Result<std::string> get_while_alive(Store& store, const std::string& key,
+                                    std::chrono::milliseconds timeout,
+                                    const std::function<Status()>& alive);
 
 // Prepends "<prefix>/" to every key of an underlying store it does not own.
 class PrefixStore : public Store {

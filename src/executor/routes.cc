@@ -52,10 +52,11 @@ Status publish_host(Store& store, const std::string& who) {
 }
 
 Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,
-                                            std::chrono::milliseconds timeout) {
+                                            std::chrono::milliseconds timeout,
+                                            const std::function<Status()>& alive) {
   std::vector<std::string> out;
   for (const std::string& w : who) {
-    auto h = store.get("host/" + w, timeout);
+    auto h = get_while_alive(store, "host/" + w, timeout, alive);
     if (!h.ok()) return h.status().with_context(fmt::format("reading the host of {}", w));
     out.push_back(std::move(h).value());
   }

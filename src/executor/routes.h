@@ -15,6 +15,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,9 +57,11 @@ inline int p2p_rank_of_engine(const Config& config, int engine_rank) {
 std::string host_identity();
 // Publishes this process's host under "host/<who>" ("trainer/0", "engine/3").
 Status publish_host(Store& store, const std::string& who);
-// Reads the host of every id in `who` (bounded by `timeout`).
+// Reads the host of every id in `who` (bounded by `timeout`, and ended early by a failing
+// `alive`: get_while_alive, control/store.h).
 Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,
-                                            std::chrono::milliseconds timeout);
+                                            std::chrono::milliseconds timeout,
+                                            const std::function<Status()>& alive);
 
 // What one engine rank receives point-to-point, round by round: its segments in trainer-rank order
 // (the layout of its staging slot), each with its routes (engine side: parameter, position,

@@ -14,6 +14,7 @@ Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOption
       g.size = o.size;
       g.hostname = o.host;
       g.timeout = o.timeout;
+      g.liveness = o.liveness;
       return make_gloo_communicator(store, g);
     }
     case Device::kCuda: {

@@ -23,6 +23,7 @@
 #include "plane/data_plane.h"
 #include "plane/groups.h"
 #include "refit/session.h"
+#include "runtime/agreement.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
 #include "runtime/slots.h"
@@ -43,7 +44,7 @@ class EngineImpl final : public Engine {
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    return latch_.guard(body, store_.get(), id(), [this] {
+    return latch_.guard(body, store_, id(), [this] {
       if (p2p_comm_) p2p_comm_->abort();
       if (executor_) executor_->abort();
     });
@@ -145,6 +146,15 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout()));
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
+    // Agree with trainer rank 0 before joining any group: a rank launched with another config (or
+    // another refit) fails here naming the key, not in a group of the wrong size.
+    REFIT_ASSIGN_OR_RETURN(std::string stamp,
+                           get_while_alive(*store_, "version/trainer/0", timeout(),
+                                           liveness_check(*store_, id())));
+    REFIT_RETURN_IF_ERROR(check_peer_versions(stamp, "trainer rank 0", id()));
+    REFIT_ASSIGN_OR_RETURN(auto trainer_settings, decode_stamp_settings(stamp, "trainer rank 0"));
+    REFIT_RETURN_IF_ERROR(check_agreed_settings(agreed_settings(cfg_, model_->spec),
+                                                trainer_settings, "trainer rank 0", id()));
     if (uses_transfer_plan(cfg_)) {
       REFIT_RETURN_IF_ERROR(setup_routes());
     } else {
@@ -174,7 +184,8 @@ class EngineImpl final : public Engine {
                              .plan_hash = fault_.kind == Fault::Kind::kPlanMismatch
                                               ? std::string("0000000000000000")
                                               : executor_->plan_hash(),
-                             .total_parameters = model_->spec.total_parameters()};
+                             .total_parameters = model_->spec.total_parameters(),
+                             .settings = agreed_settings(cfg_, model_->spec)};
     REFIT_RETURN_IF_ERROR(send_each(*mailbox_, feeders(), MessageType::kHello, encode(hello)));
     return executor_->attach();
   }
@@ -197,7 +208,8 @@ class EngineImpl final : public Engine {
     o.sources = control_sources(routes_->plan, rank_);
     std::vector<std::string> who;
     for (int r : o.sources) who.push_back(fmt::format("trainer/{}", r));
-    REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, who, timeout()));
+    REFIT_ASSIGN_OR_RETURN(auto hosts,
+                           read_hosts(*store_, who, timeout(), liveness_check(*store_, id())));
     for (std::size_t i = 0; i < hosts.size(); ++i) {
       o.source_same_host.push_back(hosts[i] == host_identity());
       REFIT_RETURN_IF_ERROR(

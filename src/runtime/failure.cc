@@ -81,13 +81,13 @@ Blame blame_failure(const std::string& self, const Status& status, int tp_size) 
   return b;
 }
 
-Status FailureLatch::guard(const std::function<Status()>& step, Store* store,
+Status FailureLatch::guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
                            const std::string& who, const std::function<void()>& close_collectives) {
   if (!failed_.ok()) return failed_;
   Status st = step();
   if (st.ok()) return st;
-  st = with_root_cause(store, who, st);
-  announce_failure(store, who, st);
+  st = with_root_cause(store.get(), who, st);
+  announce_failure(store.get(), who, st);
   close_collectives();
   failed_ = st;
   return st;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -53,8 +54,10 @@ Blame blame_failure(const std::string& self, const Status& status, int tp_size);
 // failure.
 class FailureLatch {
  public:
-  Status guard(const std::function<Status()>& step, Store* store, const std::string& who,
-               const std::function<void()>& close_collectives);
+  // `store` is read after `step` ran, so a failure during setup is announced once the store
+  // connection exists.
+  Status guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
+               const std::string& who, const std::function<void()>& close_collectives);
   const Status& status() const { return failed_; }
 
  private:

@@ -24,6 +24,7 @@
 #include "plane/data_plane.h"
 #include "plane/groups.h"
 #include "refit/session.h"
+#include "runtime/agreement.h"
 #include "runtime/failure.h"
 #include "runtime/fault.h"
 #include "runtime/slots.h"
@@ -39,7 +40,7 @@ class TrainerImpl final : public Trainer {
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    return latch_.guard(body, store_.get(), id(), [this] {
+    return latch_.guard(body, store_, id(), [this] {
       if (trainer_comm_) trainer_comm_->abort();
       if (p2p_comm_) p2p_comm_->abort();
       if (executor_) executor_->abort();
@@ -197,7 +198,8 @@ class TrainerImpl final : public Trainer {
     o.targets = control_targets(routes_->plan, rank_);
     std::vector<std::string> who;
     for (int g : o.targets) who.push_back(fmt::format("engine/{}", g));
-    REFIT_ASSIGN_OR_RETURN(auto hosts, read_hosts(*store_, who, timeout()));
+    REFIT_ASSIGN_OR_RETURN(auto hosts,
+                           read_hosts(*store_, who, timeout(), liveness_check(*store_, id())));
     for (std::size_t i = 0; i < hosts.size(); ++i) {
       o.target_same_host.push_back(hosts[i] == host_identity());
       REFIT_RETURN_IF_ERROR(
@@ -215,13 +217,18 @@ class TrainerImpl final : public Trainer {
   // Every trainer rank stamps its refit and wire versions into the store; rank 0 checks every
   // other rank's stamp and the others check rank 0's, so both sides of a mismatch name it.
   Status check_trainer_versions(int world) {
-    REFIT_RETURN_IF_ERROR(
-        store_->set(fmt::format("version/trainer/{}", rank_), encode_version_stamp(version())));
+    const auto settings = agreed_settings(cfg_, model_->spec);
+    REFIT_RETURN_IF_ERROR(store_->set(fmt::format("version/trainer/{}", rank_),
+                                      encode_version_stamp(version(), settings)));
     for (int r = 0; r < world; ++r) {
       if (r == rank_ || (rank_ != 0 && r != 0)) continue;
+      const std::string who = fmt::format("trainer rank {}", r);
       REFIT_ASSIGN_OR_RETURN(std::string stamp,
-                             store_->get(fmt::format("version/trainer/{}", r), timeout()));
-      REFIT_RETURN_IF_ERROR(check_peer_versions(stamp, fmt::format("trainer rank {}", r), id()));
+                             get_while_alive(*store_, fmt::format("version/trainer/{}", r),
+                                             timeout(), liveness_check(*store_, id())));
+      REFIT_RETURN_IF_ERROR(check_peer_versions(stamp, who, id()));
+      REFIT_ASSIGN_OR_RETURN(auto theirs, decode_stamp_settings(stamp, who));
+      REFIT_RETURN_IF_ERROR(check_agreed_settings(settings, theirs, who, id()));
     }
     return Status::Ok();
   }
@@ -235,6 +242,8 @@ class TrainerImpl final : public Trainer {
                                                            timeout(), "engine hellos"));
       REFIT_RETURN_IF_ERROR(check_peer_versions(hello.payload, hello.from, id()));
       REFIT_ASSIGN_OR_RETURN(HelloMessage h, decode_hello(hello.payload, hello.from));
+      REFIT_RETURN_IF_ERROR(check_agreed_settings(agreed_settings(cfg_, model_->spec), h.settings,
+                                                  hello.from, id()));
       const std::string& theirs = h.plan_hash;
       const std::string ours = plan_hash();
       if (h.total_parameters != model_->spec.total_parameters())

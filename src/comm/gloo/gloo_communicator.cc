@@ -337,7 +337,7 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
   if (options.max_chunk_bytes == 0) return Status::InvalidArgument(op + ": max_chunk_bytes is 0");
   ignore_sigpipe_once();
 
-  gloo_backend::GlooStoreAdapter adapter(store, options.timeout);
+  gloo_backend::GlooStoreAdapter adapter(store, options.timeout, options.liveness);
   try {
     ::gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;

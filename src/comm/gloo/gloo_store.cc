@@ -25,7 +25,7 @@ void GlooStoreAdapter::set(const std::string& key, const std::vector<char>& data
 }
 
 std::vector<char> GlooStoreAdapter::get(const std::string& key) {
-  auto value = store_.get(key, timeout_);
+  auto value = get_while_alive(store_, key, timeout_, alive_);
   if (!value.ok()) fail(value.status());
   return std::vector<char>(value->begin(), value->end());
 }
@@ -36,8 +36,20 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
                             const std::chrono::milliseconds& timeout) {
   // Gloo passes its own default (30 s) or the context timeout; never wait longer than ours.
   const auto bounded = timeout.count() > 0 ? std::min(timeout, timeout_) : timeout_;
-  Status s = store_.wait(keys, bounded);
-  if (!s.ok()) fail(s);
+  if (!alive_) {
+    Status s = store_.wait(keys, bounded);
+    if (!s.ok()) fail(s);
+    return;
+  }
+  // One deadline for every key; a present key returns at once.
+  const auto deadline = std::chrono::steady_clock::now() + bounded;
+  for (const std::string& key : keys) {
+    const auto left = std::max(std::chrono::milliseconds(1),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - std::chrono::steady_clock::now()));
+    const auto v = get_while_alive(store_, key, left, alive_);
+    if (!v.ok()) fail(v.status());
+  }
 }
 
 }  // namespace refit::gloo_backend

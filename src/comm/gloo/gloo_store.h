@@ -3,10 +3,13 @@
 // Gloo signals failures by throwing, so a failed refit call becomes a gloo::IoException; the
 // original Status (with its code) is kept and can be read back with last_error() at the boundary
 // that catches the exception. get() waits at most `timeout` (Gloo's get has no timeout of its
-// own). Not thread-safe beyond what the wrapped Store offers; used by one rendezvous at a time.
+// own). While a get or wait blocks, `alive` (when set) is asked every 500 ms and a non-ok Status
+// from it ends the wait. Not thread-safe beyond what the wrapped Store offers; used by one
+// rendezvous at a time.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -20,8 +23,9 @@ namespace refit::gloo_backend {
 class GlooStoreAdapter final : public ::gloo::rendezvous::Store {
  public:
   // `store` must outlive the adapter.
-  GlooStoreAdapter(refit::Store& store, std::chrono::milliseconds timeout)
-      : store_(store), timeout_(timeout) {}
+  GlooStoreAdapter(refit::Store& store, std::chrono::milliseconds timeout,
+                   std::function<Status()> alive = {})
+      : store_(store), timeout_(timeout), alive_(std::move(alive)) {}
 
   void set(const std::string& key, const std::vector<char>& data) override;
   std::vector<char> get(const std::string& key) override;
@@ -37,6 +41,7 @@ class GlooStoreAdapter final : public ::gloo::rendezvous::Store {
 
   refit::Store& store_;
   const std::chrono::milliseconds timeout_;
+  const std::function<Status()> alive_;
   mutable std::mutex mu_;
   Status first_error_;
 };
