@@ -1,6 +1,9 @@
 // Config parsing, setup-time validation, and the `refit check` / `refit matrix` commands.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <sys/stat.h>
+
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -525,6 +528,41 @@ TEST(ConfigCli, CheckAcceptsAnHfModelDirectory) {
                             60);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "Qwen2ForCausalLM");
+}
+
+// A FIFO (or any non-regular file) where refit expects a file is refused at once, naming it: a
+// config, a model's config.json, a checkpoint's safetensors file. Each command is bounded by
+// run_cli's timeout; before the fix the first two hung in open() and the third loaded random
+// weights.
+TEST(ConfigCli, NonRegularInputsAreRefusedWithoutBlocking) {
+  testing::TempDir dir;
+  const std::string fifo = dir.path() + "/config.yaml";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  auto config = testing::run_cli({"check", fifo}, 30);
+  EXPECT_EQ(config.exit_code, 2) << config.output;
+  EXPECT_CONTAINS(config.output, "config file " + fifo + " is a FIFO");
+
+  const std::string model = dir.path() + "/model";
+  std::filesystem::create_directories(model);
+  ASSERT_EQ(mkfifo((model + "/config.json").c_str(), 0600), 0);
+  const std::string cfg = dir.write("m.yaml", "model: " + model + "\n");
+  auto json = testing::run_cli({"check", cfg}, 30);
+  EXPECT_EQ(json.exit_code, 2) << json.output;
+  EXPECT_CONTAINS(json.output, "model config " + model + "/config.json is a FIFO");
+
+  auto text = preset_config_json("tiny-qwen3");
+  ASSERT_TRUE(text.ok());
+  const std::string ckpt = dir.path() + "/ckpt";
+  dir.write("ckpt/config.json", *text);
+  ASSERT_EQ(mkfifo((ckpt + "/model.safetensors").c_str(), 0600), 0);
+  auto run = testing::run_cli(
+      {"run", dir.write("r.yaml", "model: " + ckpt +
+                                      "\npolicy: {world_size: 1}\ngeneration: {tp_size: 1}\n"),
+       "--steps", "1"},
+      60);
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_CONTAINS(run.output, ckpt + "/model.safetensors is not a regular file");
+  EXPECT_EQ(run.output.find("verified"), std::string::npos) << run.output;
 }
 
 TEST(ConfigCli, MatrixPrintsTableAndJson) {

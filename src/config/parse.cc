@@ -16,6 +16,7 @@
 #include <sstream>
 #include <utility>
 
+#include "common/file_io.h"
 #include "config/support.h"
 #include "refit/config.h"
 
@@ -398,19 +399,22 @@ Result<Config> parse_config(std::string_view yaml_text) {
   }
 }
 
+// A refit config is a few hundred bytes; anything past this is not one.
+constexpr std::size_t kMaxConfigBytes = std::size_t{16} << 20;
+
 Result<Config> load_config_file(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     return Status::InvalidArgument(
         fmt::format("config file {} is a directory; allowed: a YAML file", path));
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    return Status::NotFound(
-        fmt::format("config file {} cannot be opened (missing or unreadable)", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::IOError(fmt::format("config file {}: read failed", path));
-  auto config = parse_config(text.str());
+  auto text = read_regular_file(path, "config file", kMaxConfigBytes);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound)
+      return Status::NotFound(
+          fmt::format("config file {} cannot be opened (missing or unreadable)", path));
+    return text.status();
+  }
+  auto config = parse_config(*text);
   if (!config.ok()) return config.status().with_context(path);
   return config;
 }

@@ -19,6 +19,7 @@
 #include <fmt/ranges.h>
 
 #include "common/convert.h"
+#include "common/file_io.h"
 
 namespace refit {
 namespace {
@@ -139,22 +140,9 @@ class AtomicFile {
   Fd fd_;
 };
 
+// A checkpoint index is a few MiB at most (one line per tensor).
 Result<std::string> read_text_file(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0)
-    return Status::IOError(fmt::format("cannot open {}: {}", path, errno_text(errno)));
-  std::string text;
-  char buf[65536];
-  while (true) {
-    const ssize_t r = ::read(fd.get(), buf, sizeof(buf));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return Status::IOError(fmt::format("read {}: {}", path, errno_text(errno)));
-    }
-    if (r == 0) break;
-    text.append(buf, static_cast<std::size_t>(r));
-  }
-  return text;
+  return read_regular_file(path, "checkpoint index", std::size_t{256} << 20);
 }
 
 // Parses JSON text. Top-level duplicate keys are an error (nlohmann would silently keep the
@@ -202,12 +190,9 @@ SafetensorsFile::~SafetensorsFile() {
 }
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    const int err = errno;
-    std::string msg = fmt::format("cannot open safetensors file {}: {}", path, errno_text(err));
-    return err == ENOENT ? Status::NotFound(msg) : Status::IOError(msg);
-  }
+  // Never blocks: a FIFO (or any non-regular file) is refused before it could be read.
+  REFIT_ASSIGN_OR_RETURN(const int raw_fd, open_regular_file(path, "safetensors file"));
+  Fd fd(raw_fd);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
     return Status::IOError(fmt::format("fstat {}: {}", path, errno_text(errno)));
@@ -464,9 +449,14 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::open(const std::string& dir) {
   std::vector<std::string> paths;
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code type_ec;
-    if (it->path().extension() == ".safetensors" && it->is_regular_file(type_ec)) {
-      paths.push_back(it->path().string());
-    }
+    if (it->path().extension() != ".safetensors") continue;
+    // Not skipped: a checkpoint that silently lost a file would load random weights instead.
+    if (!it->is_regular_file(type_ec))
+      return Status::InvalidArgument(fmt::format(
+          "checkpoint directory {}: {} is not a regular file; refit reads only regular "
+          "safetensors files",
+          dir, it->path().string()));
+    paths.push_back(it->path().string());
   }
   if (ec) {
     return Status::IOError(

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "refit/model_spec.h"
 
 namespace refit {
@@ -137,12 +138,13 @@ Result<ModelSpec> load_model_spec(std::string_view model) {
         "model \"{}\" is neither a built-in preset ({}) nor an existing directory", model, names));
   }
   const fs::path cfg = dir / "config.json";
-  std::ifstream in(cfg, std::ios::binary);
-  if (!in)
-    return Status::NotFound(fmt::format("model directory {} has no config.json", dir.string()));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto c = parse_hf_config(ss.str());
+  auto text = read_regular_file(cfg.string(), "model config", std::size_t{64} << 20);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound)
+      return Status::NotFound(fmt::format("model directory {} has no config.json", dir.string()));
+    return text.status();
+  }
+  auto c = parse_hf_config(*text);
   if (!c.ok()) return c.status().with_context(cfg.string());
   return ModelSpec(std::move(c).value(), dir.string());
 }
