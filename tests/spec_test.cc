@@ -97,6 +97,42 @@ TEST(Spec, MissingKeyIsNamed) {
   EXPECT_NE(c.status().message().find("num_hidden_layers"), std::string::npos);
 }
 
+// Sizes no model has are refused naming the key (or the sizes behind an absurd total), before any
+// tensor is built: no overflow (a 2^62 vocabulary once gave 86,400 parameters), no hang (10^9
+// layers), no allocation failure later.
+TEST(Spec, AbsurdSizesAreRefusedNamingTheKey) {
+  const std::string base =
+      R"("hidden_size":64,"intermediate_size":160,"num_hidden_layers":2,"num_attention_heads":4,)"
+      R"("num_key_value_heads":2,"head_dim":16,"vocab_size":512)";
+  auto parse = [&](const std::string& arch, const std::string& extra) {
+    std::string text = R"({"architectures":[")" + arch + R"("],)" + base + extra + "}";
+    // Later keys win in nlohmann's parser: `extra` overrides the base value.
+    return parse_hf_config(text);
+  };
+  ASSERT_TRUE(parse("Qwen3ForCausalLM", "").ok());
+  struct Case {
+    std::string arch, extra, words;
+  };
+  const std::vector<Case> cases = {
+      {"Qwen3ForCausalLM", R"(,"hidden_size":1099511627776)", "\"hidden_size\" is 1099511627776; refit supports at most 1048576"},
+      {"Qwen3ForCausalLM", R"(,"vocab_size":4611686018427387904)", "\"vocab_size\" is 4611686018427387904"},
+      {"Qwen3ForCausalLM", R"(,"num_hidden_layers":1000000000)", "\"num_hidden_layers\" is 1000000000"},
+      {"Qwen3ForCausalLM", R"(,"intermediate_size":1125899906842624)", "\"intermediate_size\""},
+      {"Qwen3ForCausalLM", R"(,"head_dim":1099511627776)", "\"head_dim\""},
+      {"Qwen3ForCausalLM", R"(,"hidden_size":524288,"vocab_size":1073741824)",
+       "would make about 1.13e+15 parameters"},
+      {"Qwen3MoeForCausalLM",
+       R"(,"num_hidden_layers":4096,"num_experts":65536,"num_experts_per_tok":2,"moe_intermediate_size":64)",
+       "would make about 805371907 tensors"},
+  };
+  for (const Case& c : cases) {
+    auto r = parse(c.arch, c.extra);
+    ASSERT_FALSE(r.ok()) << c.extra;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << c.extra;
+    EXPECT_NE(r.status().message().find(c.words), std::string::npos) << r.status().message();
+  }
+}
+
 TEST(Spec, ModelDirectory) {
   testing::TempDir dir;
   dir.write("config.json", *preset_config_json("tiny-qwen3"));

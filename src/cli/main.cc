@@ -1,6 +1,8 @@
 // refit — push a sharded trainer's weights into inference engines (see README.md).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "refit/config.h"
@@ -34,6 +36,16 @@ int main(int argc, char** argv) {
   } catch (const refit::cli::CliExit& e) {
     std::fprintf(stderr, "refit: error: %s\n", e.what());
     return e.code;
+  } catch (const std::bad_alloc&) {
+    // A model or buffer larger than this machine's memory: an error, not std::terminate.
+    std::fprintf(stderr,
+                 "refit: error: out of memory: an allocation for the model, its plan or a buffer "
+                 "failed; the model (or refit.buffer_size_bytes x refit.num_buffers) is too large "
+                 "for this machine\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "refit: error: internal error: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

@@ -13,7 +13,18 @@ namespace {
 
 using nlohmann::json;
 
-Result<std::int64_t> get_int(const json& j, const char* key, std::optional<std::int64_t> fallback) {
+// Upper bounds far above any published model, so that size arithmetic never overflows and an
+// absurd config.json is an error naming its key, not an allocation failure or a hang.
+constexpr std::int64_t kMaxWidth = std::int64_t{1} << 20;         // hidden, head_dim
+constexpr std::int64_t kMaxFfn = std::int64_t{1} << 22;           // (moe_)intermediate_size
+constexpr std::int64_t kMaxVocab = (std::int64_t{1} << 31) - 1;   // vocab_size
+constexpr std::int64_t kMaxCount = 4096;                          // layers, heads, sparse step
+constexpr std::int64_t kMaxExperts = 65536;
+constexpr std::int64_t kMaxTensors = 4'000'000;
+constexpr double kMaxParameters = 1e15;
+
+Result<std::int64_t> get_int(const json& j, const char* key, std::optional<std::int64_t> fallback,
+                             std::int64_t max) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) {
     if (fallback) return *fallback;
@@ -22,6 +33,9 @@ Result<std::int64_t> get_int(const json& j, const char* key, std::optional<std::
   if (!it->is_number_integer() || it->get<std::int64_t>() < 0)
     return Status::InvalidArgument(
         fmt::format("config.json: \"{}\" must be a non-negative integer, got {}", key, it->dump()));
+  if (it->get<std::int64_t>() > max)
+    return Status::InvalidArgument(fmt::format(
+        "config.json: \"{}\" is {}; refit supports at most {}", key, it->dump(), max));
   return it->get<std::int64_t>();
 }
 
@@ -68,12 +82,12 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
         "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM",
         arch));
 
-  REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", std::nullopt));
-  REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", std::nullopt));
-  REFIT_ASSIGN_OR_RETURN(c.num_heads, get_int(j, "num_attention_heads", std::nullopt));
-  REFIT_ASSIGN_OR_RETURN(c.num_kv_heads, get_int(j, "num_key_value_heads", c.num_heads));
-  REFIT_ASSIGN_OR_RETURN(c.intermediate_size, get_int(j, "intermediate_size", std::nullopt));
-  REFIT_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "vocab_size", std::nullopt));
+  REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", std::nullopt, kMaxWidth));
+  REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", std::nullopt, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.num_heads, get_int(j, "num_attention_heads", std::nullopt, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.num_kv_heads, get_int(j, "num_key_value_heads", c.num_heads, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.intermediate_size, get_int(j, "intermediate_size", std::nullopt, kMaxFfn));
+  REFIT_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "vocab_size", std::nullopt, kMaxVocab));
   if (c.hidden_size == 0 || c.num_heads == 0 || c.num_kv_heads == 0 || c.vocab_size == 0)
     return Status::InvalidArgument(
         "config.json: hidden_size, num_attention_heads, num_key_value_heads and vocab_size must "
@@ -87,7 +101,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
         fmt::format("config.json: no head_dim given and hidden_size ({}) is not a multiple of "
                     "num_attention_heads ({})",
                     c.hidden_size, c.num_heads));
-  REFIT_ASSIGN_OR_RETURN(c.head_dim, get_int(j, "head_dim", c.hidden_size / c.num_heads));
+  REFIT_ASSIGN_OR_RETURN(c.head_dim, get_int(j, "head_dim", c.hidden_size / c.num_heads, kMaxWidth));
   REFIT_ASSIGN_OR_RETURN(c.tie_word_embeddings, get_bool(j, "tie_word_embeddings", false));
   // Qwen2's attention always has q/k/v bias; the others only when the config says so.
   REFIT_ASSIGN_OR_RETURN(c.attention_bias,
@@ -98,11 +112,11 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
   c.rope_theta = get_double(j, "rope_theta", 10000.0);
 
   if (c.arch == Architecture::kQwen3Moe) {
-    REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, "num_experts", std::nullopt));
-    REFIT_ASSIGN_OR_RETURN(c.num_experts_per_tok, get_int(j, "num_experts_per_tok", std::nullopt));
+    REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, "num_experts", std::nullopt, kMaxExperts));
+    REFIT_ASSIGN_OR_RETURN(c.num_experts_per_tok, get_int(j, "num_experts_per_tok", std::nullopt, kMaxExperts));
     REFIT_ASSIGN_OR_RETURN(c.moe_intermediate_size,
-                           get_int(j, "moe_intermediate_size", std::nullopt));
-    REFIT_ASSIGN_OR_RETURN(c.decoder_sparse_step, get_int(j, "decoder_sparse_step", 1));
+                           get_int(j, "moe_intermediate_size", std::nullopt, kMaxFfn));
+    REFIT_ASSIGN_OR_RETURN(c.decoder_sparse_step, get_int(j, "decoder_sparse_step", 1, kMaxCount));
     REFIT_ASSIGN_OR_RETURN(c.norm_topk_prob, get_bool(j, "norm_topk_prob", false));
     if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
       if (!it->is_array())
@@ -120,6 +134,30 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
           fmt::format("config.json: need 0 < num_experts_per_tok ({}) <= num_experts ({})",
                       c.num_experts_per_tok, c.num_experts));
   }
+  // What the table would hold, estimated in floating point (no overflow): refused when it could
+  // never be a model, before any tensor is built.
+  const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
+  const double experts = static_cast<double>(c.num_experts);
+  const double ffn = c.arch == Architecture::kQwen3Moe
+                         ? experts * 3.0 * h * static_cast<double>(c.moe_intermediate_size)
+                         : 3.0 * h * static_cast<double>(c.intermediate_size);
+  const double attention =
+      h * d * static_cast<double>(2 * c.num_heads + 2 * c.num_kv_heads);
+  const double layers = static_cast<double>(c.num_layers);
+  const double parameters =
+      static_cast<double>(c.vocab_size) * h * (c.tie_word_embeddings ? 1.0 : 2.0) +
+      layers * (attention + ffn);
+  const double tensors = 3.0 + layers * (16.0 + 3.0 * experts);
+  if (tensors > static_cast<double>(kMaxTensors))
+    return Status::InvalidArgument(fmt::format(
+        "config.json: num_hidden_layers ({}) and num_experts ({}) would make about {:.0f} tensors; "
+        "refit supports at most {}",
+        c.num_layers, c.num_experts, tensors, kMaxTensors));
+  if (parameters > kMaxParameters)
+    return Status::InvalidArgument(fmt::format(
+        "config.json: hidden_size ({}), intermediate sizes, vocab_size ({}) and num_hidden_layers "
+        "({}) would make about {:.3g} parameters; refit supports at most {:.0g}",
+        c.hidden_size, c.vocab_size, c.num_layers, parameters, kMaxParameters));
   return c;
 }
 
