@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -261,6 +262,72 @@ TEST(RuntimeSetup, InvalidConfigExits2BeforeStarting) {
   auto r = run_cell({.colocated = true, .world_size = 3, .tp = 2}, {"--steps", "1"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("world_size"), std::string::npos) << r.output;
+}
+
+// What a run leaves in /dev/shm (segments named after REFIT_RUN_ID), and the processes that still
+// carry that run id in their environment.
+std::vector<std::string> segments_of(const std::string& run_id) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/dev/shm", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("refit-" + run_id + "-", 0) == 0) out.push_back(name);
+  }
+  return out;
+}
+int processes_of(const std::string& run_id) {
+  int n = 0;
+  std::error_code ec;
+  const std::string needle = "REFIT_RUN_ID=" + run_id + '\0';
+  for (std::filesystem::directory_iterator it("/proc", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    std::ifstream env(it->path() / "environ", std::ios::binary);
+    std::stringstream ss;
+    ss << env.rdbuf();
+    if ((ss.str() + '\0').find(needle) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// A rank killed before it unlinked its segment (the engine's exported parameters on the
+// zero-copy path) leaks nothing: `refit run` removes what the run left and says so.
+TEST(RuntimeCleanup, KilledRankLeavesNoSegments) {
+  const std::string id = fmt::format("leak-{}", getpid());
+  setenv("REFIT_RUN_ID", id.c_str(), 1);
+  auto r = run_cell({.colocated = true, .world_size = 1, .tp = 1, .timeout_s = 10},
+                    {"--steps", "2", "--fault", "kill-engine:0:0"});
+  unsetenv("REFIT_RUN_ID");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("fault injection: killing myself"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("shared-memory segment(s) /dev/shm/refit-" + id), std::string::npos)
+      << "nothing was left to remove, so the test did not exercise the sweep\n" << r.output;
+  EXPECT_TRUE(segments_of(id).empty()) << segments_of(id).front();
+}
+
+// SIGTERM (or SIGINT) to `refit run`: every rank stops, the run's segments and its temporary
+// directory go, and the launcher dies of the signal.
+TEST(RuntimeCleanup, SigtermStopsEveryRankAndRemovesSegments) {
+  TempDir dir;
+  const std::string id = fmt::format("term-{}", getpid());
+  const std::string cfg = dir.write(
+      "c.yaml", config_yaml({.colocated = true, .world_size = 1, .tp = 1, .timeout_s = 30}));
+  // `timeout` sends SIGTERM after 5 s, mid-run (100000 refits take far longer).
+  const std::string cmd = fmt::format(
+      "REFIT_RUN_ID={} timeout -s TERM 5 {} run {} --steps 100000 > {}/run.log 2>&1; echo $? > {}/rc",
+      id, REFIT_CLI_PATH, cfg, dir.path(), dir.path());
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream rc(dir.path() + "/rc"), log(dir.path() + "/run.log");
+  int code = 0;
+  rc >> code;
+  std::stringstream out;
+  out << log.rdbuf();
+  EXPECT_EQ(code, 124) << "timeout(1) reports that its SIGTERM ended the run\n" << out.str();
+  EXPECT_NE(out.str().find("interrupted by signal 15"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("step 1/100000"), std::string::npos) << "the run never started\n"
+                                                                << out.str();
+  EXPECT_TRUE(segments_of(id).empty()) << segments_of(id).front();
+  EXPECT_EQ(processes_of(id), 0) << "a rank outlived the launcher";
 }
 
 // A fault the run could never reach is refused before any rank starts (it would silently do

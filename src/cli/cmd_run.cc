@@ -9,6 +9,7 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "cli/commands.h"
@@ -182,8 +183,12 @@ void run_local(const RunFlags& f) {
   if (f.check_logits) common.push_back("--check-logits");
   if (!f.dump_dir.empty()) common.insert(common.end(), {"--dump", f.dump_dir});
   std::vector<ChildSpec> children;
+  // The run's id names its shared-memory segments, so that whatever its ranks leave behind (a
+  // rank killed before it unlinked them, an interrupted run) is removed below.
+  const std::string run_id = setup_env(env::run_id())
+                                 .value_or(fmt::format("{}-{}", getpid(), time(nullptr)));
   const std::vector<std::pair<std::string, std::string>> master = {
-      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}};
+      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}, {"REFIT_RUN_ID", run_id}};
   for (int r = 0; r < cfg.policy.world_size; ++r) {
     ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master};
     c.args.insert(c.args.end(), common.begin(), common.end());
@@ -215,7 +220,15 @@ void run_local(const RunFlags& f) {
   auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s, on_failure);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+  if (const int swept = remove_run_segments(run_id); swept > 0)
+    std::fprintf(stderr, "refit: removed %d shared-memory segment(s) /dev/shm/refit-%s-* the run left\n",
+                 swept, run_id.c_str());
   exit_if_error(result.status(), kExitRuntime);
+  if (result->interrupted != 0) {  // cleaned up: now die of the signal, as the caller expects
+    std::fprintf(stderr, "refit: %s\n", result->summary.c_str());
+    signal(result->interrupted, SIG_DFL);
+    raise(result->interrupted);
+  }
   if (!result->ok) {
     // Trainer rank 0 wrote the failure report, unless it died or the first process to fail was
     // killed outright (then that process is the root cause, whatever the ranks saw).

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cctype>
 #include <climits>
 #include <cstdlib>
 #include <thread>
@@ -44,7 +45,8 @@ Result<T> load(const char* name, Result<T> (*parse)(Text), const char* when_unse
       log::debug("environment: {}={}", name, *raw);
     } else if (when_unset != nullptr) {
       log::debug("environment: {} not set: {} (default)", name, when_unset);
-    } else if constexpr (!std::is_same_v<T, std::optional<int>>) {
+    } else if constexpr (!std::is_same_v<T, std::optional<int>> &&
+                         !std::is_same_v<T, std::optional<std::string>>) {
       log::debug("environment: {} not set: {} (default)", name, show(*r));
     }
   }
@@ -160,12 +162,32 @@ std::optional<std::string> host() {
   return v;
 }
 
+Result<std::optional<std::string>> parse_run_id(Text text) {
+  if (!text) return std::optional<std::string>();
+  const bool ok = !text->empty() && text->size() <= 64 &&
+                  std::all_of(text->begin(), text->end(), [](char c) {
+                    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '-' || c == '_';
+                  });
+  if (!ok)
+    return Status::InvalidArgument(fmt::format(
+        "environment variable REFIT_RUN_ID='{}' is not valid: expected 1 to 64 of A-Z a-z 0-9 - _",
+        *text));
+  return std::optional<std::string>(std::string(*text));
+}
+
+Result<std::optional<std::string>> run_id() {
+  static const Result<std::optional<std::string>> v =
+      load("REFIT_RUN_ID", &parse_run_id, "trainer rank 0's pid and the time");
+  return v;
+}
+
 Status check() {
   // REFIT_LOG first: the others log when read, and the logger needs its level.
   REFIT_RETURN_IF_ERROR(log_level().status());
   REFIT_RETURN_IF_ERROR(cpu_threads().status());
   REFIT_RETURN_IF_ERROR(device().status());
   REFIT_RETURN_IF_ERROR(copy_engine().status());
+  REFIT_RETURN_IF_ERROR(run_id().status());
   return Status::Ok();
 }
 

@@ -63,6 +63,12 @@ std::optional<std::string> host_id();
 // REFIT_HOST: the address this process listens on; nullopt (default): MASTER_ADDR.
 std::optional<std::string> host();
 
+// REFIT_RUN_ID: the run's id, which names its shared-memory segments (/dev/shm/refit-<id>-…):
+// 1 to 64 of [A-Za-z0-9_-]. `refit run` sets it for its ranks (and takes it from its own
+// environment when set); nullopt (default): trainer rank 0 makes one from its pid and the time.
+Result<std::optional<std::string>> parse_run_id(Text text);
+Result<std::optional<std::string>> run_id();
+
 // Every REFIT_* variable above: the first bad one's error, else ok. Called at setup (CLI
 // commands that start ranks, Trainer/Engine creation) so a bad value is refused before anything
 // starts, whether or not this run would use it.

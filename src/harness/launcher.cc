@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -12,20 +13,16 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 namespace refit {
 namespace {
 
-std::vector<pid_t>* g_children = nullptr;
+// The signal that interrupted the run; the wait loop acts on it (a handler may do little).
+volatile sig_atomic_t g_signal = 0;
 
-void forward_signal(int sig) {
-  if (g_children != nullptr)
-    for (pid_t p : *g_children)
-      if (p > 0) kill(p, SIGKILL);
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
+void note_signal(int sig) { g_signal = sig; }
 
 std::string describe_exit(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
@@ -66,9 +63,9 @@ Result<LaunchResult> launch_and_wait(
     const std::string& executable, const std::vector<ChildSpec>& children, double timeout_s,
     const std::function<void(const std::string&, const std::string&)>& on_failure) {
   std::vector<pid_t> pids(children.size(), -1);
-  g_children = &pids;
-  signal(SIGINT, forward_signal);
-  signal(SIGTERM, forward_signal);
+  g_signal = 0;
+  signal(SIGINT, note_signal);
+  signal(SIGTERM, note_signal);
   const pid_t parent = getpid();
   for (std::size_t i = 0; i < children.size(); ++i) {
     pid_t pid = fork();
@@ -100,6 +97,20 @@ Result<LaunchResult> launch_and_wait(
   bool failed = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
   while (alive > 0) {
+    if (g_signal != 0) {  // SIGINT/SIGTERM: stop every child now, reap them, let the caller clean up
+      for (pid_t p : pids)
+        if (p > 0) kill(p, SIGKILL);
+      for (pid_t& p : pids)
+        if (p > 0) {
+          waitpid(p, nullptr, 0);
+          p = -1;
+        }
+      result.interrupted = g_signal;
+      result.summary = fmt::format("interrupted by signal {} ({}); every rank was stopped",
+                                   static_cast<int>(g_signal), strsignal(g_signal));
+      failed = true;
+      break;
+    }
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
@@ -134,10 +145,9 @@ Result<LaunchResult> launch_and_wait(
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  g_children = nullptr;
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
-  if (failed) {
+  if (failed && result.interrupted == 0) {
     std::string others;
     for (std::size_t i = 0; i < children.size(); ++i)
       others += fmt::format("\n  {}: {}", children[i].name, describe_exit(statuses[i]));
@@ -145,6 +155,19 @@ Result<LaunchResult> launch_and_wait(
   }
   result.ok = !failed;
   return result;
+}
+
+int remove_run_segments(const std::string& run_id) {
+  const std::string prefix = "refit-" + run_id + "-";
+  int removed = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/dev/shm", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  return removed;
 }
 
 }  // namespace refit

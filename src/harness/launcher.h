@@ -28,7 +28,15 @@ struct LaunchResult {
   int first_failed = -1;
   std::string first_how;
   bool first_killed = false;
+  // SIGINT or SIGTERM reached the launcher: every child was killed and reaped, and the caller
+  // cleans up and re-raises it (0: not interrupted).
+  int interrupted = 0;
 };
+
+// Unlinks every POSIX shared-memory segment of run `run_id` (/dev/shm/refit-<run_id>-*) that is
+// still there — what ranks killed before they unlinked their names leave behind. Returns how
+// many it removed.
+int remove_run_segments(const std::string& run_id);
 
 // Runs all children to completion. `timeout_s` bounds how long the others may take to follow a
 // failed child before they are killed. `on_failure(child, how)` runs once, for the first child

@@ -150,8 +150,11 @@ class TrainerImpl final : public Trainer {
       REFIT_ASSIGN_OR_RETURN(server_, StoreServer::start(ep_.master_addr, ep_.master_port));
     }
     REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
-    if (rank_ == 0)
-      REFIT_RETURN_IF_ERROR(store_->set("run_id", fmt::format("{}-{}", getpid(), time(nullptr))));
+    if (rank_ == 0) {
+      REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
+      REFIT_RETURN_IF_ERROR(
+          store_->set("run_id", given.value_or(fmt::format("{}-{}", getpid(), time(nullptr)))));
+    }
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_RETURN_IF_ERROR(check_trainer_versions(world));
     REFIT_ASSIGN_OR_RETURN(
