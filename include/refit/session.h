@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "refit/config.h"
@@ -127,8 +128,19 @@ class Engine {
   virtual Result<std::vector<void*>> allocate_params() = 0;
 
   // Called around every refit: generation must pause before any parameter changes and may
-  // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake).
-  virtual void on_pause(std::function<void()> hook) = 0;
+  // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake). A pause hook that
+  // returns an error aborts the refit before any parameter is written: the weights keep their
+  // version and validity, and the error (naming this rank) reaches every rank. A hook returning
+  // void cannot fail.
+  virtual void on_pause(std::function<Status()> hook) = 0;
+  template <typename F>
+    requires std::is_void_v<std::invoke_result_t<F&>>
+  void on_pause(F hook) {
+    on_pause(std::function<Status()>([h = std::move(hook)]() mutable {
+      h();
+      return Status::Ok();
+    }));
+  }
   virtual void on_resume(std::function<void()> hook) = 0;
   // Called after a commit when the trainer asked for verification; its Status is the verdict
   // sent back to the trainer. Receives the step and the weight version the refit will publish

@@ -393,7 +393,7 @@ class PyEngine {
     if (fn.is_none())
       e.on_pause(nullptr);
     else
-      e.on_pause([this] { run_hook(pause_); });
+      e.on_pause(std::function<Status()>([this] { return run_pause(); }));
   }
 
   void set_resume(const py::object& fn) {
@@ -495,6 +495,17 @@ class PyEngine {
         pending_ = py::reinterpret_steal<py::object>(
             PyObject_CallFunction(PyExc_RuntimeError, "s", err.what()));
     }
+  }
+
+  // The pause hook, as a Status: an exception aborts the refit before any parameter changes (the
+  // exception itself is re-raised by serve_one() as the __cause__ of its refit.Error).
+  Status run_pause() {
+    run_hook(pause_);
+    py::gil_scoped_acquire gil;
+    if (!pending_) return Status::Ok();
+    return Status::Aborted(
+        cat("on_pause raised ", py::str(pending_.get_type().attr("__name__")).cast<std::string>(),
+            ": ", py::str(pending_).cast<std::string>()));
   }
 
   Status run_verify(int step, const std::string& version) {
@@ -643,12 +654,15 @@ keeps a reference to `tensor`. Raises refit.SetupError naming the tensor on a mi
 )doc")
       .def("on_pause", &PyEngine::set_pause, py::arg("hook"), R"doc(
 hook() runs on the serving thread before any parameter changes (pause generation); None removes it.
+If it raises, the refit is aborted before any parameter is written (weight_version and is_valid
+are unchanged) and every rank fails naming this one; serve_one() raises refit.Error with the
+hook's exception as its __cause__.
 )doc")
       .def("on_resume", &PyEngine::set_resume, py::arg("hook"), R"doc(
 hook() runs on the serving thread after the commit, once weight_version is the new version and
 before the trainer's refit() returns (resume generation; with verify, only after the verification
 passed); None removes it. An exception in
-on_pause/on_resume does not undo the refit; serve_one()/serve() re-raise it afterwards.
+on_resume does not undo the refit; serve_one()/serve() re-raise it afterwards.
 )doc")
       .def("on_verify", &PyEngine::set_verify, py::arg("hook"), R"doc(
 hook(step, version) runs after a commit when the trainer asked for verification. Return None or

@@ -63,7 +63,7 @@ class EngineImpl final : public Engine {
     export_failed_ = false;
     return Status::Ok();
   }
-  void on_pause(std::function<void()> hook) override { pause_hook_ = std::move(hook); }
+  void on_pause(std::function<Status()> hook) override { pause_hook_ = std::move(hook); }
   void on_resume(std::function<void()> hook) override { resume_hook_ = std::move(hook); }
   void on_verify(std::function<Status(int, const std::string&)> hook) override {
     verify_hook_ = std::move(hook);
@@ -273,12 +273,20 @@ class EngineImpl final : public Engine {
                         .pause = [&]() -> Status {
                           if (raw) return Status::Ok();
                           REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
+                          log::debug("pause generation for refit step {}", begin_.step);
+                          if (pause_hook_) {
+                            const Status paused = pause_hook_();
+                            if (!paused.ok())
+                              return Status(paused.code(),
+                                            fmt::format("{}: the pause hook failed, so refit step "
+                                                        "{} was aborted before any parameter "
+                                                        "changed: {}",
+                                                        id(), begin_.step, paused.message()));
+                          }
                           // From here bytes may land: the old version no longer describes the
                           // weights until this refit publishes its own.
                           valid_ = false;
                           version_.clear();
-                          log::debug("pause generation for refit step {}", begin_.step);
-                          if (pause_hook_) pause_hook_();
                           return Status::Ok();
                         },
                         .exported = [this] { return exported_params(); }};
@@ -399,7 +407,8 @@ class EngineImpl final : public Engine {
   std::string run_id_;
   std::unique_ptr<PlaneBuffer> exported_;  // allocate_params(): parameters the trainer maps
   std::string export_handle_;
-  std::function<void()> pause_hook_, resume_hook_;
+  std::function<Status()> pause_hook_;
+  std::function<void()> resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
   FailureLatch latch_;
 };

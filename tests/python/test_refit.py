@@ -235,10 +235,12 @@ def test_an_engine_waiting_for_a_refit_fails_when_the_trainer_goes():
         ranks.close()
 
 
-def test_a_raising_hook_surfaces_after_the_refit():
+def test_a_raising_pause_hook_aborts_the_refit_before_any_byte_is_written():
     ranks = Ranks()
     try:
         ranks.register_all()
+        for a in ranks.shards.values():
+            a.fill(1.0)
 
         def boom():
             raise ValueError("generation did not pause")
@@ -246,9 +248,45 @@ def test_a_raising_hook_surfaces_after_the_refit():
         ranks.engine.on_pause(boom)
         ranks.engine.on_verify(None)
         result = {}
+
+        def train():
+            try:
+                ranks.trainer.refit(1)
+                result["t"] = "returned"
+            except refit.Error as e:  # noqa: PERF203
+                result["t"] = e
+
+        thread = threading.Thread(target=train)
+        thread.start()
+        with pytest.raises(refit.Error, match="the pause hook failed") as info:
+            ranks.engine.serve_one()
+        assert isinstance(info.value.__cause__, ValueError)
+        assert "generation did not pause" in str(info.value)
+        thread.join(timeout=30)
+        # The trainer's refit fails too, naming the engine.
+        assert isinstance(result.get("t"), refit.Error), result
+        assert "engine 0 tp rank 0" in str(result["t"])
+        # Nothing was written: the weights keep their version and validity.
+        assert ranks.engine.weight_version == "0" and ranks.engine.is_valid
+        assert all(not a.any() for a in ranks.params.values())
+    finally:
+        ranks.close()
+
+
+def test_a_raising_resume_hook_surfaces_after_the_refit():
+    ranks = Ranks()
+    try:
+        ranks.register_all()
+
+        def boom():
+            raise ValueError("generation did not resume")
+
+        ranks.engine.on_resume(boom)
+        ranks.engine.on_verify(None)
+        result = {}
         thread = threading.Thread(target=lambda: result.setdefault("t", ranks.trainer.refit(1)))
         thread.start()
-        with pytest.raises(ValueError, match="generation did not pause"):
+        with pytest.raises(ValueError, match="generation did not resume"):
             ranks.engine.serve_one()
         thread.join(timeout=20)
         assert "t" in result  # the trainer's refit completed
