@@ -565,6 +565,29 @@ TEST(ConfigCli, NonRegularInputsAreRefusedWithoutBlocking) {
   EXPECT_EQ(run.output.find("verified"), std::string::npos) << run.output;
 }
 
+// A broken checkpoint is a setup error of `refit check` and of `refit run` before any rank starts
+// (exit 2, naming the file), not a failure of every rank at its setup.
+TEST(ConfigCli, BrokenCheckpointIsRefusedBeforeAnyRankStarts) {
+  testing::TempDir dir;
+  auto text = preset_config_json("tiny-qwen3");
+  ASSERT_TRUE(text.ok());
+  dir.write("ckpt/config.json", *text);
+  // A header length of 2^40 bytes in a 20-byte file.
+  dir.write("ckpt/model.safetensors", std::string("\x00\x00\x00\x00\x00\x01\x00\x00{}", 10) +
+                                          std::string(10, ' '));
+  const std::string file = dir.path() + "/ckpt/model.safetensors";
+  const std::string cfg = dir.write(
+      "c.yaml", "model: " + dir.path() + "/ckpt\npolicy: {world_size: 1}\ngeneration: {tp_size: 1}\n");
+  auto check = testing::run_cli({"check", cfg}, 60);
+  EXPECT_EQ(check.exit_code, 2) << check.output;
+  EXPECT_CONTAINS(check.output, file);
+  auto run = testing::run_cli({"run", cfg, "--steps", "1"}, 60);
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_CONTAINS(run.output, file);
+  EXPECT_EQ(run.output.find("trainer rank 0:"), std::string::npos)
+      << "a rank started:\n" << run.output;
+}
+
 TEST(ConfigCli, MatrixPrintsTableAndJson) {
   auto r = testing::run_cli({"matrix"}, 60);
   EXPECT_EQ(r.exit_code, 0) << r.output;

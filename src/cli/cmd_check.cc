@@ -13,6 +13,7 @@
 #include "refit/config.h"
 #include "refit/model_spec.h"
 #include "executor/routes.h"
+#include "weights/setup.h"
 
 namespace refit::cli {
 namespace {
@@ -86,6 +87,10 @@ void run_check(const std::string& path, bool print_config) {
   if (!spec.ok()) exit_if_error(spec.status().with_context(path + ": model"), kExitSetup);
   const Status valid = validate_config(*config, *spec);
   if (!valid.ok()) exit_if_error(valid.with_context(path), kExitSetup);
+  // A model directory's checkpoint: every safetensors header opened and checked against the
+  // tensor table now, not when the ranks start.
+  auto model = load_rank_model(*config);
+  if (!model.ok()) exit_if_error(model.status().with_context(path + ": model"), kExitSetup);
 
   const Config& c = *config;
   const MatrixCell* cell =
@@ -97,6 +102,9 @@ void run_check(const std::string& path, bool print_config) {
   const std::int64_t params = spec->total_parameters();
   print(fmt::format("model: {} ({}): {} tensors, {} parameters\n", c.model,
                     architecture_name(spec->config().arch), spec->tensors().size(), params));
+  if ((*model)->checkpoint)
+    print(fmt::format("checkpoint: {}: every safetensors header checked against the table\n",
+                      c.model));
   std::string trainer =
       fmt::format("trainer: {}, {} ranks, {} master weights", policy_backend_name(c.policy.backend),
                   c.policy.world_size, dtype_name(c.policy.dtype));

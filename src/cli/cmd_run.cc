@@ -45,9 +45,9 @@ struct RunFlags {
 Config load_checked_config(const std::string& path) {
   auto cfg = path.empty() ? parse_config(default_config_yaml()) : load_config_file(path);
   exit_if_error(cfg.status(), kExitSetup);
-  auto spec = load_model_spec(cfg->model);
-  exit_if_error(spec.status(), kExitSetup);
-  exit_if_error(validate_config(*cfg, *spec), kExitSetup);
+  // The spec, the config against it, and a model directory's checkpoint (every safetensors header
+  // against the table): all before any rank starts.
+  exit_if_error(load_rank_model(*cfg).status(), kExitSetup);
   return *cfg;
 }
 
