@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -32,6 +33,19 @@ struct Endpoint {
   int master_port = 29500;                // its store port (MASTER_PORT)
   std::string host = "127.0.0.1";         // the address this process listens on for its peers
 };
+
+// torchrun's environment, read now (not cached), for callers that leave these out:
+//  - the endpoint: MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), and the address
+//    to listen on: REFIT_HOST, else the local address this host uses to reach MASTER_ADDR
+//    (127.0.0.1 when MASTER_ADDR is a loopback address);
+//  - a trainer rank: RANK; an engine rank: ENGINE_RANK, else RANK.
+// Arguments given win over the environment. A bad or missing value is an InvalidArgument naming
+// the variable.
+Result<Endpoint> endpoint_from_environment(std::optional<std::string> master_addr = std::nullopt,
+                                           std::optional<int> master_port = std::nullopt,
+                                           std::optional<std::string> host = std::nullopt);
+Result<int> trainer_rank_from_environment();
+Result<int> engine_rank_from_environment();
 
 // One tensor a rank must register: name, local shape, dtype.
 struct TensorSlot {

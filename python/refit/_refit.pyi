@@ -79,11 +79,11 @@ class Trainer:
     def __init__(
         self,
         config: Config,
-        rank: int,
+        rank: int | None = None,
         *,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 29500,
-        host: str = "127.0.0.1",
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        host: str | None = None,
     ) -> None: ...
     @property
     def tensors(self) -> List[TensorSlot]: ...
@@ -115,11 +115,11 @@ class Engine:
     def __init__(
         self,
         config: Config,
-        engine_rank: int,
+        engine_rank: int | None = None,
         *,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 29500,
-        host: str = "127.0.0.1",
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        host: str | None = None,
     ) -> None: ...
     @property
     def params(self) -> List[TensorSlot]: ...

@@ -27,5 +27,11 @@ pybind11::object make_exception(const Status& status);
 inline void raise_if_error(const Status& status) {
   if (!status.ok()) raise_status(status);
 }
+// The value, or the Status raised as its refit exception.
+template <typename T>
+T value_or_raise(Result<T> result) {
+  if (!result.ok()) raise_status(result.status());
+  return std::move(result).value();
+}
 
 }  // namespace refit::python

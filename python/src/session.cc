@@ -562,9 +562,17 @@ at most config.timeout_s per wait. `host` is the address this process listens on
 Then register every local tensor once (zero-copy: refit reads the registered storage in place at
 each refit), and call refit(step) after every training step.
 )doc")
-      .def(py::init<const PyConfig&, int, const std::string&, int, const std::string&>(),
-           py::arg("config"), py::arg("rank"), py::kw_only(), py::arg("master_addr") = "127.0.0.1",
-           py::arg("master_port") = 29500, py::arg("host") = "127.0.0.1")
+      .def(py::init([](const PyConfig& cfg, std::optional<int> rank,
+                       std::optional<std::string> master_addr, std::optional<int> master_port,
+                       std::optional<std::string> host) {
+             const Endpoint ep = value_or_raise(endpoint_from_environment(
+                 std::move(master_addr), master_port, std::move(host)));
+             const int r = rank ? *rank : value_or_raise(trainer_rank_from_environment());
+             return std::make_unique<PyTrainer>(cfg, r, ep.master_addr, ep.master_port, ep.host);
+           }),
+           py::arg("config"), py::arg("rank") = py::none(), py::kw_only(),
+           py::arg("master_addr") = py::none(), py::arg("master_port") = py::none(),
+           py::arg("host") = py::none())
       .def_property_readonly("tensors", &PyTrainer::tensors, R"doc(
 The local tensors this rank must register: [TensorSlot(name, shape, dtype), ...] under the
 trainer's names (FSDP2: HF names with dim-0 chunk shapes; Megatron: Megatron names and shard
@@ -637,10 +645,17 @@ rank that feeds it (GIL released while it waits). Register every parameter of `p
 (zero-copy: refit writes into that storage), set the hooks, then serve refits with serve_one()
 or serve().
 )doc")
-      .def(py::init<const PyConfig&, int, const std::string&, int, const std::string&>(),
-           py::arg("config"), py::arg("engine_rank"), py::kw_only(),
-           py::arg("master_addr") = "127.0.0.1", py::arg("master_port") = 29500,
-           py::arg("host") = "127.0.0.1")
+      .def(py::init([](const PyConfig& cfg, std::optional<int> engine_rank,
+                       std::optional<std::string> master_addr, std::optional<int> master_port,
+                       std::optional<std::string> host) {
+             const Endpoint ep = value_or_raise(endpoint_from_environment(
+                 std::move(master_addr), master_port, std::move(host)));
+             const int g = engine_rank ? *engine_rank : value_or_raise(engine_rank_from_environment());
+             return std::make_unique<PyEngine>(cfg, g, ep.master_addr, ep.master_port, ep.host);
+           }),
+           py::arg("config"), py::arg("engine_rank") = py::none(), py::kw_only(),
+           py::arg("master_addr") = py::none(), py::arg("master_port") = py::none(),
+           py::arg("host") = py::none())
       .def_property_readonly("params", &PyEngine::params, R"doc(
 The parameters this rank stores: [TensorSlot(name, shape, dtype), ...] under the engine's names
 and TP shard shapes (vLLM/SGLang layout: fused qkv_proj and gate_up_proj, vocabulary-parallel

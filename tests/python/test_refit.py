@@ -12,6 +12,7 @@ import refit
 from refit_testing import (
     Ranks,
     bf16_bits,
+    free_port,
     engine_expected,
     first_mismatch,
     fsdp2_shard,
@@ -233,6 +234,56 @@ def test_an_engine_waiting_for_a_refit_fails_when_the_trainer_goes():
         assert "lost the control plane" in str(box["error"]), box["error"]
     finally:
         ranks.close()
+
+
+def test_ranks_take_torchrun_variables_when_arguments_are_left_out(monkeypatch):
+    # RANK / ENGINE_RANK, MASTER_ADDR, MASTER_PORT; the listening address follows MASTER_ADDR
+    # (loopback here).
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("ENGINE_RANK", raising=False)
+    monkeypatch.delenv("REFIT_HOST", raising=False)
+    cfg = refit.Config.from_dict({"model": "tiny-qwen3", "policy": {"world_size": 1},
+                                  "generation": {"backend": "vllm", "tp_size": 1},
+                                  "refit": {"timeout_s": 10}})
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("engine", refit.Engine(cfg)))
+    t.start()
+    trainer = refit.Trainer(cfg)
+    t.join()
+    engine = box["engine"]
+    try:
+        assert engine.engine_rank == 0
+        shards = {s.name: np.full(s.shape, 0.5, np.float32) for s in trainer.tensors}
+        params = {p.name: np.zeros(p.shape, np.uint16) for p in engine.params}
+        for name, a in shards.items():
+            trainer.register(name, a)
+        for name, a in params.items():
+            engine.register(name, a)
+        served = threading.Thread(target=engine.serve_one)
+        served.start()
+        trainer.refit(1)
+        served.join(timeout=20)
+        assert engine.weight_version == "1"
+        # Every element the trainer sent (the vocabulary padding rows of embed_tokens/lm_head
+        # keep what was registered).
+        want = bf16_bits(np.full(1, 0.5, np.float32))[0]
+        rows = dict(refit.model_spec(cfg.model).tensors)
+        for name, a in params.items():
+            sent = a[: rows[name][0]] if name in ("model.embed_tokens.weight", "lm_head.weight") else a
+            assert (sent == want).all(), name
+    finally:
+        trainer.close()
+        engine.close()
+    # Without RANK (and without the argument) the rank is unknown: a setup error naming it.
+    monkeypatch.delenv("RANK")
+    with pytest.raises(refit.SetupError, match="RANK"):
+        refit.Trainer(cfg)
+    monkeypatch.setenv("MASTER_PORT", "not-a-port")
+    with pytest.raises(refit.SetupError, match="MASTER_PORT"):
+        refit.Trainer(cfg, 0)
 
 
 def test_a_raising_pause_hook_aborts_the_refit_before_any_byte_is_written():
