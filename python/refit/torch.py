@@ -124,9 +124,9 @@ class TorchTrainer:
         config: _refit.Config,
         rank: int,
         *,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 29500,
-        host: str = "127.0.0.1",
+        master_addr: Optional[str] = None,
+        master_port: Optional[int] = None,
+        host: Optional[str] = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -246,9 +246,9 @@ def trainer_from_fsdp(
     config: _refit.Config,
     rank: int,
     *,
-    master_addr: str = "127.0.0.1",
-    master_port: int = 29500,
-    host: str = "127.0.0.1",
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    host: Optional[str] = None,
 ) -> TorchTrainer:
     """A refit trainer rank over an FSDP2 (``fully_shard``) module.
 
@@ -279,9 +279,9 @@ class HFEngine:
         config: _refit.Config,
         engine_rank: int = 0,
         *,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 29500,
-        host: str = "127.0.0.1",
+        master_addr: Optional[str] = None,
+        master_port: Optional[int] = None,
+        host: Optional[str] = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -386,9 +386,9 @@ def engine_from_hf(
     config: _refit.Config,
     engine_rank: int = 0,
     *,
-    master_addr: str = "127.0.0.1",
-    master_port: int = 29500,
-    host: str = "127.0.0.1",
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    host: Optional[str] = None,
 ) -> HFEngine:
     """A refit engine rank (generation.tp_size 1) that keeps `module`'s parameters up to date.
 
