@@ -548,6 +548,19 @@ class PyEngine {
   bool valid_ = true;
 };
 
+// A rank from its constructor's arguments; those left out come from torchrun's environment
+// (refit/session.h: endpoint_from_environment and the rank's variable).
+template <typename Rank, Result<int> (*kRankFromEnvironment)()>
+std::unique_ptr<Rank> rank_from_arguments(const PyConfig& cfg, std::optional<int> rank,
+                                          std::optional<std::string> master_addr,
+                                          std::optional<int> master_port,
+                                          std::optional<std::string> host) {
+  const Endpoint ep = value_or_raise(
+      endpoint_from_environment(std::move(master_addr), master_port, std::move(host)));
+  const int r = rank ? *rank : value_or_raise(kRankFromEnvironment());
+  return std::make_unique<Rank>(cfg, r, ep.master_addr, ep.master_port, ep.host);
+}
+
 }  // namespace
 
 void bind_session(py::module_& m) {
@@ -562,14 +575,7 @@ at most config.timeout_s per wait. `host` is the address this process listens on
 Then register every local tensor once (zero-copy: refit reads the registered storage in place at
 each refit), and call refit(step) after every training step.
 )doc")
-      .def(py::init([](const PyConfig& cfg, std::optional<int> rank,
-                       std::optional<std::string> master_addr, std::optional<int> master_port,
-                       std::optional<std::string> host) {
-             const Endpoint ep = value_or_raise(endpoint_from_environment(
-                 std::move(master_addr), master_port, std::move(host)));
-             const int r = rank ? *rank : value_or_raise(trainer_rank_from_environment());
-             return std::make_unique<PyTrainer>(cfg, r, ep.master_addr, ep.master_port, ep.host);
-           }),
+      .def(py::init(&rank_from_arguments<PyTrainer, &trainer_rank_from_environment>),
            py::arg("config"), py::arg("rank") = py::none(), py::kw_only(),
            py::arg("master_addr") = py::none(), py::arg("master_port") = py::none(),
            py::arg("host") = py::none())
@@ -645,14 +651,7 @@ rank that feeds it (GIL released while it waits). Register every parameter of `p
 (zero-copy: refit writes into that storage), set the hooks, then serve refits with serve_one()
 or serve().
 )doc")
-      .def(py::init([](const PyConfig& cfg, std::optional<int> engine_rank,
-                       std::optional<std::string> master_addr, std::optional<int> master_port,
-                       std::optional<std::string> host) {
-             const Endpoint ep = value_or_raise(endpoint_from_environment(
-                 std::move(master_addr), master_port, std::move(host)));
-             const int g = engine_rank ? *engine_rank : value_or_raise(engine_rank_from_environment());
-             return std::make_unique<PyEngine>(cfg, g, ep.master_addr, ep.master_port, ep.host);
-           }),
+      .def(py::init(&rank_from_arguments<PyEngine, &engine_rank_from_environment>),
            py::arg("config"), py::arg("engine_rank") = py::none(), py::kw_only(),
            py::arg("master_addr") = py::none(), py::arg("master_port") = py::none(),
            py::arg("host") = py::none())
