@@ -12,6 +12,7 @@
 #include "executor/route_sender.h"
 #include "executor/routes.h"
 #include "plane/data_plane.h"
+#include "plane/shared_memory.h"
 #include "refit/model_spec.h"
 
 namespace refit {
@@ -51,7 +52,7 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
     total = (total + 255) / 256 * 256;
   }
   std::string handle;
-  auto region = (*plane)->allocate_exported(total, "/refit-test-route-sender", &handle);
+  auto region = (*plane)->allocate_exported(total, "/refit-test-route-sender-" + unguessable_suffix(), &handle);
   ASSERT_TRUE(region.ok()) << region.status().to_string();
   std::vector<std::vector<float>> shard_memory;
   std::vector<void*> shards;

@@ -8,8 +8,16 @@
 
 #include <cerrno>
 #include <cstring>
+#include <cstdint>
+#include <random>
 
 namespace refit {
+
+std::string unguessable_suffix() {
+  std::random_device rd;
+  const std::uint64_t v = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  return fmt::format("{:016x}", v);
+}
 namespace {
 
 // MAP_POPULATE: every page is faulted in at setup, not during the first refit.
@@ -25,10 +33,13 @@ Result<std::byte*> map_fd(int fd, const std::string& name, std::size_t bytes) {
 
 Result<std::unique_ptr<SharedMemory>> SharedMemory::create(const std::string& name,
                                                            std::size_t bytes) {
-  shm_unlink(name.c_str());  // a stale segment of a crashed run with the same name
+  // Exclusive: an existing segment of that name (someone else's) is never opened or replaced.
+  // Names carry an unguessable suffix, so a stale segment of a crashed run cannot collide.
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0)
-    return Status::IOError(fmt::format("ipc: shm_open({}) failed: {}", name, std::strerror(errno)));
+    return Status::IOError(fmt::format("ipc: shm_open({}) failed: {}{}", name, std::strerror(errno),
+                                       errno == EEXIST ? " (a segment of that name exists already)"
+                                                       : ""));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     close(fd);

@@ -12,6 +12,11 @@
 
 namespace refit {
 
+// 16 hex digits from the system's random source, appended to segment names so that no other
+// process can guess a name and create it first (segments are created exclusively, mode 0600).
+// The names still start with /refit-<run id>- (the run's cleanup finds them by that prefix).
+std::string unguessable_suffix();
+
 class SharedMemory {
  public:
   static Result<std::unique_ptr<SharedMemory>> create(const std::string& name, std::size_t bytes);

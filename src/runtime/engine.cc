@@ -22,6 +22,7 @@
 #include "executor/routes.h"
 #include "plane/data_plane.h"
 #include "plane/groups.h"
+#include "plane/shared_memory.h"
 #include "refit/session.h"
 #include "runtime/agreement.h"
 #include "runtime/failure.h"
@@ -85,7 +86,7 @@ class EngineImpl final : public Engine {
       REFIT_ASSIGN_OR_RETURN(
           exported_,
           plane_->allocate_exported(std::max<std::size_t>(total, 1),
-                                    fmt::format("/refit-{}-e{}", run_id_, rank_), &export_handle_));
+                                    fmt::format("/refit-{}-e{}-{}", run_id_, rank_, unguessable_suffix()), &export_handle_));
       for (std::size_t i = 0; i < slots_.size(); ++i) {
         ptrs_[i] = exported_->data() + offsets[i];
         out.push_back(ptrs_[i]);

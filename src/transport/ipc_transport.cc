@@ -7,13 +7,16 @@
 #include "common/timer.h"
 #include "control/store.h"
 #include "plane/data_plane.h"
+#include "plane/shared_memory.h"
 #include "transport/transport.h"
 
 namespace refit {
 namespace {
 
+// The receiver finds it through the store (the key is the prefix), so the name may carry a
+// random suffix.
 std::string segment_name(const std::string& prefix, int slot) {
-  return fmt::format("{}-{}", prefix, slot);
+  return fmt::format("{}-{}-{}", prefix, slot, unguessable_suffix());
 }
 
 class IpcSender final : public BucketSender {
