@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# device: cuda with a model directory's checkpoint and --verify (the host-side comparison).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+c=$PWD/.carry/refit
+nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)")
+export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64
+w=$(mktemp -d); mkdir -p $w/model $w/dump
+cat > $w/model/config.json <<'J'
+{
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+  "vocab_size": 1000, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+  "tie_word_embeddings": false}
+J
+printf 'model: %s\ndevice: cpu\npolicy: {world_size: 1}\ngeneration: {tp_size: 1}\n' $w/model > $w/cpu.yaml
+$c/bin/refit run $w/cpu.yaml --steps 1 --dump $w/dump > $OUT/ckpt-dump.log 2>&1; echo "dump rc=$?"
+cp $w/dump/trainer.safetensors $w/model/model.safetensors
+for colo in true false; do
+printf 'model: %s\ndevice: cuda\npolicy: {world_size: 1, dtype: float32}\ngeneration: {backend: vllm, colocated: %s, tp_size: 1}\nrefit: {timeout_s: 60}\n' $w/model $colo > $w/cuda.yaml
+$c/bin/refit run $w/cuda.yaml --steps 2 --verify > $OUT/ckpt-$colo.log 2>&1; echo "cuda checkpoint colocated=$colo --verify rc=$? $(tail -1 $OUT/ckpt-$colo.log)"
+done
