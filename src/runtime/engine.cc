@@ -130,9 +130,7 @@ class EngineImpl final : public Engine {
                                    .liveness = liveness_check(*store_, id())},
                       *plane_);
   }
-  std::chrono::milliseconds timeout() const {
-    return cfg_.refit.timeout();
-  }
+  std::chrono::milliseconds timeout() const { return cfg_.refit.timeout(); }
 
   Status setup() {
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));

@@ -130,9 +130,8 @@ class TrainerImpl final : public Trainer {
                                    .liveness = liveness_check(*store_, id())},
                       *plane_);
   }
-  std::chrono::milliseconds timeout() const {
-    return cfg_.refit.timeout();
-  }
+  std::chrono::milliseconds timeout() const { return cfg_.refit.timeout(); }
+
   Status setup() {
     const int world = cfg_.policy.world_size;
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
