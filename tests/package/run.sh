@@ -19,12 +19,17 @@ done
 libdir=$(dirname "$(find "$prefix" -name librefit.so -print -quit)")
 [ -f "$libdir/librefit.a" ] || { echo "cpp_package: librefit.a not installed"; exit 1; }
 "$prefix/bin/refit" --version
+# The consumer asks for the installed major.minor (the package is SameMinorVersion-compatible, as
+# 0.x releases may break the API): "refit 0.4.0 (wire …" -> 0.4.
+want=$("$prefix/bin/refit" --version | sed -n 's/^refit \([0-9]*\.[0-9]*\)\..*/\1/p')
+[ -n "$want" ] || { echo "cpp_package: cannot read the version of the installed CLI"; exit 1; }
 
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 for kind in shared static; do
   static=OFF; [ "$kind" = static ] && static=ON
   cmake -S "$here" -B "$work/$kind" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
-        -DCONSUMER_STATIC=$static -DCMAKE_BUILD_RPATH="$libdir" >"$work/$kind.log" 2>&1 ||
+        -DCONSUMER_STATIC=$static -DREFIT_WANT="$want" -DCMAKE_BUILD_RPATH="$libdir" \
+        >"$work/$kind.log" 2>&1 ||
     { cat "$work/$kind.log"; exit 1; }
   cmake --build "$work/$kind" >>"$work/$kind.log" 2>&1 || { cat "$work/$kind.log"; exit 1; }
   deps=$(ldd "$work/$kind/consumer")  # whole, before matching (grep -q under pipefail races)
