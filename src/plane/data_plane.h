@@ -108,6 +108,14 @@ class DataPlane {
 // at most 8). CUDA: GPU `device` (modulo the visible GPUs), one stream, REFIT_COPY_ENGINE.
 // A bad value of either variable is an InvalidArgument naming it (common/env.h).
 Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device = 0);
+
+// Verification on the host: the first element of target `t` whose bytes at `actual` (host memory)
+// differ from what the weight source gives at `step` (elements no piece covers must be zero), or
+// nullopt. `expected` is scratch space, reused across calls.
+std::optional<std::int64_t> first_host_mismatch(const RankModel& model, const PieceTarget& t,
+                                                int step, DType via, DType dtype,
+                                                const std::byte* actual,
+                                                std::vector<std::byte>& expected);
 // The GPU a rank uses: REFIT_DEVICE when set; otherwise colocated ranks share the device of their
 // trainer rank, and non-colocated trainer ranks take the first GPUs and engine ranks the next
 // (modulo the count). A bad REFIT_DEVICE is an InvalidArgument naming it.

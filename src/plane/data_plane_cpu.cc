@@ -170,20 +170,10 @@ class CpuDataPlane final : public DataPlane {
   Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
       const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
       DType dtype) override {
-    const std::size_t esize = dtype_size(dtype);
     std::vector<std::byte> expected;
-    for (std::size_t i = 0; i < targets.size(); ++i) {
-      const PieceTarget& t = targets[i];
-      const std::size_t n = static_cast<std::size_t>(matrix_shape(t.shape).numel());
-      expected.assign(n * esize, std::byte{0});  // uncovered elements (padding) must be zero
-      materialize_pieces(model.spec, *t.pieces, t.shape, *model.weights, step, via, dtype,
-                         expected.data());
-      if (std::memcmp(expected.data(), t.data, n * esize) == 0) continue;
-      std::size_t k = 0;
-      while (std::memcmp(expected.data() + k * esize, t.data + k * esize, esize) == 0) ++k;
-      return std::optional<std::pair<std::size_t, std::int64_t>>(
-          std::make_pair(i, static_cast<std::int64_t>(k)));
-    }
+    for (std::size_t i = 0; i < targets.size(); ++i)
+      if (auto k = first_host_mismatch(model, targets[i], step, via, dtype, targets[i].data, expected))
+        return std::optional<std::pair<std::size_t, std::int64_t>>(std::make_pair(i, *k));
     return std::optional<std::pair<std::size_t, std::int64_t>>();
   }
 
@@ -235,6 +225,21 @@ class CpuDataPlane final : public DataPlane {
 };
 
 }  // namespace
+
+std::optional<std::int64_t> first_host_mismatch(const RankModel& model, const PieceTarget& t,
+                                                int step, DType via, DType dtype,
+                                                const std::byte* actual,
+                                                std::vector<std::byte>& expected) {
+  const std::size_t esize = dtype_size(dtype);
+  const std::size_t n = static_cast<std::size_t>(matrix_shape(t.shape).numel());
+  expected.assign(n * esize, std::byte{0});  // uncovered elements (padding) must be zero
+  materialize_pieces(model.spec, *t.pieces, t.shape, *model.weights, step, via, dtype,
+                     expected.data());
+  if (std::memcmp(expected.data(), actual, n * esize) == 0) return std::nullopt;
+  std::size_t k = 0;
+  while (std::memcmp(expected.data() + k * esize, actual + k * esize, esize) == 0) ++k;
+  return static_cast<std::int64_t>(k);
+}
 
 Status DataPlane::corrupt_byte(std::byte* at) {
   std::byte b{};

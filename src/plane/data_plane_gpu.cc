@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <map>
 #include <tuple>
@@ -177,20 +176,14 @@ class CudaDataPlane final : public DataPlane {
     using Found = std::optional<std::pair<std::size_t, std::int64_t>>;
     if (model.checkpoint != nullptr) {
       // The checkpoint's base values live on the host: compare there, target by target.
-      const std::size_t esize = dtype_size(dtype);
       std::vector<std::byte> expected, actual;
       for (std::size_t i = 0; i < targets.size(); ++i) {
-        const PieceTarget& t = targets[i];
-        const std::size_t n = static_cast<std::size_t>(matrix_shape(t.shape).numel());
-        expected.assign(n * esize, std::byte{0});  // uncovered elements (padding) must be zero
-        materialize_pieces(model.spec, *t.pieces, t.shape, *model.weights, step, via, dtype,
-                           expected.data());
-        actual.resize(n * esize);
-        REFIT_RETURN_IF_ERROR(copy_to_host(actual.data(), t.data, n * esize));
-        if (actual == expected) continue;
-        std::size_t k = 0;
-        while (std::memcmp(expected.data() + k * esize, actual.data() + k * esize, esize) == 0) ++k;
-        return Found(std::make_pair(i, static_cast<std::int64_t>(k)));
+        const std::size_t bytes =
+            static_cast<std::size_t>(matrix_shape(targets[i].shape).numel()) * dtype_size(dtype);
+        actual.resize(bytes);
+        REFIT_RETURN_IF_ERROR(copy_to_host(actual.data(), targets[i].data, bytes));
+        if (auto k = first_host_mismatch(model, targets[i], step, via, dtype, actual.data(), expected))
+          return Found(std::make_pair(i, *k));
       }
       return Found();
     }
