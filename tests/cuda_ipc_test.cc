@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "device/cuda_ipc.h"
+#include "test_util.h"
 #include "device/device.h"
 
 extern char** environ;
@@ -45,31 +46,6 @@ std::string from_hex(const char* hex) {
 }
 std::uint8_t pattern(std::size_t i) { return static_cast<std::uint8_t>(i * 7 + 3); }
 
-// Runs this test binary with a filter and extra environment; returns its exit status.
-int run_child(const std::string& filter, const std::vector<std::string>& env_extra,
-              std::chrono::seconds timeout) {
-  std::vector<std::string> env_store;
-  for (char** e = environ; *e != nullptr; ++e) env_store.emplace_back(*e);
-  for (const auto& e : env_extra) env_store.push_back(e);
-  std::vector<char*> envp;
-  for (auto& e : env_store) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::string exe = "/proc/self/exe", arg = "--gtest_filter=" + filter;
-  char* argv[] = {exe.data(), arg.data(), nullptr};
-  pid_t pid = 0;
-  if (posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) != 0) return -1;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      return 124;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 TEST(CudaIpc, MalformedHandlesAreRejectedBeforeCuda) {
   auto mem = IpcMemory::open("not a handle", 0);
@@ -119,7 +95,7 @@ TEST(CudaIpc, ChildProcessSeesDataOrderedByTheExportedEvent) {
   ASSERT_TRUE(mem_handle.ok()) << mem_handle.status().to_string();
   auto ev_handle = event->handle();
   ASSERT_TRUE(ev_handle.ok()) << ev_handle.status().to_string();
-  const int rc = run_child(
+  const int rc = testing::run_test_child(
       "CudaIpcChild.*",
       {"REFIT_TEST_IPC_MEM=" + to_hex(*mem_handle), "REFIT_TEST_IPC_EVENT=" + to_hex(*ev_handle)},
       std::chrono::seconds(60));
@@ -137,6 +113,7 @@ TEST(CudaIpcChild, ImportCheckAndAnswer) {
   auto mem = IpcMemory::open(from_hex(mem_hex), 0);
   ASSERT_TRUE(mem.ok()) << mem.status().to_string();
   ASSERT_EQ(mem->size(), kBytes);
+  EXPECT_TRUE(mem->on_this_device());  // exported from GPU 0, opened on GPU 0
   auto ev = IpcEvent::open(from_hex(ev_hex), 0);
   ASSERT_TRUE(ev.ok()) << ev.status().to_string();
   EXPECT_TRUE(ev->imported());

@@ -46,8 +46,9 @@ TEST(EnvParse, GoodValues) {
   EXPECT_EQ(*env::parse_log_level("debug"), log::Level::kDebug);
   EXPECT_EQ(*env::parse_log_level("warn"), log::Level::kWarn);
   EXPECT_EQ(*env::parse_log_level("error"), log::Level::kError);
-  EXPECT_TRUE(*env::parse_copy_engine("1"));
-  EXPECT_FALSE(*env::parse_copy_engine("0"));
+  EXPECT_EQ(*env::parse_copy_engine("1"), env::CopyEngineUse::kCopyEngines);
+  EXPECT_EQ(*env::parse_copy_engine("0"), env::CopyEngineUse::kKernel);
+  EXPECT_EQ(*env::parse_copy_engine("auto"), env::CopyEngineUse::kAuto);
   EXPECT_EQ(*env::parse_master_port("29501"), 29501);
   EXPECT_EQ(*env::parse_rank("0"), std::optional<int>(0));
   EXPECT_EQ(*env::parse_world_size("2"), std::optional<int>(2));
@@ -61,7 +62,7 @@ TEST(EnvParse, UnsetOrEmptyGivesTheDefault) {
     EXPECT_GE(threads, 1);
     EXPECT_LE(threads, 8);
     EXPECT_EQ(*env::parse_log_level(unset), log::Level::kInfo);
-    EXPECT_FALSE(*env::parse_copy_engine(unset));
+    EXPECT_EQ(*env::parse_copy_engine(unset), env::CopyEngineUse::kAuto);
     EXPECT_EQ(*env::parse_master_port(unset), 29500);
     EXPECT_EQ(*env::parse_rank(unset), std::nullopt);
     EXPECT_EQ(*env::parse_world_size(unset), std::nullopt);
@@ -89,7 +90,7 @@ TEST(EnvParse, BadValuesNameTheVariableTheValueAndWhatIsAccepted) {
       {"REFIT_CPU_THREADS", "65", "an integer from 1 to 64", st(env::parse_cpu_threads)},
       {"REFIT_LOG", "loud", "one of debug, info, warn, error", st(env::parse_log_level)},
       {"REFIT_LOG", "DEBUG", "one of debug, info, warn, error", st(env::parse_log_level)},
-      {"REFIT_COPY_ENGINE", "yes", "one of 0, 1", st(env::parse_copy_engine)},
+      {"REFIT_COPY_ENGINE", "yes", "one of 0, 1, auto", st(env::parse_copy_engine)},
       {"MASTER_PORT", "70000", "an integer from 1 to 65535", st(env::parse_master_port)},
       {"MASTER_PORT", "0", "an integer from 1 to 65535", st(env::parse_master_port)},
       {"RANK", "-1", "a non-negative integer", st(env::parse_rank)},

@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <spawn.h>
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -77,6 +79,32 @@ CliResult run_cli(const std::vector<std::string>& args, double timeout_s) {
   close(fds[0]);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return result;
+}
+
+// Runs this test binary with a filter and extra environment; returns its exit status.
+int run_test_child(const std::string& filter, const std::vector<std::string>& env_extra,
+              std::chrono::seconds timeout) {
+  std::vector<std::string> env_store;
+  for (char** e = environ; *e != nullptr; ++e) env_store.emplace_back(*e);
+  for (const auto& e : env_extra) env_store.push_back(e);
+  std::vector<char*> envp;
+  for (auto& e : env_store) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string exe = "/proc/self/exe", arg = "--gtest_filter=" + filter;
+  char* argv[] = {exe.data(), arg.data(), nullptr};
+  pid_t pid = 0;
+  if (posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()) != 0) return -1;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return 124;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 }  // namespace refit::testing

@@ -1,6 +1,7 @@
 // Helpers shared by the tests: temporary directories and running the refit CLI as a process.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -28,5 +29,10 @@ struct CliResult {
 
 // Runs the refit CLI with `args`, waits at most `timeout_s` (then kills it: exit_code 124).
 CliResult run_cli(const std::vector<std::string>& args, double timeout_s = 300);
+
+// Runs this test binary with `--gtest_filter=filter` and the extra environment `env_extra`
+// ("NAME=value"); returns its exit status (124 after `timeout`, then it is killed; 128+signal).
+int run_test_child(const std::string& filter, const std::vector<std::string>& env_extra,
+                   std::chrono::seconds timeout);
 
 }  // namespace refit::testing

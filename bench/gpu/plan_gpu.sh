@@ -126,8 +126,10 @@ if has bench; then
   bench noncolo-1to1-8b-bf16 "$(cfg b6 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)"
   bench noncolo-1to1-8b-bf16-p2p "$(cfg b7 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 p2p)"
   bench colo-1gpu-8b-fp32 "$(cfg b8 qwen3-8b fsdp2 1 - vllm true 1 1 float32 auto)"
-  # The copy engines instead of the SM kernel for uncast contiguous copies.
+  # REFIT_COPY_ENGINE: the copy engines alone (1) and the kernel alone (0) instead of the default
+  # (auto: the copy engines beside the kernel into another GPU's memory).
   bench noncolo-1to1-8b-bf16-ce "$(cfg b9 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)" REFIT_COPY_ENGINE=1
+  bench noncolo-1to1-8b-bf16-kernel "$(cfg b12 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)" REFIT_COPY_ENGINE=0
   bench colo-w2-tp2-8b-bf16-ce "$(cfg b10 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)" REFIT_COPY_ENGINE=1
   bench colo-w2-tp2-8b-bf16 "$(cfg b11 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)"
 fi

@@ -29,6 +29,8 @@ template <typename T>
 std::string show(const T& v) {
   if constexpr (std::is_same_v<T, bool>) {
     return v ? "1" : "0";
+  } else if constexpr (std::is_same_v<T, CopyEngineUse>) {
+    return v == CopyEngineUse::kKernel ? "0" : v == CopyEngineUse::kCopyEngines ? "1" : "auto";
   } else {
     return fmt::format("{}", v);
   }
@@ -141,13 +143,16 @@ Result<std::optional<int>> device() {
   return v;
 }
 
-Result<bool> parse_copy_engine(Text text) {
-  REFIT_ASSIGN_OR_RETURN(std::optional<int> w, parse_word("REFIT_COPY_ENGINE", text, {"0", "1"}));
-  return w.value_or(0) == 1;
+Result<CopyEngineUse> parse_copy_engine(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> w,
+                         parse_word("REFIT_COPY_ENGINE", text, {"0", "1", "auto"}));
+  static constexpr CopyEngineUse kByWord[] = {CopyEngineUse::kKernel, CopyEngineUse::kCopyEngines,
+                                              CopyEngineUse::kAuto};
+  return w.has_value() ? kByWord[*w] : CopyEngineUse::kAuto;
 }
 
-Result<bool> copy_engine() {
-  static const Result<bool> v = load("REFIT_COPY_ENGINE", &parse_copy_engine);
+Result<CopyEngineUse> copy_engine() {
+  static const Result<CopyEngineUse> v = load("REFIT_COPY_ENGINE", &parse_copy_engine);
   return v;
 }
 

@@ -51,10 +51,13 @@ Result<int> cpu_threads();
 Result<std::optional<int>> parse_device(Text text);
 Result<std::optional<int>> device();
 
-// REFIT_COPY_ENGINE: device: cuda — 0 | 1 (default 0): uncast contiguous copies on the copy
-// engines instead of the copy kernel.
-Result<bool> parse_copy_engine(Text text);
-Result<bool> copy_engine();
+// REFIT_COPY_ENGINE: device: cuda — who moves uncast copy lists made of long contiguous
+// stretches: 0 the copy kernel; 1 the copy engines alone; auto (default) the copy engines beside
+// the kernel (each takes about half the bytes, at once) when every destination is another GPU's
+// memory, else the kernel (docs/transfer-plan.md, "Copy engines beside the kernel").
+enum class CopyEngineUse { kKernel, kCopyEngines, kAuto };
+Result<CopyEngineUse> parse_copy_engine(Text text);
+Result<CopyEngineUse> copy_engine();
 
 // REFIT_HOST_ID: which host this process is on for the executor choice; nullopt (default): the
 // kernel's boot id and the IPC namespace (host_identity).

@@ -45,6 +45,9 @@ class IpcMemory {
 
   std::byte* data() const { return base_ == nullptr ? nullptr : base_ + offset_; }
   std::size_t size() const { return size_; }
+  // Whether the memory is on the GPU it was opened on (the handle names its GPU by UUID); false:
+  // another GPU's memory, reached over NVLink / PCIe.
+  bool on_this_device() const { return on_this_device_; }
 
  private:
   void reset();
@@ -52,6 +55,7 @@ class IpcMemory {
   std::size_t offset_ = 0;
   std::size_t size_ = 0;
   int device_ = 0;
+  bool on_this_device_ = true;
 };
 
 // An inter-process event (cudaEventInterprocess | cudaEventDisableTiming).

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "device/cuda_check.h"
@@ -11,10 +13,12 @@
 namespace refit {
 namespace {
 
-// Wire format of an exported memory range: "RFTM" | cudaIpcMemHandle_t | offset | size.
+// Wire format of an exported memory range:
+//   "RFTM" | cudaIpcMemHandle_t | offset | size | UUID of the GPU that holds it.
 constexpr char kMemMagic[4] = {'R', 'F', 'T', 'M'};
 constexpr char kEventMagic[4] = {'R', 'F', 'T', 'E'};
-constexpr std::size_t kMemWire = 4 + sizeof(cudaIpcMemHandle_t) + 16;
+constexpr std::size_t kUuidBytes = sizeof(cudaUUID_t);
+constexpr std::size_t kMemWire = 4 + sizeof(cudaIpcMemHandle_t) + 16 + kUuidBytes;
 constexpr std::size_t kEventWire = 4 + sizeof(cudaIpcEventHandle_t);
 
 template <typename T>
@@ -41,6 +45,18 @@ Status allocation_range(void* ptr, CUdeviceptr& base, std::size_t& size) {
   return Status::Ok();
 }
 
+// The UUID of GPU `device` as this process numbers it (cached: the properties call is slow).
+Result<std::string> device_uuid(int device) {
+  static std::mutex mu;
+  static std::map<int, std::string> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  cudaDeviceProp p{};
+  REFIT_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  return cache.emplace(device, std::string(p.uuid.bytes, kUuidBytes)).first->second;
+}
+
 }  // namespace
 
 Result<std::string> export_device_memory(void* ptr, std::size_t bytes) {
@@ -55,10 +71,14 @@ Result<std::string> export_device_memory(void* ptr, std::size_t bytes) {
         bytes, offset, alloc_size));
   cudaIpcMemHandle_t h;
   REFIT_CUDA_CHECK(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
+  cudaPointerAttributes a{};
+  REFIT_CUDA_CHECK(cudaPointerGetAttributes(&a, ptr));
+  REFIT_ASSIGN_OR_RETURN(const std::string uuid, device_uuid(a.device));
   std::string out(kMemMagic, 4);
   put(out, h);
   put(out, static_cast<std::uint64_t>(offset));
   put(out, static_cast<std::uint64_t>(bytes));
+  out += uuid;
   return out;
 }
 
@@ -74,7 +94,9 @@ Result<IpcMemory> IpcMemory::open(const std::string& handle, int device) {
   std::memcpy(&h, handle.data() + 4, sizeof(h));
   std::memcpy(&offset, handle.data() + 4 + sizeof(h), 8);
   std::memcpy(&size, handle.data() + 12 + sizeof(h), 8);
+  REFIT_ASSIGN_OR_RETURN(const std::string here, device_uuid(device));
   IpcMemory m;
+  m.on_this_device_ = handle.compare(kMemWire - kUuidBytes, kUuidBytes, here) == 0;
   void* base = nullptr;
   REFIT_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess));
   m.base_ = static_cast<std::byte*>(base);
@@ -100,7 +122,8 @@ IpcMemory::IpcMemory(IpcMemory&& o) noexcept
     : base_(std::exchange(o.base_, nullptr)),
       offset_(o.offset_),
       size_(o.size_),
-      device_(o.device_) {}
+      device_(o.device_),
+      on_this_device_(o.on_this_device_) {}
 IpcMemory& IpcMemory::operator=(IpcMemory&& o) noexcept {
   if (this != &o) {
     reset();
@@ -108,6 +131,7 @@ IpcMemory& IpcMemory::operator=(IpcMemory&& o) noexcept {
     offset_ = o.offset_;
     size_ = o.size_;
     device_ = o.device_;
+    on_this_device_ = o.on_this_device_;
   }
   return *this;
 }

@@ -106,6 +106,9 @@ Status copy_to_device(void* dst, const void* src, std::size_t bytes);
 Status copy_to_host(void* dst, const void* src, std::size_t bytes);
 Status copy_device_async(void* dst, const void* src, std::size_t bytes, void* stream);
 Status fill_bytes_async(void* dst, std::uint8_t value, std::size_t bytes, void* stream);
+// The GPU whose memory holds `ptr` (device memory, or memory mapped from another process through
+// CUDA IPC), or -1 for host or unregistered memory.
+Result<int> device_of(const void* ptr);
 // Lets the current device access `peer`'s memory (idempotent); errors name both devices.
 Status enable_peer_access(int peer);
 // Copies `bytes` from device memory on `src_device` to device memory on `dst_device`, on `stream`

@@ -238,6 +238,12 @@ Status copy_device_async(void* dst, const void* src, std::size_t bytes, void* st
   return Status::Ok();
 }
 
+Result<int> device_of(const void* ptr) {
+  cudaPointerAttributes a{};
+  REFIT_CUDA_CHECK(cudaPointerGetAttributes(&a, ptr));
+  return a.type == cudaMemoryTypeDevice ? a.device : -1;
+}
+
 Status enable_peer_access(int peer) {
   int current = 0;
   REFIT_CUDA_CHECK(cudaGetDevice(&current));

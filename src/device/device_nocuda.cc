@@ -61,6 +61,7 @@ Status copy_device_async(void*, const void*, std::size_t, void*) {
 Status fill_bytes_async(void*, std::uint8_t, std::size_t, void*) {
   return no_cuda("fill_bytes_async");
 }
+Result<int> device_of(const void*) { return no_cuda("device_of"); }
 Status enable_peer_access(int) { return no_cuda("enable_peer_access"); }
 Status copy_peer_async(void*, int, const void*, int, std::size_t, void*) {
   return no_cuda("copy_peer_async");

@@ -102,6 +102,17 @@ class DataPlane {
   // arrived in one of several slots). Returns when the copies are complete.
   virtual Status copy(const std::vector<CopyRun>& runs, DType src_dtype, DType dst_dtype,
                       const std::byte* src_base = nullptr) = 0;
+
+  // Bytes copy() has moved so far, by who moved them: on CUDA the copy kernel or the copy engines
+  // (REFIT_COPY_ENGINE); the CPU plane counts its threads' copies as `kernel`.
+  struct CopyPathBytes {
+    std::int64_t kernel = 0;
+    std::int64_t copy_engines = 0;
+  };
+  CopyPathBytes copy_path_bytes() const { return path_bytes_; }
+
+ protected:
+  CopyPathBytes path_bytes_;
 };
 
 // The plane of `config.device`. CPU: REFIT_CPU_THREADS workers (default: the number of cores,

@@ -8,9 +8,14 @@
 #include <cstdlib>
 #include <string>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "common/env.h"
+#include "common/log.h"
 #include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
 #include "device/device.h"
@@ -51,14 +56,42 @@ class CudaPlaneBuffer final : public PlaneBuffer {
   DeviceBuffer buf_;
 };
 
+// The address ranges of another GPU's memory this process mapped through CUDA IPC (a pointer's
+// attributes name the GPU that mapped it, not the one that holds it).
+class RemoteRanges {
+ public:
+  void add(const std::byte* p, std::size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ranges_.emplace_back(p, p + n);
+  }
+  void remove(const std::byte* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(ranges_, [p](const auto& r) { return r.first == p; });
+  }
+  bool contains(const std::byte* p) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::any_of(ranges_.begin(), ranges_.end(),
+                       [p](const auto& r) { return p >= r.first && p < r.second; });
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<std::pair<const std::byte*, const std::byte*>> ranges_;
+};
+
 class OpenedPlaneBuffer final : public PlaneBuffer {
  public:
-  explicit OpenedPlaneBuffer(IpcMemory mem) : mem_(std::move(mem)) {}
+  OpenedPlaneBuffer(IpcMemory mem, std::weak_ptr<RemoteRanges> remote)
+      : mem_(std::move(mem)), remote_(std::move(remote)) {}
+  ~OpenedPlaneBuffer() override {
+    if (auto r = remote_.lock()) r->remove(mem_.data());
+  }
   std::byte* data() override { return mem_.data(); }
   std::size_t size() const override { return mem_.size(); }
 
  private:
   IpcMemory mem_;
+  std::weak_ptr<RemoteRanges> remote_;  // set when the memory is another GPU's
 };
 
 class CudaDataPlane final : public DataPlane {
@@ -95,7 +128,12 @@ class CudaDataPlane final : public DataPlane {
     REFIT_RETURN_IF_ERROR(on_device());
     REFIT_ASSIGN_OR_RETURN(std::string raw, from_hex(handle));
     REFIT_ASSIGN_OR_RETURN(IpcMemory mem, IpcMemory::open(raw, device_));
-    return std::unique_ptr<PlaneBuffer>(new OpenedPlaneBuffer(std::move(mem)));
+    std::weak_ptr<RemoteRanges> remote;
+    if (!mem.on_this_device()) {
+      remote_->add(mem.data(), mem.size());
+      remote = remote_;
+    }
+    return std::unique_ptr<PlaneBuffer>(new OpenedPlaneBuffer(std::move(mem), std::move(remote)));
   }
 
   Result<double> measure_copy_bandwidth() override {
@@ -210,18 +248,24 @@ class CudaDataPlane final : public DataPlane {
     REFIT_RETURN_IF_ERROR(on_device());
     if (runs.empty()) return Status::Ok();
     REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(runs, sdt, ddt, src_base));
-    if (!t->engine_copies.empty()) {  // copy engines: one call per contiguous stretch
-      for (const auto& [dst, src, bytes] : t->engine_copies)
-        REFIT_RETURN_IF_ERROR(copy_device_async(dst, src, bytes, stream_.handle()));
-      return sync("copy-engine copies");
-    }
-    REFIT_RETURN_IF_ERROR(launch_block_copy(t->table, 0, src_base != nullptr ? src_base : t->src,
-                                            sdt, t->dst, ddt, stream_.handle()));
-    return sync("a block copy");
+    // The copy engines' stretches (one call each) on the side stream when the kernel runs too.
+    void* ce_stream = t->kernel_bytes > 0 ? side_stream_.handle() : stream_.handle();
+    for (const auto& [dst, src, bytes] : t->engine_copies)
+      REFIT_RETURN_IF_ERROR(copy_device_async(dst, src, bytes, ce_stream));
+    if (t->kernel_bytes > 0)
+      REFIT_RETURN_IF_ERROR(launch_block_copy(t->table, 0,
+                                              src_base != nullptr ? src_base : t->src, sdt, t->dst,
+                                              ddt, stream_.handle()));
+    REFIT_RETURN_IF_ERROR(sync(t->kernel_bytes > 0 ? "a block copy" : "copy-engine copies"));
+    if (ce_stream != stream_.handle())
+      REFIT_RETURN_IF_ERROR(synchronize_stream(ce_stream, timeout_, "copy-engine copies"));
+    path_bytes_.kernel += t->kernel_bytes;
+    path_bytes_.copy_engines += t->engine_bytes;
+    return Status::Ok();
   }
 
   void set_seed(std::uint64_t seed) { model_seed_ = seed; }
-  void set_copy_engine(bool on) { copy_engine_ = on; }
+  void set_copy_engine(env::CopyEngineUse use) { copy_engine_ = use; }
 
  private:
   // The CUDA device is per thread: the plane is driven by whichever thread runs a stage (the
@@ -236,9 +280,11 @@ class CudaDataPlane final : public DataPlane {
     DeviceBlockTable table;
     const std::byte* src = nullptr;
     std::byte* dst = nullptr;
-    // Set when the copy engines serve the list instead (REFIT_COPY_ENGINE=1, no cast, every run
-    // contiguous, long stretches): (dst, src, bytes) per stretch of adjacent runs.
+    // Set when the copy engines serve the list, or its first runs (REFIT_COPY_ENGINE, no cast,
+    // every run contiguous, long stretches): (dst, src, bytes) per stretch of adjacent runs.
     std::vector<std::tuple<std::byte*, const std::byte*, std::size_t>> engine_copies;
+    std::int64_t engine_bytes = 0;  // what engine_copies move
+    std::int64_t kernel_bytes = 0;  // what the kernel's table moves (0: no launch)
   };
   Result<CopyTable*> copy_table(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
                                 const std::byte* src_base) {
@@ -269,16 +315,62 @@ class CudaDataPlane final : public DataPlane {
     }
     t.dst = runs[0].dst;
     for (const CopyRun& r : runs) t.dst = std::min(t.dst, r.dst);
+    REFIT_ASSIGN_OR_RETURN(const std::size_t first_kernel_run,
+                           split_for_copy_engines(runs, sdt, ddt, src_base, t));
     std::vector<std::vector<Block2D>> groups(1);
-    for (const CopyRun& r : runs) {
+    for (std::size_t i = first_kernel_run; i < runs.size(); ++i) {
+      const CopyRun& r = runs[i];
       Block2D b = r.block;
       if (src_base == nullptr) b.src_offset += (r.src - t.src) / ss;
       b.dst_offset += (r.dst - t.dst) / ds;
       groups[0].push_back(b);
+      t.kernel_bytes += b.numel() * ds;
     }
-    REFIT_ASSIGN_OR_RETURN(t.table, DeviceBlockTable::upload(groups, device_));
-    if (copy_engine_ && sdt == ddt && src_base == nullptr) t.engine_copies = engine_stretches(runs, ss);
+    if (t.kernel_bytes > 0) {
+      REFIT_ASSIGN_OR_RETURN(t.table, DeviceBlockTable::upload(groups, device_));
+    }
     return &copies_.emplace(key, std::move(t)).first->second;
+  }
+
+  // Which runs the copy engines take (REFIT_COPY_ENGINE): fills t.engine_copies / engine_bytes
+  // and returns the index of the first run the kernel takes (runs.size(): none).
+  //  - 1: every run, when the list is eligible (engine_stretches);
+  //  - auto: when every destination is another GPU's memory, the first runs up to
+  //    kCopyEngineShare of the bytes. The copy engines and the kernel then write over the link at
+  //    once: on 2 x H200 the copy engines alone reach 395 GB/s into freshly idle GPUs but drop to
+  //    about 330 GB/s once the sending GPU has written a GiB or more since its last peer copy
+  //    (which a training step always has), the kernel holds 360 GB/s, and the two together
+  //    reach 370 GB/s (docs/transfer-plan.md);
+  //  - otherwise none.
+  Result<std::size_t> split_for_copy_engines(const std::vector<CopyRun>& runs, DType sdt,
+                                             DType ddt, const std::byte* src_base, CopyTable& t) {
+    if (copy_engine_ == env::CopyEngineUse::kKernel || sdt != ddt || src_base != nullptr)
+      return std::size_t{0};
+    const auto esize = static_cast<std::int64_t>(dtype_size(sdt));
+    std::size_t take = runs.size();
+    if (copy_engine_ == env::CopyEngineUse::kAuto) {
+      std::int64_t total = 0;
+      for (const CopyRun& r : runs) {
+        REFIT_ASSIGN_OR_RETURN(const bool remote, on_another_gpu(r.dst + r.block.dst_offset * esize));
+        if (!remote) return std::size_t{0};
+        total += r.block.numel();
+      }
+      std::int64_t acc = 0;
+      take = 0;
+      while (take < runs.size() && acc + runs[take].block.numel() <= kCopyEngineShare * total)
+        acc += runs[take++].block.numel();
+      if (take == 0) return std::size_t{0};
+    }
+    const std::vector<CopyRun> head(runs.begin(), runs.begin() + static_cast<std::ptrdiff_t>(take));
+    t.engine_copies = engine_stretches(head, esize);
+    if (t.engine_copies.empty()) return std::size_t{0};
+    for (const auto& c : t.engine_copies) t.engine_bytes += static_cast<std::int64_t>(std::get<2>(c));
+    if (take < runs.size() && side_stream_.handle() == nullptr) {
+      REFIT_ASSIGN_OR_RETURN(side_stream_, DeviceStream::create(device_));
+    }
+    log::debug("copy list of {} runs: {} stretches ({} bytes) on the copy engines, {} runs by the "
+               "kernel", runs.size(), t.engine_copies.size(), t.engine_bytes, runs.size() - take);
+    return take;
   }
 
   // Adjacent contiguous runs merged into stretches for the copy engines; empty when a run is
@@ -305,6 +397,14 @@ class CudaDataPlane final : public DataPlane {
     }
     if (out.empty() || total / out.size() < (std::size_t{4} << 20)) return {};
     return out;
+  }
+
+  // Whether `p` is another GPU's memory: mapped from another process through CUDA IPC, or
+  // allocated by this one on another GPU.
+  Result<bool> on_another_gpu(const std::byte* p) const {
+    if (remote_->contains(p)) return true;
+    REFIT_ASSIGN_OR_RETURN(const int dev, device_of(p));
+    return dev >= 0 && dev != device_;
   }
 
   // The weights table of a set of targets (generate / verify), cached by their identity.
@@ -335,11 +435,15 @@ class CudaDataPlane final : public DataPlane {
   }
 
   static constexpr std::size_t kMaxCachedTables = 4096;
+  // REFIT_COPY_ENGINE=auto: the copy engines' share of the bytes (0.45-0.6 measured equal).
+  static constexpr double kCopyEngineShare = 0.5;
   int device_;
   DeviceStream stream_;
+  DeviceStream side_stream_;  // the copy engines' stream when the kernel runs at once
+  std::shared_ptr<RemoteRanges> remote_ = std::make_shared<RemoteRanges>();
   std::chrono::milliseconds timeout_;
   std::uint64_t model_seed_ = 0;
-  bool copy_engine_ = false;  // REFIT_COPY_ENGINE=1
+  env::CopyEngineUse copy_engine_ = env::CopyEngineUse::kAuto;
   std::map<std::tuple<const void*, std::size_t, std::uint64_t>, CopyTable> copies_;
   std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
 };
@@ -361,7 +465,7 @@ Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, in
       device, std::move(stream),
       std::chrono::milliseconds(static_cast<long long>(config.refit.timeout_s * 1000)));
   plane->set_seed(config.seed);
-  REFIT_ASSIGN_OR_RETURN(const bool copy_engine, env::copy_engine());
+  REFIT_ASSIGN_OR_RETURN(const env::CopyEngineUse copy_engine, env::copy_engine());
   plane->set_copy_engine(copy_engine);
   return std::unique_ptr<DataPlane>(std::move(plane));
 }
