@@ -96,6 +96,12 @@ if has cells; then
     "$(cfg n3 tiny-qwen2 megatron 1 1,1,1 vllm false 1 1 float32 p2p 65536)" --steps 2 --verify
   cell "non-colocated fsdp2 w1 -> sglang tp1, tiny-qwen3 (gather: NCCL broadcast)" 0 \
     "$(cfg n4 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 gather)" --steps 2 --verify
+  # Large contiguous routes into the other GPU: the copy engines move half the bytes beside the
+  # kernel (REFIT_COPY_ENGINE=auto); the debug log names the split, and --verify checks every byte.
+  REFIT_LOG=debug cell "non-colocated fsdp2 w1 -> vllm tp1, qwen3-8b bf16 (copy engines beside the kernel)" 0 \
+    "$(cfg n6 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)" --steps 2 --verify
+  note "$(printf '     copy lists split onto the copy engines: %s' \
+    "$(grep -c 'on the copy engines' "$work/cell.log")")"
   cell "colocated w2 tp2, corrupt:0 must fail naming the tensor" "fail:verify:" \
     "$(cfg f1 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 20)" --steps 1 --verify --fault corrupt:0
   cell "colocated w2 tp2, killed engine rank 1: every rank exits" "fail:killed by signal 9" \
