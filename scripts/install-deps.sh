@@ -3,7 +3,7 @@
 # Idempotent: skips apt-get when everything is already present.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build ccache pkg-config clang-format
-      libgloo-dev libzmq3-dev cppzmq-dev nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
+      libgloo-dev libzmq3-dev cppzmq-dev libsodium-dev nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
       libgtest-dev libgmock-dev pybind11-dev python3-dev python3-numpy python3-pytest python3-yaml
       python3-jsonschema python3-pip python3-venv
       iproute2)  # iproute2: the two-host test's network namespaces (tests/netns_test.cc)

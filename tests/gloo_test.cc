@@ -46,13 +46,13 @@ std::vector<char> pattern(std::size_t n, int source) {
 // Runs body(rank, communicator) on `n` threads; each thread has its own store client and
 // communicator. Every rank ends with a barrier so no rank tears down while others still send.
 void run_ranks(int n, GlooOptions base, const std::function<void(int, Communicator&)>& body) {
-  auto server = StoreServer::start("127.0.0.1", 0);
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
   ASSERT_TRUE(server.ok()) << server.status().to_string();
   const int port = (*server)->port();
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
-      auto store = connect_store("127.0.0.1", port, 5s);
+      auto store = connect_store("127.0.0.1", port, 5s, nullptr);
       ASSERT_TRUE(store.ok()) << store.status().to_string();
       GlooOptions o = base;
       o.rank = r;
@@ -210,13 +210,13 @@ struct Pair2 {
 };
 
 void connect_pair(Pair2& p, const GlooOptions& base) {
-  auto server = StoreServer::start("127.0.0.1", 0);
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
   ASSERT_TRUE(server.ok());
   p.server = std::move(server).value();
   std::thread threads[2];
   for (int r = 0; r < 2; ++r) {
     threads[r] = std::thread([&, r] {
-      auto store = connect_store("127.0.0.1", p.server->port(), 5s);
+      auto store = connect_store("127.0.0.1", p.server->port(), 5s, nullptr);
       ASSERT_TRUE(store.ok());
       p.stores[r] = std::move(store).value();
       GlooOptions o = base;
@@ -250,9 +250,9 @@ TEST(Gloo, CollectiveTimesOutNamingGroupOpAndRank) {
 }
 
 TEST(Gloo, ConnectTimesOutWhenAPeerNeverJoins) {
-  auto server = StoreServer::start("127.0.0.1", 0);
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
   ASSERT_TRUE(server.ok());
-  auto store = connect_store("127.0.0.1", (*server)->port(), 5s);
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
   ASSERT_TRUE(store.ok());
   GlooOptions o = options("lonely");
   o.size = 2;
@@ -332,7 +332,7 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
   ASSERT_GE(server_pid, 0);
   if (server_pid == 0) {
     close(port_pipe[0]);
-    auto server = StoreServer::start("127.0.0.1", 0);
+    auto server = StoreServer::start("127.0.0.1", 0, nullptr);
     const int p = server.ok() ? (*server)->port() : -1;
     (void)!write(port_pipe[1], &p, sizeof p);
     close(port_pipe[1]);
@@ -365,7 +365,7 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
         (void)!write(fds[1], s.data(), s.size());
         _exit(0);
       };
-      auto store = connect_store("127.0.0.1", port, 5s);
+      auto store = connect_store("127.0.0.1", port, 5s, nullptr);
       if (!store.ok()) report("setup: " + store.status().to_string());
       GlooOptions o = options("update");
       o.rank = r;

@@ -21,16 +21,16 @@ double seconds_since(Clock::time_point t0) {
 class MailboxTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto server = StoreServer::start("127.0.0.1", 0);
+    auto server = StoreServer::start("127.0.0.1", 0, nullptr);
     ASSERT_TRUE(server.ok()) << server.status().to_string();
     server_ = std::move(server).value();
-    auto store = connect_store("127.0.0.1", server_->port(), 5s);
+    auto store = connect_store("127.0.0.1", server_->port(), 5s, nullptr);
     ASSERT_TRUE(store.ok()) << store.status().to_string();
     store_ = std::move(store).value();
   }
 
   std::unique_ptr<Mailbox> open(const std::string& id, std::chrono::milliseconds timeout = 2s) {
-    auto box = Mailbox::open(*store_, id, "127.0.0.1", timeout);
+    auto box = Mailbox::open(*store_, id, "127.0.0.1", timeout, nullptr);
     EXPECT_TRUE(box.ok()) << box.status().to_string();
     return box.ok() ? std::move(box).value() : nullptr;
   }

@@ -4,10 +4,13 @@
 // address and the store lives on A's. With executor auto the pairs within A use peer access
 // (shared memory) and the pairs across the link use point-to-point over Gloo/TCP between the two
 // addresses. Needs root (CI runs as root); skips with the reason otherwise. Traffic stays on the
-// namespaces' own addresses.
+// namespaces' own addresses. The control plane is authenticated (a secret file readable only by
+// its owner, given to every rank); a rank started without it on a non-loopback address is refused
+// at setup.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -39,6 +42,10 @@ TEST(NetworkNamespaces, PeerWithinAHostAndP2pAcrossTheLink) {
       "model: tiny-qwen3\nseed: 11\npolicy: {backend: fsdp2, world_size: 2, dtype: float32}\n"
       "generation: {backend: vllm, num_engines: 1, tp_size: 2}\n"
       "refit: {buffer_size_bytes: 8192, timeout_s: 20, executor: auto}\n");
+  const std::string cfg1 = dir.write(
+      "c1.yaml",
+      "model: tiny-qwen3\npolicy: {backend: fsdp2, world_size: 1}\n"
+      "generation: {backend: vllm, num_engines: 1, tp_size: 1}\nrefit: {timeout_s: 5}\n");
   const std::string exe = REFIT_CLI_PATH;
   const std::string setup = fmt::format(
       "command -v unshare && ip netns add {a} && ip netns add {b} && "
@@ -53,7 +60,10 @@ TEST(NetworkNamespaces, PeerWithinAHostAndP2pAcrossTheLink) {
     GTEST_SKIP() << "cannot create network namespaces here: " << slurp(dir.path() + "/setup.log");
   }
   // One shell per host, each in a new IPC namespace: its processes share it, the hosts do not.
-  const std::string env = fmt::format("MASTER_ADDR={} MASTER_PORT=29633", ip_a);
+  const std::string secret = dir.write("secret", "netns-test-secret-0123456789abcdef\n");
+  ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
+  const std::string env =
+      fmt::format("MASTER_ADDR={} MASTER_PORT=29633 REFIT_SECRET_FILE={}", ip_a, secret);
   const std::string host_a = fmt::format(
       "cd {d}; export {env} REFIT_HOST={ipa}; "
       "RANK=0 WORLD_SIZE=2 {exe} trainer {cfg} --steps 2 --verify > t0.log 2>&1 & "
@@ -72,14 +82,31 @@ TEST(NetworkNamespaces, PeerWithinAHostAndP2pAcrossTheLink) {
       "timeout -k 5 90 ip netns exec {b} unshare --ipc bash -c '{hb}' & wait",
       fmt::arg("a", a), fmt::arg("b", b), fmt::arg("ha", host_a), fmt::arg("hb", host_b));
   const int rc = std::system(run.c_str());
+  // Without the secret, on host A's address: refused at setup (exit 2), naming the variable.
+  const int refused = std::system(
+      fmt::format("cd {d}; timeout -k 5 60 ip netns exec {a} env MASTER_ADDR={ipa} MASTER_PORT=29634 "
+                  "REFIT_HOST={ipa} RANK=0 WORLD_SIZE=1 {exe} trainer {cfg1} > bare.log 2>&1; "
+                  "echo $? > bare-code",
+                  fmt::arg("d", dir.path()), fmt::arg("a", a), fmt::arg("ipa", ip_a),
+                  fmt::arg("exe", exe), fmt::arg("cfg1", cfg1))
+          .c_str());
   std::system(fmt::format("ip netns del {}; ip netns del {}", a, b).c_str());
   ASSERT_EQ(rc, 0);
+  ASSERT_EQ(refused, 0);
+  EXPECT_EQ(slurp(dir.path() + "/bare-code"), "2\n") << slurp(dir.path() + "/bare.log");
+  EXPECT_NE(slurp(dir.path() + "/bare.log")
+                .find(fmt::format("listening on {} (not a loopback address) needs an "
+                                  "authenticated control plane: set REFIT_SECRET",
+                                  ip_a)),
+            std::string::npos)
+      << slurp(dir.path() + "/bare.log");
   const std::string out = slurp(dir.path() + "/t0.log") + slurp(dir.path() + "/t1.log") +
                           slurp(dir.path() + "/e0.log") + slurp(dir.path() + "/e1.log");
   EXPECT_EQ(slurp(dir.path() + "/codes-a"), "0\n0\n0\n") << out;
   EXPECT_EQ(slurp(dir.path() + "/codes-b"), "0\n") << out;
   EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
   EXPECT_NE(out.find("pairs by executor: peer 2, p2p 2"), std::string::npos) << out;
+  EXPECT_NE(out.find("authenticated (CURVE, keys from the run secret)"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -34,12 +34,12 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
   auto plane = make_data_plane(cfg);
   ASSERT_TRUE(plane.ok());
 
-  auto server = StoreServer::start("127.0.0.1", 0);
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
   ASSERT_TRUE(server.ok()) << server.status().to_string();
-  auto store = connect_store("127.0.0.1", (*server)->port(), 5s);
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
   ASSERT_TRUE(store.ok());
-  auto trainer_box = Mailbox::open(**store, "trainer/0", "127.0.0.1", 5s);
-  auto engine_box = Mailbox::open(**store, "engine/0", "127.0.0.1", 5s);
+  auto trainer_box = Mailbox::open(**store, "trainer/0", "127.0.0.1", 5s, nullptr);
+  auto engine_box = Mailbox::open(**store, "engine/0", "127.0.0.1", 5s, nullptr);
   ASSERT_TRUE(trainer_box.ok() && engine_box.ok());
 
   // The engine's region, as allocate_params would lay it out, and the trainer's shards.

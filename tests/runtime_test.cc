@@ -11,7 +11,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
 
+#include "control/auth.h"
+#include "control/mailbox.h"
+#include "control/messages.h"
+#include "control/store.h"
 #include "refit/version.h"
 #include "test_util.h"
 
@@ -361,20 +368,26 @@ namespace {
 // Separate launch: every rank started on its own with a torchrun-style environment, as users
 // spread ranks over hosts. Returns the exit codes (trainer 0, trainer 1, engine 0, engine 1).
 // `hosts` (optional): REFIT_HOST_ID of trainer 0, trainer 1, engine 0, engine 1.
+// The store port launch_separately's ranks use.
+int separate_launch_port() { return 20000 + static_cast<int>(getpid() % 20000); }
+
+// Trainer ranks 0 and 1 and engine ranks 0 and 1 as four processes started by a shell, as torchrun
+// would; returns their exit codes. `env` (e.g. "REFIT_SECRET=... ") prefixes every rank.
 std::vector<int> launch_separately(const std::string& trainer_cfg, const std::string& engine_cfg,
                                    const TempDir& dir, std::string* output,
-                                   const std::vector<std::string>& hosts = {}) {
+                                   const std::vector<std::string>& hosts = {},
+                                   const std::string& env = "", int steps = 2) {
   auto host = [&](std::size_t i) {
-    return hosts.empty() ? std::string() : "REFIT_HOST_ID=" + hosts[i] + " ";
+    return env + (hosts.empty() ? std::string() : "REFIT_HOST_ID=" + hosts[i] + " ");
   };
-  const int port = 20000 + static_cast<int>(getpid() % 20000);
+  const int port = separate_launch_port();
   const std::string exe = REFIT_CLI_PATH;
   std::ostringstream sh;
   sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port << "; "
-     << host(0) << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
-     << " --steps 2 --verify > t0.log 2>&1 & p0=$!; "
-     << host(1) << "RANK=1 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg
-     << " --steps 2 --verify > t1.log 2>&1 & p1=$!; "
+     << host(0) << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg << " --steps "
+     << steps << " --verify > t0.log 2>&1 & p0=$!; " << host(1) << "RANK=1 WORLD_SIZE=2 " << exe
+     << " trainer " << trainer_cfg << " --steps " << steps
+     << " --verify > t1.log 2>&1 & p1=$!; "
      << host(2) << "ENGINE_RANK=0 " << exe << " engine " << engine_cfg
      << " > e0.log 2>&1 & p2=$!; "
      << host(3) << "ENGINE_RANK=1 " << exe << " engine " << engine_cfg
@@ -590,4 +603,96 @@ TEST(RuntimeReport, RanksArrayShowsShardSizedReceives) {
 }
 
 }  // namespace
+// Hostile neighbours during an authenticated run (REFIT_SECRET on every rank):
+//  - a process without the secret cannot reach the store: its handshake is refused, so it can
+//    neither read the mailbox addresses nor write a failure into the store;
+//  - a process with the wrong secret is told so;
+//  - messages sent straight to the ranks' mailboxes (their addresses read here as an insider
+//    would) are dropped and logged: garbage over a plain socket never completes the handshake,
+//    and forged begin / commit / paused / committed / verified messages over a CURVE socket that
+//    knows the server key but not the real senders' keys are dropped as "sent with another
+//    sender's key" or as malformed.
+// The run completes and verifies.
+TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
+  TempDir dir;
+  Cell c{.engine = "vllm", .timeout_s = 20};
+  const std::string cfg = dir.write("c.yaml", config_yaml(c));
+  const std::string secret = "attack-test-secret-0123456789abcdef";
+  std::string out;
+  std::vector<int> codes;
+  std::thread run([&] {
+    codes = launch_separately(cfg, cfg, dir, &out, {}, "REFIT_SECRET=" + secret + " ", 6);
+  });
+  const int port = separate_launch_port();
+  auto auth = ControlAuth::from_secret(secret);
+  ASSERT_TRUE(auth.ok());
+  auto insider = connect_store("127.0.0.1", port, std::chrono::seconds(30),
+                               std::make_shared<const ControlAuth>(*auth));
+  ASSERT_TRUE(insider.ok()) << insider.status().to_string();
+
+  // Without the secret, and with another one.
+  auto plain = connect_store("127.0.0.1", port, std::chrono::milliseconds(1500), nullptr);
+  EXPECT_FALSE(plain.ok());
+  auto other = ControlAuth::from_secret("another-secret-0123456789abcdef");
+  auto wrong = connect_store("127.0.0.1", port, std::chrono::milliseconds(3000),
+                             std::make_shared<const ControlAuth>(*other));
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("refused this process's handshake"), std::string::npos)
+      << wrong.status().to_string();
+
+  auto engine_box = (*insider)->get("mailbox/engine/0", std::chrono::seconds(30));
+  auto trainer_box = (*insider)->get("mailbox/trainer/0", std::chrono::seconds(30));
+  ASSERT_TRUE(engine_box.ok() && trainer_box.ok());
+  zmq::context_t ctx;
+  auto push = [&](const std::string& address, bool curve) {
+    zmq::socket_t s(ctx, zmq::socket_type::push);
+    s.set(zmq::sockopt::linger, 0);
+    s.set(zmq::sockopt::sndtimeo, 2000);
+    if (curve) {
+      const auto [pub, sec] = curve_keypair();  // a stranger's key
+      s.set(zmq::sockopt::curve_serverkey, auth->server_public());
+      s.set(zmq::sockopt::curve_publickey, pub);
+      s.set(zmq::sockopt::curve_secretkey, sec);
+    }
+    s.connect(address);
+    return s;
+  };
+  auto send = [](zmq::socket_t& s, MessageType t, const std::string& from, const std::string& p) {
+    const auto type = static_cast<std::uint8_t>(t);
+    std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(&type, 1), zmq::buffer(from),
+                                           zmq::buffer(p)};
+    (void)zmq::send_multipart(s, parts, zmq::send_flags::dontwait);
+  };
+  zmq::socket_t plain_push = push(*engine_box, false);
+  send(plain_push, MessageType::kBegin, "trainer/0",
+       encode(BeginMessage{.step = 1, .version = "evil-v99"}));
+  zmq::socket_t to_engine = push(*engine_box, true);
+  zmq::socket_t to_trainer = push(*trainer_box, true);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // CURVE handshakes
+  const std::string garbage(64 << 10, '\xA5');
+  for (int i = 0; i < 3; ++i) {
+    send(to_engine, MessageType::kBegin, "trainer/0",
+         encode(BeginMessage{.step = 99, .version = "evil-v99"}));
+    send(to_engine, MessageType::kCommit, "trainer/0", encode(CommitMessage{.step = 99}));
+    send(to_trainer, MessageType::kPaused, "engine/0", garbage);
+    send(to_trainer, MessageType::kCommitted, "engine/0", encode(CommittedMessage{}));
+    send(to_trainer, MessageType::kVerified, "engine/1", "{\"verified\": true}");
+    zmq::message_t one(garbage.data(), 100);
+    (void)to_engine.send(one, zmq::send_flags::dontwait);  // one frame: malformed
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  run.join();
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0})) << out;
+  EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
+  EXPECT_EQ(out.find("evil-v99"), std::string::npos) << out;
+  EXPECT_NE(out.find("dropped a begin message claiming to come from 'trainer/0'"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("dropped a paused message claiming to come from 'engine/0'"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("it was sent with another sender's key"), std::string::npos) << out;
+  EXPECT_NE(out.find("dropped a malformed message"), std::string::npos) << out;
+}
+
 }  // namespace refit

@@ -19,13 +19,13 @@ double seconds_since(Clock::time_point t0) {
 }
 
 std::unique_ptr<StoreServer> start_server() {
-  auto server = StoreServer::start("127.0.0.1", 0);
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
   EXPECT_TRUE(server.ok()) << server.status().to_string();
   return server.ok() ? std::move(server).value() : nullptr;
 }
 
 std::unique_ptr<Store> connect(int port, std::chrono::milliseconds timeout = 5s) {
-  auto client = connect_store("127.0.0.1", port, timeout);
+  auto client = connect_store("127.0.0.1", port, timeout, nullptr);
   EXPECT_TRUE(client.ok()) << client.status().to_string();
   return client.ok() ? std::move(client).value() : nullptr;
 }
@@ -245,9 +245,9 @@ TEST(Store, ClientRetriesUntilTheServerStarts) {
   const int port = vacated_port();
   ASSERT_GT(port, 0);
   Result<std::unique_ptr<Store>> client = Status::Internal("unset");
-  std::thread connecting([&] { client = connect_store("127.0.0.1", port, 5s); });
+  std::thread connecting([&] { client = connect_store("127.0.0.1", port, 5s, nullptr); });
   std::this_thread::sleep_for(300ms);
-  auto server = StoreServer::start("127.0.0.1", port);
+  auto server = StoreServer::start("127.0.0.1", port, nullptr);
   ASSERT_TRUE(server.ok()) << server.status().to_string();
   connecting.join();
   ASSERT_TRUE(client.ok()) << client.status().to_string();
@@ -258,7 +258,7 @@ TEST(Store, ClientRetriesUntilTheServerStarts) {
 TEST(Store, ConnectWithoutServerFailsNamingTheAddress) {
   const int port = vacated_port();
   const auto t0 = Clock::now();
-  auto client = connect_store("127.0.0.1", port, 300ms);
+  auto client = connect_store("127.0.0.1", port, 300ms, nullptr);
   const double s = seconds_since(t0);
   ASSERT_FALSE(client.ok());
   EXPECT_EQ(client.status().code(), StatusCode::kTimeout);
@@ -267,14 +267,14 @@ TEST(Store, ConnectWithoutServerFailsNamingTheAddress) {
       << client.status().message();
   EXPECT_LT(s, 2.0);
 
-  EXPECT_EQ(connect_store("127.0.0.1", 0, 100ms).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(StoreServer::start("127.0.0.1", 70000).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(connect_store("127.0.0.1", 0, 100ms, nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(StoreServer::start("127.0.0.1", 70000, nullptr).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Store, BindingAPortInUseFails) {
   auto server = start_server();
   ASSERT_TRUE(server);
-  auto second = StoreServer::start("127.0.0.1", server->port());
+  auto second = StoreServer::start("127.0.0.1", server->port(), nullptr);
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::kIOError);
   EXPECT_NE(second.status().message().find(std::to_string(server->port())), std::string::npos);

@@ -9,12 +9,14 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include "cli/commands.h"
 #include "common/env.h"
 #include "common/host_buffer.h"
+#include "control/auth.h"
 #include "control/store.h"
 #include "io/safetensors.h"
 #include "runtime/failure.h"
@@ -187,8 +189,21 @@ void run_local(const RunFlags& f) {
   // rank killed before it unlinked them, an interrupted run) is removed below.
   const std::string run_id = setup_env(env::run_id())
                                  .value_or(fmt::format("{}-{}", getpid(), time(nullptr)));
-  const std::vector<std::pair<std::string, std::string>> master = {
+  std::vector<std::pair<std::string, std::string>> master = {
       {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}, {"REFIT_RUN_ID", run_id}};
+  // The control plane is authenticated with the user's secret, or else with a new one, which the
+  // ranks read from a file of the run's private directory (docs/security.md).
+  std::shared_ptr<const ControlAuth> auth = setup_env(process_control_auth());
+  if (!auth) {
+    const std::string secret = ControlAuth::generate_secret();
+    const std::string secret_path = dir + "/secret";
+    const int fd = ::open(secret_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 || ::write(fd, secret.data(), secret.size()) != static_cast<ssize_t>(secret.size()))
+      throw CliExit(kExitRuntime, fmt::format("cannot write the run secret to {}", secret_path));
+    ::close(fd);
+    master.emplace_back("REFIT_SECRET_FILE", secret_path);
+    auth = std::make_shared<const ControlAuth>(setup_env(ControlAuth::from_secret(secret)));
+  }
   for (int r = 0; r < cfg.policy.world_size; ++r) {
     ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master};
     c.args.insert(c.args.end(), common.begin(), common.end());
@@ -212,8 +227,8 @@ void run_local(const RunFlags& f) {
   // A child that dies without a word (a signal) is recorded in the store as the run's first
   // failure, so every other rank stops within a second, naming it.
   const int store_port = *port;
-  auto on_failure = [store_port](const std::string& child, const std::string& how) {
-    auto store = connect_store("127.0.0.1", store_port, std::chrono::milliseconds(1000));
+  auto on_failure = [store_port, auth](const std::string& child, const std::string& how) {
+    auto store = connect_store("127.0.0.1", store_port, std::chrono::milliseconds(1000), auth);
     if (store.ok())
       announce_failure(store->get(), child, Status::Aborted(fmt::format("the process {}", how)));
   };

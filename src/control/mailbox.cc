@@ -13,11 +13,16 @@
 #include <cerrno>
 #include <chrono>
 #include <functional>
+#include <atomic>
 #include <mutex>
+#include <optional>
+#include <tuple>
 #include <unordered_map>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "common/log.h"
+#include "control/auth.h"
 #include "control/store.h"
 
 namespace refit {
@@ -63,20 +68,44 @@ std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
 
 class ZmqMailbox final : public Mailbox {
  public:
-  ZmqMailbox(Store& store, std::string id, std::chrono::milliseconds timeout)
-      : store_(store), id_(std::move(id)), timeout_(timeout), pull_(ctx_, zmq::socket_type::pull) {}
+  ZmqMailbox(Store& store, std::string id, std::chrono::milliseconds timeout,
+             std::shared_ptr<const ControlAuth> auth)
+      : store_(store),
+        id_(std::move(id)),
+        timeout_(timeout),
+        auth_(std::move(auth)),
+        pull_(ctx_, zmq::socket_type::pull) {}
   ~ZmqMailbox() override {
     // Sockets before the context (whose destruction waits for the PUSH linger).
     peers_.clear();
     pull_.close();
+    zap_.reset();
   }
   ZmqMailbox(const ZmqMailbox&) = delete;
   ZmqMailbox& operator=(const ZmqMailbox&) = delete;
 
   Status bind_and_publish(const std::string& host) {
     const std::string requested = fmt::format("tcp://{}:*", host);
+    REFIT_RETURN_IF_ERROR(check_listen_address(host, auth_.get(), fmt::format("mailbox '{}'", id_)));
+    if (auth_) {
+      // Any CURVE client that knows the server key (only holders of the secret do) may connect;
+      // who it speaks for is checked per message against the registered keys.
+      REFIT_ASSIGN_OR_RETURN(zap_, ZapHandler::start(ctx_.handle(),
+                                                     [](const std::string&) { return true; },
+                                                     fmt::format("mailbox '{}'", id_)));
+      std::tie(send_public_, send_secret_) = curve_keypair();
+      Status registered = store_.set(auth_key_name(id_), send_public_);
+      if (!registered.ok())
+        return registered.with_context(fmt::format(
+            "mailbox '{}': registering its key (is another process running as '{}'?)", id_, id_));
+    }
     try {
       pull_.set(zmq::sockopt::linger, 0);
+      pull_.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
+      if (auth_) {
+        pull_.set(zmq::sockopt::curve_server, 1);
+        pull_.set(zmq::sockopt::curve_secretkey, auth_->server_secret());
+      }
       pull_.bind(requested);
       endpoint_ = pull_.get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
@@ -115,6 +144,11 @@ class ZmqMailbox final : public Mailbox {
         peer.socket.set(zmq::sockopt::linger, static_cast<int>(kSendLinger.count()));
         peer.socket.set(zmq::sockopt::immediate, 1);
         peer.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
+        if (auth_) {
+          peer.socket.set(zmq::sockopt::curve_serverkey, auth_->server_public());
+          peer.socket.set(zmq::sockopt::curve_publickey, send_public_);
+          peer.socket.set(zmq::sockopt::curve_secretkey, send_secret_);
+        }
         peer.socket.connect(peer.address);
       } catch (const zmq::error_t& e) {
         return Status::IOError(
@@ -148,7 +182,9 @@ class ZmqMailbox final : public Mailbox {
       std::vector<zmq::message_t> frames;
       try {
         if (zmq::recv_multipart(pull_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
-          return decode(frames);
+          std::optional<Message> m = accept(frames);
+          if (m) return std::move(*m);
+          continue;  // dropped
         }
       } catch (const zmq::error_t& e) {
         return Status::IOError(fmt::format("mailbox '{}': receive failed: {}", id_, e.what()));
@@ -192,25 +228,62 @@ class ZmqMailbox final : public Mailbox {
   std::chrono::milliseconds liveness_interval_{1000};
   Clock::time_point next_check_{};
 
-  Result<Message> decode(const std::vector<zmq::message_t>& frames) const {
+  std::int64_t dropped() const override { return dropped_.load(); }
+
+  // The message, or nullopt when it is dropped (and logged with its origin): malformed, or, with
+  // authentication, sent by a key other than the one its claimed sender registered.
+  std::optional<Message> accept(std::vector<zmq::message_t>& frames) {
+    const auto origin = [&]() -> std::string {
+      if (frames.empty()) return "an unknown peer";
+      const char* address = frames[0].gets("Peer-Address");
+      return address != nullptr ? address : "an unknown peer";
+    };
     if (frames.size() != 3 || frames[0].size() != 1 ||
-        !is_known_type(*frames[0].data<std::uint8_t>())) {
-      return Status::Corruption(
-          fmt::format("mailbox '{}': malformed message ({} frames, first frame {} bytes); expected "
-                      "[type][sender][payload]",
-                      id_, frames.size(), frames.empty() ? 0 : frames[0].size()));
+        !is_known_type(*frames[0].data<std::uint8_t>()) || frames[1].size() > 256) {
+      ++dropped_;
+      log::warn("mailbox '{}': dropped a malformed message from {} ({} frames, first frame {} "
+                "bytes; expected [type][sender][payload])",
+                id_, origin(), frames.size(), frames.empty() ? 0 : frames[0].size());
+      return std::nullopt;
     }
     Message m;
     m.type = static_cast<MessageType>(*frames[0].data<std::uint8_t>());
     m.from = frames[1].to_string();
+    if (auth_) {
+      const char* user = frames[0].gets("User-Id");
+      const std::string key = user != nullptr ? user : "";
+      const std::string* want = registered_key(m.from);
+      if (want == nullptr || key != *want) {
+        ++dropped_;
+        log::warn("mailbox '{}': dropped a {} message claiming to come from '{}' (from {}): {}",
+                  id_, message_type_name(m.type), m.from, origin(),
+                  want == nullptr ? "no such sender registered a key"
+                                  : "it was sent with another sender's key");
+        return std::nullopt;
+      }
+    }
     m.payload = frames[2].to_string();
     return m;
+  }
+
+  // The sending key `from` registered, cached; nullptr when it registered none.
+  const std::string* registered_key(const std::string& from) {
+    auto it = keys_.find(from);
+    if (it != keys_.end()) return &it->second;
+    auto key = store_.try_get(auth_key_name(from));
+    if (!key.ok() || !key->has_value()) return nullptr;
+    return &keys_.emplace(from, std::move(**key)).first->second;
   }
 
   Store& store_;
   const std::string id_;
   const std::chrono::milliseconds timeout_;
+  const std::shared_ptr<const ControlAuth> auth_;
+  std::string send_public_, send_secret_;  // this mailbox's sending key pair (with auth_)
+  std::unordered_map<std::string, std::string> keys_;  // senders' registered keys (receive thread)
+  std::atomic<std::int64_t> dropped_{0};
   zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
+  std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t pull_;
   std::string endpoint_;
   std::mutex send_mu_;
@@ -221,7 +294,8 @@ class ZmqMailbox final : public Mailbox {
 
 Result<std::unique_ptr<Mailbox>> Mailbox::open(Store& store, const std::string& id,
                                                const std::string& host,
-                                               std::chrono::milliseconds timeout) {
+                                               std::chrono::milliseconds timeout,
+                                               std::shared_ptr<const ControlAuth> auth) {
   if (id.empty()) return Status::InvalidArgument("mailbox: the id must not be empty");
   if (timeout.count() <= 0) {
     return Status::InvalidArgument(
@@ -229,7 +303,7 @@ Result<std::unique_ptr<Mailbox>> Mailbox::open(Store& store, const std::string& 
   }
   std::unique_ptr<ZmqMailbox> box;
   try {
-    box = std::make_unique<ZmqMailbox>(store, id, timeout);
+    box = std::make_unique<ZmqMailbox>(store, id, timeout, std::move(auth));
   } catch (const zmq::error_t& e) {
     return Status::IOError(fmt::format("mailbox '{}': cannot create a socket: {}", id, e.what()));
   }

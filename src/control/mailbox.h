@@ -18,6 +18,7 @@
 
 namespace refit {
 
+class ControlAuth;
 class Store;
 
 enum class MessageType : std::uint8_t {
@@ -43,9 +44,16 @@ struct Message {
 class Mailbox {
  public:
   // Binds, and publishes the address under "mailbox/<id>" in `store` (which must outlive it).
+  // With `auth` (control/auth.h) every connection is CURVE-authenticated, this mailbox registers
+  // its sending key under "auth/key/<id>" (once per run: a second mailbox of the same id is
+  // refused), and receive() drops every message whose claimed sender registered another key.
+  // Malformed messages are dropped and logged with their origin, never returned.
   static Result<std::unique_ptr<Mailbox>> open(Store& store, const std::string& id,
                                                const std::string& host,
-                                               std::chrono::milliseconds timeout);
+                                               std::chrono::milliseconds timeout,
+                                               std::shared_ptr<const ControlAuth> auth);
+  // Messages received so far that were dropped (malformed, or not from their claimed sender).
+  virtual std::int64_t dropped() const = 0;
   virtual ~Mailbox() = default;
   virtual const std::string& id() const = 0;
   // Sends to the mailbox published as "mailbox/<to>" (waiting for it up to the timeout).

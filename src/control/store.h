@@ -58,18 +58,27 @@ class PrefixStore : public Store {
   Store& base_;
 };
 
+class ControlAuth;
+
+// Requests and values are bounded: a frame over kMaxControlFrameBytes is dropped by ZeroMQ.
+inline constexpr std::int64_t kMaxControlFrameBytes = std::int64_t{64} << 20;
+
 class StoreServer {
  public:
   // Binds tcp://host:port (port 0 = an ephemeral port) and serves on a background thread until
-  // destruction.
-  static Result<std::unique_ptr<StoreServer>> start(const std::string& host, int port);
+  // destruction. With `auth` (control/auth.h) only clients holding the run secret can connect; keys
+  // under "auth/" can be set only once. Without it, `host` must be a loopback address.
+  static Result<std::unique_ptr<StoreServer>> start(const std::string& host, int port,
+                                                    std::shared_ptr<const ControlAuth> auth);
   virtual ~StoreServer() = default;
   virtual int port() const = 0;
 };
 
 // Connects to a StoreServer. Retries the connection until `connect_timeout` runs out (the server
 // may start after the client), then fails naming the address.
+// With `auth`, the connection is CURVE-authenticated both ways with the run's keys.
 Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
-                                             std::chrono::milliseconds connect_timeout);
+                                             std::chrono::milliseconds connect_timeout,
+                                             std::shared_ptr<const ControlAuth> auth);
 
 }  // namespace refit

@@ -16,6 +16,7 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "control/auth.h"
 #include "control/store.h"
 #include "control/store_wire.h"
 
@@ -49,8 +50,9 @@ struct Connection {
 
 class StoreClient final : public Store {
  public:
-  StoreClient(std::string address, std::chrono::milliseconds request_timeout)
-      : address_(std::move(address)), request_timeout_(request_timeout) {}
+  StoreClient(std::string address, std::chrono::milliseconds request_timeout,
+              std::shared_ptr<const ControlAuth> auth)
+      : address_(std::move(address)), request_timeout_(request_timeout), auth_(std::move(auth)) {}
   ~StoreClient() override {
     // Sockets before the context.
     idle_.clear();
@@ -119,7 +121,7 @@ class StoreClient final : public Store {
   Result<std::string> request(Op op, const std::vector<std::string>& args,
                               std::chrono::milliseconds wait, const std::string& what,
                               bool* absent = nullptr) {
-    if (lost_.load()) return lost_status(what);
+    if (lost_.load() || refused_.load()) return lost_status(what);
     std::unique_ptr<Connection> conn;
     try {
       conn = acquire();
@@ -143,7 +145,7 @@ class StoreClient final : public Store {
                                std::chrono::milliseconds wait, const std::string& what,
                                bool* absent) {
     drain_events(conn);
-    if (lost_.load()) return lost_status(what);
+    if (lost_.load() || refused_.load()) return lost_status(what);
 
     const std::string id = store_wire::encode_i64(static_cast<std::int64_t>(++next_id_));
     const auto op_byte = static_cast<std::uint8_t>(op);
@@ -173,7 +175,7 @@ class StoreClient final : public Store {
       }
       if (items[1].revents & ZMQ_POLLIN) {
         drain_events(conn);
-        if (lost_.load()) return lost_status(what);
+        if (lost_.load() || refused_.load()) return lost_status(what);
       }
       if (!(items[0].revents & ZMQ_POLLIN)) continue;
 
@@ -210,6 +212,11 @@ class StoreClient final : public Store {
   }
 
   Status lost_status(const std::string& what) const {
+    if (refused_.load())
+      return Status::InvalidArgument(fmt::format(
+          "store {}: the store server refused this process's handshake; {} failed. Every rank "
+          "must hold the same run secret (REFIT_SECRET or REFIT_SECRET_FILE; this process has {})",
+          address_, what, auth_ ? "one" : "none"));
     return Status::IOError(fmt::format(
         "store {}: the connection to the store server was lost (its process exited?); {} failed",
         address_, what));
@@ -225,6 +232,9 @@ class StoreClient final : public Store {
       std::uint16_t event = 0;
       std::memcpy(&event, frames[0].data(), sizeof event);
       if (event == ZMQ_EVENT_DISCONNECTED) lost_.store(true);
+      if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||
+          event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+        refused_.store(true);
     }
   }
 
@@ -240,10 +250,17 @@ class StoreClient final : public Store {
     auto c = std::make_unique<Connection>();
     c->dealer = zmq::socket_t(ctx_, zmq::socket_type::dealer);
     c->dealer.set(zmq::sockopt::linger, 0);
+    c->dealer.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
+    if (auth_) {
+      c->dealer.set(zmq::sockopt::curve_serverkey, auth_->server_public());
+      c->dealer.set(zmq::sockopt::curve_publickey, auth_->member_public());
+      c->dealer.set(zmq::sockopt::curve_secretkey, auth_->member_secret());
+    }
     const std::string monitor_address =
         fmt::format("inproc://refit-store-monitor-{}", g_monitor_counter.fetch_add(1));
-    if (zmq_socket_monitor(c->dealer.handle(), monitor_address.c_str(), ZMQ_EVENT_DISCONNECTED) !=
-        0) {
+    constexpr int kEvents = ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                            ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+    if (zmq_socket_monitor(c->dealer.handle(), monitor_address.c_str(), kEvents) != 0) {
       throw zmq::error_t();
     }
     c->monitor = zmq::socket_t(ctx_, zmq::socket_type::pair);
@@ -260,9 +277,11 @@ class StoreClient final : public Store {
 
   const std::string address_;
   const std::chrono::milliseconds request_timeout_;
+  const std::shared_ptr<const ControlAuth> auth_;
   zmq::context_t ctx_{1};
   std::atomic<std::uint64_t> next_id_{0};
   std::atomic<bool> lost_{false};
+  std::atomic<bool> refused_{false};  // a CURVE handshake failed: not the run's secret
   std::mutex mu_;
   std::vector<std::unique_ptr<Connection>> idle_;
 };
@@ -270,7 +289,8 @@ class StoreClient final : public Store {
 }  // namespace
 
 Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
-                                             std::chrono::milliseconds connect_timeout) {
+                                             std::chrono::milliseconds connect_timeout,
+                                             std::shared_ptr<const ControlAuth> auth) {
   if (port <= 0 || port > 65535) {
     return Status::InvalidArgument(
         fmt::format("store client: port {} is out of range (1..65535)", port));
@@ -278,7 +298,8 @@ Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
   const std::string address = fmt::format("tcp://{}:{}", host, port);
   std::unique_ptr<StoreClient> client;
   try {
-    client = std::make_unique<StoreClient>(address, std::max(connect_timeout, kMinRequestTimeout));
+    client = std::make_unique<StoreClient>(address, std::max(connect_timeout, kMinRequestTimeout),
+                                           std::move(auth));
   } catch (const zmq::error_t& e) {
     return Status::IOError(fmt::format("store client for {}: {}", address, e.what()));
   }

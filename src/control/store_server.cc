@@ -17,6 +17,8 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "common/log.h"
+#include "control/auth.h"
 #include "control/store.h"
 #include "control/store_wire.h"
 
@@ -32,10 +34,13 @@ constexpr std::chrono::milliseconds kStopPollInterval{50};
 
 class ZmqStoreServer final : public StoreServer {
  public:
-  ZmqStoreServer() : router_(ctx_, zmq::socket_type::router) {}
+  explicit ZmqStoreServer(std::shared_ptr<const ControlAuth> auth)
+      : auth_(std::move(auth)), router_(ctx_, zmq::socket_type::router) {}
   ~ZmqStoreServer() override {
     stop_.store(true);
     if (thread_.joinable()) thread_.join();
+    router_.close();
+    zap_.reset();
   }
   ZmqStoreServer(const ZmqStoreServer&) = delete;
   ZmqStoreServer& operator=(const ZmqStoreServer&) = delete;
@@ -43,8 +48,21 @@ class ZmqStoreServer final : public StoreServer {
   Status bind(const std::string& host, int port) {
     const std::string requested =
         port == 0 ? fmt::format("tcp://{}:*", host) : fmt::format("tcp://{}:{}", host, port);
+    REFIT_RETURN_IF_ERROR(check_listen_address(host, auth_.get(), "store server"));
+    if (auth_) {
+      const std::string member = auth_->member_public();
+      REFIT_ASSIGN_OR_RETURN(zap_, ZapHandler::start(
+                                       ctx_.handle(),
+                                       [member](const std::string& key) { return key == member; },
+                                       "store server"));
+    }
     try {
       router_.set(zmq::sockopt::linger, 0);
+      router_.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
+      if (auth_) {
+        router_.set(zmq::sockopt::curve_server, 1);
+        router_.set(zmq::sockopt::curve_secretkey, auth_->server_secret());
+      }
       router_.bind(requested);
       endpoint_ = router_.get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
@@ -149,6 +167,11 @@ class ZmqStoreServer final : public StoreServer {
         return;
       case Op::kSet: {
         if (nargs != 2) return malformed("set");
+        if (auth_ && is_set_once_key(arg(0)) && data_.count(arg(0))) {
+          log::warn("store server: refused to overwrite '{}' (it can be set once)", arg(0));
+          return reply(identity, request_id, Reply::kError,
+                       fmt::format("'{}' is already set and can be set only once", arg(0)));
+        }
         data_[arg(0)] = arg(1);
         reply(identity, request_id, Reply::kOk, {});
         wake_waiters();
@@ -241,8 +264,10 @@ class ZmqStoreServer final : public StoreServer {
     }
   }
 
-  // Declared first: destroyed after the socket.
+  std::shared_ptr<const ControlAuth> auth_;
+  // Declared first: destroyed after the socket and the ZAP handler.
   zmq::context_t ctx_{1};
+  std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t router_;
   std::string endpoint_;
   int port_ = 0;
@@ -255,14 +280,15 @@ class ZmqStoreServer final : public StoreServer {
 
 }  // namespace
 
-Result<std::unique_ptr<StoreServer>> StoreServer::start(const std::string& host, int port) {
+Result<std::unique_ptr<StoreServer>> StoreServer::start(const std::string& host, int port,
+                                                        std::shared_ptr<const ControlAuth> auth) {
   if (port < 0 || port > 65535) {
     return Status::InvalidArgument(
         fmt::format("store server: port {} is out of range (0 = any free port, 1..65535)", port));
   }
   std::unique_ptr<ZmqStoreServer> server;
   try {
-    server = std::make_unique<ZmqStoreServer>();
+    server = std::make_unique<ZmqStoreServer>(std::move(auth));
   } catch (const zmq::error_t& e) {
     return Status::IOError(
         fmt::format("store server: cannot create a ZeroMQ socket: {}", e.what()));

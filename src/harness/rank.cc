@@ -13,6 +13,7 @@
 #include "common/convert.h"
 #include "common/host_buffer.h"
 #include "common/log.h"
+#include "control/auth.h"
 #include "control/store.h"
 #include "engine/engine_layout.h"
 #include "engine/forward.h"
@@ -313,8 +314,9 @@ class LogitCheck {
     if (tp > 1) {
       const auto timeout =
           std::chrono::milliseconds(static_cast<long long>(o.config.refit.timeout_s * 1000));
-      REFIT_ASSIGN_OR_RETURN(
-          lc->store_, connect_store(o.endpoint.master_addr, o.endpoint.master_port, timeout));
+      REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
+      REFIT_ASSIGN_OR_RETURN(lc->store_, connect_store(o.endpoint.master_addr,
+                                                       o.endpoint.master_port, timeout, auth));
       GlooOptions g{fmt::format("engine{}-tp", engine_rank / tp), engine_rank % tp, tp,
                     o.endpoint.host, timeout};
       REFIT_ASSIGN_OR_RETURN(lc->tp_group_, make_gloo_communicator(*lc->store_, g));

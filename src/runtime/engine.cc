@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "control/mailbox.h"
 #include "control/messages.h"
+#include "control/auth.h"
 #include "control/store.h"
 #include "engine/engine_layout.h"
 #include "executor/executor.h"
@@ -140,10 +141,12 @@ class EngineImpl final : public Engine {
     ptrs_.assign(slots_.size(), nullptr);
     REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg_, false, rank_));
     REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, device));
-    REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
+    REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
+    REFIT_ASSIGN_OR_RETURN(store_,
+                           connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
     REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
-        mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout()));
+        mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout(), auth));
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
     // Agree with trainer rank 0 before joining any group: a rank launched with another config (or
     // another refit) fails here naming the key, not in a group of the wrong size.

@@ -16,6 +16,7 @@
 #include "common/timer.h"
 #include "control/mailbox.h"
 #include "control/messages.h"
+#include "control/auth.h"
 #include "control/store.h"
 #include "executor/executor.h"
 #include "executor/gather_sender.h"
@@ -144,11 +145,16 @@ class TrainerImpl final : public Trainer {
       slots_.push_back(TensorSlot{t.name, t.shape, cfg_.policy.dtype});
     ptrs_.assign(slots_.size(), nullptr);
 
-    // Control plane: trainer rank 0 hosts the store.
+    // Control plane: trainer rank 0 hosts the store; authenticated when the run has a secret.
+    REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
     if (rank_ == 0) {
-      REFIT_ASSIGN_OR_RETURN(server_, StoreServer::start(ep_.master_addr, ep_.master_port));
+      REFIT_ASSIGN_OR_RETURN(server_, StoreServer::start(ep_.master_addr, ep_.master_port, auth));
+      log::info("control plane: store on {}:{}, {}", ep_.master_addr, ep_.master_port,
+                auth ? "authenticated (CURVE, keys from the run secret)"
+                     : "unauthenticated (loopback only; set REFIT_SECRET to authenticate)");
     }
-    REFIT_ASSIGN_OR_RETURN(store_, connect_store(ep_.master_addr, ep_.master_port, timeout()));
+    REFIT_ASSIGN_OR_RETURN(store_,
+                           connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
     if (rank_ == 0) {
       REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
       REFIT_RETURN_IF_ERROR(
@@ -157,7 +163,8 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(std::string run_id, store_->get("run_id", timeout()));
     REFIT_RETURN_IF_ERROR(check_trainer_versions(world));
     REFIT_ASSIGN_OR_RETURN(
-        mailbox_, Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout()));
+        mailbox_,
+        Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout(), auth));
     mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
     if (world > 1) {
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, join_group("trainer", rank_, world));
