@@ -241,6 +241,37 @@ TEST(RuntimeFaults, KilledTrainerRankIpcIsNoticedWellBeforeTheTimeout) {
   EXPECT_EQ(r.output.find("exited with code 0"), std::string::npos) << r.output;
 }
 
+// A stopped (SIGSTOP) rank keeps its sockets open, so nothing but its silence gives it away: its
+// heartbeat stands still, every other rank ends naming it (runtime/failure.h), and the launcher
+// kills it once every other rank has exited. The timeout is long on purpose: the message says
+// the heartbeat check, not the timeout, ended the run.
+void expect_stopped_rank_named(const Cell& c, const std::string& fault, const std::string& culprit,
+                               const std::string& how) {
+  auto r = run_cell(c, {"--steps", "2", "--fault", fault});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "processes left running:\n" << r.output;
+  EXPECT_NE(r.output.find("fault injection: stopping myself"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(culprit + how), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("killed, stopped (SIGSTOP) after every other rank exited: " + culprit),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("did not complete within"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("exited with code 0"), std::string::npos) << r.output;
+}
+TEST(RuntimeFaults, StoppedTrainerRankIsNamedByItsHeartbeat) {
+  expect_stopped_rank_named({.timeout_s = 120}, "stop-trainer:1:0", "trainer rank 1",
+                            ": aborted: stopped: no heartbeat for");
+}
+TEST(RuntimeFaults, StoppedEngineRankIsNamedByItsHeartbeat) {
+  expect_stopped_rank_named({.buffer = 4096, .timeout_s = 120, .executor = "p2p"},
+                            "stop-engine:1:1", "engine 0 tp rank 1",
+                            ": aborted: stopped: no heartbeat for");
+}
+TEST(RuntimeFaults, StoppedStoreHostIsNamed) {
+  expect_stopped_rank_named({.timeout_s = 120}, "stop-trainer:0:0", "trainer rank 0",
+                            ": the store it hosts did not answer for 5.0 s");
+}
+
 TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
   auto r =
       run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});

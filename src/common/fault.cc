@@ -19,7 +19,8 @@ Result<Fault> parse_fault(std::string_view text) {
   auto bad = [&] {
     return Status::InvalidArgument(fmt::format(
         "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
-        "kill-engine:RANK:BUCKET, plan-mismatch, version-mismatch",
+        "kill-engine:RANK:BUCKET, stop-trainer:RANK:BUCKET, stop-engine:RANK:BUCKET, "
+        "plan-mismatch, version-mismatch",
         text));
   };
   if (text.empty() || text == "none") return f;
@@ -39,9 +40,10 @@ Result<Fault> parse_fault(std::string_view text) {
     if (!parse_int(rest, f.bucket)) return bad();
     return f;
   }
-  if (kind == "kill-trainer")
+  f.stop = kind == "stop-trainer" || kind == "stop-engine";
+  if (kind == "kill-trainer" || kind == "stop-trainer")
     f.kind = Fault::Kind::kKillTrainer;
-  else if (kind == "kill-engine")
+  else if (kind == "kill-engine" || kind == "stop-engine")
     f.kind = Fault::Kind::kKillEngine;
   else
     return bad();

@@ -13,10 +13,11 @@ struct Fault {
   Kind kind = Kind::kNone;
   int rank = -1;    // trainer rank / engine rank the fault hits
   int bucket = -1;  // bucket (executor gather) or round (transfer plan) at which it fires
+  bool stop = false;  // kill kinds: SIGSTOP instead of SIGKILL ("stop-trainer", "stop-engine")
 };
 
-// "corrupt:K" | "kill-trainer:R:K" | "kill-engine:R:K" | "plan-mismatch" | "version-mismatch" |
-// "" (none).
+// "corrupt:K" | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
+// "plan-mismatch" | "version-mismatch" | "" (none).
 Result<Fault> parse_fault(std::string_view text);
 
 }  // namespace refit

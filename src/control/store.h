@@ -34,6 +34,8 @@ class Store {
   virtual Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
   // Atomically adds `delta` to the integer stored at `key` (absent = 0); returns the new value.
   virtual Result<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
+  // Whether the server answers within `timeout` (kTimeout when it does not: stopped or hung).
+  virtual Status ping(std::chrono::milliseconds /*timeout*/) { return Status::Ok(); }
 };
 
 // get() that also asks `alive` every 500 ms while it waits: a non-ok Status from it ends the wait
@@ -52,6 +54,7 @@ class PrefixStore : public Store {
   Result<std::optional<std::string>> try_get(const std::string& key) override;
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
   Result<std::int64_t> add(const std::string& key, std::int64_t delta) override;
+  Status ping(std::chrono::milliseconds timeout) override { return base_.ping(timeout); }
 
  private:
   std::string prefix_;

@@ -61,10 +61,13 @@ class StoreClient final : public Store {
   StoreClient& operator=(const StoreClient&) = delete;
 
   // One ping, retried by ZeroMQ's reconnects until `timeout`.
-  Status ping(std::chrono::milliseconds timeout) {
+  Status ping(std::chrono::milliseconds timeout) override {
     auto reply = request(Op::kPing, {}, timeout, "connect");
     if (!reply.ok()) {
       if (reply.status().code() == StatusCode::kTimeout) {
+        // A server that does not answer a ping is stopped or hung: later calls fail at once
+        // instead of each waiting out its own timeout (a failing rank's last words).
+        if (pinged_.load()) stalled_.store(true);
         return Status::Timeout(fmt::format(
             "cannot reach the store server at {} within {} ms: is the process that hosts it "
             "(trainer rank 0) running, and are the host and port right?",
@@ -72,6 +75,7 @@ class StoreClient final : public Store {
       }
       return reply.status();
     }
+    pinged_.store(true);
     return Status::Ok();
   }
 
@@ -121,7 +125,7 @@ class StoreClient final : public Store {
   Result<std::string> request(Op op, const std::vector<std::string>& args,
                               std::chrono::milliseconds wait, const std::string& what,
                               bool* absent = nullptr) {
-    if (lost_.load() || refused_.load()) return lost_status(what);
+    if (lost_.load() || refused_.load() || stalled_.load()) return lost_status(what);
     std::unique_ptr<Connection> conn;
     try {
       conn = acquire();
@@ -145,7 +149,7 @@ class StoreClient final : public Store {
                                std::chrono::milliseconds wait, const std::string& what,
                                bool* absent) {
     drain_events(conn);
-    if (lost_.load() || refused_.load()) return lost_status(what);
+    if (lost_.load() || refused_.load() || stalled_.load()) return lost_status(what);
 
     const std::string id = store_wire::encode_i64(static_cast<std::int64_t>(++next_id_));
     const auto op_byte = static_cast<std::uint8_t>(op);
@@ -175,7 +179,7 @@ class StoreClient final : public Store {
       }
       if (items[1].revents & ZMQ_POLLIN) {
         drain_events(conn);
-        if (lost_.load() || refused_.load()) return lost_status(what);
+        if (lost_.load() || refused_.load() || stalled_.load()) return lost_status(what);
       }
       if (!(items[0].revents & ZMQ_POLLIN)) continue;
 
@@ -212,6 +216,11 @@ class StoreClient final : public Store {
   }
 
   Status lost_status(const std::string& what) const {
+    if (stalled_.load())
+      return Status::IOError(fmt::format(
+          "store {}: the store server stopped answering (a ping timed out; its host, trainer rank "
+          "0, is stopped or hung); {} failed",
+          address_, what));
     if (refused_.load())
       return Status::InvalidArgument(fmt::format(
           "store {}: the store server refused this process's handshake; {} failed. Every rank "
@@ -282,6 +291,8 @@ class StoreClient final : public Store {
   std::atomic<std::uint64_t> next_id_{0};
   std::atomic<bool> lost_{false};
   std::atomic<bool> refused_{false};  // a CURVE handshake failed: not the run's secret
+  std::atomic<bool> pinged_{false};   // a ping was answered once (the server was up)
+  std::atomic<bool> stalled_{false};  // then a ping was not: the server is stopped or hung
   std::mutex mu_;
   std::vector<std::unique_ptr<Connection>> idle_;
 };

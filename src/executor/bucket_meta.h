@@ -14,8 +14,10 @@
 namespace refit {
 
 std::string encode_sglang_meta(const ModelSpec& spec, const Bucket& bucket, DType dtype);
-// Resolves the names against `spec`; errors name the bucket and the offending tensor.
+// Resolves the names against `spec`; errors name the bucket and the offending tensor. Every
+// entry must lie within the `buffer_bytes` of the slot the bucket arrives in.
 Result<std::vector<BucketEntry>> decode_sglang_meta(const ModelSpec& spec, const std::string& meta,
-                                                    DType dtype, int bucket);
+                                                    DType dtype, int bucket,
+                                                    std::int64_t buffer_bytes);
 
 }  // namespace refit

@@ -72,8 +72,10 @@ Status GatherReceiver::apply(const IncomingBucket& in, bool raw, const std::vect
       // plane then finds its uploaded copy table again.
       auto& cached = sglang_runs_[in.header.bucket];
       if (cached.first != in.header.meta) {
-        REFIT_ASSIGN_OR_RETURN(auto entries, decode_sglang_meta(o_.model->spec, in.header.meta, dt,
-                                                                in.header.bucket));
+        REFIT_ASSIGN_OR_RETURN(auto entries,
+                               decode_sglang_meta(o_.model->spec, in.header.meta, dt,
+                                                  in.header.bucket,
+                                                  o_.config->refit.buffer_size_bytes));
         cached = {in.header.meta,
                   copy_runs(build_apply_runs(o_.model->spec, *o_.layout, entries, dt), params)};
       }

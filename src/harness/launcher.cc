@@ -94,6 +94,7 @@ Result<LaunchResult> launch_and_wait(
   LaunchResult result;
   std::size_t alive = children.size();
   std::vector<int> statuses(children.size(), 0);
+  std::vector<bool> stopped(children.size(), false);  // SIGSTOPped, not yet continued
   bool failed = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
   while (alive > 0) {
@@ -112,11 +113,17 @@ Result<LaunchResult> launch_and_wait(
       break;
     }
     int status = 0;
-    pid_t pid = waitpid(-1, &status, WNOHANG);
+    pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
+    if (pid > 0 && (WIFSTOPPED(status) || WIFCONTINUED(status))) {
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (pids[i] == pid) stopped[i] = WIFSTOPPED(status);
+      continue;
+    }
     if (pid > 0) {
       for (std::size_t i = 0; i < pids.size(); ++i) {
         if (pids[i] != pid) continue;
         pids[i] = -1;
+        stopped[i] = false;
         statuses[i] = status;
         --alive;
         const bool bad = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -130,6 +137,32 @@ Result<LaunchResult> launch_and_wait(
           deadline = std::chrono::steady_clock::now() +
                      std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000) + 5000);
         }
+      }
+      continue;
+    }
+    // After a failure, children that are stopped (SIGSTOP) while every other one has exited would
+    // never finish: they go at once instead of at the deadline.
+    bool only_stopped_left = failed && alive > 0;
+    for (std::size_t i = 0; i < pids.size(); ++i)
+      if (pids[i] > 0 && !stopped[i]) only_stopped_left = false;
+    if (only_stopped_left) {
+      std::string killed;
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (pids[i] > 0) {
+          kill(pids[i], SIGKILL);
+          killed += (killed.empty() ? "" : ", ") + children[i].name;
+        }
+      result.summary += fmt::format("; killed, stopped (SIGSTOP) after every other rank exited: {}",
+                                    killed);
+      while (alive > 0) {
+        pid_t p = waitpid(-1, &status, 0);
+        if (p <= 0) break;
+        for (std::size_t i = 0; i < pids.size(); ++i)
+          if (pids[i] == p) {
+            pids[i] = -1;
+            statuses[i] = status;
+            --alive;
+          }
       }
       continue;
     }

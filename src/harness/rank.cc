@@ -112,9 +112,9 @@ Status check_fault_fits(const Fault& f, const Config& config) {
     return Status::Ok();
   const std::string what = f.kind == Fault::Kind::kCorrupt
                                ? fmt::format("corrupt:{}", f.bucket)
-                               : fmt::format("{}:{}:{}",
-                                             f.kind == Fault::Kind::kKillTrainer ? "kill-trainer"
-                                                                                 : "kill-engine",
+                               : fmt::format("{}-{}:{}:{}", f.stop ? "stop" : "kill",
+                                             f.kind == Fault::Kind::kKillTrainer ? "trainer"
+                                                                                 : "engine",
                                              f.rank, f.bucket);
   if (f.kind == Fault::Kind::kKillTrainer && f.rank >= config.policy.world_size)
     return Status::InvalidArgument(

@@ -228,6 +228,13 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   return file;
 }
 
+Status SafetensorsFile::check_header(std::string_view header, std::uint64_t data_size,
+                                     const std::string& name) {
+  SafetensorsFile file;
+  file.path_ = name;
+  return file.parse_header(header, data_size);
+}
+
 Status SafetensorsFile::parse_header(std::string_view header, std::uint64_t data_size) {
   REFIT_ASSIGN_OR_RETURN(json j, parse_json(header, path_ + ": header"));
   if (!j.is_object()) {

@@ -51,6 +51,10 @@ class SafetensorsFile {
   // Maps and validates `path`. Errors (IOError, Corruption, Unsupported) name the file and,
   // where one is involved, the tensor.
   static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path);
+  // Validates a header (the JSON after the length prefix) against `data_size` bytes of data, as
+  // open() does, without a file (the fuzz tests); `name` stands for the path in errors.
+  static Status check_header(std::string_view header, std::uint64_t data_size,
+                             const std::string& name);
 
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;

@@ -46,14 +46,25 @@ class EngineImpl final : public Engine {
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    return latch_.guard(body, store_, id(), [this] {
-      if (p2p_comm_) p2p_comm_->abort();
-      if (executor_) executor_->abort();
-    });
+    return latch_.guard(body, store_, id(), [this] { abort_collectives(); });
+  }
+
+  // Wakes every call blocked in a collective of this rank (safe from another thread).
+  void abort_collectives() {
+    if (p2p_comm_) p2p_comm_->abort();
+    if (executor_) executor_->abort();
   }
 
   Status init() {
-    return guarded([&] { return setup(); });
+    Status st = guarded([&] { return setup(); });
+    // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
+    // rank's collectives when one falls silent (runtime/failure.h).
+    if (st.ok())
+      heartbeat_->watch(id(),
+                        rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
+                                   cfg_.generation.tp_size),
+                        [this](const Status&) { abort_collectives(); });
+    return st;
   }
 
   const std::vector<TensorSlot>& params() const override { return slots_; }
@@ -119,6 +130,13 @@ class EngineImpl final : public Engine {
   std::string id() const {
     return fmt::format("engine {} tp rank {}", rank_ / cfg_.generation.tp_size, tp_rank_);
   }
+  // A liveness check for this rank's waits: the store, the run's first failure, every other
+  // rank's heartbeat (runtime/failure.h).
+  std::function<Status()> alive() {
+    return liveness_check(*store_, id(),
+                          rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
+                                     cfg_.generation.tp_size));
+  }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
   Result<std::unique_ptr<Communicator>> join_group(const char* name, int rank, int size) {
@@ -128,7 +146,7 @@ class EngineImpl final : public Engine {
                                    .size = size,
                                    .host = ep_.host,
                                    .timeout = timeout(),
-                                   .liveness = liveness_check(*store_, id())},
+                                   .liveness = alive()},
                       *plane_);
   }
   std::chrono::milliseconds timeout() const { return cfg_.refit.timeout(); }
@@ -144,15 +162,18 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
     REFIT_ASSIGN_OR_RETURN(store_,
                            connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beat_store,
+                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
+    heartbeat_ = std::make_unique<Heartbeat>(std::move(beat_store), id());
     REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout(), auth));
-    mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
+    mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
     // Agree with trainer rank 0 before joining any group: a rank launched with another config (or
     // another refit) fails here naming the key, not in a group of the wrong size.
     REFIT_ASSIGN_OR_RETURN(std::string stamp,
                            get_while_alive(*store_, "version/trainer/0", timeout(),
-                                           liveness_check(*store_, id())));
+                                           alive()));
     REFIT_RETURN_IF_ERROR(check_peer_versions(stamp, "trainer rank 0", id()));
     REFIT_ASSIGN_OR_RETURN(auto trainer_settings, decode_stamp_settings(stamp, "trainer rank 0"));
     REFIT_RETURN_IF_ERROR(check_agreed_settings(agreed_settings(cfg_, model_->spec),
@@ -211,7 +232,7 @@ class EngineImpl final : public Engine {
     std::vector<std::string> who;
     for (int r : o.sources) who.push_back(fmt::format("trainer/{}", r));
     REFIT_ASSIGN_OR_RETURN(auto hosts,
-                           read_hosts(*store_, who, timeout(), liveness_check(*store_, id())));
+                           read_hosts(*store_, who, timeout(), alive()));
     for (std::size_t i = 0; i < hosts.size(); ++i) {
       o.source_same_host.push_back(hosts[i] == host_identity());
       REFIT_RETURN_IF_ERROR(
@@ -364,7 +385,10 @@ class EngineImpl final : public Engine {
             return Status::Corruption(fmt::format("{}: unexpected shutdown from {}", id(), from));
           pending.erase(it);
           REFIT_RETURN_IF_ERROR(mailbox_->send(from, MessageType::kShutdown, ""));
-          if (pending.empty()) return false;
+          if (pending.empty()) {
+            if (heartbeat_) heartbeat_->leave();
+            return false;
+          }
           REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*mailbox_, MessageType::kShutdown,
                                                            timeout(), "the shutdown"));
           from = m.from;
@@ -413,6 +437,8 @@ class EngineImpl final : public Engine {
   std::function<void()> resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
   FailureLatch latch_;
+  // Last: destroyed first, so that its thread is gone before the collectives it may abort.
+  std::unique_ptr<Heartbeat> heartbeat_;
 };
 
 }  // namespace

@@ -2,7 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <condition_variable>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "control/store.h"
 
@@ -15,14 +19,120 @@ void announce_failure(Store* store, const std::string& who, const Status& status
   if (n.ok() && *n == 1) (void)store->set("error/first", cause);
 }
 
-std::function<Status()> liveness_check(Store& store, const std::string& who) {
-  return [&store, who]() -> Status {
+struct Heartbeat::State {
+  std::unique_ptr<Store> own;
+  Store& store;
+  std::string key;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  std::thread thread;
+  std::function<Status()> check;                // set by watch()
+  std::function<void(const Status&)> on_lost;  // called once, when check fails
+};
+
+Heartbeat::Heartbeat(std::unique_ptr<Store> store, std::string who) {
+  Store& beats = *store;
+  s_.reset(new State{std::move(store), beats, "heartbeat/" + who, {}, {}, false, {}});
+  s_->thread = std::thread([s = s_.get()] {
+    std::unique_lock<std::mutex> lock(s->mu);
+    while (!s->stop) {
+      std::function<Status()> check = s->check;
+      lock.unlock();
+      (void)s->store.add(s->key, 1);  // a store that is gone is the liveness check's to report
+      if (check) {
+        const Status st = check();
+        if (!st.ok()) {
+          lock.lock();
+          auto lost = std::move(s->on_lost);
+          s->check = nullptr;
+          s->on_lost = nullptr;
+          lock.unlock();
+          if (lost) lost(st);
+        }
+      }
+      lock.lock();
+      s->cv.wait_for(lock, kHeartbeatInterval, [s] { return s->stop; });
+    }
+  });
+}
+
+Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->stop = true;
+  }
+  s_->cv.notify_all();
+  if (s_->thread.joinable()) s_->thread.join();
+}
+
+void Heartbeat::leave() {
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->stop) return;
+    s_->stop = true;
+  }
+  s_->cv.notify_all();
+  if (s_->thread.joinable()) s_->thread.join();
+  (void)s_->store.set(s_->key, "left");
+}
+
+void Heartbeat::watch(const std::string& who, std::vector<std::string> peers,
+                      std::function<void(const Status&)> on_lost) {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  s_->check = liveness_check(s_->store, who, std::move(peers));
+  s_->on_lost = std::move(on_lost);
+}
+
+std::vector<std::string> rank_names(int world_size, int num_engines, int tp_size) {
+  std::vector<std::string> names;
+  for (int r = 0; r < world_size; ++r) names.push_back(fmt::format("trainer rank {}", r));
+  for (int e = 0; e < num_engines; ++e)
+    for (int t = 0; t < tp_size; ++t) names.push_back(fmt::format("engine {} tp rank {}", e, t));
+  return names;
+}
+
+std::function<Status()> liveness_check(Store& store, const std::string& who,
+                                       std::vector<std::string> peers) {
+  using Clock = std::chrono::steady_clock;
+  struct Seen {
+    std::string value;
+    Clock::time_point since;
+  };
+  auto seen = std::make_shared<std::map<std::string, Seen>>();
+  std::erase(peers, who);
+  return [&store, who, peers = std::move(peers), seen]() -> Status {
+    const Status reachable = store.ping(kPeerSilence);
+    if (!reachable.ok() && reachable.code() != StatusCode::kTimeout)
+      return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank 0): {}",
+                                         reachable.to_string()));
+    if (!reachable.ok())
+      return Status::Aborted(fmt::format(
+          "aborted because trainer rank 0: the store it hosts did not answer for {:.1f} s "
+          "(stopped, hung or cut off; seen by {}): {}",
+          kPeerSilence.count() / 1000.0, who, reachable.to_string()));
     auto first = store.try_get("error/first");
     if (!first.ok())
       return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank 0): {}",
                                          first.status().to_string()));
     if (first->has_value() && (*first)->rfind(who + ":", 0) != 0)
       return Status::Aborted("aborted because " + **first);
+    const auto now = Clock::now();
+    for (const std::string& peer : peers) {
+      auto beat = store.try_get("heartbeat/" + peer);
+      if (!beat.ok() || !beat->has_value() || **beat == "left") continue;
+      auto [it, fresh] = seen->try_emplace(peer, Seen{**beat, now});
+      if (fresh || it->second.value != **beat) {
+        it->second = Seen{**beat, now};
+        continue;
+      }
+      if (now - it->second.since < kPeerSilence) continue;
+      const Status gone = Status::Aborted(fmt::format(
+          "stopped: no heartbeat for {:.1f} s (seen by {}; the process is stopped, hung or cut off)",
+          std::chrono::duration<double>(now - it->second.since).count(), who));
+      announce_failure(&store, peer, gone);
+      return Status::Aborted(fmt::format("aborted because {}: {}", peer, gone.message()));
+    }
     return Status::Ok();
   };
 }

@@ -8,6 +8,7 @@
 // block for the send timeout.)
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -22,9 +23,52 @@ class Store;
 
 void announce_failure(Store* store, const std::string& who, const Status& status);
 
-// A liveness check for mailbox waits: fails when the store (hosted by trainer rank 0) is gone or
-// another process recorded the run's first failure.
-std::function<Status()> liveness_check(Store& store, const std::string& who);
+// Heartbeats: every rank adds 1 to "heartbeat/<its name>" every kHeartbeatInterval from a thread
+// of its own, for as long as it lives (a stopped or hung process stops beating; a busy one does
+// not). A rank that leaves cleanly sets the key to "left".
+inline constexpr std::chrono::milliseconds kHeartbeatInterval{500};
+// A peer whose heartbeat stood still this long, or a store that did not answer a ping this long,
+// counts as gone. Every waiting rank checks every 500 ms, so a stopped peer is noticed within
+// kPeerSilence + 0.5 s.
+inline constexpr std::chrono::milliseconds kPeerSilence{5000};
+// How long one heartbeat request may take (the heartbeat's own store connection).
+inline constexpr std::chrono::milliseconds kBeatRequestTimeout{2000};
+
+class Heartbeat {
+ public:
+  // Beats through `store`, a connection of its own whose requests time out within a couple of
+  // seconds, so that a stopped store host cannot hold up this process's exit.
+  Heartbeat(std::unique_ptr<Store> store, std::string who);
+  ~Heartbeat();  // stops beating (without "left": call leave() for a clean exit)
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+  void leave();  // stops and marks this rank as gone on purpose
+  // From now on, after each beat, also runs liveness_check(who, peers) over the heartbeat's own
+  // connection, and on its first failure calls `on_lost` once (from the heartbeat's thread). The
+  // runtime aborts its collectives there, so that a rank blocked inside a Gloo or NCCL operation
+  // with a peer that fell silent is woken instead of waiting out refit.timeout_s.
+  void watch(const std::string& who, std::vector<std::string> peers,
+             std::function<void(const Status&)> on_lost);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// Every rank name of a run, as the runtime names them: "trainer rank R" for R < world_size, and
+// "engine E tp rank T" for every engine and TP rank.
+std::vector<std::string> rank_names(int world_size, int num_engines, int tp_size);
+
+// A liveness check for waits on the control plane (mailboxes, store gets, group rendezvous). It
+// fails when:
+//  - another process recorded the run's first failure;
+//  - the store (hosted by trainer rank 0) does not answer a ping within kPeerSilence, which is
+//    blamed on trainer rank 0;
+//  - one of `peers` beat at least once and then not for kPeerSilence. This is recorded as that
+//    peer's failure ("<peer>: stopped: no heartbeat for 5.0 s (seen by <who>)").
+// Each returned check keeps its own record of the peers' beats; call it every few hundred ms.
+std::function<Status()> liveness_check(Store& store, const std::string& who,
+                                       std::vector<std::string> peers = {});
 
 // `status`, prefixed with the run's first recorded failure when that came from elsewhere.
 Status with_root_cause(Store* store, const std::string& who, const Status& status);

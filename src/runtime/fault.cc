@@ -16,14 +16,14 @@ class FaultProbe final : public RefitProbe {
   void before_round(int step, int round) override {
     const Fault::Kind kill = trainer_ ? Fault::Kind::kKillTrainer : Fault::Kind::kKillEngine;
     if (step != 1 || f_.kind != kill || f_.rank != rank_) return;
+    const char* how = f_.stop ? "stopping" : "killing";
     if (round == kEveryRound) {
-      log::info("fault injection: killing myself while {} the engines' parameters",
+      log::info("fault injection: {} myself while {} the engines' parameters", how,
                 trainer_ ? "writing" : "peers write");
-      raise(SIGKILL);
-    }
-    if (round >= f_.bucket) {  // the first round from K on that this rank moves
-      log::info("fault injection: killing myself at round {}", round);
-      raise(SIGKILL);
+      raise(f_.stop ? SIGSTOP : SIGKILL);
+    } else if (round >= f_.bucket) {  // the first round from K on that this rank moves
+      log::info("fault injection: {} myself at round {}", how, round);
+      raise(f_.stop ? SIGSTOP : SIGKILL);
     }
   }
 

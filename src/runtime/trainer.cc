@@ -41,15 +41,26 @@ class TrainerImpl final : public Trainer {
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    return latch_.guard(body, store_, id(), [this] {
-      if (trainer_comm_) trainer_comm_->abort();
-      if (p2p_comm_) p2p_comm_->abort();
-      if (executor_) executor_->abort();
-    });
+    return latch_.guard(body, store_, id(), [this] { abort_collectives(); });
+  }
+
+  // Wakes every call blocked in a collective of this rank (safe from another thread).
+  void abort_collectives() {
+    if (trainer_comm_) trainer_comm_->abort();
+    if (p2p_comm_) p2p_comm_->abort();
+    if (executor_) executor_->abort();
   }
 
   Status init() {
-    return guarded([&] { return setup(); });
+    Status st = guarded([&] { return setup(); });
+    // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
+    // rank's collectives when one falls silent (runtime/failure.h).
+    if (st.ok())
+      heartbeat_->watch(id(),
+                        rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
+                                   cfg_.generation.tp_size),
+                        [this](const Status&) { abort_collectives(); });
+    return st;
   }
 
   const std::vector<TensorSlot>& tensors() const override { return slots_; }
@@ -119,6 +130,13 @@ class TrainerImpl final : public Trainer {
 
  private:
   std::string id() const { return fmt::format("trainer rank {}", rank_); }
+  // A liveness check for this rank's waits: the store, the run's first failure, every other
+  // rank's heartbeat (runtime/failure.h).
+  std::function<Status()> alive() {
+    return liveness_check(*store_, id(),
+                          rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
+                                     cfg_.generation.tp_size));
+  }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
   Result<std::unique_ptr<Communicator>> join_group(const char* name, int rank, int size) {
@@ -128,7 +146,7 @@ class TrainerImpl final : public Trainer {
                                    .size = size,
                                    .host = ep_.host,
                                    .timeout = timeout(),
-                                   .liveness = liveness_check(*store_, id())},
+                                   .liveness = alive()},
                       *plane_);
   }
   std::chrono::milliseconds timeout() const { return cfg_.refit.timeout(); }
@@ -155,6 +173,9 @@ class TrainerImpl final : public Trainer {
     }
     REFIT_ASSIGN_OR_RETURN(store_,
                            connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beat_store,
+                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
+    heartbeat_ = std::make_unique<Heartbeat>(std::move(beat_store), id());
     if (rank_ == 0) {
       REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
       REFIT_RETURN_IF_ERROR(
@@ -165,7 +186,7 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(
         mailbox_,
         Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout(), auth));
-    mailbox_->set_liveness_check(liveness_check(*store_, id()), std::chrono::milliseconds(500));
+    mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
     if (world > 1) {
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, join_group("trainer", rank_, world));
     }
@@ -208,7 +229,7 @@ class TrainerImpl final : public Trainer {
     std::vector<std::string> who;
     for (int g : o.targets) who.push_back(fmt::format("engine/{}", g));
     REFIT_ASSIGN_OR_RETURN(auto hosts,
-                           read_hosts(*store_, who, timeout(), liveness_check(*store_, id())));
+                           read_hosts(*store_, who, timeout(), alive()));
     for (std::size_t i = 0; i < hosts.size(); ++i) {
       o.target_same_host.push_back(hosts[i] == host_identity());
       REFIT_RETURN_IF_ERROR(
@@ -234,7 +255,7 @@ class TrainerImpl final : public Trainer {
       const std::string who = fmt::format("trainer rank {}", r);
       REFIT_ASSIGN_OR_RETURN(std::string stamp,
                              get_while_alive(*store_, fmt::format("version/trainer/{}", r),
-                                             timeout(), liveness_check(*store_, id())));
+                                             timeout(), alive()));
       REFIT_RETURN_IF_ERROR(check_peer_versions(stamp, who, id()));
       REFIT_ASSIGN_OR_RETURN(auto theirs, decode_stamp_settings(stamp, who));
       REFIT_RETURN_IF_ERROR(check_agreed_settings(settings, theirs, who, id()));
@@ -364,6 +385,7 @@ class TrainerImpl final : public Trainer {
       REFIT_RETURN_IF_ERROR(
           expect_message(*mailbox_, MessageType::kShutdown, timeout(), "engine exits").status());
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+    if (heartbeat_) heartbeat_->leave();
     return Status::Ok();
   }
 
@@ -392,6 +414,8 @@ class TrainerImpl final : public Trainer {
   RefitStats stats_;
   int raw_passes_ = 0;
   FailureLatch latch_;
+  // Last: destroyed first, so that its thread is gone before the collectives it may abort.
+  std::unique_ptr<Heartbeat> heartbeat_;
 };
 
 }  // namespace
