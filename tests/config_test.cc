@@ -207,9 +207,9 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     ConfigValues, ConfigParseError,
     ::testing::Values(
-        Case{"policy: {world_size: 0}", {"policy.world_size: must be >= 1; got 0 (line 1)"}},
-        Case{"generation: {num_engines: -1}", {"generation.num_engines: must be >= 1; got -1"}},
-        Case{"generation: {tp_size: 0}", {"generation.tp_size: must be >= 1; got 0"}},
+        Case{"policy: {world_size: 0}", {"policy.world_size: must be between 1 and 16384; got 0 (line 1)"}},
+        Case{"generation: {num_engines: -1}", {"generation.num_engines: must be between 1 and 16384; got -1"}},
+        Case{"generation: {tp_size: 0}", {"generation.tp_size: must be between 1 and 16384; got 0"}},
         Case{"refit: {buffer_size_bytes: 255}",
              {"refit.buffer_size_bytes: must be at least 256 bytes", "got 255",
               "allowed: an integer >= 256"}},
@@ -236,7 +236,7 @@ INSTANTIATE_TEST_SUITE_P(
              {"refit.target_precision: unknown value; got fp16",
               "allowed: bf16 | bfloat16 | fp8 | float8_e4m3"}},
         Case{"policy: {backend: megatron, megatron: {tp: 0}}",
-             {"policy.megatron.tp: must be >= 1; got 0"}},
+             {"policy.megatron.tp: must be between 1 and 16384; got 0"}},
         Case{"policy: {backend: megatron, megatron: {pp: x}}",
              {"policy.megatron.pp: expected an integer; got x"}},
         Case{"policy: {megatron: {ep: 2}}",
@@ -353,7 +353,7 @@ TEST(ConfigValidate, EngineTpChecksExpertRowsOnlyForMoeLayers) {
               {"generation.tp_size: moe_intermediate_size (18) is not divisible by 4; got 4",
                "allowed: 1, 2 (TP sizes up to 64 that shard custom-moe)"});
   ExpectError(check_engine_tp(spec, 0), StatusCode::kInvalidArgument,
-              {"generation.tp_size: must be >= 1; got 0"});
+              {"generation.tp_size: must be between 1 and 16384; got 0"});
 }
 
 TEST(ConfigValidate, MegatronParallelSizes) {

@@ -247,7 +247,7 @@ Status parse_policy(const Section& top, PolicyConfig& p) {
                        s.key("backend"), *v,
                        {{"fsdp2", PolicyBackend::kFsdp2}, {"megatron", PolicyBackend::kMegatron}}));
   }
-  REFIT_ASSIGN_OR_RETURN(p.world_size, read_count(s, "world_size", p.world_size, kAtLeastOneRule));
+  REFIT_ASSIGN_OR_RETURN(p.world_size, read_count(s, "world_size", p.world_size, kRankCountRule));
   if (auto v = s.get("dtype")) {
     REFIT_ASSIGN_OR_RETURN(p.dtype, read_enum<DType>(s.key("dtype"), *v,
                                                      {{"float32", DType::kFloat32},
@@ -258,9 +258,9 @@ Status parse_policy(const Section& top, PolicyConfig& p) {
   if (s.get("megatron")) {
     REFIT_ASSIGN_OR_RETURN(Section m, open_section(s, "megatron", {"tp", "pp", "ep"}));
     auto& par = p.megatron;
-    REFIT_ASSIGN_OR_RETURN(par.tp, read_count(m, "tp", par.tp, kAtLeastOneRule));
-    REFIT_ASSIGN_OR_RETURN(par.pp, read_count(m, "pp", par.pp, kAtLeastOneRule));
-    REFIT_ASSIGN_OR_RETURN(par.ep, read_count(m, "ep", par.ep, kAtLeastOneRule));
+    REFIT_ASSIGN_OR_RETURN(par.tp, read_count(m, "tp", par.tp, kRankCountRule));
+    REFIT_ASSIGN_OR_RETURN(par.pp, read_count(m, "pp", par.pp, kRankCountRule));
+    REFIT_ASSIGN_OR_RETURN(par.ep, read_count(m, "ep", par.ep, kRankCountRule));
     // With fsdp2 the block is tolerated only as the no-op {tp: 1, pp: 1, ep: 1} (the design
     // example carries it); anything else would be silently ignored, so it is an error.
     if (p.backend != PolicyBackend::kMegatron) {
@@ -301,8 +301,8 @@ Status parse_generation(const Section& top, GenerationConfig& g) {
     g.weight_transfer_mode = g.colocated ? TransferMode::kIpc : TransferMode::kBroadcast;
   }
   REFIT_ASSIGN_OR_RETURN(g.num_engines,
-                         read_count(s, "num_engines", g.num_engines, kAtLeastOneRule));
-  REFIT_ASSIGN_OR_RETURN(g.tp_size, read_count(s, "tp_size", g.tp_size, kAtLeastOneRule));
+                         read_count(s, "num_engines", g.num_engines, kRankCountRule));
+  REFIT_ASSIGN_OR_RETURN(g.tp_size, read_count(s, "tp_size", g.tp_size, kRankCountRule));
   return Status::Ok();
 }
 

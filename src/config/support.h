@@ -45,6 +45,12 @@ struct IntRule {
 };
 inline constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
 inline constexpr IntRule kAtLeastOneRule{1, kIntMax, "must be >= 1", "an integer >= 1"};
+// Process counts (policy.world_size, generation.num_engines, generation.tp_size, Megatron's
+// tp/pp/ep): every rank derives the whole transfer plan, so an absurd count would exhaust memory
+// instead of failing; 16384 is far beyond any RL deployment refit serves today.
+inline constexpr std::int64_t kMaxRanks = 16384;
+inline constexpr IntRule kRankCountRule{1, kMaxRanks, "must be between 1 and 16384",
+                                        "an integer from 1 to 16384"};
 inline constexpr IntRule kBufferSizeRule{
     kBucketAlignment, std::numeric_limits<std::int64_t>::max(),
     "must be at least 256 bytes (the bucket alignment, kBucketAlignment)",

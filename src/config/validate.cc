@@ -39,14 +39,14 @@ Status check_values(const Config& c) {
   if (c.model.empty())
     return invalid("model", "must not be empty", "\"\"",
                    "a built-in preset name or an HF model directory");
-  REFIT_RETURN_IF_ERROR(check_int_rule("policy.world_size", c.policy.world_size, kAtLeastOneRule));
+  REFIT_RETURN_IF_ERROR(check_int_rule("policy.world_size", c.policy.world_size, kRankCountRule));
   if (c.policy.dtype != DType::kFloat32 && c.policy.dtype != DType::kBFloat16)
     return invalid("policy.dtype", "unsupported trainer master dtype", dtype_name(c.policy.dtype),
                    "float32 | bfloat16");
   const auto& m = c.policy.megatron;
-  REFIT_RETURN_IF_ERROR(check_int_rule("policy.megatron.tp", m.tp, kAtLeastOneRule));
-  REFIT_RETURN_IF_ERROR(check_int_rule("policy.megatron.pp", m.pp, kAtLeastOneRule));
-  REFIT_RETURN_IF_ERROR(check_int_rule("policy.megatron.ep", m.ep, kAtLeastOneRule));
+  REFIT_RETURN_IF_ERROR(check_int_rule("policy.megatron.tp", m.tp, kRankCountRule));
+  REFIT_RETURN_IF_ERROR(check_int_rule("policy.megatron.pp", m.pp, kRankCountRule));
+  REFIT_RETURN_IF_ERROR(check_int_rule("policy.megatron.ep", m.ep, kRankCountRule));
   if (c.policy.backend != PolicyBackend::kMegatron && (m.tp != 1 || m.pp != 1 || m.ep != 1))
     return invalid("policy.megatron",
                    fmt::format("only used with policy.backend: megatron (policy.backend is {})",
@@ -54,9 +54,16 @@ Status check_values(const Config& c) {
                    fmt::format("{{tp: {}, pp: {}, ep: {}}}", m.tp, m.pp, m.ep),
                    "{tp: 1, pp: 1, ep: 1}, or set policy.backend: megatron");
   REFIT_RETURN_IF_ERROR(
-      check_int_rule("generation.num_engines", c.generation.num_engines, kAtLeastOneRule));
+      check_int_rule("generation.num_engines", c.generation.num_engines, kRankCountRule));
   REFIT_RETURN_IF_ERROR(
-      check_int_rule("generation.tp_size", c.generation.tp_size, kAtLeastOneRule));
+      check_int_rule("generation.tp_size", c.generation.tp_size, kRankCountRule));
+  if (std::int64_t{c.generation.num_engines} * c.generation.tp_size > kMaxRanks)
+    return invalid("generation.num_engines",
+                   fmt::format("times generation.tp_size ({}) is more than {} engine ranks",
+                               c.generation.tp_size, kMaxRanks),
+                   std::to_string(c.generation.num_engines),
+                   fmt::format("at most {} engines of TP {}", kMaxRanks / c.generation.tp_size,
+                               c.generation.tp_size));
   bool parseable = false;
   for (DType d : parseable_target_precisions()) parseable |= d == c.refit.target_precision;
   if (!parseable)

@@ -182,6 +182,9 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   if (rank == 0) {
     REFIT_ASSIGN_OR_RETURN(rep.ranks, trainer->traffic());
   }
+  REFIT_RETURN_IF_ERROR(trainer->shutdown());
+  // The floor's bandwidths are measured after the shutdown: the other ranks must not wait on this
+  // rank (bounded by refit.timeout_s) while it copies gigabytes.
   if (o.raw_passes > 0 && rank == 0) {
     REFIT_ASSIGN_OR_RETURN(rep.copy_bandwidth, plane->measure_copy_bandwidth());
     if (uses_transfer_plan(o.config)) {
@@ -208,7 +211,6 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
                         "target dtype at the copy bandwidth";
     }
   }
-  REFIT_RETURN_IF_ERROR(trainer->shutdown());
   if (rank == 0 && !o.dump_dir.empty())
     REFIT_RETURN_IF_ERROR(dump_trainer_tensors(o, *model, o.steps));
   rep.steps = o.steps;

@@ -30,9 +30,9 @@ Result<std::int64_t> get_int(const json& j, const char* key, std::optional<std::
     if (fallback) return *fallback;
     return Status::InvalidArgument(fmt::format("config.json: missing required key \"{}\"", key));
   }
-  if (!it->is_number_integer() || it->get<std::int64_t>() < 0)
+  if (!it->is_number_integer() || it->get<std::int64_t>() < 1)
     return Status::InvalidArgument(
-        fmt::format("config.json: \"{}\" must be a non-negative integer, got {}", key, it->dump()));
+        fmt::format("config.json: \"{}\" must be a positive integer, got {}", key, it->dump()));
   if (it->get<std::int64_t>() > max)
     return Status::InvalidArgument(fmt::format(
         "config.json: \"{}\" is {}; refit supports at most {}", key, it->dump(), max));
