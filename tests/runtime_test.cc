@@ -272,6 +272,19 @@ TEST(RuntimeFaults, StoppedStoreHostIsNamed) {
                             ": the store it hosts did not answer for 5.0 s");
 }
 
+// `refit run` has an overall deadline: a run that outlasts it (here 100000 refits in 2 s) is
+// ended, every rank killed and reaped, and the reason given.
+TEST(RuntimeCleanup, TheLauncherHasAnOverallDeadline) {
+  auto r = run_cell({.timeout_s = 20}, {"--steps", "100000", "--deadline", "2"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("the run passed its overall deadline of 2 s (refit run --deadline); "
+                          "killed: trainer rank 0, trainer rank 1, engine 0 tp rank 0, engine 0 "
+                          "tp rank 1"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("step 1/100000"), std::string::npos) << r.output;
+}
+
 TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
   auto r =
       run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});

@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -331,6 +333,45 @@ TEST(Checkpoint, SingleFileMatchesSpec) {
   EXPECT_EQ((*ckpt)->files()[0]->metadata().at("format"), "pt");
   const Status s = (*ckpt)->check_against_spec(spec);
   EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+// A checkpoint truncated while it is mapped: reading a lost page ends the process with an error
+// naming the file (exit 1) instead of killing it with SIGBUS (io/mapped_files.h).
+TEST(Checkpoint, TruncatedWhileMappedIsAnErrorNamingTheFile) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "the sanitizer runtime owns SIGBUS";
+#endif
+  TempDir dir;
+  const ModelSpec spec = tiny_spec();
+  auto t = make_tensors(spec);
+  ASSERT_TRUE(write_checkpoint(dir.path(), t.views).ok());
+  const std::string path = dir.path() + "/model.safetensors";
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::dup2(fds[1], STDERR_FILENO);
+    auto f = SafetensorsFile::open(path);
+    if (!f.ok() || ::truncate(path.c_str(), 16) != 0) ::_exit(3);
+    const TensorInfo& last = (*f)->tensors().back();
+    const auto* p = reinterpret_cast<const volatile unsigned char*>((*f)->data(last));
+    unsigned sum = 0;
+    for (std::uint64_t i = 0; i < last.nbytes(); ++i) sum += p[i];
+    ::_exit(sum == 12345 ? 4 : 0);  // never reached when the page is gone
+  }
+  ::close(fds[1]);
+  std::string err;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) err.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 1) << err;
+  EXPECT_NE(err.find("refit: error: " + path + " changed while refit was reading it"),
+            std::string::npos)
+      << err;
 }
 
 TEST(Checkpoint, ShardedWithIndex) {

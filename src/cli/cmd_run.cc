@@ -40,7 +40,15 @@ struct RunFlags {
   int engine_rank = -1;
   int raw_passes = 0;
   std::string dump_dir;
+  double deadline_s = 0;  // run / bench: the whole run's bound (0: the default, run_deadline)
 };
+
+// `refit run`'s overall bound when --deadline is not given: three timeouts per refit (its own,
+// the raw passes', setup and shutdown), which no healthy run comes near.
+double run_deadline(const RunFlags& f, const Config& cfg) {
+  if (f.deadline_s > 0) return f.deadline_s;
+  return 3.0 * cfg.refit.timeout_s * (f.steps + f.raw_passes + 4);
+}
 
 // Loads CONFIG (or the embedded default) and checks it against its model: setup errors exit 2
 // before any rank starts.
@@ -232,7 +240,8 @@ void run_local(const RunFlags& f) {
     if (store.ok())
       announce_failure(store->get(), child, Status::Aborted(fmt::format("the process {}", how)));
   };
-  auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s, on_failure);
+  auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s, on_failure,
+                                run_deadline(f, cfg));
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   if (const int swept = remove_run_segments(run_id); swept > 0)
@@ -299,7 +308,8 @@ void add_run_commands(CLI::App& app) {
   auto add_common = [&](CLI::App* cmd) {
     cmd->add_option("--fault", f->fault,
                     "inject a fault (tests): corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
-                    "kill-engine:RANK:BUCKET, plan-mismatch, version-mismatch");
+                    "kill-engine:RANK:BUCKET, stop-trainer:RANK:BUCKET, stop-engine:RANK:BUCKET, "
+                    "plan-mismatch, version-mismatch");
     cmd->add_option("--dump", f->dump_dir,
                     "after the last refit write DIR/trainer.safetensors, DIR/expected.safetensors "
                     "and DIR/engine-<g>.safetensors (created if missing)");
@@ -313,12 +323,20 @@ void add_run_commands(CLI::App& app) {
                 "engines run a TP forward pass and compare logits with a reference forward");
   run->add_option("--json", f->json_path, "write the JSON report here");
   add_common(run);
+  auto add_deadline = [&](CLI::App* cmd) {
+    cmd->add_option("--deadline", f->deadline_s,
+                    "seconds the whole run may take before every rank is killed (default: 3 x "
+                    "refit.timeout_s x (steps + 4))")
+        ->check(CLI::PositiveNumber);
+  };
+  add_deadline(run);
   run->callback([f] { run_local(*f); });
 
   auto* bench = app.add_subcommand("bench", "Measure refit throughput against the raw transport");
   bench->add_option("CONFIG", f->config_path, "config YAML")->required();
   bench->add_option("--steps", f->steps, "refits to time")->check(CLI::PositiveNumber);
   bench->add_option("--json", f->json_path, "write the JSON report here (gbps, limit_gbps, ratio)");
+  add_deadline(bench);
   bench->callback([f] {
     if (f->steps < 3) f->steps = 3;
     f->raw_passes = 3;

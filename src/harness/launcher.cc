@@ -61,7 +61,12 @@ Result<int> pick_free_port() {
 
 Result<LaunchResult> launch_and_wait(
     const std::string& executable, const std::vector<ChildSpec>& children, double timeout_s,
-    const std::function<void(const std::string&, const std::string&)>& on_failure) {
+    const std::function<void(const std::string&, const std::string&)>& on_failure,
+    double deadline_s) {
+  const auto overall = deadline_s > 0
+                           ? std::chrono::steady_clock::now() +
+                                 std::chrono::milliseconds(static_cast<long long>(deadline_s * 1000))
+                           : std::chrono::steady_clock::time_point::max();
   std::vector<pid_t> pids(children.size(), -1);
   g_signal = 0;
   signal(SIGINT, note_signal);
@@ -165,6 +170,31 @@ Result<LaunchResult> launch_and_wait(
           }
       }
       continue;
+    }
+    if (std::chrono::steady_clock::now() > overall) {
+      std::string killed;
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (pids[i] > 0) {
+          kill(pids[i], SIGKILL);
+          killed += (killed.empty() ? "" : ", ") + children[i].name;
+        }
+      const std::string why = fmt::format(
+          "the run passed its overall deadline of {:.0f} s (refit run --deadline); killed: {}",
+          deadline_s, killed);
+      result.summary = failed ? result.summary + "; " + why : why;
+      failed = true;
+      while (alive > 0) {
+        int st = 0;
+        const pid_t p = waitpid(-1, &st, 0);
+        if (p <= 0) break;
+        for (std::size_t i = 0; i < pids.size(); ++i)
+          if (pids[i] == p) {
+            pids[i] = -1;
+            statuses[i] = st;
+            --alive;
+          }
+      }
+      break;
     }
     if (std::chrono::steady_clock::now() > deadline) {
       std::string killed;

@@ -41,10 +41,12 @@ int remove_run_segments(const std::string& run_id);
 // Runs all children to completion. `timeout_s` bounds how long the others may take to follow a
 // failed child before they are killed. `on_failure(child, how)` runs once, for the first child
 // that exits abnormally (the runtime records it as the run's first failure, so the other ranks
-// stop within their liveness-check interval instead of their timeout).
+// stop within their liveness-check interval instead of their timeout). `deadline_s` (> 0) bounds
+// the whole run: past it every child still running is killed and the run fails, saying so.
 Result<LaunchResult> launch_and_wait(
     const std::string& executable, const std::vector<ChildSpec>& children, double timeout_s,
-    const std::function<void(const std::string&, const std::string&)>& on_failure = {});
+    const std::function<void(const std::string&, const std::string&)>& on_failure = {},
+    double deadline_s = 0);
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
 Result<int> pick_free_port();

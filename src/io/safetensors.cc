@@ -20,6 +20,7 @@
 
 #include "common/convert.h"
 #include "common/file_io.h"
+#include "io/mapped_files.h"
 
 namespace refit {
 namespace {
@@ -186,6 +187,7 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
 // SafetensorsFile
 
 SafetensorsFile::~SafetensorsFile() {
+  unregister_mapped_file(guard_);
   if (map_ != nullptr) ::munmap(map_, size_);
 }
 
@@ -214,6 +216,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   }
   file->map_ = map;
   file->size_ = size;
+  file->guard_ = register_mapped_file(map, size, path);
   const auto* bytes = static_cast<const unsigned char*>(map);
   std::uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];

@@ -80,6 +80,7 @@ class SafetensorsFile {
   std::string path_;
   void* map_ = nullptr;
   std::size_t size_ = 0;
+  int guard_ = -1;  // io/mapped_files.h: a truncated file is an error naming it, not SIGBUS
   const std::byte* data_ = nullptr;  // start of the data section inside the mapping
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string_view, std::size_t> index_;  // name -> position in tensors_

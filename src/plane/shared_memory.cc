@@ -72,6 +72,14 @@ Result<std::unique_ptr<SharedMemory>> SharedMemory::open(const std::string& name
     return Status::IOError(fmt::format("ipc: shared memory {} is {} bytes, expected {}", name,
                                        static_cast<long long>(st.st_size), bytes));
   }
+  // Only memory a rank of this user created (create() makes it 0600) is ever written into.
+  if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+    close(fd);
+    return Status::InvalidArgument(fmt::format(
+        "ipc: shared memory {} belongs to uid {} with mode {:o}; refit maps only segments its "
+        "own user created with mode 600",
+        name, static_cast<long long>(st.st_uid), st.st_mode & 0777));
+  }
   auto mapped = map_fd(fd, name, bytes);
   close(fd);
   if (!mapped.ok()) return mapped.status();
