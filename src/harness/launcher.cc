@@ -102,6 +102,30 @@ Result<LaunchResult> launch_and_wait(
   std::vector<bool> stopped(children.size(), false);  // SIGSTOPped, not yet continued
   bool failed = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
+  // SIGKILLs every child still running; returns their names.
+  auto kill_remaining = [&] {
+    std::string killed;
+    for (std::size_t i = 0; i < pids.size(); ++i)
+      if (pids[i] > 0) {
+        kill(pids[i], SIGKILL);
+        killed += (killed.empty() ? "" : ", ") + children[i].name;
+      }
+    return killed;
+  };
+  // Waits for every child still running (after kill_remaining) and records how each ended.
+  auto reap_remaining = [&] {
+    while (alive > 0) {
+      int st = 0;
+      const pid_t p = waitpid(-1, &st, 0);
+      if (p <= 0) break;
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (pids[i] == p) {
+          pids[i] = -1;
+          statuses[i] = st;
+          --alive;
+        }
+    }
+  };
   while (alive > 0) {
     if (g_signal != 0) {  // SIGINT/SIGTERM: stop every child now, reap them, let the caller clean up
       for (pid_t p : pids)
@@ -151,58 +175,22 @@ Result<LaunchResult> launch_and_wait(
     for (std::size_t i = 0; i < pids.size(); ++i)
       if (pids[i] > 0 && !stopped[i]) only_stopped_left = false;
     if (only_stopped_left) {
-      std::string killed;
-      for (std::size_t i = 0; i < pids.size(); ++i)
-        if (pids[i] > 0) {
-          kill(pids[i], SIGKILL);
-          killed += (killed.empty() ? "" : ", ") + children[i].name;
-        }
       result.summary += fmt::format("; killed, stopped (SIGSTOP) after every other rank exited: {}",
-                                    killed);
-      while (alive > 0) {
-        pid_t p = waitpid(-1, &status, 0);
-        if (p <= 0) break;
-        for (std::size_t i = 0; i < pids.size(); ++i)
-          if (pids[i] == p) {
-            pids[i] = -1;
-            statuses[i] = status;
-            --alive;
-          }
-      }
+                                    kill_remaining());
+      reap_remaining();
       continue;
     }
     if (std::chrono::steady_clock::now() > overall) {
-      std::string killed;
-      for (std::size_t i = 0; i < pids.size(); ++i)
-        if (pids[i] > 0) {
-          kill(pids[i], SIGKILL);
-          killed += (killed.empty() ? "" : ", ") + children[i].name;
-        }
       const std::string why = fmt::format(
           "the run passed its overall deadline of {:.0f} s (refit run --deadline); killed: {}",
-          deadline_s, killed);
+          deadline_s, kill_remaining());
       result.summary = failed ? result.summary + "; " + why : why;
       failed = true;
-      while (alive > 0) {
-        int st = 0;
-        const pid_t p = waitpid(-1, &st, 0);
-        if (p <= 0) break;
-        for (std::size_t i = 0; i < pids.size(); ++i)
-          if (pids[i] == p) {
-            pids[i] = -1;
-            statuses[i] = st;
-            --alive;
-          }
-      }
+      reap_remaining();
       break;
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      std::string killed;
-      for (std::size_t i = 0; i < pids.size(); ++i)
-        if (pids[i] > 0) {
-          kill(pids[i], SIGKILL);
-          killed += (killed.empty() ? "" : ", ") + children[i].name;
-        }
+      const std::string killed = kill_remaining();
       if (!killed.empty()) result.summary += fmt::format("; killed after the timeout: {}", killed);
       deadline = std::chrono::steady_clock::time_point::max();
     }

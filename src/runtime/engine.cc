@@ -46,7 +46,10 @@ class EngineImpl final : public Engine {
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    return latch_.guard(body, store_, id(), [this] { abort_collectives(); });
+    // Failures are recorded over the probe connection, whose requests end within seconds even
+    // when the store's host is stopped (store_ waits up to refit.timeout_s).
+    return latch_.guard(body, probe_store_ ? probe_store_ : store_, id(),
+                        [this] { abort_collectives(); });
   }
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).
@@ -60,10 +63,7 @@ class EngineImpl final : public Engine {
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
     // rank's collectives when one falls silent (runtime/failure.h).
     if (st.ok())
-      heartbeat_->watch(id(),
-                        rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
-                                   cfg_.generation.tp_size),
-                        [this](const Status&) { abort_collectives(); });
+      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status&) { abort_collectives(); });
     return st;
   }
 
@@ -133,9 +133,7 @@ class EngineImpl final : public Engine {
   // A liveness check for this rank's waits: the store, the run's first failure, every other
   // rank's heartbeat (runtime/failure.h).
   std::function<Status()> alive() {
-    return liveness_check(*store_, id(),
-                          rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
-                                     cfg_.generation.tp_size));
+    return liveness_check(*probe_store_, id(), rank_names(cfg_));
   }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
@@ -162,6 +160,8 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
     REFIT_ASSIGN_OR_RETURN(store_,
                            connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
+    REFIT_ASSIGN_OR_RETURN(probe_store_,
+                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beat_store,
                            connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
     heartbeat_ = std::make_unique<Heartbeat>(std::move(beat_store), id());
@@ -419,6 +419,8 @@ class EngineImpl final : public Engine {
   std::vector<void*> ptrs_;  // registered storage of slots_
   std::unique_ptr<DataPlane> plane_;
   std::unique_ptr<Store> store_;
+  // Liveness checks and failure records: requests bounded by kBeatRequestTimeout.
+  std::unique_ptr<Store> probe_store_;
   std::unique_ptr<Mailbox> mailbox_;
   std::unique_ptr<Communicator> p2p_comm_;
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "control/store.h"
+#include "refit/config.h"
 
 namespace refit {
 
@@ -84,11 +85,13 @@ void Heartbeat::watch(const std::string& who, std::vector<std::string> peers,
   s_->on_lost = std::move(on_lost);
 }
 
-std::vector<std::string> rank_names(int world_size, int num_engines, int tp_size) {
+std::vector<std::string> rank_names(const Config& config) {
   std::vector<std::string> names;
-  for (int r = 0; r < world_size; ++r) names.push_back(fmt::format("trainer rank {}", r));
-  for (int e = 0; e < num_engines; ++e)
-    for (int t = 0; t < tp_size; ++t) names.push_back(fmt::format("engine {} tp rank {}", e, t));
+  for (int r = 0; r < config.policy.world_size; ++r)
+    names.push_back(fmt::format("trainer rank {}", r));
+  for (int e = 0; e < config.generation.num_engines; ++e)
+    for (int t = 0; t < config.generation.tp_size; ++t)
+      names.push_back(fmt::format("engine {} tp rank {}", e, t));
   return names;
 }
 
@@ -120,7 +123,10 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
     const auto now = Clock::now();
     for (const std::string& peer : peers) {
       auto beat = store.try_get("heartbeat/" + peer);
-      if (!beat.ok() || !beat->has_value() || **beat == "left") continue;
+      if (!beat.ok())
+        return Status::Aborted(fmt::format(
+            "lost the control plane (the store of trainer rank 0): {}", beat.status().to_string()));
+      if (!beat->has_value() || **beat == "left") continue;
       auto [it, fresh] = seen->try_emplace(peer, Seen{**beat, now});
       if (fresh || it->second.value != **beat) {
         it->second = Seen{**beat, now};

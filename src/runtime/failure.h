@@ -20,6 +20,7 @@
 namespace refit {
 
 class Store;
+struct Config;
 
 void announce_failure(Store* store, const std::string& who, const Status& status);
 
@@ -55,9 +56,9 @@ class Heartbeat {
   std::unique_ptr<State> s_;
 };
 
-// Every rank name of a run, as the runtime names them: "trainer rank R" for R < world_size, and
-// "engine E tp rank T" for every engine and TP rank.
-std::vector<std::string> rank_names(int world_size, int num_engines, int tp_size);
+// Every rank name of the run `config` describes, as the runtime names them: "trainer rank R" for
+// R < policy.world_size, and "engine E tp rank T" for every engine and TP rank.
+std::vector<std::string> rank_names(const Config& config);
 
 // A liveness check for waits on the control plane (mailboxes, store gets, group rendezvous). It
 // fails when:

@@ -41,7 +41,10 @@ class TrainerImpl final : public Trainer {
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
-    return latch_.guard(body, store_, id(), [this] { abort_collectives(); });
+    // Failures are recorded over the probe connection, whose requests end within seconds even
+    // when the store's host is stopped (store_ waits up to refit.timeout_s).
+    return latch_.guard(body, probe_store_ ? probe_store_ : store_, id(),
+                        [this] { abort_collectives(); });
   }
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).
@@ -56,10 +59,7 @@ class TrainerImpl final : public Trainer {
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
     // rank's collectives when one falls silent (runtime/failure.h).
     if (st.ok())
-      heartbeat_->watch(id(),
-                        rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
-                                   cfg_.generation.tp_size),
-                        [this](const Status&) { abort_collectives(); });
+      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status&) { abort_collectives(); });
     return st;
   }
 
@@ -133,9 +133,7 @@ class TrainerImpl final : public Trainer {
   // A liveness check for this rank's waits: the store, the run's first failure, every other
   // rank's heartbeat (runtime/failure.h).
   std::function<Status()> alive() {
-    return liveness_check(*store_, id(),
-                          rank_names(cfg_.policy.world_size, cfg_.generation.num_engines,
-                                     cfg_.generation.tp_size));
+    return liveness_check(*probe_store_, id(), rank_names(cfg_));
   }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
@@ -173,6 +171,8 @@ class TrainerImpl final : public Trainer {
     }
     REFIT_ASSIGN_OR_RETURN(store_,
                            connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
+    REFIT_ASSIGN_OR_RETURN(probe_store_,
+                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beat_store,
                            connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
     heartbeat_ = std::make_unique<Heartbeat>(std::move(beat_store), id());
@@ -403,6 +403,8 @@ class TrainerImpl final : public Trainer {
   int verifications_ = 0;    // verified refits so far: namespaces the verdict keys
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
+  // Liveness checks and failure records: requests bounded by kBeatRequestTimeout.
+  std::unique_ptr<Store> probe_store_;
   std::unique_ptr<Mailbox> mailbox_;
   std::unique_ptr<Communicator> trainer_comm_, p2p_comm_;
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
