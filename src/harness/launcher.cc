@@ -128,13 +128,8 @@ Result<LaunchResult> launch_and_wait(
   };
   while (alive > 0) {
     if (g_signal != 0) {  // SIGINT/SIGTERM: stop every child now, reap them, let the caller clean up
-      for (pid_t p : pids)
-        if (p > 0) kill(p, SIGKILL);
-      for (pid_t& p : pids)
-        if (p > 0) {
-          waitpid(p, nullptr, 0);
-          p = -1;
-        }
+      kill_remaining();
+      reap_remaining();
       result.interrupted = g_signal;
       result.summary = fmt::format("interrupted by signal {} ({}); every rank was stopped",
                                    static_cast<int>(g_signal), strsignal(g_signal));

@@ -8,6 +8,7 @@
 // drives a plane.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -109,10 +110,13 @@ class DataPlane {
     std::int64_t kernel = 0;
     std::int64_t copy_engines = 0;
   };
-  CopyPathBytes copy_path_bytes() const { return path_bytes_; }
+  CopyPathBytes copy_path_bytes() const {
+    return {.kernel = kernel_bytes_.load(), .copy_engines = copy_engine_bytes_.load()};
+  }
 
  protected:
-  CopyPathBytes path_bytes_;
+  // Counted by copy(), which stages on different threads may call.
+  std::atomic<std::int64_t> kernel_bytes_{0}, copy_engine_bytes_{0};
 };
 
 // The plane of `config.device`. CPU: REFIT_CPU_THREADS workers (default: the number of cores,

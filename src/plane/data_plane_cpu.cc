@@ -181,7 +181,7 @@ class CpuDataPlane final : public DataPlane {
               const std::byte* src_base) override {
     std::int64_t total = 0;
     for (const CopyRun& r : runs) total += r.block.numel();
-    path_bytes_.kernel += total * static_cast<std::int64_t>(dtype_size(ddt));
+    kernel_bytes_ += total * static_cast<std::int64_t>(dtype_size(ddt));
     // Small lists are not worth waking the workers.
     constexpr std::int64_t kParallelMin = 1 << 20;
     if (pool_.size() == 1 || total < kParallelMin) {

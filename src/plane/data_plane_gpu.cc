@@ -259,8 +259,8 @@ class CudaDataPlane final : public DataPlane {
     REFIT_RETURN_IF_ERROR(sync(t->kernel_bytes > 0 ? "a block copy" : "copy-engine copies"));
     if (ce_stream != stream_.handle())
       REFIT_RETURN_IF_ERROR(synchronize_stream(ce_stream, timeout_, "copy-engine copies"));
-    path_bytes_.kernel += t->kernel_bytes;
-    path_bytes_.copy_engines += t->engine_bytes;
+    kernel_bytes_ += t->kernel_bytes;
+    copy_engine_bytes_ += t->engine_bytes;
     return Status::Ok();
   }
 

@@ -160,11 +160,10 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
     REFIT_ASSIGN_OR_RETURN(store_,
                            connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
-    REFIT_ASSIGN_OR_RETURN(probe_store_,
-                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beat_store,
-                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
-    heartbeat_ = std::make_unique<Heartbeat>(std::move(beat_store), id());
+    REFIT_ASSIGN_OR_RETURN(LivenessConnections live,
+                           connect_liveness(ep_.master_addr, ep_.master_port, auth, id()));
+    probe_store_ = std::move(live.probe);
+    heartbeat_ = std::move(live.heartbeat);
     REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout(), auth));

@@ -85,6 +85,17 @@ void Heartbeat::watch(const std::string& who, std::vector<std::string> peers,
   s_->on_lost = std::move(on_lost);
 }
 
+Result<LivenessConnections> connect_liveness(const std::string& host, int port,
+                                             std::shared_ptr<const ControlAuth> auth,
+                                             const std::string& who) {
+  LivenessConnections c;
+  REFIT_ASSIGN_OR_RETURN(c.probe, connect_store(host, port, kBeatRequestTimeout, auth));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats,
+                         connect_store(host, port, kBeatRequestTimeout, auth));
+  c.heartbeat = std::make_unique<Heartbeat>(std::move(beats), who);
+  return c;
+}
+
 std::vector<std::string> rank_names(const Config& config) {
   std::vector<std::string> names;
   for (int r = 0; r < config.policy.world_size; ++r)

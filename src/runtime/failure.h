@@ -19,6 +19,7 @@
 
 namespace refit {
 
+class ControlAuth;
 class Store;
 struct Config;
 
@@ -55,6 +56,17 @@ class Heartbeat {
   struct State;
   std::unique_ptr<State> s_;
 };
+
+// The connections a rank's liveness needs besides its main store connection, both with requests
+// bounded by kBeatRequestTimeout so that a stopped store host cannot hold the rank: `probe` for
+// liveness checks and failure records, and the heartbeat of rank `who`, which has its own.
+struct LivenessConnections {
+  std::unique_ptr<Store> probe;
+  std::unique_ptr<Heartbeat> heartbeat;
+};
+Result<LivenessConnections> connect_liveness(const std::string& host, int port,
+                                             std::shared_ptr<const ControlAuth> auth,
+                                             const std::string& who);
 
 // Every rank name of the run `config` describes, as the runtime names them: "trainer rank R" for
 // R < policy.world_size, and "engine E tp rank T" for every engine and TP rank.

@@ -171,11 +171,10 @@ class TrainerImpl final : public Trainer {
     }
     REFIT_ASSIGN_OR_RETURN(store_,
                            connect_store(ep_.master_addr, ep_.master_port, timeout(), auth));
-    REFIT_ASSIGN_OR_RETURN(probe_store_,
-                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beat_store,
-                           connect_store(ep_.master_addr, ep_.master_port, kBeatRequestTimeout, auth));
-    heartbeat_ = std::make_unique<Heartbeat>(std::move(beat_store), id());
+    REFIT_ASSIGN_OR_RETURN(LivenessConnections live,
+                           connect_liveness(ep_.master_addr, ep_.master_port, auth, id()));
+    probe_store_ = std::move(live.probe);
+    heartbeat_ = std::move(live.heartbeat);
     if (rank_ == 0) {
       REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
       REFIT_RETURN_IF_ERROR(
