@@ -10,6 +10,7 @@
 #include "common/convert.h"
 #include "device/copy_kernels.h"
 #include "device/device.h"
+#include "plane/data_plane.h"
 #include "engine/engine_layout.h"
 #include "weights/weights.h"
 
@@ -197,6 +198,33 @@ TEST(CudaKernels, BlockCopyMatchesConvertBlockForEveryDtypePair) {
         EXPECT_EQ(first_difference(download(gd, want.size()), want, ds), -1)
             << dtype_name(s) << " -> " << dtype_name(d) << " bulk " << tuning.bulk_same_dtype;
       }
+}
+
+// The checksum kernel computes common/checksum.h's sum bit for bit, like the CPU plane, for every
+// source dtype and every dtype it is taken as (special values included).
+TEST(CudaKernels, ChecksumMatchesTheCpuPlaneForEveryDtypePair) {
+  REFIT_REQUIRE_GPU();
+  std::mt19937_64 rng(13);
+  std::int64_t src_elems = 0, dst_elems = 0;
+  const auto runs = mixed_runs(src_elems, dst_elems);
+  auto table = DeviceBlockTable::upload({runs}, 0);
+  ASSERT_TRUE(table.ok()) << table.status().to_string();
+  Config cpu_cfg;
+  auto cpu = make_data_plane(cpu_cfg);
+  ASSERT_TRUE(cpu.ok());
+  for (DType s : kAll)
+    for (DType d : kAll) {
+      const auto src = random_elements(s, static_cast<std::size_t>(src_elems), rng);
+      std::vector<CopyRun> host_runs;
+      for (const Block2D& b : runs) host_runs.push_back({src.data(), nullptr, b});
+      auto want = (*cpu)->checksum(host_runs, s, d);
+      ASSERT_TRUE(want.ok());
+      GpuBuffer gs(src.size());
+      upload(gs, src);
+      auto got = block_checksum(*table, gs.data(), s, d, nullptr, std::chrono::seconds(30));
+      ASSERT_TRUE(got.ok()) << got.status().to_string();
+      EXPECT_EQ(*got, *want) << dtype_name(s) << " as " << dtype_name(d);
+    }
 }
 
 TEST(CudaKernels, GroupLaunchWritesOnlyItsGroup) {

@@ -40,6 +40,8 @@ struct Cell {
   int num_buffers = 2;
   double timeout_s = 20;
   std::string executor = "auto";
+  bool checksum = false;
+  bool keep_previous = false;
 };
 
 std::string config_yaml(const Cell& c) {
@@ -53,7 +55,8 @@ std::string config_yaml(const Cell& c) {
     << "\n  tp_size: " << c.tp << "\n"
     << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
     << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s
-    << "\n  executor: " << c.executor << "\n";
+    << "\n  executor: " << c.executor << "\n  checksum: " << (c.checksum ? "true" : "false")
+    << "\n  keep_previous: " << (c.keep_previous ? "true" : "false") << "\n";
   return y.str();
 }
 
@@ -199,6 +202,87 @@ TEST(RuntimeFaults, CorruptBucketIpc) {
   auto r = run_cell({.colocated = true}, {"--steps", "1", "--verify", "--fault", "corrupt:0"});
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verify:"), std::string::npos) << r.output;
+}
+
+// refit.checksum and recovery (docs/runtime.md, "A refit that fails at its end"): a corrupted
+// round or parameter is caught by the checksum at the commit, the engines do not publish, and the
+// next refits of the same session (the same processes) succeed and verify.
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+void expect_recovers(const Cell& c, const std::string& fault, int failed_step,
+                     const std::string& cause) {
+  auto r = run_cell(c, {"--steps", "3", "--verify", "--fault", fault});
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find(cause), std::string::npos);
+  EXPECT_NE(r.output.find(fmt::format("1 of 3 refit(s) failed (steps {}); the session went on",
+                                      failed_step)),
+            std::string::npos);
+  // The other steps ran in the same session and were verified; no rank ended (engines exit 0).
+  for (int step = 1; step <= 3; ++step) {
+    EXPECT_EQ(r.output.find(fmt::format("step {}/3: refit failed", step)) != std::string::npos,
+              step == failed_step)
+        << "step " << step;
+    EXPECT_EQ(count_of(r.output, fmt::format("step {}/3: refit ", step)), 1u) << "step " << step;
+  }
+  EXPECT_EQ(count_of(r.output, ", verified\n"), 2u);
+  EXPECT_EQ(count_of(r.output, "exited with code 0"), static_cast<size_t>(c.num_engines * c.tp));
+  if (c.keep_previous) {
+    EXPECT_EQ(count_of(r.output, "(refit.keep_previous) and resumed generation"),
+              static_cast<size_t>(c.num_engines * c.tp));
+    EXPECT_EQ(count_of(r.output, "rolled-back weights (version"),
+              static_cast<size_t>(c.num_engines * c.tp));
+  } else {
+    EXPECT_GE(count_of(r.output, "the weights are invalid and generation stays paused"), 1u);
+  }
+}
+
+TEST(RuntimeChecksum, PassingRunsSayTheChecksumsMatched) {
+  for (const Cell& c : {Cell{.checksum = true},
+                        Cell{.executor = "p2p", .checksum = true},
+                        Cell{.engine = "vllm", .colocated = true, .checksum = true},
+                        Cell{.model = "tiny-qwen2", .world_size = 3, .num_engines = 2,
+                             .buffer = 4096, .checksum = true}}) {
+    auto r = run_cell(c, {"--steps", "2", "--verify"});
+    SCOPED_TRACE(r.output);
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_EQ(count_of(r.output, "refit.checksum: step 1 arrived intact"),
+              static_cast<size_t>(c.num_engines * c.tp));
+  }
+}
+TEST(RuntimeChecksum, RejectedWithGather) {
+  auto r = run_cell({.executor = "gather", .checksum = true}, {"--steps", "1"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("refit.checksum"), std::string::npos) << r.output;
+}
+TEST(RuntimeRecovery, ChecksumMismatchPeerThenRecovers) {
+  // Without --verify the checksum alone catches it.
+  auto r = run_cell({.checksum = true}, {"--steps", "3", "--fault", "corrupt:1"});
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("checksum mismatch in refit step 1"), std::string::npos);
+  EXPECT_NE(r.output.find("step 3/3: refit "), std::string::npos);
+  EXPECT_NE(r.output.find("written in place"), std::string::npos) << "peer path not taken";
+}
+TEST(RuntimeRecovery, ChecksumMismatchP2pThenRecovers) {
+  expect_recovers({.executor = "p2p", .checksum = true}, "corrupt:1", 1,
+                  "checksum mismatch in refit step 1");
+}
+TEST(RuntimeRecovery, FailedVerificationThenRecovers) {
+  // The verification hook's failure is the refit's, not the session's.
+  expect_recovers({.engine = "vllm"}, "corrupt:2:2", 2, "verify: engine 0 tp rank");
+}
+TEST(RuntimeRecovery, KeepPreviousRollsBackBitExact) {
+  // Step 2 fails: every engine rank restores step 1's bytes and label (verified bit-exact).
+  expect_recovers({.checksum = true, .keep_previous = true}, "corrupt:1:2", 2,
+                  "checksum mismatch in refit step 2");
+  expect_recovers({.engine = "vllm", .colocated = true, .world_size = 1, .tp = 1,
+                   .keep_previous = true},
+                  "corrupt:0:2", 2, "verify: engine 0 tp rank 0");
 }
 
 void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::string& culprit) {

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <map>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -15,6 +16,8 @@
 #include "refit/config.h"
 #include "refit/model_spec.h"
 #include "executor/routes.h"
+#include "common/convert.h"
+#include "plane/data_plane.h"
 
 namespace refit {
 namespace {
@@ -260,6 +263,115 @@ TEST(TransferPlan, RouteMetadataRebuildsTheIncomingSegments) {
   EXPECT_NE(st.message().find("model.no_such.weight"), std::string::npos) << st.to_string();
   st = add_routes_metadata(in, outside, 0, s->engines[0], DType::kBFloat16);
   EXPECT_NE(st.message().find("lie outside"), std::string::npos) << st.to_string();
+}
+
+// refit.checksum: a trainer rank's checksum of what it sends (its shards, cast) equals the engine
+// rank's checksum of what landed from it, and one changed or swapped element breaks exactly that
+// feeder's pair.
+TEST(TransferPlan, ChecksumsOfBothSidesAgreeAndCatchOneElement) {
+  auto spec = load_model_spec("tiny-qwen2");
+  ASSERT_TRUE(spec.ok());
+  Config cfg = config_of({.model = "tiny-qwen2", .world = 3, .tp = 2, .buffer = 2048});
+  auto s = make_route_setup(cfg, *spec);
+  ASSERT_TRUE(s.ok());
+  auto plane = make_data_plane(cfg);
+  ASSERT_TRUE(plane.ok());
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 0.05f);
+  std::vector<std::vector<std::vector<float>>> shards(3);
+  std::vector<std::vector<void*>> shard_ptrs(3);
+  for (int r = 0; r < 3; ++r)
+    for (const LocalTensor& t : s->trainers[static_cast<std::size_t>(r)].tensors) {
+      auto& v = shards[static_cast<std::size_t>(r)].emplace_back(
+          static_cast<std::size_t>(matrix_shape(t.shape).numel()));
+      for (float& x : v) x = normal(rng);
+      shard_ptrs[static_cast<std::size_t>(r)].push_back(v.data());
+    }
+  std::vector<std::vector<std::vector<std::uint16_t>>> params(2);
+  std::vector<std::vector<void*>> param_ptrs(2);
+  for (int g = 0; g < 2; ++g)
+    for (const EngineParam& p : s->engines[static_cast<std::size_t>(g)].params) {
+      auto& v = params[static_cast<std::size_t>(g)].emplace_back(
+          static_cast<std::size_t>(matrix_shape(p.shape).numel()));
+      param_ptrs[static_cast<std::size_t>(g)].push_back(v.data());
+    }
+  // The transfer, route by route, cast as the executors cast.
+  for (const Route& q : s->plan.routes) {
+    const auto tcols = matrix_shape(
+        s->trainers[static_cast<std::size_t>(q.trainer)].tensors[q.trainer_tensor].shape).cols;
+    const auto pcols = matrix_shape(
+        s->engines[static_cast<std::size_t>(q.engine)].params[q.engine_param].shape).cols;
+    convert_block(shard_ptrs[static_cast<std::size_t>(q.trainer)][q.trainer_tensor],
+                  DType::kFloat32, q.trainer_row * tcols + q.trainer_col, tcols,
+                  param_ptrs[static_cast<std::size_t>(q.engine)][q.engine_param],
+                  DType::kBFloat16, q.engine_row * pcols + q.engine_col, pcols, q.rows, q.cols);
+  }
+  auto sums = [&](int g) {
+    std::map<int, std::pair<std::uint64_t, std::uint64_t>> out;  // feeder -> (sent, landed)
+    const auto landed = engine_checksum_runs(incoming_from_plan(s->plan, g),
+                                             s->engines[static_cast<std::size_t>(g)],
+                                             param_ptrs[static_cast<std::size_t>(g)]);
+    for (int r : s->plan.sources_of(g)) {
+      auto a = (*plane)->checksum(
+          trainer_checksum_runs(*s, r, g, shard_ptrs[static_cast<std::size_t>(r)]),
+          DType::kFloat32, DType::kBFloat16);
+      auto b = (*plane)->checksum(landed.at(r), DType::kBFloat16, DType::kBFloat16);
+      EXPECT_TRUE(a.ok() && b.ok());
+      out[r] = {*a, *b};
+    }
+    return out;
+  };
+  for (int g = 0; g < 2; ++g) {
+    ASSERT_EQ(s->plan.sources_of(g).size(), 3u);
+    for (const auto& [r, ab] : sums(g)) EXPECT_EQ(ab.first, ab.second) << "trainer " << r;
+  }
+  // One element of engine rank 1, from the feeder of its first route: only that pair breaks.
+  const Route* first = nullptr;
+  for (const Route& q : s->plan.routes)
+    if (q.engine == 1 && q.numel() > 1) {
+      first = &q;
+      break;
+    }
+  ASSERT_NE(first, nullptr);
+  const auto pcols = matrix_shape(s->engines[1].params[first->engine_param].shape).cols;
+  std::uint16_t& x = params[1][first->engine_param][static_cast<std::size_t>(
+      first->engine_row * pcols + first->engine_col)];
+  std::uint16_t& y = params[1][first->engine_param][static_cast<std::size_t>(
+      first->engine_row * pcols + first->engine_col + 1)];
+  x ^= 1;
+  for (const auto& [r, ab] : sums(1))
+    EXPECT_EQ(ab.first == ab.second, r != first->trainer) << "trainer " << r;
+  x ^= 1;
+  std::swap(x, y);  // the same values, misplaced
+  ASSERT_NE(x, y);
+  for (const auto& [r, ab] : sums(1))
+    EXPECT_EQ(ab.first == ab.second, r != first->trainer) << "trainer " << r;
+}
+
+TEST(TransferPlan, ChecksumDoesNotDependOnHowElementsAreSplit) {
+  Config cfg;
+  auto plane = make_data_plane(cfg);
+  ASSERT_TRUE(plane.ok());
+  constexpr std::int64_t kRows = 3000, kCols = 1001;  // past the CPU plane's parallel threshold
+  std::vector<float> data(static_cast<std::size_t>(kRows * kCols));
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  for (float& v : data) v = u(rng);
+  const auto* src = reinterpret_cast<const std::byte*>(data.data());
+  const std::vector<CopyRun> whole = {{src, nullptr, {0, kCols, 0, kCols, kRows, kCols}}};
+  std::vector<CopyRun> split;
+  for (std::int64_t r0 = kRows; r0 > 0; r0 -= 700) {  // backwards, uneven, and column-split
+    const std::int64_t r = std::max<std::int64_t>(0, r0 - 700), rows = r0 - r;
+    split.push_back({src, nullptr, {r * kCols + 500, kCols, r * kCols + 500, kCols, rows, kCols - 500}});
+    split.push_back({src, nullptr, {r * kCols, kCols, r * kCols, kCols, rows, 500}});
+  }
+  for (DType as : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}) {
+    auto a = (*plane)->checksum(whole, DType::kFloat32, as);
+    auto b = (*plane)->checksum(split, DType::kFloat32, as);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(*a, *b) << dtype_name(as);
+    EXPECT_NE(*a, 0u);
+  }
 }
 
 TEST(TransferPlan, HashCoversTheRoutes) {

@@ -20,3 +20,10 @@ for colo in true false; do
 printf 'model: %s\ndevice: cuda\npolicy: {world_size: 1, dtype: float32}\ngeneration: {backend: vllm, colocated: %s, tp_size: 1}\nrefit: {timeout_s: 60}\n' $w/model $colo > $w/cuda.yaml
 $c/bin/refit run $w/cuda.yaml --steps 2 --verify > $OUT/ckpt-$colo.log 2>&1; echo "cuda checkpoint colocated=$colo --verify rc=$? $(tail -1 $OUT/ckpt-$colo.log)"
 done
+# The negative: a corrupted parameter must fail verification naming the tensor (the host-side
+# comparison of a checkpoint's values), and the checksum must catch it without --verify.
+$c/bin/refit run $w/cuda.yaml --steps 1 --verify --fault corrupt:0 > $OUT/ckpt-corrupt.log 2>&1
+echo "cuda checkpoint corrupt:0 --verify rc=$? (want 1) $(grep -m1 -o 'verify: [^(]*' $OUT/ckpt-corrupt.log)"
+printf 'model: %s\ndevice: cuda\npolicy: {world_size: 1, dtype: float32}\ngeneration: {backend: vllm, colocated: true, tp_size: 1}\nrefit: {timeout_s: 60, checksum: true}\n' $w/model > $w/sum.yaml
+$c/bin/refit run $w/sum.yaml --steps 2 --fault corrupt:0 > $OUT/ckpt-checksum.log 2>&1
+echo "cuda checkpoint checksum corrupt:0 rc=$? (want 1) $(grep -m1 -o 'checksum mismatch in refit step [0-9]*' $OUT/ckpt-checksum.log); step 2: $(grep -c 'step 2/2: refit [0-9]' $OUT/ckpt-checksum.log)"

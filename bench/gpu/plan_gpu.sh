@@ -34,7 +34,8 @@ nvidia-smi topo -m > "$out/topology.txt" 2>&1
 note "nccl: $(ls "$nccl_dir"/libnccl.so.2* 2>/dev/null | head -1)"
 
 # cfg NAME MODEL POLICY WORLD MEGATRON ENGINE COLOCATED ENGINES TP DTYPE EXECUTOR [BUF] [TIMEOUT]
-# MEGATRON is "tp,pp,ep" or "-".
+#     [REFIT_KEYS]
+# MEGATRON is "tp,pp,ep" or "-"; REFIT_KEYS more keys of the refit section (", checksum: true").
 cfg() {
   local f=$work/$1.yaml mg="" mtp mpp mep
   if [ "$5" != - ]; then
@@ -46,7 +47,7 @@ cfg() {
     echo "device: cuda"
     echo "policy: {backend: $3, world_size: $4, dtype: ${10}$mg}"
     echo "generation: {backend: $6, colocated: $7, num_engines: $8, tp_size: $9}"
-    echo "refit: {buffer_size_bytes: ${12:-536870912}, num_buffers: 2, timeout_s: ${13:-60}, executor: ${11}}"
+    echo "refit: {buffer_size_bytes: ${12:-536870912}, num_buffers: 2, timeout_s: ${13:-60}, executor: ${11}${14:-}}"
   } > "$f"
   echo "$f"
 }
@@ -102,6 +103,17 @@ if has cells; then
     "$(cfg n6 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)" --steps 2 --verify
   note "$(printf '     copy lists split onto the copy engines: %s' \
     "$(grep -c 'on the copy engines' "$work/cell.log")")"
+  # refit.checksum and recovery: the corrupted step fails, the session goes on and the next steps
+  # verify; with keep_previous every engine rank restores (and verifies) the previous version.
+  cell "non-colocated p2p, checksum: corrupt:1:2 caught, steps 1 and 3 verify" \
+    "fail:1 of 3 refit(s) failed (steps 2); the session went on" \
+    "$(cfg r1 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 p2p 8192 60 ', checksum: true')" \
+    --steps 3 --verify --fault corrupt:1:2
+  cell "colocated w2 tp2 peer, checksum + keep_previous: corrupt:0:2 rolled back" \
+    "fail:1 of 3 refit(s) failed (steps 2); the session went on" \
+    "$(cfg r2 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 60 ', checksum: true, keep_previous: true')" \
+    --steps 3 --verify --fault corrupt:0:2
+  note "    rolled-back weights verified on $(grep -c 'rolled-back weights (version' "$work/cell.log") engine rank(s) (want 2)"
   cell "colocated w2 tp2, corrupt:0 must fail naming the tensor" "fail:verify:" \
     "$(cfg f1 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 20)" --steps 1 --verify --fault corrupt:0
   cell "colocated w2 tp2, killed engine rank 1: every rank exits" "fail:killed by signal 9" \
@@ -138,6 +150,11 @@ if has bench; then
   bench noncolo-1to1-8b-bf16-kernel "$(cfg b12 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)" REFIT_COPY_ENGINE=0
   bench colo-w2-tp2-8b-bf16-ce "$(cfg b10 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)" REFIT_COPY_ENGINE=1
   bench colo-w2-tp2-8b-bf16 "$(cfg b11 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)"
+  # The cost of refit.checksum and refit.keep_previous (docs/runtime.md).
+  bench colo-1gpu-8b-fp32-checksum "$(cfg b13 qwen3-8b fsdp2 1 - vllm true 1 1 float32 auto '' '' ', checksum: true')"
+  bench colo-1gpu-8b-fp32-keep "$(cfg b14 qwen3-8b fsdp2 1 - vllm true 1 1 float32 auto '' '' ', keep_previous: true')"
+  bench noncolo-1to1-8b-bf16-checksum "$(cfg b15 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto '' '' ', checksum: true')"
+  bench colo-w2-tp2-8b-bf16-checksum "$(cfg b16 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto '' '' ', checksum: true')"
 fi
 
 if has torch; then

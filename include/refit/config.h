@@ -64,6 +64,12 @@ struct RefitConfig {
   int num_buffers = 2;                           // in-flight buckets (>= 1)
   double timeout_s = 60.0;                       // bound on every wait inside a refit
   Executor executor = Executor::kAuto;           // how bytes move (see Executor)
+  // Per-route checksums (transfer plan): every trainer rank checksums what it sends each engine
+  // rank, the engine rank what landed, and the engine publishes only when they agree.
+  bool checksum = false;
+  // Engines keep a copy of their parameters during each refit and restore it when the refit
+  // fails once bytes may have landed (costs one more copy of the rank's parameters in memory).
+  bool keep_previous = false;
 
   // timeout_s as a duration.
   std::chrono::milliseconds timeout() const {

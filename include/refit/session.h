@@ -98,7 +98,14 @@ class Trainer {
   // committed. `version` is the weight version the engines publish. With `verify`, the engines
   // run their verification hook after the commit and the verdict is returned here (on every
   // trainer rank). Collective over the trainer group.
+  // A refit that moved every byte but failed at its end — a checksum mismatch (refit.checksum) or
+  // a failed verification — returns an error on every trainer rank and leaves the session usable
+  // (session_ok() stays true): the engines did not publish its version (with refit.keep_previous
+  // they rolled back), and the next refit() runs normally. Any other failure ends the session.
   virtual Status refit(int step, const std::string& version, bool verify) = 0;
+  // Whether this rank can run another refit: false once a failure ended the session (every later
+  // call returns that failure; re-create every rank to recover, docs/runtime.md).
+  virtual bool session_ok() const = 0;
   virtual const RefitStats& last_stats() const = 0;
   // bench: one pass of the bare moves over the same bytes (no unshard, cast or apply). The bytes
   // are not the weights: with peer access they land in the engines' parameters (which keep their
@@ -164,14 +171,19 @@ class Engine {
   // Serves one refit (blocking). Waits for it to start as long as the trainer lives (a failure of
   // any rank, or the loss of the store, ends the wait); each step of the refit is bounded by
   // refit.timeout_s. Returns true after a committed refit, false when the trainer shut the
-  // engines down.
+  // engines down. A refit that failed at its end (checksum mismatch, failed verification) is
+  // returned as its error with session_ok() still true: serve the next one.
   virtual Result<bool> serve_one() = 0;
-  // Serves refits until shutdown.
+  // Serves refits until shutdown, past refits that failed at their end.
   virtual Status serve() = 0;
+  // Whether this rank can serve another refit (see Trainer::session_ok).
+  virtual bool session_ok() const = 0;
   // The version published by the last committed refit ("0" before the first). Empty while a
   // refit may be writing the parameters, and after a refit that failed once it could have
-  // written them (a failure, or a failed verification): the weights are then a mix of two
-  // versions and generation stays paused (the resume hook did not run).
+  // written them (a failure, a checksum mismatch, a failed verification): the weights are then a
+  // mix of two versions and generation stays paused (the resume hook did not run). With
+  // refit.keep_previous, a refit that failed at its end with every rank alive restores the
+  // previous version's bytes and label instead, and resumes generation.
   virtual std::string weight_version() const = 0;
   // False exactly when weight_version() is empty: the parameters hold no complete version.
   virtual bool is_valid() const = 0;

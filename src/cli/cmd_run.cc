@@ -178,6 +178,9 @@ void run_local(const RunFlags& f) {
   prepare_report(f.json_path);
   const Config cfg = load_checked_config(f.config_path);
   const RankOptions options = rank_options(f, cfg);  // flags are checked before anything starts
+  if (options.fault.step > f.steps)
+    throw CliExit(kExitSetup, fmt::format("--fault {}: step {} is past the run's --steps {}",
+                                          f.fault, options.fault.step, f.steps));
   // Children read the resolved config from a private file.
   char dir_template[] = "/tmp/refit-run-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) throw CliExit(kExitRuntime, "mkdtemp failed");
@@ -307,7 +310,7 @@ void add_run_commands(CLI::App& app) {
   auto f = std::make_shared<RunFlags>();
   auto add_common = [&](CLI::App* cmd) {
     cmd->add_option("--fault", f->fault,
-                    "inject a fault (tests): corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
+                    "inject a fault (tests): corrupt:BUCKET[:STEP], kill-trainer:RANK:BUCKET, "
                     "kill-engine:RANK:BUCKET, stop-trainer:RANK:BUCKET, stop-engine:RANK:BUCKET, "
                     "plan-mismatch, version-mismatch");
     cmd->add_option("--dump", f->dump_dir,

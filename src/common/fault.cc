@@ -18,7 +18,7 @@ Result<Fault> parse_fault(std::string_view text) {
   Fault f;
   auto bad = [&] {
     return Status::InvalidArgument(fmt::format(
-        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET, kill-trainer:RANK:BUCKET, "
+        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET[:STEP], kill-trainer:RANK:BUCKET, "
         "kill-engine:RANK:BUCKET, stop-trainer:RANK:BUCKET, stop-engine:RANK:BUCKET, "
         "plan-mismatch, version-mismatch",
         text));
@@ -37,7 +37,10 @@ Result<Fault> parse_fault(std::string_view text) {
   const std::string_view kind = text.substr(0, colon), rest = text.substr(colon + 1);
   if (kind == "corrupt") {
     f.kind = Fault::Kind::kCorrupt;
-    if (!parse_int(rest, f.bucket)) return bad();
+    const auto at = rest.find(':');
+    if (!parse_int(rest.substr(0, at), f.bucket)) return bad();
+    if (at != std::string_view::npos && (!parse_int(rest.substr(at + 1), f.step) || f.step < 1))
+      return bad();
     return f;
   }
   f.stop = kind == "stop-trainer" || kind == "stop-engine";

@@ -14,9 +14,10 @@ struct Fault {
   int rank = -1;    // trainer rank / engine rank the fault hits
   int bucket = -1;  // bucket (executor gather) or round (transfer plan) at which it fires
   bool stop = false;  // kill kinds: SIGSTOP instead of SIGKILL ("stop-trainer", "stop-engine")
+  int step = 1;       // corrupt: the refit step it fires in ("corrupt:K:S"; the others: step 1)
 };
 
-// "corrupt:K" | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
+// "corrupt:K" | "corrupt:K:S" (in step S) | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
 // "plan-mismatch" | "version-mismatch" | "" (none).
 Result<Fault> parse_fault(std::string_view text);
 

@@ -132,6 +132,8 @@ std::string config_to_yaml(const Config& c) {
   // Shortest text that reads back as the same double ("60", "0.5").
   out << YAML::Key << "timeout_s" << YAML::Value << fmt::format("{}", r.timeout_s);
   out << YAML::Key << "executor" << YAML::Value << std::string(executor_name(r.executor));
+  out << YAML::Key << "checksum" << YAML::Value << r.checksum;
+  out << YAML::Key << "keep_previous" << YAML::Value << r.keep_previous;
   out << YAML::EndMap;
 
   out << YAML::EndMap;
@@ -163,6 +165,8 @@ std::string config_to_json(const Config& c) {
       {"num_buffers", c.refit.num_buffers},
       {"timeout_s", c.refit.timeout_s},
       {"executor", executor_name(c.refit.executor)},
+      {"checksum", c.refit.checksum},
+      {"keep_previous", c.refit.keep_previous},
   };
   return j.dump(2);
 }

@@ -309,7 +309,8 @@ Status parse_generation(const Section& top, GenerationConfig& g) {
 Status parse_refit(const Section& top, RefitConfig& r) {
   REFIT_ASSIGN_OR_RETURN(Section s, open_section(top, "refit",
                                                  {"target_precision", "buffer_size_bytes",
-                                                  "num_buffers", "timeout_s", "executor"}));
+                                                  "num_buffers", "timeout_s", "executor",
+                                                  "checksum", "keep_previous"}));
   if (auto v = s.get("target_precision")) {
     REFIT_ASSIGN_OR_RETURN(r.target_precision,
                            read_enum<DType>(s.key("target_precision"), *v,
@@ -333,6 +334,12 @@ Status parse_refit(const Section& top, RefitConfig& r) {
                                                             {"peer", Executor::kPeer},
                                                             {"p2p", Executor::kP2p},
                                                             {"gather", Executor::kGather}}));
+  }
+  if (auto v = s.get("checksum")) {
+    REFIT_ASSIGN_OR_RETURN(r.checksum, read_bool(s.key("checksum"), *v));
+  }
+  if (auto v = s.get("keep_previous")) {
+    REFIT_ASSIGN_OR_RETURN(r.keep_previous, read_bool(s.key("keep_previous"), *v));
   }
   return Status::Ok();
 }

@@ -103,6 +103,12 @@ Status check_executor(const Config& c) {
                    "engine rank that share one GPU",
                    "p2p with device: cuda and generation.colocated: true",
                    "auto or peer (CUDA IPC peer access), or gather");
+  if (c.refit.checksum && c.refit.executor == Executor::kGather)
+    return invalid("refit.checksum",
+                   "checksums are per route of the transfer plan, and executor gather moves "
+                   "buckets instead",
+                   "true with refit.executor: gather",
+                   "refit.executor auto, peer or p2p, or refit.checksum: false");
   return Status::Ok();
 }
 

@@ -137,11 +137,14 @@ std::string encode(const PausedMessage& m) {
   return dump(std::move(j));
 }
 
-std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
+std::string encode(const CommitMessage& m) {
+  return dump({{"step", m.step}, {"checksum", m.checksum}});
+}
 
 std::string encode(const CommittedMessage& m) {
   return dump(
-      {{"version", m.version}, {"apply_s", m.apply_s}, {"bytes_received", m.bytes_received}});
+      {{"version", m.version}, {"apply_s", m.apply_s}, {"bytes_received", m.bytes_received},
+       {"error", m.error}});
 }
 
 std::string encode(const VerifiedMessage& m) {
@@ -245,6 +248,7 @@ Result<CommitMessage> decode_commit(const std::string& payload, const std::strin
   Reader r(payload, "commit", from);
   CommitMessage m;
   r.get("step", m.step);
+  r.get("checksum", m.checksum);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -255,6 +259,7 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
   r.get("version", m.version);
   r.get("apply_s", m.apply_s);
   r.get("bytes_received", m.bytes_received);
+  r.get("error", m.error);
   if (!r.status().ok()) return r.status();
   return m;
 }

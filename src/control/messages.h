@@ -72,6 +72,9 @@ struct PausedMessage {
 // trainer -> engine: every byte of this refit was sent.
 struct CommitMessage {
   int step = 0;
+  // refit.checksum: the sender's checksum (common/checksum.h) of every byte it sent this engine
+  // rank in this refit, as 16 hex digits; empty when checksums are off.
+  std::string checksum;
 };
 
 // engine -> trainer: the version was published.
@@ -79,6 +82,9 @@ struct CommittedMessage {
   std::string version;
   double apply_s = 0;               // seconds the engine spent applying
   std::int64_t bytes_received = 0;  // bytes that reached this engine rank in this refit
+  // Empty when every byte arrived intact; else why the refit failed on this engine rank
+  // (a checksum mismatch). The engine then did not publish the version.
+  std::string error;
 };
 
 // engine -> trainer: the verification verdict after a commit.

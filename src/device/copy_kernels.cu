@@ -510,6 +510,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- the refit checksum (common/checksum.h) ----
+
+__device__ __forceinline__ std::uint64_t checksum_term(std::uint64_t key, std::uint32_t bits) {
+  return mix(key * 0x9e3779b97f4a7c15ull + bits);
+}
+
+template <class S, class D>
+__global__ void __launch_bounds__(kThreads)
+    checksum_kernel(const DeviceTile* __restrict__ tiles, const typename S::T* __restrict__ src,
+                    unsigned long long* sum) {
+  const DeviceTile t = tiles[blockIdx.x];
+  const int n = t.rows * t.cols;
+  std::uint64_t acc = 0;
+  for (int e = threadIdx.x; e < n; e += kThreads) {
+    const int r = t.rows == 1 ? 0 : e / t.cols;
+    const int c = e - r * t.cols;
+    const auto x = src[t.src_offset + static_cast<std::int64_t>(r) * t.src_stride + c];
+    const auto key = static_cast<std::uint64_t>(t.dst_offset + static_cast<std::int64_t>(r) * t.dst_stride + c);
+    acc += checksum_term(key, static_cast<std::uint32_t>(convert_elem<S, D>(x)));
+  }
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
+  if ((threadIdx.x & 31) == 0) atomicAdd(sum, static_cast<unsigned long long>(acc));
+}
+
 // ---- dispatch ----
 
 template <class F>
@@ -646,6 +670,32 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable& table, const Weigh
   result.mismatches = host.mismatches;
   result.first_dst_offset = host.mismatches == 0 ? -1 : static_cast<std::int64_t>(host.first);
   return result;
+}
+
+Result<std::uint64_t> block_checksum(const DeviceBlockTable& table, const void* src,
+                                     DType src_dtype, DType as_dtype, void* stream,
+                                     std::chrono::milliseconds timeout) {
+  const std::int64_t tiles = table.num_tiles();
+  if (tiles == 0) return std::uint64_t{0};
+  REFIT_RETURN_IF_ERROR(check_grid(tiles, "block_checksum"));
+  REFIT_ASSIGN_OR_RETURN(DeviceBuffer sum, DeviceBuffer::allocate(sizeof(std::uint64_t), table.device()));
+  const auto s = static_cast<cudaStream_t>(stream);
+  REFIT_CUDA_CHECK(cudaMemsetAsync(sum.data(), 0, sizeof(std::uint64_t), s));
+  REFIT_RETURN_IF_ERROR(dispatch_dtype(src_dtype, [&](auto sd) {
+    using S = decltype(sd);
+    return dispatch_dtype(as_dtype, [&](auto dd) {
+      using D = decltype(dd);
+      checksum_kernel<S, D><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
+          table.tiles(), static_cast<const typename S::T*>(src),
+          static_cast<unsigned long long*>(sum.data()));
+      REFIT_CUDA_CHECK_LAUNCH("checksum_kernel launch");
+      return Status::Ok();
+    });
+  }));
+  REFIT_RETURN_IF_ERROR(synchronize_stream(stream, timeout, "block_checksum"));
+  std::uint64_t host = 0;
+  REFIT_RETURN_IF_ERROR(copy_to_host(&host, sum.data(), sizeof(host)));
+  return host;
 }
 
 Status check_kernel_image(int device) {

@@ -139,6 +139,14 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable& table, const Weigh
                                       const void* actual, DType dtype, void* stream,
                                       std::chrono::milliseconds timeout);
 
+// The refit checksum (common/checksum.h) of every tile of `table`: element (r, c) of a tile is
+// read at src element src_offset + r*src_stride + c, converted from src_dtype to as_dtype like
+// launch_block_copy, and keyed dst_offset + r*dst_stride + c. Waits (bounded by `timeout`) for
+// the sum.
+Result<std::uint64_t> block_checksum(const DeviceBlockTable& table, const void* src,
+                                     DType src_dtype, DType as_dtype, void* stream,
+                                     std::chrono::milliseconds timeout);
+
 // Whether this binary carries kernels `device` can run (SASS for its architecture, or PTX it can
 // JIT). kUnsupported names the GPU, its compute capability and the architectures built
 // (CMAKE_CUDA_ARCHITECTURES) when it does not. set_device() checks this once per device, so a

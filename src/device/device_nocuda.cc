@@ -90,6 +90,11 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable&, const WeightsPara
   return no_cuda("verify_generated");
 }
 
+Result<std::uint64_t> block_checksum(const DeviceBlockTable&, const void*, DType, DType, void*,
+                                     std::chrono::milliseconds) {
+  return no_cuda("block_checksum");
+}
+
 Result<std::string> export_device_memory(void*, std::size_t) {
   return no_cuda("export_device_memory");
 }

@@ -73,6 +73,12 @@ class TrainerExecutor {
   virtual void invalidate() = 0;
   // Of the last transfer.
   virtual RankTraffic traffic() const = 0;
+  // refit.checksum: the checksum (common/checksum.h) of what this rank sends engine_ids()[i] per
+  // refit, computed now from `shards`. Unsupported where the executor has no routes (gather).
+  virtual Result<std::uint64_t> checksum_to(std::size_t /*i*/,
+                                            const std::vector<void*>& /*shards*/) {
+    return Status::Unsupported("refit.checksum needs the transfer plan");
+  }
   // A failure: close the collectives this executor owns, so peers blocked on them fail now.
   virtual void abort() {}
   void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
@@ -110,6 +116,12 @@ class EngineExecutor {
   // Of the last refit: bytes received, pairs per executor; seconds spent applying.
   virtual RankTraffic traffic() const = 0;
   virtual double apply_seconds() const = 0;
+  // refit.checksum: the checksum (common/checksum.h) of what feeders()[i] sent this rank, computed
+  // now from `params` (call once every byte landed: after the commits).
+  virtual Result<std::uint64_t> checksum_from(std::size_t /*i*/,
+                                              const std::vector<void*>& /*params*/) {
+    return Status::Unsupported("refit.checksum needs the transfer plan");
+  }
   virtual void abort() {}
   void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
 

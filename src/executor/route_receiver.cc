@@ -109,9 +109,23 @@ Status RouteReceiver::attach() {
   }
   finish_incoming(in);
   o_.incoming = std::move(in);
-  runs_.clear();
+  invalidate();
   slots_.clear();
   return Status::Ok();
+}
+
+Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
+                                                   const std::vector<void*>& params) {
+  const EngineShardLayout& lay = o_.setup->engines[static_cast<std::size_t>(
+      o_.engine_rank % o_.config->generation.tp_size)];
+  if (checksum_runs_.empty()) {
+    checksum_runs_ = engine_checksum_runs(o_.incoming, lay, params);
+    checksum_runs_.try_emplace(-1);  // built, even when nothing arrives
+  }
+  const auto it = checksum_runs_.find(o_.sources[i]);
+  if (it == checksum_runs_.end()) return std::uint64_t{0};
+  const DType dt = o_.config->refit.target_precision;
+  return o_.plane->checksum(it->second, dt, dt);
 }
 
 Status RouteReceiver::receive(const EngineRefit& r) {

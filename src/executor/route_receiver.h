@@ -5,6 +5,7 @@
 // Driven by the engine's thread.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,7 +44,11 @@ class RouteReceiver final : public EngineExecutor {
   // decides every pair's executor, errors naming the pair and the fix); peer feeders write the
   // parameters, point-to-point segments arrive here and are scattered on the apply thread.
   Status receive(const EngineRefit& refit) override;
-  void invalidate() override { runs_.clear(); }
+  void invalidate() override {
+    runs_.clear();
+    checksum_runs_.clear();
+  }
+  Result<std::uint64_t> checksum_from(std::size_t i, const std::vector<void*>& params) override;
   // Bytes that reached this rank (received point-to-point, plus what peer feeders wrote per the
   // plan), and the sources each executor served.
   RankTraffic traffic() const override {
@@ -68,6 +73,7 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::vector<std::vector<P2POp>> recv_ops_;  // per round
   std::vector<std::vector<CopyRun>> runs_;    // per round: slot -> parameters
+  std::map<int, std::vector<CopyRun>> checksum_runs_;  // per trainer rank (refit.checksum)
   std::int64_t bytes_received_ = 0;
   int peer_sources_ = 0, p2p_sources_ = 0;
   double apply_seconds_ = 0;  // written on the apply thread

@@ -167,6 +167,15 @@ Status RouteSender::attach() {
   return Status::Ok();
 }
 
+Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<void*>& shards) {
+  auto it = checksum_runs_.find(i);
+  if (it == checksum_runs_.end())
+    it = checksum_runs_
+             .emplace(i, trainer_checksum_runs(*o_.setup, o_.rank, o_.targets[i], shards))
+             .first;
+  return o_.plane->checksum(it->second, o_.config->policy.dtype, o_.setup->plan.dtype);
+}
+
 Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& shards,
                              TransferTimes& times) {
   const Config& cfg = *o_.config;

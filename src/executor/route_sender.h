@@ -49,7 +49,9 @@ class RouteSender final : public TrainerExecutor {
     peer_runs_.clear();
     pack_runs_.clear();
     send_ops_.clear();
+    checksum_runs_.clear();
   }
+  Result<std::uint64_t> checksum_to(std::size_t i, const std::vector<void*>& shards) override;
   // Bytes this rank moved in the last transfer, and how many targets each executor served.
   RankTraffic traffic() const override {
     return RankTraffic{.role = "trainer",
@@ -81,6 +83,7 @@ class RouteSender final : public TrainerExecutor {
   std::vector<PairExecutor> runs_built_for_;  // modes the copy lists were built for
   std::map<std::size_t, Mapped> mapped_;      // target index -> its exported parameters
   std::vector<CopyRun> peer_runs_;
+  std::map<std::size_t, std::vector<CopyRun>> checksum_runs_;  // per target index
   std::vector<std::vector<CopyRun>> pack_runs_;  // per round (p2p targets only)
   std::vector<std::vector<P2POp>> send_ops_;     // per round
   // num_buffers staging slots; rounds with sends rotate over them, so packing round k+1 overlaps

@@ -122,6 +122,71 @@ IncomingRoutes incoming_from_plan(const TransferPlan& plan, int engine_rank) {
   return in;
 }
 
+namespace {
+
+// Where each parameter's elements start in the rank's key space (common/checksum.h).
+std::vector<std::int64_t> param_key_bases(const EngineShardLayout& layout) {
+  std::vector<std::int64_t> base;
+  std::int64_t at = 0;
+  for (const EngineParam& p : layout.params) {
+    base.push_back(at);
+    at += matrix_shape(p.shape).numel();
+  }
+  return base;
+}
+
+// A route's elements at `data` (a tensor of `cols` columns, the route's top-left at (row, col)),
+// keyed by their place in engine parameter `r.engine_param`.
+CopyRun checksum_run(const Route& r, const void* data, std::int64_t row, std::int64_t col,
+                     std::int64_t cols, const EngineShardLayout& layout,
+                     const std::vector<std::int64_t>& key_base) {
+  const std::int64_t pcols = matrix_shape(layout.params[r.engine_param].shape).cols;
+  return CopyRun{.src = static_cast<const std::byte*>(data),
+                 .dst = nullptr,
+                 .block = {.src_offset = row * cols + col,
+                           .src_stride = cols,
+                           .dst_offset = key_base[r.engine_param] + r.engine_row * pcols + r.engine_col,
+                           .dst_stride = pcols,
+                           .rows = r.rows,
+                           .cols = r.cols}};
+}
+
+}  // namespace
+
+std::vector<CopyRun> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
+                                           const std::vector<void*>& shards) {
+  const EngineShardLayout& layout =
+      setup.engines[static_cast<std::size_t>(engine) % setup.engines.size()];
+  const std::vector<std::int64_t> key_base = param_key_bases(layout);
+  const TrainerShardLayout& mine = setup.trainers[static_cast<std::size_t>(trainer)];
+  std::vector<CopyRun> runs;
+  for (const Route& r : setup.plan.routes) {
+    if (r.trainer != trainer || r.engine != engine || r.numel() == 0) continue;
+    const std::int64_t tcols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+    runs.push_back(checksum_run(r, shards[r.trainer_tensor], r.trainer_row, r.trainer_col, tcols,
+                                layout, key_base));
+  }
+  return runs;
+}
+
+std::map<int, std::vector<CopyRun>> engine_checksum_runs(const IncomingRoutes& in,
+                                                         const EngineShardLayout& layout,
+                                                         const std::vector<void*>& params) {
+  const std::vector<std::int64_t> key_base = param_key_bases(layout);
+  std::map<int, std::vector<CopyRun>> runs;
+  for (const auto& round : in.rounds)
+    for (const IncomingSegment& seg : round) {
+      std::vector<CopyRun>& mine = runs[seg.trainer];
+      for (const Route& r : seg.routes) {
+        if (r.numel() == 0) continue;
+        const std::int64_t pcols = matrix_shape(layout.params[r.engine_param].shape).cols;
+        mine.push_back(checksum_run(r, params[r.engine_param], r.engine_row, r.engine_col, pcols,
+                                    layout, key_base));
+      }
+    }
+  return runs;
+}
+
 RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout& layout, int trainer,
                               int engine_rank) {
   RoutesMessage m;

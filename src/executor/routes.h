@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "control/messages.h"
 #include "engine/engine_layout.h"
 #include "plan/transfer_plan.h"
+#include "plane/data_plane.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
@@ -88,6 +90,19 @@ RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout&
 Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int trainer,
                            const EngineShardLayout& layout, DType dtype);
 void finish_incoming(IncomingRoutes& in);
+
+// refit.checksum (common/checksum.h): the runs that checksum what one trainer rank sends one engine
+// rank, on each side, keyed by position in the engine rank's parameters (every parameter's
+// elements numbered from the first parameter's, in layout order).
+//  - trainer side: its routes to engine rank `engine`, read from `shards` (its registered local
+//    tensors, policy dtype; checksummed as the plan's dtype);
+//  - engine side: for each trainer rank in `in`, its routes as they landed in `params`.
+// Zero-element routes add nothing.
+std::vector<CopyRun> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
+                                           const std::vector<void*>& shards);
+std::map<int, std::vector<CopyRun>> engine_checksum_runs(const IncomingRoutes& in,
+                                                         const EngineShardLayout& layout,
+                                                         const std::vector<void*>& params);
 
 // Engine ranks that trainer rank `rank` talks to: its plan targets, and, on trainer rank 0, every
 // engine rank that receives from no one (it still needs a begin and a commit).

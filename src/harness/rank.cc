@@ -3,6 +3,7 @@
 #include "common/stats.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstring>
@@ -158,12 +159,26 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   }
   RefitReport rep;
   std::vector<double> unshard, cast, transfer, apply;
+  // A refit that fails at its end with every rank alive (checksum mismatch, failed verification)
+  // leaves the session usable, as in an RL loop: the next steps run, and the run fails at the end
+  // naming the first failed step.
+  Status first_failed;
+  std::vector<int> failed_steps;
   for (int step = 1; step <= o.steps; ++step) {
     // The "training step": new weights in the registered shards.
     REFIT_RETURN_IF_ERROR(
         plane->fill_weights(*model, shards, step, o.config.policy.dtype, o.config.policy.dtype));
-    REFIT_RETURN_IF_ERROR(trainer->refit(step, weight_version(o.config.generation.backend, step),
-                                         o.verify || o.check_logits));
+    Status refitted = trainer->refit(step, weight_version(o.config.generation.backend, step),
+                                     o.verify || o.check_logits);
+    if (!refitted.ok() && !trainer->session_ok()) return refitted;
+    if (!refitted.ok()) {
+      if (first_failed.ok()) first_failed = refitted;
+      failed_steps.push_back(step);
+      if (rank == 0)
+        log::warn("step {}/{}: refit failed, the session goes on: {}", step, o.steps,
+                  refitted.message());
+      continue;
+    }
     const RefitStats& st = trainer->last_stats();
     rep.refit_seconds.push_back(st.seconds);
     unshard.push_back(st.unshard_s);
@@ -225,6 +240,12 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   rep.plan_hash = trainer->plan_hash();
   rep.executor = std::string(executor_name(o.config.refit.executor));
   if (report != nullptr) *report = rep;
+  if (!first_failed.ok())
+    return Status(first_failed.code(),
+                  fmt::format("{} of {} refit(s) failed (steps {}); the session went on and the "
+                              "other steps succeeded; the first failure: {}",
+                              failed_steps.size(), o.steps, fmt::join(failed_steps, ", "),
+                              first_failed.message()));
   return Status::Ok();
 }
 
@@ -370,6 +391,32 @@ class LogitCheck {
   std::vector<std::int32_t> tokens_;
 };
 
+// After a rollback to `version`: the parameters hold it again, bit for bit — the weights of
+// `step`, the last step that passed verification, or with step 0 the zero-filled storage of
+// before the first refit.
+Status verify_rolled_back(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
+                          const std::vector<PieceTarget>& params, const Config& cfg, int step,
+                          const std::string& version, const std::string& who) {
+  if (step == 0) {
+    std::vector<std::byte> host;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      host.resize(static_cast<std::size_t>(matrix_shape(params[i].shape).numel()) *
+                  dtype_size(cfg.refit.target_precision));
+      REFIT_RETURN_IF_ERROR(plane.read(host.data(), params[i].data, host.size()));
+      if (std::any_of(host.begin(), host.end(), [](std::byte b) { return b != std::byte{0}; }))
+        return Status::Corruption(fmt::format(
+            "{}: rolled back to version 0, but parameter {} is not the zero-filled storage it "
+            "held before the first refit",
+            who, layout.params[i].name));
+    }
+  } else {
+    REFIT_RETURN_IF_ERROR(verify_params(plane, model, layout, params, cfg, step, who)
+                              .with_context("after the rollback to version " + version));
+  }
+  log::info("{}: the rolled-back weights (version '{}') verified bit-exact", who, version);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status run_engine_rank(const RankOptions& o, int engine_rank) {
@@ -395,15 +442,27 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   if (o.check_logits) {
     REFIT_ASSIGN_OR_RETURN(logits, LogitCheck::create(o, *model, engine_rank));
   }
+  int verified_step = 0;  // the last step whose verification passed (its version is published)
   engine->on_verify([&](int step, const std::string&) -> Status {
     // Element-wise verification unless the engine was started for the logit check alone.
     if (o.verify || !logits)
       REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, layout, params, cfg, step, who));
     if (logits)
       REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, layout, params, cfg, step, who));
+    verified_step = step;
     return Status::Ok();
   });
-  REFIT_RETURN_IF_ERROR(engine->serve());
+  // Serve until the shutdown, past refits that failed at their end (the session goes on). After
+  // a rollback (refit.keep_previous) under --verify, the restored bytes are verified too.
+  while (true) {
+    Result<bool> more = engine->serve_one();
+    if (more.ok() && !*more) break;
+    if (more.ok()) continue;
+    if (!engine->session_ok()) return more.status();
+    if (!o.verify || !engine->is_valid()) continue;
+    REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, layout, params, cfg, verified_step,
+                                             engine->weight_version(), who));
+  }
   if (o.dump_dir.empty()) return Status::Ok();
   return dump_engine_params(o, *plane, layout, params, engine_rank);
 }

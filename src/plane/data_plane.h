@@ -104,6 +104,14 @@ class DataPlane {
   virtual Status copy(const std::vector<CopyRun>& runs, DType src_dtype, DType dst_dtype,
                       const std::byte* src_base = nullptr) = 0;
 
+  // The refit checksum (common/checksum.h) of every element of every run: element (r, c) of a
+  // run is read at `src` element block.src_offset + r*block.src_stride + c, converted from
+  // `src_dtype` to `as_dtype` exactly as copy() would, and keyed block.dst_offset +
+  // r*block.dst_stride + c (`dst` is unused). The sum does not depend on how the elements are
+  // split into runs.
+  virtual Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType src_dtype,
+                                         DType as_dtype) = 0;
+
   // Bytes copy() has moved so far, by who moved them: on CUDA the copy kernel or the copy engines
   // (REFIT_COPY_ENGINE); the CPU plane counts its threads' copies as `kernel`.
   struct CopyPathBytes {

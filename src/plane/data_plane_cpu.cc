@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/checksum.h"
 #include "common/convert.h"
 #include "common/env.h"
 #include "common/host_buffer.h"
@@ -179,17 +180,43 @@ class CpuDataPlane final : public DataPlane {
 
   Status copy(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
               const std::byte* src_base) override {
+    kernel_bytes_ += total_elements(runs) * static_cast<std::int64_t>(dtype_size(ddt));
+    for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int) {
+      run_rows(r, src_base, first, last, sdt, ddt);
+    });
+    return Status::Ok();
+  }
+
+  Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,
+                                 DType as) override {
+    std::vector<std::uint64_t> sums(static_cast<std::size_t>(pool_.size()), 0);
+    for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int w) {
+      sums[static_cast<std::size_t>(w)] += checksum_rows(r, first, last, sdt, as);
+    });
+    std::uint64_t sum = 0;
+    for (std::uint64_t s : sums) sum += s;
+    return sum;
+  }
+
+ private:
+  static std::int64_t total_elements(const std::vector<CopyRun>& runs) {
     std::int64_t total = 0;
     for (const CopyRun& r : runs) total += r.block.numel();
-    kernel_bytes_ += total * static_cast<std::int64_t>(dtype_size(ddt));
-    // Small lists are not worth waking the workers.
+    return total;
+  }
+
+  // Calls fn(run, first row, end row, worker) over every row of every run, split over the pool:
+  // worker w takes elements [w*share, (w+1)*share) of the concatenated runs, cut at row
+  // boundaries, so every worker handles about the same number of elements. Small lists are not
+  // worth waking the workers.
+  template <class F>
+  void for_rows(const std::vector<CopyRun>& runs, F&& fn) {
+    const std::int64_t total = total_elements(runs);
     constexpr std::int64_t kParallelMin = 1 << 20;
     if (pool_.size() == 1 || total < kParallelMin) {
-      for (const CopyRun& r : runs) run_rows(r, src_base, 0, r.block.rows, sdt, ddt);
-      return Status::Ok();
+      for (const CopyRun& r : runs) fn(r, 0, r.block.rows, 0);
+      return;
     }
-    // Worker w takes elements [w*share, (w+1)*share) of the concatenated runs, cut at row
-    // boundaries, so every worker moves about the same number of bytes.
     const int workers = pool_.size();
     const std::int64_t share = (total + workers - 1) / workers;
     pool_.run([&](int w) {
@@ -203,16 +230,50 @@ class CpuDataPlane final : public DataPlane {
               std::max<std::int64_t>(0, (lo - at + r.block.cols - 1) / r.block.cols);
           const std::int64_t last =
               std::min(r.block.rows, (hi - at + r.block.cols - 1) / r.block.cols);
-          if (first < last) run_rows(r, src_base, first, last, sdt, ddt);
+          if (first < last) fn(r, first, last, w);
         }
         at += n;
         if (at >= hi) break;
       }
     });
-    return Status::Ok();
   }
 
- private:
+  // Rows [row_begin, row_end) of a checksum run: converted in chunks on the stack, then summed.
+  static std::uint64_t checksum_rows(const CopyRun& r, std::int64_t row_begin,
+                                     std::int64_t row_end, DType sdt, DType as) {
+    constexpr std::int64_t kChunk = 1024;
+    alignas(16) std::byte buf[kChunk * 4];
+    const Block2D& b = r.block;
+    std::uint64_t sum = 0;
+    for (std::int64_t row = row_begin; row < row_end; ++row) {
+      for (std::int64_t c0 = 0; c0 < b.cols; c0 += kChunk) {
+        const std::int64_t n = std::min(kChunk, b.cols - c0);
+        convert_block(r.src, sdt, b.src_offset + row * b.src_stride + c0, 0, buf, as, 0, 0, 1, n);
+        const auto key0 = static_cast<std::uint64_t>(b.dst_offset + row * b.dst_stride + c0);
+        for (std::int64_t i = 0; i < n; ++i)
+          sum += checksum_term(key0 + static_cast<std::uint64_t>(i), element_bits(buf, as, i));
+      }
+    }
+    return sum;
+  }
+
+  static std::uint32_t element_bits(const std::byte* buf, DType dtype, std::int64_t i) {
+    switch (dtype_size(dtype)) {
+      case 4: {
+        std::uint32_t v;
+        std::memcpy(&v, buf + i * 4, 4);
+        return v;
+      }
+      case 2: {
+        std::uint16_t v;
+        std::memcpy(&v, buf + i * 2, 2);
+        return v;
+      }
+      default:
+        return static_cast<std::uint32_t>(buf[i]);
+    }
+  }
+
   static void run_rows(const CopyRun& r, const std::byte* src_base, std::int64_t row_begin,
                        std::int64_t row_end, DType sdt, DType ddt) {
     const Block2D& b = r.block;

@@ -264,6 +264,14 @@ class CudaDataPlane final : public DataPlane {
     return Status::Ok();
   }
 
+  Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,
+                                 DType as) override {
+    REFIT_RETURN_IF_ERROR(on_device());
+    if (runs.empty()) return std::uint64_t{0};
+    REFIT_ASSIGN_OR_RETURN(SumTable * t, sum_table(runs, sdt));
+    return block_checksum(t->table, t->src, sdt, as, stream_.handle(), timeout_);
+  }
+
   void set_seed(std::uint64_t seed) { model_seed_ = seed; }
   void set_copy_engine(env::CopyEngineUse use) { copy_engine_ = use; }
 
@@ -273,6 +281,49 @@ class CudaDataPlane final : public DataPlane {
   Status on_device() const { return set_device(device_); }
 
   Status sync(const char* what) { return synchronize_stream(stream_.handle(), timeout_, what); }
+
+  // A run list's identity and content (lists are built once and reused by every refit).
+  using RunsKey = std::tuple<const void*, std::size_t, std::uint64_t>;
+  static RunsKey runs_key(const std::vector<CopyRun>& runs, const std::byte* src_base) {
+    std::uint64_t h = 1469598103934665603ull;
+    auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    for (const CopyRun& r : runs) {
+      mix(reinterpret_cast<std::uintptr_t>(src_base != nullptr ? nullptr : r.src));
+      mix(reinterpret_cast<std::uintptr_t>(r.dst));
+      mix(static_cast<std::uint64_t>(r.block.src_offset));
+      mix(static_cast<std::uint64_t>(r.block.src_stride));
+      mix(static_cast<std::uint64_t>(r.block.dst_offset));
+      mix(static_cast<std::uint64_t>(r.block.dst_stride));
+      mix(static_cast<std::uint64_t>(r.block.rows));
+      mix(static_cast<std::uint64_t>(r.block.cols));
+    }
+    return {static_cast<const void*>(runs.data()), runs.size(), h};
+  }
+
+  // A checksum list as one uploaded table of offsets from its lowest source address (the keys
+  // stay as they are), cached like copy tables.
+  struct SumTable {
+    DeviceBlockTable table;
+    const std::byte* src = nullptr;
+  };
+  Result<SumTable*> sum_table(const std::vector<CopyRun>& runs, DType sdt) {
+    const RunsKey key = runs_key(runs, nullptr);
+    auto it = sums_.find(key);
+    if (it != sums_.end()) return &it->second;
+    if (sums_.size() >= kMaxCachedTables) sums_.clear();
+    const std::int64_t ss = static_cast<std::int64_t>(dtype_size(sdt));
+    SumTable t;
+    t.src = runs[0].src;
+    for (const CopyRun& r : runs) t.src = std::min(t.src, r.src);
+    std::vector<std::vector<Block2D>> groups(1);
+    for (const CopyRun& r : runs) {
+      Block2D b = r.block;
+      b.src_offset += (r.src - t.src) / ss;
+      groups[0].push_back(b);
+    }
+    REFIT_ASSIGN_OR_RETURN(t.table, DeviceBlockTable::upload(groups, device_));
+    return &sums_.emplace(key, std::move(t)).first->second;
+  }
 
   // Runs with absolute pointers become one uploaded table of offsets from the lowest source and
   // destination address; cached by the runs' identity and content (run lists are built once).
@@ -288,19 +339,7 @@ class CudaDataPlane final : public DataPlane {
   };
   Result<CopyTable*> copy_table(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
                                 const std::byte* src_base) {
-    std::uint64_t h = 1469598103934665603ull;
-    auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-    for (const CopyRun& r : runs) {
-      mix(reinterpret_cast<std::uintptr_t>(src_base != nullptr ? nullptr : r.src));
-      mix(reinterpret_cast<std::uintptr_t>(r.dst));
-      mix(static_cast<std::uint64_t>(r.block.src_offset));
-      mix(static_cast<std::uint64_t>(r.block.src_stride));
-      mix(static_cast<std::uint64_t>(r.block.dst_offset));
-      mix(static_cast<std::uint64_t>(r.block.dst_stride));
-      mix(static_cast<std::uint64_t>(r.block.rows));
-      mix(static_cast<std::uint64_t>(r.block.cols));
-    }
-    const auto key = std::make_tuple(static_cast<const void*>(runs.data()), runs.size(), h);
+    const RunsKey key = runs_key(runs, src_base);
     auto it = copies_.find(key);
     if (it != copies_.end()) return &it->second;
     // Run lists are built once per bucket; a cache this large means lists are being rebuilt
@@ -444,7 +483,8 @@ class CudaDataPlane final : public DataPlane {
   std::chrono::milliseconds timeout_;
   std::uint64_t model_seed_ = 0;
   env::CopyEngineUse copy_engine_ = env::CopyEngineUse::kAuto;
-  std::map<std::tuple<const void*, std::size_t, std::uint64_t>, CopyTable> copies_;
+  std::map<RunsKey, CopyTable> copies_;
+  std::map<RunsKey, SumTable> sums_;
   std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
 };
 

@@ -44,6 +44,7 @@ std::map<std::string, std::string> agreed_settings(const Config& c, const ModelS
       {"refit.buffer_size_bytes", std::to_string(c.refit.buffer_size_bytes)},
       {"refit.num_buffers", std::to_string(c.refit.num_buffers)},
       {"refit.executor", std::string(executor_name(c.refit.executor))},
+      {"refit.checksum", c.refit.checksum ? "true" : "false"},
   };
 }
 

@@ -58,6 +58,8 @@ class EngineImpl final : public Engine {
     if (executor_) executor_->abort();
   }
 
+  bool session_ok() const override { return latch_.status().ok(); }
+
   Status init() {
     Status st = guarded([&] { return setup(); });
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
@@ -72,6 +74,7 @@ class EngineImpl final : public Engine {
                         const std::vector<std::int64_t>& shape) override {
     REFIT_RETURN_IF_ERROR(register_slot(slots_, ptrs_, id(), name, data, dtype, shape));
     if (executor_) executor_->invalidate();  // copy lists hold the registered addresses
+    keep_.reset();
     param_handles_.clear();
     export_failed_ = false;
     return Status::Ok();
@@ -109,20 +112,26 @@ class EngineImpl final : public Engine {
     return out;
   }
 
+  // A refit whose bytes all landed but did not arrive intact or failed verification is a failed
+  // refit, not a failed session: it is returned without going through the latch.
   Result<bool> serve_one() override {
     bool committed = false;
+    failed_refit_ = Status::Ok();
     Status st = guarded([&]() -> Status {
       REFIT_ASSIGN_OR_RETURN(committed, next());
       return Status::Ok();
     });
     if (!st.ok()) return st;
+    if (!failed_refit_.ok()) return failed_refit_;
     return committed;
   }
 
   Status serve() override {
     while (true) {
-      REFIT_ASSIGN_OR_RETURN(bool more, serve_one());
-      if (!more) return Status::Ok();
+      Result<bool> more = serve_one();
+      if (!more.ok() && latch_.status().ok()) continue;  // a failed refit: serve the next one
+      if (!more.ok()) return more.status();
+      if (!*more) return Status::Ok();
     }
   }
 
@@ -305,6 +314,8 @@ class EngineImpl final : public Engine {
                                                         "changed: {}",
                                                         id(), begin_.step, paused.message()));
                           }
+                          // refit.keep_previous: a copy of a complete version to roll back to.
+                          REFIT_RETURN_IF_ERROR(keep_previous());
                           // From here bytes may land: the old version no longer describes the
                           // weights until this refit publishes its own.
                           valid_ = false;
@@ -313,36 +324,131 @@ class EngineImpl final : public Engine {
                         },
                         .exported = [this] { return exported_params(); }};
     REFIT_RETURN_IF_ERROR(executor_->receive(r));
-    REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, feeders(), MessageType::kCommit, "",
-                                           timeout(), id(), "the commit"));
+    // With refit.checksum every commit carries the checksum of what its feeder sent.
+    std::vector<std::string> sent(feeders().size());
+    REFIT_RETURN_IF_ERROR(expect_from_each(
+        *mailbox_, feeders(), MessageType::kCommit, "", timeout(), id(), "the commit",
+        [&](const Message& m) -> Status {
+          REFIT_ASSIGN_OR_RETURN(CommitMessage c, decode_commit(m.payload, m.from));
+          const auto at = std::find(feeders().begin(), feeders().end(), m.from);
+          sent[static_cast<std::size_t>(at - feeders().begin())] = c.checksum;
+          return Status::Ok();
+        }));
     traffic_ = executor_->traffic();
     // Every peer feeder has mapped the exported memory by now: its name may go.
     if (exported_ && traffic_.peer_pairs > 0) exported_->release_name();
-    return finish(executor_->apply_seconds());
+    const Status intact = raw ? Status::Ok() : check_checksums(sent);
+    return finish(executor_->apply_seconds(), intact);
+  }
+
+  // refit.checksum: every feeder's checksum against ours of what landed from it. A mismatch names
+  // the feeder, this rank and the parameters its routes write.
+  Status check_checksums(const std::vector<std::string>& sent) {
+    if (!cfg_.refit.checksum) return Status::Ok();
+    for (std::size_t i = 0; i < feeders().size(); ++i) {
+      REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_->checksum_from(i, ptrs_));
+      const std::string ours = fmt::format("{:016x}", sum);
+      if (sent[i] == ours) continue;
+      return Status::Corruption(fmt::format(
+          "{}: checksum mismatch in refit step {}: the bytes {} sent (checksum {}) arrived as "
+          "checksum {} (refit.checksum)",
+          id(), begin_.step, feeders()[i], sent[i].empty() ? "(none)" : sent[i], ours));
+    }
+    // Once at info level (tests look for it), then at debug level.
+    const auto level = checksums_passed_++ == 0 ? log::Level::kInfo : log::Level::kDebug;
+    if (log::enabled(level))
+      log::write(level, fmt::format("{}: refit.checksum: step {} arrived intact from {} feeder(s)",
+                                    id(), begin_.step, feeders().size()));
+    return Status::Ok();
+  }
+
+  // refit.keep_previous: before bytes of a refit land, a copy of the parameters when they hold a
+  // complete version (once per refit; the buffer is allocated at the first).
+  Status keep_previous() {
+    if (!cfg_.refit.keep_previous) return Status::Ok();
+    kept_version_.clear();
+    if (!valid_) return Status::Ok();  // nothing complete to keep
+    if (!keep_) {
+      auto k = std::make_unique<Kept>();
+      std::size_t total = 0;
+      const auto esize = static_cast<std::int64_t>(dtype_size(cfg_.refit.target_precision));
+      std::vector<std::size_t> offsets;
+      for (const TensorSlot& s : slots_) {
+        offsets.push_back(total);
+        total += static_cast<std::size_t>(s.numel() * esize);
+      }
+      REFIT_ASSIGN_OR_RETURN(k->buffer, plane_->allocate(std::max<std::size_t>(total, 1)));
+      for (std::size_t i = 0; i < slots_.size(); ++i) {
+        const std::int64_t n = slots_[i].numel();
+        if (n == 0) continue;
+        std::byte* param = static_cast<std::byte*>(ptrs_[i]);
+        std::byte* copy = k->buffer->data() + offsets[i];
+        k->save.push_back({param, copy, {0, n, 0, n, 1, n}});
+        k->restore.push_back({copy, param, {0, n, 0, n, 1, n}});
+      }
+      keep_ = std::move(k);
+    }
+    const DType dt = cfg_.refit.target_precision;
+    REFIT_RETURN_IF_ERROR(plane_->copy(keep_->save, dt, dt).with_context(
+        id() + ": refit.keep_previous: copying the parameters"));
+    kept_version_ = version_;
+    return Status::Ok();
+  }
+
+  // A refit failed after bytes may have landed, with every rank alive: roll back to the kept copy
+  // (refit.keep_previous) and resume, or leave the weights invalid and generation paused.
+  Status fail_refit(const Status& why) {
+    if (!kept_version_.empty() && keep_) {
+      const DType dt = cfg_.refit.target_precision;
+      Status restored = plane_->copy(keep_->restore, dt, dt);
+      if (restored.ok()) {
+        version_ = kept_version_;
+        valid_ = true;
+        log::warn("{}: refit step {} failed; rolled back to weight version '{}' "
+                  "(refit.keep_previous) and resumed generation: {}",
+                  id(), begin_.step, version_, why.message());
+        if (resume_hook_) resume_hook_();
+        return why;
+      }
+      log::error("{}: refit.keep_previous: restoring the parameters failed: {}", id(),
+                 restored.to_string());
+    }
+    log::warn("{}: refit step {} failed; the weights are invalid and generation stays paused "
+              "until a refit succeeds: {}",
+              id(), begin_.step, why.message());
+    return why;
   }
 
   // After every byte of a refit landed and every feeder committed: acknowledge, then — once the
   // verification hook passed, when the trainer asked for one — publish the version and resume.
   // A failed verification leaves the weights invalid and generation paused.
-  Status finish(double apply_s) {
+  // Bytes that did not arrive intact (`intact`, refit.checksum) or a failed verification fail the
+  // refit but not the session (failed_refit_): the feeders hear it in the acknowledgement.
+  Status finish(double apply_s, const Status& intact) {
     const bool raw = begin_.raw;
     REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
-    if (!raw && !begin_.verify) publish();
+    if (!raw && !begin_.verify && intact.ok()) publish();
     REFIT_RETURN_IF_ERROR(send_each(
         *mailbox_, feeders(), MessageType::kCommitted,
         encode(CommittedMessage{.version = raw ? version_ : begin_.version,
                                 .apply_s = apply_s,
-                                .bytes_received = traffic_.bytes_received})));
-    if (!begin_.verify) return Status::Ok();
-    Status v = verify_hook_ ? verify_hook_(begin_.step, begin_.version)
-                            : Status::Unsupported(id() +
-                                                  ": verification was asked for but this "
-                                                  "engine has no verification hook");
+                                .bytes_received = traffic_.bytes_received,
+                                .error = intact.ok() ? "" : intact.message()})));
+    if (!begin_.verify) {
+      if (!intact.ok()) failed_refit_ = fail_refit(intact);
+      return Status::Ok();
+    }
+    Status v = !intact.ok()   ? intact
+               : verify_hook_ ? verify_hook_(begin_.step, begin_.version)
+                              : Status::Unsupported(id() +
+                                                    ": verification was asked for but this "
+                                                    "engine has no verification hook");
     if (v.ok()) publish();
     REFIT_RETURN_IF_ERROR(send_each(
         *mailbox_, feeders(), MessageType::kVerified,
         encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
-    return v;
+    if (!v.ok()) failed_refit_ = fail_refit(v);
+    return Status::Ok();
   }
 
   // The refit's weights are complete (and verified when asked): they carry its version now.
@@ -437,6 +543,15 @@ class EngineImpl final : public Engine {
   std::function<Status()> pause_hook_;
   std::function<void()> resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
+  Status failed_refit_;  // serve_one(): the refit failed, the session did not
+  // refit.keep_previous: the copy of the parameters and the copy lists to and from it.
+  struct Kept {
+    std::unique_ptr<PlaneBuffer> buffer;
+    std::vector<CopyRun> save, restore;
+  };
+  std::unique_ptr<Kept> keep_;
+  std::string kept_version_;  // the version in keep_ for the refit in flight ("" for none)
+  int checksums_passed_ = 0;
   FailureLatch latch_;
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;

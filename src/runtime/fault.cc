@@ -29,7 +29,7 @@ class FaultProbe final : public RefitProbe {
 
   Status after_write(int step, int round, DataPlane& plane, const std::vector<CopyRun>& written,
                      DType dtype) override {
-    if (step != 1 || !trainer_ || f_.kind != Fault::Kind::kCorrupt || written.empty())
+    if (step != f_.step || !trainer_ || f_.kind != Fault::Kind::kCorrupt || written.empty())
       return Status::Ok();
     if (round != kEveryRound && round != f_.bucket) return Status::Ok();
     const CopyRun& r =

@@ -15,8 +15,9 @@ namespace refit {
 // The probe that injects `fault` on trainer rank `rank` (trainer) or engine rank `rank`:
 //  - kill-trainer:R:K / kill-engine:R:K: SIGKILL before the first round >= K that rank R moves
 //    (immediately when one copy moves every round: peer access);
-//  - corrupt:K (trainer ranks that write engine-bound bytes): flips a byte of round K's first
-//    written run after it was written (peer access: of the K-th run, or the last);
+//  - corrupt:K[:S] (trainer ranks that write engine-bound bytes): flips a byte of round K's first
+//    written run after it was written (peer access: of the K-th run, or the last), in step S
+//    (default 1);
 //  - other kinds act at setup, not here: the probe does nothing.
 std::unique_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank);
 

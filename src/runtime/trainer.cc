@@ -54,6 +54,8 @@ class TrainerImpl final : public Trainer {
     if (executor_) executor_->abort();
   }
 
+  bool session_ok() const override { return latch_.status().ok(); }
+
   Status init() {
     Status st = guarded([&] { return setup(); });
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
@@ -73,8 +75,12 @@ class TrainerImpl final : public Trainer {
     return Status::Ok();
   }
 
+  // A refit whose bytes all moved but did not arrive intact or failed verification (a checksum
+  // mismatch, a failed verification hook) fails on every trainer rank with the same message and
+  // leaves the session usable: it does not go through the latch, and the next refit() runs.
   Status refit(int step, const std::string& version, bool verify) override {
-    return guarded([&]() -> Status {
+    Status failed;
+    Status st = guarded([&]() -> Status {
       REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
       if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
       phase_ = {};
@@ -89,10 +95,23 @@ class TrainerImpl final : public Trainer {
       stats_.bytes = model_->plan.payload_bytes;
       stats_.buckets = executor_->rounds();
       REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
-      if (verify)
-        REFIT_RETURN_IF_ERROR(collect_verification().with_context(fmt::format("step {}", step)));
+      std::string failure = commit_error_;
+      if (verify) {
+        REFIT_ASSIGN_OR_RETURN(std::string verdict, collect_verdicts());
+        if (failure.empty()) failure = verdict;
+      }
+      if (trainer_comm_ && (verify || cfg_.refit.checksum)) {
+        REFIT_ASSIGN_OR_RETURN(failure, agree_on_failure(failure));
+      }
+      if (!failure.empty())
+        failed = Status::Corruption(fmt::format(
+            "refit step {} failed and the engines did not publish version '{}' (the session "
+            "stays usable: the next refit publishes a new one): {}",
+            step, version, failure));
       return Status::Ok();
     });
+    if (!st.ok()) return st;
+    return failed;
   }
 
   const RefitStats& last_stats() const override { return stats_; }
@@ -296,6 +315,7 @@ class TrainerImpl final : public Trainer {
   // then the commit.
   Status refit_once(int step, const std::string& version, bool verify, bool raw) {
     early_verdicts_.clear();
+    commit_error_.clear();
     TransferTimes times;
     const BeginMessage begin{.step = step, .version = version, .verify = verify && !raw, .raw = raw};
     REFIT_RETURN_IF_ERROR(executor_->transfer(begin, ptrs_, times));
@@ -304,17 +324,26 @@ class TrainerImpl final : public Trainer {
     phase_.transfer += times.transfer;
     traffic_ = executor_->traffic();
     if (fed_engines().empty()) return Status::Ok();
-    return commit(step);
+    return commit(step, raw);
   }
 
-  // Every fed engine commits; the slowest one's apply time is the refit's.
-  Status commit(int step) {
-    REFIT_RETURN_IF_ERROR(send_each(*mailbox_, fed_engines(), MessageType::kCommit,
-                                    encode(CommitMessage{.step = step})));
+  // Every fed engine commits (with refit.checksum, each commit carries the checksum of what this
+  // rank sent it); the slowest one's apply time is the refit's. An engine that reports bytes
+  // that did not arrive intact is remembered in commit_error_ (the first one).
+  Status commit(int step, bool raw) {
+    for (std::size_t i = 0; i < fed_engines().size(); ++i) {
+      CommitMessage c{.step = step};
+      if (cfg_.refit.checksum && !raw) {
+        REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_->checksum_to(i, ptrs_));
+        c.checksum = fmt::format("{:016x}", sum);
+      }
+      REFIT_RETURN_IF_ERROR(mailbox_->send(fed_engines()[i], MessageType::kCommit, encode(c)));
+    }
     for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
       REFIT_ASSIGN_OR_RETURN(CommittedMessage c, decode_committed(m.payload, m.from));
       phase_.apply = std::max(phase_.apply, c.apply_s);
+      if (commit_error_.empty() && !c.error.empty()) commit_error_ = c.error;
     }
     return Status::Ok();
   }
@@ -338,8 +367,9 @@ class TrainerImpl final : public Trainer {
     }
   }
 
-  // After a verified refit: every fed engine's verdict; ranks agree on the first failure.
-  Status collect_verification() {
+  // After a verified refit: the first failing verdict of the engines this rank feeds ("" when
+  // every one passed).
+  Result<std::string> collect_verdicts() {
     std::string verdict;
     for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       Message m;
@@ -355,24 +385,25 @@ class TrainerImpl final : public Trainer {
         verdict = v.ok() ? (v->error.empty() ? "verification failed on " + m.from : v->error)
                          : v.status().message();
     }
-    if (trainer_comm_) {
-      // Share verdicts through the store (host-side on every device) so every trainer rank fails
-      // with the same cause: the lowest rank's failure wins.
-      const int world = trainer_comm_->size();
-      const std::string key = fmt::format("verdict/{}/", ++verifications_);
-      // "ok", or "!" + the failure (a key must hold something to exist).
-      REFIT_RETURN_IF_ERROR(
-          store_->set(key + std::to_string(rank_), verdict.empty() ? "ok" : "!" + verdict));
-      std::string first;
-      for (int r = 0; r < world; ++r) {
-        Result<std::string> theirs = store_->get(key + std::to_string(r), timeout());
-        if (!theirs.ok()) return theirs.status();
-        if (first.empty() && !theirs->empty() && theirs->front() == '!') first = theirs->substr(1);
-      }
-      verdict = first;
+    return verdict;
+  }
+
+  // Every trainer rank's failure of this refit ("" for none) through the store (host-side on
+  // every device), so that every trainer rank fails with the same cause: the lowest rank's
+  // failure wins.
+  Result<std::string> agree_on_failure(const std::string& mine) {
+    const int world = trainer_comm_->size();
+    const std::string key = fmt::format("outcome/{}/", ++outcomes_);
+    // "ok", or "!" + the failure (a key must hold something to exist).
+    REFIT_RETURN_IF_ERROR(
+        store_->set(key + std::to_string(rank_), mine.empty() ? "ok" : "!" + mine));
+    std::string first;
+    for (int r = 0; r < world; ++r) {
+      REFIT_ASSIGN_OR_RETURN(std::string theirs,
+                             get_while_alive(*store_, key + std::to_string(r), timeout(), alive()));
+      if (first.empty() && !theirs.empty() && theirs.front() == '!') first = theirs.substr(1);
     }
-    if (!verdict.empty()) return Status::Corruption(verdict);
-    return Status::Ok();
+    return first;
   }
 
   // Engines acknowledge the shutdown before their feeder leaves, and trainer rank 0 (which hosts
@@ -399,7 +430,8 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<DataPlane> plane_;  // before every buffer allocated on it
   std::vector<TensorSlot> slots_;
   std::vector<void*> ptrs_;  // registered storage of slots_
-  int verifications_ = 0;    // verified refits so far: namespaces the verdict keys
+  int outcomes_ = 0;         // refits whose outcome the ranks shared: namespaces their keys
+  std::string commit_error_;  // the first engine's report of bytes that did not arrive intact
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   // Liveness checks and failure records: requests bounded by kBeatRequestTimeout.
