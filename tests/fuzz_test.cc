@@ -157,6 +157,8 @@ TEST(Fuzz, ControlMessageDecoders) {
                    true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
   expect_both("verified", fuzz(106, encode(VerifiedMessage{.verified = false, .error = "x"}), true,
                                [&](const std::string& p) { return decode_verified(p, from).ok(); }));
+  expect_both("outcome", fuzz(109, encode(OutcomeMessage{.publish = false, .error = "x"}), true,
+                              [&](const std::string& p) { return decode_outcome(p, from).ok(); }));
   RoutesMessage routes;
   routes.routes = {{.round = 0, .param = "w", .row = 0, .col = 0, .rows = 2, .cols = 3, .offset = 0},
                    {.round = 1, .param = "b", .row = 1, .col = 0, .rows = 1, .cols = 3, .offset = 6}};

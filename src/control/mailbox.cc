@@ -49,6 +49,8 @@ const char* message_type_name(MessageType type) {
       return "paused";
     case MessageType::kRoutes:
       return "routes";
+    case MessageType::kOutcome:
+      return "outcome";
   }
   return "unknown";
 }
@@ -61,7 +63,7 @@ constexpr std::chrono::milliseconds kSendLinger{2000};
 
 bool is_known_type(std::uint8_t t) {
   return t >= static_cast<std::uint8_t>(MessageType::kHello) &&
-         t <= static_cast<std::uint8_t>(MessageType::kRoutes);
+         t <= static_cast<std::uint8_t>(MessageType::kOutcome);
 }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }

@@ -32,6 +32,8 @@ enum class MessageType : std::uint8_t {
   kVerified,    // engine -> trainer: verification verdict of the last refit
   kPaused,      // engine -> trainer: generation paused; the trainer may write in place
   kRoutes,      // trainer -> engine, at setup (SGLang protocol): the routes it will send
+  kOutcome,     // trainer -> engine: publish the refit, or not (agreed by every trainer rank);
+                // engine -> trainer: done (payload: is_valid, weight version)
 };
 const char* message_type_name(MessageType type);
 

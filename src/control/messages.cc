@@ -151,6 +151,10 @@ std::string encode(const VerifiedMessage& m) {
   return dump({{"verified", m.verified}, {"error", m.error}});
 }
 
+std::string encode(const OutcomeMessage& m) {
+  return dump({{"publish", m.publish}, {"error", m.error}});
+}
+
 std::string encode(const RoutesMessage& m) {
   Json routes = Json::array();
   for (const RouteMetadata& r : m.routes)
@@ -268,6 +272,15 @@ Result<VerifiedMessage> decode_verified(const std::string& payload, const std::s
   Reader r(payload, "verified", from);
   VerifiedMessage m;
   r.get("verified", m.verified);
+  r.get("error", m.error);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<OutcomeMessage> decode_outcome(const std::string& payload, const std::string& from) {
+  Reader r(payload, "outcome", from);
+  OutcomeMessage m;
+  r.get("publish", m.publish);
   r.get("error", m.error);
   if (!r.status().ok()) return r.status();
   return m;

@@ -93,6 +93,15 @@ struct VerifiedMessage {
   std::string error;  // empty when verified
 };
 
+// trainer -> engine, when the refit checks its bytes (refit.checksum) or verifies: whether every
+// engine rank of the refit got every byte intact and passed verification, as every trainer rank
+// agreed. Engines publish only on `publish`, so the ranks of one engine never hold two versions.
+// The engine's acknowledgement reuses it: publish = is_valid(), error = its weight version now.
+struct OutcomeMessage {
+  bool publish = false;
+  std::string error;  // the first failure when not publishing
+};
+
 // trainer -> engine, once at setup (SGLang protocol): every route the trainer rank will send
 // this engine rank, in the engine's terms — the engine places bytes as this says.
 struct RouteMetadata {
@@ -114,6 +123,7 @@ std::string encode(const PausedMessage& m);
 std::string encode(const CommitMessage& m);
 std::string encode(const CommittedMessage& m);
 std::string encode(const VerifiedMessage& m);
+std::string encode(const OutcomeMessage& m);
 
 // `from` names the sender in errors.
 Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from);
@@ -122,5 +132,6 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
 Result<CommitMessage> decode_commit(const std::string& payload, const std::string& from);
 Result<CommittedMessage> decode_committed(const std::string& payload, const std::string& from);
 Result<VerifiedMessage> decode_verified(const std::string& payload, const std::string& from);
+Result<OutcomeMessage> decode_outcome(const std::string& payload, const std::string& from);
 
 }  // namespace refit

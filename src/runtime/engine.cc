@@ -423,32 +423,53 @@ class EngineImpl final : public Engine {
   // verification hook passed, when the trainer asked for one — publish the version and resume.
   // A failed verification leaves the weights invalid and generation paused.
   // Bytes that did not arrive intact (`intact`, refit.checksum) or a failed verification fail the
-  // refit but not the session (failed_refit_): the feeders hear it in the acknowledgement.
+  // refit but not the session (failed_refit_): the feeders hear it in the acknowledgement. When
+  // the refit checks its bytes or verifies, the version is published only on the trainer ranks'
+  // agreed outcome, so that no engine rank publishes while another's bytes failed.
   Status finish(double apply_s, const Status& intact) {
     const bool raw = begin_.raw;
+    const bool agreed = !raw && (begin_.verify || cfg_.refit.checksum);
     REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
-    if (!raw && !begin_.verify && intact.ok()) publish();
+    if (!raw && !agreed) publish();
     REFIT_RETURN_IF_ERROR(send_each(
         *mailbox_, feeders(), MessageType::kCommitted,
         encode(CommittedMessage{.version = raw ? version_ : begin_.version,
                                 .apply_s = apply_s,
                                 .bytes_received = traffic_.bytes_received,
                                 .error = intact.ok() ? "" : intact.message()})));
-    if (!begin_.verify) {
-      if (!intact.ok()) failed_refit_ = fail_refit(intact);
-      return Status::Ok();
+    if (!agreed) return Status::Ok();
+    Status v = intact;
+    if (begin_.verify) {
+      if (v.ok())
+        v = verify_hook_ ? verify_hook_(begin_.step, begin_.version)
+                         : Status::Unsupported(id() +
+                                               ": verification was asked for but this engine has "
+                                               "no verification hook");
+      REFIT_RETURN_IF_ERROR(send_each(
+          *mailbox_, feeders(), MessageType::kVerified,
+          encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
     }
-    Status v = !intact.ok()   ? intact
-               : verify_hook_ ? verify_hook_(begin_.step, begin_.version)
-                              : Status::Unsupported(id() +
-                                                    ": verification was asked for but this "
-                                                    "engine has no verification hook");
-    if (v.ok()) publish();
-    REFIT_RETURN_IF_ERROR(send_each(
-        *mailbox_, feeders(), MessageType::kVerified,
-        encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
-    if (!v.ok()) failed_refit_ = fail_refit(v);
-    return Status::Ok();
+    // Every feeder sends the same agreed outcome; it waits for every engine's verification.
+    OutcomeMessage outcome{.publish = true};
+    REFIT_RETURN_IF_ERROR(expect_from_each(
+        *mailbox_, feeders(), MessageType::kOutcome, "", timeout() * 5, id(), "the outcome",
+        [&](const Message& m) -> Status {
+          REFIT_ASSIGN_OR_RETURN(OutcomeMessage o, decode_outcome(m.payload, m.from));
+          if (!o.publish && outcome.publish) outcome = std::move(o);
+          return Status::Ok();
+        }));
+    if (outcome.publish && v.ok()) {
+      publish();
+    } else {
+      failed_refit_ = fail_refit(!v.ok() ? v
+                                         : Status::Corruption(fmt::format(
+                                               "refit step {} failed on another engine rank: {}",
+                                               begin_.step, outcome.error)));
+    }
+    // Acknowledged to every feeder, which waits for it before its next message: a feeder that ran
+    // ahead (its next begin, or the shutdown) cannot overtake another feeder's outcome.
+    return send_each(*mailbox_, feeders(), MessageType::kOutcome,
+                     encode(OutcomeMessage{.publish = valid_, .error = version_}));
   }
 
   // The refit's weights are complete (and verified when asked): they carry its version now.
@@ -507,6 +528,7 @@ class EngineImpl final : public Engine {
       case MessageType::kVerified:
       case MessageType::kPaused:
       case MessageType::kRoutes:
+      case MessageType::kOutcome:
         return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
                                             message_type_name(msg->type), msg->from));
     }

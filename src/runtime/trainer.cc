@@ -100,8 +100,19 @@ class TrainerImpl final : public Trainer {
         REFIT_ASSIGN_OR_RETURN(std::string verdict, collect_verdicts());
         if (failure.empty()) failure = verdict;
       }
-      if (trainer_comm_ && (verify || cfg_.refit.checksum)) {
-        REFIT_ASSIGN_OR_RETURN(failure, agree_on_failure(failure));
+      if (verify || cfg_.refit.checksum) {
+        // Every engine rank publishes, or none does: the ranks of one engine never hold two
+        // versions, whichever rank's bytes failed.
+        if (trainer_comm_) {
+          REFIT_ASSIGN_OR_RETURN(failure, agree_on_failure(failure));
+        }
+        REFIT_RETURN_IF_ERROR(
+            send_each(*mailbox_, fed_engines(), MessageType::kOutcome,
+                      encode(OutcomeMessage{.publish = failure.empty(), .error = failure})));
+        // Each engine acknowledges once it heard every feeder, so nothing this rank sends next
+        // can reach an engine before another rank's outcome.
+        REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, fed_engines(), MessageType::kOutcome, "",
+                                               timeout(), id(), "outcome acknowledgements"));
       }
       if (!failure.empty())
         failed = Status::Corruption(fmt::format(
