@@ -2,6 +2,7 @@
 // processes where one rank dies.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/gloo/gloo_store.h"
 #include "control/store.h"
 
 namespace refit {
@@ -75,6 +78,64 @@ GlooOptions options(const std::string& name) {
   o.name = name;
   o.timeout = 8s;
   return o;
+}
+
+// No uninitialised bytes leave a process: Gloo's rendezvous values (its TCP addresses, a
+// sockaddr_storage that getsockname fills only partly) reach the store with everything past the
+// address zeroed.
+TEST(Gloo, RendezvousValuesCarryNoUninitialisedBytes) {
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  const int port = (*server)->port();
+  constexpr int kRanks = 3;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r)
+    threads.emplace_back([&, r] {
+      auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+      ASSERT_TRUE(store.ok());
+      GlooOptions o = options("scrub");
+      o.rank = r;
+      o.size = kRanks;
+      auto comm = make_gloo_communicator(**store, o);
+      ASSERT_TRUE(comm.ok()) << comm.status().to_string();
+      EXPECT_TRUE((*comm)->barrier().ok());
+    });
+  for (auto& t : threads) t.join();
+  auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+  ASSERT_TRUE(store.ok());
+  constexpr std::size_t kAddress = sizeof(sockaddr_storage) + sizeof(std::int64_t);
+  for (int r = 0; r < kRanks; ++r) {
+    auto value = (*store)->try_get(fmt::format("gloo/scrub/{}", r));
+    ASSERT_TRUE(value.ok() && value->has_value()) << "rank " << r << "'s rendezvous key";
+    const std::string& v = **value;
+    ASSERT_EQ(v.size(), (kRanks - 1) * kAddress) << "rank " << r;
+    for (std::size_t at = 0; at < v.size(); at += kAddress) {
+      sa_family_t family;
+      std::memcpy(&family, v.data() + at, sizeof(family));
+      ASSERT_EQ(family, AF_INET);
+      for (std::size_t b = sizeof(sockaddr_in); b < sizeof(sockaddr_storage); ++b)
+        ASSERT_EQ(v[at + b], 0) << "rank " << r << " address at " << at << " byte " << b;
+      for (std::size_t b = offsetof(sockaddr_in, sin_zero); b < sizeof(sockaddr_in); ++b)
+        ASSERT_EQ(v[at + b], 0) << "sin_zero byte " << b;
+    }
+  }
+}
+
+TEST(Gloo, ScrubLeavesOtherValuesAlone) {
+  std::string text = "not an address list";
+  gloo_backend::scrub_tcp_addresses(text);
+  EXPECT_EQ(text, "not an address list");
+  // One IPv4 address with stack garbage past it.
+  std::string addr(sizeof(sockaddr_storage) + sizeof(std::int64_t), '\xAA');
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_port = htons(1234);
+  std::memcpy(addr.data(), &in, offsetof(sockaddr_in, sin_zero));
+  gloo_backend::scrub_tcp_addresses(addr);
+  EXPECT_EQ(addr[sizeof(sockaddr_in)], 0);
+  EXPECT_EQ(addr[sizeof(sockaddr_storage) - 1], 0);
+  EXPECT_EQ(addr[offsetof(sockaddr_in, sin_zero)], 0);
+  EXPECT_EQ(addr[sizeof(sockaddr_storage)], '\xAA') << "the sequence number is Gloo's";
 }
 
 class GlooRanks : public ::testing::TestWithParam<int> {};

@@ -48,6 +48,23 @@ TEST(ReportBlame, RootCauseFromElsewhere) {
   EXPECT_EQ(l.message, "trainer rank 1: aborted: the process was killed by signal 9");
 }
 
+// A refit that failed at its end is blamed on the engine rank that reported it, also through the
+// CLI's summary around it.
+TEST(ReportBlame, FailedRefitNamesTheEngineThatReportedIt) {
+  const std::string m = failed_refit_message(2, "step-2", "engine 1 tp rank 0",
+                                             "engine 1 tp rank 0: checksum mismatch in refit step 2");
+  EXPECT_EQ(m, "refit step 2: the engines did not publish version 'step-2': engine 1 tp rank 0 "
+               "reported: checksum mismatch in refit step 2 (the session stays usable: the next "
+               "refit publishes a new version)");
+  const Blame b = blame_failure(
+      "trainer rank 1",
+      Status::Corruption("1 of 3 refit(s) failed (steps 2); the first failure: " + m), 2);
+  EXPECT_EQ(b.process, "engine 1 tp rank 0");
+  EXPECT_EQ(b.role, "engine");
+  EXPECT_EQ(b.rank, 2);
+  EXPECT_EQ(b.message, "engine 1 tp rank 0: checksum mismatch in refit step 2");
+}
+
 TEST(ReportBlame, OwnFailure) {
   const Blame b = blame_failure("trainer rank 0", Status::Timeout("no engine answered"), 2);
   EXPECT_EQ(b.process, "trainer rank 0");

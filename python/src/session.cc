@@ -318,6 +318,7 @@ class PyTrainer {
   int rank() const { return rank_; }
   const Config& config() const { return config_; }
   bool closed() const { return !trainer_; }
+  bool session_ok() const { return trainer_ && trainer_->session_ok(); }
   const std::string& who() const { return who_; }
   Registry& registry() { return registry_; }
 
@@ -422,8 +423,15 @@ class PyEngine {
     CallGuard guard(busy_, who_, "serve");
     Engine& e = open("serve");
     int served = 0;
-    while (serve_one_unguarded(e)) {
-      ++served;
+    while (true) {
+      try {
+        if (!serve_one_unguarded(e)) break;
+        ++served;
+      } catch (py::error_already_set&) {
+        // A refit that failed at its end (checksum, verification) leaves the session usable:
+        // the runtime logged it; serve the next one. Anything else ends serve().
+        if (!refit_failed_) throw;
+      }
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C between refits
     }
     return served;
@@ -437,6 +445,7 @@ class PyEngine {
     std::lock_guard lock(version_mu_);
     return valid_;
   }
+  bool session_ok() { return engine_ && engine_->session_ok(); }
 
   void close() {
     CallGuard guard(busy_, who_, "close");
@@ -456,6 +465,7 @@ class PyEngine {
  private:
   bool serve_one_unguarded(Engine& e) {
     pending_ = py::object();
+    refit_failed_ = false;
     Status st;
     bool committed = false;
     {
@@ -475,6 +485,7 @@ class PyEngine {
     }
     py::object pending = std::move(pending_);
     pending_ = py::object();
+    refit_failed_ = !st.ok() && e.session_ok();
     if (!st.ok()) raise_status(st, pending);
     // A pause/resume hook failed: the refit itself committed (those hooks cannot fail it), but
     // the caller must hear of it.
@@ -543,6 +554,7 @@ class PyEngine {
   std::atomic<bool> busy_{false};
   py::object pause_, resume_, verify_;
   py::object pending_;  // the first exception a hook raised during the current serve_one
+  bool refit_failed_ = false;  // the last serve_one's refit failed, the session did not
   std::mutex version_mu_;
   std::string version_;
   bool valid_ = true;
@@ -620,6 +632,10 @@ each rank recorded it on the control plane. The GIL is released while it reads t
                              [](PyTrainer& t) { return t.open("plan_hash").plan_hash(); })
       .def_property_readonly("rank", &PyTrainer::rank)
       .def_property_readonly("closed", &PyTrainer::closed)
+      .def_property_readonly("session_ok", &PyTrainer::session_ok, R"doc(
+False once a failure ended the session (every later call raises it; create every rank again).
+A refit that moved every byte but failed at its end (refit.checksum mismatch, failed verification)
+raises refit.Error on every trainer rank and leaves this True: the next refit() runs normally.)doc")
       .def(
           "unregistered", [](PyTrainer& t) { return t.registry().unregistered(); },
           "Names of the tensors not registered yet (refit() refuses to run while any is left).")
@@ -701,6 +717,9 @@ any thread, also while another serves.
       .def_property_readonly("is_valid", &PyEngine::is_valid, R"doc(
 False exactly when weight_version is "": the parameters hold no complete version.
 )doc")
+      .def_property_readonly("session_ok", &PyEngine::session_ok, R"doc(
+False once a failure ended the session. After a refit that failed at its end (checksum mismatch,
+failed verification), serve_one() raises refit.Error and this stays True; serve() goes on.)doc")
       .def_property_readonly("engine_rank", &PyEngine::engine_rank)
       .def_property_readonly("engine_index", &PyEngine::engine_index)
       .def_property_readonly("tp_rank", &PyEngine::tp_rank)

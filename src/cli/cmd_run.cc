@@ -3,7 +3,9 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -182,8 +184,13 @@ void run_local(const RunFlags& f) {
     throw CliExit(kExitSetup, fmt::format("--fault {}: step {} is past the run's --steps {}",
                                           f.fault, options.fault.step, f.steps));
   // Children read the resolved config from a private file.
-  char dir_template[] = "/tmp/refit-run-XXXXXX";
-  if (mkdtemp(dir_template) == nullptr) throw CliExit(kExitRuntime, "mkdtemp failed");
+  // Under $TMPDIR (default /tmp), removed when the run ends, however it ends.
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir_template =
+      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/refit-run-XXXXXX";
+  if (mkdtemp(dir_template.data()) == nullptr)
+    throw CliExit(kExitRuntime, fmt::format("cannot create a directory {}: {}", dir_template,
+                                            std::strerror(errno)));
   const std::string dir = dir_template;
   const std::string cfg_path = dir + "/config.yaml";
   std::ofstream(cfg_path) << config_to_yaml(cfg);
@@ -216,7 +223,7 @@ void run_local(const RunFlags& f) {
     auth = std::make_shared<const ControlAuth>(setup_env(ControlAuth::from_secret(secret)));
   }
   for (int r = 0; r < cfg.policy.world_size; ++r) {
-    ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master};
+    ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master, /*hosts_store=*/r == 0};
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.args.insert(c.args.end(), {"--steps", std::to_string(f.steps)});
     if (f.raw_passes > 0)
@@ -310,9 +317,9 @@ void add_run_commands(CLI::App& app) {
   auto f = std::make_shared<RunFlags>();
   auto add_common = [&](CLI::App* cmd) {
     cmd->add_option("--fault", f->fault,
-                    "inject a fault (tests): corrupt:BUCKET[:STEP], kill-trainer:RANK:BUCKET, "
-                    "kill-engine:RANK:BUCKET, stop-trainer:RANK:BUCKET, stop-engine:RANK:BUCKET, "
-                    "plan-mismatch, version-mismatch");
+                    "inject a fault (tests): corrupt:BUCKET[:STEP], kill-trainer:RANK:AT, "
+                    "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a "
+                    "bucket or round, setup or commit), plan-mismatch, version-mismatch");
     cmd->add_option("--dump", f->dump_dir,
                     "after the last refit write DIR/trainer.safetensors, DIR/expected.safetensors "
                     "and DIR/engine-<g>.safetensors (created if missing)");

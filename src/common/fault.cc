@@ -18,9 +18,9 @@ Result<Fault> parse_fault(std::string_view text) {
   Fault f;
   auto bad = [&] {
     return Status::InvalidArgument(fmt::format(
-        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET[:STEP], kill-trainer:RANK:BUCKET, "
-        "kill-engine:RANK:BUCKET, stop-trainer:RANK:BUCKET, stop-engine:RANK:BUCKET, "
-        "plan-mismatch, version-mismatch",
+        "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET[:STEP], kill-trainer:RANK:AT, "
+        "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a bucket or round, "
+        "setup or commit), plan-mismatch, version-mismatch",
         text));
   };
   if (text.empty() || text == "none") return f;
@@ -51,8 +51,13 @@ Result<Fault> parse_fault(std::string_view text) {
   else
     return bad();
   const auto colon2 = rest.find(':');
-  if (colon2 == std::string_view::npos || !parse_int(rest.substr(0, colon2), f.rank) ||
-      !parse_int(rest.substr(colon2 + 1), f.bucket))
+  if (colon2 == std::string_view::npos || !parse_int(rest.substr(0, colon2), f.rank)) return bad();
+  const std::string_view at = rest.substr(colon2 + 1);
+  if (at == "setup")
+    f.bucket = Fault::kAtSetup;
+  else if (at == "commit")
+    f.bucket = Fault::kAtCommit;
+  else if (!parse_int(at, f.bucket))
     return bad();
   return f;
 }

@@ -12,12 +12,17 @@ struct Fault {
   enum class Kind { kNone, kCorrupt, kKillTrainer, kKillEngine, kPlanMismatch, kVersionMismatch };
   Kind kind = Kind::kNone;
   int rank = -1;    // trainer rank / engine rank the fault hits
-  int bucket = -1;  // bucket (executor gather) or round (transfer plan) at which it fires
+  // Bucket (executor gather) or round (transfer plan) at which it fires; kill and stop kinds may
+  // fire at setup or at the commit instead.
+  static constexpr int kAtSetup = -2;   // "…:setup": once the rank joined the control plane
+  static constexpr int kAtCommit = -3;  // "…:commit": every byte moved, before the commit
+  int bucket = -1;
   bool stop = false;  // kill kinds: SIGSTOP instead of SIGKILL ("stop-trainer", "stop-engine")
   int step = 1;       // corrupt: the refit step it fires in ("corrupt:K:S"; the others: step 1)
 };
 
-// "corrupt:K" | "corrupt:K:S" (in step S) | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
+// "corrupt:K" | "corrupt:K:S" (in step S) | K of the kill and stop kinds may be "setup" or
+// "commit" | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
 // "plan-mismatch" | "version-mismatch" | "" (none).
 Result<Fault> parse_fault(std::string_view text);
 

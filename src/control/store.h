@@ -36,6 +36,9 @@ class Store {
   virtual Result<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
   // Whether the server answers within `timeout` (kTimeout when it does not: stopped or hung).
   virtual Status ping(std::chrono::milliseconds /*timeout*/) { return Status::Ok(); }
+  // Ends every request in flight (within 100 ms) and every later one with `why` (safe from any
+  // thread): the runtime's liveness check found the store's host or a peer gone.
+  virtual void abort(const Status& /*why*/) {}
 };
 
 // get() that also asks `alive` every 500 ms while it waits: a non-ok Status from it ends the wait
@@ -55,6 +58,7 @@ class PrefixStore : public Store {
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
   Result<std::int64_t> add(const std::string& key, std::int64_t delta) override;
   Status ping(std::chrono::milliseconds timeout) override { return base_.ping(timeout); }
+  void abort(const Status& why) override { base_.abort(why); }
 
  private:
   std::string prefix_;

@@ -7,6 +7,7 @@
 // instead of waiting out its timeout.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -59,6 +60,15 @@ class StoreClient final : public Store {
   }
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;
+
+  void abort(const Status& why) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_.load()) return;
+      aborted_why_ = why;
+    }
+    aborted_.store(true);
+  }
 
   // One ping, retried by ZeroMQ's reconnects until `timeout`.
   Status ping(std::chrono::milliseconds timeout) override {
@@ -125,7 +135,7 @@ class StoreClient final : public Store {
   Result<std::string> request(Op op, const std::vector<std::string>& args,
                               std::chrono::milliseconds wait, const std::string& what,
                               bool* absent = nullptr) {
-    if (lost_.load() || refused_.load() || stalled_.load()) return lost_status(what);
+    if (dead()) return lost_status(what);
     std::unique_ptr<Connection> conn;
     try {
       conn = acquire();
@@ -149,7 +159,7 @@ class StoreClient final : public Store {
                                std::chrono::milliseconds wait, const std::string& what,
                                bool* absent) {
     drain_events(conn);
-    if (lost_.load() || refused_.load() || stalled_.load()) return lost_status(what);
+    if (dead()) return lost_status(what);
 
     const std::string id = store_wire::encode_i64(static_cast<std::int64_t>(++next_id_));
     const auto op_byte = static_cast<std::uint8_t>(op);
@@ -162,6 +172,7 @@ class StoreClient final : public Store {
 
     const auto deadline = Clock::now() + wait;
     for (;;) {
+      if (aborted_.load()) return lost_status(what);
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
@@ -171,7 +182,8 @@ class StoreClient final : public Store {
       }
       std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{conn.dealer.handle(), 0, ZMQ_POLLIN, 0},
                                           zmq_pollitem_t{conn.monitor.handle(), 0, ZMQ_POLLIN, 0}};
-      const int rc = zmq_poll(items.data(), 2, static_cast<long>(left.count()));
+      // In slices, so that abort() ends the wait.
+      const int rc = zmq_poll(items.data(), 2, std::min<long>(left.count(), 100));
       if (rc < 0) {
         if (zmq_errno() == EINTR) continue;
         return Status::IOError(fmt::format("store {}: poll failed during {}: {}", address_, what,
@@ -179,7 +191,7 @@ class StoreClient final : public Store {
       }
       if (items[1].revents & ZMQ_POLLIN) {
         drain_events(conn);
-        if (lost_.load() || refused_.load() || stalled_.load()) return lost_status(what);
+        if (dead()) return lost_status(what);
       }
       if (!(items[0].revents & ZMQ_POLLIN)) continue;
 
@@ -215,7 +227,17 @@ class StoreClient final : public Store {
     }
   }
 
-  Status lost_status(const std::string& what) const {
+  // Requests fail at once: the connection was lost, refused, found stalled, or aborted.
+  bool dead() const {
+    return lost_.load() || refused_.load() || stalled_.load() || aborted_.load();
+  }
+
+  Status lost_status(const std::string& what) {
+    if (aborted_.load()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return Status(aborted_why_.code(), fmt::format("store {}: {} ended: {}", address_, what,
+                                                     aborted_why_.message()));
+    }
     if (stalled_.load())
       return Status::IOError(fmt::format(
           "store {}: the store server stopped answering (a ping timed out; its host, trainer rank "
@@ -293,7 +315,9 @@ class StoreClient final : public Store {
   std::atomic<bool> refused_{false};  // a CURVE handshake failed: not the run's secret
   std::atomic<bool> pinged_{false};   // a ping was answered once (the server was up)
   std::atomic<bool> stalled_{false};  // then a ping was not: the server is stopped or hung
+  std::atomic<bool> aborted_{false};  // abort(): aborted_why_ says why
   std::mutex mu_;
+  Status aborted_why_;  // guarded by mu_
   std::vector<std::unique_ptr<Connection>> idle_;
 };
 

@@ -35,6 +35,10 @@ class RefitProbe {
   virtual ~RefitProbe() = default;
   // Before this rank moves round `round` (a bucket, for gather) of refit `step`.
   virtual void before_round(int /*step*/, int /*round*/) {}
+  // Once this rank joined the control plane, before it forms any group (setup).
+  virtual void at_setup() {}
+  // Every byte of refit `step` moved (engine: landed), before the commit (engine: its answer).
+  virtual void before_commit(int /*step*/) {}
   // Round `round`'s bytes were written by `written` (elements of `dtype`) and have not reached
   // their engine yet (or, with peer access, the engine has not been told): may alter them.
   virtual Status after_write(int /*step*/, int /*round*/, DataPlane& /*plane*/,

@@ -102,15 +102,22 @@ Result<LaunchResult> launch_and_wait(
   std::vector<bool> stopped(children.size(), false);  // SIGSTOPped, not yet continued
   bool failed = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
-  // SIGKILLs every child still running; returns their names.
-  auto kill_remaining = [&] {
+  // SIGKILLs every child still running (but for stopped ones when `stopped_too` is false); returns
+  // their names.
+  auto kill_remaining = [&](bool stopped_too = true) {
     std::string killed;
     for (std::size_t i = 0; i < pids.size(); ++i)
-      if (pids[i] > 0) {
+      if (pids[i] > 0 && (stopped_too || !stopped[i])) {
         kill(pids[i], SIGKILL);
         killed += (killed.empty() ? "" : ", ") + children[i].name;
       }
     return killed;
+  };
+  // Whether the child that hosts the store has exited or is stopped.
+  auto store_gone = [&] {
+    for (std::size_t i = 0; i < children.size(); ++i)
+      if (children[i].hosts_store && (pids[i] < 0 || stopped[i])) return true;
+    return false;
   };
   // Waits for every child still running (after kill_remaining) and records how each ended.
   auto reap_remaining = [&] {
@@ -164,6 +171,11 @@ Result<LaunchResult> launch_and_wait(
       }
       continue;
     }
+    // After a failure, with the store's host dead or stopped, no rank can make progress.
+    if (failed && store_gone()) {
+      const auto soon = std::chrono::steady_clock::now() + kStoreLossGrace;
+      if (soon < deadline) deadline = soon;
+    }
     // After a failure, children that are stopped (SIGSTOP) while every other one has exited would
     // never finish: they go at once instead of at the deadline.
     bool only_stopped_left = failed && alive > 0;
@@ -185,8 +197,12 @@ Result<LaunchResult> launch_and_wait(
       break;
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      const std::string killed = kill_remaining();
-      if (!killed.empty()) result.summary += fmt::format("; killed after the timeout: {}", killed);
+      // Stopped children go next, named as such, once every other one was reaped (above).
+      const std::string killed = kill_remaining(/*stopped_too=*/false);
+      if (!killed.empty())
+        result.summary += fmt::format(
+            "; killed after the {}: {}",
+            store_gone() ? "loss of the store's host" : "timeout", killed);
       deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

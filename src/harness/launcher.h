@@ -7,6 +7,7 @@
 #pragma once
 
 #include <functional>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -18,7 +19,15 @@ struct ChildSpec {
   std::string name;               // "trainer rank 1", "engine 0 tp rank 1"
   std::vector<std::string> args;  // argv[1..]
   std::vector<std::pair<std::string, std::string>> env;
+  // Hosts the control plane's store (trainer rank 0). Once it is dead or stopped after a failure,
+  // nothing can make progress: the others get kStoreLossGrace, not the timeout, to exit.
+  bool hosts_store = false;
 };
+
+// How long the other children may take to exit once a failure happened and the store's host is
+// dead or stopped: a rank connected to the store notices within 5.5 s (runtime/failure.h); one
+// still connecting would wait its timeout, and is killed instead.
+inline constexpr std::chrono::milliseconds kStoreLossGrace{8000};
 
 struct LaunchResult {
   bool ok = false;
@@ -39,7 +48,7 @@ struct LaunchResult {
 int remove_run_segments(const std::string& run_id);
 
 // Runs all children to completion. `timeout_s` bounds how long the others may take to follow a
-// failed child before they are killed. `on_failure(child, how)` runs once, for the first child
+// failed child before they are killed (kStoreLossGrace when the store's host is gone). `on_failure(child, how)` runs once, for the first child
 // that exits abnormally (the runtime records it as the run's first failure, so the other ranks
 // stop within their liveness-check interval instead of their timeout). `deadline_s` (> 0) bounds
 // the whole run: past it every child still running is killed and the run fails, saying so.

@@ -116,7 +116,10 @@ Status check_fault_fits(const Fault& f, const Config& config) {
                                : fmt::format("{}-{}:{}:{}", f.stop ? "stop" : "kill",
                                              f.kind == Fault::Kind::kKillTrainer ? "trainer"
                                                                                  : "engine",
-                                             f.rank, f.bucket);
+                                             f.rank,
+                                             f.bucket == Fault::kAtSetup    ? std::string("setup")
+                                             : f.bucket == Fault::kAtCommit ? std::string("commit")
+                                                                            : std::to_string(f.bucket));
   if (f.kind == Fault::Kind::kKillTrainer && f.rank >= config.policy.world_size)
     return Status::InvalidArgument(
         fmt::format("--fault {}: there is no trainer rank {} (policy.world_size is {})", what,
@@ -145,8 +148,8 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   log::set_prefix(fmt::format("trainer {}", rank));
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(o.config));
   REFIT_ASSIGN_OR_RETURN(auto layout, trainer_layout(model->spec, o.config.policy, rank));
-  REFIT_ASSIGN_OR_RETURN(auto trainer, Trainer::create(o.config, rank, o.endpoint));
-  set_trainer_fault(*trainer, o.fault);
+  REFIT_ASSIGN_OR_RETURN(auto trainer,
+                         create_trainer_with_fault(o.config, rank, o.endpoint, o.fault));
   // The shards live on the rank's device: host memory, or GPU memory for device: cuda.
   REFIT_ASSIGN_OR_RETURN(const int device, default_device(o.config, true, rank));
   REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(o.config, device));
@@ -458,7 +461,13 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     Result<bool> more = engine->serve_one();
     if (more.ok() && !*more) break;
     if (more.ok()) continue;
-    if (!engine->session_ok()) return more.status();
+    if (!engine->session_ok()) {
+      // What generation would serve now: the previous version, or nothing (never a new label over
+      // torn weights).
+      log::info("{}: the session ended with weight version '{}'{}", who, engine->weight_version(),
+                engine->is_valid() ? "" : " (invalid: generation stays paused)");
+      return more.status();
+    }
     if (!o.verify || !engine->is_valid()) continue;
     REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, layout, params, cfg, verified_step,
                                              engine->weight_version(), who));

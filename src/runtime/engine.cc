@@ -65,7 +65,10 @@ class EngineImpl final : public Engine {
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
     // rank's collectives when one falls silent (runtime/failure.h).
     if (st.ok())
-      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status&) { abort_collectives(); });
+      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status& why) {
+        store_->abort(why);
+        abort_collectives();
+      });
     return st;
   }
 
@@ -173,10 +176,15 @@ class EngineImpl final : public Engine {
                            connect_liveness(ep_.master_addr, ep_.master_port, auth, id()));
     probe_store_ = std::move(live.probe);
     heartbeat_ = std::move(live.heartbeat);
+    // From now on a stopped store host or a silent peer ends this rank's store requests, on which
+    // setup waits (runtime/failure.h); once set up, its collectives too (init()).
+    heartbeat_->watch(id(), rank_names(cfg_), [this](const Status& why) { store_->abort(why); });
     REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
     REFIT_ASSIGN_OR_RETURN(
         mailbox_, Mailbox::open(*store_, fmt::format("engine/{}", rank_), ep_.host, timeout(), auth));
     mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
+    probe_ = make_fault_probe(fault_, /*trainer=*/false, rank_);
+    probe_->at_setup();
     // Agree with trainer rank 0 before joining any group: a rank launched with another config (or
     // another refit) fails here naming the key, not in a group of the wrong size.
     REFIT_ASSIGN_OR_RETURN(std::string stamp,
@@ -204,7 +212,6 @@ class EngineImpl final : public Engine {
                            return join_group(name, rank, size);
                          }}));
     }
-    probe_ = make_fault_probe(fault_, /*trainer=*/false, rank_);
     executor_->set_probe(probe_.get());
     // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
     const HelloMessage hello{.refit_version = fault_.kind == Fault::Kind::kVersionMismatch
@@ -334,6 +341,7 @@ class EngineImpl final : public Engine {
           sent[static_cast<std::size_t>(at - feeders().begin())] = c.checksum;
           return Status::Ok();
         }));
+    if (!raw) probe_->before_commit(begin_.step);
     traffic_ = executor_->traffic();
     // Every peer feeder has mapped the exported memory by now: its name may go.
     if (exported_ && traffic_.peer_pairs > 0) exported_->release_name();

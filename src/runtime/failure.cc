@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
 #include "control/store.h"
@@ -183,12 +184,41 @@ std::optional<Blame> blame_process(const std::string& name, int tp_size) {
   return b;
 }
 
+namespace {
+constexpr std::string_view kNotPublished = "the engines did not publish version '";
+constexpr std::string_view kReported = " reported: ";
+constexpr std::string_view kStillUsable = " (the session stays usable: ";
+}  // namespace
+
+std::string failed_refit_message(int step, const std::string& version, const std::string& process,
+                                 const std::string& error) {
+  // The engine's own error often starts with its name already.
+  const std::string own = process + ": ";
+  const std::string e = error.rfind(own, 0) == 0 ? error.substr(own.size()) : error;
+  return fmt::format("refit step {}: {}{}': {}{}{}{}the next refit publishes a new version)", step,
+                     kNotPublished, version, process, kReported, e, kStillUsable);
+}
+
 Blame blame_failure(const std::string& self, const Status& status, int tp_size) {
   // with_root_cause and liveness_check write "aborted because <process>: <error>", followed by
   // " (seen here as: <this process's error>)" from with_root_cause; contexts may precede it.
   static const std::string kBecause = "aborted because ";
   static const std::string kSeen = " (seen here as: ";
   const std::string& m = status.message();
+  // A refit that failed at its end: the engine rank that reported it.
+  if (const std::size_t np = m.rfind(kNotPublished); np != std::string::npos) {
+    const std::size_t from = m.find("': ", np + kNotPublished.size());
+    const std::size_t rep = from == std::string::npos ? from : m.find(kReported, from + 3);
+    if (rep != std::string::npos) {
+      if (auto b = blame_process(m.substr(from + 3, rep - from - 3), tp_size)) {
+        const std::size_t start = rep + kReported.size();
+        const std::size_t end = m.find(kStillUsable, start);
+        b->message = b->process + ": " +
+                     m.substr(start, end == std::string::npos ? std::string::npos : end - start);
+        return *b;
+      }
+    }
+  }
   const std::size_t at = m.find(kBecause);
   if (at != std::string::npos) {
     const std::size_t start = at + kBecause.size();

@@ -86,6 +86,13 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
 // `status`, prefixed with the run's first recorded failure when that came from elsewhere.
 Status with_root_cause(Store* store, const std::string& who, const Status& status);
 
+// A refit that failed at its end with every rank alive (a checksum mismatch, a failed
+// verification), as every trainer rank returns it: "refit step S: the engines did not publish
+// version 'V': <process> reported: <error> (the session stays usable: …)". `process` is the
+// first engine rank that failed ("engine 0 tp rank 1"); blame_failure finds it there.
+std::string failed_refit_message(int step, const std::string& version, const std::string& process,
+                                 const std::string& error);
+
 // The process a failure is blamed on (the JSON report's `error`, docs/runtime.md): the run's first
 // failure as recorded under "error/first" — "<process>: <error>".
 struct Blame {
@@ -100,8 +107,8 @@ struct Blame {
 std::optional<Blame> blame_process(const std::string& name, int tp_size);
 
 // The root cause of a failure that process `self` reported as `status`: the process named by
-// with_root_cause's "aborted because <process>: <error>" when the status carries one, else `self`
-// itself.
+// with_root_cause's "aborted because <process>: <error>" or by failed_refit_message's
+// "<process> reported: <error>" when the status carries one, else `self` itself.
 Blame blame_failure(const std::string& self, const Status& status, int tp_size);
 
 // The first failure of a rank, latched: guard() runs a step of the rank; when it fails, the

@@ -13,9 +13,20 @@ class FaultProbe final : public RefitProbe {
  public:
   FaultProbe(const Fault& f, bool trainer, int rank) : f_(f), trainer_(trainer), rank_(rank) {}
 
+  void at_setup() override {
+    if (!mine() || f_.bucket != Fault::kAtSetup) return;
+    log::info("fault injection: {} myself at setup", f_.stop ? "stopping" : "killing");
+    raise(f_.stop ? SIGSTOP : SIGKILL);
+  }
+
+  void before_commit(int step) override {
+    if (step != 1 || !mine() || f_.bucket != Fault::kAtCommit) return;
+    log::info("fault injection: {} myself at the commit", f_.stop ? "stopping" : "killing");
+    raise(f_.stop ? SIGSTOP : SIGKILL);
+  }
+
   void before_round(int step, int round) override {
-    const Fault::Kind kill = trainer_ ? Fault::Kind::kKillTrainer : Fault::Kind::kKillEngine;
-    if (step != 1 || f_.kind != kill || f_.rank != rank_) return;
+    if (step != 1 || !mine() || f_.bucket < 0) return;
     const char* how = f_.stop ? "stopping" : "killing";
     if (round == kEveryRound) {
       log::info("fault injection: {} myself while {} the engines' parameters", how,
@@ -45,6 +56,12 @@ class FaultProbe final : public RefitProbe {
   }
 
  private:
+  // A kill or stop fault aimed at this rank.
+  bool mine() const {
+    const Fault::Kind kill = trainer_ ? Fault::Kind::kKillTrainer : Fault::Kind::kKillEngine;
+    return f_.kind == kill && f_.rank == rank_;
+  }
+
   const Fault f_;
   const bool trainer_;
   const int rank_;

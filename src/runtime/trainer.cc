@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <chrono>
 #include <deque>
 
@@ -37,7 +38,8 @@ namespace {
 
 class TrainerImpl final : public Trainer {
  public:
-  TrainerImpl(const Config& cfg, int rank, const Endpoint& ep) : cfg_(cfg), ep_(ep), rank_(rank) {}
+  TrainerImpl(const Config& cfg, int rank, const Endpoint& ep, const Fault& fault)
+      : cfg_(cfg), ep_(ep), rank_(rank), probe_(make_fault_probe(fault, /*trainer=*/true, rank)) {}
 
   // Every entry point runs through the latch (runtime/failure.h).
   Status guarded(const std::function<Status()>& body) {
@@ -61,7 +63,10 @@ class TrainerImpl final : public Trainer {
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
     // rank's collectives when one falls silent (runtime/failure.h).
     if (st.ok())
-      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status&) { abort_collectives(); });
+      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status& why) {
+        store_->abort(why);
+        abort_collectives();
+      });
     return st;
   }
 
@@ -114,11 +119,12 @@ class TrainerImpl final : public Trainer {
         REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, fed_engines(), MessageType::kOutcome, "",
                                                timeout(), id(), "outcome acknowledgements"));
       }
-      if (!failure.empty())
-        failed = Status::Corruption(fmt::format(
-            "refit step {} failed and the engines did not publish version '{}' (the session "
-            "stays usable: the next refit publishes a new one): {}",
-            step, version, failure));
+      if (!failure.empty()) {
+        // "<process>: <error>" of the first engine rank that failed.
+        const std::size_t colon = failure.find(": ");
+        failed = Status::Corruption(failed_refit_message(step, version, failure.substr(0, colon),
+                                                         failure.substr(colon + 2)));
+      }
       return Status::Ok();
     });
     if (!st.ok()) return st;
@@ -150,12 +156,6 @@ class TrainerImpl final : public Trainer {
 
   Status shutdown() override {
     return guarded([&] { return do_shutdown(); });
-  }
-
-  // Test hook: fault injection of `refit run --fault` (step 1 only), through the executor's probe.
-  void set_fault(const Fault& f) {
-    probe_ = make_fault_probe(f, /*trainer=*/true, rank_);
-    executor_->set_probe(probe_.get());
   }
 
  private:
@@ -205,6 +205,9 @@ class TrainerImpl final : public Trainer {
                            connect_liveness(ep_.master_addr, ep_.master_port, auth, id()));
     probe_store_ = std::move(live.probe);
     heartbeat_ = std::move(live.heartbeat);
+    // From now on a stopped store host or a silent peer ends this rank's store requests, on which
+    // setup waits (runtime/failure.h); once set up, its collectives too (init()).
+    heartbeat_->watch(id(), rank_names(cfg_), [this](const Status& why) { store_->abort(why); });
     if (rank_ == 0) {
       REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
       REFIT_RETURN_IF_ERROR(
@@ -216,6 +219,7 @@ class TrainerImpl final : public Trainer {
         mailbox_,
         Mailbox::open(*store_, fmt::format("trainer/{}", rank_), ep_.host, timeout(), auth));
     mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
+    probe_->at_setup();
     if (world > 1) {
       REFIT_ASSIGN_OR_RETURN(trainer_comm_, join_group("trainer", rank_, world));
     }
@@ -236,6 +240,7 @@ class TrainerImpl final : public Trainer {
                            return join_group(name, rank, size);
                          }}));
     }
+    executor_->set_probe(probe_.get());
     REFIT_RETURN_IF_ERROR(check_engines());
     REFIT_RETURN_IF_ERROR(executor_->attach());
     // Setup is complete on every trainer rank before the first refit.
@@ -342,6 +347,7 @@ class TrainerImpl final : public Trainer {
   // rank sent it); the slowest one's apply time is the refit's. An engine that reports bytes
   // that did not arrive intact is remembered in commit_error_ (the first one).
   Status commit(int step, bool raw) {
+    if (!raw) probe_->before_commit(step);
     for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       CommitMessage c{.step = step};
       if (cfg_.refit.checksum && !raw) {
@@ -354,7 +360,7 @@ class TrainerImpl final : public Trainer {
       REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
       REFIT_ASSIGN_OR_RETURN(CommittedMessage c, decode_committed(m.payload, m.from));
       phase_.apply = std::max(phase_.apply, c.apply_s);
-      if (commit_error_.empty() && !c.error.empty()) commit_error_ = c.error;
+      if (commit_error_.empty() && !c.error.empty()) commit_error_ = reported(m.from, c.error);
     }
     return Status::Ok();
   }
@@ -393,10 +399,18 @@ class TrainerImpl final : public Trainer {
       }
       auto v = decode_verified(m.payload, m.from);
       if (verdict.empty() && (!v.ok() || !v->verified))
-        verdict = v.ok() ? (v->error.empty() ? "verification failed on " + m.from : v->error)
-                         : v.status().message();
+        verdict = reported(m.from, v.ok() ? (v->error.empty() ? "verification failed" : v->error)
+                                           : v.status().message());
     }
     return verdict;
+  }
+
+  // "<process>: <error>" for an engine's report (mailbox id "engine/<g>").
+  std::string reported(const std::string& from, const std::string& error) const {
+    int g = -1;
+    if (std::sscanf(from.c_str(), "engine/%d", &g) != 1 || g < 0) return from + ": " + error;
+    const int tp = cfg_.generation.tp_size;
+    return fmt::format("engine {} tp rank {}: {}", g / tp, g % tp, error);
   }
 
   // Every trainer rank's failure of this refit ("" for none) through the store (host-side on
@@ -437,6 +451,7 @@ class TrainerImpl final : public Trainer {
   const Config cfg_;
   const Endpoint ep_;
   const int rank_;
+  const std::unique_ptr<RefitProbe> probe_;  // fault injection (tests); does nothing by default
   std::unique_ptr<RankModel> model_;
   std::unique_ptr<DataPlane> plane_;  // before every buffer allocated on it
   std::vector<TensorSlot> slots_;
@@ -451,7 +466,6 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<Communicator> trainer_comm_, p2p_comm_;
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
   std::unique_ptr<TrainerExecutor> executor_;
-  std::unique_ptr<RefitProbe> probe_;  // fault injection (tests)
   RankTraffic traffic_;
   std::deque<Message> early_verdicts_;  // verdicts that overtook a commit acknowledgement
   Phases phase_;
@@ -466,17 +480,19 @@ class TrainerImpl final : public Trainer {
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const Config& config, int rank,
                                                  const Endpoint& endpoint) {
+  return create_trainer_with_fault(config, rank, endpoint, Fault{});
+}
+
+Result<std::unique_ptr<Trainer>> create_trainer_with_fault(const Config& config, int rank,
+                                                           const Endpoint& endpoint,
+                                                           const Fault& fault) {
   if (rank < 0 || rank >= config.policy.world_size)
     return Status::InvalidArgument(fmt::format("trainer rank {} is outside policy.world_size {}",
                                                rank, config.policy.world_size));
   REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
-  auto t = std::make_unique<TrainerImpl>(config, rank, endpoint);
+  auto t = std::make_unique<TrainerImpl>(config, rank, endpoint, fault);
   REFIT_RETURN_IF_ERROR(t->init());
   return std::unique_ptr<Trainer>(std::move(t));
-}
-
-void set_trainer_fault(Trainer& trainer, const Fault& fault) {
-  static_cast<TrainerImpl&>(trainer).set_fault(fault);
 }
 
 }  // namespace refit

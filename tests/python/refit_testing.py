@@ -278,10 +278,11 @@ class Ranks:
     """One trainer rank and one engine rank (world 1, TP 1) in this process, the engine serving on
     a thread: the GIL is released while either side blocks."""
 
-    def __init__(self, model="tiny-qwen3", protocol="sglang", timeout_s=10):
+    def __init__(self, model="tiny-qwen3", protocol="sglang", timeout_s=10, **refit_keys):
         self.cfg = refit.Config.from_dict(
             {"model": model, "policy": {"world_size": 1},
-             "generation": {"backend": protocol, "tp_size": 1}, "refit": {"timeout_s": timeout_s}}
+             "generation": {"backend": protocol, "tp_size": 1},
+             "refit": {"timeout_s": timeout_s, **refit_keys}}
         )
         port = free_port()
         box = {}

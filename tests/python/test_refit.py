@@ -172,28 +172,51 @@ def test_zero_copy_in_place_updates_and_hooks_across_threads():
         ranks.close()
 
 
-def test_failed_verification_raises_on_the_trainer_with_the_engine_message():
-    ranks = Ranks()
+@pytest.mark.parametrize("keep_previous", [False, True], ids=["invalid", "keep_previous"])
+def test_a_failed_verification_fails_the_refit_not_the_session(keep_previous):
+    # The verification hook fails step 2: refit() raises on the trainer with the engine's message,
+    # nothing publishes "v2", and step 3 of the same session succeeds. Without keep_previous the
+    # weights are invalid in between (generation paused); with it the engine restored v1's bytes.
+    ranks = Ranks(keep_previous=keep_previous, checksum=True)
     try:
         ranks.register_all()
-        ranks.engine.on_verify(lambda step, version: f"norm looks wrong at {version}")
+        verdicts = {"v1": None, "v2": "norm looks wrong at v2", "v3": None}
+        ranks.engine.on_verify(lambda step, version: verdicts[version])
         resumed = []
         ranks.engine.on_resume(lambda: resumed.append(ranks.engine.weight_version))
         assert ranks.engine.is_valid and ranks.engine.weight_version == "0"
         thread, box = ranks.serve_in_thread()
+        rng = np.random.default_rng(3)
+
+        def train():
+            for a in ranks.shards.values():
+                a[...] = rng.standard_normal(a.shape, dtype=np.float32)
+
+        train()
+        ranks.trainer.refit(1, version="v1", verify=True)
+        v1 = {k: a.copy() for k, a in ranks.params.items()}
+        train()
         with pytest.raises(refit.Error) as info:
-            ranks.trainer.refit(1, version="v1", verify=True)
-        # The verdict, or the engine's own failure report racing it: both carry the message.
-        assert info.value.code in ("corruption", "aborted")
-        assert "norm looks wrong at v1" in str(info.value) and "engine 0 tp rank 0" in str(info.value)
+            ranks.trainer.refit(2, version="v2", verify=True)
+        assert info.value.code == "corruption"
+        message = str(info.value)
+        assert "norm looks wrong at v2" in message and "engine 0 tp rank 0" in message
+        assert "did not publish version 'v2'" in message
+        assert ranks.trainer.session_ok and ranks.engine.session_ok
+        if keep_previous:
+            assert ranks.engine.weight_version == "v1" and ranks.engine.is_valid
+            assert all(np.array_equal(ranks.params[k], v1[k]) for k in v1), "rollback not bit-exact"
+            assert resumed == ["v1", "v1"]
+        else:
+            assert ranks.engine.weight_version == "" and not ranks.engine.is_valid
+            assert resumed == ["v1"]
+        train()
+        ranks.trainer.refit(3, version="v3", verify=True)
+        assert ranks.engine.weight_version == "v3" and ranks.engine.is_valid
+        ranks.trainer.shutdown()
         thread.join(timeout=20)
-        assert isinstance(box.get("error"), refit.Error)
-        assert "norm looks wrong at v1" in str(box["error"])
-        # Every byte landed, but the weights failed their check: no version describes them, and
-        # generation stays paused.
-        assert ranks.engine.weight_version == ""
-        assert not ranks.engine.is_valid
-        assert resumed == []
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 2  # steps 1 and 3; serve() went on past step 2
     finally:
         ranks.close()
 

@@ -2,7 +2,12 @@
 
 #include <gloo/common/error.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cstddef>
+#include <cstring>
 
 namespace refit::gloo_backend {
 
@@ -20,8 +25,34 @@ Status GlooStoreAdapter::last_error() const {
 }
 
 void GlooStoreAdapter::set(const std::string& key, const std::vector<char>& data) {
-  Status s = store_.set(key, std::string(data.begin(), data.end()));
+  std::string value(data.begin(), data.end());
+  scrub_tcp_addresses(value);
+  Status s = store_.set(key, value);
   if (!s.ok()) fail(s);
+}
+
+void scrub_tcp_addresses(std::string& value) {
+  // Gloo's TCP address (gloo/transport/tcp/address.h): a sockaddr_storage filled by getsockname,
+  // which writes only the address's own length, then a 64-bit sequence number.
+  constexpr std::size_t kAddress = sizeof(sockaddr_storage) + sizeof(std::int64_t);
+  if (value.empty() || value.size() % kAddress != 0) return;
+  std::vector<std::size_t> used;
+  for (std::size_t at = 0; at < value.size(); at += kAddress) {
+    sa_family_t family;
+    std::memcpy(&family, value.data() + at, sizeof(family));
+    if (family == AF_INET)
+      used.push_back(sizeof(sockaddr_in));
+    else if (family == AF_INET6)
+      used.push_back(sizeof(sockaddr_in6));
+    else
+      return;  // not a list of Gloo TCP addresses: leave it as it is
+  }
+  for (std::size_t i = 0; i < used.size(); ++i) {
+    char* ss = value.data() + i * kAddress;
+    std::memset(ss + used[i], 0, sizeof(sockaddr_storage) - used[i]);
+    if (used[i] == sizeof(sockaddr_in))
+      std::memset(ss + offsetof(sockaddr_in, sin_zero), 0, sizeof(sockaddr_in::sin_zero));
+  }
 }
 
 std::vector<char> GlooStoreAdapter::get(const std::string& key) {

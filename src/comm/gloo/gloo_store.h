@@ -46,4 +46,9 @@ class GlooStoreAdapter final : public ::gloo::rendezvous::Store {
   Status first_error_;
 };
 
+// Gloo's rendezvous values are lists of its TCP addresses, whose sockaddr_storage holds stack
+// bytes past the address getsockname wrote. Zeroes those bytes (and sin_zero) in place, so that no
+// uninitialised memory leaves the process; a value that is not such a list is left unchanged.
+void scrub_tcp_addresses(std::string& value);
+
 }  // namespace refit::gloo_backend
