@@ -450,6 +450,7 @@ std::vector<MatrixCase> fault_matrix() {
         cases.push_back({fmt::format("{}-{}:{}", how, role, at), culprit});
   return cases;
 }
+void PrintTo(const MatrixCase& m, std::ostream* os) { *os << m.fault; }
 class FaultMatrix : public ::testing::TestWithParam<MatrixCase> {};
 TEST_P(FaultMatrix, EveryRankExitsNamingItAndNothingIsLeft) {
   const MatrixCase& m = GetParam();

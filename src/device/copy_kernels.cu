@@ -512,8 +512,15 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- the refit checksum (common/checksum.h) ----
 
-__device__ __forceinline__ std::uint64_t checksum_term(std::uint64_t key, std::uint32_t bits) {
-  return mix(key * 0x9e3779b97f4a7c15ull + bits);
+__device__ __forceinline__ std::uint32_t checksum_term(std::uint64_t key, std::uint32_t bits) {
+  const auto k = static_cast<std::uint32_t>(key) ^ static_cast<std::uint32_t>(key >> 32) * 0x27d4eb2fu;
+  std::uint32_t h = (k * 0x9e3779b1u) ^ (bits * 0xcc9e2d51u);
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
 }
 
 template <class S, class D>
@@ -522,13 +529,20 @@ __global__ void __launch_bounds__(kThreads)
                     unsigned long long* sum) {
   const DeviceTile t = tiles[blockIdx.x];
   const int n = t.rows * t.cols;
+  if (n == 0) return;
   std::uint64_t acc = 0;
+  // (r, c) of element e, advanced by kThreads; a division only when a row ends.
+  int r = threadIdx.x / t.cols, c = threadIdx.x - r * t.cols;
   for (int e = threadIdx.x; e < n; e += kThreads) {
-    const int r = t.rows == 1 ? 0 : e / t.cols;
-    const int c = e - r * t.cols;
     const auto x = src[t.src_offset + static_cast<std::int64_t>(r) * t.src_stride + c];
     const auto key = static_cast<std::uint64_t>(t.dst_offset + static_cast<std::int64_t>(r) * t.dst_stride + c);
     acc += checksum_term(key, static_cast<std::uint32_t>(convert_elem<S, D>(x)));
+    c += kThreads;
+    if (c >= t.cols) {
+      const int q = c / t.cols;
+      r += q;
+      c -= q * t.cols;
+    }
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
   if ((threadIdx.x & 31) == 0) atomicAdd(sum, static_cast<unsigned long long>(acc));

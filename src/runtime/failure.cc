@@ -31,11 +31,12 @@ struct Heartbeat::State {
   std::thread thread;
   std::function<Status()> check;                // set by watch()
   std::function<void(const Status&)> on_lost;  // called once, when check fails
+  Status lost;                                  // the failed check (guarded by mu)
 };
 
 Heartbeat::Heartbeat(std::unique_ptr<Store> store, std::string who) {
   Store& beats = *store;
-  s_.reset(new State{std::move(store), beats, "heartbeat/" + who, {}, {}, false, {}});
+  s_.reset(new State{std::move(store), beats, "heartbeat/" + who, {}, {}, false, {}, {}, {}, {}});
   s_->thread = std::thread([s = s_.get()] {
     std::unique_lock<std::mutex> lock(s->mu);
     while (!s->stop) {
@@ -46,6 +47,7 @@ Heartbeat::Heartbeat(std::unique_ptr<Store> store, std::string who) {
         const Status st = check();
         if (!st.ok()) {
           lock.lock();
+          s->lost = st;
           auto lost = std::move(s->on_lost);
           s->check = nullptr;
           s->on_lost = nullptr;
@@ -84,6 +86,11 @@ void Heartbeat::watch(const std::string& who, std::vector<std::string> peers,
   std::lock_guard<std::mutex> lock(s_->mu);
   s_->check = liveness_check(s_->store, who, std::move(peers));
   s_->on_lost = std::move(on_lost);
+}
+
+Status Heartbeat::verdict() const {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return s_->lost;
 }
 
 Result<LivenessConnections> connect_liveness(const std::string& host, int port,

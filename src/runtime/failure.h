@@ -51,6 +51,10 @@ class Heartbeat {
   // with a peer that fell silent is woken instead of waiting out refit.timeout_s.
   void watch(const std::string& who, std::vector<std::string> peers,
              std::function<void(const Status&)> on_lost);
+  // The watch's verdict so far: ok until a check failed, then that failure (at most one beat,
+  // 0.5 s, old). The rank's waits poll this instead of checking the store themselves, so each
+  // rank checks its peers once per beat, not once per waiting thread.
+  Status verdict() const;
 
  private:
   struct State;

@@ -160,10 +160,10 @@ class TrainerImpl final : public Trainer {
 
  private:
   std::string id() const { return fmt::format("trainer rank {}", rank_); }
-  // A liveness check for this rank's waits: the store, the run's first failure, every other
-  // rank's heartbeat (runtime/failure.h).
+  // A liveness check for this rank's waits: the verdict of the heartbeat thread's watch (the
+  // store, the run's first failure, every other rank's heartbeat; runtime/failure.h).
   std::function<Status()> alive() {
-    return liveness_check(*probe_store_, id(), rank_names(cfg_));
+    return [hb = heartbeat_.get()] { return hb->verdict(); };
   }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
