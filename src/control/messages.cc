@@ -137,14 +137,12 @@ std::string encode(const PausedMessage& m) {
   return dump(std::move(j));
 }
 
-std::string encode(const CommitMessage& m) {
-  return dump({{"step", m.step}, {"checksum", m.checksum}});
-}
+std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
 
 std::string encode(const CommittedMessage& m) {
   return dump(
       {{"version", m.version}, {"apply_s", m.apply_s}, {"bytes_received", m.bytes_received},
-       {"error", m.error}});
+       {"checksum", m.checksum}});
 }
 
 std::string encode(const VerifiedMessage& m) {
@@ -252,7 +250,6 @@ Result<CommitMessage> decode_commit(const std::string& payload, const std::strin
   Reader r(payload, "commit", from);
   CommitMessage m;
   r.get("step", m.step);
-  r.get("checksum", m.checksum);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -263,7 +260,7 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
   r.get("version", m.version);
   r.get("apply_s", m.apply_s);
   r.get("bytes_received", m.bytes_received);
-  r.get("error", m.error);
+  r.get("checksum", m.checksum);
   if (!r.status().ok()) return r.status();
   return m;
 }

@@ -72,9 +72,6 @@ struct PausedMessage {
 // trainer -> engine: every byte of this refit was sent.
 struct CommitMessage {
   int step = 0;
-  // refit.checksum: the sender's checksum (common/checksum.h) of every byte it sent this engine
-  // rank in this refit, as 16 hex digits; empty when checksums are off.
-  std::string checksum;
 };
 
 // engine -> trainer: the version was published.
@@ -82,9 +79,10 @@ struct CommittedMessage {
   std::string version;
   double apply_s = 0;               // seconds the engine spent applying
   std::int64_t bytes_received = 0;  // bytes that reached this engine rank in this refit
-  // Empty when every byte arrived intact; else why the refit failed on this engine rank
-  // (a checksum mismatch). The engine then did not publish the version.
-  std::string error;
+  // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte the receiving
+  // trainer rank sent it in this refit, as 16 hex digits; empty when checksums are off. The
+  // trainer rank compares it with its own.
+  std::string checksum;
 };
 
 // engine -> trainer: the verification verdict after a commit.

@@ -527,16 +527,53 @@ template <class S, class D>
 __global__ void __launch_bounds__(kThreads)
     checksum_kernel(const DeviceTile* __restrict__ tiles, const typename S::T* __restrict__ src,
                     unsigned long long* sum) {
+  using ST = typename S::T;
   const DeviceTile t = tiles[blockIdx.x];
   const int n = t.rows * t.cols;
   if (n == 0) return;
   std::uint64_t acc = 0;
-  // (r, c) of element e, advanced by kThreads; a division only when a row ends.
-  int r = threadIdx.x / t.cols, c = threadIdx.x - r * t.cols;
-  for (int e = threadIdx.x; e < n; e += kThreads) {
-    const auto x = src[t.src_offset + static_cast<std::int64_t>(r) * t.src_stride + c];
-    const auto key = static_cast<std::uint64_t>(t.dst_offset + static_cast<std::int64_t>(r) * t.dst_stride + c);
+  auto add = [&](ST x, std::uint64_t key) {
     acc += checksum_term(key, static_cast<std::uint32_t>(convert_elem<S, D>(x)));
+  };
+  int first = threadIdx.x;  // of the elements the strided loop below takes
+  if (t.rows == 1) {
+    // One contiguous row (most tiles: whole tensors and long slices): 16-byte loads, several in
+    // flight per thread, so that the kernel runs at memory speed. A scalar head reaches the
+    // alignment; the strided loop takes the tail.
+    constexpr int kV = 16 / sizeof(ST);
+    constexpr int kUnroll = 4;
+    const ST* p = src + t.src_offset;
+    const int head = static_cast<int>(
+        ((16 - reinterpret_cast<std::uintptr_t>(p) % 16) % 16) / sizeof(ST));
+    const int lead = head < n ? head : n;
+    if (static_cast<int>(threadIdx.x) < lead)
+      add(p[threadIdx.x], static_cast<std::uint64_t>(t.dst_offset) + threadIdx.x);
+    const int vecs = (n - lead) / kV;
+    const auto* v = reinterpret_cast<const uint4*>(p + lead);
+    for (int i0 = threadIdx.x; i0 < vecs; i0 += kThreads * kUnroll) {
+      uint4 w[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i0 + u * kThreads < vecs) w[u] = v[i0 + u * kThreads];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kThreads;
+        if (i >= vecs) break;
+        ST e[kV];
+        memcpy(e, &w[u], 16);
+        const auto key0 = static_cast<std::uint64_t>(t.dst_offset) + lead +
+                          static_cast<std::uint64_t>(i) * kV;
+#pragma unroll
+        for (int j = 0; j < kV; ++j) add(e[j], key0 + j);
+      }
+    }
+    first = lead + vecs * kV + threadIdx.x;
+  }
+  // (r, c) of element e, advanced by kThreads; a division only when a row ends.
+  int r = first / t.cols, c = first - r * t.cols;
+  for (int e = first; e < n; e += kThreads) {
+    add(src[t.src_offset + static_cast<std::int64_t>(r) * t.src_stride + c],
+        static_cast<std::uint64_t>(t.dst_offset + static_cast<std::int64_t>(r) * t.dst_stride + c));
     c += kThreads;
     if (c >= t.cols) {
       const int q = c / t.cols;

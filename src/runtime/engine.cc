@@ -331,43 +331,29 @@ class EngineImpl final : public Engine {
                         },
                         .exported = [this] { return exported_params(); }};
     REFIT_RETURN_IF_ERROR(executor_->receive(r));
-    // With refit.checksum every commit carries the checksum of what its feeder sent.
-    std::vector<std::string> sent(feeders().size());
-    REFIT_RETURN_IF_ERROR(expect_from_each(
-        *mailbox_, feeders(), MessageType::kCommit, "", timeout(), id(), "the commit",
-        [&](const Message& m) -> Status {
-          REFIT_ASSIGN_OR_RETURN(CommitMessage c, decode_commit(m.payload, m.from));
-          const auto at = std::find(feeders().begin(), feeders().end(), m.from);
-          sent[static_cast<std::size_t>(at - feeders().begin())] = c.checksum;
-          return Status::Ok();
-        }));
+    REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, feeders(), MessageType::kCommit, "",
+                                           timeout(), id(), "the commit"));
     if (!raw) probe_->before_commit(begin_.step);
     traffic_ = executor_->traffic();
     // Every peer feeder has mapped the exported memory by now: its name may go.
     if (exported_ && traffic_.peer_pairs > 0) exported_->release_name();
-    const Status intact = raw ? Status::Ok() : check_checksums(sent);
-    return finish(executor_->apply_seconds(), intact);
+    std::vector<std::string> landed(feeders().size());
+    if (!raw && cfg_.refit.checksum) {
+      REFIT_ASSIGN_OR_RETURN(landed, checksums());
+    }
+    return finish(executor_->apply_seconds(), landed);
   }
 
-  // refit.checksum: every feeder's checksum against ours of what landed from it. A mismatch names
-  // the feeder, this rank and the parameters its routes write.
-  Status check_checksums(const std::vector<std::string>& sent) {
-    if (!cfg_.refit.checksum) return Status::Ok();
+  // refit.checksum: this rank's checksum of what landed from each feeder (16 hex digits each),
+  // computed once every byte is in, while each feeder computes its own of what it sent; the
+  // feeder compares (docs/runtime.md).
+  Result<std::vector<std::string>> checksums() {
+    std::vector<std::string> out;
     for (std::size_t i = 0; i < feeders().size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_->checksum_from(i, ptrs_));
-      const std::string ours = fmt::format("{:016x}", sum);
-      if (sent[i] == ours) continue;
-      return Status::Corruption(fmt::format(
-          "{}: checksum mismatch in refit step {}: the bytes {} sent (checksum {}) arrived as "
-          "checksum {} (refit.checksum)",
-          id(), begin_.step, feeders()[i], sent[i].empty() ? "(none)" : sent[i], ours));
+      out.push_back(fmt::format("{:016x}", sum));
     }
-    // Once at info level (tests look for it), then at debug level.
-    const auto level = checksums_passed_++ == 0 ? log::Level::kInfo : log::Level::kDebug;
-    if (log::enabled(level))
-      log::write(level, fmt::format("{}: refit.checksum: step {} arrived intact from {} feeder(s)",
-                                    id(), begin_.step, feeders().size()));
-    return Status::Ok();
+    return out;
   }
 
   // refit.keep_previous: before bytes of a refit land, a copy of the parameters when they hold a
@@ -427,32 +413,31 @@ class EngineImpl final : public Engine {
     return why;
   }
 
-  // After every byte of a refit landed and every feeder committed: acknowledge, then — once the
-  // verification hook passed, when the trainer asked for one — publish the version and resume.
-  // A failed verification leaves the weights invalid and generation paused.
-  // Bytes that did not arrive intact (`intact`, refit.checksum) or a failed verification fail the
-  // refit but not the session (failed_refit_): the feeders hear it in the acknowledgement. When
-  // the refit checks its bytes or verifies, the version is published only on the trainer ranks'
-  // agreed outcome, so that no engine rank publishes while another's bytes failed.
-  Status finish(double apply_s, const Status& intact) {
+  // After every byte of a refit landed and every feeder committed: acknowledge (with
+  // refit.checksum, each feeder gets this rank's checksum of its bytes), then — with checksums or
+  // verification — run the verification hook and publish only on the trainer ranks' agreed
+  // outcome, so that no engine rank publishes while another's bytes failed. A failed outcome fails
+  // the refit, not the session (failed_refit_): rollback (refit.keep_previous), or the weights stay
+  // invalid and generation paused.
+  Status finish(double apply_s, const std::vector<std::string>& landed) {
     const bool raw = begin_.raw;
     const bool agreed = !raw && (begin_.verify || cfg_.refit.checksum);
     REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
     if (!raw && !agreed) publish();
-    REFIT_RETURN_IF_ERROR(send_each(
-        *mailbox_, feeders(), MessageType::kCommitted,
-        encode(CommittedMessage{.version = raw ? version_ : begin_.version,
-                                .apply_s = apply_s,
-                                .bytes_received = traffic_.bytes_received,
-                                .error = intact.ok() ? "" : intact.message()})));
+    for (std::size_t i = 0; i < feeders().size(); ++i)
+      REFIT_RETURN_IF_ERROR(mailbox_->send(
+          feeders()[i], MessageType::kCommitted,
+          encode(CommittedMessage{.version = raw ? version_ : begin_.version,
+                                  .apply_s = apply_s,
+                                  .bytes_received = traffic_.bytes_received,
+                                  .checksum = landed[i]})));
     if (!agreed) return Status::Ok();
-    Status v = intact;
+    Status v;
     if (begin_.verify) {
-      if (v.ok())
-        v = verify_hook_ ? verify_hook_(begin_.step, begin_.version)
-                         : Status::Unsupported(id() +
-                                               ": verification was asked for but this engine has "
-                                               "no verification hook");
+      v = verify_hook_ ? verify_hook_(begin_.step, begin_.version)
+                       : Status::Unsupported(id() +
+                                             ": verification was asked for but this engine has "
+                                             "no verification hook");
       REFIT_RETURN_IF_ERROR(send_each(
           *mailbox_, feeders(), MessageType::kVerified,
           encode(VerifiedMessage{.verified = v.ok(), .error = v.ok() ? "" : v.message()})));
@@ -467,12 +452,20 @@ class EngineImpl final : public Engine {
           return Status::Ok();
         }));
     if (outcome.publish && v.ok()) {
+      if (cfg_.refit.checksum) {
+        // Once at info level (tests look for it), then at debug level.
+        const auto level = checksums_passed_++ == 0 ? log::Level::kInfo : log::Level::kDebug;
+        if (log::enabled(level))
+          log::write(level, fmt::format("{}: refit.checksum: step {} arrived intact from {} "
+                                        "feeder(s)",
+                                        id(), begin_.step, feeders().size()));
+      }
       publish();
     } else {
       failed_refit_ = fail_refit(!v.ok() ? v
                                          : Status::Corruption(fmt::format(
-                                               "refit step {} failed on another engine rank: {}",
-                                               begin_.step, outcome.error)));
+                                               "refit step {} failed: {}", begin_.step,
+                                               outcome.error)));
     }
     // Acknowledged to every feeder, which waits for it before its next message: a feeder that ran
     // ahead (its next begin, or the shutdown) cannot overtake another feeder's outcome.

@@ -343,24 +343,34 @@ class TrainerImpl final : public Trainer {
     return commit(step, raw);
   }
 
-  // Every fed engine commits (with refit.checksum, each commit carries the checksum of what this
-  // rank sent it); the slowest one's apply time is the refit's. An engine that reports bytes
-  // that did not arrive intact is remembered in commit_error_ (the first one).
+  // Every fed engine commits; the slowest one's apply time is the refit's. With refit.checksum,
+  // this rank checksums what it sent each engine while the engines checksum what landed, and
+  // compares their answer with its own: the first mismatch is kept in commit_error_.
   Status commit(int step, bool raw) {
     if (!raw) probe_->before_commit(step);
-    for (std::size_t i = 0; i < fed_engines().size(); ++i) {
-      CommitMessage c{.step = step};
-      if (cfg_.refit.checksum && !raw) {
+    REFIT_RETURN_IF_ERROR(send_each(*mailbox_, fed_engines(), MessageType::kCommit,
+                                    encode(CommitMessage{.step = step})));
+    std::vector<std::string> sent(fed_engines().size());
+    if (cfg_.refit.checksum && !raw)
+      for (std::size_t i = 0; i < sent.size(); ++i) {
         REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_->checksum_to(i, ptrs_));
-        c.checksum = fmt::format("{:016x}", sum);
+        sent[i] = fmt::format("{:016x}", sum);
       }
-      REFIT_RETURN_IF_ERROR(mailbox_->send(fed_engines()[i], MessageType::kCommit, encode(c)));
-    }
     for (std::size_t i = 0; i < fed_engines().size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(Message m, expect_commit_ack());
       REFIT_ASSIGN_OR_RETURN(CommittedMessage c, decode_committed(m.payload, m.from));
       phase_.apply = std::max(phase_.apply, c.apply_s);
-      if (commit_error_.empty() && !c.error.empty()) commit_error_ = reported(m.from, c.error);
+      const auto at = std::find(fed_engines().begin(), fed_engines().end(), m.from);
+      if (at == fed_engines().end())
+        return Status::Corruption(fmt::format("{}: commit acknowledgement from {}, which it does "
+                                              "not feed",
+                                              id(), m.from));
+      const std::string& mine = sent[static_cast<std::size_t>(at - fed_engines().begin())];
+      if (commit_error_.empty() && mine != c.checksum)
+        commit_error_ = reported(
+            m.from, fmt::format("checksum mismatch in refit step {}: the bytes {} sent (checksum "
+                                "{}) arrived as checksum {} (refit.checksum)",
+                                step, id(), mine, c.checksum.empty() ? "(none)" : c.checksum));
     }
     return Status::Ok();
   }
