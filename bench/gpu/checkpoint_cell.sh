@@ -22,7 +22,8 @@ $c/bin/refit run $w/cuda.yaml --steps 2 --verify > $OUT/ckpt-$colo.log 2>&1; ech
 done
 # The negative: a corrupted parameter must fail verification naming the tensor (the host-side
 # comparison of a checkpoint's values), and the checksum must catch it without --verify.
-$c/bin/refit run $w/cuda.yaml --steps 1 --verify --fault corrupt:0 > $OUT/ckpt-corrupt.log 2>&1
+printf 'model: %s\ndevice: cuda\npolicy: {world_size: 1, dtype: float32}\ngeneration: {backend: vllm, colocated: true, tp_size: 1}\nrefit: {timeout_s: 60}\n' $w/model > $w/corrupt.yaml
+$c/bin/refit run $w/corrupt.yaml --steps 1 --verify --fault corrupt:0 > $OUT/ckpt-corrupt.log 2>&1
 echo "cuda checkpoint corrupt:0 --verify rc=$? (want 1) $(grep -m1 -o 'verify: [^(]*' $OUT/ckpt-corrupt.log)"
 printf 'model: %s\ndevice: cuda\npolicy: {world_size: 1, dtype: float32}\ngeneration: {backend: vllm, colocated: true, tp_size: 1}\nrefit: {timeout_s: 60, checksum: true}\n' $w/model > $w/sum.yaml
 $c/bin/refit run $w/sum.yaml --steps 2 --fault corrupt:0 > $OUT/ckpt-checksum.log 2>&1

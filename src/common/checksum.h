@@ -14,14 +14,20 @@
 //
 // It protects against corruption (a bad link, a bug, a torn write), not against an attacker who
 // can write the parameters: the control plane's authentication (docs/security.md) covers that.
-// The GPU kernel (device/copy_kernels.cu) computes the same terms bit for bit.
+// The GPU kernel (device/copy_kernels.cu) computes the terms with this same function.
 #pragma once
 
 #include <cstdint>
 
+#ifdef __CUDACC__
+#define REFIT_HOST_DEVICE __host__ __device__
+#else
+#define REFIT_HOST_DEVICE
+#endif
+
 namespace refit {
 
-inline std::uint64_t checksum_term(std::uint64_t key, std::uint32_t bits) {
+REFIT_HOST_DEVICE inline std::uint64_t checksum_term(std::uint64_t key, std::uint32_t bits) {
   const auto k = static_cast<std::uint32_t>(key) ^ static_cast<std::uint32_t>(key >> 32) * 0x27d4eb2fu;
   std::uint32_t h = (k * 0x9e3779b1u) ^ (bits * 0xcc9e2d51u);
   h ^= h >> 16;

@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/checksum.h"
 #include "device/copy_kernels.h"
 #include "device/cuda_check.h"
 
@@ -510,18 +511,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- the refit checksum (common/checksum.h) ----
-
-__device__ __forceinline__ std::uint32_t checksum_term(std::uint64_t key, std::uint32_t bits) {
-  const auto k = static_cast<std::uint32_t>(key) ^ static_cast<std::uint32_t>(key >> 32) * 0x27d4eb2fu;
-  std::uint32_t h = (k * 0x9e3779b1u) ^ (bits * 0xcc9e2d51u);
-  h ^= h >> 16;
-  h *= 0x85ebca6bu;
-  h ^= h >> 13;
-  h *= 0xc2b2ae35u;
-  h ^= h >> 16;
-  return h;
-}
+// ---- the refit checksum (common/checksum.h: checksum_term) ----
 
 template <class S, class D>
 __global__ void __launch_bounds__(kThreads)
