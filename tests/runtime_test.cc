@@ -286,6 +286,11 @@ TEST(RuntimeRecovery, KeepPreviousRollsBackBitExact) {
   expect_recovers({.engine = "vllm", .colocated = true, .world_size = 1, .tp = 1,
                    .keep_previous = true},
                   "corrupt:0:2", 2, "verify: engine 0 tp rank 0");
+  // Only engine rank 0's bytes are corrupted: rank 1 verified step 2 and must still roll back
+  // (with the others), to step 1's bytes.
+  expect_recovers({.engine = "vllm", .colocated = true, .buffer = 4096, .checksum = true,
+                   .keep_previous = true},
+                  "corrupt:0:2", 2, "checksum mismatch in refit step 2");
 }
 
 void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::string& culprit) {

@@ -445,14 +445,17 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   if (o.check_logits) {
     REFIT_ASSIGN_OR_RETURN(logits, LogitCheck::create(o, *model, engine_rank));
   }
-  int verified_step = 0;  // the last step whose verification passed (its version is published)
+  // The step of the refit in flight, and of the version the engine published last (0: the
+  // zero-filled storage): a refit whose verification passed here is published only when every
+  // engine rank's passed, so the two differ after a refit that failed elsewhere.
+  int verifying_step = 0, published_step = 0;
   engine->on_verify([&](int step, const std::string&) -> Status {
+    verifying_step = step;
     // Element-wise verification unless the engine was started for the logit check alone.
     if (o.verify || !logits)
       REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, layout, params, cfg, step, who));
     if (logits)
       REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, layout, params, cfg, step, who));
-    verified_step = step;
     return Status::Ok();
   });
   // Serve until the shutdown, past refits that failed at their end (the session goes on). After
@@ -460,7 +463,10 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   while (true) {
     Result<bool> more = engine->serve_one();
     if (more.ok() && !*more) break;
-    if (more.ok()) continue;
+    if (more.ok()) {
+      published_step = verifying_step;
+      continue;
+    }
     if (!engine->session_ok()) {
       // What generation would serve now: the previous version, or nothing (never a new label over
       // torn weights).
@@ -469,7 +475,7 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
       return more.status();
     }
     if (!o.verify || !engine->is_valid()) continue;
-    REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, layout, params, cfg, verified_step,
+    REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, layout, params, cfg, published_step,
                                              engine->weight_version(), who));
   }
   if (o.dump_dir.empty()) return Status::Ok();
