@@ -122,29 +122,38 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
     Clock::time_point since;
   };
   auto seen = std::make_shared<std::map<std::string, Seen>>();
+  // When the store last answered: a request that times out (a busy host) is fatal only once the
+  // store has not answered for kPeerSilence.
+  auto answered = std::make_shared<Clock::time_point>(Clock::now());
   std::erase(peers, who);
-  return [&store, who, peers = std::move(peers), seen]() -> Status {
-    const Status reachable = store.ping(kPeerSilence);
-    if (!reachable.ok() && reachable.code() != StatusCode::kTimeout)
-      return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank 0): {}",
-                                         reachable.to_string()));
-    if (!reachable.ok())
+  return [&store, who, peers = std::move(peers), seen, answered]() -> Status {
+    const auto silent = [&](const Status& why) {
       return Status::Aborted(fmt::format(
           "aborted because trainer rank 0: the store it hosts did not answer for {:.1f} s "
           "(stopped, hung or cut off; seen by {}): {}",
-          kPeerSilence.count() / 1000.0, who, reachable.to_string()));
+          kPeerSilence.count() / 1000.0, who, why.to_string()));
+    };
+    // A failed request: the connection is gone (fatal), or the store is slow (fatal only after
+    // kPeerSilence without an answer; else this round is skipped).
+    const auto failed = [&](const Status& why) {
+      if (why.code() != StatusCode::kTimeout)
+        return Status::Aborted(
+            fmt::format("lost the control plane (the store of trainer rank 0): {}", why.to_string()));
+      if (Clock::now() - *answered >= kPeerSilence) return silent(why);
+      return Status::Ok();
+    };
+    const Status reachable = store.ping(kPeerSilence);
+    if (!reachable.ok() && reachable.code() != StatusCode::kTimeout) return failed(reachable);
+    if (!reachable.ok()) return silent(reachable);
+    *answered = Clock::now();
     auto first = store.try_get("error/first");
-    if (!first.ok())
-      return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank 0): {}",
-                                         first.status().to_string()));
+    if (!first.ok()) return failed(first.status());
     if (first->has_value() && (*first)->rfind(who + ":", 0) != 0)
       return Status::Aborted("aborted because " + **first);
     const auto now = Clock::now();
     for (const std::string& peer : peers) {
       auto beat = store.try_get("heartbeat/" + peer);
-      if (!beat.ok())
-        return Status::Aborted(fmt::format(
-            "lost the control plane (the store of trainer rank 0): {}", beat.status().to_string()));
+      if (!beat.ok()) return failed(beat.status());
       if (!beat->has_value() || **beat == "left") continue;
       auto [it, fresh] = seen->try_emplace(peer, Seen{**beat, now});
       if (fresh || it->second.value != **beat) {
