@@ -234,7 +234,7 @@ void expect_recovers(const Cell& c, const std::string& fault, int failed_step,
   if (c.keep_previous) {
     EXPECT_EQ(count_of(r.output, "(refit.keep_previous) and resumed generation"),
               static_cast<size_t>(c.num_engines * c.tp));
-    EXPECT_EQ(count_of(r.output, "rolled-back weights (version"),
+    EXPECT_EQ(count_of(r.output, "weights kept after the failed refit (version"),
               static_cast<size_t>(c.num_engines * c.tp));
   } else {
     // Every engine rank discards the refit, also those whose own bytes were intact: the ranks of
@@ -291,6 +291,64 @@ TEST(RuntimeRecovery, KeepPreviousRollsBackBitExact) {
   expect_recovers({.engine = "vllm", .colocated = true, .buffer = 4096, .checksum = true,
                    .keep_previous = true},
                   "corrupt:0:2", 2, "checksum mismatch in refit step 2");
+}
+
+// A refit an engine rank refuses (its pause hook fails, or outlasts refit.timeout_s) is aborted by
+// every trainer rank before any byte moves: every engine rank keeps the previous version (valid,
+// verified bit-exact against it), the ranks whose pause succeeded resume generation, and the
+// session's next refits publish and verify.
+void expect_aborted_then_recovers(const Cell& c, const std::string& fault, int failed_step,
+                                  const std::string& cause) {
+  auto r = run_cell(c, {"--steps", "3", "--verify", "--fault", fault});
+  SCOPED_TRACE(r.output);
+  const auto ranks = static_cast<size_t>(c.num_engines * c.tp);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find(cause), std::string::npos);
+  EXPECT_NE(r.output.find(fmt::format("1 of 3 refit(s) failed (steps {}); the session went on",
+                                      failed_step)),
+            std::string::npos);
+  EXPECT_EQ(count_of(r.output, ", verified\n"), 2u);
+  EXPECT_EQ(count_of(r.output, "exited with code 0"), ranks);
+  EXPECT_EQ(count_of(r.output, fmt::format("refit step {} aborted before any byte moved",
+                                           failed_step)),
+            static_cast<size_t>(c.world_size));
+  EXPECT_EQ(count_of(r.output, fmt::format("refit step {} was aborted before any byte landed; "
+                                           "weight version '",
+                                           failed_step)),
+            ranks);
+  EXPECT_EQ(count_of(r.output, "weights kept after the failed refit (version"), ranks);
+  // Nothing landed: no rank went invalid or rolled back.
+  EXPECT_EQ(count_of(r.output, "the weights are invalid"), 0u);
+}
+
+TEST(RuntimeRecovery, FailedPauseHookAbortsBeforeAnyByteThenRecovers) {
+  const std::string cause = "the pause hook failed, so refit step 2 was aborted before any "
+                            "parameter changed: fault injection";
+  // Point-to-point; the refusing rank is the second of one engine.
+  expect_aborted_then_recovers({}, "fail-pause:1:2", 2, "engine 0 tp rank 1 reported: " + cause);
+  // Peer access (written in place): feeders that commit early cannot overtake the abort.
+  expect_aborted_then_recovers({.colocated = true}, "fail-pause:0:2", 2,
+                               "engine 0 tp rank 0 reported: " + cause);
+  // Three trainer ranks feeding two engines: every trainer rank agrees through the store.
+  expect_aborted_then_recovers({.model = "tiny-qwen2", .world_size = 3, .num_engines = 2,
+                                .buffer = 4096},
+                               "fail-pause:3:2", 2, "engine 1 tp rank 1 reported: " + cause);
+}
+
+TEST(RuntimeRecovery, PauseHookOutlastingTheTimeoutAbortsThenRecovers) {
+  // The hook takes 4.5 s against a timeout of 3 s: the trainer ranks abort the refit, the engine
+  // rank hears it once its hook returns, and step 2 runs in the same session.
+  expect_aborted_then_recovers({.timeout_s = 3}, "slow-pause:0:1", 1,
+                               "engine 0 tp rank 0 reported: did not answer the begin of refit "
+                               "step 1 within refit.timeout_s (3 s): its pause hook is still "
+                               "running");
+}
+
+TEST(RuntimeRecovery, FailedPauseHookWithGatherIsRejected) {
+  auto r = run_cell({.executor = "gather"}, {"--steps", "1", "--fault", "fail-pause:0"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("a refused refit needs the transfer plan"), std::string::npos)
+      << r.output;
 }
 
 void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::string& culprit) {

@@ -101,7 +101,9 @@ class Trainer {
   // A refit that moved every byte but failed at its end — a checksum mismatch (refit.checksum) or
   // a failed verification — returns an error on every trainer rank and leaves the session usable
   // (session_ok() stays true): the engines did not publish its version (with refit.keep_previous
-  // they rolled back), and the next refit() runs normally. Any other failure ends the session.
+  // they rolled back), and the next refit() runs normally. So does a refit an engine rank refused
+  // before any byte moved (its pause hook failed or outlasted refit.timeout_s; code kAborted): the
+  // engines keep their weights and version. Any other failure ends the session.
   virtual Status refit(int step, const std::string& version, bool verify) = 0;
   // Whether this rank can run another refit: false once a failure ended the session (every later
   // call returns that failure; re-create every rank to recover, docs/runtime.md).
@@ -150,9 +152,10 @@ class Engine {
 
   // Called around every refit: generation must pause before any parameter changes and may
   // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake). A pause hook that
-  // returns an error aborts the refit before any parameter is written: the weights keep their
-  // version and validity, and the error (naming this rank) reaches every rank. A hook returning
-  // void cannot fail.
+  // returns an error (or runs past refit.timeout_s) makes every rank abort the refit before any
+  // parameter is written: the weights keep their version and validity, the error (naming this
+  // rank) is the refit's on every rank, and the session goes on (transfer plan; with executor
+  // gather it ends the session). A hook returning void cannot fail.
   virtual void on_pause(std::function<Status()> hook) = 0;
   template <typename F>
     requires std::is_void_v<std::invoke_result_t<F&>>
@@ -171,8 +174,9 @@ class Engine {
   // Serves one refit (blocking). Waits for it to start as long as the trainer lives (a failure of
   // any rank, or the loss of the store, ends the wait); each step of the refit is bounded by
   // refit.timeout_s. Returns true after a committed refit, false when the trainer shut the
-  // engines down. A refit that failed at its end (checksum mismatch, failed verification) is
-  // returned as its error with session_ok() still true: serve the next one.
+  // engines down. A refit that failed at its end (checksum mismatch, failed verification) or was
+  // refused before any byte moved is returned as its error with session_ok() still true: serve
+  // the next one.
   virtual Result<bool> serve_one() = 0;
   // Serves refits until shutdown, past refits that failed at their end.
   virtual Status serve() = 0;

@@ -428,7 +428,8 @@ class PyEngine {
         if (!serve_one_unguarded(e)) break;
         ++served;
       } catch (py::error_already_set&) {
-        // A refit that failed at its end (checksum, verification) leaves the session usable:
+        // A refit that failed at its end (checksum, verification) or was refused before any byte
+        // moved (a pause hook) leaves the session usable:
         // the runtime logged it; serve the next one. Anything else ends serve().
         if (!refit_failed_) throw;
       }
@@ -684,9 +685,11 @@ keeps a reference to `tensor`. Raises refit.SetupError naming the tensor on a mi
 )doc")
       .def("on_pause", &PyEngine::set_pause, py::arg("hook"), R"doc(
 hook() runs on the serving thread before any parameter changes (pause generation); None removes it.
-If it raises, the refit is aborted before any parameter is written (weight_version and is_valid
-are unchanged) and every rank fails naming this one; serve_one() raises refit.Error with the
-hook's exception as its __cause__.
+If it raises (or runs past timeout_s), every rank aborts the refit before any parameter is
+written (weight_version and is_valid are unchanged): the trainer's refit() raises refit.Error
+(code "aborted") naming this rank, serve_one() raises refit.Error with the hook's exception as its
+__cause__, and the session stays usable (serve() goes on). With executor gather it ends the
+session.
 )doc")
       .def("on_resume", &PyEngine::set_resume, py::arg("hook"), R"doc(
 hook() runs on the serving thread after the commit, once weight_version is the new version and
@@ -719,7 +722,8 @@ False exactly when weight_version is "": the parameters hold no complete version
 )doc")
       .def_property_readonly("session_ok", &PyEngine::session_ok, R"doc(
 False once a failure ended the session. After a refit that failed at its end (checksum mismatch,
-failed verification), serve_one() raises refit.Error and this stays True; serve() goes on.)doc")
+failed verification) or was refused before any byte moved (a pause hook raised), serve_one()
+raises refit.Error and this stays True; serve() goes on.)doc")
       .def_property_readonly("engine_rank", &PyEngine::engine_rank)
       .def_property_readonly("engine_index", &PyEngine::engine_index)
       .def_property_readonly("tp_rank", &PyEngine::tp_rank)

@@ -20,7 +20,8 @@ Result<Fault> parse_fault(std::string_view text) {
     return Status::InvalidArgument(fmt::format(
         "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET[:STEP], kill-trainer:RANK:AT, "
         "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a bucket or round, "
-        "setup or commit), plan-mismatch, version-mismatch",
+        "setup or commit), fail-pause:RANK[:STEP], slow-pause:RANK[:STEP], plan-mismatch, "
+        "version-mismatch",
         text));
   };
   if (text.empty() || text == "none") return f;
@@ -39,6 +40,14 @@ Result<Fault> parse_fault(std::string_view text) {
     f.kind = Fault::Kind::kCorrupt;
     const auto at = rest.find(':');
     if (!parse_int(rest.substr(0, at), f.bucket)) return bad();
+    if (at != std::string_view::npos && (!parse_int(rest.substr(at + 1), f.step) || f.step < 1))
+      return bad();
+    return f;
+  }
+  if (kind == "fail-pause" || kind == "slow-pause") {
+    f.kind = kind == "fail-pause" ? Fault::Kind::kFailPause : Fault::Kind::kSlowPause;
+    const auto at = rest.find(':');
+    if (!parse_int(rest.substr(0, at), f.rank)) return bad();
     if (at != std::string_view::npos && (!parse_int(rest.substr(at + 1), f.step) || f.step < 1))
       return bad();
     return f;

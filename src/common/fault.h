@@ -9,7 +9,16 @@
 namespace refit {
 
 struct Fault {
-  enum class Kind { kNone, kCorrupt, kKillTrainer, kKillEngine, kPlanMismatch, kVersionMismatch };
+  enum class Kind {
+    kNone,
+    kCorrupt,
+    kKillTrainer,
+    kKillEngine,
+    kPlanMismatch,
+    kVersionMismatch,
+    kFailPause,  // engine rank `rank`'s pause hook fails in refit `step`
+    kSlowPause,  // engine rank `rank`'s pause hook takes 1.5 x refit.timeout_s in refit `step`
+  };
   Kind kind = Kind::kNone;
   int rank = -1;    // trainer rank / engine rank the fault hits
   // Bucket (executor gather) or round (transfer plan) at which it fires; kill and stop kinds may
@@ -18,12 +27,14 @@ struct Fault {
   static constexpr int kAtCommit = -3;  // "…:commit": every byte moved, before the commit
   int bucket = -1;
   bool stop = false;  // kill kinds: SIGSTOP instead of SIGKILL ("stop-trainer", "stop-engine")
-  int step = 1;       // corrupt: the refit step it fires in ("corrupt:K:S"; the others: step 1)
+  // corrupt, fail-pause, slow-pause: the refit step it fires in ("corrupt:K:S", "fail-pause:R:S";
+  // the others: step 1)
+  int step = 1;
 };
 
 // "corrupt:K" | "corrupt:K:S" (in step S) | K of the kill and stop kinds may be "setup" or
 // "commit" | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
-// "plan-mismatch" | "version-mismatch" | "" (none).
+// "fail-pause:R[:S]" | "slow-pause:R[:S]" | "plan-mismatch" | "version-mismatch" | "" (none).
 Result<Fault> parse_fault(std::string_view text);
 
 }  // namespace refit

@@ -51,6 +51,8 @@ const char* message_type_name(MessageType type) {
       return "routes";
     case MessageType::kOutcome:
       return "outcome";
+    case MessageType::kProceed:
+      return "proceed";
   }
   return "unknown";
 }
@@ -63,7 +65,7 @@ constexpr std::chrono::milliseconds kSendLinger{2000};
 
 bool is_known_type(std::uint8_t t) {
   return t >= static_cast<std::uint8_t>(MessageType::kHello) &&
-         t <= static_cast<std::uint8_t>(MessageType::kOutcome);
+         t <= static_cast<std::uint8_t>(MessageType::kProceed);
 }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }

@@ -34,6 +34,8 @@ enum class MessageType : std::uint8_t {
   kRoutes,      // trainer -> engine, at setup (SGLang protocol): the routes it will send
   kOutcome,     // trainer -> engine: publish the refit, or not (agreed by every trainer rank);
                 // engine -> trainer: done (payload: is_valid, weight version)
+  kProceed,     // trainer -> engine, after every paused: write, or abort the refit (agreed by
+                // every trainer rank); engine -> trainer: the abort was heard
 };
 const char* message_type_name(MessageType type);
 

@@ -126,7 +126,7 @@ std::string encode(const BeginMessage& m) {
 }
 
 std::string encode(const PausedMessage& m) {
-  Json j = Json::object();
+  Json j = {{"step", m.step}, {"refused", m.refused}};
   if (m.direct)
     j["direct"] = {{"handle", m.direct->handle},
                    {"bytes", m.direct->bytes},
@@ -151,6 +151,10 @@ std::string encode(const VerifiedMessage& m) {
 
 std::string encode(const OutcomeMessage& m) {
   return dump({{"publish", m.publish}, {"error", m.error}});
+}
+
+std::string encode(const ProceedMessage& m) {
+  return dump({{"step", m.step}, {"go", m.go}, {"error", m.error}});
 }
 
 std::string encode(const RoutesMessage& m) {
@@ -225,6 +229,8 @@ Result<BeginMessage> decode_begin(const std::string& payload, const std::string&
 Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from) {
   Reader r(payload, "paused", from);
   PausedMessage m;
+  r.get("step", m.step);
+  r.get("refused", m.refused);
   if (r.status().ok() && !r.json().contains("direct"))
     return Status::Corruption(fmt::format("paused message from {} has no field 'direct'", from));
   if (r.status().ok() && r.has("direct")) {
@@ -278,6 +284,16 @@ Result<OutcomeMessage> decode_outcome(const std::string& payload, const std::str
   Reader r(payload, "outcome", from);
   OutcomeMessage m;
   r.get("publish", m.publish);
+  r.get("error", m.error);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from) {
+  Reader r(payload, "proceed", from);
+  ProceedMessage m;
+  r.get("step", m.step);
+  r.get("go", m.go);
   r.get("error", m.error);
   if (!r.status().ok()) return r.status();
   return m;

@@ -64,9 +64,22 @@ struct ExportedParams {
   std::vector<std::string> handles;
 };
 
-// engine -> trainer: generation is paused; parameters may be written from now on.
+// engine -> trainer: the answer to step `step`'s begin. Generation is paused and parameters may
+// be written once every trainer rank agreed to proceed — or, with `refused` set (the pause hook's
+// error), this engine rank refuses the refit and nothing may be written.
 struct PausedMessage {
+  int step = 0;
   std::optional<ExportedParams> direct;  // set when the engine's parameters are exported
+  std::string refused;                   // empty: paused
+};
+
+// trainer -> engine, after every engine rank answered the begin of step `step` (or one did not in
+// time): `go` — write this refit — or abort it before any byte is written, with `error` the first
+// refusal, as every trainer rank agreed. The engine acknowledges an abort with one of its own.
+struct ProceedMessage {
+  int step = 0;
+  bool go = false;
+  std::string error;
 };
 
 // trainer -> engine: every byte of this refit was sent.
@@ -122,6 +135,7 @@ std::string encode(const CommitMessage& m);
 std::string encode(const CommittedMessage& m);
 std::string encode(const VerifiedMessage& m);
 std::string encode(const OutcomeMessage& m);
+std::string encode(const ProceedMessage& m);
 
 // `from` names the sender in errors.
 Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from);
@@ -131,5 +145,6 @@ Result<CommitMessage> decode_commit(const std::string& payload, const std::strin
 Result<CommittedMessage> decode_committed(const std::string& payload, const std::string& from);
 Result<VerifiedMessage> decode_verified(const std::string& payload, const std::string& from);
 Result<OutcomeMessage> decode_outcome(const std::string& payload, const std::string& from);
+Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from);
 
 }  // namespace refit

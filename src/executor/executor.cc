@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
 
 #include "transport/transport.h"
 
@@ -13,6 +14,13 @@ RefitProbe& RefitProbe::none() {
   return nothing;
 }
 
+std::string engine_process(const std::string& mailbox_id, int tp_size) {
+  int g = -1;
+  if (std::sscanf(mailbox_id.c_str(), "engine/%d", &g) != 1 || g < 0 || tp_size < 1)
+    return mailbox_id;
+  return fmt::format("engine {} tp rank {}", g / tp_size, g % tp_size);
+}
+
 Status send_each(Mailbox& mailbox, const std::vector<std::string>& ids, MessageType type,
                  const std::string& payload) {
   for (const std::string& id : ids) REFIT_RETURN_IF_ERROR(mailbox.send(id, type, payload));
@@ -20,7 +28,7 @@ Status send_each(Mailbox& mailbox, const std::vector<std::string>& ids, MessageT
 }
 
 Status expect_from_each(Mailbox& mailbox, const std::vector<std::string>& from, MessageType type,
-                        const std::string& first_from, std::chrono::milliseconds timeout,
+                        const std::vector<std::string>& arrived, std::chrono::milliseconds timeout,
                         const std::string& who, const char* what,
                         const std::function<Status(const Message&)>& check) {
   std::vector<bool> seen(from.size(), false);
@@ -34,7 +42,7 @@ Status expect_from_each(Mailbox& mailbox, const std::vector<std::string>& from, 
     ++got;
     return Status::Ok();
   };
-  if (!first_from.empty()) REFIT_RETURN_IF_ERROR(mark(first_from));
+  for (const std::string& sender : arrived) REFIT_RETURN_IF_ERROR(mark(sender));
   while (got < from.size()) {
     REFIT_ASSIGN_OR_RETURN(Message m, expect_message(mailbox, type, timeout, what));
     REFIT_RETURN_IF_ERROR(mark(m.from));

@@ -73,6 +73,12 @@ class TrainerExecutor {
   // then commits.
   virtual Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
                           TransferTimes& times) = 0;
+  // Why the last transfer was aborted before any byte moved (an engine rank refused it, and every
+  // trainer rank agreed); empty when it moved its bytes. The caller then does not commit.
+  virtual const std::string& aborted() const {
+    static const std::string none;
+    return none;
+  }
   // The registered storage changed: copy lists are rebuilt at the next transfer.
   virtual void invalidate() = 0;
   // Of the last transfer.
@@ -99,9 +105,15 @@ struct EngineRefit {
   BeginMessage begin;                // the first begin that arrived
   std::string first_from;            // its sender
   const std::vector<void*>* params;  // the registered parameters
-  // Checks the registration and calls the pause hook: exactly once, before any byte lands.
+  // Checks the registration and calls the pause hook: exactly once, before any byte lands. An
+  // error refuses the refit (the transfer plan; with gather it ends the session).
   std::function<Status()> pause;
   ExportFn exported;
+  // The trainer ranks aborted the refit before any byte landed (`why`: the first refusal);
+  // `paused`: this rank's pause succeeded (generation resumes). receive() then returns Ok.
+  std::function<void(const std::string& why, bool paused)> abandon;
+  // Feeders whose commit arrived during receive() (the caller waits for the others').
+  std::vector<std::string>* early_commits = nullptr;
 };
 
 // One engine rank's side.
@@ -136,15 +148,18 @@ class EngineExecutor {
 // Forms a group of the run (name, this process's rank, size) on the rank's data plane.
 using JoinGroupFn = std::function<Result<std::unique_ptr<Communicator>>(const char*, int, int)>;
 
+// "engine I tp rank T" for mailbox id "engine/<g>" (the id itself for anything else).
+std::string engine_process(const std::string& mailbox_id, int tp_size);
+
 // Sends `payload` as `type` to every id.
 Status send_each(Mailbox& mailbox, const std::vector<std::string>& ids, MessageType type,
                  const std::string& payload);
 
-// Waits for one message of `type` from each of `from` (any order; `first_from`, when set, already
-// arrived). `check` sees each message; a message from anyone else, or a second one, is an error
+// Waits for one message of `type` from each of `from` (any order; those of `arrived` already
+// did). `check` sees each message; a message from anyone else, or a second one, is an error
 // naming `who`.
 Status expect_from_each(Mailbox& mailbox, const std::vector<std::string>& from, MessageType type,
-                        const std::string& first_from, std::chrono::milliseconds timeout,
+                        const std::vector<std::string>& arrived, std::chrono::milliseconds timeout,
                         const std::string& who, const char* what,
                         const std::function<Status(const Message&)>& check = {});
 

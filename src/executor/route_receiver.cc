@@ -131,7 +131,7 @@ Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
 Status RouteReceiver::receive(const EngineRefit& r) {
   const BeginMessage& begin = r.begin;
   REFIT_RETURN_IF_ERROR(expect_from_each(
-      *o_.mailbox, feeders_, MessageType::kBegin, r.first_from, o_.config->refit.timeout(), o_.who,
+      *o_.mailbox, feeders_, MessageType::kBegin, {r.first_from}, o_.config->refit.timeout(), o_.who,
       "begins", [&](const Message& m) -> Status {
         REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
         if (b.step != begin.step || b.raw != begin.raw)
@@ -140,13 +140,67 @@ Status RouteReceiver::receive(const EngineRefit& r) {
               begin.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
         return Status::Ok();
       }));
-  REFIT_RETURN_IF_ERROR(r.pause());
-  const std::optional<ExportedParams> exported = r.exported();
-  REFIT_RETURN_IF_ERROR(choose(exported.has_value()));
-  REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, feeders_, MessageType::kPaused,
-                                  encode(PausedMessage{.direct = exported})));
+  // Pause (the hook may refuse), answer every feeder, and write nothing before every feeder said
+  // to proceed: the trainer ranks agree on it once every engine rank answered.
+  const Status paused = r.pause();
+  std::optional<ExportedParams> exported;
+  if (paused.ok()) {
+    exported = r.exported();
+    REFIT_RETURN_IF_ERROR(choose(exported.has_value()));
+  }
+  REFIT_RETURN_IF_ERROR(send_each(
+      *o_.mailbox, feeders_, MessageType::kPaused,
+      encode(PausedMessage{
+          .step = begin.step, .direct = exported, .refused = paused.ok() ? "" : paused.message()})));
+  REFIT_ASSIGN_OR_RETURN(const ProceedMessage proceed, await_proceed(begin.step, r.early_commits));
+  if (!proceed.go) {
+    r.abandon(proceed.error, paused.ok());
+    return send_each(*o_.mailbox, feeders_, MessageType::kProceed,
+                     encode(ProceedMessage{.step = begin.step, .go = false}));
+  }
+  if (!paused.ok())
+    return Status::Internal(fmt::format(
+        "{}: the feeders proceeded with refit step {} although this rank refused it: {}", o_.who,
+        begin.step, paused.message()));
   REFIT_RETURN_IF_ERROR(receive_rounds(begin.step, begin.raw, *r.params));
   return applier_.drain(o_.config->refit.timeout());
+}
+
+// Every feeder's proceed for `step` (all say the same: every trainer rank agreed). A feeder that
+// writes in place may commit before a slower feeder's proceed arrived: its commit is recorded in
+// `early_commits`. The wait is bounded by twice the timeout: the feeders wait up to one for every
+// engine rank's answer.
+Result<ProceedMessage> RouteReceiver::await_proceed(int step,
+                                                    std::vector<std::string>* early_commits) {
+  std::vector<bool> seen(feeders_.size(), false);
+  ProceedMessage out{.step = step, .go = true};
+  for (std::size_t got = 0; got < feeders_.size();) {
+    Result<Message> r = o_.mailbox->receive(o_.config->refit.timeout() * 2);
+    if (!r.ok())
+      return r.status().with_context(fmt::format("{} waiting for the feeders' proceed of refit "
+                                                 "step {}",
+                                                 o_.who, step));
+    const Message& m = *r;
+    const auto it = std::find(feeders_.begin(), feeders_.end(), m.from);
+    const std::size_t i = static_cast<std::size_t>(it - feeders_.begin());
+    if (it != feeders_.end() && seen[i] && m.type == MessageType::kCommit && early_commits &&
+        std::find(early_commits->begin(), early_commits->end(), m.from) == early_commits->end()) {
+      early_commits->push_back(m.from);
+      continue;
+    }
+    if (it == feeders_.end() || seen[i] || m.type != MessageType::kProceed)
+      return Status::Corruption(fmt::format("{} waiting for the feeders' proceed of refit step {}: "
+                                            "unexpected {} from {}",
+                                            o_.who, step, message_type_name(m.type), m.from));
+    REFIT_ASSIGN_OR_RETURN(ProceedMessage p, decode_proceed(m.payload, m.from));
+    if (p.step != step)
+      return Status::Corruption(fmt::format("{}: {} sent the proceed of refit step {} in step {}",
+                                            o_.who, m.from, p.step, step));
+    if (!p.go && out.go) out = std::move(p);
+    seen[i] = true;
+    ++got;
+  }
+  return out;
 }
 
 Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*>& params) {

@@ -63,6 +63,7 @@ class RouteReceiver final : public EngineExecutor {
  private:
   explicit RouteReceiver(const RouteReceiverOptions& o);
   Status choose(bool params_exported);
+  Result<ProceedMessage> await_proceed(int step, std::vector<std::string>* early_commits);
   Status build(const std::vector<void*>& params);
   Status receive_rounds(int step, bool raw, const std::vector<void*>& params);
 

@@ -184,18 +184,18 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   const std::string payload = encode(begin);
   REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
 
-  // Every target pauses and says whether its parameters are exported.
+  // Every target pauses and says whether its parameters are exported, or refuses; the trainer
+  // ranks agree whether to proceed before any byte moves.
+  aborted_.clear();
   std::vector<std::optional<PausedMessage>> answers(ids_.size());
-  for (std::size_t got = 0; got < ids_.size(); ++got) {
-    REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*o_.mailbox, MessageType::kPaused, timeout,
-                                                     "the engines' pause"));
-    const auto it = std::find(ids_.begin(), ids_.end(), m.from);
-    if (it == ids_.end() || answers[static_cast<std::size_t>(it - ids_.begin())])
-      return Status::Corruption(
-          fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m.from));
-    REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m.payload, m.from));
-    answers[static_cast<std::size_t>(it - ids_.begin())] = std::move(p);
+  REFIT_ASSIGN_OR_RETURN(std::string refused, collect_paused(begin, answers));
+  if (!begin.raw && o_.agree) {
+    REFIT_ASSIGN_OR_RETURN(refused, o_.agree(refused));
   }
+  REFIT_RETURN_IF_ERROR(send_each(
+      *o_.mailbox, ids_, MessageType::kProceed,
+      encode(ProceedMessage{.step = begin.step, .go = refused.empty(), .error = refused})));
+  if (!refused.empty()) return abort_refit(begin, refused);
   modes_.assign(ids_.size(), PairExecutor::kP2p);
   peer_targets_ = p2p_targets_ = 0;
   for (std::size_t i = 0; i < ids_.size(); ++i) {
@@ -232,6 +232,96 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
                                                 peer_runs_, tgt));
   }
   if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, times));
+  return Status::Ok();
+}
+
+// The answers to `begin` of every target, in `answers`; returns the first refusal (a failed pause
+// hook, or a target that did not answer within refit.timeout_s while every rank is alive) as
+// "<engine process>: <why>", or "". Answers to an earlier begin that arrive late (a target whose
+// pause outlasted that refit's timeout) and acknowledgements of an earlier abort are dropped.
+Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
+                                                std::vector<std::optional<PausedMessage>>& answers) {
+  const auto timeout = o_.config->refit.timeout();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string refused;
+  for (std::size_t got = 0; got < ids_.size();) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    Result<Message> m = o_.mailbox->receive(std::max(left, std::chrono::milliseconds(1)));
+    if (!m.ok() && m.status().code() == StatusCode::kTimeout && !begin.raw) {
+      // Every rank is alive (a dead or silent one ends the wait with its name): an engine rank
+      // is still in its pause hook. The refit is refused; the session goes on.
+      for (std::size_t i = 0; i < ids_.size(); ++i)
+        if (!answers[i] && refused.empty())
+          refused = engine_process(ids_[i], o_.config->generation.tp_size) +
+                    fmt::format(": did not answer the begin of refit step {} within "
+                                "refit.timeout_s ({} s): its pause hook is still running",
+                                begin.step, o_.config->refit.timeout_s);
+      return refused;
+    }
+    if (!m.ok())
+      return m.status().with_context(
+          fmt::format("{} waiting for the engines' pause", o_.mailbox->id()));
+    if (m->type == MessageType::kProceed || m->type == MessageType::kPaused) {
+      // An undecodable one is not late: it is refused below.
+      int step = begin.step;
+      if (m->type == MessageType::kPaused) {
+        if (auto p = decode_paused(m->payload, m->from); p.ok()) step = p->step;
+      } else if (auto p = decode_proceed(m->payload, m->from); p.ok()) {
+        step = p->step;
+      } else {
+        return p.status();
+      }
+      if (step != begin.step) {
+        log::debug("trainer rank {}: dropped a late {} of refit step {} from {}", o_.rank,
+                   message_type_name(m->type), step, m->from);
+        continue;
+      }
+    }
+    if (m->type != MessageType::kPaused)
+      return Status::Internal(fmt::format("{} waiting for the engines' pause: got {} from {}",
+                                          o_.mailbox->id(), message_type_name(m->type), m->from));
+    const auto it = std::find(ids_.begin(), ids_.end(), m->from);
+    if (it == ids_.end() || answers[static_cast<std::size_t>(it - ids_.begin())])
+      return Status::Corruption(
+          fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m->from));
+    REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m->payload, m->from));
+    if (!p.refused.empty() && refused.empty()) {
+      // "<process>: <why>"; the engine's own error usually starts with its name already.
+      const std::string who = engine_process(m->from, o_.config->generation.tp_size) + ": ";
+      refused = p.refused.rfind(who, 0) == 0 ? p.refused : who + p.refused;
+    }
+    answers[static_cast<std::size_t>(it - ids_.begin())] = std::move(p);
+    ++got;
+  }
+  return refused;
+}
+
+// Every trainer rank agreed to abort this refit: every target was told, and acknowledges once it
+// heard every feeder (so that this rank's next begin cannot overtake another feeder's abort). A
+// target still in its pause hook answers when the hook returns.
+Status RouteSender::abort_refit(const BeginMessage& begin, const std::string& why) {
+  aborted_ = why;
+  log::warn("trainer rank {}: refit step {} aborted before any byte moved: {}", o_.rank,
+            begin.step, why);
+  std::vector<bool> acked(ids_.size(), false);
+  for (std::size_t got = 0; got < ids_.size();) {
+    Result<Message> r = o_.mailbox->receive(o_.config->refit.timeout());
+    if (!r.ok())
+      return r.status().with_context(fmt::format("{} waiting for the engines to abort refit step {}",
+                                                 o_.mailbox->id(), begin.step));
+    const Message& m = *r;
+    if (m.type == MessageType::kPaused) continue;  // a late answer to this begin
+    const auto it = std::find(ids_.begin(), ids_.end(), m.from);
+    if (m.type != MessageType::kProceed || it == ids_.end() ||
+        acked[static_cast<std::size_t>(it - ids_.begin())])
+      return Status::Internal(fmt::format("{} waiting for the engines to abort refit step {}: "
+                                          "got {} from {}",
+                                          o_.mailbox->id(), begin.step,
+                                          message_type_name(m.type), m.from));
+    acked[static_cast<std::size_t>(it - ids_.begin())] = true;
+    ++got;
+  }
   return Status::Ok();
 }
 

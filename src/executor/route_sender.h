@@ -4,6 +4,7 @@
 // and its mappings of engines' exported parameters.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -30,6 +31,9 @@ struct RouteSenderOptions {
   Communicator* p2p = nullptr;           // null when no point-to-point group exists
   std::vector<int> targets;              // control_targets(plan, rank)
   std::vector<bool> target_same_host;    // per entry of targets
+  // With more than one trainer rank: agrees with the other trainer ranks on whether a refit
+  // proceeds — takes this rank's first refusal ("" for none), returns the first of every rank's.
+  std::function<Result<std::string>(const std::string&)> agree;
 };
 
 class RouteSender final : public TrainerExecutor {
@@ -42,9 +46,12 @@ class RouteSender final : public TrainerExecutor {
   // SGLang protocol: the metadata of every route travels to its engine rank (once).
   Status attach() override;
   // Begins the refit on every target, waits until each has paused, then moves every route of
-  // this rank (cast to the target precision; `raw`: the same bytes without a cast, bench).
+  // this rank (cast to the target precision; `raw`: the same bytes without a cast, bench). When
+  // an engine rank refuses (its pause hook failed or outlasted refit.timeout_s), every trainer
+  // rank aborts the refit before any byte moves: aborted() says why.
   Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
                   TransferTimes& times) override;
+  const std::string& aborted() const override { return aborted_; }
   void invalidate() override {
     peer_runs_.clear();
     pack_runs_.clear();
@@ -63,6 +70,9 @@ class RouteSender final : public TrainerExecutor {
 
  private:
   explicit RouteSender(const RouteSenderOptions& o);
+  Result<std::string> collect_paused(const BeginMessage& begin,
+                                     std::vector<std::optional<PausedMessage>>& answers);
+  Status abort_refit(const BeginMessage& begin, const std::string& why);
   Status map_engine(std::size_t i, const ExportedParams& direct);
   void build_peer_runs(const std::vector<void*>& shards);
   void build_pack_runs(const std::vector<void*>& shards);
@@ -93,6 +103,7 @@ class RouteSender final : public TrainerExecutor {
   double send_seconds_ = 0;  // written on sender_'s thread, read after it drained
   std::int64_t bytes_sent_ = 0;
   int peer_targets_ = 0, p2p_targets_ = 0;
+  std::string aborted_;  // of the last transfer: why every trainer rank aborted it
 };
 
 }  // namespace refit

@@ -2,6 +2,7 @@
 #include "harness/rank.h"
 #include "common/stats.h"
 
+#include <thread>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "comm/communicator.h"
 #include "common/convert.h"
@@ -108,6 +110,19 @@ Status dump_engine_params(const RankOptions& o, DataPlane& plane, const EngineSh
 }  // namespace
 
 Status check_fault_fits(const Fault& f, const Config& config) {
+  if (f.kind == Fault::Kind::kFailPause || f.kind == Fault::Kind::kSlowPause) {
+    if (f.rank >= config.engine_ranks())
+      return Status::InvalidArgument(fmt::format(
+          "--fault {}-pause:{}: there is no engine rank {} (generation.num_engines x tp_size is {})",
+          f.kind == Fault::Kind::kFailPause ? "fail" : "slow", f.rank, f.rank,
+          config.engine_ranks()));
+    if (!uses_transfer_plan(config))
+      return Status::InvalidArgument(fmt::format(
+          "--fault {}-pause: a refused refit needs the transfer plan (refit.executor is gather, "
+          "where a failed pause hook ends the session)",
+          f.kind == Fault::Kind::kFailPause ? "fail" : "slow"));
+    return Status::Ok();
+  }
   if (f.kind != Fault::Kind::kCorrupt && f.kind != Fault::Kind::kKillTrainer &&
       f.kind != Fault::Kind::kKillEngine)
     return Status::Ok();
@@ -416,7 +431,7 @@ Status verify_rolled_back(DataPlane& plane, const RankModel& model, const Engine
     REFIT_RETURN_IF_ERROR(verify_params(plane, model, layout, params, cfg, step, who)
                               .with_context("after the rollback to version " + version));
   }
-  log::info("{}: the rolled-back weights (version '{}') verified bit-exact", who, version);
+  log::info("{}: the weights kept after the failed refit (version '{}') verified bit-exact", who, version);
   return Status::Ok();
 }
 
@@ -449,6 +464,23 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   // zero-filled storage): a refit whose verification passed here is published only when every
   // engine rank's passed, so the two differ after a refit that failed elsewhere.
   int verifying_step = 0, published_step = 0;
+  // --fault fail-pause / slow-pause: this rank's pause hook fails, or outlasts the timeout, in
+  // refit step S (the hook's calls count the refits; bench passes do not pause).
+  int pauses = 0;
+  engine->on_pause([&]() -> Status {
+    ++pauses;
+    if (o.fault.rank != engine_rank || o.fault.step != pauses) return Status::Ok();
+    if (o.fault.kind == Fault::Kind::kFailPause) {
+      log::info("{}: fault: the pause hook fails in refit step {}", who, pauses);
+      return Status::Internal("fault injection: the pause hook failed (--fault fail-pause)");
+    }
+    if (o.fault.kind == Fault::Kind::kSlowPause) {
+      log::info("{}: fault: the pause hook takes 1.5 x refit.timeout_s in refit step {}", who,
+                pauses);
+      std::this_thread::sleep_for(cfg.refit.timeout() * 3 / 2);
+    }
+    return Status::Ok();
+  });
   engine->on_verify([&](int step, const std::string&) -> Status {
     verifying_step = step;
     // Element-wise verification unless the engine was started for the logit check alone.

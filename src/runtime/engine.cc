@@ -302,9 +302,14 @@ class EngineImpl final : public Engine {
   }
 
   // One refit, from its first begin: the executor receives every byte (the pause hook runs
-  // before the first lands), then every feeder commits.
+  // before the first lands), then every feeder commits. A refit the trainer ranks aborted before
+  // any byte landed (this or another engine rank refused it) fails the refit, not the session.
   Status refit(const std::string& first_from) {
     const bool raw = begin_.raw;
+    const std::string prior_version = version_;
+    const bool prior_valid = valid_;
+    std::string aborted;
+    std::vector<std::string> early_commits;
     const EngineRefit r{.begin = begin_,
                         .first_from = first_from,
                         .params = &ptrs_,
@@ -329,10 +334,29 @@ class EngineImpl final : public Engine {
                           version_.clear();
                           return Status::Ok();
                         },
-                        .exported = [this] { return exported_params(); }};
+                        .exported = [this] { return exported_params(); },
+                        .abandon =
+                            [&](const std::string& why, bool paused) {
+                              // Nothing landed: the weights are the previous version's.
+                              aborted = why;
+                              version_ = prior_version;
+                              valid_ = prior_valid;
+                              log::warn("{}: refit step {} was aborted before any byte landed; "
+                                        "weight version '{}' stays{}: {}",
+                                        id(), begin_.step, version_,
+                                        paused ? " and generation resumes" : "", why);
+                              if (paused && !raw && resume_hook_) resume_hook_();
+                            },
+                        .early_commits = &early_commits};
     REFIT_RETURN_IF_ERROR(executor_->receive(r));
-    REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, feeders(), MessageType::kCommit, "",
-                                           timeout(), id(), "the commit"));
+    if (!aborted.empty()) {
+      failed_refit_ = Status::Aborted(fmt::format("refit step {} was aborted before any byte "
+                                                  "landed: {}",
+                                                  begin_.step, aborted));
+      return Status::Ok();
+    }
+    REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, feeders(), MessageType::kCommit,
+                                           early_commits, timeout(), id(), "the commit"));
     if (!raw) probe_->before_commit(begin_.step);
     traffic_ = executor_->traffic();
     // Every peer feeder has mapped the exported memory by now: its name may go.
@@ -445,7 +469,7 @@ class EngineImpl final : public Engine {
     // Every feeder sends the same agreed outcome; it waits for every engine's verification.
     OutcomeMessage outcome{.publish = true};
     REFIT_RETURN_IF_ERROR(expect_from_each(
-        *mailbox_, feeders(), MessageType::kOutcome, "", timeout() * 5, id(), "the outcome",
+        *mailbox_, feeders(), MessageType::kOutcome, {}, timeout() * 5, id(), "the outcome",
         [&](const Message& m) -> Status {
           REFIT_ASSIGN_OR_RETURN(OutcomeMessage o, decode_outcome(m.payload, m.from));
           if (!o.publish && outcome.publish) outcome = std::move(o);
@@ -530,6 +554,7 @@ class EngineImpl final : public Engine {
       case MessageType::kPaused:
       case MessageType::kRoutes:
       case MessageType::kOutcome:
+      case MessageType::kProceed:
         return Status::Internal(fmt::format("{}: unexpected {} from {} between refits", id(),
                                             message_type_name(msg->type), msg->from));
     }

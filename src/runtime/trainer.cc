@@ -100,6 +100,11 @@ class TrainerImpl final : public Trainer {
       stats_.bytes = model_->plan.payload_bytes;
       stats_.buckets = executor_->rounds();
       REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
+      if (const std::string& aborted = executor_->aborted(); !aborted.empty()) {
+        // Refused before any byte moved (every trainer rank agreed): nothing to verify or publish.
+        failed = Status::Aborted(refit_failure(step, version, aborted));
+        return Status::Ok();
+      }
       std::string failure = commit_error_;
       if (verify) {
         REFIT_ASSIGN_OR_RETURN(std::string verdict, collect_verdicts());
@@ -116,14 +121,11 @@ class TrainerImpl final : public Trainer {
                       encode(OutcomeMessage{.publish = failure.empty(), .error = failure})));
         // Each engine acknowledges once it heard every feeder, so nothing this rank sends next
         // can reach an engine before another rank's outcome.
-        REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, fed_engines(), MessageType::kOutcome, "",
+        REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, fed_engines(), MessageType::kOutcome, {},
                                                timeout(), id(), "outcome acknowledgements"));
       }
       if (!failure.empty()) {
-        // "<process>: <error>" of the first engine rank that failed.
-        const std::size_t colon = failure.find(": ");
-        failed = Status::Corruption(failed_refit_message(step, version, failure.substr(0, colon),
-                                                         failure.substr(colon + 2)));
+        failed = Status::Corruption(refit_failure(step, version, failure));
       }
       return Status::Ok();
     });
@@ -274,6 +276,8 @@ class TrainerImpl final : public Trainer {
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
+    if (trainer_comm_)
+      o.agree = [this](const std::string& mine) { return agree_on_failure(mine); };
     REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
     return Status::Ok();
   }
@@ -335,6 +339,7 @@ class TrainerImpl final : public Trainer {
     TransferTimes times;
     const BeginMessage begin{.step = step, .version = version, .verify = verify && !raw, .raw = raw};
     REFIT_RETURN_IF_ERROR(executor_->transfer(begin, ptrs_, times));
+    if (!executor_->aborted().empty()) return Status::Ok();  // nothing moved: nothing to commit
     phase_.unshard += times.unshard;
     phase_.cast_pack += times.cast_pack;
     phase_.transfer += times.transfer;
@@ -415,17 +420,24 @@ class TrainerImpl final : public Trainer {
     return verdict;
   }
 
+  // The refit's error on every trainer rank, from "<process>: <error>" of the first engine rank
+  // that failed or refused it.
+  static std::string refit_failure(int step, const std::string& version,
+                                   const std::string& failure) {
+    const std::size_t colon = failure.find(": ");
+    if (colon == std::string::npos) return failed_refit_message(step, version, "?", failure);
+    return failed_refit_message(step, version, failure.substr(0, colon), failure.substr(colon + 2));
+  }
+
   // "<process>: <error>" for an engine's report (mailbox id "engine/<g>").
   std::string reported(const std::string& from, const std::string& error) const {
-    int g = -1;
-    if (std::sscanf(from.c_str(), "engine/%d", &g) != 1 || g < 0) return from + ": " + error;
-    const int tp = cfg_.generation.tp_size;
-    return fmt::format("engine {} tp rank {}: {}", g / tp, g % tp, error);
+    return engine_process(from, cfg_.generation.tp_size) + ": " + error;
   }
 
   // Every trainer rank's failure of this refit ("" for none) through the store (host-side on
   // every device), so that every trainer rank fails with the same cause: the lowest rank's
-  // failure wins.
+  // failure wins. Used for the outcome at a refit's end, and for whether a refit proceeds once
+  // every engine rank answered its begin (route_sender.h).
   Result<std::string> agree_on_failure(const std::string& mine) {
     const int world = trainer_comm_->size();
     const std::string key = fmt::format("outcome/{}/", ++outcomes_);

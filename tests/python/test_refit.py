@@ -310,6 +310,8 @@ def test_ranks_take_torchrun_variables_when_arguments_are_left_out(monkeypatch):
 
 
 def test_a_raising_pause_hook_aborts_the_refit_before_any_byte_is_written():
+    # The refit fails on both sides before any byte is written; the session stays usable and the
+    # next refit publishes.
     ranks = Ranks()
     try:
         ranks.register_all()
@@ -340,9 +342,22 @@ def test_a_raising_pause_hook_aborts_the_refit_before_any_byte_is_written():
         # The trainer's refit fails too, naming the engine.
         assert isinstance(result.get("t"), refit.Error), result
         assert "engine 0 tp rank 0" in str(result["t"])
+        assert result["t"].code == "aborted"
+        assert "did not publish version 'step-1'" in str(result["t"])
+        assert "the pause hook failed" in str(result["t"])
         # Nothing was written: the weights keep their version and validity.
         assert ranks.engine.weight_version == "0" and ranks.engine.is_valid
         assert all(not a.any() for a in ranks.params.values())
+        assert ranks.trainer.session_ok and ranks.engine.session_ok
+        # The next refit of the same session writes and publishes.
+        ranks.engine.on_pause(None)
+        thread = threading.Thread(target=lambda: result.update(t=ranks.trainer.refit(2)))
+        thread.start()
+        assert ranks.engine.serve_one() is True
+        thread.join(timeout=30)
+        assert result["t"] is None
+        assert ranks.engine.weight_version == "step-2" and ranks.engine.is_valid
+        assert all(a.any() for a in ranks.params.values() if a.size)
     finally:
         ranks.close()
 
