@@ -255,10 +255,17 @@ Blame blame_failure(const std::string& self, const Status& status, int tp_size) 
 }
 
 Status FailureLatch::guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
-                           const std::string& who, const std::function<void()>& close_collectives) {
+                           const std::string& who, const std::function<void()>& close_collectives,
+                           const std::function<Status()>& verdict) {
   if (!failed_.ok()) return failed_;
   Status st = step();
   if (st.ok()) return st;
+  if (verdict && (st.code() == StatusCode::kTimeout || st.code() == StatusCode::kIOError)) {
+    // The watch announces a silent peer under "error/first", which with_root_cause then finds.
+    const auto until = std::chrono::steady_clock::now() + kPeerSilence + std::chrono::seconds(1);
+    while (verdict().ok() && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   st = with_root_cause(store.get(), who, st);
   announce_failure(store.get(), who, st);
   close_collectives();

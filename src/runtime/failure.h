@@ -124,8 +124,13 @@ class FailureLatch {
  public:
   // `store` is read after `step` ran, so a failure during setup is announced once the store
   // connection exists.
+  // `verdict` (the heartbeat watch's, may be null): a step that failed because a peer did not
+  // answer or its connection broke (kTimeout, kIOError) waits up to kPeerSilence + 1 s for the
+  // watch to name a peer that is gone, so that the failure is blamed on that peer and not on
+  // this rank (a send to a killed rank fails before its heartbeat is missed).
   Status guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
-               const std::string& who, const std::function<void()>& close_collectives);
+               const std::string& who, const std::function<void()>& close_collectives,
+               const std::function<Status()>& verdict = {});
   const Status& status() const { return failed_; }
 
  private:

@@ -45,8 +45,9 @@ class TrainerImpl final : public Trainer {
   Status guarded(const std::function<Status()>& body) {
     // Failures are recorded over the probe connection, whose requests end within seconds even
     // when the store's host is stopped (store_ waits up to refit.timeout_s).
-    return latch_.guard(body, probe_store_ ? probe_store_ : store_, id(),
-                        [this] { abort_collectives(); });
+    return latch_.guard(
+        body, probe_store_ ? probe_store_ : store_, id(), [this] { abort_collectives(); },
+        [this] { return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no watch yet"); });
   }
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).

@@ -198,6 +198,45 @@ def _trainer_main(cfg_yaml: str, rank: int, port: int, steps: int, verify: bool,
         out.put(("trainer", rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def _verifier(spec: refit.ModelSpec, params: Dict[str, np.ndarray], tp: int, r: int):
+    """An on_verify hook: every parameter against the engine layout of step's weights, in NumPy."""
+
+    def verify(step: int, version: str):
+        hf = {k: bf16_bits(v) for k, v in hf_weights(spec, step).items()}
+        for name, a in params.items():
+            bad = first_mismatch(a, engine_expected(spec.config, hf, name, tp, r))
+            if bad:
+                return f"{name}: {bad}"
+        return None
+
+    return verify
+
+
+def session_engine_main(cfg_yaml: str, engine_rank: int, ports, out) -> None:
+    """An engine rank that serves one session per port it takes from `ports` (None: exit), with the
+    same parameter storage in every session, as a serving process that outlives a failed session
+    does. Reports ("engine", rank, "ok" | "error", {served, version} | message) per session."""
+    cfg = refit.Config.from_yaml(cfg_yaml)
+    spec = refit.model_spec(cfg.model)
+    params: Optional[Dict[str, np.ndarray]] = None
+    while True:
+        port = ports.get(timeout=120)
+        if port is None:
+            return
+        try:
+            with refit.Engine(cfg, engine_rank, master_port=port) as engine:
+                if params is None:
+                    params = {p.name: np.full(p.shape, ENGINE_FILL, np.uint16) for p in engine.params}
+                for name, a in params.items():
+                    engine.register(name, a)
+                engine.on_verify(_verifier(spec, params, cfg.tp_size, engine_rank % cfg.tp_size))
+                served = engine.serve()
+                out.put(("engine", engine_rank, "ok",
+                         {"served": served, "version": engine.weight_version}))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out.put(("engine", engine_rank, "error", f"{type(e).__name__}: {e}"))
+
+
 def _engine_main(cfg_yaml: str, engine_rank: int, port: int, out) -> None:
     try:
         cfg = refit.Config.from_yaml(cfg_yaml)
@@ -212,14 +251,11 @@ def _engine_main(cfg_yaml: str, engine_rank: int, port: int, out) -> None:
             engine.on_pause(lambda: events.append(f"pause@{engine.weight_version}"))
             engine.on_resume(lambda: events.append(f"resume@{engine.weight_version}"))
 
+            check = _verifier(spec, params, tp, r)
+
             def verify(step: int, version: str):
                 events.append(f"verify {step} {version}")
-                hf = {k: bf16_bits(v) for k, v in hf_weights(spec, step).items()}
-                for name, a in params.items():
-                    bad = first_mismatch(a, engine_expected(spec.config, hf, name, tp, r))
-                    if bad:
-                        return f"{name}: {bad}"
-                return None
+                return check(step, version)
 
             engine.on_verify(verify)
             served = engine.serve()

@@ -1,0 +1,93 @@
+"""A session whose engine rank died, re-created with a replacement rank (docs/runtime.md,
+"Re-creating a session"): the survivors raise naming the dead rank, and every rank — the
+surviving engine process keeping its storage, a new process for the dead rank, a new trainer —
+forms a new session whose first refit verifies bit-exact."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import refit
+from refit_testing import free_port, fsdp2_shard, hf_weights, session_engine_main
+
+
+def test_a_replaced_engine_rank_re_creates_the_session():
+    cfg = refit.Config.from_dict(
+        {"model": "tiny-qwen3", "policy": {"world_size": 1},
+         "generation": {"backend": "sglang", "tp_size": 2}, "refit": {"timeout_s": 20}}
+    )
+    spec = refit.model_spec(cfg.model)
+    text = cfg.to_yaml()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    survivor_ports, doomed_ports, replacement_ports = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    survivor = ctx.Process(target=session_engine_main, args=(text, 0, survivor_ports, out))
+    doomed = ctx.Process(target=session_engine_main, args=(text, 1, doomed_ports, out))
+    replacement = ctx.Process(target=session_engine_main, args=(text, 1, replacement_ports, out))
+    procs = [survivor, doomed, replacement]
+    trainer = None
+    try:
+        survivor.start()
+        doomed.start()
+        port = free_port()
+        survivor_ports.put(port)
+        doomed_ports.put(port)
+        trainer = refit.Trainer(cfg, 0, master_port=port)
+        shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
+
+        def train(step):
+            full = hf_weights(spec, step)
+            for name, a in shards.items():
+                a[...] = fsdp2_shard(full[name], 0, 1)
+
+        for name, a in shards.items():
+            trainer.register(name, a)
+        train(1)
+        trainer.refit(1, verify=True)
+
+        # Engine rank 1 dies between refits: the next refit fails on the trainer naming it, and
+        # the surviving engine rank's serve() ends naming it too.
+        doomed.kill()
+        doomed.join()
+        train(2)
+        with pytest.raises(refit.Error) as info:
+            trainer.refit(2, verify=True)
+        assert "engine 0 tp rank 1" in str(info.value)
+        assert not trainer.session_ok
+        role, rank, status, message = out.get(timeout=60)
+        assert (role, rank, status) == ("engine", 0, "error"), message
+        assert "engine 0 tp rank 1" in message
+        trainer.close()
+
+        # The new session: a fresh store (new port), the surviving process with its storage, a
+        # new process for engine rank 1, a new trainer registering the same shards.
+        port = free_port()
+        survivor_ports.put(port)
+        replacement.start()
+        replacement_ports.put(port)
+        trainer = refit.Trainer(cfg, 0, master_port=port)
+        for name, a in shards.items():
+            trainer.register(name, a)
+        train(3)
+        trainer.refit(3, verify=True)  # every element of both engine ranks, bit-exact
+        train(4)
+        trainer.refit(4, verify=True)
+        trainer.shutdown()
+        trainer.close()
+        trainer = None
+        reports = sorted(out.get(timeout=60) for _ in range(2))
+        assert reports == [("engine", 0, "ok", {"served": 2, "version": "step-4"}),
+                           ("engine", 1, "ok", {"served": 2, "version": "step-4"})], reports
+    finally:
+        if trainer is not None:
+            trainer.close()
+        for q in (survivor_ports, replacement_ports):
+            q.put(None)
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join()
