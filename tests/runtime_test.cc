@@ -336,12 +336,13 @@ TEST(RuntimeRecovery, FailedPauseHookAbortsBeforeAnyByteThenRecovers) {
 }
 
 TEST(RuntimeRecovery, PauseHookOutlastingTheTimeoutAbortsThenRecovers) {
-  // The hook takes 4.5 s against a timeout of 3 s: the trainer ranks abort the refit, the engine
-  // rank hears it once its hook returns, and step 2 runs in the same session.
+  // The hook takes 4.5 s against a timeout of 3 s: the engine rank refuses the refit (the same to
+  // every feeder, which wait longer), resumes, and the next step runs in the same session.
   expect_aborted_then_recovers({.timeout_s = 3}, "slow-pause:0:1", 1,
-                               "engine 0 tp rank 0 reported: did not answer the begin of refit "
-                               "step 1 within refit.timeout_s (3 s): its pause hook is still "
-                               "running");
+                               "engine 0 tp rank 0 reported: the pause hook took 4.");
+  expect_aborted_then_recovers({.timeout_s = 3}, "slow-pause:1:2", 2,
+                               "longer than refit.timeout_s (3 s), so refit step 2 was aborted "
+                               "before any parameter changed");
 }
 
 TEST(RuntimeRecovery, FailedPauseHookWithGatherIsRejected) {

@@ -55,10 +55,10 @@ cell "w1 tp1 tiny-qwen3, checksum, corrupt:0:2" "1 of 3 refit(s) failed (steps 2
   "weights are invalid and generation stays paused" 1 \
   "$(cfg r1 tiny-qwen3 float32 1 1 ', checksum: true')" --steps 3 --verify --fault corrupt:0:2
 cell "w1 tp1 qwen2.5-0.5b, checksum + keep_previous, corrupt:0:2" "1 of 3 refit(s) failed (steps 2)" \
-  "rolled-back weights (version '1') verified bit-exact" 1 \
+  "weights kept after the failed refit (version '1') verified bit-exact" 1 \
   "$(cfg r2 qwen2.5-0.5b bfloat16 1 1 ', checksum: true, keep_previous: true')" --steps 3 --verify --fault corrupt:0:2
 cell "w1 tp1 tiny-moe, keep_previous, verify fails step 1 (rolls back to 0)" "1 of 2 refit(s) failed (steps 1)" \
-  "rolled-back weights (version '0') verified bit-exact" 1 \
+  "weights kept after the failed refit (version '0') verified bit-exact" 1 \
   "$(cfg r3 tiny-moe float32 1 1 ', keep_previous: true')" --steps 2 --verify --fault corrupt:0:1
 
 echo "== benchmarks"

@@ -235,46 +235,25 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   return Status::Ok();
 }
 
-// The answers to `begin` of every target, in `answers`; returns the first refusal (a failed pause
-// hook, or a target that did not answer within refit.timeout_s while every rank is alive) as
-// "<engine process>: <why>", or "". Answers to an earlier begin that arrive late (a target whose
-// pause outlasted that refit's timeout) and acknowledgements of an earlier abort are dropped.
+// The answers to `begin` of every target, in `answers`; returns the refusal of the lowest engine
+// rank that refused (its pause hook failed, or took longer than refit.timeout_s) as
+// "<engine process>: <why>", or "". Every feeder of an engine rank gets the same answer, so
+// trainer ranks that feed every engine rank decide alike without talking. Engine ranks decide
+// about their own slow hooks; a trainer rank waits 2 x refit.timeout_s + 5 s for every answer
+// (every rank alive) before the session ends. An answer to an earlier begin is dropped.
 Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
                                                 std::vector<std::optional<PausedMessage>>& answers) {
-  const auto timeout = o_.config->refit.timeout();
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::string refused;
+  const auto timeout = o_.config->refit.timeout() * 2 + std::chrono::seconds(5);
   for (std::size_t got = 0; got < ids_.size();) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    Result<Message> m = o_.mailbox->receive(std::max(left, std::chrono::milliseconds(1)));
-    if (!m.ok() && m.status().code() == StatusCode::kTimeout && !begin.raw) {
-      // Every rank is alive (a dead or silent one ends the wait with its name): an engine rank
-      // is still in its pause hook. The refit is refused; the session goes on.
-      for (std::size_t i = 0; i < ids_.size(); ++i)
-        if (!answers[i] && refused.empty())
-          refused = engine_process(ids_[i], o_.config->generation.tp_size) +
-                    fmt::format(": did not answer the begin of refit step {} within "
-                                "refit.timeout_s ({} s): its pause hook is still running",
-                                begin.step, o_.config->refit.timeout_s);
-      return refused;
-    }
+    Result<Message> m = o_.mailbox->receive(timeout);
     if (!m.ok())
       return m.status().with_context(
           fmt::format("{} waiting for the engines' pause", o_.mailbox->id()));
-    if (m->type == MessageType::kProceed || m->type == MessageType::kPaused) {
+    if (m->type == MessageType::kPaused) {
       // An undecodable one is not late: it is refused below.
-      int step = begin.step;
-      if (m->type == MessageType::kPaused) {
-        if (auto p = decode_paused(m->payload, m->from); p.ok()) step = p->step;
-      } else if (auto p = decode_proceed(m->payload, m->from); p.ok()) {
-        step = p->step;
-      } else {
-        return p.status();
-      }
-      if (step != begin.step) {
-        log::debug("trainer rank {}: dropped a late {} of refit step {} from {}", o_.rank,
-                   message_type_name(m->type), step, m->from);
+      if (auto p = decode_paused(m->payload, m->from); p.ok() && p->step != begin.step) {
+        log::debug("trainer rank {}: dropped a late paused of refit step {} from {}", o_.rank,
+                   p->step, m->from);
         continue;
       }
     }
@@ -286,15 +265,17 @@ Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
       return Status::Corruption(
           fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m->from));
     REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m->payload, m->from));
-    if (!p.refused.empty() && refused.empty()) {
-      // "<process>: <why>"; the engine's own error usually starts with its name already.
-      const std::string who = engine_process(m->from, o_.config->generation.tp_size) + ": ";
-      refused = p.refused.rfind(who, 0) == 0 ? p.refused : who + p.refused;
-    }
     answers[static_cast<std::size_t>(it - ids_.begin())] = std::move(p);
     ++got;
   }
-  return refused;
+  for (std::size_t i = 0; i < ids_.size(); ++i)  // targets ascend by engine rank
+    if (!answers[i]->refused.empty()) {
+      // "<process>: <why>"; the engine's own error usually starts with its name already.
+      const std::string who = engine_process(ids_[i], o_.config->generation.tp_size) + ": ";
+      const std::string& why = answers[i]->refused;
+      return why.rfind(who, 0) == 0 ? why : who + why;
+    }
+  return std::string();
 }
 
 // Every trainer rank agreed to abort this refit: every target was told, and acknowledges once it

@@ -31,8 +31,9 @@ struct RouteSenderOptions {
   Communicator* p2p = nullptr;           // null when no point-to-point group exists
   std::vector<int> targets;              // control_targets(plan, rank)
   std::vector<bool> target_same_host;    // per entry of targets
-  // With more than one trainer rank: agrees with the other trainer ranks on whether a refit
-  // proceeds — takes this rank's first refusal ("" for none), returns the first of every rank's.
+  // Set when some trainer rank does not feed every engine rank (it would not see every refusal):
+  // agrees with the other trainer ranks on whether a refit proceeds — takes this rank's first
+  // refusal ("" for none), returns the lowest trainer rank's.
   std::function<Result<std::string>(const std::string&)> agree;
 };
 
@@ -47,8 +48,8 @@ class RouteSender final : public TrainerExecutor {
   Status attach() override;
   // Begins the refit on every target, waits until each has paused, then moves every route of
   // this rank (cast to the target precision; `raw`: the same bytes without a cast, bench). When
-  // an engine rank refuses (its pause hook failed or outlasted refit.timeout_s), every trainer
-  // rank aborts the refit before any byte moves: aborted() says why.
+  // an engine rank refuses (its pause hook failed or took longer than refit.timeout_s), every
+  // trainer rank aborts the refit before any byte moves: aborted() says why.
   Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
                   TransferTimes& times) override;
   const std::string& aborted() const override { return aborted_; }

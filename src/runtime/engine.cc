@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "common/env.h"
 #include "common/log.h"
+#include "common/timer.h"
 #include "control/mailbox.h"
 #include "control/messages.h"
 #include "control/auth.h"
@@ -319,6 +320,7 @@ class EngineImpl final : public Engine {
                           REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
                           log::debug("pause generation for refit step {}", begin_.step);
                           if (pause_hook_) {
+                            Timer took;
                             const Status paused = pause_hook_();
                             if (!paused.ok())
                               return Status(paused.code(),
@@ -326,6 +328,16 @@ class EngineImpl final : public Engine {
                                                         "{} was aborted before any parameter "
                                                         "changed: {}",
                                                         id(), begin_.step, paused.message()));
+                            // Longer than a step of a refit may take: refused here, the same to
+                            // every feeder (they wait longer), and generation goes on.
+                            if (took.seconds() > cfg_.refit.timeout_s) {
+                              if (resume_hook_) resume_hook_();
+                              return Status::Timeout(fmt::format(
+                                  "{}: the pause hook took {:.1f} s, longer than "
+                                  "refit.timeout_s ({} s), so refit step {} was aborted before "
+                                  "any parameter changed",
+                                  id(), took.seconds(), cfg_.refit.timeout_s, begin_.step));
+                            }
                           }
                           // refit.keep_previous: a copy of a complete version to roll back to.
                           REFIT_RETURN_IF_ERROR(keep_previous());

@@ -277,8 +277,19 @@ class TrainerImpl final : public Trainer {
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
-    if (trainer_comm_)
+    // Whether a refit proceeds: trainer ranks that each feed every engine rank see every engine
+    // rank's answer and decide alike; otherwise they agree through the store.
+    int partial = -1;  // a trainer rank that does not feed every engine rank
+    for (int r = 0; r < cfg_.policy.world_size && partial < 0; ++r)
+      if (static_cast<int>(control_targets(routes_->plan, r).size()) != cfg_.engine_ranks())
+        partial = r;
+    if (trainer_comm_ && partial >= 0) {
+      if (rank_ == 0)
+        log::info("trainer rank {} feeds {} of {} engine ranks: whether a refit proceeds is "
+                  "agreed through the store",
+                  partial, control_targets(routes_->plan, partial).size(), cfg_.engine_ranks());
       o.agree = [this](const std::string& mine) { return agree_on_failure(mine); };
+    }
     REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
     return Status::Ok();
   }
