@@ -11,6 +11,8 @@ namespace refit {
 
 RouteReceiver::RouteReceiver(const RouteReceiverOptions& o) : o_(o) {
   for (int r : o_.sources) feeders_.push_back(fmt::format("trainer/{}", r));
+  for (int r = 0; r < o_.config->policy.world_size; ++r)
+    trainer_ids_.push_back(fmt::format("trainer/{}", r));
 }
 
 Result<std::unique_ptr<RouteReceiver>> RouteReceiver::create(const RouteReceiverOptions& o) {
@@ -148,8 +150,9 @@ Status RouteReceiver::receive(const EngineRefit& r) {
     exported = r.exported();
     REFIT_RETURN_IF_ERROR(choose(exported.has_value()));
   }
+  // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
   REFIT_RETURN_IF_ERROR(send_each(
-      *o_.mailbox, feeders_, MessageType::kPaused,
+      *o_.mailbox, trainer_ids_, MessageType::kPaused,
       encode(PausedMessage{
           .step = begin.step, .direct = exported, .refused = paused.ok() ? "" : paused.message()})));
   REFIT_ASSIGN_OR_RETURN(const ProceedMessage proceed, await_proceed(begin.step, r.early_commits));

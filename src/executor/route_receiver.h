@@ -69,6 +69,7 @@ class RouteReceiver final : public EngineExecutor {
 
   RouteReceiverOptions o_;
   std::vector<std::string> feeders_;
+  std::vector<std::string> trainer_ids_;  // every trainer rank: each hears every paused
   std::vector<PairExecutor> modes_;
   std::vector<PairExecutor> built_for_;
   std::vector<std::unique_ptr<PlaneBuffer>> slots_;

@@ -13,6 +13,8 @@ namespace refit {
 
 RouteSender::RouteSender(const RouteSenderOptions& o) : o_(o) {
   for (int g : o_.targets) ids_.push_back(fmt::format("engine/{}", g));
+  for (int g = 0; g < o_.config->engine_ranks(); ++g)
+    all_ids_.push_back(fmt::format("engine/{}", g));
 }
 
 Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOptions& o) {
@@ -184,14 +186,13 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   const std::string payload = encode(begin);
   REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
 
-  // Every target pauses and says whether its parameters are exported, or refuses; the trainer
-  // ranks agree whether to proceed before any byte moves.
+  // Every engine rank pauses and tells every trainer rank whether its parameters are exported,
+  // or refuses: every trainer rank decides alike whether to proceed, before any byte moves.
   aborted_.clear();
-  std::vector<std::optional<PausedMessage>> answers(ids_.size());
-  REFIT_ASSIGN_OR_RETURN(std::string refused, collect_paused(begin, answers));
-  if (!begin.raw && o_.agree) {
-    REFIT_ASSIGN_OR_RETURN(refused, o_.agree(refused));
-  }
+  std::vector<std::optional<PausedMessage>> all(all_ids_.size());
+  REFIT_ASSIGN_OR_RETURN(const std::string refused, collect_paused(begin, all));
+  std::vector<std::optional<PausedMessage>> answers;  // of the targets
+  for (int g : o_.targets) answers.push_back(std::move(all[static_cast<std::size_t>(g)]));
   REFIT_RETURN_IF_ERROR(send_each(
       *o_.mailbox, ids_, MessageType::kProceed,
       encode(ProceedMessage{.step = begin.step, .go = refused.empty(), .error = refused})));
@@ -235,16 +236,16 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   return Status::Ok();
 }
 
-// The answers to `begin` of every target, in `answers`; returns the refusal of the lowest engine
-// rank that refused (its pause hook failed, or took longer than refit.timeout_s) as
-// "<engine process>: <why>", or "". Every feeder of an engine rank gets the same answer, so
-// trainer ranks that feed every engine rank decide alike without talking. Engine ranks decide
-// about their own slow hooks; a trainer rank waits 2 x refit.timeout_s + 5 s for every answer
-// (every rank alive) before the session ends. An answer to an earlier begin is dropped.
+// The answers to `begin` of every engine rank (all_ids_), in `answers`; returns the refusal of the
+// lowest engine rank that refused (its pause hook failed, or took longer than refit.timeout_s) as
+// "<engine process>: <why>", or "". Every engine rank answers every trainer rank, so every trainer
+// rank decides alike without talking to the others; engine ranks decide about their own slow
+// hooks. A trainer rank waits 2 x refit.timeout_s + 5 s for every answer (every rank alive) before
+// the session ends. An answer to an earlier begin is dropped.
 Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
                                                 std::vector<std::optional<PausedMessage>>& answers) {
   const auto timeout = o_.config->refit.timeout() * 2 + std::chrono::seconds(5);
-  for (std::size_t got = 0; got < ids_.size();) {
+  for (std::size_t got = 0; got < all_ids_.size();) {
     Result<Message> m = o_.mailbox->receive(timeout);
     if (!m.ok())
       return m.status().with_context(
@@ -260,18 +261,18 @@ Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
     if (m->type != MessageType::kPaused)
       return Status::Internal(fmt::format("{} waiting for the engines' pause: got {} from {}",
                                           o_.mailbox->id(), message_type_name(m->type), m->from));
-    const auto it = std::find(ids_.begin(), ids_.end(), m->from);
-    if (it == ids_.end() || answers[static_cast<std::size_t>(it - ids_.begin())])
+    const auto it = std::find(all_ids_.begin(), all_ids_.end(), m->from);
+    if (it == all_ids_.end() || answers[static_cast<std::size_t>(it - all_ids_.begin())])
       return Status::Corruption(
           fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m->from));
     REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m->payload, m->from));
-    answers[static_cast<std::size_t>(it - ids_.begin())] = std::move(p);
+    answers[static_cast<std::size_t>(it - all_ids_.begin())] = std::move(p);
     ++got;
   }
-  for (std::size_t i = 0; i < ids_.size(); ++i)  // targets ascend by engine rank
+  for (std::size_t i = 0; i < all_ids_.size(); ++i)
     if (!answers[i]->refused.empty()) {
       // "<process>: <why>"; the engine's own error usually starts with its name already.
-      const std::string who = engine_process(ids_[i], o_.config->generation.tp_size) + ": ";
+      const std::string who = engine_process(all_ids_[i], o_.config->generation.tp_size) + ": ";
       const std::string& why = answers[i]->refused;
       return why.rfind(who, 0) == 0 ? why : who + why;
     }

@@ -4,7 +4,6 @@
 // and its mappings of engines' exported parameters.
 #pragma once
 
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,10 +30,6 @@ struct RouteSenderOptions {
   Communicator* p2p = nullptr;           // null when no point-to-point group exists
   std::vector<int> targets;              // control_targets(plan, rank)
   std::vector<bool> target_same_host;    // per entry of targets
-  // Set when some trainer rank does not feed every engine rank (it would not see every refusal):
-  // agrees with the other trainer ranks on whether a refit proceeds — takes this rank's first
-  // refusal ("" for none), returns the lowest trainer rank's.
-  std::function<Result<std::string>(const std::string&)> agree;
 };
 
 class RouteSender final : public TrainerExecutor {
@@ -89,7 +84,8 @@ class RouteSender final : public TrainerExecutor {
   };
 
   RouteSenderOptions o_;
-  std::vector<std::string> ids_;
+  std::vector<std::string> ids_;      // of the targets
+  std::vector<std::string> all_ids_;  // of every engine rank (each answers every begin here)
   std::vector<PairExecutor> modes_;           // per target, of the current refit
   std::vector<PairExecutor> runs_built_for_;  // modes the copy lists were built for
   std::map<std::size_t, Mapped> mapped_;      // target index -> its exported parameters

@@ -277,19 +277,6 @@ class TrainerImpl final : public Trainer {
                                                    cfg_.policy.world_size + cfg_.engine_ranks()));
       o.p2p = p2p_comm_.get();
     }
-    // Whether a refit proceeds: trainer ranks that each feed every engine rank see every engine
-    // rank's answer and decide alike; otherwise they agree through the store.
-    int partial = -1;  // a trainer rank that does not feed every engine rank
-    for (int r = 0; r < cfg_.policy.world_size && partial < 0; ++r)
-      if (static_cast<int>(control_targets(routes_->plan, r).size()) != cfg_.engine_ranks())
-        partial = r;
-    if (trainer_comm_ && partial >= 0) {
-      if (rank_ == 0)
-        log::info("trainer rank {} feeds {} of {} engine ranks: whether a refit proceeds is "
-                  "agreed through the store",
-                  partial, control_targets(routes_->plan, partial).size(), cfg_.engine_ranks());
-      o.agree = [this](const std::string& mine) { return agree_on_failure(mine); };
-    }
     REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
     return Status::Ok();
   }
@@ -448,8 +435,7 @@ class TrainerImpl final : public Trainer {
 
   // Every trainer rank's failure of this refit ("" for none) through the store (host-side on
   // every device), so that every trainer rank fails with the same cause: the lowest rank's
-  // failure wins. Used for the outcome at a refit's end, and for whether a refit proceeds once
-  // every engine rank answered its begin (route_sender.h).
+  // failure wins.
   Result<std::string> agree_on_failure(const std::string& mine) {
     const int world = trainer_comm_->size();
     const std::string key = fmt::format("outcome/{}/", ++outcomes_);
