@@ -147,6 +147,7 @@ TEST(Fuzz, ControlMessageDecoders) {
                                                      .buckets = 3, .offer_direct = true}),
                             true, [&](const std::string& p) { return decode_begin(p, from).ok(); }));
   PausedMessage paused;
+  paused.step = 2;
   paused.direct = ExportedParams{.handle = "h", .bytes = 4096, .offsets = {0, 256, 1024}};
   expect_both("paused", fuzz(103, encode(paused), true,
                              [&](const std::string& p) { return decode_paused(p, from).ok(); }));
@@ -157,6 +158,8 @@ TEST(Fuzz, ControlMessageDecoders) {
                    true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
   expect_both("verified", fuzz(106, encode(VerifiedMessage{.verified = false, .error = "x"}), true,
                                [&](const std::string& p) { return decode_verified(p, from).ok(); }));
+  expect_both("proceed", fuzz(110, encode(ProceedMessage{.step = 3, .go = false, .error = "x"}),
+                              true, [&](const std::string& p) { return decode_proceed(p, from).ok(); }));
   expect_both("outcome", fuzz(109, encode(OutcomeMessage{.publish = false, .error = "x"}), true,
                               [&](const std::string& p) { return decode_outcome(p, from).ok(); }));
   RoutesMessage routes;

@@ -30,9 +30,24 @@ TEST(Messages, RoundTrip) {
   EXPECT_EQ(p2->direct->handle, "abc");
   EXPECT_EQ(p2->direct->bytes, 1ull << 40);
   EXPECT_EQ(p2->direct->offsets, (std::vector<std::uint64_t>{0, 256}));
-  auto p3 = decode_paused(encode(PausedMessage{}), "engine/1");
+  auto p3 = decode_paused(encode(PausedMessage{.step = 4, .refused = "hook failed"}), "engine/1");
   ASSERT_TRUE(p3.ok());
   EXPECT_FALSE(p3->direct.has_value());
+  EXPECT_EQ(p3->step, 4);
+  EXPECT_EQ(p3->refused, "hook failed");
+  auto go = decode_proceed(encode(ProceedMessage{.step = 9, .go = true}), "trainer/1");
+  ASSERT_TRUE(go.ok()) << go.status().to_string();
+  EXPECT_EQ(go->step, 9);
+  EXPECT_TRUE(go->go);
+  auto abort = decode_proceed(encode(ProceedMessage{.step = 2, .go = false, .error = "x: y"}),
+                              "trainer/0");
+  ASSERT_TRUE(abort.ok());
+  EXPECT_FALSE(abort->go);
+  EXPECT_EQ(abort->error, "x: y");
+  auto missing = decode_proceed(R"({"v": )" + std::to_string(kMessageWireVersion) + R"(, "step": 1})",
+                                "trainer/0");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("'go'"), std::string::npos) << missing.status().message();
 
   auto h = decode_hello(encode(HelloMessage{.engine_rank = 3, .protocol = "vllm",
                                             .plan_hash = "0123456789abcdef",

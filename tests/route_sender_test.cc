@@ -79,6 +79,7 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
     auto begin = (*engine_box)->receive(5s);
     ASSERT_TRUE(begin.ok() && begin->type == MessageType::kBegin);
     PausedMessage paused;
+    paused.step = 1;
     paused.direct = ExportedParams{.handle = handle, .bytes = total, .offsets = offsets};
     ASSERT_TRUE((*engine_box)->send("trainer/0", MessageType::kPaused, encode(paused)).ok());
   });

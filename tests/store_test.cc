@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,6 +75,33 @@ TEST(Store, SetGetTryGetAcrossClients) {
   auto got = b->get("big", 2s);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(*got, big);
+}
+
+// One request reads many keys: present, absent, empty and binary values, in order (the liveness
+// check reads every peer's heartbeat this way); the same through a PrefixStore.
+TEST(Store, TryGetManyReadsEveryKeyInOneRequest) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto a = connect(server->port());
+  ASSERT_TRUE(a);
+  const std::string binary("\0\1\2\xff", 4);
+  ASSERT_TRUE(a->set("x", "1").ok());
+  ASSERT_TRUE(a->set("empty", "").ok());
+  ASSERT_TRUE(a->set("bin", binary).ok());
+  auto v = a->try_get_many({"x", "missing", "empty", "bin", "x"});
+  ASSERT_TRUE(v.ok()) << v.status().to_string();
+  ASSERT_EQ(v->size(), 5u);
+  EXPECT_EQ((*v)[0], std::optional<std::string>("1"));
+  EXPECT_EQ((*v)[1], std::nullopt);
+  EXPECT_EQ((*v)[2], std::optional<std::string>(""));
+  EXPECT_EQ((*v)[3], std::optional<std::string>(binary));
+  EXPECT_EQ((*v)[4], std::optional<std::string>("1"));
+  EXPECT_TRUE(a->try_get_many({})->empty());
+  PrefixStore group("heartbeat", *a);
+  ASSERT_TRUE(group.set("engine 0 tp rank 1", "7").ok());
+  auto g = group.try_get_many({"engine 0 tp rank 1", "trainer rank 0"});
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_EQ(*g, (std::vector<std::optional<std::string>>{"7", std::nullopt}));
 }
 
 TEST(Store, GetBlocksUntilAnotherClientSets) {

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # device: cuda with a model directory's checkpoint and --verify (the host-side comparison).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-c=$PWD/.carry/refit
-nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)")
-export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64
+source "$(dirname "$0")/common.sh"
 w=$(mktemp -d); mkdir -p $w/model $w/dump
 cat > $w/model/config.json <<'J'
 {

@@ -8,20 +8,9 @@
 #   run(command="bash bench/gpu/integrity_gpu.sh", kind="nvidia-h200", carry=[".carry/refit"])
 # Environment: REFIT_IG_STEPS (bench steps, default 8).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-root=$PWD
-c=$root/.carry/refit
-R=$c/bin/refit
-out=${OUT:-/tmp/refit-out}
-mkdir -p "$out"
-steps=${REFIT_IG_STEPS:-8}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-summary=$out/summary.txt
+source "$(dirname "$0")/common.sh"
 : > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
-nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)")
-export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+steps=${REFIT_IG_STEPS:-8}
 nvidia-smi -L | tee -a "$summary"
 
 # cfg NAME MODEL DTYPE WORLD TP [REFIT_KEYS] — colocated vLLM, every rank on GPU 0.

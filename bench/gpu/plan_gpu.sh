@@ -10,25 +10,13 @@
 # Environment: REFIT_PG_PARTS (default "cells bench torch"), REFIT_PG_BENCH (space-separated bench
 # names to run, default all), REFIT_PG_STEPS (bench steps, default 5).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/refit-plan-gpu}
-mkdir -p "$out"
-c=$root/.carry/refit
-R=${REFIT_BIN:-$c/bin/refit}
+source "$(dirname "$0")/common.sh" /tmp/refit-plan-gpu
+: > "$summary"
 parts=${REFIT_PG_PARTS:-"cells bench torch"}
 steps=${REFIT_PG_STEPS:-5}
 has() { [[ " $parts " == *" $1 "* ]]; }
 want_bench() { [ -z "${REFIT_PG_BENCH:-}" ] || [[ " $REFIT_PG_BENCH " == *" $1 "* ]]; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-summary=$out/summary.txt
-: > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
 
-nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)")
-export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 nvidia-smi -L | tee -a "$summary"
 nvidia-smi topo -m > "$out/topology.txt" 2>&1
 note "nccl: $(ls "$nccl_dir"/libnccl.so.2* 2>/dev/null | head -1)"

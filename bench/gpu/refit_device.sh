@@ -9,21 +9,10 @@
 #   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
 #   run(command="bash bench/gpu/refit_device.sh", carry=[".carry/refit"], timeout_s=600)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/refit-device}
-mkdir -p "$out"
-c=$root/.carry/refit
-nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '*/proc/*' 2>/dev/null | head -1)")
-export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-R=$c/bin/refit
+source "$(dirname "$0")/common.sh" /tmp/refit-device
+: > "$summary"
 parts=${REFIT_DEVICE_PARTS:-"tests cells archcheck bench python"}  # a subset for a shorter run
 has() { [[ " $parts " == *" $1 "* ]]; }
-work=$(mktemp -d)
-summary=$out/summary.txt
-: > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
 
 nvidia-smi -L | tee -a "$summary"
 note "nccl from: $nccl_dir"

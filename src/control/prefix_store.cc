@@ -18,6 +18,14 @@ Result<std::optional<std::string>> PrefixStore::try_get(const std::string& key) 
   return base_.try_get(prefix_ + key);
 }
 
+Result<std::vector<std::optional<std::string>>> PrefixStore::try_get_many(
+    const std::vector<std::string>& keys) {
+  std::vector<std::string> full;
+  full.reserve(keys.size());
+  for (const auto& k : keys) full.push_back(prefix_ + k);
+  return base_.try_get_many(full);
+}
+
 Status PrefixStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   std::vector<std::string> full;
   full.reserve(keys.size());

@@ -32,6 +32,17 @@ class Store {
   virtual Result<std::optional<std::string>> try_get(const std::string& key) = 0;
   // Waits until every key exists.
   virtual Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  // try_get of every key, in one request where the store allows (the liveness check reads every
+  // peer's heartbeat this way, so its cost per check does not grow with the number of ranks).
+  virtual Result<std::vector<std::optional<std::string>>> try_get_many(
+      const std::vector<std::string>& keys) {
+    std::vector<std::optional<std::string>> out;
+    for (const std::string& k : keys) {
+      REFIT_ASSIGN_OR_RETURN(std::optional<std::string> v, try_get(k));
+      out.push_back(std::move(v));
+    }
+    return out;
+  }
   // Atomically adds `delta` to the integer stored at `key` (absent = 0); returns the new value.
   virtual Result<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
   // Whether the server answers within `timeout` (kTimeout when it does not: stopped or hung).
@@ -55,6 +66,8 @@ class PrefixStore : public Store {
   Status set(const std::string& key, const std::string& value) override;
   Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override;
   Result<std::optional<std::string>> try_get(const std::string& key) override;
+  Result<std::vector<std::optional<std::string>>> try_get_many(
+      const std::vector<std::string>& keys) override;
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
   Result<std::int64_t> add(const std::string& key, std::int64_t delta) override;
   Status ping(std::chrono::milliseconds timeout) override { return base_.ping(timeout); }

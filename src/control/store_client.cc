@@ -108,6 +108,20 @@ class StoreClient final : public Store {
     return std::optional<std::string>(std::move(r).value());
   }
 
+  Result<std::vector<std::optional<std::string>>> try_get_many(
+      const std::vector<std::string>& keys) override {
+    if (keys.empty()) return std::vector<std::optional<std::string>>();
+    REFIT_ASSIGN_OR_RETURN(std::string payload,
+                           request(Op::kTryGetMany, keys, request_timeout_,
+                                   fmt::format("try_get {}", quote_keys(keys))));
+    std::vector<std::optional<std::string>> out;
+    if (!store_wire::decode_values(payload, keys.size(), &out))
+      return Status::Corruption(fmt::format("store {}: try_get of {} keys got a malformed reply "
+                                            "({} bytes)",
+                                            address_, keys.size(), payload.size()));
+    return out;
+  }
+
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
     if (keys.empty()) return Status::Ok();
     std::vector<std::string> args{store_wire::encode_i64(timeout.count())};

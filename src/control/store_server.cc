@@ -183,6 +183,16 @@ class ZmqStoreServer final : public StoreServer {
         if (it == data_.end()) return reply(identity, request_id, Reply::kAbsent, {});
         return reply(identity, request_id, Reply::kOk, it->second);
       }
+      case Op::kTryGetMany: {
+        if (nargs < 1) return malformed("try_get_many");
+        std::vector<std::optional<std::string>> values;
+        for (std::size_t i = 0; i < nargs; ++i) {
+          auto it = data_.find(arg(i));
+          values.push_back(it == data_.end() ? std::nullopt
+                                             : std::optional<std::string>(it->second));
+        }
+        return reply(identity, request_id, Reply::kOk, store_wire::encode_values(values));
+      }
       case Op::kGet:
       case Op::kWait: {
         std::int64_t timeout_ms = 0;

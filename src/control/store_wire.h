@@ -14,12 +14,17 @@
 //   kTryGet   key                                    value            (or kAbsent)
 //   kWait     timeout ms (int64), key, key, ...      -                (or kTimeout: missing keys)
 //   kAdd      key, delta (int64)                     new value (int64)
+//   kTryGetMany key, key, ...                        per key: 1 byte (1: present, 0: absent),
+//                                                    then when present its length (int64) and
+//                                                    value (encode_values)
 // Integers are 8 bytes, little-endian (host order: the control plane runs on x86/arm64 hosts).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace refit::store_wire {
 
@@ -30,6 +35,7 @@ enum class Op : std::uint8_t {
   kTryGet,
   kWait,
   kAdd,
+  kTryGetMany,
 };
 
 enum class Reply : std::uint8_t {
@@ -50,6 +56,41 @@ inline bool decode_i64(const std::string& s, std::int64_t* v) {
   if (s.size() != sizeof *v) return false;
   std::memcpy(v, s.data(), sizeof *v);
   return true;
+}
+
+// kTryGetMany's reply payload.
+inline std::string encode_values(const std::vector<std::optional<std::string>>& values) {
+  std::string s;
+  for (const auto& v : values) {
+    s.push_back(v ? '\1' : '\0');
+    if (!v) continue;
+    s += encode_i64(static_cast<std::int64_t>(v->size()));
+    s += *v;
+  }
+  return s;
+}
+
+// False when `s` does not hold exactly `n` values.
+inline bool decode_values(const std::string& s, std::size_t n,
+                          std::vector<std::optional<std::string>>* out) {
+  out->clear();
+  std::size_t at = 0;
+  while (out->size() < n) {
+    if (at >= s.size()) return false;
+    const char present = s[at++];
+    if (present == '\0') {
+      out->emplace_back();
+      continue;
+    }
+    std::int64_t len = 0;
+    if (present != '\1' || s.size() - at < sizeof len || !decode_i64(s.substr(at, sizeof len), &len))
+      return false;
+    at += sizeof len;
+    if (len < 0 || static_cast<std::uint64_t>(len) > s.size() - at) return false;
+    out->emplace_back(s.substr(at, static_cast<std::size_t>(len)));
+    at += static_cast<std::size_t>(len);
+  }
+  return at == s.size();
 }
 
 }  // namespace refit::store_wire

@@ -126,7 +126,10 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
   // store has not answered for kPeerSilence.
   auto answered = std::make_shared<Clock::time_point>(Clock::now());
   std::erase(peers, who);
-  return [&store, who, peers = std::move(peers), seen, answered]() -> Status {
+  std::vector<std::string> keys{"error/first"};
+  for (const std::string& peer : peers) keys.push_back("heartbeat/" + peer);
+  return [&store, who, peers = std::move(peers), keys = std::move(keys), seen,
+          answered]() -> Status {
     const auto silent = [&](const Status& why) {
       return Status::Aborted(fmt::format(
           "aborted because trainer rank 0: the store it hosts did not answer for {:.1f} s "
@@ -146,18 +149,20 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
     if (!reachable.ok() && reachable.code() != StatusCode::kTimeout) return failed(reachable);
     if (!reachable.ok()) return silent(reachable);
     *answered = Clock::now();
-    auto first = store.try_get("error/first");
-    if (!first.ok()) return failed(first.status());
-    if (first->has_value() && (*first)->rfind(who + ":", 0) != 0)
-      return Status::Aborted("aborted because " + **first);
+    // The run's first failure and every peer's heartbeat, in one request.
+    auto values = store.try_get_many(keys);
+    if (!values.ok()) return failed(values.status());
+    const std::optional<std::string>& first = (*values)[0];
+    if (first.has_value() && first->rfind(who + ":", 0) != 0)
+      return Status::Aborted("aborted because " + *first);
     const auto now = Clock::now();
-    for (const std::string& peer : peers) {
-      auto beat = store.try_get("heartbeat/" + peer);
-      if (!beat.ok()) return failed(beat.status());
-      if (!beat->has_value() || **beat == "left") continue;
-      auto [it, fresh] = seen->try_emplace(peer, Seen{**beat, now});
-      if (fresh || it->second.value != **beat) {
-        it->second = Seen{**beat, now};
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      const std::string& peer = peers[i];
+      const std::optional<std::string>& beat = (*values)[i + 1];
+      if (!beat.has_value() || *beat == "left") continue;
+      auto [it, fresh] = seen->try_emplace(peer, Seen{*beat, now});
+      if (fresh || it->second.value != *beat) {
+        it->second = Seen{*beat, now};
         continue;
       }
       if (now - it->second.since < kPeerSilence) continue;

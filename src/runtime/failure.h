@@ -83,7 +83,9 @@ std::vector<std::string> rank_names(const Config& config);
 //    blamed on trainer rank 0;
 //  - one of `peers` beat at least once and then not for kPeerSilence. This is recorded as that
 //    peer's failure ("<peer>: stopped: no heartbeat for 5.0 s (seen by <who>)").
-// Each returned check keeps its own record of the peers' beats; call it every few hundred ms.
+// Each returned check keeps its own record of the peers' beats; call it every few hundred ms. A
+// check costs two store requests (a ping, and one read of the first failure and every peer's
+// heartbeat), however many peers there are.
 std::function<Status()> liveness_check(Store& store, const std::string& who,
                                        std::vector<std::string> peers = {});
 
