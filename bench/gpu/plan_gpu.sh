@@ -101,13 +101,14 @@ if has cells; then
     "fail:1 of 3 refit(s) failed (steps 2); the session went on" \
     "$(cfg r2 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 60 ', checksum: true, keep_previous: true')" \
     --steps 3 --verify --fault corrupt:0:2
-  note "    rolled-back weights verified on $(grep -c 'weights kept after the failed refit (version' "$work/cell.log") engine rank(s) (want 2)"
+  note "    rolled-back weights verified on $(grep -o 'weights kept after the failed refit (version' "$work/cell.log" | wc -l) engine rank(s) (want 2)"
   # A refit an engine rank refuses (its pause hook fails, or outlasts the timeout) is aborted by
   # every trainer rank before any byte moves; the session's other steps verify.
   cell "colocated w2 tp2 peer: fail-pause:1:2 aborted, steps 1 and 3 verify" \
     "fail:1 of 3 refit(s) failed (steps 2); the session went on" \
     "$(cfg r3 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto 4096 20)" --steps 3 --verify --fault fail-pause:1:2
-  note "    engine ranks that kept their version: $(grep -c 'was aborted before any byte landed' "$work/cell.log") (want 2)"
+  # (grep -o: the two engine ranks' log lines may interleave on one line)
+  note "    engine ranks that kept their version: $(grep -o 'was aborted before any byte landed' "$work/cell.log" | wc -l) (want 2)"
   cell "non-colocated p2p: slow-pause:0:1 (1.5 x timeout 4 s) aborted, steps 2 and 3 verify" \
     "fail:1 of 3 refit(s) failed (steps 1); the session went on" \
     "$(cfg r4 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 p2p 8192 4)" --steps 3 --verify --fault slow-pause:0:1
