@@ -6,6 +6,7 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config clang-format
       libgloo-dev libzmq3-dev cppzmq-dev libsodium-dev nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
       libgtest-dev libgmock-dev pybind11-dev python3-dev python3-numpy python3-pytest python3-yaml
       python3-jsonschema python3-pip python3-venv
+      python3-torch  # torch 1.13 (CPU): tests/python/test_torch.py runs refit.torch in CI
       iproute2)  # iproute2: the two-host test's network namespaces (tests/netns_test.cc)
 missing=()
 for p in "${pkgs[@]}"; do
