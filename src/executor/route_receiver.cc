@@ -171,14 +171,15 @@ Status RouteReceiver::receive(const EngineRefit& r) {
 
 // Every feeder's proceed for `step` (all say the same: every trainer rank agreed). A feeder that
 // writes in place may commit before a slower feeder's proceed arrived: its commit is recorded in
-// `early_commits`. The wait is bounded by 3 x the timeout: the feeders wait up to 2 x the timeout
-// (and 5 s) for every engine rank's answer.
+// `early_commits`. The wait is bounded by 3 x the timeout + 5 s: longer than the feeders wait for
+// every engine rank's answer (2 x the timeout + 5 s), however short the timeout.
 Result<ProceedMessage> RouteReceiver::await_proceed(int step,
                                                     std::vector<std::string>* early_commits) {
   std::vector<bool> seen(feeders_.size(), false);
   ProceedMessage out{.step = step, .go = true};
   for (std::size_t got = 0; got < feeders_.size();) {
-    Result<Message> r = o_.mailbox->receive(o_.config->refit.timeout() * 3);
+    Result<Message> r =
+        o_.mailbox->receive(o_.config->refit.timeout() * 3 + std::chrono::seconds(5));
     if (!r.ok())
       return r.status().with_context(fmt::format("{} waiting for the feeders' proceed of refit "
                                                  "step {}",
