@@ -30,12 +30,12 @@ enum class MessageType : std::uint8_t {
   kCommitted,   // engine -> trainer: the version was bumped (payload: apply time)
   kShutdown,    // trainer -> engine: no more refits (engine -> trainer: leaving)
   kVerified,    // engine -> trainer: verification verdict of the last refit
-  kPaused,      // engine -> trainer: generation paused; the trainer may write in place
+  kPaused,      // engine -> every trainer rank: generation paused (or the refit refused)
   kRoutes,      // trainer -> engine, at setup (SGLang protocol): the routes it will send
   kOutcome,     // trainer -> engine: publish the refit, or not (agreed by every trainer rank);
                 // engine -> trainer: done (payload: is_valid, weight version)
-  kProceed,     // trainer -> engine, after every paused: write, or abort the refit (agreed by
-                // every trainer rank); engine -> trainer: the abort was heard
+  kProceed,     // trainer -> engine, after every paused: write, or abort the refit (every
+                // trainer rank decides alike); engine -> trainer: the abort was heard
 };
 const char* message_type_name(MessageType type);
 

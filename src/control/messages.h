@@ -64,18 +64,20 @@ struct ExportedParams {
   std::vector<std::string> handles;
 };
 
-// engine -> trainer: the answer to step `step`'s begin. Generation is paused and parameters may
-// be written once every trainer rank agreed to proceed — or, with `refused` set (the pause hook's
-// error), this engine rank refuses the refit and nothing may be written.
+// engine -> every trainer rank: the answer to step `step`'s begin. Generation is paused and
+// parameters may be written once every feeder said to proceed — or, with `refused` set (the pause
+// hook failed, or took longer than refit.timeout_s), this engine rank refuses the refit and
+// nothing may be written.
 struct PausedMessage {
   int step = 0;
   std::optional<ExportedParams> direct;  // set when the engine's parameters are exported
   std::string refused;                   // empty: paused
 };
 
-// trainer -> engine, after every engine rank answered the begin of step `step` (or one did not in
-// time): `go` — write this refit — or abort it before any byte is written, with `error` the first
-// refusal, as every trainer rank agreed. The engine acknowledges an abort with one of its own.
+// trainer -> engine, after every engine rank answered the begin of step `step`: `go` — write this
+// refit — or abort it before any byte is written, with `error` the lowest engine rank's refusal.
+// Every trainer rank decides from the same answers, so all say the same. The engine acknowledges
+// an abort with one of its own.
 struct ProceedMessage {
   int step = 0;
   bool go = false;

@@ -73,8 +73,8 @@ class TrainerExecutor {
   // then commits.
   virtual Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
                           TransferTimes& times) = 0;
-  // Why the last transfer was aborted before any byte moved (an engine rank refused it, and every
-  // trainer rank agreed); empty when it moved its bytes. The caller then does not commit.
+  // Why the last transfer was aborted before any byte moved (an engine rank refused it: every
+  // trainer rank decides alike); empty when it moved its bytes. The caller then does not commit.
   virtual const std::string& aborted() const {
     static const std::string none;
     return none;

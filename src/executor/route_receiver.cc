@@ -142,8 +142,8 @@ Status RouteReceiver::receive(const EngineRefit& r) {
               begin.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
         return Status::Ok();
       }));
-  // Pause (the hook may refuse), answer every feeder, and write nothing before every feeder said
-  // to proceed: the trainer ranks agree on it once every engine rank answered.
+  // Pause (the hook may refuse), answer, and write nothing before every feeder said to proceed:
+  // each trainer rank decides once every engine rank answered it.
   const Status paused = r.pause();
   std::optional<ExportedParams> exported;
   if (paused.ok()) {
@@ -169,7 +169,8 @@ Status RouteReceiver::receive(const EngineRefit& r) {
   return applier_.drain(o_.config->refit.timeout());
 }
 
-// Every feeder's proceed for `step` (all say the same: every trainer rank agreed). A feeder that
+// Every feeder's proceed for `step` (all say the same: every trainer rank decided from the same
+// answers). A feeder that
 // writes in place may commit before a slower feeder's proceed arrived: its commit is recorded in
 // `early_commits`. The wait is bounded by 3 x the timeout + 5 s: longer than the feeders wait for
 // every engine rank's answer (2 x the timeout + 5 s), however short the timeout.

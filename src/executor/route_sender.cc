@@ -279,9 +279,8 @@ Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
   return std::string();
 }
 
-// Every trainer rank agreed to abort this refit: every target was told, and acknowledges once it
-// heard every feeder (so that this rank's next begin cannot overtake another feeder's abort). A
-// target still in its pause hook answers when the hook returns.
+// Every trainer rank decided to abort this refit: every target was told, and acknowledges once it
+// heard every feeder (so that this rank's next begin cannot overtake another feeder's abort).
 Status RouteSender::abort_refit(const BeginMessage& begin, const std::string& why) {
   aborted_ = why;
   log::warn("trainer rank {}: refit step {} aborted before any byte moved: {}", o_.rank,
@@ -293,7 +292,6 @@ Status RouteSender::abort_refit(const BeginMessage& begin, const std::string& wh
       return r.status().with_context(fmt::format("{} waiting for the engines to abort refit step {}",
                                                  o_.mailbox->id(), begin.step));
     const Message& m = *r;
-    if (m.type == MessageType::kPaused) continue;  // a late answer to this begin
     const auto it = std::find(ids_.begin(), ids_.end(), m.from);
     if (m.type != MessageType::kProceed || it == ids_.end() ||
         acked[static_cast<std::size_t>(it - ids_.begin())])
