@@ -4,14 +4,20 @@
 # info), the generated include/refit/version.h, and the non-system shared libraries they load (gloo, ZeroMQ, yaml-cpp, fmt and
 # their dependencies; NCCL and CUDA come from the device). Then:
 #   run(command="bash bench/gpu/refit_device.sh", carry=[".carry/refit"])
+# The carry must stay under 64 MiB: with everything it does not. REFIT_CARRY=tests (default) leaves
+# out librefit.a (no Python module on the device); REFIT_CARRY=python leaves out refit_tests (no
+# CUDA unit tests) and keeps librefit.a for refit_device.sh's python part.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
 dst=.carry/refit
 rm -rf "$dst" && mkdir -p "$dst/bin" "$dst/lib" "$dst/include/refit"
 strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"
-strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"
-strip --strip-debug -o "$dst/lib/librefit.a" "$build/src/librefit.a"
+case ${REFIT_CARRY:-tests} in
+  tests) strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests" ;;
+  python) strip --strip-debug -o "$dst/lib/librefit.a" "$build/src/librefit.a" ;;
+  *) echo "carry_refit.sh: REFIT_CARRY is tests or python" >&2; exit 2 ;;
+esac
 cp "$build/include/refit/version.h" "$dst/include/refit/"
 # A CLI built for other GPUs only (tests the "no kernels for this GPU" setup error), if present:
 #   cmake -S . -B build-sm80 -G Ninja -DCMAKE_CUDA_ARCHITECTURES=80-real -DREFIT_BUILD_TESTS=OFF \
