@@ -345,7 +345,8 @@ class HFEngine:
 
     def on_pause(self, hook: Optional[Callable[[], None]]) -> None:
         """hook() before any parameter changes (pause generation). If it raises, or returns after
-        more than timeout_s, the refit is refused before anything is written; the session goes on."""
+        more than timeout_s, the refit is refused before anything is written; the session goes
+        on."""
         self.engine.on_pause(hook)
 
     def on_resume(self, hook: Optional[Callable[[], None]]) -> None:

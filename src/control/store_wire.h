@@ -83,7 +83,8 @@ inline bool decode_values(const std::string& s, std::size_t n,
       continue;
     }
     std::int64_t len = 0;
-    if (present != '\1' || s.size() - at < sizeof len || !decode_i64(s.substr(at, sizeof len), &len))
+    if (present != '\1' || s.size() - at < sizeof len ||
+        !decode_i64(s.substr(at, sizeof len), &len))
       return false;
     at += sizeof len;
     if (len < 0 || static_cast<std::uint64_t>(len) > s.size() - at) return false;

@@ -133,7 +133,8 @@ Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
 Status RouteReceiver::receive(const EngineRefit& r) {
   const BeginMessage& begin = r.begin;
   REFIT_RETURN_IF_ERROR(expect_from_each(
-      *o_.mailbox, feeders_, MessageType::kBegin, {r.first_from}, o_.config->refit.timeout(), o_.who,
+      *o_.mailbox, feeders_, MessageType::kBegin, {r.first_from}, o_.config->refit.timeout(),
+      o_.who,
       "begins", [&](const Message& m) -> Status {
         REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
         if (b.step != begin.step || b.raw != begin.raw)
@@ -153,8 +154,9 @@ Status RouteReceiver::receive(const EngineRefit& r) {
   // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
   REFIT_RETURN_IF_ERROR(send_each(
       *o_.mailbox, trainer_ids_, MessageType::kPaused,
-      encode(PausedMessage{
-          .step = begin.step, .direct = exported, .refused = paused.ok() ? "" : paused.message()})));
+      encode(PausedMessage{.step = begin.step,
+                           .direct = exported,
+                           .refused = paused.ok() ? "" : paused.message()})));
   REFIT_ASSIGN_OR_RETURN(const ProceedMessage proceed, await_proceed(begin.step, r.early_commits));
   if (!proceed.go) {
     r.abandon(proceed.error, paused.ok());

@@ -242,8 +242,8 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
 // rank decides alike without talking to the others; engine ranks decide about their own slow
 // hooks. A trainer rank waits 2 x refit.timeout_s + 5 s for every answer (every rank alive) before
 // the session ends. An answer to an earlier begin is dropped.
-Result<std::string> RouteSender::collect_paused(const BeginMessage& begin,
-                                                std::vector<std::optional<PausedMessage>>& answers) {
+Result<std::string> RouteSender::collect_paused(
+    const BeginMessage& begin, std::vector<std::optional<PausedMessage>>& answers) {
   const auto timeout = o_.config->refit.timeout() * 2 + std::chrono::seconds(5);
   for (std::size_t got = 0; got < all_ids_.size();) {
     Result<Message> m = o_.mailbox->receive(timeout);
@@ -289,8 +289,8 @@ Status RouteSender::abort_refit(const BeginMessage& begin, const std::string& wh
   for (std::size_t got = 0; got < ids_.size();) {
     Result<Message> r = o_.mailbox->receive(o_.config->refit.timeout());
     if (!r.ok())
-      return r.status().with_context(fmt::format("{} waiting for the engines to abort refit step {}",
-                                                 o_.mailbox->id(), begin.step));
+      return r.status().with_context(fmt::format(
+          "{} waiting for the engines to abort refit step {}", o_.mailbox->id(), begin.step));
     const Message& m = *r;
     const auto it = std::find(ids_.begin(), ids_.end(), m.from);
     if (m.type != MessageType::kProceed || it == ids_.end() ||

@@ -113,7 +113,8 @@ Status check_fault_fits(const Fault& f, const Config& config) {
   if (f.kind == Fault::Kind::kFailPause || f.kind == Fault::Kind::kSlowPause) {
     if (f.rank >= config.engine_ranks())
       return Status::InvalidArgument(fmt::format(
-          "--fault {}-pause:{}: there is no engine rank {} (generation.num_engines x tp_size is {})",
+          "--fault {}-pause:{}: there is no engine rank {} (generation.num_engines x tp_size is "
+          "{})",
           f.kind == Fault::Kind::kFailPause ? "fail" : "slow", f.rank, f.rank,
           config.engine_ranks()));
     if (!uses_transfer_plan(config))
@@ -431,7 +432,8 @@ Status verify_rolled_back(DataPlane& plane, const RankModel& model, const Engine
     REFIT_RETURN_IF_ERROR(verify_params(plane, model, layout, params, cfg, step, who)
                               .with_context("after the rollback to version " + version));
   }
-  log::info("{}: the weights kept after the failed refit (version '{}') verified bit-exact", who, version);
+  log::info("{}: the weights kept after the failed refit (version '{}') verified bit-exact", who,
+            version);
   return Status::Ok();
 }
 

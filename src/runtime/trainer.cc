@@ -47,7 +47,9 @@ class TrainerImpl final : public Trainer {
     // when the store's host is stopped (store_ waits up to refit.timeout_s).
     return latch_.guard(
         body, probe_store_ ? probe_store_ : store_, id(), [this] { abort_collectives(); },
-        [this] { return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no watch yet"); });
+        [this] {
+          return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no watch yet");
+        });
   }
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).
