@@ -104,7 +104,8 @@ class TrainerImpl final : public Trainer {
       stats_.buckets = executor_->rounds();
       REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
       if (const std::string& aborted = executor_->aborted(); !aborted.empty()) {
-        // Refused before any byte moved (every trainer rank agreed): nothing to verify or publish.
+        // Refused before any byte moved (every trainer rank decides alike): nothing to verify or
+        // publish.
         failed = Status::Aborted(refit_failure(step, version, aborted));
         return Status::Ok();
       }
