@@ -74,6 +74,50 @@ TEST_F(MailboxTest, ExchangeInOrder) {
   EXPECT_TRUE(s->payload.empty());
 }
 
+// Refit epochs (docs/runtime.md, "A refit that fails in flight"): messages of a failed refit's
+// epoch are dropped once the receiver moved on; a message from a peer that moved on first ends
+// the wait with kAborted and is kept until the receiver moved on too.
+TEST_F(MailboxTest, EpochsDropOlderMessagesAndKeepNewerOnes) {
+  auto trainer = open("trainer/0");
+  auto engine = open("engine/0");
+  ASSERT_TRUE(trainer && engine);
+  EXPECT_EQ(engine->epoch(), 0u);
+  ASSERT_TRUE(trainer->send("engine/0", MessageType::kCommit, "epoch 0").ok());
+  trainer->set_epoch(1);
+  ASSERT_TRUE(trainer->send("engine/0", MessageType::kBegin, "epoch 1").ok());
+  // Still at epoch 0: the first arrives; the second is of a later epoch.
+  auto first = engine->receive(2s);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  EXPECT_EQ(first->payload, "epoch 0");
+  EXPECT_EQ(first->epoch, 0u);
+  auto later = engine->receive(2s);
+  ASSERT_FALSE(later.ok());
+  EXPECT_EQ(later.status().code(), StatusCode::kAborted);
+  EXPECT_NE(later.status().message().find("belongs to refit epoch 1, after this rank's 0"),
+            std::string::npos)
+      << later.status().to_string();
+  EXPECT_EQ(engine->kept_epoch(), 1u);
+  // Asked again before moving on: the same answer, at once.
+  const auto t0 = Clock::now();
+  EXPECT_EQ(engine->receive(2s).status().code(), StatusCode::kAborted);
+  EXPECT_LT(seconds_since(t0), 1.0);
+  engine->set_epoch(1);
+  auto kept = engine->receive(2s);
+  ASSERT_TRUE(kept.ok()) << kept.status().to_string();
+  EXPECT_EQ(kept->payload, "epoch 1");
+  EXPECT_EQ(kept->epoch, 1u);
+  EXPECT_EQ(engine->kept_epoch(), 0u);
+  // An epoch-0 straggler after both moved on is dropped; the next message arrives.
+  trainer->set_epoch(0);
+  ASSERT_TRUE(trainer->send("engine/0", MessageType::kCommitted, "stale").ok());
+  trainer->set_epoch(1);
+  ASSERT_TRUE(trainer->send("engine/0", MessageType::kCommit, "fresh").ok());
+  auto fresh = engine->receive(2s);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().to_string();
+  EXPECT_EQ(fresh->payload, "fresh");
+  EXPECT_EQ(engine->dropped(), 0) << "a stale message is not a malformed one";
+}
+
 TEST_F(MailboxTest, SendWaitsForAPeerThatOpensLater) {
   auto trainer = open("trainer/0");
   ASSERT_TRUE(trainer);

@@ -352,6 +352,79 @@ TEST(RuntimeRecovery, FailedPauseHookWithGatherIsRejected) {
       << r.output;
 }
 
+// A refit that fails in flight with every rank alive (docs/runtime.md, "A refit that fails in
+// flight"): a trainer or engine rank stalls for 1.5 x refit.timeout_s (its heartbeat goes on) in
+// step 2. A rank that times out records the refit's failure; every rank sees it, fails the refit
+// with that cause, forms its groups anew (epoch 1), and step 3 of the same session verifies.
+struct InFlight {
+  Cell cell;
+  std::string fault;
+  bool verify = true;
+  // What every engine rank logs about its weights after the failure.
+  std::string engine_says;
+};
+
+void expect_fails_in_flight_then_recovers(const InFlight& t) {
+  std::vector<std::string> args{"--steps", "3", "--fault", t.fault};
+  if (t.verify) args.push_back("--verify");
+  auto r = run_cell(t.cell, args);
+  SCOPED_TRACE(r.output);
+  const auto engines = static_cast<size_t>(t.cell.num_engines * t.cell.tp);
+  const auto trainers = static_cast<size_t>(t.cell.world_size);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(count_of(r.output, "fault injection: the stall ended"), 1u);
+  EXPECT_NE(r.output.find("1 of 3 refit(s) failed (steps 2); the session went on"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("refit step 2 (version 'step-2') failed in flight: "), std::string::npos);
+  EXPECT_EQ(count_of(r.output, "step 3/3: refit "), 1u);
+  EXPECT_EQ(count_of(r.output, "step 3/3: refit failed"), 0u);
+  if (t.verify) {
+    EXPECT_EQ(count_of(r.output, ", verified\n"), 2u);
+  }
+  // Every trainer rank failed the refit in flight; every engine rank too, or caught up after it
+  // had published its complete part.
+  EXPECT_EQ(count_of(r.output, "failed in flight with every rank alive"),
+            trainers + engines - count_of(r.output, "failed in flight on another rank after"));
+  EXPECT_EQ(count_of(r.output, "forming the groups anew"), trainers + engines);
+  EXPECT_EQ(count_of(r.output, t.engine_says), engines);
+  EXPECT_EQ(count_of(r.output, "exited with code 0"), engines);
+}
+
+TEST(RuntimeRecovery, StalledTrainerRankFailsTheRefitInFlightThenRecovers) {
+  const std::string invalid = "the weights are invalid and generation stays paused";
+  // Point-to-point (Gloo): the engines' receives time out.
+  expect_fails_in_flight_then_recovers(
+      {.cell = {.timeout_s = 3, .executor = "p2p"}, .fault = "stall-trainer:1:2",
+       .engine_says = invalid});
+  // Peer access: the engines' wait for the stalled rank's commit times out. No rollback: the
+  // stalled rank may still write in place.
+  expect_fails_in_flight_then_recovers(
+      {.cell = {.timeout_s = 3, .keep_previous = true}, .fault = "stall-trainer:0:2",
+       .engine_says = "no rollback after a refit that failed in flight while feeders wrote in "
+                      "place"});
+  // Three trainer ranks feeding two engines of TP 2, small rounds.
+  expect_fails_in_flight_then_recovers(
+      {.cell = {.model = "tiny-qwen2", .world_size = 3, .num_engines = 2, .buffer = 4096,
+                .timeout_s = 3, .executor = "p2p"},
+       .fault = "stall-trainer:2:2",
+       .engine_says = invalid});
+}
+
+TEST(RuntimeRecovery, StalledEngineRankFailsTheRefitInFlightThenRecovers) {
+  // Without an agreed outcome (no checksum, no verification) the engine ranks publish their
+  // complete bytes; the trainer ranks' wait for the stalled rank's commit acknowledgement times
+  // out, and the engine ranks catch up between refits.
+  expect_fails_in_flight_then_recovers(
+      {.cell = {.timeout_s = 3, .executor = "p2p"}, .fault = "stall-engine:1:2", .verify = false,
+       .engine_says = "failed in flight on another rank after this rank published weight version "
+                      "'step-2'"});
+  // With checksums the engine ranks wait for the outcome: none publishes, each rolls back.
+  expect_fails_in_flight_then_recovers(
+      {.cell = {.timeout_s = 3, .executor = "p2p", .checksum = true, .keep_previous = true},
+       .fault = "stall-engine:0:2",
+       .engine_says = "(refit.keep_previous) and resumed generation"});
+}
+
 void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::string& culprit) {
   auto start = std::chrono::steady_clock::now();
   auto r = run_cell(c, {"--steps", "2", "--fault", fault});
@@ -927,9 +1000,9 @@ TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
     return s;
   };
   auto send = [](zmq::socket_t& s, MessageType t, const std::string& from, const std::string& p) {
-    const auto type = static_cast<std::uint8_t>(t);
-    std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(&type, 1), zmq::buffer(from),
-                                           zmq::buffer(p)};
+    const std::array<std::uint8_t, 5> head{static_cast<std::uint8_t>(t), 0, 0, 0, 0};  // epoch 0
+    std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(head.data(), head.size()),
+                                           zmq::buffer(from), zmq::buffer(p)};
     (void)zmq::send_multipart(s, parts, zmq::send_flags::dontwait);
   };
   zmq::socket_t plain_push = push(*engine_box, false);

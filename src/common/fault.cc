@@ -20,8 +20,8 @@ Result<Fault> parse_fault(std::string_view text) {
     return Status::InvalidArgument(fmt::format(
         "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET[:STEP], kill-trainer:RANK:AT, "
         "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a bucket or round, "
-        "setup or commit), fail-pause:RANK[:STEP], slow-pause:RANK[:STEP], plan-mismatch, "
-        "version-mismatch",
+        "setup or commit), fail-pause:RANK[:STEP], slow-pause:RANK[:STEP], "
+        "stall-trainer:RANK[:STEP], stall-engine:RANK[:STEP], plan-mismatch, version-mismatch",
         text));
   };
   if (text.empty() || text == "none") return f;
@@ -44,8 +44,12 @@ Result<Fault> parse_fault(std::string_view text) {
       return bad();
     return f;
   }
-  if (kind == "fail-pause" || kind == "slow-pause") {
-    f.kind = kind == "fail-pause" ? Fault::Kind::kFailPause : Fault::Kind::kSlowPause;
+  if (kind == "fail-pause" || kind == "slow-pause" || kind == "stall-trainer" ||
+      kind == "stall-engine") {
+    f.kind = kind == "fail-pause"      ? Fault::Kind::kFailPause
+             : kind == "slow-pause"    ? Fault::Kind::kSlowPause
+             : kind == "stall-trainer" ? Fault::Kind::kStallTrainer
+                                       : Fault::Kind::kStallEngine;
     const auto at = rest.find(':');
     if (!parse_int(rest.substr(0, at), f.rank)) return bad();
     if (at != std::string_view::npos && (!parse_int(rest.substr(at + 1), f.step) || f.step < 1))

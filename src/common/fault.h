@@ -18,6 +18,10 @@ struct Fault {
     kVersionMismatch,
     kFailPause,  // engine rank `rank`'s pause hook fails in refit `step`
     kSlowPause,  // engine rank `rank`'s pause hook takes 1.5 x refit.timeout_s in refit `step`
+    // Trainer rank `rank` stalls for 1.5 x refit.timeout_s (alive: its heartbeat goes on) before
+    // the first bytes it moves in refit `step`; engine rank `rank` before its commit.
+    kStallTrainer,
+    kStallEngine,
   };
   Kind kind = Kind::kNone;
   int rank = -1;    // trainer rank / engine rank the fault hits
@@ -27,14 +31,17 @@ struct Fault {
   static constexpr int kAtCommit = -3;  // "…:commit": every byte moved, before the commit
   int bucket = -1;
   bool stop = false;  // kill kinds: SIGSTOP instead of SIGKILL ("stop-trainer", "stop-engine")
-  // corrupt, fail-pause, slow-pause: the refit step it fires in ("corrupt:K:S", "fail-pause:R:S";
-  // the others: step 1)
+  // corrupt, fail-pause, slow-pause, stall-*: the refit step it fires in ("corrupt:K:S",
+  // "fail-pause:R:S"; the others: step 1)
   int step = 1;
+  // stall-*: how long, in ms (the runtime sets 1.5 x refit.timeout_s)
+  int stall_ms = 0;
 };
 
 // "corrupt:K" | "corrupt:K:S" (in step S) | K of the kill and stop kinds may be "setup" or
 // "commit" | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
-// "fail-pause:R[:S]" | "slow-pause:R[:S]" | "plan-mismatch" | "version-mismatch" | "" (none).
+// "fail-pause:R[:S]" | "slow-pause:R[:S]" | "stall-trainer:R[:S]" | "stall-engine:R[:S]" |
+// "plan-mismatch" | "version-mismatch" | "" (none).
 Result<Fault> parse_fault(std::string_view text);
 
 }  // namespace refit

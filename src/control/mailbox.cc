@@ -1,6 +1,6 @@
 // Mailbox on ZeroMQ: one PULL socket to receive, one PUSH socket per peer to send.
 //
-// Wire: a 3-frame message [type: 1 byte][sender id][payload]. PUSH sockets are created with
+// Wire: a 3-frame message [type: 1 byte, refit epoch: 4 bytes little-endian][sender id][payload]. PUSH sockets are created with
 // ZMQ_IMMEDIATE, so a message is queued only on a live connection: a send to a peer that is not
 // (or no longer) connected fails after the send timeout instead of queueing forever. On close a
 // PUSH socket lingers for at most kSendLinger so the last messages (commit, shutdown) still leave.
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <deque>
 #include <chrono>
 #include <functional>
 #include <atomic>
@@ -161,9 +162,14 @@ class ZmqMailbox final : public Mailbox {
       it = peers_.emplace(to, std::move(peer)).first;
     }
 
-    const auto type_byte = static_cast<std::uint8_t>(type);
-    std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(&type_byte, 1), zmq::buffer(id_),
-                                           zmq::buffer(payload)};
+    const std::uint32_t e = epoch_.load();
+    const std::array<std::uint8_t, 5> head{static_cast<std::uint8_t>(type),
+                                           static_cast<std::uint8_t>(e),
+                                           static_cast<std::uint8_t>(e >> 8),
+                                           static_cast<std::uint8_t>(e >> 16),
+                                           static_cast<std::uint8_t>(e >> 24)};
+    std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(head.data(), head.size()),
+                                           zmq::buffer(id_), zmq::buffer(payload)};
     Status status;
     try {
       // Multipart delivery is atomic: the first frame is the one that may time out.
@@ -182,13 +188,33 @@ class ZmqMailbox final : public Mailbox {
 
   Result<Message> receive(std::chrono::milliseconds timeout) override {
     const auto deadline = Clock::now() + timeout;
+    if (!kept_.empty()) {
+      if (kept_.front().epoch <= epoch_.load()) {
+        Message m = std::move(kept_.front());
+        kept_.pop_front();
+        return m;
+      }
+      return later_epoch(kept_.front());
+    }
     for (;;) {
       std::vector<zmq::message_t> frames;
       try {
         if (zmq::recv_multipart(pull_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
           std::optional<Message> m = accept(frames);
-          if (m) return std::move(*m);
-          continue;  // dropped
+          if (!m) continue;  // dropped
+          const std::uint32_t mine = epoch_.load();
+          if (m->epoch < mine) {
+            // Of a refit that failed in flight: its peers moved on, so must we.
+            ++stale_;
+            log::debug("mailbox '{}': dropped a {} message from '{}' of refit epoch {} (now {})",
+                       id_, message_type_name(m->type), m->from, m->epoch, mine);
+            continue;
+          }
+          if (m->epoch > mine) {
+            kept_.push_back(std::move(*m));
+            return later_epoch(kept_.back());
+          }
+          return std::move(*m);
         }
       } catch (const zmq::error_t& e) {
         return Status::IOError(fmt::format("mailbox '{}': receive failed: {}", id_, e.what()));
@@ -216,6 +242,14 @@ class ZmqMailbox final : public Mailbox {
     }
   }
 
+  void set_epoch(std::uint32_t epoch) override { epoch_.store(epoch); }
+  std::uint32_t epoch() const override { return epoch_.load(); }
+  std::uint32_t kept_epoch() const override {
+    std::uint32_t e = 0;
+    for (const Message& m : kept_) e = std::max(e, m.epoch);
+    return e;
+  }
+
   void set_liveness_check(std::function<Status()> check,
                           std::chrono::milliseconds interval) override {
     liveness_ = std::move(check);
@@ -234,6 +268,14 @@ class ZmqMailbox final : public Mailbox {
 
   std::int64_t dropped() const override { return dropped_.load(); }
 
+  // A message of a later refit epoch than ours: a peer saw the refit in flight fail before we did.
+  Status later_epoch(const Message& m) const {
+    return Status::Aborted(fmt::format(
+        "mailbox '{}': a {} message from '{}' belongs to refit epoch {}, after this rank's {}: "
+        "the refit in flight failed",
+        id_, message_type_name(m.type), m.from, m.epoch, epoch_.load()));
+  }
+
   // The message, or nullopt when it is dropped (and logged with its origin): malformed, or, with
   // authentication, sent by a key other than the one its claimed sender registered.
   std::optional<Message> accept(std::vector<zmq::message_t>& frames) {
@@ -242,16 +284,19 @@ class ZmqMailbox final : public Mailbox {
       const char* address = frames[0].gets("Peer-Address");
       return address != nullptr ? address : "an unknown peer";
     };
-    if (frames.size() != 3 || frames[0].size() != 1 ||
+    if (frames.size() != 3 || frames[0].size() != 5 ||
         !is_known_type(*frames[0].data<std::uint8_t>()) || frames[1].size() > 256) {
       ++dropped_;
       log::warn("mailbox '{}': dropped a malformed message from {} ({} frames, first frame {} "
-                "bytes; expected [type][sender][payload])",
+                "bytes; expected [type, epoch][sender][payload])",
                 id_, origin(), frames.size(), frames.empty() ? 0 : frames[0].size());
       return std::nullopt;
     }
     Message m;
-    m.type = static_cast<MessageType>(*frames[0].data<std::uint8_t>());
+    const auto* head = frames[0].data<std::uint8_t>();
+    m.type = static_cast<MessageType>(head[0]);
+    m.epoch = static_cast<std::uint32_t>(head[1]) | static_cast<std::uint32_t>(head[2]) << 8 |
+              static_cast<std::uint32_t>(head[3]) << 16 | static_cast<std::uint32_t>(head[4]) << 24;
     m.from = frames[1].to_string();
     if (auth_) {
       const char* user = frames[0].gets("User-Id");
@@ -286,6 +331,9 @@ class ZmqMailbox final : public Mailbox {
   std::string send_public_, send_secret_;  // this mailbox's sending key pair (with auth_)
   std::unordered_map<std::string, std::string> keys_;  // senders' registered keys (receive thread)
   std::atomic<std::int64_t> dropped_{0};
+  std::atomic<std::int64_t> stale_{0};      // messages of an earlier refit epoch
+  std::atomic<std::uint32_t> epoch_{0};
+  std::deque<Message> kept_;                // of a later refit epoch (receive thread)
   zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t pull_;

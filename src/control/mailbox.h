@@ -43,6 +43,7 @@ struct Message {
   MessageType type = MessageType::kHello;
   std::string from;  // sender id, e.g. "trainer/0", "engine/1/0"
   std::string payload;
+  std::uint32_t epoch = 0;  // the sender's refit epoch when it sent it (set_epoch)
 };
 
 class Mailbox {
@@ -62,8 +63,15 @@ class Mailbox {
   virtual const std::string& id() const = 0;
   // Sends to the mailbox published as "mailbox/<to>" (waiting for it up to the timeout).
   virtual Status send(const std::string& to, MessageType type, const std::string& payload) = 0;
-  // The next message, or kTimeout.
+  // The next message, or kTimeout. Messages of an earlier refit epoch than this mailbox's are
+  // dropped (a refit that failed in flight; docs/runtime.md). A message of a later epoch ends the
+  // wait with kAborted and is kept: receive() returns it once set_epoch() reached its epoch.
   virtual Result<Message> receive(std::chrono::milliseconds timeout) = 0;
+  // The refit epoch: stamped on every message sent from now on, and the oldest accepted.
+  virtual void set_epoch(std::uint32_t epoch) = 0;
+  virtual std::uint32_t epoch() const = 0;
+  // The latest epoch of a message kept for later (0 when none is kept).
+  virtual std::uint32_t kept_epoch() const = 0;
   // While receive() waits, `check` runs every `interval`; a non-ok Status ends the wait with it.
   // (The runtime checks that the store is reachable and that no other rank has failed.)
   virtual void set_liveness_check(std::function<Status()> check,

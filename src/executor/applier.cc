@@ -38,6 +38,14 @@ Status Applier::wait_completed(std::int64_t n, std::chrono::milliseconds timeout
   return error_;
 }
 
+Status Applier::reset(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return queue_.empty() && !running_; }))
+    return Status::Timeout("a work item of the failed refit is still running");
+  error_ = Status::Ok();
+  return Status::Ok();
+}
+
 Status Applier::error() {
   std::lock_guard lock(mu_);
   return error_;

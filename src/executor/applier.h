@@ -31,6 +31,9 @@ class Applier {
   // Waits until at least `n` items finished; returns the first failure.
   Status wait_completed(std::int64_t n, std::chrono::milliseconds timeout);
   Status error();
+  // After a failure: waits until every posted item finished or was skipped, then forgets the
+  // failure, so the next refit can post again. kTimeout if an item is still running.
+  Status reset(std::chrono::milliseconds timeout);
 
  private:
   void loop();

@@ -91,6 +91,13 @@ class TrainerExecutor {
   }
   // A failure: close the collectives this executor owns, so peers blocked on them fail now.
   virtual void abort() {}
+  // After a refit failed in flight with every rank alive (docs/runtime.md, "A refit that fails in
+  // flight"; its collectives were aborted): waits for this executor's threads to finish their part
+  // of it, forgets their failure, and uses `p2p`, the point-to-point group formed for the next
+  // refit epoch (null when none), from now on.
+  virtual Status recover(Communicator* /*p2p*/, std::chrono::milliseconds /*timeout*/) {
+    return Status::Unsupported("a refit that failed in flight ends the session with this executor");
+  }
   void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
 
  protected:
@@ -139,6 +146,10 @@ class EngineExecutor {
     return Status::Unsupported("refit.checksum needs the transfer plan");
   }
   virtual void abort() {}
+  // As TrainerExecutor::recover.
+  virtual Status recover(Communicator* /*p2p*/, std::chrono::milliseconds /*timeout*/) {
+    return Status::Unsupported("a refit that failed in flight ends the session with this executor");
+  }
   void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
 
  protected:

@@ -49,6 +49,11 @@ class RouteReceiver final : public EngineExecutor {
     checksum_runs_.clear();
   }
   Result<std::uint64_t> checksum_from(std::size_t i, const std::vector<void*>& params) override;
+  Status recover(Communicator* p2p, std::chrono::milliseconds timeout) override {
+    REFIT_RETURN_IF_ERROR(applier_.reset(timeout));
+    o_.p2p = p2p;
+    return Status::Ok();
+  }
   // Bytes that reached this rank (received point-to-point, plus what peer feeders wrote per the
   // plan), and the sources each executor served.
   RankTraffic traffic() const override {

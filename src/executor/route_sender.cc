@@ -350,6 +350,12 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
   }
   Status st = sender_.drain(timeout);
   times.transfer += send_seconds_;
+  if (st.code() == StatusCode::kTimeout)
+    return Status::Timeout(fmt::format(
+        "trainer rank {}: the point-to-point sends of refit step {} did not finish within "
+        "refit.timeout_s ({} s): an engine rank it sends to is stuck, or waits for another "
+        "trainer rank first",
+        o_.rank, begin.step, cfg.refit.timeout_s));
   return st;
 }
 

@@ -55,6 +55,11 @@ class RouteSender final : public TrainerExecutor {
     checksum_runs_.clear();
   }
   Result<std::uint64_t> checksum_to(std::size_t i, const std::vector<void*>& shards) override;
+  Status recover(Communicator* p2p, std::chrono::milliseconds timeout) override {
+    REFIT_RETURN_IF_ERROR(sender_.reset(timeout));
+    o_.p2p = p2p;
+    return Status::Ok();
+  }
   // Bytes this rank moved in the last transfer, and how many targets each executor served.
   RankTraffic traffic() const override {
     return RankTraffic{.role = "trainer",

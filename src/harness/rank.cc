@@ -110,6 +110,19 @@ Status dump_engine_params(const RankOptions& o, DataPlane& plane, const EngineSh
 }  // namespace
 
 Status check_fault_fits(const Fault& f, const Config& config) {
+  if (f.kind == Fault::Kind::kStallTrainer || f.kind == Fault::Kind::kStallEngine) {
+    const bool trainer = f.kind == Fault::Kind::kStallTrainer;
+    const int ranks = trainer ? config.policy.world_size : config.engine_ranks();
+    if (f.rank >= ranks)
+      return Status::InvalidArgument(fmt::format(
+          "--fault stall-{0}:{1}: there is no {0} rank {1} ({2} is {3})", trainer ? "trainer" : "engine",
+          f.rank, trainer ? "policy.world_size" : "generation.num_engines x tp_size", ranks));
+    if (!uses_transfer_plan(config))
+      return Status::InvalidArgument(
+          "--fault stall-*: a refit that fails in flight and leaves the session usable needs the "
+          "transfer plan (refit.executor is gather, where a timeout ends the session)");
+    return Status::Ok();
+  }
   if (f.kind == Fault::Kind::kFailPause || f.kind == Fault::Kind::kSlowPause) {
     if (f.rank >= config.engine_ranks())
       return Status::InvalidArgument(fmt::format(

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <mutex>
 #include <optional>
 
 #include "comm/communicator.h"
@@ -58,8 +59,18 @@ class EngineImpl final : public Engine {
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).
   void abort_collectives() {
+    std::lock_guard<std::mutex> lock(comm_mu_);
     if (p2p_comm_) p2p_comm_->abort();
     if (executor_) executor_->abort();
+  }
+  // The refit of `epoch` failed in flight (the heartbeat watch saw it): wakes the collectives of
+  // that epoch, not those already formed for the next.
+  void abort_epoch(std::uint32_t epoch) {
+    {
+      std::lock_guard<std::mutex> lock(comm_mu_);
+      if (groups_epoch_ != epoch) return;
+    }
+    abort_collectives();
   }
 
   bool session_ok() const override { return latch_.status().ok(); }
@@ -69,10 +80,13 @@ class EngineImpl final : public Engine {
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
     // rank's collectives when one falls silent (runtime/failure.h).
     if (st.ok())
-      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status& why) {
-        store_->abort(why);
-        abort_collectives();
-      });
+      heartbeat_->watch(
+          id(), rank_names(cfg_),
+          [this](const Status& why) {
+            store_->abort(why);
+            abort_collectives();
+          },
+          &epochs_, [this](std::uint32_t epoch) { abort_epoch(epoch); });
     return st;
   }
 
@@ -120,12 +134,22 @@ class EngineImpl final : public Engine {
   }
 
   // A refit whose bytes all landed but did not arrive intact or failed verification is a failed
-  // refit, not a failed session: it is returned without going through the latch.
+  // refit, not a failed session: it is returned without going through the latch. So is one that
+  // failed in flight with every rank alive (docs/runtime.md, "A refit that fails in flight").
   Result<bool> serve_one() override {
     bool committed = false;
     failed_refit_ = Status::Ok();
     Status st = guarded([&]() -> Status {
-      REFIT_ASSIGN_OR_RETURN(committed, next());
+      Result<bool> served = next();
+      if (served.ok()) {
+        committed = *served;
+        return Status::Ok();
+      }
+      std::optional<Status> in_flight = failed_in_flight(served.status());
+      if (!in_flight) return served.status();
+      REFIT_RETURN_IF_ERROR(reform_groups());
+      failed_refit_ = *in_flight;
+      committed = true;
       return Status::Ok();
     });
     if (!st.ok()) return st;
@@ -148,18 +172,99 @@ class EngineImpl final : public Engine {
   }
   // A liveness check for this rank's waits: the verdict of the heartbeat thread's watch (the
   // store, the run's first failure, every other rank's heartbeat; runtime/failure.h).
+  // Ends them too once the current refit epoch failed on another rank (RefitEpochs).
   std::function<Status()> alive() {
-    return [hb = heartbeat_.get()] { return hb->verdict(); };
+    return [hb = heartbeat_.get(), epochs = &epochs_]() -> Status {
+      REFIT_RETURN_IF_ERROR(hb->verdict());
+      if (auto cause = epochs->failed())
+        return Status::Aborted("the refit in flight failed: " + *cause);
+      return Status::Ok();
+    };
   }
+
+  // `failure` of the refit in flight (begin_), when every rank is alive and it timed out or lost
+  // a connection, or another rank recorded the refit's failure first: the refit's failure, after
+  // the weights were dealt with and this rank moved to the next refit epoch (RefitEpochs).
+  // nullopt when the session must end (a dead peer, a bug, gather).
+  std::optional<Status> failed_in_flight(const Status& failure) {
+    if (!in_refit_ || !uses_transfer_plan(cfg_) || !heartbeat_ || !probe_store_)
+      return std::nullopt;
+    in_refit_ = false;
+    const bool flagged =
+        epochs_.failed().has_value() || mailbox_->kept_epoch() > epochs_.current();
+    if (!flagged && failure.code() != StatusCode::kTimeout &&
+        failure.code() != StatusCode::kIOError)
+      return std::nullopt;
+    if (!settle_verdict(flagged ? Status::Aborted("") : failure,
+                        [this] { return heartbeat_->verdict(); })
+             .ok())
+      return std::nullopt;
+    const std::string cause =
+        epochs_.record(*probe_store_, fmt::format("{}: {}", id(), failure.to_string()));
+    abort_epoch(epochs_.current());
+    Status failed = Status::Aborted(failed_in_flight_message(begin_.step, begin_.version, cause));
+    if (!valid_) {
+      // Bytes may have landed. A feeder that writes in place may still be writing (stalled, it
+      // has not seen the failure yet): no rollback then, the weights stay invalid and generation
+      // paused until a refit succeeds, which that feeder takes part in only after it stopped.
+      if (executor_->traffic().peer_pairs > 0 && !kept_version_.empty()) {
+        log::warn("{}: refit.keep_previous: no rollback after a refit that failed in flight "
+                  "while feeders wrote in place",
+                  id());
+        kept_version_.clear();
+      }
+      (void)fail_refit(failed);
+    }
+    log::warn("{}: refit step {} failed in flight with every rank alive ({}); forming the groups "
+              "anew for refit epoch {}",
+              id(), begin_.step, cause, epochs_.current() + 1);
+    epochs_.advance();
+    mailbox_->set_epoch(epochs_.current());
+    return failed;
+  }
+
+  // After a refit failed in flight: the point-to-point group of the new refit epoch (every rank
+  // forms it now), and the executor's apply thread drained onto it.
+  Status reform_groups() {
+    const std::uint32_t epoch = epochs_.current();
+    std::unique_ptr<Communicator> p2p;
+    if (p2p_comm_) {
+      REFIT_ASSIGN_OR_RETURN(p2p, join_group(fmt::format("p2p.{}", epoch),
+                                             p2p_rank_of_engine(cfg_, rank_),
+                                             cfg_.policy.world_size + cfg_.engine_ranks(),
+                                             kReformWait * cfg_.refit.timeout()));
+    }
+    REFIT_RETURN_IF_ERROR(executor_->recover(p2p.get(), timeout()).with_context(id()));
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (p2p) std::swap(p2p_comm_, p2p);
+    groups_epoch_ = epoch;
+    return Status::Ok();  // the old group goes here
+  }
+
+  // Between refits: the last refit failed in flight on other ranks after this rank published its
+  // part (its weights are complete), or a peer already moved to the next refit epoch. This rank
+  // moves on too.
+  Status catch_up() {
+    log::warn("{}: the refit of epoch {} failed in flight on another rank after this rank "
+              "published weight version '{}' (its bytes are complete); forming the groups anew",
+              id(), epochs_.current(), version_);
+    abort_epoch(epochs_.current());
+    epochs_.advance();
+    mailbox_->set_epoch(epochs_.current());
+    return reform_groups();
+  }
+
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
-  Result<std::unique_ptr<Communicator>> join_group(const char* name, int rank, int size) {
+  // `wait`: how long to wait for the others (default refit.timeout_s).
+  Result<std::unique_ptr<Communicator>> join_group(const std::string& name, int rank, int size,
+                                                   std::chrono::milliseconds wait = {}) {
     return make_group(*store_,
                       GroupOptions{.name = name,
                                    .rank = rank,
                                    .size = size,
                                    .host = ep_.host,
-                                   .timeout = timeout(),
+                                   .timeout = wait.count() > 0 ? wait : timeout(),
                                    .liveness = alive()},
                       *plane_);
   }
@@ -527,9 +632,16 @@ class EngineImpl final : public Engine {
   // lasts a rollout and a training step.
   Result<bool> next() {
     Result<Message> msg = mailbox_->receive(timeout());
-    while (!msg.ok() && msg.status().code() == StatusCode::kTimeout) {
-      log::debug("{}: no refit for {} s; the trainer is alive, waiting on", id(),
-                 cfg_.refit.timeout_s);
+    while (!msg.ok()) {
+      if (msg.status().code() == StatusCode::kTimeout) {
+        log::debug("{}: no refit for {} s; the trainer is alive, waiting on", id(),
+                   cfg_.refit.timeout_s);
+      } else if (uses_transfer_plan(cfg_) &&
+                 (epochs_.failed() || mailbox_->kept_epoch() > epochs_.current())) {
+        REFIT_RETURN_IF_ERROR(catch_up());
+      } else {
+        break;
+      }
       msg = mailbox_->receive(timeout());
     }
     if (!msg.ok())
@@ -538,7 +650,9 @@ class EngineImpl final : public Engine {
     switch (msg->type) {
       case MessageType::kBegin: {
         REFIT_ASSIGN_OR_RETURN(begin_, decode_begin(msg->payload, msg->from));
+        in_refit_ = true;
         REFIT_RETURN_IF_ERROR(refit(msg->from));
+        in_refit_ = false;
         return true;
       }
       case MessageType::kShutdown: {
@@ -595,6 +709,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<EngineExecutor> executor_;
   std::unique_ptr<RefitProbe> probe_;  // fault injection (tests)
   BeginMessage begin_;  // of the refit in progress
+  bool in_refit_ = false;  // from its begin until it published or failed
   std::vector<std::string> param_handles_;  // CUDA: IPC handles of the registered parameters
   bool export_failed_ = false;              // a registered parameter cannot be exported
   RankTraffic traffic_;
@@ -616,6 +731,9 @@ class EngineImpl final : public Engine {
   std::string kept_version_;  // the version in keep_ for the refit in flight ("" for none)
   int checksums_passed_ = 0;
   FailureLatch latch_;
+  RefitEpochs epochs_;  // refits that failed in flight (runtime/failure.h)
+  std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
+  std::mutex comm_mu_;  // the group, replaced on the main thread, aborted from the heartbeat's
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;
 };
@@ -630,7 +748,9 @@ Result<std::unique_ptr<Engine>> create_engine_with_fault(const Config& config, i
         fmt::format("engine rank {} is outside 0..{} (engine index * generation.tp_size + tp rank)",
                     engine_rank, config.engine_ranks() - 1));
   REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
-  auto e = std::make_unique<EngineImpl>(config, engine_rank, endpoint, fault);
+  Fault armed = fault;
+  armed.stall_ms = static_cast<int>(config.refit.timeout_s * 1500);
+  auto e = std::make_unique<EngineImpl>(config, engine_rank, endpoint, armed);
   REFIT_RETURN_IF_ERROR(e->init());
   return std::unique_ptr<Engine>(std::move(e));
 }

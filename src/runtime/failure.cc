@@ -21,6 +21,47 @@ void announce_failure(Store* store, const std::string& who, const Status& status
   if (n.ok() && *n == 1) (void)store->set("error/first", cause);
 }
 
+std::string RefitEpochs::key(std::uint32_t epoch) { return fmt::format("refit/failed/{}", epoch); }
+
+std::uint32_t RefitEpochs::current() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return epoch_;
+}
+
+std::optional<std::string> RefitEpochs::failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_;
+}
+
+std::string RefitEpochs::record(Store& store, const std::string& cause) {
+  const std::uint32_t epoch = current();
+  if (auto known = failed()) return *known;
+  std::string recorded = cause;
+  auto n = store.add(fmt::format("refit/failures/{}", epoch), 1);
+  if (n.ok() && *n == 1) {
+    (void)store.set(key(epoch), cause);
+  } else if (n.ok()) {
+    // Another rank was first: its cause, which it writes right after its add.
+    auto first = store.get(key(epoch), std::chrono::seconds(2));
+    if (first.ok()) recorded = *first;
+  }
+  (void)seen(epoch, recorded);
+  return failed().value_or(recorded);
+}
+
+bool RefitEpochs::seen(std::uint32_t epoch, const std::string& cause) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (epoch != epoch_ || failed_.has_value()) return false;
+  failed_ = cause;
+  return true;
+}
+
+void RefitEpochs::advance() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
+  failed_.reset();
+}
+
 struct Heartbeat::State {
   std::unique_ptr<Store> own;
   Store& store;
@@ -82,9 +123,11 @@ void Heartbeat::leave() {
 }
 
 void Heartbeat::watch(const std::string& who, std::vector<std::string> peers,
-                      std::function<void(const Status&)> on_lost) {
+                      std::function<void(const Status&)> on_lost, RefitEpochs* epochs,
+                      std::function<void(std::uint32_t)> on_refit_failed) {
   std::lock_guard<std::mutex> lock(s_->mu);
-  s_->check = liveness_check(s_->store, who, std::move(peers));
+  s_->check =
+      liveness_check(s_->store, who, std::move(peers), epochs, std::move(on_refit_failed));
   s_->on_lost = std::move(on_lost);
 }
 
@@ -115,7 +158,8 @@ std::vector<std::string> rank_names(const Config& config) {
 }
 
 std::function<Status()> liveness_check(Store& store, const std::string& who,
-                                       std::vector<std::string> peers) {
+                                       std::vector<std::string> peers, RefitEpochs* epochs,
+                                       std::function<void(std::uint32_t)> on_refit_failed) {
   using Clock = std::chrono::steady_clock;
   struct Seen {
     std::string value;
@@ -128,8 +172,8 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
   std::erase(peers, who);
   std::vector<std::string> keys{"error/first"};
   for (const std::string& peer : peers) keys.push_back("heartbeat/" + peer);
-  return [&store, who, peers = std::move(peers), keys = std::move(keys), seen,
-          answered]() -> Status {
+  return [&store, who, peers = std::move(peers), keys = std::move(keys), seen, answered, epochs,
+          on_refit_failed = std::move(on_refit_failed)]() mutable -> Status {
     const auto silent = [&](const Status& why) {
       return Status::Aborted(fmt::format(
           "aborted because trainer rank 0: the store it hosts did not answer for {:.1f} s "
@@ -149,9 +193,18 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
     if (!reachable.ok() && reachable.code() != StatusCode::kTimeout) return failed(reachable);
     if (!reachable.ok()) return silent(reachable);
     *answered = Clock::now();
-    // The run's first failure and every peer's heartbeat, in one request.
+    // The run's first failure, every peer's heartbeat and the current refit epoch's failure, in
+    // one request.
+    const std::uint32_t epoch = epochs != nullptr ? epochs->current() : 0;
+    if (epochs != nullptr) keys.push_back(RefitEpochs::key(epoch));
     auto values = store.try_get_many(keys);
+    if (epochs != nullptr) keys.pop_back();
     if (!values.ok()) return failed(values.status());
+    if (epochs != nullptr) {
+      const std::optional<std::string>& refit = values->back();
+      if (refit.has_value() && epochs->seen(epoch, *refit) && on_refit_failed)
+        on_refit_failed(epoch);
+    }
     const std::optional<std::string>& first = (*values)[0];
     if (first.has_value() && first->rfind(who + ":", 0) != 0)
       return Status::Aborted("aborted because " + *first);
@@ -209,6 +262,7 @@ namespace {
 constexpr std::string_view kNotPublished = "the engines did not publish version '";
 constexpr std::string_view kReported = " reported: ";
 constexpr std::string_view kStillUsable = " (the session stays usable: ";
+constexpr std::string_view kInFlight = "failed in flight: ";
 }  // namespace
 
 std::string failed_refit_message(int step, const std::string& version, const std::string& process,
@@ -220,18 +274,36 @@ std::string failed_refit_message(int step, const std::string& version, const std
                      kNotPublished, version, process, kReported, e, kStillUsable);
 }
 
+std::string failed_in_flight_message(int step, const std::string& version,
+                                     const std::string& cause) {
+  const std::size_t colon = cause.find(": ");
+  const std::string process = colon == std::string::npos ? "?" : cause.substr(0, colon);
+  const std::string error = colon == std::string::npos ? cause : cause.substr(colon + 2);
+  return fmt::format("refit step {} (version '{}') {}{}{}{}{}every rank is alive; the groups "
+                     "were formed anew and the next refit publishes a new version)",
+                     step, version, kInFlight, process, kReported, error, kStillUsable);
+}
+
 Blame blame_failure(const std::string& self, const Status& status, int tp_size) {
   // with_root_cause and liveness_check write "aborted because <process>: <error>", followed by
   // " (seen here as: <this process's error>)" from with_root_cause; contexts may precede it.
   static const std::string kBecause = "aborted because ";
   static const std::string kSeen = " (seen here as: ";
   const std::string& m = status.message();
-  // A refit that failed at its end: the engine rank that reported it.
+  // A refit that failed at its end: the engine rank that reported it; one that failed in flight:
+  // the rank that recorded it first.
+  std::size_t from = std::string::npos, skip = 0;
   if (const std::size_t np = m.rfind(kNotPublished); np != std::string::npos) {
-    const std::size_t from = m.find("': ", np + kNotPublished.size());
-    const std::size_t rep = from == std::string::npos ? from : m.find(kReported, from + 3);
+    from = m.find("': ", np + kNotPublished.size());
+    skip = 3;
+  } else if (const std::size_t fl = m.rfind(kInFlight); fl != std::string::npos) {
+    from = fl;
+    skip = kInFlight.size();
+  }
+  if (from != std::string::npos) {
+    const std::size_t rep = m.find(kReported, from + skip);
     if (rep != std::string::npos) {
-      if (auto b = blame_process(m.substr(from + 3, rep - from - 3), tp_size)) {
+      if (auto b = blame_process(m.substr(from + skip, rep - from - skip), tp_size)) {
         const std::size_t start = rep + kReported.size();
         const std::size_t end = m.find(kStillUsable, start);
         b->message = b->process + ": " +
@@ -259,18 +331,27 @@ Blame blame_failure(const std::string& self, const Status& status, int tp_size) 
   return b;
 }
 
+Status settle_verdict(const Status& failure, const std::function<Status()>& verdict) {
+  if (!verdict) return Status::Ok();
+  if (failure.code() != StatusCode::kTimeout && failure.code() != StatusCode::kIOError)
+    return verdict();
+  const auto until = std::chrono::steady_clock::now() + kPeerSilence + std::chrono::seconds(1);
+  Status v = verdict();
+  while (v.ok() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    v = verdict();
+  }
+  return v;
+}
+
 Status FailureLatch::guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
                            const std::string& who, const std::function<void()>& close_collectives,
                            const std::function<Status()>& verdict) {
   if (!failed_.ok()) return failed_;
   Status st = step();
   if (st.ok()) return st;
-  if (verdict && (st.code() == StatusCode::kTimeout || st.code() == StatusCode::kIOError)) {
-    // The watch announces a silent peer under "error/first", which with_root_cause then finds.
-    const auto until = std::chrono::steady_clock::now() + kPeerSilence + std::chrono::seconds(1);
-    while (verdict().ok() && std::chrono::steady_clock::now() < until)
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // The watch announces a silent peer under "error/first", which with_root_cause then finds.
+  (void)settle_verdict(st, verdict);
   st = with_root_cause(store.get(), who, st);
   announce_failure(store.get(), who, st);
   close_collectives();

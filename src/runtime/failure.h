@@ -11,6 +11,8 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +38,37 @@ inline constexpr std::chrono::milliseconds kPeerSilence{5000};
 // How long one heartbeat request may take (the heartbeat's own store connection).
 inline constexpr std::chrono::milliseconds kBeatRequestTimeout{2000};
 
+// Refits that fail in flight with every rank alive (docs/runtime.md, "A refit that fails in
+// flight"). Every rank counts refit epochs: 0 at setup, one more after each refit that failed in
+// flight. The first rank whose refit of epoch E fails (a timeout or a broken connection while
+// every rank is alive) records why under "refit/failed/<E>" (first writer wins); every other rank's
+// heartbeat watch reads that key and wakes its collectives and waits. Every rank then moves to
+// epoch E + 1: it forms its groups anew, and its mailbox drops messages of epoch E (Mailbox::
+// set_epoch). Thread-safe: the watch runs on the heartbeat's thread.
+class RefitEpochs;
+// How long, in refit.timeout_s, the ranks wait for each other to form the groups of a new refit
+// epoch: a rank still stalled then (it has not seen the failure) ends the session.
+inline constexpr int kReformWait = 4;
+
+class RefitEpochs {
+ public:
+  static std::string key(std::uint32_t epoch);
+  std::uint32_t current() const;
+  // The current epoch's failure ("<process>: <error>"), once recorded here or seen by the watch.
+  std::optional<std::string> failed() const;
+  // Records `cause` as the current epoch's failure unless another rank did first; returns the
+  // recorded one.
+  std::string record(Store& store, const std::string& cause);
+  // The watch found `cause` under key(epoch): true the first time for the current epoch.
+  bool seen(std::uint32_t epoch, const std::string& cause);
+  void advance();  // to the next epoch
+
+ private:
+  mutable std::mutex mu_;
+  std::uint32_t epoch_ = 0;
+  std::optional<std::string> failed_;
+};
+
 class Heartbeat {
  public:
   // Beats through `store`, a connection of its own whose requests time out within a couple of
@@ -49,8 +82,11 @@ class Heartbeat {
   // connection, and on its first failure calls `on_lost` once (from the heartbeat's thread). The
   // runtime aborts its collectives there, so that a rank blocked inside a Gloo or NCCL operation
   // with a peer that fell silent is woken instead of waiting out refit.timeout_s.
+  // With `epochs`, each check also reads the current refit epoch's failure key, and calls
+  // `on_refit_failed(epoch)` once when it appears.
   void watch(const std::string& who, std::vector<std::string> peers,
-             std::function<void(const Status&)> on_lost);
+             std::function<void(const Status&)> on_lost, RefitEpochs* epochs = nullptr,
+             std::function<void(std::uint32_t)> on_refit_failed = {});
   // The watch's verdict so far: ok until a check failed, then that failure (at most one beat,
   // 0.5 s, old). The rank's waits poll this instead of checking the store themselves, so each
   // rank checks its peers once per beat, not once per waiting thread.
@@ -86,8 +122,17 @@ std::vector<std::string> rank_names(const Config& config);
 // Each returned check keeps its own record of the peers' beats; call it every few hundred ms. A
 // check costs two store requests (a ping, and one read of the first failure and every peer's
 // heartbeat), however many peers there are.
+// With `epochs`, the same request reads the current refit epoch's failure key (RefitEpochs), and
+// `on_refit_failed(epoch)` runs once when it appears.
 std::function<Status()> liveness_check(Store& store, const std::string& who,
-                                       std::vector<std::string> peers = {});
+                                       std::vector<std::string> peers = {},
+                                       RefitEpochs* epochs = nullptr,
+                                       std::function<void(std::uint32_t)> on_refit_failed = {});
+
+// A failure with code kTimeout or kIOError may be a peer's death that the heartbeat watch has not
+// named yet (a send to a killed rank fails before its heartbeat is missed): waits up to
+// kPeerSilence + 1 s while `verdict` stays ok, and returns it. Ok for other codes.
+Status settle_verdict(const Status& failure, const std::function<Status()>& verdict);
 
 // `status`, prefixed with the run's first recorded failure when that came from elsewhere.
 Status with_root_cause(Store* store, const std::string& who, const Status& status);
@@ -98,6 +143,12 @@ Status with_root_cause(Store* store, const std::string& who, const Status& statu
 // first engine rank that failed ("engine 0 tp rank 1"); blame_failure finds it there.
 std::string failed_refit_message(int step, const std::string& version, const std::string& process,
                                  const std::string& error);
+
+// A refit that failed in flight with every rank alive, as every rank returns it: "refit step S
+// failed in flight: <process> reported: <error> (the session stays usable: …)", where "<process>:
+// <error>" is the cause recorded first (RefitEpochs). blame_failure finds the process there.
+std::string failed_in_flight_message(int step, const std::string& version,
+                                     const std::string& cause);
 
 // The process a failure is blamed on (the JSON report's `error`, docs/runtime.md): the run's first
 // failure as recorded under "error/first" — "<process>: <error>".

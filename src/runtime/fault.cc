@@ -1,8 +1,12 @@
 #include "runtime/fault.h"
 
+#include <fmt/format.h>
+
 #include <signal.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "common/log.h"
 
@@ -20,12 +24,23 @@ class FaultProbe final : public RefitProbe {
   }
 
   void before_commit(int step) override {
+    if (!trainer_ && f_.kind == Fault::Kind::kStallEngine && f_.rank == rank_ && step == f_.step) {
+      stall("before its commit");
+      return;
+    }
     if (step != 1 || !mine() || f_.bucket != Fault::kAtCommit) return;
     log::info("fault injection: {} myself at the commit", f_.stop ? "stopping" : "killing");
     raise(f_.stop ? SIGSTOP : SIGKILL);
   }
 
   void before_round(int step, int round) override {
+    if (trainer_ && f_.kind == Fault::Kind::kStallTrainer && f_.rank == rank_ &&
+        step == f_.step && !stalled_) {
+      stalled_ = true;  // before the first round it moves
+      stall(round == kEveryRound ? "before writing the engines' parameters"
+                                 : fmt::format("before round {}", round));
+      return;
+    }
     if (step != 1 || !mine() || f_.bucket < 0) return;
     const char* how = f_.stop ? "stopping" : "killing";
     if (round == kEveryRound) {
@@ -56,6 +71,13 @@ class FaultProbe final : public RefitProbe {
   }
 
  private:
+  // Alive but stuck (its heartbeat thread goes on): for 1.5 x refit.timeout_s.
+  void stall(const std::string& where) {
+    log::info("fault injection: stalling for {} ms {}", f_.stall_ms, where);
+    std::this_thread::sleep_for(std::chrono::milliseconds(f_.stall_ms));
+    log::info("fault injection: the stall ended");
+  }
+
   // A kill or stop fault aimed at this rank.
   bool mine() const {
     const Fault::Kind kill = trainer_ ? Fault::Kind::kKillTrainer : Fault::Kind::kKillEngine;
@@ -65,6 +87,7 @@ class FaultProbe final : public RefitProbe {
   const Fault f_;
   const bool trainer_;
   const int rank_;
+  bool stalled_ = false;
 };
 
 }  // namespace

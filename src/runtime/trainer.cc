@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <chrono>
 #include <deque>
+#include <mutex>
+#include <optional>
 
 #include "comm/communicator.h"
 #include "common/env.h"
@@ -54,9 +56,19 @@ class TrainerImpl final : public Trainer {
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).
   void abort_collectives() {
+    std::lock_guard<std::mutex> lock(comm_mu_);
     if (trainer_comm_) trainer_comm_->abort();
     if (p2p_comm_) p2p_comm_->abort();
     if (executor_) executor_->abort();
+  }
+  // The refit of `epoch` failed in flight (the heartbeat watch saw it): wakes the collectives of
+  // that epoch, not those already formed for the next.
+  void abort_epoch(std::uint32_t epoch) {
+    {
+      std::lock_guard<std::mutex> lock(comm_mu_);
+      if (groups_epoch_ != epoch) return;
+    }
+    abort_collectives();
   }
 
   bool session_ok() const override { return latch_.status().ok(); }
@@ -66,10 +78,13 @@ class TrainerImpl final : public Trainer {
     // Set up: from now on the heartbeat thread also watches the other ranks, and wakes this
     // rank's collectives when one falls silent (runtime/failure.h).
     if (st.ok())
-      heartbeat_->watch(id(), rank_names(cfg_), [this](const Status& why) {
-        store_->abort(why);
-        abort_collectives();
-      });
+      heartbeat_->watch(
+          id(), rank_names(cfg_),
+          [this](const Status& why) {
+            store_->abort(why);
+            abort_collectives();
+          },
+          &epochs_, [this](std::uint32_t epoch) { abort_epoch(epoch); });
     return st;
   }
 
@@ -86,55 +101,120 @@ class TrainerImpl final : public Trainer {
   // A refit whose bytes all moved but did not arrive intact or failed verification (a checksum
   // mismatch, a failed verification hook) fails on every trainer rank with the same message and
   // leaves the session usable: it does not go through the latch, and the next refit() runs.
+  //
+  // So does a refit that failed in flight with every rank alive (docs/runtime.md, "A refit that
+  // fails in flight"): every rank returns the cause recorded first, and forms its groups anew.
   Status refit(int step, const std::string& version, bool verify) override {
     Status failed;
     Status st = guarded([&]() -> Status {
       REFIT_RETURN_IF_ERROR(check_registered(slots_, ptrs_, id()));
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      phase_ = {};
-      Timer t;
-      REFIT_RETURN_IF_ERROR(refit_once(step, version, verify, false));
-      if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
-      stats_.seconds = t.seconds();
-      stats_.unshard_s = phase_.unshard;
-      stats_.cast_pack_s = phase_.cast_pack;
-      stats_.transfer_s = phase_.transfer;
-      stats_.apply_s = phase_.apply;
-      stats_.bytes = model_->plan.payload_bytes;
-      stats_.buckets = executor_->rounds();
-      REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
-      if (const std::string& aborted = executor_->aborted(); !aborted.empty()) {
-        // Refused before any byte moved (every trainer rank decides alike): nothing to verify or
-        // publish.
-        failed = Status::Aborted(refit_failure(step, version, aborted));
-        return Status::Ok();
-      }
-      std::string failure = commit_error_;
-      if (verify) {
-        REFIT_ASSIGN_OR_RETURN(std::string verdict, collect_verdicts());
-        if (failure.empty()) failure = verdict;
-      }
-      if (verify || cfg_.refit.checksum) {
-        // Every engine rank publishes, or none does: the ranks of one engine never hold two
-        // versions, whichever rank's bytes failed.
-        if (trainer_comm_) {
-          REFIT_ASSIGN_OR_RETURN(failure, agree_on_failure(failure));
-        }
-        REFIT_RETURN_IF_ERROR(
-            send_each(*mailbox_, fed_engines(), MessageType::kOutcome,
-                      encode(OutcomeMessage{.publish = failure.empty(), .error = failure})));
-        // Each engine acknowledges once it heard every feeder, so nothing this rank sends next
-        // can reach an engine before another rank's outcome.
-        REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, fed_engines(), MessageType::kOutcome, {},
-                                               timeout(), id(), "outcome acknowledgements"));
-      }
-      if (!failure.empty()) {
-        failed = Status::Corruption(refit_failure(step, version, failure));
-      }
+      Status body = refit_body(step, version, verify, failed);
+      if (body.ok()) return body;
+      std::optional<Status> in_flight = failed_in_flight(step, version, body);
+      if (!in_flight) return body;
+      REFIT_RETURN_IF_ERROR(reform_groups());
+      failed = *in_flight;
       return Status::Ok();
     });
     if (!st.ok()) return st;
     return failed;
+  }
+
+  Status refit_body(int step, const std::string& version, bool verify, Status& failed) {
+    if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+    phase_ = {};
+    Timer t;
+    REFIT_RETURN_IF_ERROR(refit_once(step, version, verify, false));
+    if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+    stats_.seconds = t.seconds();
+    stats_.unshard_s = phase_.unshard;
+    stats_.cast_pack_s = phase_.cast_pack;
+    stats_.transfer_s = phase_.transfer;
+    stats_.apply_s = phase_.apply;
+    stats_.bytes = model_->plan.payload_bytes;
+    stats_.buckets = executor_->rounds();
+    REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
+    if (const std::string& aborted = executor_->aborted(); !aborted.empty()) {
+      // Refused before any byte moved (every trainer rank decides alike): nothing to verify or
+      // publish.
+      failed = Status::Aborted(refit_failure(step, version, aborted));
+      return Status::Ok();
+    }
+    std::string failure = commit_error_;
+    if (verify) {
+      REFIT_ASSIGN_OR_RETURN(std::string verdict, collect_verdicts());
+      if (failure.empty()) failure = verdict;
+    }
+    if (verify || cfg_.refit.checksum) {
+      // Every engine rank publishes, or none does: the ranks of one engine never hold two
+      // versions, whichever rank's bytes failed.
+      if (trainer_comm_) {
+        REFIT_ASSIGN_OR_RETURN(failure, agree_on_failure(failure));
+      }
+      REFIT_RETURN_IF_ERROR(
+          send_each(*mailbox_, fed_engines(), MessageType::kOutcome,
+                    encode(OutcomeMessage{.publish = failure.empty(), .error = failure})));
+      // Each engine acknowledges once it heard every feeder, so nothing this rank sends next
+      // can reach an engine before another rank's outcome.
+      REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, fed_engines(), MessageType::kOutcome, {},
+                                             timeout(), id(), "outcome acknowledgements"));
+    }
+    if (!failure.empty()) {
+      failed = Status::Corruption(refit_failure(step, version, failure));
+    }
+    return Status::Ok();
+  }
+
+  // `failure` of the refit in flight, when every rank is alive and it timed out or lost a
+  // connection, or another rank recorded the refit's failure first: the refit's failure, as every
+  // rank returns it, after this rank moved to the next refit epoch (RefitEpochs). nullopt when the
+  // session must end (a dead peer, a bug, gather).
+  std::optional<Status> failed_in_flight(int step, const std::string& version,
+                                         const Status& failure) {
+    if (!uses_transfer_plan(cfg_) || !heartbeat_ || !probe_store_) return std::nullopt;
+    const bool flagged =
+        epochs_.failed().has_value() || mailbox_->kept_epoch() > epochs_.current();
+    if (!flagged && failure.code() != StatusCode::kTimeout &&
+        failure.code() != StatusCode::kIOError)
+      return std::nullopt;
+    if (!settle_verdict(flagged ? Status::Aborted("") : failure,
+                        [this] { return heartbeat_->verdict(); })
+             .ok())
+      return std::nullopt;
+    const std::string cause =
+        epochs_.record(*probe_store_, fmt::format("{}: {}", id(), failure.to_string()));
+    abort_epoch(epochs_.current());
+    log::warn("{}: refit step {} failed in flight with every rank alive ({}); forming the groups "
+              "anew for refit epoch {}",
+              id(), step, cause, epochs_.current() + 1);
+    epochs_.advance();
+    mailbox_->set_epoch(epochs_.current());
+    outcomes_ = 0;
+    return Status::Aborted(failed_in_flight_message(step, version, cause));
+  }
+
+  // After a refit failed in flight: the trainer and point-to-point groups of the new refit epoch
+  // (every rank forms them now), and the executor's threads drained onto them.
+  Status reform_groups() {
+    const std::uint32_t epoch = epochs_.current();
+    const auto named = [epoch](const char* base) { return fmt::format("{}.{}", base, epoch); };
+    std::unique_ptr<Communicator> trainer, p2p;
+    if (trainer_comm_) {
+      REFIT_ASSIGN_OR_RETURN(trainer,
+                             join_group(named("trainer"), rank_, cfg_.policy.world_size,
+                                        kReformWait * cfg_.refit.timeout()));
+    }
+    if (p2p_comm_) {
+      REFIT_ASSIGN_OR_RETURN(p2p, join_group(named("p2p"), p2p_rank_of_trainer(rank_),
+                                             cfg_.policy.world_size + cfg_.engine_ranks(),
+                                             kReformWait * cfg_.refit.timeout()));
+    }
+    REFIT_RETURN_IF_ERROR(executor_->recover(p2p.get(), timeout()).with_context(id()));
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (trainer) std::swap(trainer_comm_, trainer);
+    if (p2p) std::swap(p2p_comm_, p2p);
+    groups_epoch_ = epoch;
+    return Status::Ok();  // the old groups go here
   }
 
   const RefitStats& last_stats() const override { return stats_; }
@@ -168,18 +248,26 @@ class TrainerImpl final : public Trainer {
   std::string id() const { return fmt::format("trainer rank {}", rank_); }
   // A liveness check for this rank's waits: the verdict of the heartbeat thread's watch (the
   // store, the run's first failure, every other rank's heartbeat; runtime/failure.h).
+  // Ends them too once the refit in flight failed on another rank (RefitEpochs).
   std::function<Status()> alive() {
-    return [hb = heartbeat_.get()] { return hb->verdict(); };
+    return [hb = heartbeat_.get(), epochs = &epochs_]() -> Status {
+      REFIT_RETURN_IF_ERROR(hb->verdict());
+      if (auto cause = epochs->failed())
+        return Status::Aborted("the refit in flight failed: " + *cause);
+      return Status::Ok();
+    };
   }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
-  Result<std::unique_ptr<Communicator>> join_group(const char* name, int rank, int size) {
+  // `wait`: how long to wait for the others (default refit.timeout_s).
+  Result<std::unique_ptr<Communicator>> join_group(const std::string& name, int rank, int size,
+                                                   std::chrono::milliseconds wait = {}) {
     return make_group(*store_,
                       GroupOptions{.name = name,
                                    .rank = rank,
                                    .size = size,
                                    .host = ep_.host,
-                                   .timeout = timeout(),
+                                   .timeout = wait.count() > 0 ? wait : timeout(),
                                    .liveness = alive()},
                       *plane_);
   }
@@ -441,7 +529,8 @@ class TrainerImpl final : public Trainer {
   // failure wins.
   Result<std::string> agree_on_failure(const std::string& mine) {
     const int world = trainer_comm_->size();
-    const std::string key = fmt::format("outcome/{}/", ++outcomes_);
+    // Per refit epoch: ranks whose refit failed in flight before this point did not count it.
+    const std::string key = fmt::format("outcome/{}/{}/", epochs_.current(), ++outcomes_);
     // "ok", or "!" + the failure (a key must hold something to exist).
     REFIT_RETURN_IF_ERROR(
         store_->set(key + std::to_string(rank_), mine.empty() ? "ok" : "!" + mine));
@@ -479,7 +568,7 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<DataPlane> plane_;  // before every buffer allocated on it
   std::vector<TensorSlot> slots_;
   std::vector<void*> ptrs_;  // registered storage of slots_
-  int outcomes_ = 0;         // refits whose outcome the ranks shared: namespaces their keys
+  int outcomes_ = 0;  // refits of this epoch whose outcome the ranks shared: namespaces their keys
   std::string commit_error_;  // the first engine's report of bytes that did not arrive intact
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
@@ -495,6 +584,9 @@ class TrainerImpl final : public Trainer {
   RefitStats stats_;
   int raw_passes_ = 0;
   FailureLatch latch_;
+  RefitEpochs epochs_;  // refits that failed in flight (runtime/failure.h)
+  std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
+  std::mutex comm_mu_;  // the groups, replaced on the main thread, aborted from the heartbeat's
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;
 };
@@ -513,7 +605,9 @@ Result<std::unique_ptr<Trainer>> create_trainer_with_fault(const Config& config,
     return Status::InvalidArgument(fmt::format("trainer rank {} is outside policy.world_size {}",
                                                rank, config.policy.world_size));
   REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
-  auto t = std::make_unique<TrainerImpl>(config, rank, endpoint, fault);
+  Fault armed = fault;
+  armed.stall_ms = static_cast<int>(config.refit.timeout_s * 1500);
+  auto t = std::make_unique<TrainerImpl>(config, rank, endpoint, armed);
   REFIT_RETURN_IF_ERROR(t->init());
   return std::unique_ptr<Trainer>(std::move(t));
 }
