@@ -103,7 +103,10 @@ class Trainer {
   // (session_ok() stays true): the engines did not publish its version (with refit.keep_previous
   // they rolled back), and the next refit() runs normally. So does a refit an engine rank refused
   // before any byte moved (its pause hook failed or outlasted refit.timeout_s; code kAborted): the
-  // engines keep their weights and version. Any other failure ends the session.
+  // engines keep their weights and version. And so does a refit that failed in flight with every
+  // rank alive — a wait that timed out because a rank stalled (code kAborted, "failed in flight");
+  // every rank forms its groups anew before returning (docs/runtime.md, "A refit that fails in
+  // flight"). Any other failure ends the session.
   virtual Status refit(int step, const std::string& version, bool verify) = 0;
   // Whether this rank can run another refit: false once a failure ended the session (every later
   // call returns that failure; re-create every rank to recover, docs/runtime.md).
@@ -174,9 +177,9 @@ class Engine {
   // Serves one refit (blocking). Waits for it to start as long as the trainer lives (a failure of
   // any rank, or the loss of the store, ends the wait); each step of the refit is bounded by
   // refit.timeout_s. Returns true after a committed refit, false when the trainer shut the
-  // engines down. A refit that failed at its end (checksum mismatch, failed verification) or was
-  // refused before any byte moved is returned as its error with session_ok() still true: serve
-  // the next one.
+  // engines down. A refit that failed at its end (checksum mismatch, failed verification), was
+  // refused before any byte moved, or failed in flight with every rank alive is returned as its
+  // error with session_ok() still true: serve the next one.
   virtual Result<bool> serve_one() = 0;
   // Serves refits until shutdown, past refits that failed at their end.
   virtual Status serve() = 0;

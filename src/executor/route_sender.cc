@@ -241,7 +241,7 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
 // "<engine process>: <why>", or "". Every engine rank answers every trainer rank, so every trainer
 // rank decides alike without talking to the others; engine ranks decide about their own slow
 // hooks. A trainer rank waits 2 x refit.timeout_s + 5 s for every answer (every rank alive) before
-// the session ends. An answer to an earlier begin is dropped.
+// the session ends.
 Result<std::string> RouteSender::collect_paused(
     const BeginMessage& begin, std::vector<std::optional<PausedMessage>>& answers) {
   const auto timeout = o_.config->refit.timeout() * 2 + std::chrono::seconds(5);
@@ -250,14 +250,6 @@ Result<std::string> RouteSender::collect_paused(
     if (!m.ok())
       return m.status().with_context(
           fmt::format("{} waiting for the engines' pause", o_.mailbox->id()));
-    if (m->type == MessageType::kPaused) {
-      // An undecodable one is not late: it is refused below.
-      if (auto p = decode_paused(m->payload, m->from); p.ok() && p->step != begin.step) {
-        log::debug("trainer rank {}: dropped a late paused of refit step {} from {}", o_.rank,
-                   p->step, m->from);
-        continue;
-      }
-    }
     if (m->type != MessageType::kPaused)
       return Status::Internal(fmt::format("{} waiting for the engines' pause: got {} from {}",
                                           o_.mailbox->id(), message_type_name(m->type), m->from));
@@ -266,6 +258,12 @@ Result<std::string> RouteSender::collect_paused(
       return Status::Corruption(
           fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m->from));
     REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m->payload, m->from));
+    // Each engine rank answers each begin once, before the refit goes on or is aborted; answers of
+    // a refit that failed in flight are dropped by their epoch (Mailbox::set_epoch).
+    if (p.step != begin.step)
+      return Status::Corruption(fmt::format("trainer rank {}: {} paused for refit step {} while "
+                                            "refit step {} is in flight",
+                                            o_.rank, m->from, p.step, begin.step));
     answers[static_cast<std::size_t>(it - all_ids_.begin())] = std::move(p);
     ++got;
   }

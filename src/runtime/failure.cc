@@ -331,13 +331,14 @@ Blame blame_failure(const std::string& self, const Status& status, int tp_size) 
   return b;
 }
 
-Status settle_verdict(const Status& failure, const std::function<Status()>& verdict) {
+Status settle_verdict(const Status& failure, const std::function<Status()>& verdict,
+                      const std::function<bool()>& settled) {
   if (!verdict) return Status::Ok();
   if (failure.code() != StatusCode::kTimeout && failure.code() != StatusCode::kIOError)
     return verdict();
   const auto until = std::chrono::steady_clock::now() + kPeerSilence + std::chrono::seconds(1);
   Status v = verdict();
-  while (v.ok() && std::chrono::steady_clock::now() < until) {
+  while (v.ok() && std::chrono::steady_clock::now() < until && !(settled && settled())) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     v = verdict();
   }

@@ -131,8 +131,10 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
 
 // A failure with code kTimeout or kIOError may be a peer's death that the heartbeat watch has not
 // named yet (a send to a killed rank fails before its heartbeat is missed): waits up to
-// kPeerSilence + 1 s while `verdict` stays ok, and returns it. Ok for other codes.
-Status settle_verdict(const Status& failure, const std::function<Status()>& verdict);
+// kPeerSilence + 1 s while `verdict` stays ok (and `settled`, when given, is false), and returns
+// it. Ok for other codes.
+Status settle_verdict(const Status& failure, const std::function<Status()>& verdict,
+                      const std::function<bool()>& settled = {});
 
 // `status`, prefixed with the run's first recorded failure when that came from elsewhere.
 Status with_root_cause(Store* store, const std::string& who, const Status& status);

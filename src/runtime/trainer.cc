@@ -50,13 +50,18 @@ class TrainerImpl final : public Trainer {
     return latch_.guard(
         body, probe_store_ ? probe_store_ : store_, id(), [this] { abort_collectives(); },
         [this] {
-          return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no watch yet");
+          // Before the heartbeat exists (early setup) there is no watch to wait for.
+          return heartbeat_ ? heartbeat_->verdict()
+                            : Status::Unsupported("no heartbeat watch yet");
         });
   }
 
   // Wakes every call blocked in a collective of this rank (safe from another thread).
   void abort_collectives() {
     std::lock_guard<std::mutex> lock(comm_mu_);
+    abort_collectives_locked();
+  }
+  void abort_collectives_locked() {
     if (trainer_comm_) trainer_comm_->abort();
     if (p2p_comm_) p2p_comm_->abort();
     if (executor_) executor_->abort();
@@ -64,11 +69,8 @@ class TrainerImpl final : public Trainer {
   // The refit of `epoch` failed in flight (the heartbeat watch saw it): wakes the collectives of
   // that epoch, not those already formed for the next.
   void abort_epoch(std::uint32_t epoch) {
-    {
-      std::lock_guard<std::mutex> lock(comm_mu_);
-      if (groups_epoch_ != epoch) return;
-    }
-    abort_collectives();
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (groups_epoch_ == epoch) abort_collectives_locked();
   }
 
   bool session_ok() const override { return latch_.status().ok(); }
@@ -177,8 +179,10 @@ class TrainerImpl final : public Trainer {
     if (!flagged && failure.code() != StatusCode::kTimeout &&
         failure.code() != StatusCode::kIOError)
       return std::nullopt;
+    // Another rank recording the refit's failure meanwhile settles it too.
     if (!settle_verdict(flagged ? Status::Aborted("") : failure,
-                        [this] { return heartbeat_->verdict(); })
+                        [this] { return heartbeat_->verdict(); },
+                        [this] { return epochs_.failed().has_value(); })
              .ok())
       return std::nullopt;
     const std::string cause =

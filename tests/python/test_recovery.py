@@ -91,3 +91,76 @@ def test_a_replaced_engine_rank_re_creates_the_session():
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def test_a_trainer_rank_late_to_its_refit_fails_that_refit_and_the_session_goes_on():
+    """docs/runtime.md, "A refit that fails in flight": trainer rank 1 calls refit() 1.75 x
+    timeout_s after rank 0 (a slow training step). Rank 0's wait times out with every rank alive:
+    both ranks raise `aborted` ("failed in flight"), the engine catches up between refits, every
+    rank forms its groups anew, and the next refit of the same session verifies bit-exact."""
+    import threading
+    import time
+
+    timeout_s = 2
+    cfg = refit.Config.from_dict(
+        {"model": "tiny-qwen3", "policy": {"world_size": 2},
+         "generation": {"backend": "sglang", "tp_size": 1}, "refit": {"timeout_s": timeout_s}}
+    )
+    spec = refit.model_spec(cfg.model)
+    ctx = mp.get_context("spawn")
+    out, ports = ctx.Queue(), ctx.Queue()
+    engine = ctx.Process(target=session_engine_main, args=(cfg.to_yaml(), 0, ports, out))
+    engine.start()
+    port = free_port()
+    ports.put(port)
+    trainers = [None, None]
+    errors = {}
+
+    def rank_main(r, plan):
+        try:
+            t = refit.Trainer(cfg, r, master_port=port)
+            trainers[r] = t
+            shards = {s.name: np.zeros(s.shape, np.float32) for s in t.tensors}
+            for name, a in shards.items():
+                t.register(name, a)
+            for step, delay in plan:
+                full = hf_weights(spec, step)
+                for name, a in shards.items():
+                    a[...] = fsdp2_shard(full[name], r, 2)
+                time.sleep(delay)
+                try:
+                    t.refit(step, verify=True)
+                    errors[(r, step)] = None
+                except refit.Error as e:  # noqa: PERF203
+                    errors[(r, step)] = e
+            t.shutdown()
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors[(r, "fatal")] = e
+
+    try:
+        plans = [[(1, 0), (2, 0), (3, 0)], [(1, 0), (2, 1.75 * timeout_s), (3, 0)]]
+        threads = [threading.Thread(target=rank_main, args=(r, plans[r])) for r in (0, 1)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not any(th.is_alive() for th in threads)
+        assert (0, "fatal") not in errors and (1, "fatal") not in errors, errors
+        for r in (0, 1):
+            assert errors[(r, 1)] is None and errors[(r, 3)] is None, errors
+            e = errors[(r, 2)]
+            assert isinstance(e, refit.Error), errors
+            assert e.code == "aborted", e
+            assert "refit step 2 (version 'step-2') failed in flight: trainer rank 0 reported" in str(e)
+            assert trainers[r].session_ok
+        report = out.get(timeout=60)
+        assert report == ("engine", 0, "ok", {"served": 2, "version": "step-3"}), report
+    finally:
+        for t in trainers:
+            if t is not None:
+                t.close()
+        ports.put(None)
+        engine.join(timeout=20)
+        if engine.is_alive():
+            engine.kill()
+            engine.join()

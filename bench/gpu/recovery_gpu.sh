@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Refits that fail in flight on GPUs (docs/runtime.md, "A refit that fails in flight"): a trainer
+# or engine rank stalls, alive, for 1.5 x refit.timeout_s in step 2 of 3; every rank fails that
+# refit, aborts its NCCL communicators (or stops writing over CUDA IPC), forms the groups anew,
+# and step 3 of the same session verifies bit-exact. Needs 2 GPUs for the NCCL cells (trainer on
+# GPU 0, engine on GPU 1); the colocated cells share GPU 0. One table last; logs under $OUT
+# (summary.txt, <cell>.log).
+#   bash bench/gpu/carry_refit.sh                                     # here: fills .carry/refit
+#   run(command="bash bench/gpu/recovery_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
+# Environment: REFIT_RG_TIMEOUT (refit.timeout_s of every cell, default 5).
+set -uo pipefail
+source "$(dirname "$0")/common.sh"
+: > "$summary"
+timeout_s=${REFIT_RG_TIMEOUT:-5}
+nvidia-smi -L | tee -a "$summary"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+
+# cfg NAME WORLD COLOCATED TP EXECUTOR [REFIT_KEYS]
+cfg() {
+  local f=$work/$1.yaml
+  {
+    echo "model: tiny-qwen3"
+    echo "device: cuda"
+    echo "policy: {backend: fsdp2, world_size: $2, dtype: float32}"
+    echo "generation: {backend: sglang, colocated: $3, num_engines: 1, tp_size: $4}"
+    echo "refit: {buffer_size_bytes: 65536, timeout_s: $timeout_s, executor: $5${6:-}}"
+  } > "$f"
+  echo "$f"
+}
+
+rows=()
+# cell NAME FAULT VERIFY(yes|no) CONFIG
+cell() {
+  local log=$out/$1.log args=(run "$4" --steps 3 --fault "$2")
+  [ "$3" = yes ] && args+=(--verify)
+  timeout 300 "$R" "${args[@]}" > "$log" 2>&1
+  local rc=$?
+  local failed ok3 anew verified
+  failed=$(grep -c "1 of 3 refit(s) failed (steps 2); the session went on" "$log")
+  ok3=$(grep -c "step 3/3: refit [0-9]" "$log")
+  anew=$(grep -c "forming the groups anew" "$log")
+  verified=$(grep -c ", verified$" "$log")
+  rows+=("$(printf '%-28s %-18s rc=%-3s step2-failed=%s step3-ok=%s ranks-reformed=%s verified=%s' \
+    "$1" "$2" "$rc" "$failed" "$ok3" "$anew" "$verified")")
+}
+
+if [ "$gpus" -ge 2 ]; then
+  # NCCL point-to-point between processes on two GPUs.
+  cell nccl-stall-trainer stall-trainer:0:2 yes "$(cfg nccl 1 false 1 p2p)"
+  cell nccl-stall-engine-checksum stall-engine:0:2 yes \
+    "$(cfg nccl-ck 1 false 1 p2p ', checksum: true, keep_previous: true')"
+  cell nccl-stall-engine-publish stall-engine:0:2 no "$(cfg nccl-pub 1 false 1 p2p)"
+  # Peer access over NVLink (CUDA IPC between the two GPUs).
+  cell nvlink-peer-stall-trainer stall-trainer:0:2 yes "$(cfg peer 1 false 1 auto)"
+fi
+# Colocated: CUDA IPC on one GPU, trainer world 2 -> engine TP 2.
+cell colo-ipc-stall-trainer stall-trainer:1:2 yes "$(cfg colo 2 true 2 auto)"
+
+note "== refits that fail in flight (timeout_s $timeout_s; expect rc=1 step2-failed=1 step3-ok=1)"
+for r in "${rows[@]}"; do note "$r"; done
