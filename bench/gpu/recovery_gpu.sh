@@ -36,10 +36,12 @@ cell() {
   timeout 300 "$R" "${args[@]}" > "$log" 2>&1
   local rc=$?
   local failed ok3 anew verified
-  failed=$(grep -c "1 of 3 refit(s) failed (steps 2); the session went on" "$log")
-  ok3=$(grep -c "step 3/3: refit [0-9]" "$log")
-  anew=$(grep -c "forming the groups anew" "$log")
-  verified=$(grep -c ", verified$" "$log")
+  # Matches, not lines: the ranks' log lines may interleave on one line.
+  count() { grep -o "$1" "$log" | wc -l; }
+  failed=$(count "1 of 3 refit(s) failed (steps 2); the session went on")
+  ok3=$(count "step 3/3: refit [0-9]")
+  anew=$(count "forming the groups anew")
+  verified=$(count ", verified")
   rows+=("$(printf '%-28s %-18s rc=%-3s step2-failed=%s step3-ok=%s ranks-reformed=%s verified=%s' \
     "$1" "$2" "$rc" "$failed" "$ok3" "$anew" "$verified")")
 }
