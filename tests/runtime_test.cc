@@ -425,6 +425,34 @@ TEST(RuntimeRecovery, StalledEngineRankFailsTheRefitInFlightThenRecovers) {
        .engine_says = "(refit.keep_previous) and resumed generation"});
 }
 
+// The session ends during a refit (a killed trainer rank): with refit.keep_previous the surviving
+// engine ranks restore the kept version before they exit — a serving process that outlives the
+// session serves it — unless a feeder wrote in place in that refit.
+TEST(RuntimeRecovery, KeepPreviousRollsBackWhenTheSessionEndsMidRefit) {
+  {
+    auto r = run_cell({.timeout_s = 5, .executor = "p2p", .keep_previous = true},
+                      {"--steps", "2", "--fault", "kill-trainer:1:1"});
+    SCOPED_TRACE(r.output);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_EQ(count_of(r.output, "refit step 1 failed; rolled back to weight version '0' "
+                                 "(refit.keep_previous)"),
+              2u);
+    EXPECT_EQ(count_of(r.output, "the session ended with weight version '0'\n"), 2u);
+  }
+  {
+    auto r = run_cell({.timeout_s = 5, .keep_previous = true},
+                      {"--steps", "2", "--fault", "kill-trainer:1:1"});
+    SCOPED_TRACE(r.output);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.output.find("killing myself while writing the engines' parameters"),
+              std::string::npos)
+        << "peer path not taken";
+    EXPECT_EQ(count_of(r.output, "no rollback at the end of the session: feeders wrote in place"),
+              2u);
+    EXPECT_EQ(count_of(r.output, "rolled back"), 0u);
+  }
+}
+
 void expect_dies_cleanly(const Cell& c, const std::string& fault, const std::string& culprit) {
   auto start = std::chrono::steady_clock::now();
   auto r = run_cell(c, {"--steps", "2", "--fault", fault});

@@ -154,7 +154,10 @@ class EngineImpl final : public Engine {
       committed = true;
       return Status::Ok();
     });
-    if (!st.ok()) return st;
+    if (!st.ok()) {
+      if (in_refit_) roll_back_at_the_end();
+      return st;
+    }
     if (!failed_refit_.ok()) return failed_refit_;
     return committed;
   }
@@ -191,7 +194,6 @@ class EngineImpl final : public Engine {
   std::optional<Status> failed_in_flight(const Status& failure) {
     if (!in_refit_ || !uses_transfer_plan(cfg_) || !heartbeat_ || !probe_store_)
       return std::nullopt;
-    in_refit_ = false;
     const bool flagged =
         epochs_.failed().has_value() || mailbox_->kept_epoch() > epochs_.current();
     if (!flagged && failure.code() != StatusCode::kTimeout &&
@@ -203,6 +205,7 @@ class EngineImpl final : public Engine {
                         [this] { return epochs_.failed().has_value(); })
              .ok())
       return std::nullopt;
+    in_refit_ = false;
     const std::string cause =
         epochs_.record(*probe_store_, fmt::format("{}: {}", id(), failure.to_string()));
     abort_epoch(epochs_.current());
@@ -243,6 +246,22 @@ class EngineImpl final : public Engine {
     if (p2p) std::swap(p2p_comm_, p2p);
     groups_epoch_ = epoch;
     return Status::Ok();  // the old group goes here
+  }
+
+  // The session ended during a refit (a dead or stopped rank, a bug): with refit.keep_previous
+  // the parameters go back to the kept complete version, so that a serving process that outlives
+  // the session (docs/runtime.md, "Re-creating a session") serves it, not torn weights — unless a
+  // feeder wrote in place in this refit: one that is still alive may still be writing.
+  void roll_back_at_the_end() {
+    in_refit_ = false;
+    if (valid_ || kept_version_.empty() || !keep_) return;
+    if (executor_ && executor_->traffic().peer_pairs > 0) {
+      log::warn("{}: refit.keep_previous: no rollback at the end of the session: feeders wrote in "
+                "place in refit step {}",
+                id(), begin_.step);
+      return;
+    }
+    (void)fail_refit(latch_.status());
   }
 
   // Between refits: the last refit failed in flight on other ranks after this rank published its
