@@ -123,11 +123,15 @@ class TrainerImpl final : public Trainer {
   }
 
   Status refit_body(int step, const std::string& version, bool verify, Status& failed) {
+    in_flight_ = true;
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
     phase_ = {};
     Timer t;
     REFIT_RETURN_IF_ERROR(refit_once(step, version, verify, false));
     if (trainer_comm_) REFIT_RETURN_IF_ERROR(trainer_comm_->barrier());
+    // Past the last barrier every trainer rank is done with the refit: a failure from here on
+    // (the store) is not one every rank would see.
+    in_flight_ = false;
     stats_.seconds = t.seconds();
     stats_.unshard_s = phase_.unshard;
     stats_.cast_pack_s = phase_.cast_pack;
@@ -173,7 +177,9 @@ class TrainerImpl final : public Trainer {
   // session must end (a dead peer, a bug, gather).
   std::optional<Status> failed_in_flight(int step, const std::string& version,
                                          const Status& failure) {
-    if (!uses_transfer_plan(cfg_) || !heartbeat_ || !probe_store_) return std::nullopt;
+    if (!in_flight_ || !uses_transfer_plan(cfg_) || !heartbeat_ || !probe_store_)
+      return std::nullopt;
+    in_flight_ = false;
     const bool flagged =
         epochs_.failed().has_value() || mailbox_->kept_epoch() > epochs_.current();
     if (!flagged && failure.code() != StatusCode::kTimeout &&
@@ -590,6 +596,7 @@ class TrainerImpl final : public Trainer {
   FailureLatch latch_;
   RefitEpochs epochs_;  // refits that failed in flight (runtime/failure.h)
   std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
+  bool in_flight_ = false;  // a refit() before its last barrier
   std::mutex comm_mu_;  // the groups, replaced on the main thread, aborted from the heartbeat's
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;
