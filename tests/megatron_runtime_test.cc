@@ -28,6 +28,7 @@ struct MCell {
   int num_engines = 1;
   int engine_tp = 2;
   std::string executor = "auto";
+  double timeout_s = 20;
 };
 
 std::string yaml(const MCell& c) {
@@ -40,7 +41,8 @@ std::string yaml(const MCell& c) {
   y << "generation:\n  backend: " << c.engine
     << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
     << "\n  tp_size: " << c.engine_tp << "\n"
-    << "refit:\n  buffer_size_bytes: 16384\n  timeout_s: 20\n  executor: " << c.executor << "\n";
+    << "refit:\n  buffer_size_bytes: 16384\n  timeout_s: " << c.timeout_s
+    << "\n  executor: " << c.executor << "\n";
   return y.str();
 }
 
@@ -72,6 +74,29 @@ TEST(MegatronRecovery, RefusedRefitIsAbortedByTrainerRanksThatDoNotFeedTheRefusi
   EXPECT_NE(r.output.find("1 of 3 refit(s) failed (steps 2); the session went on"),
             std::string::npos);
   EXPECT_NE(r.output.find("step 3/3: refit "), std::string::npos);
+}
+
+// Megatron TP 2 -> engine TP 2 over point-to-point: trainer rank 1 stalls in step 2 (alive), so
+// engine rank 1's receive times out. Trainer rank 0 and engine rank 0, which never wait for
+// trainer rank 1's bytes, fail the refit in flight too; every rank forms its groups anew, and
+// step 3 of the same session verifies (docs/runtime.md, "A refit that fails in flight").
+TEST(MegatronRecovery, StalledTrainerRankFailsTheRefitInFlightOnEveryRank) {
+  TempDir dir;
+  auto r = run_cli({"run", dir.write("c.yaml", yaml({.executor = "p2p", .timeout_s = 3})),
+                    "--steps", "3", "--verify", "--fault", "stall-trainer:1:2"},
+                   120);
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exit_code, 1);
+  for (const char* rank : {"trainer rank 0", "trainer rank 1", "engine 0 tp rank 0",
+                           "engine 0 tp rank 1"})
+    EXPECT_NE(r.output.find(fmt::format("{}: refit step 2 failed in flight with every rank alive",
+                                        rank)),
+              std::string::npos)
+        << rank;
+  EXPECT_NE(r.output.find("1 of 3 refit(s) failed (steps 2); the session went on"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("step 3/3: refit "), std::string::npos);
+  EXPECT_EQ(r.output.find("step 3/3: refit failed"), std::string::npos);
 }
 
 // The four Megatron cells.
