@@ -194,20 +194,13 @@ class EngineImpl final : public Engine {
   std::optional<Status> failed_in_flight(const Status& failure) {
     if (!in_refit_ || !uses_transfer_plan(cfg_) || !heartbeat_ || !probe_store_)
       return std::nullopt;
-    const bool flagged =
-        epochs_.failed().has_value() || mailbox_->kept_epoch() > epochs_.current();
-    if (!flagged && failure.code() != StatusCode::kTimeout &&
-        failure.code() != StatusCode::kIOError)
-      return std::nullopt;
-    // Another rank recording the refit's failure meanwhile settles it too.
-    if (!settle_verdict(flagged ? Status::Aborted("") : failure,
-                        [this] { return heartbeat_->verdict(); },
-                        [this] { return epochs_.failed().has_value(); })
-             .ok())
-      return std::nullopt;
+    const std::optional<std::string> recorded =
+        in_flight_cause(epochs_, *probe_store_, id(), failure,
+                        mailbox_->kept_epoch() > epochs_.current(),
+                        [this] { return heartbeat_->verdict(); });
+    if (!recorded) return std::nullopt;
     in_refit_ = false;
-    const std::string cause =
-        epochs_.record(*probe_store_, fmt::format("{}: {}", id(), failure.to_string()));
+    const std::string& cause = *recorded;
     abort_epoch(epochs_.current());
     Status failed = Status::Aborted(failed_in_flight_message(begin_.step, begin_.version, cause));
     if (!valid_) {

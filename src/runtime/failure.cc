@@ -345,6 +345,22 @@ Status settle_verdict(const Status& failure, const std::function<Status()>& verd
   return v;
 }
 
+std::optional<std::string> in_flight_cause(RefitEpochs& epochs, Store& store,
+                                           const std::string& who, const Status& failure,
+                                           bool later_epoch,
+                                           const std::function<Status()>& verdict) {
+  const bool flagged = later_epoch || epochs.failed().has_value();
+  if (!flagged && failure.code() != StatusCode::kTimeout &&
+      failure.code() != StatusCode::kIOError)
+    return std::nullopt;
+  // Another rank recording the refit's failure meanwhile settles it too.
+  if (!settle_verdict(flagged ? Status::Aborted("") : failure, verdict,
+                      [&epochs] { return epochs.failed().has_value(); })
+           .ok())
+    return std::nullopt;
+  return epochs.record(store, fmt::format("{}: {}", who, failure.to_string()));
+}
+
 Status FailureLatch::guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
                            const std::string& who, const std::function<void()>& close_collectives,
                            const std::function<Status()>& verdict) {

@@ -146,6 +146,16 @@ Status with_root_cause(Store* store, const std::string& who, const Status& statu
 std::string failed_refit_message(int step, const std::string& version, const std::string& process,
                                  const std::string& error);
 
+// Whether `failure`, of a refit in flight on rank `who`, fails only the refit: it timed out or lost
+// a connection and the heartbeat watch (`verdict`) names no dead peer within kPeerSilence + 1 s,
+// or another rank recorded the current epoch's failure first (`epochs`, or `later_epoch`: a
+// peer's message of a later epoch arrived). Then returns the epoch's recorded cause ("<process>:
+// <error>"; this rank's failure when it is the first); nullopt when the session must end.
+std::optional<std::string> in_flight_cause(RefitEpochs& epochs, Store& store,
+                                           const std::string& who, const Status& failure,
+                                           bool later_epoch,
+                                           const std::function<Status()>& verdict);
+
 // A refit that failed in flight with every rank alive, as every rank returns it: "refit step S
 // failed in flight: <process> reported: <error> (the session stays usable: …)", where "<process>:
 // <error>" is the cause recorded first (RefitEpochs). blame_failure finds the process there.
