@@ -1,9 +1,10 @@
 // Mailbox on ZeroMQ: one PULL socket to receive, one PUSH socket per peer to send.
 //
-// Wire: a 3-frame message [type: 1 byte, refit epoch: 4 bytes little-endian][sender id][payload]. PUSH sockets are created with
-// ZMQ_IMMEDIATE, so a message is queued only on a live connection: a send to a peer that is not
-// (or no longer) connected fails after the send timeout instead of queueing forever. On close a
-// PUSH socket lingers for at most kSendLinger so the last messages (commit, shutdown) still leave.
+// Wire: a 3-frame message [type: 1 byte, refit epoch: 4 bytes little-endian][sender id][payload].
+// PUSH sockets are created with ZMQ_IMMEDIATE, so a message is queued only on a live connection:
+// a send to a peer that is not (or no longer) connected fails after the send timeout instead of
+// queueing forever. On close a PUSH socket lingers for at most kSendLinger so the last messages
+// (commit, shutdown) still leave.
 #include "control/mailbox.h"
 
 #include <fmt/format.h>
@@ -205,12 +206,19 @@ class ZmqMailbox final : public Mailbox {
           const std::uint32_t mine = epoch_.load();
           if (m->epoch < mine) {
             // Of a refit that failed in flight: its peers moved on, so must we.
-            ++stale_;
             log::debug("mailbox '{}': dropped a {} message from '{}' of refit epoch {} (now {})",
                        id_, message_type_name(m->type), m->from, m->epoch, mine);
             continue;
           }
           if (m->epoch > mine) {
+            // Peers send a handful of messages per refit before this rank catches up.
+            if (kept_.size() >= kMaxKept) {
+              ++dropped_;
+              log::warn("mailbox '{}': dropped a {} message from '{}' of refit epoch {}: {} "
+                        "messages of later epochs are kept already",
+                        id_, message_type_name(m->type), m->from, m->epoch, kMaxKept);
+              continue;
+            }
             kept_.push_back(std::move(*m));
             return later_epoch(kept_.back());
           }
@@ -331,8 +339,8 @@ class ZmqMailbox final : public Mailbox {
   std::string send_public_, send_secret_;  // this mailbox's sending key pair (with auth_)
   std::unordered_map<std::string, std::string> keys_;  // senders' registered keys (receive thread)
   std::atomic<std::int64_t> dropped_{0};
-  std::atomic<std::int64_t> stale_{0};      // messages of an earlier refit epoch
   std::atomic<std::uint32_t> epoch_{0};
+  static constexpr std::size_t kMaxKept = 1024;
   std::deque<Message> kept_;                // of a later refit epoch (receive thread)
   zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
   std::unique_ptr<ZapHandler> zap_;

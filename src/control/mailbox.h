@@ -65,7 +65,8 @@ class Mailbox {
   virtual Status send(const std::string& to, MessageType type, const std::string& payload) = 0;
   // The next message, or kTimeout. Messages of an earlier refit epoch than this mailbox's are
   // dropped (a refit that failed in flight; docs/runtime.md). A message of a later epoch ends the
-  // wait with kAborted and is kept: receive() returns it once set_epoch() reached its epoch.
+  // wait with kAborted and is kept (up to 1024; more are dropped and logged): receive() returns
+  // it once set_epoch() reached its epoch.
   virtual Result<Message> receive(std::chrono::milliseconds timeout) = 0;
   // The refit epoch: stamped on every message sent from now on, and the oldest accepted.
   virtual void set_epoch(std::uint32_t epoch) = 0;
