@@ -2,9 +2,9 @@
 # Refits that fail in flight on GPUs (docs/runtime.md, "A refit that fails in flight"): a trainer
 # or engine rank stalls, alive, for 1.5 x refit.timeout_s in step 2 of 3; every rank fails that
 # refit, aborts its NCCL communicators (or stops writing over CUDA IPC), forms the groups anew,
-# and step 3 of the same session verifies bit-exact. Needs 2 GPUs for the NCCL cells (trainer on
-# GPU 0, engine on GPU 1); the colocated cells share GPU 0. One table last; logs under $OUT
-# (summary.txt, <cell>.log).
+# and step 3 of the same session verifies bit-exact. With 2 GPUs: NCCL and NVLink cells (trainer
+# on GPU 0, engine on GPU 1) and colocated world 2 -> TP 2; with 1 GPU: colocated world 1 -> TP 1.
+# One table last; logs under $OUT (summary.txt, <cell>.log).
 #   bash bench/gpu/carry_refit.sh                                     # here: fills .carry/refit
 #   run(command="bash bench/gpu/recovery_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
 # Environment: REFIT_RG_TIMEOUT (refit.timeout_s of every cell, default 5).
@@ -55,8 +55,14 @@ if [ "$gpus" -ge 2 ]; then
   # Peer access over NVLink (CUDA IPC between the two GPUs).
   cell nvlink-peer-stall-trainer stall-trainer:0:2 yes "$(cfg peer 1 false 1 auto)"
 fi
-# Colocated: CUDA IPC on one GPU, trainer world 2 -> engine TP 2.
-cell colo-ipc-stall-trainer stall-trainer:1:2 yes "$(cfg colo 2 true 2 auto)"
+if [ "$gpus" -ge 2 ]; then
+  # Colocated: CUDA IPC, trainer world 2 -> engine TP 2 (rank r on GPU r).
+  cell colo-ipc-stall-trainer stall-trainer:1:2 yes "$(cfg colo 2 true 2 auto)"
+else
+  # One GPU: world 1 -> TP 1 colocated (NCCL refuses two ranks of one group on one GPU).
+  cell colo1-ipc-stall-trainer stall-trainer:0:2 yes "$(cfg colo1 1 true 1 auto)"
+  cell colo1-ipc-stall-engine stall-engine:0:2 no "$(cfg colo1e 1 true 1 auto)"
+fi
 
-note "== refits that fail in flight (timeout_s $timeout_s; expect rc=1 step2-failed=1 step3-ok=1)"
+note "== refits that fail in flight (timeout_s $timeout_s; expect rc=1, step2-failed = trainer ranks, step3-ok=1)"
 for r in "${rows[@]}"; do note "$r"; done
