@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <deque>
 #include <chrono>
 #include <functional>
 #include <atomic>
@@ -189,13 +188,13 @@ class ZmqMailbox final : public Mailbox {
 
   Result<Message> receive(std::chrono::milliseconds timeout) override {
     const auto deadline = Clock::now() + timeout;
-    if (!kept_.empty()) {
-      if (kept_.front().epoch <= epoch_.load()) {
-        Message m = std::move(kept_.front());
-        kept_.pop_front();
-        return m;
-      }
-      return later_epoch(kept_.front());
+    // A kept message of a later epoch: nothing more is read until this mailbox reached its epoch,
+    // so at most one is ever kept.
+    if (kept_) {
+      if (kept_->epoch > epoch_.load()) return later_epoch(*kept_);
+      Message m = std::move(*kept_);
+      kept_.reset();
+      return m;
     }
     for (;;) {
       std::vector<zmq::message_t> frames;
@@ -211,16 +210,8 @@ class ZmqMailbox final : public Mailbox {
             continue;
           }
           if (m->epoch > mine) {
-            // Peers send a handful of messages per refit before this rank catches up.
-            if (kept_.size() >= kMaxKept) {
-              ++dropped_;
-              log::warn("mailbox '{}': dropped a {} message from '{}' of refit epoch {}: {} "
-                        "messages of later epochs are kept already",
-                        id_, message_type_name(m->type), m->from, m->epoch, kMaxKept);
-              continue;
-            }
-            kept_.push_back(std::move(*m));
-            return later_epoch(kept_.back());
+            kept_ = std::move(*m);
+            return later_epoch(*kept_);
           }
           return std::move(*m);
         }
@@ -252,11 +243,7 @@ class ZmqMailbox final : public Mailbox {
 
   void set_epoch(std::uint32_t epoch) override { epoch_.store(epoch); }
   std::uint32_t epoch() const override { return epoch_.load(); }
-  std::uint32_t kept_epoch() const override {
-    std::uint32_t e = 0;
-    for (const Message& m : kept_) e = std::max(e, m.epoch);
-    return e;
-  }
+  std::uint32_t kept_epoch() const override { return kept_ ? kept_->epoch : 0; }
 
   void set_liveness_check(std::function<Status()> check,
                           std::chrono::milliseconds interval) override {
@@ -340,8 +327,7 @@ class ZmqMailbox final : public Mailbox {
   std::unordered_map<std::string, std::string> keys_;  // senders' registered keys (receive thread)
   std::atomic<std::int64_t> dropped_{0};
   std::atomic<std::uint32_t> epoch_{0};
-  static constexpr std::size_t kMaxKept = 1024;
-  std::deque<Message> kept_;                // of a later refit epoch (receive thread)
+  std::optional<Message> kept_;  // of a later refit epoch (receive thread)
   zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t pull_;

@@ -65,13 +65,13 @@ class Mailbox {
   virtual Status send(const std::string& to, MessageType type, const std::string& payload) = 0;
   // The next message, or kTimeout. Messages of an earlier refit epoch than this mailbox's are
   // dropped (a refit that failed in flight; docs/runtime.md). A message of a later epoch ends the
-  // wait with kAborted and is kept (up to 1024; more are dropped and logged): receive() returns
-  // it once set_epoch() reached its epoch.
+  // wait with kAborted and is kept: until set_epoch() reached its epoch, receive() reads nothing
+  // more and answers kAborted again; then it returns that message first.
   virtual Result<Message> receive(std::chrono::milliseconds timeout) = 0;
   // The refit epoch: stamped on every message sent from now on, and the oldest accepted.
   virtual void set_epoch(std::uint32_t epoch) = 0;
   virtual std::uint32_t epoch() const = 0;
-  // The latest epoch of a message kept for later (0 when none is kept).
+  // The epoch of the message kept for later (0 when none is kept).
   virtual std::uint32_t kept_epoch() const = 0;
   // While receive() waits, `check` runs every `interval`; a non-ok Status ends the wait with it.
   // (The runtime checks that the store is reachable and that no other rank has failed.)

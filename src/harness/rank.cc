@@ -110,31 +110,27 @@ Status dump_engine_params(const RankOptions& o, DataPlane& plane, const EngineSh
 }  // namespace
 
 Status check_fault_fits(const Fault& f, const Config& config) {
-  if (f.kind == Fault::Kind::kStallTrainer || f.kind == Fault::Kind::kStallEngine) {
+  // Faults aimed at one rank that the session must survive: they need the transfer plan.
+  const bool pause = f.kind == Fault::Kind::kFailPause || f.kind == Fault::Kind::kSlowPause;
+  if (pause || f.kind == Fault::Kind::kStallTrainer || f.kind == Fault::Kind::kStallEngine) {
     const bool trainer = f.kind == Fault::Kind::kStallTrainer;
+    const char* name = f.kind == Fault::Kind::kFailPause   ? "fail-pause"
+                       : f.kind == Fault::Kind::kSlowPause ? "slow-pause"
+                       : trainer                           ? "stall-trainer"
+                                                           : "stall-engine";
     const int ranks = trainer ? config.policy.world_size : config.engine_ranks();
     if (f.rank >= ranks)
-      return Status::InvalidArgument(fmt::format(
-          "--fault stall-{0}:{1}: there is no {0} rank {1} ({2} is {3})", trainer ? "trainer" : "engine",
-          f.rank, trainer ? "policy.world_size" : "generation.num_engines x tp_size", ranks));
-    if (!uses_transfer_plan(config))
       return Status::InvalidArgument(
-          "--fault stall-*: a refit that fails in flight and leaves the session usable needs the "
-          "transfer plan (refit.executor is gather, where a timeout ends the session)");
-    return Status::Ok();
-  }
-  if (f.kind == Fault::Kind::kFailPause || f.kind == Fault::Kind::kSlowPause) {
-    if (f.rank >= config.engine_ranks())
-      return Status::InvalidArgument(fmt::format(
-          "--fault {}-pause:{}: there is no engine rank {} (generation.num_engines x tp_size is "
-          "{})",
-          f.kind == Fault::Kind::kFailPause ? "fail" : "slow", f.rank, f.rank,
-          config.engine_ranks()));
+          fmt::format("--fault {}:{}: there is no {} rank {} ({} is {})", name, f.rank,
+                      trainer ? "trainer" : "engine", f.rank,
+                      trainer ? "policy.world_size" : "generation.num_engines x tp_size", ranks));
     if (!uses_transfer_plan(config))
       return Status::InvalidArgument(fmt::format(
-          "--fault {}-pause: a refused refit needs the transfer plan (refit.executor is gather, "
-          "where a failed pause hook ends the session)",
-          f.kind == Fault::Kind::kFailPause ? "fail" : "slow"));
+          "--fault {}: {} needs the transfer plan (refit.executor is gather, where {} ends the "
+          "session)",
+          name,
+          pause ? "a refused refit" : "a refit that fails in flight and leaves the session usable",
+          pause ? "a failed pause hook" : "a timeout"));
     return Status::Ok();
   }
   if (f.kind != Fault::Kind::kCorrupt && f.kind != Fault::Kind::kKillTrainer &&

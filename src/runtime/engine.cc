@@ -178,14 +178,7 @@ class EngineImpl final : public Engine {
   // A liveness check for this rank's waits: the verdict of the heartbeat thread's watch (the
   // store, the run's first failure, every other rank's heartbeat; runtime/failure.h).
   // Ends them too once the current refit epoch failed on another rank (RefitEpochs).
-  std::function<Status()> alive() {
-    return [hb = heartbeat_.get(), epochs = &epochs_]() -> Status {
-      REFIT_RETURN_IF_ERROR(hb->verdict());
-      if (auto cause = epochs->failed())
-        return Status::Aborted("the refit in flight failed: " + *cause);
-      return Status::Ok();
-    };
-  }
+  std::function<Status()> alive() { return rank_liveness(*heartbeat_, epochs_); }
 
   // `failure` of the refit in flight (begin_), when every rank is alive and it timed out or lost
   // a connection, or another rank recorded the refit's failure first: the refit's failure, after

@@ -331,6 +331,14 @@ Blame blame_failure(const std::string& self, const Status& status, int tp_size) 
   return b;
 }
 
+std::function<Status()> rank_liveness(const Heartbeat& heartbeat, const RefitEpochs& epochs) {
+  return [hb = &heartbeat, ep = &epochs]() -> Status {
+    REFIT_RETURN_IF_ERROR(hb->verdict());
+    if (auto cause = ep->failed()) return Status::Aborted("the refit in flight failed: " + *cause);
+    return Status::Ok();
+  };
+}
+
 Status settle_verdict(const Status& failure, const std::function<Status()>& verdict,
                       const std::function<bool()>& settled) {
   if (!verdict) return Status::Ok();

@@ -129,6 +129,10 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
                                        RefitEpochs* epochs = nullptr,
                                        std::function<void(std::uint32_t)> on_refit_failed = {});
 
+// The check a rank's waits run (mailboxes, store gets, group rendezvous): the heartbeat watch's
+// verdict, then the current refit epoch's failure once another rank recorded it (kAborted).
+std::function<Status()> rank_liveness(const Heartbeat& heartbeat, const RefitEpochs& epochs);
+
 // A failure with code kTimeout or kIOError may be a peer's death that the heartbeat watch has not
 // named yet (a send to a killed rank fails before its heartbeat is missed): waits up to
 // kPeerSilence + 1 s while `verdict` stays ok (and `settled`, when given, is false), and returns

@@ -252,14 +252,7 @@ class TrainerImpl final : public Trainer {
   // A liveness check for this rank's waits: the verdict of the heartbeat thread's watch (the
   // store, the run's first failure, every other rank's heartbeat; runtime/failure.h).
   // Ends them too once the refit in flight failed on another rank (RefitEpochs).
-  std::function<Status()> alive() {
-    return [hb = heartbeat_.get(), epochs = &epochs_]() -> Status {
-      REFIT_RETURN_IF_ERROR(hb->verdict());
-      if (auto cause = epochs->failed())
-        return Status::Aborted("the refit in flight failed: " + *cause);
-      return Status::Ok();
-    };
-  }
+  std::function<Status()> alive() { return rank_liveness(*heartbeat_, epochs_); }
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it also checks the run's first failure.
   // `wait`: how long to wait for the others (default refit.timeout_s).
