@@ -111,6 +111,7 @@ std::vector<std::vector<float>> random_hf(const ModelSpec& spec, std::uint64_t s
         case ParamRole::kExpertGate:
         case ParamRole::kExpertUp:
         case ParamRole::kExpertDown:
+        case ParamRole::kOther:
           v = static_cast<float>(u * std::sqrt(3.0 / static_cast<double>(m.cols)));
           break;
       }
@@ -284,7 +285,7 @@ struct Engine {
 Engine make_engine(const Model& m, int tp) {
   Engine e;
   for (int r = 0; r < tp; ++r) {
-    auto L = engine_layout(m.spec, tp, r);
+    auto L = engine_layout(m.spec, tp, r, EngineLayout::kFused);
     EXPECT_TRUE(L.ok()) << L.status().to_string();
     if (!L.ok()) return {};
     e.params.push_back(apply_layout(m.spec, *L, m.hf_bits));

@@ -30,12 +30,19 @@ enum class TransferMode { kBroadcast, kIpc };
 //  gather: full buckets: all-gather over the trainer group, then weight_transfer_mode
 //          (broadcast from trainer rank 0, or ipc slots of the colocated trainer rank)
 enum class Executor { kAuto, kPeer, kP2p, kGather };
+// What an engine rank holds (docs/engines.md, generation.layout).
+//  fused: the engine's own parameters, TP-sharded (vLLM / SGLang: qkv_proj, gate_up_proj, MoE
+//         w13/w2, vocabulary-parallel embeddings); needs an architecture refit knows
+//  hf:    every Hugging Face tensor whole, under its HF name, on every TP rank (the engine's
+//         load_weights fuses and slices; costs T times the bytes of fused with TP = T)
+enum class EngineLayout { kFused, kHf };
 
 std::string_view device_name(Device d);
 std::string_view policy_backend_name(PolicyBackend b);
 std::string_view engine_protocol_name(EngineProtocol p);
 std::string_view transfer_mode_name(TransferMode m);
 std::string_view executor_name(Executor e);
+std::string_view engine_layout_name(EngineLayout l);
 
 struct MegatronParallel {
   int tp = 1;  // tensor parallel
@@ -56,6 +63,7 @@ struct GenerationConfig {
   TransferMode weight_transfer_mode = TransferMode::kBroadcast;  // derived from colocated if absent
   int num_engines = 1;
   int tp_size = 2;
+  EngineLayout layout = EngineLayout::kFused;
 };
 
 struct RefitConfig {

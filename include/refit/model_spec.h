@@ -3,6 +3,14 @@
 // A ModelSpec is an immutable value: the parsed config.json (ModelConfig) and the exact,
 // ordered list of HF parameters (TensorSpec). Every participant of a refit derives the same
 // spec from the same config, so the order of `tensors` is part of the refit plan.
+//
+// Where the table comes from (docs/models.md):
+//  - an architecture refit knows (Architecture other than kOther): derived from config.json, in
+//    HF's state_dict order, with the roles the fused engine layout and the Megatron bridge need;
+//    safetensors in the model directory are checked against it;
+//  - any other architecture (kOther): read from the safetensors headers of the model directory
+//    (every tensor's name and shape, in natural name order), every role kOther. Only layouts that
+//    need no architecture facts serve it: an FSDP2 trainer and the engine layout `hf`.
 #pragma once
 
 #include <cstdint>
@@ -22,13 +30,18 @@ enum class Architecture {
   kQwen3,     // Qwen3ForCausalLM (q/k norms)
   kMistral,   // MistralForCausalLM
   kQwen3Moe,  // Qwen3MoeForCausalLM (q/k norms, routed experts)
+  kOther,     // any other class: the tensor table comes from the checkpoint's headers
 };
 
-// HF architecture string ("Qwen3ForCausalLM") of an Architecture.
+// HF architecture string ("Qwen3ForCausalLM") of an Architecture; "other" for kOther (its real
+// name is ModelConfig::architecture).
 std::string_view architecture_name(Architecture arch);
 
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
+  std::string architecture = "LlamaForCausalLM";  // config.json "architectures"[0], as written
+  // With kOther only architecture, tie_word_embeddings and (when config.json has them)
+  // hidden_size, num_layers and vocab_size are read; the other sizes stay 0.
   std::int64_t hidden_size = 0;        // H
   std::int64_t num_layers = 0;         // num_hidden_layers
   std::int64_t num_heads = 0;          // nq = num_attention_heads
@@ -76,6 +89,7 @@ enum class ParamRole {
   kExpertGate,
   kExpertUp,    // [I_moe, H]
   kExpertDown,  // [H, I_moe]
+  kOther,       // a tensor of a table read from safetensors headers (no architecture facts)
 };
 
 struct TensorSpec {
@@ -96,12 +110,17 @@ class ModelSpec {
   ModelSpec() = default;
   // Builds the HF parameter list of `config` in HF's state_dict order.
   explicit ModelSpec(ModelConfig config, std::string source = {});
+  // An explicit table (names must be unique; the caller checked them): read from safetensors
+  // headers or from a module's state dict.
+  ModelSpec(ModelConfig config, std::vector<TensorSpec> tensors, std::string source);
 
   const ModelConfig& config() const { return config_; }
   const std::vector<TensorSpec>& tensors() const { return tensors_; }
   // Where the spec came from: a preset name or a model directory.
   const std::string& source() const { return source_; }
   std::int64_t total_parameters() const;
+  // Whether refit has the architecture's facts (roles, fused layout, Megatron names, forward).
+  bool known_architecture() const { return config_.arch != Architecture::kOther; }
   // Index into tensors(), or nullopt.
   std::optional<std::size_t> find(std::string_view name) const;
 
@@ -120,7 +139,15 @@ std::vector<std::string> preset_names();
 // The config.json text of a built-in preset, or NotFound.
 Result<std::string> preset_config_json(std::string_view name);
 
-// A preset name, or a directory holding config.json. Errors name the preset or path.
+// A preset name, or a directory holding config.json. Errors name the preset or path. For an
+// architecture refit does not know, the directory must hold the model's safetensors: the table
+// is read from their headers (tensor_table_from_headers).
 Result<ModelSpec> load_model_spec(std::string_view model);
+
+// The natural order of tensor names: runs of digits compare as numbers, so
+// "model.layers.2.x" < "model.layers.10.x". Header-derived tables use it.
+bool natural_name_less(std::string_view a, std::string_view b);
+// The decoder layer a name belongs to ("<...>.layers.<N>.<...>"), or -1.
+std::int64_t layer_of_name(std::string_view name);
 
 }  // namespace refit

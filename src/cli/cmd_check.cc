@@ -101,7 +101,7 @@ void run_check(const std::string& path, bool print_config) {
                     uses_transfer_plan(c) ? "moved along the transfer plan (below)" : cell->note));
   const std::int64_t params = spec->total_parameters();
   print(fmt::format("model: {} ({}): {} tensors, {} parameters\n", c.model,
-                    architecture_name(spec->config().arch), spec->tensors().size(), params));
+                    spec->config().architecture, spec->tensors().size(), params));
   if ((*model)->checkpoint)
     print(fmt::format("checkpoint: {}: every safetensors header checked against the table\n",
                       c.model));
@@ -118,6 +118,10 @@ void run_check(const std::string& path, bool print_config) {
                     c.generation.num_engines, engine_protocol_name(c.generation.backend),
                     c.generation.tp_size, c.engine_ranks(),
                     c.policy.world_size + c.engine_ranks()));
+  print(c.generation.layout == EngineLayout::kHf
+            ? "engine layout: hf (every engine rank receives every tensor whole, under its "
+              "Hugging Face name)\n"
+            : "engine layout: fused (the engine's own parameters, TP-sharded)\n");
   print(fmt::format("refit: {} on {}, {} bytes per refit, {} buffers of {} bytes, timeout {} s\n",
                     dtype_name(c.refit.target_precision), device_name(c.device),
                     params * static_cast<std::int64_t>(dtype_size(c.refit.target_precision)),

@@ -88,6 +88,11 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   auto fault = parse_fault(f.fault);
   exit_if_error(fault.status(), kExitSetup);
   exit_if_error(check_fault_fits(*fault, cfg), kExitSetup);
+  if (o.check_logits) {
+    auto spec = load_model_spec(cfg.model);
+    exit_if_error(spec.status(), kExitSetup);
+    exit_if_error(check_logit_check_fits(cfg, *spec), kExitSetup);
+  }
   o.fault = *fault;
   o.endpoint.master_addr = env::master_addr();
   o.endpoint.master_port = setup_env(env::master_port());

@@ -24,7 +24,7 @@ void run_spec(const std::string& model, bool as_json) {
   if (as_json) {
     nlohmann::ordered_json j;
     j["model"] = model;
-    j["architecture"] = architecture_name(c.arch);
+    j["architecture"] = c.architecture;
     auto& params = j["parameters"] = nlohmann::ordered_json::array();
     for (const auto& t : spec->tensors()) params.push_back({{"name", t.name}, {"shape", t.shape}});
     j["num_tensors"] = spec->tensors().size();
@@ -33,7 +33,7 @@ void run_spec(const std::string& model, bool as_json) {
     return;
   }
   std::printf("%s  (%s, %zu tensors)\n", model.c_str(),
-              std::string(architecture_name(c.arch)).c_str(), spec->tensors().size());
+              std::string(c.architecture).c_str(), spec->tensors().size());
   for (const auto& t : spec->tensors())
     std::printf("  %-60s %-16s %14lld\n", t.name.c_str(), shape_string(t.shape).c_str(),
                 static_cast<long long>(t.numel()));

@@ -69,6 +69,16 @@ std::string_view executor_name(Executor e) {
   return "?";
 }
 
+std::string_view engine_layout_name(EngineLayout l) {
+  switch (l) {
+    case EngineLayout::kFused:
+      return "fused";
+    case EngineLayout::kHf:
+      return "hf";
+  }
+  return "?";
+}
+
 // The docs/design.md §5.1 example, value for value. `policy.megatron` is accepted with backend fsdp2
 // only while it is the no-op {tp: 1, pp: 1, ep: 1}, so this text is valid as written.
 std::string_view default_config_yaml() {
@@ -121,6 +131,7 @@ std::string config_to_yaml(const Config& c) {
       << std::string(transfer_mode_name(g.weight_transfer_mode));
   out << YAML::Key << "num_engines" << YAML::Value << g.num_engines;
   out << YAML::Key << "tp_size" << YAML::Value << g.tp_size;
+  out << YAML::Key << "layout" << YAML::Value << std::string(engine_layout_name(g.layout));
   out << YAML::EndMap;
 
   const auto& r = c.refit;
@@ -158,6 +169,7 @@ std::string config_to_json(const Config& c) {
       {"weight_transfer_mode", transfer_mode_name(c.generation.weight_transfer_mode)},
       {"num_engines", c.generation.num_engines},
       {"tp_size", c.generation.tp_size},
+      {"layout", engine_layout_name(c.generation.layout)},
   };
   j["refit"] = {
       {"target_precision", dtype_name(c.refit.target_precision)},

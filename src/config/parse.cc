@@ -282,7 +282,7 @@ Status parse_policy(const Section& top, PolicyConfig& p) {
 Status parse_generation(const Section& top, GenerationConfig& g) {
   REFIT_ASSIGN_OR_RETURN(Section s, open_section(top, "generation",
                                                  {"backend", "colocated", "weight_transfer_mode",
-                                                  "num_engines", "tp_size"}));
+                                                  "num_engines", "tp_size", "layout"}));
   if (auto v = s.get("backend")) {
     REFIT_ASSIGN_OR_RETURN(
         g.backend, read_enum<EngineProtocol>(
@@ -303,6 +303,11 @@ Status parse_generation(const Section& top, GenerationConfig& g) {
   REFIT_ASSIGN_OR_RETURN(g.num_engines,
                          read_count(s, "num_engines", g.num_engines, kRankCountRule));
   REFIT_ASSIGN_OR_RETURN(g.tp_size, read_count(s, "tp_size", g.tp_size, kRankCountRule));
+  if (auto v = s.get("layout")) {
+    REFIT_ASSIGN_OR_RETURN(g.layout, read_enum<EngineLayout>(s.key("layout"), *v,
+                                                             {{"fused", EngineLayout::kFused},
+                                                              {"hf", EngineLayout::kHf}}));
+  }
   return Status::Ok();
 }
 

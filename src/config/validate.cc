@@ -280,6 +280,26 @@ Status check_megatron(const Config& c, const ModelSpec& spec) {
   return Status::Ok();
 }
 
+// The fused engine layout and the Megatron bridge need the architecture's facts; a table read
+// from safetensors headers has none (docs/models.md).
+Status check_architecture(const Config& c, const ModelSpec& spec) {
+  if (spec.known_architecture()) return Status::Ok();
+  const std::string& arch = spec.config().architecture;
+  if (c.policy.backend == PolicyBackend::kMegatron)
+    return Status::Unsupported(fmt::format(
+        "policy.backend: megatron needs an architecture refit knows (Megatron's parameter names "
+        "and shard layouts); {} is {}; got megatron; allowed: fsdp2, with generation.layout: hf",
+        c.model, arch));
+  if (c.generation.layout == EngineLayout::kFused)
+    return Status::Unsupported(fmt::format(
+        "generation.layout: fused needs an architecture refit knows (the engine's fused "
+        "parameter names and TP slices); {} is {}; got fused; allowed: hf (every engine rank "
+        "receives the whole tensors under their Hugging Face names, and the engine's "
+        "load_weights fuses and slices them)",
+        c.model, arch));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status validate_config(const Config& config, const ModelSpec& spec) {
@@ -290,7 +310,10 @@ Status validate_config(const Config& config, const ModelSpec& spec) {
   REFIT_RETURN_IF_ERROR(check_colocation(config));
   REFIT_RETURN_IF_ERROR(check_device(config));
   REFIT_RETURN_IF_ERROR(check_precision(config));
-  REFIT_RETURN_IF_ERROR(check_engine_tp(spec, config.generation.tp_size));
+  REFIT_RETURN_IF_ERROR(check_architecture(config, spec));
+  // The hf layout gives every TP rank whole tensors: any TP size fits.
+  if (config.generation.layout == EngineLayout::kFused)
+    REFIT_RETURN_IF_ERROR(check_engine_tp(spec, config.generation.tp_size));
   switch (config.policy.backend) {
     case PolicyBackend::kFsdp2:
       // Shard(0) with torch.chunk semantics fits any world size (trailing ranks may hold none).

@@ -112,6 +112,9 @@ Result<SpecIndex> index_spec(const ModelSpec& spec) {
       case ParamRole::kExpertDown:
         REFIT_RETURN_IF_ERROR(expert_slot(L->expert_down));
         break;
+      case ParamRole::kOther:
+        return Status::Internal(
+            fmt::format("engine layout: tensor {} has no role for the fused layout", t.name));
     }
   }
   return ix;
@@ -178,11 +181,27 @@ std::int64_t EngineShardLayout::total_numel() const {
   return total;
 }
 
-Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank) {
-  REFIT_RETURN_IF_ERROR(check_engine_tp(spec, tp_size));
+Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
+                                        EngineLayout layout) {
   if (tp_rank < 0 || tp_rank >= tp_size)
     return Status::InvalidArgument(
         fmt::format("engine layout: tp rank {} outside [0, {})", tp_rank, tp_size));
+  if (layout == EngineLayout::kHf) {
+    EngineShardLayout out;
+    out.tp_size = tp_size;
+    out.tp_rank = tp_rank;
+    out.params.reserve(spec.tensors().size());
+    Builder b(spec, out);
+    for (std::uint32_t i = 0; i < spec.tensors().size(); ++i)
+      REFIT_RETURN_IF_ERROR(b.replicated(spec.tensors()[i].name, i));
+    return out;
+  }
+  if (!spec.known_architecture())
+    return Status::Unsupported(fmt::format(
+        "generation.layout: fused needs an architecture refit knows; {} is {}; use "
+        "generation.layout: hf",
+        spec.source(), spec.config().architecture));
+  REFIT_RETURN_IF_ERROR(check_engine_tp(spec, tp_size));
   const ModelConfig& c = spec.config();
   const std::int64_t t = tp_size, r = tp_rank;
   const std::int64_t H = c.hidden_size, d = c.head_dim;

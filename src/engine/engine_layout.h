@@ -1,9 +1,11 @@
 // The engine's parameter layout (docs/design.md §6.4; vLLM and SGLang share it for these models).
 //
-// An EngineShardLayout lists the parameters one engine TP rank stores, under the engine's names
-// (fused qkv_proj / gate_up_proj, vocabulary-parallel embed_tokens / lm_head padded to a multiple
-// of 64, MoE w13_weight / w2_weight), each built from Pieces of full HF tensors. Elements no
-// piece covers (vocabulary padding rows) are zero.
+// An EngineShardLayout lists the parameters one engine TP rank stores, each built from Pieces of
+// full HF tensors. With generation.layout fused: under the engine's names (fused qkv_proj /
+// gate_up_proj, vocabulary-parallel embed_tokens / lm_head padded to a multiple of 64, MoE
+// w13_weight / w2_weight); elements no piece covers (vocabulary padding rows) are zero. With
+// generation.layout hf: every HF tensor whole, under its HF name, in the spec's order, on every
+// TP rank (docs/engines.md).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "common/piece.h"
+#include "refit/config.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
 
@@ -38,6 +41,7 @@ struct EngineShardLayout {
 Status check_engine_tp(const ModelSpec& spec, int tp);
 
 // The layout of engine TP rank `tp_rank` of `tp_size`.
-Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank);
+Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
+                                        EngineLayout layout);
 
 }  // namespace refit

@@ -112,6 +112,8 @@ HfIndex index_hf(const ModelSpec& spec) {
       case ParamRole::kExpertDown:
         if (L) expert_slot(L->expert_down);
         break;
+      case ParamRole::kOther:  // header tables have no roles; the forward refuses them first
+        break;
     }
   }
   return ix;

@@ -53,7 +53,7 @@ Status check_engine_tp(const ModelSpec& spec, int tp) {
     if (engine_tp_problem(c, t).empty()) valid += (valid.empty() ? "" : ", ") + std::to_string(t);
   const std::string allowed =
       fmt::format("{} (TP sizes up to {} that shard {})", valid, kMaxListedTp,
-                  spec.source().empty() ? std::string(architecture_name(c.arch)) : spec.source());
+                  spec.source().empty() ? std::string(c.architecture) : spec.source());
   if (tp < 1)
     return Status::InvalidArgument(
         fmt::format("generation.tp_size: must be >= 1; got {}; allowed: {}", tp, allowed));

@@ -351,18 +351,35 @@ Status verify_params(DataPlane& plane, const RankModel& model, const EngineShard
                   who, p.name, k, row, col, source, got, esize * 2, want, esize * 2, step));
 }
 
+}  // namespace
+
+Status check_logit_check_fits(const Config& cfg, const ModelSpec& spec) {
+  if (!spec.known_architecture())
+    return Status::Unsupported(fmt::format(
+        "--check-logits: refit has no reference forward for {} ({}); --verify still checks "
+        "every byte the engines hold",
+        spec.config().architecture, cfg.model));
+  if (spec.total_parameters() > kLogitCheckMaxParams)
+    return Status::InvalidArgument(fmt::format(
+        "--check-logits: {} has {} parameters; the CPU reference forward is limited to {}",
+        cfg.model, spec.total_parameters(), kLogitCheckMaxParams));
+  if (cfg.refit.target_precision != DType::kBFloat16)
+    return Status::Unsupported("--check-logits needs bf16 engine parameters (refit.target_precision)");
+  return Status::Ok();
+}
+
+namespace {
+
 // The engine's TP forward pass against a single-process forward on the trainer's weights.
 class LogitCheck {
  public:
   static Result<std::unique_ptr<LogitCheck>> create(const RankOptions& o, const RankModel& model,
                                                     int engine_rank) {
     auto lc = std::unique_ptr<LogitCheck>(new LogitCheck());
-    if (model.spec.total_parameters() > kLogitCheckMaxParams)
-      return Status::InvalidArgument(fmt::format(
-          "--check-logits: {} has {} parameters; the CPU reference forward is limited to {}",
-          o.config.model, model.spec.total_parameters(), kLogitCheckMaxParams));
+    REFIT_RETURN_IF_ERROR(check_logit_check_fits(o.config, model.spec));
     const int tp = o.config.generation.tp_size;
-    if (tp > 1) {
+    // With the hf layout every rank holds the whole model: no TP group.
+    if (tp > 1 && o.config.generation.layout == EngineLayout::kFused) {
       const auto timeout =
           std::chrono::milliseconds(static_cast<long long>(o.config.refit.timeout_s * 1000));
       REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
@@ -379,8 +396,6 @@ class LogitCheck {
   Status check(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
                const std::vector<PieceTarget>& params, const Config& cfg, int step,
                const std::string& who) {
-    if (cfg.refit.target_precision != DType::kBFloat16)
-      return Status::Unsupported("--check-logits needs bf16 engine parameters");
     // Reference: full HF tensors as the trainer holds them after the cast (bf16 → fp32).
     const auto& tensors = model.spec.tensors();
     std::vector<std::vector<float>> hf(tensors.size());
@@ -405,8 +420,21 @@ class LogitCheck {
       REFIT_RETURN_IF_ERROR(plane.read(host[i].data(), params[i].data, host[i].size() * 2));
       p16.push_back(host[i].data());
     }
-    REFIT_ASSIGN_OR_RETURN(auto got,
-                           engine_forward(model.spec, layout, p16, tokens_, tp_group_.get()));
+    std::vector<float> got;
+    if (cfg.generation.layout == EngineLayout::kHf) {
+      // Whole HF tensors, one per parameter in the spec's order: the same forward on them.
+      std::vector<std::vector<float>> held(p16.size());
+      std::vector<const float*> held_ptrs;
+      for (std::size_t i = 0; i < p16.size(); ++i) {
+        held[i].resize(host[i].size());
+        convert(p16[i], DType::kBFloat16, held[i].data(), DType::kFloat32, held[i].size());
+        held_ptrs.push_back(held[i].data());
+      }
+      REFIT_ASSIGN_OR_RETURN(got, reference_forward(model.spec, held_ptrs, tokens_));
+    } else {
+      REFIT_ASSIGN_OR_RETURN(got,
+                             engine_forward(model.spec, layout, p16, tokens_, tp_group_.get()));
+    }
     Status st = compare_logits(got, want, model.spec.config().vocab_size, kLogitTolerance);
     if (!st.ok()) return st.with_context(fmt::format("check-logits: {} (step {})", who, step));
     return Status::Ok();
@@ -455,7 +483,7 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
                                       engine_rank % cfg.generation.tp_size);
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(cfg));
   REFIT_ASSIGN_OR_RETURN(auto layout, engine_layout(model->spec, cfg.generation.tp_size,
-                                                    engine_rank % cfg.generation.tp_size));
+                                                    engine_rank % cfg.generation.tp_size, cfg.generation.layout));
   REFIT_ASSIGN_OR_RETURN(auto engine,
                          create_engine_with_fault(cfg, engine_rank, o.endpoint, o.fault));
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in

@@ -78,6 +78,9 @@ Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& ro
 // `--fault` against the run it would act on: the rank exists and the bucket or round is one the
 // plan moves (0 .. rounds-1). An error names the fault, the limit and the key behind it.
 Status check_fault_fits(const Fault& fault, const Config& config);
+// `--check-logits` against the run: an architecture with a reference forward, a model small
+// enough for it, bf16 engine parameters. An error names the flag and the reason.
+Status check_logit_check_fits(const Config& config, const ModelSpec& spec);
 
 Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report);
 // Runs engine rank `engine_rank` until the trainer shuts it down.

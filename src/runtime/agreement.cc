@@ -40,6 +40,7 @@ std::map<std::string, std::string> agreed_settings(const Config& c, const ModelS
        std::string(transfer_mode_name(c.generation.weight_transfer_mode))},
       {"generation.num_engines", std::to_string(c.generation.num_engines)},
       {"generation.tp_size", std::to_string(c.generation.tp_size)},
+      {"generation.layout", std::string(engine_layout_name(c.generation.layout))},
       {"refit.target_precision", std::string(dtype_name(c.refit.target_precision))},
       {"refit.buffer_size_bytes", std::to_string(c.refit.buffer_size_bytes)},
       {"refit.num_buffers", std::to_string(c.refit.num_buffers)},

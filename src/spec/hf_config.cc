@@ -1,11 +1,14 @@
 // Parses HF config.json text into a ModelConfig; loads presets and model directories.
 #include <fmt/format.h>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "common/file_io.h"
+#include "common/log.h"
+#include "io/safetensors.h"
 #include "refit/model_spec.h"
 
 namespace refit {
@@ -53,6 +56,46 @@ double get_double(const json& j, const char* key, double fallback) {
   return (it != j.end() && it->is_number()) ? it->get<double>() : fallback;
 }
 
+// The tensor table of an architecture refit does not know, from the headers of `dir`'s
+// safetensors: every tensor with elements, in natural name order. With tie_word_embeddings, a
+// stored lm_head.weight is the embedding again: it is left out (sent once; engines tie it).
+Result<ModelSpec> table_from_headers(ModelConfig c, const std::string& dir) {
+  REFIT_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::open(dir));
+  if (ckpt->empty())
+    return Status::Unsupported(fmt::format(
+        "{}: config.json names the architecture \"{}\", which refit has no built-in tensor table "
+        "for, and the directory holds no safetensors to read one from; refit knows "
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
+        "Qwen3MoeForCausalLM, and reads any other model's table from its safetensors headers",
+        dir, c.architecture));
+  std::vector<std::string> names = ckpt->tensor_names();
+  std::sort(names.begin(), names.end(), natural_name_less);
+  if (names.size() > static_cast<std::size_t>(kMaxTensors))
+    return Status::InvalidArgument(fmt::format("{}: the checkpoint holds {} tensors; refit supports "
+                                               "at most {}",
+                                               dir, names.size(), kMaxTensors));
+  std::vector<TensorSpec> tensors;
+  tensors.reserve(names.size());
+  for (const auto& name : names) {
+    REFIT_ASSIGN_OR_RETURN(const TensorRef ref, ckpt->find(name));
+    const TensorInfo& info = *ref.info;
+    if (c.tie_word_embeddings && name == "lm_head.weight") {
+      log::info("{}: tie_word_embeddings is set: lm_head.weight is the embedding, sent once", dir);
+      continue;
+    }
+    if (info.numel() == 0) {
+      log::warn("{}: tensor {} has shape {} (no elements): not part of the refit", dir, name,
+                shape_string(info.shape));
+      continue;
+    }
+    tensors.push_back(TensorSpec{name, info.shape, ParamRole::kOther, layer_of_name(name), -1});
+  }
+  if (tensors.empty())
+    return Status::InvalidArgument(
+        fmt::format("{}: the checkpoint's safetensors hold no tensor with elements", dir));
+  return ModelSpec(std::move(c), std::move(tensors), dir);
+}
+
 }  // namespace
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text) {
@@ -77,10 +120,17 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
   else if (arch == "Qwen3MoeForCausalLM")
     c.arch = Architecture::kQwen3Moe;
   else
-    return Status::Unsupported(fmt::format(
-        "config.json: architecture \"{}\" is not supported; refit knows LlamaForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM",
-        arch));
+    c.arch = Architecture::kOther;
+  c.architecture = arch;
+  if (c.arch == Architecture::kOther) {
+    // No architecture facts: the table comes from the checkpoint's headers. Sizes are read when
+    // present (for `refit spec` and the logs); a present but invalid one is still an error.
+    REFIT_ASSIGN_OR_RETURN(c.tie_word_embeddings, get_bool(j, "tie_word_embeddings", false));
+    REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", 0, kMaxWidth));
+    REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", 0, kMaxCount));
+    REFIT_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "vocab_size", 0, kMaxVocab));
+    return c;
+  }
 
   REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", std::nullopt, kMaxWidth));
   REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", std::nullopt, kMaxCount));
@@ -184,6 +234,7 @@ Result<ModelSpec> load_model_spec(std::string_view model) {
   }
   auto c = parse_hf_config(*text);
   if (!c.ok()) return c.status().with_context(cfg.string());
+  if (c->arch == Architecture::kOther) return table_from_headers(std::move(c).value(), dir.string());
   return ModelSpec(std::move(c).value(), dir.string());
 }
 

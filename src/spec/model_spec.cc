@@ -18,6 +18,8 @@ std::string_view architecture_name(Architecture arch) {
       return "MistralForCausalLM";
     case Architecture::kQwen3Moe:
       return "Qwen3MoeForCausalLM";
+    case Architecture::kOther:
+      return "other";
   }
   return "?";
 }
@@ -87,6 +89,58 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
   if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, H}, ParamRole::kLmHead);
   index_.reserve(tensors_.size());
   for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+}
+
+ModelSpec::ModelSpec(ModelConfig config, std::vector<TensorSpec> tensors, std::string source)
+    : config_(std::move(config)), tensors_(std::move(tensors)), source_(std::move(source)) {
+  index_.reserve(tensors_.size());
+  for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+}
+
+bool natural_name_less(std::string_view a, std::string_view b) {
+  auto digit = [](char ch) { return ch >= '0' && ch <= '9'; };
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      std::size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      // Compare the numbers without parsing them (any length): strip leading zeros, then the
+      // longer one is larger, then digit by digit.
+      std::size_t iz = i, jz = j;
+      while (iz + 1 < ie && a[iz] == '0') ++iz;
+      while (jz + 1 < je && b[jz] == '0') ++jz;
+      const std::string_view na = a.substr(iz, ie - iz), nb = b.substr(jz, je - jz);
+      if (na.size() != nb.size()) return na.size() < nb.size();
+      if (na != nb) return na < nb;
+      if (ie - i != je - j) return ie - i < je - j;  // "01" after "1": a total order
+      i = ie;
+      j = je;
+      continue;
+    }
+    if (a[i] != b[j]) return static_cast<unsigned char>(a[i]) < static_cast<unsigned char>(b[j]);
+    ++i;
+    ++j;
+  }
+  return a.size() - i < b.size() - j;
+}
+
+std::int64_t layer_of_name(std::string_view name) {
+  constexpr std::string_view kKey = "layers.";
+  for (std::size_t at = name.find(kKey); at != std::string_view::npos;
+       at = name.find(kKey, at + 1)) {
+    if (at > 0 && name[at - 1] != '.') continue;
+    std::size_t k = at + kKey.size();
+    std::int64_t n = 0;
+    std::size_t digits = 0;
+    while (k < name.size() && name[k] >= '0' && name[k] <= '9' && digits < 9) {
+      n = n * 10 + (name[k] - '0');
+      ++k;
+      ++digits;
+    }
+    if (digits > 0 && k < name.size() && name[k] == '.') return n;
+  }
+  return -1;
 }
 
 std::int64_t ModelSpec::total_parameters() const {
