@@ -85,10 +85,16 @@ TEST(Spec, MlpOnlyLayersAreDense) {
   EXPECT_FALSE(spec.find("model.layers.1.mlp.gate.weight"));
 }
 
-TEST(Spec, UnknownArchitectureIsNamed) {
+// Any other architecture parses (its table comes from the checkpoint's headers: any_model_test).
+TEST(Spec, UnknownArchitectureIsKeptByName) {
   auto c = parse_hf_config(R"({"architectures":["GPT2LMHeadModel"],"hidden_size":8})");
-  ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.status().message().find("GPT2LMHeadModel"), std::string::npos);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kOther);
+  EXPECT_EQ(c->architecture, "GPT2LMHeadModel");
+  EXPECT_EQ(c->hidden_size, 8);
+  auto bad = parse_hf_config(R"({"architectures":["GPT2LMHeadModel"],"hidden_size":-8})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("hidden_size"), std::string::npos);
 }
 
 TEST(Spec, MissingKeyIsNamed) {
