@@ -262,6 +262,8 @@ void expect_hf_cell(const TempDir& dir, const HfCell& c, const std::string& pair
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verified bit-exact on every engine rank"), std::string::npos)
       << r.output;
+  // The engines took the weights through the load_weights hook, checked and verified.
+  EXPECT_NE(r.output.find("by name in"), std::string::npos) << r.output;
   if (!pairs.empty()) {
     EXPECT_NE(r.output.find("pairs by executor: " + pairs), std::string::npos) << r.output;
   }
@@ -294,6 +296,25 @@ TEST(AnyModelRuntime, PhiLikeColocatedAndGatherInHfLayout) {
   // Full buckets: all-gather, then a broadcast to every engine rank.
   expect_hf_cell(dir, {.model = model, .world_size = 2, .executor = "gather", .engine = "vllm"},
                  "");
+}
+
+// A refit whose bytes arrive corrupted on one engine rank (refit.checksum) is rolled back
+// (refit.keep_previous): every engine rank hands the restored bytes to its load_weights hook again,
+// and the next refit verifies — the weights the hook took included.
+TEST(AnyModelRuntime, RollbackHandsTheRestoredWeightsToLoadWeights) {
+  TempDir dir;
+  const std::string model = write_model(dir, "neox", neox_like(), 1);
+  const std::string cfg = dir.write(
+      "c.yaml", "model: " + model +
+                    "\npolicy: {world_size: 2}\ngeneration: {num_engines: 1, tp_size: 2, "
+                    "layout: hf}\nrefit: {buffer_size_bytes: 4096, timeout_s: 30, executor: p2p, "
+                    "checksum: true, keep_previous: true}\n");
+  auto r = run_cli({"run", cfg, "--steps", "3", "--verify", "--fault", "corrupt:1:2"}, 180);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("checksum mismatch in refit step 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("call(s) (after the rollback)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 3/3: refit "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("by name in"), std::string::npos) << r.output;
 }
 
 // A known architecture in the hf layout, from a Megatron trainer (TP 2): the bridge maps its

@@ -76,6 +76,19 @@ struct RankTraffic {
   int p2p_pairs = 0;
 };
 
+// One whole parameter of an engine rank, handed to a load_weights hook (Engine::on_load_weights):
+// the layout's name (the Hugging Face name with generation.layout: hf), shape and dtype
+// (refit.target_precision), and its bytes: host memory with device: cpu, memory of CUDA device
+// `device` with device: cuda. Row-major, contiguous; valid for the duration of the hook's call.
+struct ParamView {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kBFloat16;
+  const void* data = nullptr;
+  int device = -1;  // CUDA device ordinal; -1 for host memory
+  std::int64_t numel() const;
+};
+
 class Trainer {
  public:
   // Trainer rank `rank`: joins the control plane (rank 0 hosts it), forms the trainer group and
@@ -173,6 +186,18 @@ class Engine {
   // sent back to the trainer. Receives the step and the weight version the refit will publish
   // when the verdict is OK (the resume hook runs after it; on a failed verdict, never).
   virtual void on_verify(std::function<Status(int step, const std::string& version)> hook) = 0;
+  // Hands the refit's weights to the engine by name, as vLLM's and SGLang's model.load_weights
+  // take them (docs/engines.md): after every byte of a refit landed in this rank's parameters
+  // (registered or allocated), before the verification hook and before the version is
+  // published, the hook is called with every parameter, in layout order, in batches: whole
+  // tensors only, a decoder layer ("...layers.<N>....") never split across two calls, a batch at
+  // most refit.buffer_size_bytes unless one layer is larger. The views point into the
+  // parameters' storage and are valid during the call (the next refit rewrites them); copy what
+  // must outlive it. After a rollback (refit.keep_previous) the hook is called again with the
+  // restored bytes. A hook that returns an error ends the session (the engine's own weights are
+  // then torn), as any rank's failure does; an empty hook removes it.
+  virtual void on_load_weights(
+      std::function<Status(const std::vector<ParamView>& batch)> hook) = 0;
 
   // Serves one refit (blocking). Waits for it to start as long as the trainer lives (a failure of
   // any rank, or the loss of the store, ends the wait); each step of the refit is bounded by

@@ -474,6 +474,88 @@ Status verify_rolled_back(DataPlane& plane, const RankModel& model, const Engine
   return Status::Ok();
 }
 
+// The weights of an engine that takes them by name (generation.layout hf): every load_weights
+// batch is copied here, and the hook's contract (refit/session.h on_load_weights) is checked —
+// every parameter once per refit, in layout order, whole, from the rank's own storage, a decoder
+// layer never split, a batch within refit.buffer_size_bytes unless one layer is larger.
+class LoadedWeights {
+ public:
+  LoadedWeights(const EngineShardLayout& layout, const std::vector<void*>& storage,
+                std::int64_t limit, std::string who)
+      : layout_(layout), storage_(storage), limit_(limit), who_(std::move(who)),
+        bytes_(layout.params.size()) {}
+
+  Status take(DataPlane& plane, const std::vector<ParamView>& batch) {
+    if (next_ == layout_.params.size()) next_ = 0, calls_ = 0;  // a new refit (or a rollback)
+    if (batch.empty())
+      return Status::Internal(fmt::format("{}: load_weights batch {} is empty", who_, calls_));
+    const std::int64_t first_layer = layer_of_name(batch.front().name);
+    if (calls_ > 0 && first_layer >= 0 && first_layer == prev_layer_)
+      return Status::Internal(
+          fmt::format("{}: load_weights split layer {} across two calls", who_, prev_layer_));
+    std::int64_t bytes = 0;
+    std::set<std::int64_t> layers;
+    for (const ParamView& v : batch) {
+      if (next_ >= layout_.params.size() || v.name != layout_.params[next_].name ||
+          v.data != storage_[next_] || v.shape != layout_.params[next_].shape)
+        return Status::Internal(fmt::format(
+            "{}: load_weights batch {} handed {} where the layout's parameter {} ({}) was due",
+            who_, calls_, v.name, next_,
+            next_ < layout_.params.size() ? layout_.params[next_].name : "none"));
+      auto& host = bytes_[next_];
+      host.resize(static_cast<std::size_t>(v.numel()) * dtype_size(v.dtype));
+      REFIT_RETURN_IF_ERROR(plane.read(host.data(), static_cast<const std::byte*>(v.data), host.size()));
+      bytes += static_cast<std::int64_t>(host.size());
+      layers.insert(layer_of_name(v.name));
+      ++next_;
+    }
+    prev_layer_ = layer_of_name(batch.back().name);
+    // Over the limit only as one unit: one decoder layer, or one tensor outside the layers.
+    const bool one_unit = batch.size() == 1 || (layers.size() == 1 && *layers.begin() >= 0);
+    if (bytes > limit_ && !one_unit)
+      return Status::Internal(fmt::format(
+          "{}: load_weights batch {} holds {} bytes in {} tensors; the limit is {}", who_, calls_,
+          bytes, batch.size(), limit_));
+    ++calls_;
+    return Status::Ok();
+  }
+
+  // At verification: the hook took every parameter, and what it took is what the storage holds.
+  Status check_complete(DataPlane& plane, int step) {
+    if (next_ != layout_.params.size())
+      return Status::Corruption(fmt::format(
+          "{}: the load_weights hook took {} of {} parameters before verification (step {})",
+          who_, next_, layout_.params.size(), step));
+    std::vector<std::byte> held;
+    for (std::size_t i = 0; i < bytes_.size(); ++i) {
+      held.resize(bytes_[i].size());
+      REFIT_RETURN_IF_ERROR(plane.read(held.data(), static_cast<const std::byte*>(storage_[i]), held.size()));
+      if (held != bytes_[i])
+        return Status::Corruption(fmt::format(
+            "{}: the weights load_weights took for {} differ from the parameter's bytes (step {})",
+            who_, layout_.params[i].name, step));
+    }
+    if (!logged_) {
+      log::info("{}: load_weights took all {} tensors by name in {} call(s), whole, no layer "
+                "split",
+                who_, layout_.params.size(), calls_);
+      logged_ = true;
+    }
+    return Status::Ok();
+  }
+
+ private:
+  const EngineShardLayout& layout_;
+  const std::vector<void*>& storage_;
+  const std::int64_t limit_;
+  const std::string who_;
+  std::vector<std::vector<std::byte>> bytes_;
+  std::size_t next_ = 0;
+  int calls_ = 0;
+  std::int64_t prev_layer_ = -1;
+  bool logged_ = false;
+};
+
 }  // namespace
 
 Status run_engine_rank(const RankOptions& o, int engine_rank) {
@@ -520,8 +602,18 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     }
     return Status::Ok();
   });
+  // generation.layout hf: the engine takes the weights by name, as vLLM's and SGLang's
+  // load_weights do. This one copies every batch into weights of its own (host memory), checking
+  // the hook's contract as it goes; verification then checks those too.
+  std::unique_ptr<LoadedWeights> loaded;
+  if (cfg.generation.layout == EngineLayout::kHf) {
+    loaded = std::make_unique<LoadedWeights>(layout, storage, cfg.refit.buffer_size_bytes, who);
+    engine->on_load_weights(
+        [&](const std::vector<ParamView>& batch) { return loaded->take(*plane, batch); });
+  }
   engine->on_verify([&](int step, const std::string&) -> Status {
     verifying_step = step;
+    if (loaded) REFIT_RETURN_IF_ERROR(loaded->check_complete(*plane, step));
     // Element-wise verification unless the engine was started for the logit check alone.
     if (o.verify || !logits)
       REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, layout, params, cfg, step, who));
@@ -546,6 +638,7 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
       return more.status();
     }
     if (!o.verify || !engine->is_valid()) continue;
+    if (loaded) REFIT_RETURN_IF_ERROR(loaded->check_complete(*plane, published_step));
     REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, layout, params, cfg, published_step,
                                              engine->weight_version(), who));
   }

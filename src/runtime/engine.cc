@@ -107,6 +107,9 @@ class EngineImpl final : public Engine {
   void on_verify(std::function<Status(int, const std::string&)> hook) override {
     verify_hook_ = std::move(hook);
   }
+  void on_load_weights(std::function<Status(const std::vector<ParamView>&)> hook) override {
+    load_hook_ = std::move(hook);
+  }
   std::string weight_version() const override { return version_; }
   bool is_valid() const override { return valid_; }
 
@@ -543,12 +546,58 @@ class EngineImpl final : public Engine {
     return Status::Ok();
   }
 
+  // The load_weights hook over every parameter, in batches (refit/session.h on_load_weights):
+  // a decoder layer is never split, a batch is at most refit.buffer_size_bytes unless one layer
+  // is larger.
+  Status load_weights(const char* what) {
+    if (!load_hook_) return Status::Ok();
+    const auto limit = cfg_.refit.buffer_size_bytes;
+    const int device = cfg_.device == Device::kCuda ? plane_->ordinal() : -1;
+    std::vector<ParamView> batch;
+    std::int64_t bytes = 0;
+    int calls = 0;
+    auto flush = [&]() -> Status {
+      if (batch.empty()) return Status::Ok();
+      ++calls;
+      Status st = load_hook_(batch);
+      batch.clear();
+      bytes = 0;
+      if (!st.ok())
+        return st.with_context(fmt::format("{}: the load_weights hook ({}, step {})", id(), what,
+                                           begin_.step));
+      return Status::Ok();
+    };
+    // Units: a decoder layer's consecutive parameters, or one parameter outside the layers. A
+    // unit goes whole into a batch; a batch ends before a unit that would take it over the limit.
+    for (std::size_t i = 0; i < slots_.size();) {
+      const std::int64_t layer = layer_of_name(slots_[i].name);
+      std::size_t end = i + 1;
+      while (layer >= 0 && end < slots_.size() && layer_of_name(slots_[end].name) == layer) ++end;
+      std::int64_t unit = 0;
+      for (std::size_t k = i; k < end; ++k)
+        unit += slots_[k].numel() * static_cast<std::int64_t>(dtype_size(slots_[k].dtype));
+      if (bytes + unit > limit) REFIT_RETURN_IF_ERROR(flush());
+      for (std::size_t k = i; k < end; ++k)
+        batch.push_back(ParamView{slots_[k].name, slots_[k].shape, slots_[k].dtype, ptrs_[k], device});
+      bytes += unit;
+      i = end;
+    }
+    REFIT_RETURN_IF_ERROR(flush());
+    const bool refit = std::string_view(what) == "the refit";
+    log::write(refit ? log::Level::kDebug : log::Level::kInfo,
+               fmt::format("{}: load_weights hook: {} parameters in {} call(s) ({})", id(),
+                           slots_.size(), calls, what));
+    return Status::Ok();
+  }
+
   // A refit failed after bytes may have landed, with every rank alive: roll back to the kept copy
   // (refit.keep_previous) and resume, or leave the weights invalid and generation paused.
   Status fail_refit(const Status& why) {
     if (!kept_version_.empty() && keep_) {
       const DType dt = cfg_.refit.target_precision;
       Status restored = plane_->copy(keep_->restore, dt, dt);
+      // The engine's own weights took the failed refit's bytes: hand it the restored ones.
+      if (restored.ok()) restored = load_weights("after the rollback");
       if (restored.ok()) {
         version_ = kept_version_;
         valid_ = true;
@@ -576,6 +625,9 @@ class EngineImpl final : public Engine {
   Status finish(double apply_s, const std::vector<std::string>& landed) {
     const bool raw = begin_.raw;
     const bool agreed = !raw && (begin_.verify || cfg_.refit.checksum);
+    // Every byte landed: the engine's load_weights takes them before anything is published or
+    // verified. Its failure ends the session (the engine's weights are torn).
+    if (!raw) REFIT_RETURN_IF_ERROR(load_weights("the refit"));
     REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
     if (!raw && !agreed) publish();
     for (std::size_t i = 0; i < feeders().size(); ++i)
@@ -731,6 +783,7 @@ class EngineImpl final : public Engine {
   std::function<Status()> pause_hook_;
   std::function<void()> resume_hook_;
   std::function<Status(int, const std::string&)> verify_hook_;
+  std::function<Status(const std::vector<ParamView>&)> load_hook_;
   Status failed_refit_;  // serve_one(): the refit failed, the session did not
   // refit.keep_previous: the copy of the parameters and the copy lists to and from it.
   struct Kept {

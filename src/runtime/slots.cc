@@ -12,6 +12,12 @@ std::int64_t TensorSlot::numel() const {
   return n;
 }
 
+std::int64_t ParamView::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
 Status register_slot(const std::vector<TensorSlot>& slots, std::vector<void*>& ptrs,
                      const std::string& who, const std::string& name, void* data, DType dtype,
                      const std::vector<std::int64_t>& shape) {
