@@ -92,6 +92,13 @@ struct Config {
   PolicyConfig policy;
   GenerationConfig generation;
   RefitConfig refit;
+  // The model's tensors as (name, global shape), set from code (refit.torch: a module's state
+  // dict), never from YAML. Empty: the table of `model` (derived from config.json, or read from
+  // the checkpoint's headers). Otherwise `model` still names the preset or config.json (the
+  // architecture and tie_word_embeddings), and (docs/models.md): with an architecture refit
+  // knows, this must list exactly the tensors config.json implies; with any other, it is the
+  // table, put in natural name order, with a tied lm_head.weight left out.
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensor_table;
 
   // Total processes of a run: trainer ranks + engine ranks.
   int engine_ranks() const { return generation.num_engines * generation.tp_size; }
@@ -103,6 +110,10 @@ inline constexpr std::int64_t kBucketAlignment = 256;
 // The embedded default config of `refit run` with no CONFIG (CPU, 2 trainer ranks, one SGLang
 // engine with TP 2, non-colocated), as YAML text.
 std::string_view default_config_yaml();
+
+// The model spec of `config`: load_model_spec(config.model), or built from config.tensor_table.
+// Errors name the tensor at fault.
+Result<ModelSpec> config_model_spec(const Config& config);
 
 // Parses YAML text. Checks keys, types and ranges of each key on its own.
 Result<Config> parse_config(std::string_view yaml_text);

@@ -8,12 +8,17 @@
     refreshed before every refit (``refit.accepts_device_memory(config)`` tells which).
 
 ``engine_from_hf(module, config, engine_rank)``
-    An engine backed by a Hugging Face ``nn.Module`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``,
-    ...). HF keeps q/k/v, gate/up and experts unfused while the engine layout is fused, so refit
-    writes into staging tensors in the engine layout, and after each committed refit they are
-    copied into the module's parameters (fused rows split per docs/design.md §6.4). Tensor parallelism 1
-    only: the module holds the whole model. A real vLLM/SGLang engine registers its own fused
-    parameters with ``refit.Engine`` instead, with no staging.
+    An engine rank backed by any ``nn.Module`` whose state dict has the trainer's names (a Hugging
+    Face ``transformers`` model, or anything else), with ``generation.layout: hf``: every engine
+    rank receives every tensor whole under its name. Tensors whose dtype and device refit can write
+    are registered in place (zero-copy); the others are staged and copied into the module by the
+    engine's ``on_load_weights`` hook, or handed to a ``load_weights`` callable of your own (e.g.
+    vLLM's or SGLang's ``model.load_weights``). No name matching: the names are the module's.
+
+Both sides take the model's tensor table from their module (``tensor_table``): parameters, with a
+parameter shared under two names (tied embeddings) listed once, plus floating-point persistent
+buffers. ``config.model`` still names the preset or model directory whose config.json gives the
+architecture; with an architecture refit knows, the module's table must be exactly its table.
 
 Importing this module imports torch; ``import refit`` alone never does.
 """
@@ -26,10 +31,17 @@ import torch
 from torch import nn
 
 from . import _refit
-from ._common import setup_error
-from ._hf_layout import CopyOp, hf_copy_plan
+from ._common import SetupError, setup_error
 
-__all__ = ["TorchTrainer", "HFEngine", "trainer_from_fsdp", "engine_from_hf", "torch_dtype"]
+__all__ = [
+    "TorchTrainer",
+    "HFEngine",
+    "trainer_from_fsdp",
+    "engine_from_hf",
+    "torch_dtype",
+    "module_tensors",
+    "tensor_table",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,11 +70,54 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def _named_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
-    out: Dict[str, nn.Parameter] = {}
-    for name, p in module.named_parameters():  # tied parameters appear once
+def _storage_key(t: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
+    """Where a tensor's elements live: equal keys mean one tensor under two names (ties)."""
+    local = t.to_local() if _is_dtensor(t) else t
+    try:
+        base = local.untyped_storage().data_ptr()
+    except AttributeError:  # torch < 2.0
+        base = local.storage().data_ptr()
+    return base, local.data_ptr(), tuple(t.shape)
+
+
+def module_tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """The module's weights by HF name (wrapper prefixes dropped), in registration order.
+
+    Parameters, with a tensor shared under two names (tied embeddings: the same Parameter, or the
+    same storage) listed once under its first name, then the floating-point persistent buffers
+    (those ``state_dict()`` holds). Under FSDP2 the parameters are DTensors.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, p in module.named_parameters():  # the same Parameter twice appears once
+        key = _storage_key(p)
+        if p.numel() > 0 and key in seen:
+            continue
+        seen.add(key)
         out[_hf_name(name)] = p
+    persistent = {_hf_name(k) for k in module.state_dict().keys()}
+    for name, b in module.named_buffers():
+        hf = _hf_name(name)
+        if hf in persistent and hf not in out and b.is_floating_point():
+            out[hf] = b
     return out
+
+
+def tensor_table(tensors: Dict[str, torch.Tensor]) -> List[Tuple[str, Tuple[int, ...]]]:
+    """[(name, global shape), ...] of ``module_tensors(...)``: what ``Config.with_tensor_table``
+    takes."""
+    return [(name, tuple(int(d) for d in t.shape)) for name, t in tensors.items()]
+
+
+def _with_module_table(config: _refit.Config, tensors: Dict[str, torch.Tensor], who: str):
+    """`config` with the module's tensor table, checked against config.model before any rank
+    starts (an error names the tensors)."""
+    cfg = config.with_tensor_table(tensor_table(tensors))
+    try:
+        _refit.model_spec(cfg)
+    except SetupError as e:
+        raise setup_error(f"{who}: the module's tensors: {e.message}", e.code) from e
+    return cfg
 
 
 def _summarize(names: Iterable[str], limit: int = 3) -> str:
@@ -75,9 +130,17 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return hasattr(p, "to_local") and hasattr(p, "placements") and hasattr(p, "device_mesh")
 
 
-def _local_shard(name: str, p: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """The rank's dim-0 shard of `p` (a DTensor sharded Shard(0), or a plain tensor at world 1)."""
+def _local_shard(
+    name: str, p: torch.Tensor, rank: int, world_size: int, replicated: bool = False
+) -> torch.Tensor:
+    """The rank's dim-0 shard of `p`: a DTensor sharded Shard(0), a plain tensor at world 1, or a
+    replicated buffer (every rank holds it whole: this rank's torch.chunk of it)."""
     if not _is_dtensor(p):
+        if replicated and world_size != 1:
+            chunks = torch.chunk(p.detach(), world_size, 0) if p.dim() > 0 else (p.detach(),)
+            if rank < len(chunks):
+                return chunks[rank]
+            return p.detach()[p.shape[0]:]  # past the last chunk: no rows
         if world_size != 1:
             raise setup_error(
                 f"trainer rank {rank}: parameter {name} is a plain tensor, not a DTensor; with "
@@ -129,18 +192,13 @@ class TorchTrainer:
         host: Optional[str] = None,
     ) -> None:
         self.module = module
-        self.config = config
         self.rank = rank
-        params = _named_parameters(module)
-        # Check names before the collective create, so a wrong model fails fast on this rank.
-        spec_names = {n for n, _ in _refit.model_spec(config.model).tensors}
-        extra = set(params) - spec_names
-        if extra:
-            raise setup_error(
-                f"trainer rank {rank}: module parameters that are not parameters of "
-                f"{config.model}: {_summarize(extra)}",
-                "invalid_argument",
-            )
+        params = module_tensors(module)
+        self._buffers = {n for n, t in params.items() if not isinstance(t, nn.Parameter)}
+        # The table from the module, checked before the collective create, so that a wrong model
+        # fails fast on this rank.
+        config = _with_module_table(config, params, f"trainer rank {rank}")
+        self.config = config
         self.trainer = _refit.Trainer(
             config, rank, master_addr=master_addr, master_port=master_port, host=host
         )
@@ -161,7 +219,7 @@ class TorchTrainer:
             direct_ok = _refit.accepts_device_memory(config)
             for name, slot in slots.items():
                 p = params[name]
-                local = _local_shard(name, p, rank, config.world_size)
+                local = _local_shard(name, p, rank, config.world_size, name in self._buffers)
                 want = torch_dtype(slot.dtype)
                 if local.dtype != want:
                     raise setup_error(
@@ -200,10 +258,10 @@ class TorchTrainer:
     def _refresh(self) -> None:
         """Brings the registered storage up to date with the module's current shards."""
         world = self.config.world_size
-        params = _named_parameters(self.module)  # parameters may have been replaced since
+        params = module_tensors(self.module)  # parameters may have been replaced since
         with torch.no_grad():
             for name, (p, local) in list(self._direct.items()):
-                now = _local_shard(name, params[name], self.rank, world)
+                now = _local_shard(name, params[name], self.rank, world, name in self._buffers)
                 if now.data_ptr() != local.data_ptr() or now.shape != local.shape:
                     if not now.is_contiguous() or not (now.device.type == "cpu" or _refit.accepts_device_memory(self.config)):
                         raise setup_error(
@@ -216,7 +274,7 @@ class TorchTrainer:
                     self._direct[name] = (params[name], now)
             devices = set()
             for name, (p, staging) in self._staged.items():
-                src = _local_shard(name, params[name], self.rank, world)
+                src = _local_shard(name, params[name], self.rank, world, name in self._buffers)
                 staging.copy_(src, non_blocking=True)
                 if src.device.type == "cuda":
                     devices.add(src.device)
@@ -264,13 +322,14 @@ def trainer_from_fsdp(
 
 
 class HFEngine:
-    """A refit engine rank whose parameters live in a Hugging Face module (see ``engine_from_hf``).
+    """A refit engine rank whose weights live in a PyTorch module (see ``engine_from_hf``).
 
     Attributes:
         engine: the underlying ``refit.Engine``.
-        module: the HF module updated after every committed refit.
-        staging: engine-layout tensors refit writes into (host memory), by engine name.
-        plan: the copies from staging into the module (``refit._hf_layout.CopyOp``).
+        module: the module updated by every committed refit.
+        zero_copy: names registered in place (refit writes the module's own storage).
+        staging: the other names' staging tensors, copied into the module (or handed to
+            ``load_weights``) by the engine's ``on_load_weights`` hook.
     """
 
     def __init__(
@@ -279,69 +338,79 @@ class HFEngine:
         config: _refit.Config,
         engine_rank: int = 0,
         *,
+        load_weights: Optional[Callable[[List[Tuple[str, torch.Tensor]]], Any]] = None,
         master_addr: Optional[str] = None,
         master_port: Optional[int] = None,
         host: Optional[str] = None,
     ) -> None:
         self.module = module
-        self.config = config
-        if config.tp_size != 1:
+        who = f"engine rank {engine_rank}"
+        if config.layout != "hf":
             raise setup_error(
-                f"engine_from_hf: generation.tp_size is {config.tp_size}; an engine backed by a "
-                "Hugging Face module holds the whole model and needs generation.tp_size: 1",
+                f"engine_from_hf: {who}: generation.layout is {config.layout}; a module takes "
+                "the weights by name: set generation.layout: hf (an engine with fused, TP-sharded "
+                "parameters, such as vLLM's or SGLang's, registers them with refit.Engine "
+                "instead; docs/engines.md)",
                 "unsupported",
             )
-        self._params = _named_parameters(module)
-        spec = _refit.model_spec(config.model)
+        tensors = module_tensors(module)
+        config = _with_module_table(config, tensors, who)
+        self.config = config
+        self._load_weights = load_weights
         self.engine = _refit.Engine(
             config, engine_rank, master_addr=master_addr, master_port=master_port, host=host
         )
+        self.zero_copy: List[str] = []
+        self.staging: Dict[str, torch.Tensor] = {}
+        self._targets: Dict[str, torch.Tensor] = {}
         try:
-            self.plan: List[CopyOp] = hf_copy_plan(
-                spec.config,
-                self.engine.params,
-                {n: tuple(p.shape) for n, p in self._params.items()},
-            )
-            pin = any(p.device.type == "cuda" for p in self._params.values())
-            # device: cuda — the staging (in the engine layout) lives on the module's GPU and
-            # refit writes it there; otherwise pinned host memory, copied up after each commit.
             on_gpu = _refit.accepts_device_memory(config)
-            gpu = next((p.device for p in self._params.values() if p.device.type == "cuda"), None)
-            self.staging: Dict[str, torch.Tensor] = {}
             for slot in self.engine.params:
-                if on_gpu and gpu is not None:
-                    t = torch.zeros(tuple(slot.shape), dtype=torch_dtype(slot.dtype), device=gpu)
+                target = tensors[slot.name]
+                want = torch_dtype(slot.dtype)
+                writable = target.device.type == "cuda" if on_gpu else target.device.type == "cpu"
+                if (
+                    load_weights is None
+                    and not _is_dtensor(target)
+                    and target.dtype == want
+                    and writable
+                    and target.is_contiguous()
+                ):
+                    self.engine.register(slot.name, target.detach())
+                    self.zero_copy.append(slot.name)
+                    continue
+                device = target.device if on_gpu and target.device.type == "cuda" else None
+                if device is not None:
+                    t = torch.zeros(tuple(slot.shape), dtype=want, device=device)
                 else:
-                    t = torch.zeros(tuple(slot.shape), dtype=torch_dtype(slot.dtype), pin_memory=pin)
+                    pin = target.device.type == "cuda" and torch.cuda.is_available()
+                    t = torch.zeros(tuple(slot.shape), dtype=want, pin_memory=pin)
                 self.engine.register(slot.name, t)
                 self.staging[slot.name] = t
-        except ValueError as e:
-            self.engine.close()
-            raise setup_error(f"engine_from_hf: {e}") from e
+                self._targets[slot.name] = target
         except BaseException:
             self.engine.close()
             raise
-        self._resume: Optional[Callable[[], None]] = None
-        self.engine.on_resume(self._after_commit)
+        if self.staging or load_weights is not None:
+            self.engine.on_load_weights(self._load)
 
-    def load_staging(self) -> None:
-        """Copies the staging tensors into the module's parameters (done after every commit)."""
+    def _load(self, batch: List[Tuple[str, torch.Tensor]]) -> None:
+        # On the serving thread, after every byte of the refit landed and before it is verified
+        # or published: whole tensors, a decoder layer never split across calls.
+        if self._load_weights is not None:
+            self._load_weights(batch)
+            return
         devices = set()
-        params = _named_parameters(self.module)  # parameters may have been replaced since
         with torch.no_grad():
-            for op in self.plan:
-                dst = params[op.hf]
-                dst.copy_(self.staging[op.engine][op.index], non_blocking=True)
-                if dst.device.type == "cuda":
-                    devices.add(dst.device)
+            for name, staged in batch:
+                target = self._targets.get(name)
+                if target is None:  # registered in place: already there
+                    continue
+                target.copy_(staged, non_blocking=True)
+                if target.device.type == "cuda":
+                    devices.add(target.device)
         for dev in devices:
             torch.cuda.synchronize(dev)
-
-    def _after_commit(self) -> None:
-        # On the serving thread, after the commit and before the trainer's refit() returns.
-        self.load_staging()
-        if self._resume is not None:
-            self._resume()
 
     def on_pause(self, hook: Optional[Callable[[], None]]) -> None:
         """hook() before any parameter changes (pause generation). If it raises, or returns after
@@ -351,7 +420,7 @@ class HFEngine:
 
     def on_resume(self, hook: Optional[Callable[[], None]]) -> None:
         """hook() after the module holds the new weights (resume generation)."""
-        self._resume = hook
+        self.engine.on_resume(hook)
 
     def on_verify(self, hook: Optional[Callable[[int, str], Any]]) -> None:
         """hook(step, version) after the module holds the new weights; see Engine.on_verify."""
@@ -388,16 +457,27 @@ def engine_from_hf(
     config: _refit.Config,
     engine_rank: int = 0,
     *,
+    load_weights: Optional[Callable[[List[Tuple[str, torch.Tensor]]], Any]] = None,
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
     host: Optional[str] = None,
 ) -> HFEngine:
-    """A refit engine rank (generation.tp_size 1) that keeps `module`'s parameters up to date.
+    """A refit engine rank (``generation.layout: hf``, any TP size) that keeps `module` up to date.
 
-    The module must be the HF architecture of ``config.model`` (same config). Its parameters may
-    be on any device and in any dtype; they equal the trainer's weights bit for bit when their
-    dtype is ``refit.target_precision`` (bf16), otherwise they are the bf16 values converted.
+    The module's state dict names the tensors (``module_tensors``), as the trainer's does; with
+    an architecture refit knows they must be its HF tensors. Tensors in
+    ``refit.target_precision`` on a device refit writes (host memory; CUDA with ``device: cuda``)
+    are written in place; the others are staged and copied in (``copy_`` converts the dtype)
+    after every byte of a refit landed, before verification. With ``load_weights``, every tensor
+    is staged and each batch ``[(name, tensor), ...]`` goes to it instead (for instance
+    ``model.load_weights`` of an inference engine); copy what must outlive the call.
     """
     return HFEngine(
-        module, config, engine_rank, master_addr=master_addr, master_port=master_port, host=host
+        module,
+        config,
+        engine_rank,
+        load_weights=load_weights,
+        master_addr=master_addr,
+        master_port=master_port,
+        host=host,
     )

@@ -66,7 +66,7 @@ std::string repr(const PyConfig& c) {
 }
 
 ModelSpec load_spec(const PyConfig& c) {
-  auto spec = load_model_spec(c.config.model);
+  auto spec = config_model_spec(c.config);
   if (!spec.ok())
     raise_status(spec.status().with_context(c.source.empty() ? "model" : c.source + ": model"));
   return std::move(spec).value();
@@ -88,7 +88,7 @@ py::dict check(const PyConfig& c) {
       note = cell.note;
   out["note"] = note;
   out["model"] = k.model;
-  out["architecture"] = std::string(architecture_name(spec.config().arch));
+  out["architecture"] = spec.config().architecture;
   out["tensors"] = spec.tensors().size();
   out["parameters"] = spec.total_parameters();
   out["trainer_ranks"] = k.policy.world_size;
@@ -101,7 +101,7 @@ py::dict check(const PyConfig& c) {
 
 py::dict model_config_dict(const ModelConfig& c) {
   py::dict d;
-  d["architecture"] = std::string(architecture_name(c.arch));
+  d["architecture"] = c.architecture;
   d["hidden_size"] = c.hidden_size;
   d["num_layers"] = c.num_layers;
   d["num_heads"] = c.num_heads;
@@ -160,7 +160,9 @@ None/bool/int/float/str/list/dict.
           [](const PyConfig& c, const py::object& overrides) {
             py::object merged = py::module_::import("refit._common")
                                     .attr("replace_config_dict")(to_dict(c), overrides);
-            return from_dict(merged);
+            PyConfig out = from_dict(merged);
+            out.config.tensor_table = c.config.tensor_table;  // not a YAML key: carried over
+            return out;
           },
           py::arg("overrides"),
           "A new Config: this one with the keys of the nested dict `overrides` replaced (a new "
@@ -219,19 +221,59 @@ None/bool/int/float/str/list/dict.
       .def_property_readonly(
           "timeout_s", [](const PyConfig& c) { return c.config.refit.timeout_s; },
           "Bound on every wait (refit.timeout_s).")
+      .def_property_readonly(
+          "layout",
+          [](const PyConfig& c) { return std::string(engine_layout_name(c.config.generation.layout)); },
+          "Engine layout (generation.layout): 'fused' (the engine's own TP-sharded parameters) or "
+          "'hf' (every tensor whole under its Hugging Face name, on every TP rank).")
+      .def_property_readonly(
+          "tensor_table",
+          [](const PyConfig& c) {
+            py::list out;
+            for (const auto& [name, shape] : c.config.tensor_table)
+              out.append(py::make_tuple(name, py::tuple(py::cast(shape))));
+            return out;
+          },
+          "The explicit tensor table [(name, shape), ...] (with_tensor_table), or [] when the "
+          "model's own table is used.")
+      .def(
+          "with_tensor_table",
+          [](const PyConfig& c, const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& table) {
+            PyConfig out = c;
+            out.config.tensor_table = table;
+            return out;
+          },
+          py::arg("table"), R"doc(
+A copy of this config whose model tensors are `table`: [(name, global shape), ...], e.g. a module's
+state dict (refit.torch does this). `model` still names the preset or config.json (architecture,
+tie_word_embeddings): with an architecture refit knows the table must list exactly its tensors;
+with any other it is the table (natural name order; a tied lm_head.weight is left out). Every rank
+of a refit must use the same table (compared at setup).
+)doc")
       .def("__repr__", &repr)
       .def("__eq__",
            [](const PyConfig& a, const py::object& b) {
              if (!py::isinstance<PyConfig>(b)) return false;
-             return config_to_json(a.config) == config_to_json(b.cast<const PyConfig&>().config);
+             const Config& o = b.cast<const PyConfig&>().config;
+             return config_to_json(a.config) == config_to_json(o) &&
+                    a.config.tensor_table == o.tensor_table;
            })
       .def("__hash__",
-           [](const PyConfig& c) { return py::hash(py::str(config_to_json(c.config))); })
+           [](const PyConfig& c) {
+             return py::hash(py::make_tuple(py::str(config_to_json(c.config)),
+                                            c.config.tensor_table.size()));
+           })
       .def(py::pickle(
-          [](const PyConfig& c) { return py::make_tuple(config_to_yaml(c.config), c.source); },
+          [](const PyConfig& c) {
+            return py::make_tuple(config_to_yaml(c.config), c.source,
+                                  py::cast(c.config.tensor_table));
+          },
           [](const py::tuple& t) {
             PyConfig c = parse_text(t[0].cast<std::string>());
             c.source = t[1].cast<std::string>();
+            if (t.size() > 2)
+              c.config.tensor_table =
+                  t[2].cast<std::vector<std::pair<std::string, std::vector<std::int64_t>>>>();
             return c;
           }));
 
@@ -247,7 +289,7 @@ The Hugging Face parameter table of a model (docs/design.md §6.1): HF names and
 )doc")
       .def_property_readonly(
           "architecture",
-          [](const ModelSpec& s) { return std::string(architecture_name(s.config().arch)); },
+          [](const ModelSpec& s) { return s.config().architecture; },
           "HF architecture, e.g. 'Qwen3ForCausalLM'.")
       .def_property_readonly(
           "source", [](const ModelSpec& s) { return s.source(); },
@@ -268,19 +310,21 @@ The Hugging Face parameter table of a model (docs/design.md §6.1): HF names and
       .def_property_readonly("total_parameters", &ModelSpec::total_parameters)
       .def("__len__", [](const ModelSpec& s) { return s.tensors().size(); })
       .def("__repr__", [](const ModelSpec& s) {
-        return cat("refit.ModelSpec('", s.source(), "', ", architecture_name(s.config().arch), ", ",
+        return cat("refit.ModelSpec('", s.source(), "', ", s.config().architecture, ", ",
                    s.tensors().size(), " tensors, ", s.total_parameters(), " parameters)");
       });
 
   m.def(
       "model_spec",
-      [](const std::string& model) {
-        auto spec = load_model_spec(model);
+      [](const py::object& model) {
+        if (py::isinstance<PyConfig>(model)) return load_spec(model.cast<const PyConfig&>());
+        auto spec = load_model_spec(model.cast<std::string>());
         raise_if_error(spec.status());
         return std::move(spec).value();
       },
       py::arg("model"),
-      "The parameter table of a preset name or an HF model directory (like `refit spec`).");
+      "The parameter table of a preset name or an HF model directory (like `refit spec`), or of "
+      "a Config (its tensor_table when it has one).");
 
   m.def("presets", &preset_names, "Names of the built-in model presets, sorted.");
 

@@ -414,6 +414,16 @@ class PyEngine {
           [this](int step, const std::string& version) { return run_verify(step, version); });
   }
 
+  void set_load_weights(const py::object& fn) {
+    CallGuard guard(busy_, who_, "on_load_weights");
+    Engine& e = open("on_load_weights");
+    load_ = fn;
+    if (fn.is_none())
+      e.on_load_weights(nullptr);
+    else
+      e.on_load_weights([this](const std::vector<ParamView>& batch) { return run_load(batch); });
+  }
+
   bool serve_one() {
     CallGuard guard(busy_, who_, "serve_one");
     return serve_one_unguarded(open("serve_one"));
@@ -547,13 +557,32 @@ class PyEngine {
     }
   }
 
+  // The load_weights hook: the batch as [(name, registered object), ...]. An exception ends the
+  // session (refit/session.h on_load_weights) and is re-raised as the __cause__ of its error.
+  Status run_load(const std::vector<ParamView>& batch) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list items;
+      for (const ParamView& v : batch)
+        items.append(py::make_tuple(v.name, registry_.registered(v.name)));
+      load_(items);
+      return Status::Ok();
+    } catch (py::error_already_set& err) {
+      const std::string text = describe(err);
+      if (!pending_) pending_ = exception_object(err);
+      return Status::Internal(who_ + ": the load_weights hook raised " + text);
+    } catch (const std::exception& err) {
+      return Status::Internal(who_ + ": the load_weights hook failed: " + err.what());
+    }
+  }
+
   const Config config_;
   const int engine_rank_;
   const std::string who_;
   Registry registry_;
   std::unique_ptr<Engine> engine_;
   std::atomic<bool> busy_{false};
-  py::object pause_, resume_, verify_;
+  py::object pause_, resume_, verify_, load_;
   py::object pending_;  // the first exception a hook raised during the current serve_one
   bool refit_failed_ = false;  // the last serve_one's refit failed, the session did not
   std::mutex version_mu_;
@@ -701,6 +730,16 @@ on_resume does not undo the refit; serve_one()/serve() re-raise it afterwards.
 hook(step, version) runs after a commit when the trainer asked for verification. Return None or
 True when the parameters are right; False or a message string, or raise, when not: the trainer's
 refit(verify=True) then raises refit.Error (code "corruption") with that message.
+)doc")
+      .def("on_load_weights", &PyEngine::set_load_weights, py::arg("hook"), R"doc(
+hook(batch) hands the refit's weights to the engine by name, as vLLM's and SGLang's
+model.load_weights take them (docs/engines.md). After every byte of a refit landed, before the
+on_verify hook and before the version is published, it is called with every parameter in layout
+order, in batches: a list of (name, tensor) where tensor is the object registered under that name.
+Whole tensors only; a decoder layer is never split across two calls; a batch holds at most
+refit.buffer_size_bytes unless one layer is larger. Called again with the restored bytes after a
+rollback (refit.keep_previous). If it raises, the session ends (the engine's weights are torn) and
+serve_one() raises refit.Error with the exception as its __cause__. None removes it.
 )doc")
       .def("serve_one", &PyEngine::serve_one, R"doc(
 Serves one refit (GIL released; waits for it to start as long as the trainer lives, and

@@ -5,10 +5,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <unordered_map>
 
 #include "common/file_io.h"
 #include "common/log.h"
 #include "io/safetensors.h"
+#include "refit/config.h"
 #include "refit/model_spec.h"
 
 namespace refit {
@@ -211,11 +213,14 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
   return c;
 }
 
-Result<ModelSpec> load_model_spec(std::string_view model) {
+namespace {
+
+// The parsed config.json of a preset or a model directory, and the directory ("" for a preset).
+Result<std::pair<ModelConfig, std::string>> load_model_config(std::string_view model) {
   namespace fs = std::filesystem;
   if (auto preset = preset_config_json(model); preset.ok()) {
     REFIT_ASSIGN_OR_RETURN(ModelConfig c, parse_hf_config(*preset));
-    return ModelSpec(std::move(c), std::string(model));
+    return std::make_pair(std::move(c), std::string());
   }
   const fs::path dir(model);
   std::error_code ec;
@@ -234,8 +239,88 @@ Result<ModelSpec> load_model_spec(std::string_view model) {
   }
   auto c = parse_hf_config(*text);
   if (!c.ok()) return c.status().with_context(cfg.string());
-  if (c->arch == Architecture::kOther) return table_from_headers(std::move(c).value(), dir.string());
-  return ModelSpec(std::move(c).value(), dir.string());
+  return std::make_pair(std::move(c).value(), dir.string());
+}
+
+// An explicit table: every name unique and non-empty, every dim >= 0.
+Status check_table(const Config& config) {
+  std::unordered_map<std::string_view, std::size_t> seen;
+  for (std::size_t i = 0; i < config.tensor_table.size(); ++i) {
+    const auto& [name, shape] = config.tensor_table[i];
+    if (name.empty())
+      return Status::InvalidArgument(fmt::format("tensor table: entry {} has no name", i));
+    if (!seen.emplace(name, i).second)
+      return Status::InvalidArgument(fmt::format("tensor table: tensor {} is listed twice", name));
+    for (auto d : shape)
+      if (d < 0 || d > (std::int64_t{1} << 40))
+        return Status::InvalidArgument(
+            fmt::format("tensor table: tensor {} has an invalid shape", name));
+  }
+  if (config.tensor_table.size() > static_cast<std::size_t>(kMaxTensors))
+    return Status::InvalidArgument(fmt::format("tensor table: {} tensors; refit supports at most {}",
+                                               config.tensor_table.size(), kMaxTensors));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ModelSpec> load_model_spec(std::string_view model) {
+  REFIT_ASSIGN_OR_RETURN(auto loaded, load_model_config(model));
+  auto& [c, dir] = loaded;
+  if (c.arch == Architecture::kOther) return table_from_headers(std::move(c), dir);
+  return ModelSpec(std::move(c), dir.empty() ? std::string(model) : dir);
+}
+
+Result<ModelSpec> config_model_spec(const Config& config) {
+  if (config.tensor_table.empty()) return load_model_spec(config.model);
+  REFIT_RETURN_IF_ERROR(check_table(config));
+  REFIT_ASSIGN_OR_RETURN(auto loaded, load_model_config(config.model));
+  auto& [c, dir] = loaded;
+  const std::string source = dir.empty() ? config.model : dir;
+  if (c.arch != Architecture::kOther) {
+    // The derived table (its order and roles) must be the given one, tensor for tensor.
+    ModelSpec derived(std::move(c), source);
+    std::vector<std::string> problems;
+    std::size_t listed = 0;
+    for (const auto& [name, shape] : config.tensor_table) {
+      const auto at = derived.find(name);
+      if (!at) {
+        problems.push_back(fmt::format("{} is not a tensor of {}", name, derived.config().architecture));
+        continue;
+      }
+      ++listed;
+      if (derived.tensors()[*at].shape != shape)
+        problems.push_back(fmt::format("{} has shape {}, config.json says {}", name,
+                                       shape_string(shape),
+                                       shape_string(derived.tensors()[*at].shape)));
+    }
+    if (listed < derived.tensors().size())
+      for (const auto& t : derived.tensors())
+        if (std::none_of(config.tensor_table.begin(), config.tensor_table.end(),
+                         [&](const auto& e) { return e.first == t.name; }))
+          problems.push_back(fmt::format("{} is missing", t.name));
+    if (!problems.empty()) {
+      std::string text;
+      for (std::size_t i = 0; i < problems.size() && i < 4; ++i) text += (i ? "; " : "") + problems[i];
+      if (problems.size() > 4) text += fmt::format("; and {} more", problems.size() - 4);
+      return Status::InvalidArgument(fmt::format(
+          "tensor table: does not match {} ({}): {}", source, derived.config().architecture, text));
+    }
+    return derived;
+  }
+  std::vector<TensorSpec> tensors;
+  for (const auto& [name, shape] : config.tensor_table) {
+    if (c.tie_word_embeddings && name == "lm_head.weight") continue;
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    if (n == 0) continue;
+    tensors.push_back(TensorSpec{name, shape, ParamRole::kOther, layer_of_name(name), -1});
+  }
+  std::sort(tensors.begin(), tensors.end(),
+            [](const TensorSpec& a, const TensorSpec& b) { return natural_name_less(a.name, b.name); });
+  if (tensors.empty())
+    return Status::InvalidArgument("tensor table: no tensor with elements");
+  return ModelSpec(std::move(c), std::move(tensors), source);
 }
 
 }  // namespace refit

@@ -9,7 +9,7 @@ namespace refit {
 Result<std::unique_ptr<RankModel>> load_rank_model(const Config& config) {
   auto holder = std::make_unique<RankModel>();
   RankModel& m = *holder;
-  REFIT_ASSIGN_OR_RETURN(m.spec, load_model_spec(config.model));
+  REFIT_ASSIGN_OR_RETURN(m.spec, config_model_spec(config));
   REFIT_RETURN_IF_ERROR(validate_config(config, m.spec));
   std::error_code ec;
   if (std::filesystem::is_directory(config.model, ec)) {

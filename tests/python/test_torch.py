@@ -1,6 +1,8 @@
-"""refit.torch on CPU with plain (non-DTensor) modules, world size 1: zero-copy and staged trainer
-registration, and an engine backed by an unfused HF-style module. Runs where torch is installed
-(FSDP2 DTensors and GPUs: bench/gpu/python_device_test.py)."""
+"""refit.torch on CPU with plain (non-DTensor) modules: zero-copy and staged trainer registration,
+tables from the modules' state dicts (tied weights, persistent buffers, an architecture refit does
+not know), and engines that take the weights by name (generation.layout: hf) in place, staged, or
+through a load_weights callable. Runs where torch is installed, Debian's torch 1.13 in CI (FSDP2
+DTensors and GPUs: bench/gpu/python_device_test.py)."""
 
 import os
 import threading
@@ -35,20 +37,21 @@ def module_from_spec(spec, dtype, step=None):
     return root
 
 
-def config(model):
+def config(model, world_size=1, tp_size=1):
     return refit.Config.from_dict(
-        {"model": model, "policy": {"world_size": 1}, "generation": {"tp_size": 1},
-         "refit": {"timeout_s": 10}}
+        {"model": model, "policy": {"world_size": world_size},
+         "generation": {"tp_size": tp_size, "layout": "hf"}, "refit": {"timeout_s": 10}}
     )
 
 
-def start(trainer_module, engine_module, cfg):
+def start(trainer_module, engine_module, cfg, load_weights=None):
     port = free_port()
     box = {}
 
     def make_engine():
         try:
-            box["engine"] = rt.engine_from_hf(engine_module, cfg, 0, master_port=port)
+            box["engine"] = rt.engine_from_hf(engine_module, cfg, 0, master_port=port,
+                                              load_weights=load_weights)
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
 
@@ -128,9 +131,137 @@ def test_module_errors_name_the_parameter():
     extra.register_parameter("value_head", torch.nn.Parameter(torch.zeros(3)))
     with pytest.raises(refit.SetupError, match="value_head"):
         rt.trainer_from_fsdp(extra, cfg, 0, master_port=free_port())  # before any rank starts
-    with pytest.raises(refit.SetupError, match="tp_size"):
+    with pytest.raises(refit.SetupError, match="value_head"):
+        rt.engine_from_hf(extra, cfg, 0, master_port=free_port())
+    with pytest.raises(refit.SetupError, match="generation.layout: hf"):
         rt.engine_from_hf(module_from_spec(spec, torch.bfloat16),
-                          cfg.replace({"generation": {"tp_size": 2}}), 0, master_port=free_port())
+                          cfg.replace({"generation": {"layout": "fused"}}), 0,
+                          master_port=free_port())
     # Wrong dtype: policy.dtype is float32, the module is bf16.
     with pytest.raises(refit.SetupError, match="policy.dtype"):
         start(module_from_spec(spec, torch.bfloat16), module_from_spec(spec, torch.bfloat16), cfg)
+
+
+class NeoxLike(torch.nn.Module):
+    """A made-up architecture refit has no facts about (GPT-NeoX-like names, odd shapes), with a
+    tied output head, a persistent float buffer and a non-persistent one."""
+
+    def __init__(self, dtype, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape):
+            return torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))
+
+        self.embed_in = w(37, 24)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(3):
+            layer = torch.nn.Module()
+            layer.qkv = w(72, 24)
+            layer.qkv_bias = w(72)
+            layer.dense = w(24, 53)
+            self.layers.append(layer)
+        self.embed_out = self.embed_in  # tied: sent once, under the first name
+        self.register_buffer("scale", torch.randn(5, 3, generator=g).to(dtype))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+
+def neox_model_dir(tmp_path):
+    d = tmp_path / "neox"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
+    return str(d)
+
+
+def test_module_tables_tie_weights_and_keep_persistent_buffers():
+    m = NeoxLike(torch.float32, 0)
+    tensors = rt.module_tensors(m)
+    assert "embed_out" not in tensors and "embed_in" in tensors  # tied: once
+    assert "scale" in tensors and "cache" not in tensors
+    assert rt.tensor_table(tensors)[0] == ("embed_in", (37, 24))
+    # A second Parameter over the same storage is a tie too.
+    m2 = NeoxLike(torch.float32, 0)
+    m2.embed_out = torch.nn.Parameter(m2.embed_in.data)
+    assert "embed_out" not in rt.module_tensors(m2)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "staged", "load_weights"])
+def test_unknown_architecture_from_module_to_module_by_name(tmp_path, mode):
+    """A model refit has no table for: both sides take it from their modules; the engine module
+    gets every tensor bit-exact in the engine dtype (bf16), written in place, staged and copied
+    (an fp32 module), or through a load_weights callable."""
+    cfg = config(neox_model_dir(tmp_path))
+    trainer_module = NeoxLike(torch.float32, 1)
+    engine_module = NeoxLike(torch.float32 if mode == "staged" else torch.bfloat16, 2)
+    batches = []
+
+    def load_weights(batch):
+        batches.append([name for name, _ in batch])
+        with torch.no_grad():
+            targets = rt.module_tensors(engine_module)
+            for name, t in batch:
+                targets[name].copy_(t)
+
+    trainer, engine = start(trainer_module, engine_module, cfg,
+                            load_weights if mode == "load_weights" else None)
+    try:
+        if mode == "in_place":
+            assert len(engine.zero_copy) == len(rt.module_tensors(engine_module))
+            assert not engine.staging
+        else:
+            assert not engine.zero_copy
+        box = {}
+        thread = serve(engine, box)
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in trainer_module.parameters():
+                    p.add_(0.25 * step)
+                trainer_module.scale.mul_(-1.5)
+            trainer.refit(step)
+            want = rt.module_tensors(trainer_module)
+            got = rt.module_tensors(engine_module)
+            assert set(got) == set(want)
+            for name, t in want.items():
+                exp = t.detach().to(torch.bfloat16).view(torch.int16)
+                have = got[name].detach().to(torch.bfloat16).view(torch.int16)
+                assert torch.equal(have, exp), name
+            # The tied head follows the embedding it shares storage with.
+            assert engine_module.embed_out is engine_module.embed_in
+        if mode == "load_weights":
+            # Whole tensors by name, every tensor once per refit, no layer split across calls.
+            per_refit = [n for b in batches for n in b]
+            assert sorted(per_refit) == sorted(list(rt.module_tensors(engine_module)) * 2)
+            for b in batches:
+                for i in {n.split(".")[1] for n in b if n.startswith("layers.")}:
+                    assert sum(n.startswith(f"layers.{i}.") for n in b) == 3, (i, b)
+        trainer.shutdown()
+        thread.join(timeout=20)
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 2
+    finally:
+        trainer.close()
+        engine.close()
+
+
+def test_load_weights_that_raises_ends_the_session_naming_it(tmp_path):
+    cfg = config(neox_model_dir(tmp_path))
+
+    def load_weights(batch):
+        raise ValueError("engine refused " + batch[0][0])
+
+    trainer, engine = start(NeoxLike(torch.float32, 1), NeoxLike(torch.bfloat16, 2), cfg,
+                            load_weights)
+    try:
+        box = {}
+        thread = serve(engine, box)
+        with pytest.raises(refit.Error):
+            trainer.refit(1)
+        thread.join(timeout=30)
+        err = box.get("error")
+        assert isinstance(err, refit.Error), box
+        assert "load_weights hook raised" in str(err)
+        assert isinstance(err.__cause__, ValueError) and "engine refused" in str(err.__cause__)
+        assert not engine.engine.session_ok
+    finally:
+        trainer.close()
+        engine.close()
