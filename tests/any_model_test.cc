@@ -169,7 +169,7 @@ TEST(AnyModel, HfLayoutGivesEveryRankEveryTensorWhole) {
   for (const ModelSpec* spec : {&*neox, &*qwen}) {
     for (int tp : {1, 3}) {
       for (int r = 0; r < tp; ++r) {
-        auto L = engine_layout(*spec, tp, r, EngineLayout::kHf);
+        auto L = engine_layout(*spec, tp, r, EngineLayout::kHf, EngineProtocol::kVllm);
         ASSERT_TRUE(L.ok()) << L.status().to_string();
         ASSERT_EQ(L->params.size(), spec->tensors().size());
         EXPECT_EQ(L->total_numel(), spec->total_parameters());
@@ -186,7 +186,7 @@ TEST(AnyModel, HfLayoutGivesEveryRankEveryTensorWhole) {
       }
     }
   }
-  EXPECT_FALSE(engine_layout(*neox, 2, 0, EngineLayout::kFused).ok());
+  EXPECT_FALSE(engine_layout(*neox, 2, 0, EngineLayout::kFused, EngineProtocol::kVllm).ok());
   EXPECT_FALSE(check_engine_tp(*qwen, 3).ok());  // the fused layout could not shard it
 }
 
@@ -208,7 +208,7 @@ TEST(AnyModel, FusedMegatronAndLogitChecksAreRefusedNamingTheArchitecture) {
       {"policy: {backend: megatron, world_size: 2, megatron: {tp: 2}}\n"
        "generation: {tp_size: 2, layout: hf}\n",
        {},
-       {"policy.backend: megatron needs an architecture refit knows", "GPTNeoXForCausalLM",
+       {"policy.backend: megatron needs an architecture refit's Megatron bridge knows", "GPTNeoXForCausalLM",
         "allowed: fsdp2"}},
       {"generation: {tp_size: 2, layout: hf}\n",
        {"--check-logits"},

@@ -286,7 +286,7 @@ EngineRuns engine_runs() {
   auto spec = load_model_spec("tiny-qwen3");
   EXPECT_TRUE(spec.ok());
   e.spec = *spec;
-  auto layout = engine_layout(e.spec, 2, 1, EngineLayout::kFused);
+  auto layout = engine_layout(e.spec, 2, 1, EngineLayout::kFused, EngineProtocol::kVllm);
   EXPECT_TRUE(layout.ok());
   for (const EngineParam& p : layout->params) {
     append_piece_runs(e.spec, p.pieces, p.shape, e.elems, nullptr, e.runs, e.tags);

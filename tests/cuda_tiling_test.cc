@@ -103,7 +103,7 @@ TEST(CudaTiling, PieceRunsPlaceHfElementsWhereTheEngineLayoutSays) {
     for (std::int64_t i = 0; i < spec->tensors()[t].numel(); ++i)
       hf[static_cast<std::size_t>(hf_base[t] + i)] = static_cast<float>(t * 100000 + i);
   for (int rank = 0; rank < 2; ++rank) {
-    auto layout = engine_layout(*spec, 2, rank, EngineLayout::kFused);
+    auto layout = engine_layout(*spec, 2, rank, EngineLayout::kFused, EngineProtocol::kVllm);
     ASSERT_TRUE(layout.ok());
     std::vector<Block2D> runs;
     std::vector<std::uint32_t> tags;

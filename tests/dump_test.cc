@@ -68,7 +68,7 @@ void expect_dump_matches(const std::string& executor) {
   for (int g = 0; g < engines * tp; ++g) {
     auto eng = SafetensorsFile::open(fmt::format("{}/engine-{}.safetensors", out, g));
     ASSERT_TRUE(eng.ok()) << eng.status().to_string();
-    auto layout = engine_layout(*spec, tp, g % tp, EngineLayout::kFused);
+    auto layout = engine_layout(*spec, tp, g % tp, EngineLayout::kFused, EngineProtocol::kVllm);
     ASSERT_TRUE(layout.ok());
     ASSERT_EQ((*eng)->tensors().size(), layout->params.size());
     for (const EngineParam& p : layout->params) {

@@ -92,6 +92,8 @@ std::vector<std::vector<float>> random_hf(const ModelSpec& spec, std::uint64_t s
         case ParamRole::kPostAttnNorm:
         case ParamRole::kQNorm:
         case ParamRole::kKNorm:
+        case ParamRole::kPreFfnNorm:
+        case ParamRole::kPostFfnNorm:
           v = static_cast<float>(1.0 + u / 4);
           break;
         case ParamRole::kQBias:
@@ -111,6 +113,12 @@ std::vector<std::vector<float>> random_hf(const ModelSpec& spec, std::uint64_t s
         case ParamRole::kExpertGate:
         case ParamRole::kExpertUp:
         case ParamRole::kExpertDown:
+        case ParamRole::kQkvProj:
+        case ParamRole::kGateUpProj:
+        case ParamRole::kSharedGate:
+        case ParamRole::kSharedUp:
+        case ParamRole::kSharedDown:
+        case ParamRole::kSharedExpertGate:
         case ParamRole::kOther:
           v = static_cast<float>(u * std::sqrt(3.0 / static_cast<double>(m.cols)));
           break;
@@ -285,7 +293,7 @@ struct Engine {
 Engine make_engine(const Model& m, int tp) {
   Engine e;
   for (int r = 0; r < tp; ++r) {
-    auto L = engine_layout(m.spec, tp, r, EngineLayout::kFused);
+    auto L = engine_layout(m.spec, tp, r, EngineLayout::kFused, EngineProtocol::kVllm);
     EXPECT_TRUE(L.ok()) << L.status().to_string();
     if (!L.ok()) return {};
     e.params.push_back(apply_layout(m.spec, *L, m.hf_bits));

@@ -330,7 +330,12 @@ std::int64_t expected_copies(const ModelSpec& spec, const TensorSpec& ts, std::i
     case ParamRole::kPostAttnNorm:
     case ParamRole::kFinalNorm:
     case ParamRole::kRouter:
+    case ParamRole::kPreFfnNorm:
+    case ParamRole::kPostFfnNorm:
+    case ParamRole::kSharedExpertGate:
       return t;
+    case ParamRole::kQkvProj:  // q rows once, k/v rows as kKProj: no single count
+      return -1;
     case ParamRole::kKProj:
     case ParamRole::kVProj:
     case ParamRole::kKBias:
@@ -347,6 +352,10 @@ std::int64_t expected_copies(const ModelSpec& spec, const TensorSpec& ts, std::i
     case ParamRole::kExpertGate:
     case ParamRole::kExpertUp:
     case ParamRole::kExpertDown:
+    case ParamRole::kGateUpProj:
+    case ParamRole::kSharedGate:
+    case ParamRole::kSharedUp:
+    case ParamRole::kSharedDown:
       return 1;
     case ParamRole::kOther:  // header tables: only the hf layout, where every rank holds all
       return t;
@@ -469,7 +478,7 @@ TEST(EngineLayout, MatchesReferenceReassemblesAndPadsVocabulary) {
     const auto& hf = spec.tensors();
     for (int t : {1, 2, 4, 8}) {
       if (!check_engine_tp(spec, t).ok()) {
-        EXPECT_FALSE(engine_layout(spec, t, 0, EngineLayout::kFused).ok()) << preset << " tp=" << t;
+        EXPECT_FALSE(engine_layout(spec, t, 0, EngineLayout::kFused, EngineProtocol::kVllm).ok()) << preset << " tp=" << t;
         continue;
       }
       SCOPED_TRACE(std::string(preset) + " tp=" + std::to_string(t));
@@ -482,7 +491,7 @@ TEST(EngineLayout, MatchesReferenceReassemblesAndPadsVocabulary) {
       std::int64_t padding_rows = 0;
 
       for (int r = 0; r < t; ++r) {
-        auto L = engine_layout(spec, t, r, EngineLayout::kFused);
+        auto L = engine_layout(spec, t, r, EngineLayout::kFused, EngineProtocol::kVllm);
         ASSERT_TRUE(L.ok()) << L.status().to_string();
         EXPECT_EQ(L->tp_size, t);
         EXPECT_EQ(L->tp_rank, r);
@@ -556,7 +565,7 @@ TEST(EngineLayout, ReplicatedKvHeadsFollowRankTimesNkvOverT) {
   const auto k = spec.find("model.layers.0.self_attn.k_proj.weight");
   ASSERT_TRUE(k);
   for (int r = 0; r < 4; ++r) {
-    auto L = engine_layout(spec, 4, r, EngineLayout::kFused);
+    auto L = engine_layout(spec, 4, r, EngineLayout::kFused, EngineProtocol::kVllm);
     ASSERT_TRUE(L.ok()) << L.status().to_string();
     const EngineParam& qkv = L->params[1];
     ASSERT_EQ(qkv.name, "model.layers.0.self_attn.qkv_proj.weight");
@@ -570,9 +579,9 @@ TEST(EngineLayout, ReplicatedKvHeadsFollowRankTimesNkvOverT) {
 
 TEST(EngineLayout, RejectsBadTpAndRank) {
   const ModelSpec spec = load("tiny-qwen2");  // 14 heads
-  EXPECT_FALSE(engine_layout(spec, 4, 0, EngineLayout::kFused).ok());
-  EXPECT_FALSE(engine_layout(spec, 0, 0, EngineLayout::kFused).ok());
-  auto bad_rank = engine_layout(spec, 2, 2, EngineLayout::kFused);
+  EXPECT_FALSE(engine_layout(spec, 4, 0, EngineLayout::kFused, EngineProtocol::kVllm).ok());
+  EXPECT_FALSE(engine_layout(spec, 0, 0, EngineLayout::kFused, EngineProtocol::kVllm).ok());
+  auto bad_rank = engine_layout(spec, 2, 2, EngineLayout::kFused, EngineProtocol::kVllm);
   ASSERT_FALSE(bad_rank.ok());
   EXPECT_EQ(bad_rank.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad_rank.status().message().find("tp rank 2"), std::string::npos)
@@ -604,7 +613,7 @@ TEST(EngineLayout, RealModelsCountsShapesAndSpeed) {
     const auto t0 = std::chrono::steady_clock::now();
     std::int64_t total = 0, piece_elems = 0;
     for (int r = 0; r < rc.tp; ++r) {
-      auto L = engine_layout(spec, rc.tp, r, EngineLayout::kFused);
+      auto L = engine_layout(spec, rc.tp, r, EngineLayout::kFused, EngineProtocol::kVllm);
       ASSERT_TRUE(L.ok()) << L.status().to_string();
       ASSERT_EQ(L->params.size(), rc.params);
       EXPECT_EQ(L->params[0].shape, rc.embed);

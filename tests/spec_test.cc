@@ -30,7 +30,11 @@ INSTANTIATE_TEST_SUITE_P(Presets, PresetTotals,
                                            Published{"llama-3.1-8b", 8'030'261'248, 291},
                                            Published{"llama-3.2-1b", 1'235'814'400, 146},
                                            Published{"mistral-7b", 7'241'732'096, 291},
-                                           Published{"qwen3-30b-a3b", 30'532'122'624, 18'867}),
+                                           Published{"qwen3-30b-a3b", 30'532'122'624, 18'867},
+                                           Published{"gemma-2-2b", 2'614'341'888, 288},
+                                           Published{"gemma-3-1b", 999'885'952, 340},
+                                           Published{"phi-3-mini", 3'821'079'552, 195},
+                                           Published{"qwen1.5-moe-a2.7b", 14'315'784'192, 4'659}),
                          [](const auto& info) {
                            std::string n = info.param.preset;
                            for (auto& ch : n)

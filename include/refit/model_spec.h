@@ -30,8 +30,15 @@ enum class Architecture {
   kQwen3,     // Qwen3ForCausalLM (q/k norms)
   kMistral,   // MistralForCausalLM
   kQwen3Moe,  // Qwen3MoeForCausalLM (q/k norms, routed experts)
+  kGemma2,    // Gemma2ForCausalLM (pre/post feed-forward norms, tied embeddings)
+  kGemma3,    // Gemma3ForCausalLM, text only (Gemma 2's norms plus q/k norms)
+  kPhi3,      // Phi3ForCausalLM (q/k/v and gate/up already fused in the checkpoint)
+  kQwen2Moe,  // Qwen2MoeForCausalLM (q/k/v bias, routed experts plus a gated shared expert)
   kOther,     // any other class: the tensor table comes from the checkpoint's headers
 };
+
+// Whether refit's Megatron bridge (docs/megatron.md) knows the architecture's Megatron names.
+bool megatron_knows(Architecture arch);
 
 // HF architecture string ("Qwen3ForCausalLM") of an Architecture; "other" for kOther (its real
 // name is ModelConfig::architecture).
@@ -59,6 +66,12 @@ struct ModelConfig {
   std::int64_t decoder_sparse_step = 1;       // layer i is MoE when (i+1) % step == 0 ...
   std::vector<std::int64_t> mlp_only_layers;  // ... and i is not listed here
   bool norm_topk_prob = true;
+  // Qwen2-MoE: the shared expert's I (0: no shared expert).
+  std::int64_t shared_expert_intermediate_size = 0;
+  // Gemma 2 / 3: pre_/post_feedforward_layernorm in every layer.
+  bool feedforward_norms = false;
+  // Phi-3: the checkpoint holds self_attn.qkv_proj and mlp.gate_up_proj already fused.
+  bool fused_in_checkpoint = false;
   // Used by the reference forward pass only.
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
@@ -89,6 +102,14 @@ enum class ParamRole {
   kExpertGate,
   kExpertUp,    // [I_moe, H]
   kExpertDown,  // [H, I_moe]
+  kPreFfnNorm,   // pre_feedforward_layernorm.weight [H] (Gemma)
+  kPostFfnNorm,  // post_feedforward_layernorm.weight [H] (Gemma)
+  kQkvProj,      // self_attn.qkv_proj.weight [(nq + 2 nkv) d, H] = [q; k; v] (Phi-3)
+  kGateUpProj,   // mlp.gate_up_proj.weight [2 I, H] = [gate; up] (Phi-3)
+  kSharedGate,
+  kSharedUp,          // mlp.shared_expert.{gate,up}_proj.weight [I_sh, H] (Qwen2-MoE)
+  kSharedDown,        // mlp.shared_expert.down_proj.weight [H, I_sh]
+  kSharedExpertGate,  // mlp.shared_expert_gate.weight [1, H]
   kOther,       // a tensor of a table read from safetensors headers (no architecture facts)
 };
 

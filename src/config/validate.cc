@@ -283,13 +283,15 @@ Status check_megatron(const Config& c, const ModelSpec& spec) {
 // The fused engine layout and the Megatron bridge need the architecture's facts; a table read
 // from safetensors headers has none (docs/models.md).
 Status check_architecture(const Config& c, const ModelSpec& spec) {
-  if (spec.known_architecture()) return Status::Ok();
   const std::string& arch = spec.config().architecture;
-  if (c.policy.backend == PolicyBackend::kMegatron)
+  if (c.policy.backend == PolicyBackend::kMegatron && !megatron_knows(spec.config().arch))
     return Status::Unsupported(fmt::format(
-        "policy.backend: megatron needs an architecture refit knows (Megatron's parameter names "
-        "and shard layouts); {} is {}; got megatron; allowed: fsdp2, with generation.layout: hf",
-        c.model, arch));
+        "policy.backend: megatron needs an architecture refit's Megatron bridge knows "
+        "(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
+        "Qwen3MoeForCausalLM: Megatron's parameter names and shard layouts); {} is {}; got "
+        "megatron; allowed: fsdp2{}",
+        c.model, arch, spec.known_architecture() ? "" : ", with generation.layout: hf"));
+  if (spec.known_architecture()) return Status::Ok();
   if (c.generation.layout == EngineLayout::kFused)
     return Status::Unsupported(fmt::format(
         "generation.layout: fused needs an architecture refit knows (the engine's fused "

@@ -18,6 +18,10 @@ struct LayerTensors {
   std::uint32_t gate = kNone, up = kNone, down = kNone, router = kNone;
   std::vector<std::uint32_t> expert_gate, expert_up, expert_down;  // by expert index
   std::uint32_t input_norm = kNone, post_attn_norm = kNone;
+  std::uint32_t pre_ffn_norm = kNone, post_ffn_norm = kNone;  // Gemma
+  std::uint32_t qkv = kNone, gate_up = kNone;                 // fused in the checkpoint (Phi-3)
+  std::uint32_t shared_gate = kNone, shared_up = kNone, shared_down = kNone;  // Qwen2-MoE
+  std::uint32_t shared_expert_gate = kNone;
 };
 
 struct SpecIndex {
@@ -112,6 +116,30 @@ Result<SpecIndex> index_spec(const ModelSpec& spec) {
       case ParamRole::kExpertDown:
         REFIT_RETURN_IF_ERROR(expert_slot(L->expert_down));
         break;
+      case ParamRole::kPreFfnNorm:
+        L->pre_ffn_norm = i;
+        break;
+      case ParamRole::kPostFfnNorm:
+        L->post_ffn_norm = i;
+        break;
+      case ParamRole::kQkvProj:
+        L->qkv = i;
+        break;
+      case ParamRole::kGateUpProj:
+        L->gate_up = i;
+        break;
+      case ParamRole::kSharedGate:
+        L->shared_gate = i;
+        break;
+      case ParamRole::kSharedUp:
+        L->shared_up = i;
+        break;
+      case ParamRole::kSharedDown:
+        L->shared_down = i;
+        break;
+      case ParamRole::kSharedExpertGate:
+        L->shared_expert_gate = i;
+        break;
       case ParamRole::kOther:
         return Status::Internal(
             fmt::format("engine layout: tensor {} has no role for the fused layout", t.name));
@@ -182,7 +210,7 @@ std::int64_t EngineShardLayout::total_numel() const {
 }
 
 Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
-                                        EngineLayout layout) {
+                                        EngineLayout layout, EngineProtocol protocol) {
   if (tp_rank < 0 || tp_rank >= tp_size)
     return Status::InvalidArgument(
         fmt::format("engine layout: tp rank {} outside [0, {})", tp_rank, tp_size));
@@ -236,15 +264,27 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
     return b.piece(hf, lo, 0, real, H, 0, 0);
   };
 
-  REFIT_RETURN_IF_ERROR(vocab_parallel("model.embed_tokens.weight", ix.embed));
+  // SGLang's Gemma 3 embeds with a plain nn.Embedding: the whole table on every rank, unpadded
+  // (sgl-project/sglang: python/sglang/srt/models/gemma3_causal.py). vLLM's is vocab-parallel.
+  if (c.arch == Architecture::kGemma3 && protocol == EngineProtocol::kSglang)
+    REFIT_RETURN_IF_ERROR(b.replicated("model.embed_tokens.weight", ix.embed));
+  else
+    REFIT_RETURN_IF_ERROR(vocab_parallel("model.embed_tokens.weight", ix.embed));
   for (std::int64_t i = 0; i < c.num_layers; ++i) {
     const LayerTensors& L = ix.layers[static_cast<std::size_t>(i)];
     const std::string p = fmt::format("model.layers.{}.", i);
 
     b.param(p + "self_attn.qkv_proj.weight", {qkv_rows, H});
-    REFIT_RETURN_IF_ERROR(b.piece(L.q, r * q_rows, 0, q_rows, H, 0, 0));
-    REFIT_RETURN_IF_ERROR(b.piece(L.k, kv_row0, 0, kv_rows, H, q_rows, 0));
-    REFIT_RETURN_IF_ERROR(b.piece(L.v, kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+    if (c.fused_in_checkpoint) {  // Phi-3: q, k and v are row ranges of one HF tensor
+      const std::int64_t k0 = c.num_heads * d, v0 = k0 + c.num_kv_heads * d;
+      REFIT_RETURN_IF_ERROR(b.piece(L.qkv, r * q_rows, 0, q_rows, H, 0, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.qkv, k0 + kv_row0, 0, kv_rows, H, q_rows, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.qkv, v0 + kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+    } else {
+      REFIT_RETURN_IF_ERROR(b.piece(L.q, r * q_rows, 0, q_rows, H, 0, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.k, kv_row0, 0, kv_rows, H, q_rows, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.v, kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+    }
     if (c.attention_bias) {  // 1-D: matrix view [1, n], so row ranges become column ranges
       b.param(p + "self_attn.qkv_proj.bias", {qkv_rows});
       REFIT_RETURN_IF_ERROR(b.piece(L.q_bias, 0, r * q_rows, 1, q_rows, 0, 0));
@@ -277,6 +317,23 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
       for (std::int64_t e = 0; e < E; ++e)
         REFIT_RETURN_IF_ERROR(
             b.piece(L.expert_down[static_cast<std::size_t>(e)], 0, r * I, H, I, e * H, 0));
+      if (c.shared_expert_intermediate_size > 0) {  // Qwen2-MoE: a dense MLP beside the experts
+        const std::int64_t S = c.shared_expert_intermediate_size / t;
+        b.param(p + "mlp.shared_expert.gate_up_proj.weight", {2 * S, H});
+        REFIT_RETURN_IF_ERROR(b.piece(L.shared_gate, r * S, 0, S, H, 0, 0));
+        REFIT_RETURN_IF_ERROR(b.piece(L.shared_up, r * S, 0, S, H, S, 0));
+        b.param(p + "mlp.shared_expert.down_proj.weight", {H, S});
+        REFIT_RETURN_IF_ERROR(b.piece(L.shared_down, 0, r * S, H, S, 0, 0));
+        REFIT_RETURN_IF_ERROR(
+            b.replicated(p + "mlp.shared_expert_gate.weight", L.shared_expert_gate));
+      }
+    } else if (c.fused_in_checkpoint) {  // Phi-3: gate and up are row ranges of one HF tensor
+      const std::int64_t I = c.intermediate_size / t;
+      b.param(p + "mlp.gate_up_proj.weight", {2 * I, H});
+      REFIT_RETURN_IF_ERROR(b.piece(L.gate_up, r * I, 0, I, H, 0, 0));
+      REFIT_RETURN_IF_ERROR(b.piece(L.gate_up, c.intermediate_size + r * I, 0, I, H, I, 0));
+      b.param(p + "mlp.down_proj.weight", {H, I});
+      REFIT_RETURN_IF_ERROR(b.piece(L.down, 0, r * I, H, I, 0, 0));
     } else {
       const std::int64_t I = c.intermediate_size / t;
       b.param(p + "mlp.gate_up_proj.weight", {2 * I, H});
@@ -287,6 +344,11 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
     }
     REFIT_RETURN_IF_ERROR(b.replicated(p + "input_layernorm.weight", L.input_norm));
     REFIT_RETURN_IF_ERROR(b.replicated(p + "post_attention_layernorm.weight", L.post_attn_norm));
+    if (c.feedforward_norms) {
+      REFIT_RETURN_IF_ERROR(b.replicated(p + "pre_feedforward_layernorm.weight", L.pre_ffn_norm));
+      REFIT_RETURN_IF_ERROR(
+          b.replicated(p + "post_feedforward_layernorm.weight", L.post_ffn_norm));
+    }
   }
   REFIT_RETURN_IF_ERROR(b.replicated("model.norm.weight", ix.final_norm));
   if (!c.tie_word_embeddings) REFIT_RETURN_IF_ERROR(vocab_parallel("lm_head.weight", ix.lm_head));

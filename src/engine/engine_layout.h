@@ -40,8 +40,10 @@ struct EngineShardLayout {
 // sizes, expert intermediate size). The message names the quantity and the allowed sizes.
 Status check_engine_tp(const ModelSpec& spec, int tp);
 
-// The layout of engine TP rank `tp_rank` of `tp_size`.
+// The layout of engine TP rank `tp_rank` of `tp_size`. The engine protocol matters where vLLM's
+// and SGLang's fused layouts differ (Gemma 3's embedding: vocabulary-parallel in vLLM, whole in
+// SGLang).
 Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
-                                        EngineLayout layout);
+                                        EngineLayout layout, EngineProtocol protocol);
 
 }  // namespace refit

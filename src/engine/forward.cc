@@ -112,7 +112,15 @@ HfIndex index_hf(const ModelSpec& spec) {
       case ParamRole::kExpertDown:
         if (L) expert_slot(L->expert_down);
         break;
-      case ParamRole::kOther:  // header tables have no roles; the forward refuses them first
+      case ParamRole::kPreFfnNorm:
+      case ParamRole::kPostFfnNorm:
+      case ParamRole::kQkvProj:
+      case ParamRole::kGateUpProj:
+      case ParamRole::kSharedGate:
+      case ParamRole::kSharedUp:
+      case ParamRole::kSharedDown:
+      case ParamRole::kSharedExpertGate:
+      case ParamRole::kOther:  // architectures without a forward here: refused before (forward.h)
         break;
     }
   }
@@ -184,6 +192,24 @@ Status check_forward_inputs(const ModelConfig& c, const std::vector<std::int32_t
   return check_tokens(tokens, c.vocab_size, who);
 }
 }  // namespace fwd
+
+bool forward_knows(Architecture arch) {
+  switch (arch) {
+    case Architecture::kLlama:
+    case Architecture::kQwen2:
+    case Architecture::kQwen3:
+    case Architecture::kMistral:
+    case Architecture::kQwen3Moe:
+      return true;
+    case Architecture::kGemma2:
+    case Architecture::kGemma3:
+    case Architecture::kPhi3:
+    case Architecture::kQwen2Moe:
+    case Architecture::kOther:
+      return false;
+  }
+  return false;
+}
 
 Result<std::vector<float>> reference_forward(const ModelSpec& spec,
                                              const std::vector<const float*>& hf,

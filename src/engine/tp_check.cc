@@ -41,6 +41,9 @@ std::string engine_tp_problem(const ModelConfig& c, std::int64_t t) {
   if (has_moe_mlp(c) && c.moe_intermediate_size % t != 0)
     return fmt::format("moe_intermediate_size ({}) is not divisible by {}", c.moe_intermediate_size,
                        t);
+  if (has_moe_mlp(c) && c.shared_expert_intermediate_size % t != 0)
+    return fmt::format("shared_expert_intermediate_size ({}) is not divisible by {}",
+                       c.shared_expert_intermediate_size, t);
   return {};
 }
 

@@ -20,7 +20,8 @@ Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec)
     s.trainers.push_back(std::move(lay));
   }
   for (int t = 0; t < config.generation.tp_size; ++t) {
-    REFIT_ASSIGN_OR_RETURN(auto lay, engine_layout(spec, config.generation.tp_size, t, config.generation.layout));
+    REFIT_ASSIGN_OR_RETURN(auto lay, engine_layout(spec, config.generation.tp_size, t, config.generation.layout,
+                                                   config.generation.backend));
     s.engines.push_back(std::move(lay));
   }
   s.plan = make_transfer_plan(spec, s.trainers, s.engines, config.generation.num_engines,

@@ -354,7 +354,7 @@ Status verify_params(DataPlane& plane, const RankModel& model, const EngineShard
 }  // namespace
 
 Status check_logit_check_fits(const Config& cfg, const ModelSpec& spec) {
-  if (!spec.known_architecture())
+  if (!forward_knows(spec.config().arch))
     return Status::Unsupported(fmt::format(
         "--check-logits: refit has no reference forward for {} ({}); --verify still checks "
         "every byte the engines hold",
@@ -565,7 +565,8 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
                                       engine_rank % cfg.generation.tp_size);
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(cfg));
   REFIT_ASSIGN_OR_RETURN(auto layout, engine_layout(model->spec, cfg.generation.tp_size,
-                                                    engine_rank % cfg.generation.tp_size, cfg.generation.layout));
+                                                    engine_rank % cfg.generation.tp_size, cfg.generation.layout,
+                                                    cfg.generation.backend));
   REFIT_ASSIGN_OR_RETURN(auto engine,
                          create_engine_with_fault(cfg, engine_rank, o.endpoint, o.fault));
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in

@@ -285,7 +285,7 @@ class EngineImpl final : public Engine {
   Status setup() {
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
     REFIT_ASSIGN_OR_RETURN(layout_, engine_layout(model_->spec, cfg_.generation.tp_size, tp_rank_,
-                                                      cfg_.generation.layout));
+                                                  cfg_.generation.layout, cfg_.generation.backend));
     for (const EngineParam& p : layout_.params)
       slots_.push_back(TensorSlot{p.name, p.shape, cfg_.refit.target_precision});
     ptrs_.assign(slots_.size(), nullptr);

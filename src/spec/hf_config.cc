@@ -58,6 +58,14 @@ double get_double(const json& j, const char* key, double fallback) {
   return (it != j.end() && it->is_number()) ? it->get<double>() : fallback;
 }
 
+// "LlamaForCausalLM, ..." of every Architecture but kOther.
+std::string known_architectures() {
+  std::string out;
+  for (int a = 0; a < static_cast<int>(Architecture::kOther); ++a)
+    out += (out.empty() ? "" : ", ") + std::string(architecture_name(static_cast<Architecture>(a)));
+  return out;
+}
+
 // The tensor table of an architecture refit does not know, from the headers of `dir`'s
 // safetensors: every tensor with elements, in natural name order. With tie_word_embeddings, a
 // stored lm_head.weight is the embedding again: it is left out (sent once; engines tie it).
@@ -66,10 +74,9 @@ Result<ModelSpec> table_from_headers(ModelConfig c, const std::string& dir) {
   if (ckpt->empty())
     return Status::Unsupported(fmt::format(
         "{}: config.json names the architecture \"{}\", which refit has no built-in tensor table "
-        "for, and the directory holds no safetensors to read one from; refit knows "
-        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
-        "Qwen3MoeForCausalLM, and reads any other model's table from its safetensors headers",
-        dir, c.architecture));
+        "for, and the directory holds no safetensors to read one from; refit knows {}, and "
+        "reads any other model's table from its safetensors headers",
+        dir, c.architecture, known_architectures()));
   std::vector<std::string> names = ckpt->tensor_names();
   std::sort(names.begin(), names.end(), natural_name_less);
   if (names.size() > static_cast<std::size_t>(kMaxTensors))
@@ -121,6 +128,14 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
     c.arch = Architecture::kMistral;
   else if (arch == "Qwen3MoeForCausalLM")
     c.arch = Architecture::kQwen3Moe;
+  else if (arch == "Gemma2ForCausalLM")
+    c.arch = Architecture::kGemma2;
+  else if (arch == "Gemma3ForCausalLM")
+    c.arch = Architecture::kGemma3;
+  else if (arch == "Phi3ForCausalLM")
+    c.arch = Architecture::kPhi3;
+  else if (arch == "Qwen2MoeForCausalLM")
+    c.arch = Architecture::kQwen2Moe;
   else
     c.arch = Architecture::kOther;
   c.architecture = arch;
@@ -154,17 +169,36 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
                     "num_attention_heads ({})",
                     c.hidden_size, c.num_heads));
   REFIT_ASSIGN_OR_RETURN(c.head_dim, get_int(j, "head_dim", c.hidden_size / c.num_heads, kMaxWidth));
-  REFIT_ASSIGN_OR_RETURN(c.tie_word_embeddings, get_bool(j, "tie_word_embeddings", false));
-  // Qwen2's attention always has q/k/v bias; the others only when the config says so.
-  REFIT_ASSIGN_OR_RETURN(c.attention_bias,
-                         get_bool(j, "attention_bias", c.arch == Architecture::kQwen2));
-  if (c.arch == Architecture::kQwen2) c.attention_bias = true;
-  c.qk_norm = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
+  const bool gemma = c.arch == Architecture::kGemma2 || c.arch == Architecture::kGemma3;
+  const bool moe = c.arch == Architecture::kQwen3Moe || c.arch == Architecture::kQwen2Moe;
+  // Gemma ties its output head to the embedding (vLLM and SGLang require it).
+  REFIT_ASSIGN_OR_RETURN(c.tie_word_embeddings, get_bool(j, "tie_word_embeddings", gemma));
+  if (gemma && !c.tie_word_embeddings)
+    return Status::Unsupported(fmt::format(
+        "config.json: {} with tie_word_embeddings false; Gemma models tie their output head to "
+        "the embedding (vLLM and SGLang require it)",
+        arch));
+  // Qwen2's and Qwen2-MoE's attention always has q/k/v bias; the others only when the config
+  // says so (Phi-3 never).
+  const bool always_bias = c.arch == Architecture::kQwen2 || c.arch == Architecture::kQwen2Moe;
+  REFIT_ASSIGN_OR_RETURN(c.attention_bias, get_bool(j, "attention_bias", always_bias));
+  if (always_bias) c.attention_bias = true;
+  if (c.arch == Architecture::kPhi3 && c.attention_bias)
+    return Status::Unsupported("config.json: Phi3ForCausalLM with attention_bias; Phi-3's fused "
+                               "qkv_proj has no bias");
+  c.qk_norm = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe ||
+              c.arch == Architecture::kGemma3;
+  c.feedforward_norms = gemma;
+  c.fused_in_checkpoint = c.arch == Architecture::kPhi3;
   c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
   c.rope_theta = get_double(j, "rope_theta", 10000.0);
 
-  if (c.arch == Architecture::kQwen3Moe) {
+  if (moe) {
     REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, "num_experts", std::nullopt, kMaxExperts));
+    if (c.arch == Architecture::kQwen2Moe) {
+      REFIT_ASSIGN_OR_RETURN(c.shared_expert_intermediate_size,
+                             get_int(j, "shared_expert_intermediate_size", 0, kMaxFfn));
+    }
     REFIT_ASSIGN_OR_RETURN(c.num_experts_per_tok, get_int(j, "num_experts_per_tok", std::nullopt, kMaxExperts));
     REFIT_ASSIGN_OR_RETURN(c.moe_intermediate_size,
                            get_int(j, "moe_intermediate_size", std::nullopt, kMaxFfn));
@@ -190,9 +224,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
   // never be a model, before any tensor is built.
   const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
   const double experts = static_cast<double>(c.num_experts);
-  const double ffn = c.arch == Architecture::kQwen3Moe
-                         ? experts * 3.0 * h * static_cast<double>(c.moe_intermediate_size)
-                         : 3.0 * h * static_cast<double>(c.intermediate_size);
+  const double ffn =
+      moe ? experts * 3.0 * h * static_cast<double>(c.moe_intermediate_size) +
+                3.0 * h * static_cast<double>(c.shared_expert_intermediate_size)
+          : 3.0 * h * static_cast<double>(c.intermediate_size);
   const double attention =
       h * d * static_cast<double>(2 * c.num_heads + 2 * c.num_kv_heads);
   const double layers = static_cast<double>(c.num_layers);

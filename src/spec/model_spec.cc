@@ -18,10 +18,36 @@ std::string_view architecture_name(Architecture arch) {
       return "MistralForCausalLM";
     case Architecture::kQwen3Moe:
       return "Qwen3MoeForCausalLM";
+    case Architecture::kGemma2:
+      return "Gemma2ForCausalLM";
+    case Architecture::kGemma3:
+      return "Gemma3ForCausalLM";
+    case Architecture::kPhi3:
+      return "Phi3ForCausalLM";
+    case Architecture::kQwen2Moe:
+      return "Qwen2MoeForCausalLM";
     case Architecture::kOther:
       return "other";
   }
   return "?";
+}
+
+bool megatron_knows(Architecture arch) {
+  switch (arch) {
+    case Architecture::kLlama:
+    case Architecture::kQwen2:
+    case Architecture::kQwen3:
+    case Architecture::kMistral:
+    case Architecture::kQwen3Moe:
+      return true;
+    case Architecture::kGemma2:
+    case Architecture::kGemma3:
+    case Architecture::kPhi3:
+    case Architecture::kQwen2Moe:
+    case Architecture::kOther:
+      return false;
+  }
+  return false;
 }
 
 bool ModelConfig::is_moe_layer(std::int64_t layer) const {
@@ -56,12 +82,16 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
   add("model.embed_tokens.weight", {c.vocab_size, H}, ParamRole::kEmbedding);
   for (std::int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
-    add(p + "self_attn.q_proj.weight", {q_rows, H}, ParamRole::kQProj, i);
-    if (c.attention_bias) add(p + "self_attn.q_proj.bias", {q_rows}, ParamRole::kQBias, i);
-    add(p + "self_attn.k_proj.weight", {kv_rows, H}, ParamRole::kKProj, i);
-    if (c.attention_bias) add(p + "self_attn.k_proj.bias", {kv_rows}, ParamRole::kKBias, i);
-    add(p + "self_attn.v_proj.weight", {kv_rows, H}, ParamRole::kVProj, i);
-    if (c.attention_bias) add(p + "self_attn.v_proj.bias", {kv_rows}, ParamRole::kVBias, i);
+    if (c.fused_in_checkpoint) {
+      add(p + "self_attn.qkv_proj.weight", {q_rows + 2 * kv_rows, H}, ParamRole::kQkvProj, i);
+    } else {
+      add(p + "self_attn.q_proj.weight", {q_rows, H}, ParamRole::kQProj, i);
+      if (c.attention_bias) add(p + "self_attn.q_proj.bias", {q_rows}, ParamRole::kQBias, i);
+      add(p + "self_attn.k_proj.weight", {kv_rows, H}, ParamRole::kKProj, i);
+      if (c.attention_bias) add(p + "self_attn.k_proj.bias", {kv_rows}, ParamRole::kKBias, i);
+      add(p + "self_attn.v_proj.weight", {kv_rows, H}, ParamRole::kVProj, i);
+      if (c.attention_bias) add(p + "self_attn.v_proj.bias", {kv_rows}, ParamRole::kVBias, i);
+    }
     add(p + "self_attn.o_proj.weight", {H, q_rows}, ParamRole::kOProj, i);
     if (c.qk_norm) {
       add(p + "self_attn.q_norm.weight", {d}, ParamRole::kQNorm, i);
@@ -76,6 +106,17 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
         add(q + "up_proj.weight", {I, H}, ParamRole::kExpertUp, i, e);
         add(q + "down_proj.weight", {H, I}, ParamRole::kExpertDown, i, e);
       }
+      if (c.shared_expert_intermediate_size > 0) {
+        const std::int64_t S = c.shared_expert_intermediate_size;
+        add(p + "mlp.shared_expert.gate_proj.weight", {S, H}, ParamRole::kSharedGate, i);
+        add(p + "mlp.shared_expert.up_proj.weight", {S, H}, ParamRole::kSharedUp, i);
+        add(p + "mlp.shared_expert.down_proj.weight", {H, S}, ParamRole::kSharedDown, i);
+        add(p + "mlp.shared_expert_gate.weight", {1, H}, ParamRole::kSharedExpertGate, i);
+      }
+    } else if (c.fused_in_checkpoint) {
+      const std::int64_t I = c.intermediate_size;
+      add(p + "mlp.gate_up_proj.weight", {2 * I, H}, ParamRole::kGateUpProj, i);
+      add(p + "mlp.down_proj.weight", {H, I}, ParamRole::kDownProj, i);
     } else {
       const std::int64_t I = c.intermediate_size;
       add(p + "mlp.gate_proj.weight", {I, H}, ParamRole::kGateProj, i);
@@ -84,6 +125,10 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
     }
     add(p + "input_layernorm.weight", {H}, ParamRole::kInputNorm, i);
     add(p + "post_attention_layernorm.weight", {H}, ParamRole::kPostAttnNorm, i);
+    if (c.feedforward_norms) {
+      add(p + "pre_feedforward_layernorm.weight", {H}, ParamRole::kPreFfnNorm, i);
+      add(p + "post_feedforward_layernorm.weight", {H}, ParamRole::kPostFfnNorm, i);
+    }
   }
   add("model.norm.weight", {H}, ParamRole::kFinalNorm);
   if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, H}, ParamRole::kLmHead);

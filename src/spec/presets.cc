@@ -71,6 +71,38 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
   "attention_bias": false, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
   "rope_theta": 1000000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})"},
+      // google/gemma-2-2b — 2,614,341,888 parameters (tied; head_dim 256, so nq*d != H).
+      {"gemma-2-2b", R"({
+  "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+  "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
+  "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+  "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
+  "rope_theta": 10000.0, "tie_word_embeddings": true, "torch_dtype": "float32"})"},
+      // google/gemma-3-1b-pt (text) — 999,885,952 parameters (tied; one kv head).
+      {"gemma-3-1b", R"({
+  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+  "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+  "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+  "rope_local_base_freq": 10000, "rope_theta": 1000000, "hidden_activation": "gelu_pytorch_tanh",
+  "rms_norm_eps": 1e-06, "tie_word_embeddings": true, "torch_dtype": "bfloat16"})"},
+      // microsoft/Phi-3-mini-4k-instruct — 3,821,079,552 parameters (qkv and gate_up fused).
+      {"phi-3-mini", R"({
+  "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+  "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+  "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+  "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 2047,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16"})"},
+      // Qwen/Qwen1.5-MoE-A2.7B — 14,315,784,192 parameters (60 experts, a gated shared expert).
+      {"qwen1.5-moe-a2.7b", R"({
+  "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+  "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+  "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+  "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "norm_topk_prob": false,
+  "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16"})"},
       // Tiny models for tests. Vocabulary sizes are deliberately not multiples of 64 or 128.
       // Dense Qwen3 with GQA 2 and q/k norms, untied.
       {"tiny-qwen3", R"({
@@ -97,6 +129,28 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "vocab_size": 300, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
   "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": false})"},
+      // Gemma 2: head_dim * heads != hidden_size, feed-forward norms, tied.
+      {"tiny-gemma2", R"({
+  "architectures": ["Gemma2ForCausalLM"], "hidden_size": 48, "intermediate_size": 80,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+  "vocab_size": 333, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-06})"},
+      // Gemma 3 text: one kv head (replicated on every TP rank), q/k norms.
+      {"tiny-gemma3", R"({
+  "architectures": ["Gemma3ForCausalLM"], "hidden_size": 40, "intermediate_size": 72,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12,
+  "vocab_size": 401, "query_pre_attn_scalar": 12, "rms_norm_eps": 1e-06})"},
+      // Phi-3: q/k/v and gate/up fused in the checkpoint, GQA 2, untied.
+      {"tiny-phi3", R"({
+  "architectures": ["Phi3ForCausalLM"], "hidden_size": 48, "intermediate_size": 88,
+  "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+  "vocab_size": 259, "rms_norm_eps": 1e-05, "tie_word_embeddings": false})"},
+      // Qwen2-MoE: q/k/v bias, 6 experts top-2, a gated shared expert, layer 1 dense.
+      {"tiny-qwen2-moe", R"({
+  "architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 32, "intermediate_size": 56,
+  "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "vocab_size": 211, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 20,
+  "shared_expert_intermediate_size": 36, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+  "norm_topk_prob": false, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
   };
   return table;
 }
