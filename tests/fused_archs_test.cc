@@ -277,13 +277,9 @@ TEST(FusedArchsRuntime, Fsdp2IntoEveryNewFusedLayoutBitExact) {
                         Cell{"tiny-phi3", "vllm", true, 2}, Cell{"tiny-qwen2-moe", "sglang", false, 3}}) {
     SCOPED_TRACE(c.model);
     const std::string cfg = dir.write(
-        "c.yaml", fmt::format("model: {}
-policy: {{world_size: {}}}
-generation: {{backend: {}, "
-                              "colocated: {}, num_engines: {}, tp_size: 2}}
-refit: "
-                              "{{buffer_size_bytes: 4096, timeout_s: 30}}
-",
+        "c.yaml", fmt::format("model: {}\npolicy: {{world_size: {}}}\ngeneration: {{backend: {}, "
+                              "colocated: {}, num_engines: {}, tp_size: 2}}\nrefit: "
+                              "{{buffer_size_bytes: 4096, timeout_s: 30}}\n",
                               c.model, c.world, c.engine, c.colocated ? "true" : "false",
                               c.colocated ? 1 : 2));
     auto r = testing::run_cli({"run", cfg, "--steps", "2", "--verify"}, 180);
