@@ -334,14 +334,24 @@ Result<ModelSpec> config_model_spec(const Config& config) {
         if (std::none_of(config.tensor_table.begin(), config.tensor_table.end(),
                          [&](const auto& e) { return e.first == t.name; }))
           problems.push_back(fmt::format("{} is missing", t.name));
-    if (!problems.empty()) {
-      std::string text;
-      for (std::size_t i = 0; i < problems.size() && i < 4; ++i) text += (i ? "; " : "") + problems[i];
-      if (problems.size() > 4) text += fmt::format("; and {} more", problems.size() - 4);
+    if (problems.empty()) return derived;
+    std::string text;
+    for (std::size_t i = 0; i < problems.size() && i < 4; ++i) text += (i ? "; " : "") + problems[i];
+    if (problems.size() > 4) text += fmt::format("; and {} more", problems.size() - 4);
+    // The module names its tensors its own way (transformers 5 fuses MoE experts into
+    // mlp.experts.gate_up_proj): an FSDP2 trainer and the hf layout need no architecture facts,
+    // so the module's table is the table. Anything that needs the facts gets the mismatch.
+    if (config.generation.layout != EngineLayout::kHf ||
+        config.policy.backend != PolicyBackend::kFsdp2)
       return Status::InvalidArgument(fmt::format(
-          "tensor table: does not match {} ({}): {}", source, derived.config().architecture, text));
-    }
-    return derived;
+          "tensor table: does not match {} ({}): {} (with policy.backend fsdp2 and "
+          "generation.layout hf the table is taken as given)",
+          source, derived.config().architecture, text));
+    log::info("tensor table: not {}'s checkpoint names ({}); taken as given, without "
+              "architecture facts (fsdp2 trainer, generation.layout hf)",
+              derived.config().architecture, text);
+    c = derived.config();
+    c.arch = Architecture::kOther;
   }
   std::vector<TensorSpec> tensors;
   for (const auto& [name, shape] : config.tensor_table) {

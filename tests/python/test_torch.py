@@ -129,10 +129,14 @@ def test_module_errors_name_the_parameter():
     cfg = config("tiny-qwen3")
     extra = module_from_spec(spec, torch.float32)
     extra.register_parameter("value_head", torch.nn.Parameter(torch.zeros(3)))
-    with pytest.raises(refit.SetupError, match="value_head"):
-        rt.trainer_from_fsdp(extra, cfg, 0, master_port=free_port())  # before any rank starts
-    with pytest.raises(refit.SetupError, match="value_head"):
-        rt.engine_from_hf(extra, cfg, 0, master_port=free_port())
+    # The fused layout needs Qwen3's own table: the extra tensor is named before any rank starts.
+    fused = cfg.replace({"generation": {"layout": "fused"}})
+    with pytest.raises(refit.SetupError, match="value_head is not a tensor of Qwen3ForCausalLM"):
+        rt.trainer_from_fsdp(extra, fused, 0, master_port=free_port())
+    # With the hf layout a module's own names are taken as given; the two sides' tables must
+    # agree, which the ranks check when they meet.
+    with pytest.raises(refit.Error, match="disagree on model"):
+        start(extra, module_from_spec(spec, torch.bfloat16), cfg)
     with pytest.raises(refit.SetupError, match="generation.layout: hf"):
         rt.engine_from_hf(module_from_spec(spec, torch.bfloat16),
                           cfg.replace({"generation": {"layout": "fused"}}), 0,
