@@ -152,6 +152,10 @@ class ModelSpec {
   std::string source_;
 };
 
+// The most tensors a model's table may hold (a config.json, a checkpoint or an explicit table):
+// far above any published model, so that an absurd input is an error naming it, not a hang.
+inline constexpr std::int64_t kMaxModelTensors = 4'000'000;
+
 // Parses the text of an HF config.json. An unknown "architectures" entry is an error naming it.
 Result<ModelConfig> parse_hf_config(std::string_view json_text);
 
