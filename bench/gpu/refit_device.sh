@@ -97,8 +97,8 @@ if g++ -O2 -shared -fPIC -std=c++20 "$root"/python/src/*.cc -I"$root/include" -I
      -Wl,--start-group "$c/lib/librefit.a" "$c/lib/libgloo.so.0" "$c/lib/libzmq.so.5" \
      "$c/lib/libyaml-cpp.so.0.7" "$c/lib/libfmt.so.9" "$c/lib/libsodium.so.23" -Wl,--end-group \
      -L"$cudalib" -lcudart_static -L"$nccl_dir" -l:libnccl.so.2 -lpthread -ldl -lrt > "$out/python.log" 2>&1; then
-  PYTHONPATH=$work/py timeout 300 python3 "$root/bench/gpu/python_device_test.py" --steps 2 \
-    --json "$work/python.json" >> "$out/python.log" 2>&1
+  PYTHONPATH=$work/py timeout "${REFIT_PY_TIMEOUT:-540}" python3 "$root/bench/gpu/python_device_test.py" \
+    --steps 2 ${REFIT_PY_CASES:+--cases "$REFIT_PY_CASES"} --json "$work/python.json" >> "$out/python.log" 2>&1
   note "python device test rc=$?"
 else
   note "python module build FAILED (python.log)"
