@@ -101,6 +101,17 @@ TEST(Spec, UnknownArchitectureIsKeptByName) {
   EXPECT_NE(bad.status().message().find("hidden_size"), std::string::npos);
 }
 
+// transformers 5 saves Qwen3MoeConfig.num_experts as num_local_experts (seen in run 29).
+TEST(Spec, NumLocalExpertsStandsInForNumExperts) {
+  auto c = parse_hf_config(
+      R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":32,"intermediate_size":64,
+          "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+          "vocab_size":100,"num_local_experts":6,"num_experts_per_tok":2,
+          "moe_intermediate_size":16})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->num_experts, 6);
+}
+
 TEST(Spec, MissingKeyIsNamed) {
   auto c = parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"hidden_size":8})");
   ASSERT_FALSE(c.ok());

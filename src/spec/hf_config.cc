@@ -139,7 +139,12 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
   c.rope_theta = get_double(j, "rope_theta", 10000.0);
 
   if (moe) {
-    REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, "num_experts", std::nullopt, kMaxExperts));
+    // Checkpoints write num_experts; transformers 5 saves Qwen3MoeConfig's as num_local_experts
+    // (notes/gpu-runs.md run 29), which is read when num_experts is absent.
+    const char* experts_key =
+        !j.contains("num_experts") && j.contains("num_local_experts") ? "num_local_experts"
+                                                                      : "num_experts";
+    REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, experts_key, std::nullopt, kMaxExperts));
     if (c.arch == Architecture::kQwen2Moe) {
       REFIT_ASSIGN_OR_RETURN(c.shared_expert_intermediate_size,
                              get_int(j, "shared_expert_intermediate_size", 0, kMaxFfn));
