@@ -353,7 +353,7 @@ TEST(RuntimeRecovery, FailedPauseHookWithGatherIsRejected) {
 }
 
 // A refit that fails in flight with every rank alive (docs/runtime.md, "A refit that fails in
-// flight"): a trainer or engine rank stalls for 1.5 x refit.timeout_s (its heartbeat goes on) in
+// flight"): a trainer or engine rank stalls for 2.5 x refit.timeout_s (its heartbeat goes on) in
 // step 2. A rank that times out records the refit's failure; every rank sees it, fails the refit
 // with that cause, forms its groups anew (epoch 1), and step 3 of the same session verifies.
 struct InFlight {

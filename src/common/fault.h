@@ -18,7 +18,7 @@ struct Fault {
     kVersionMismatch,
     kFailPause,  // engine rank `rank`'s pause hook fails in refit `step`
     kSlowPause,  // engine rank `rank`'s pause hook takes 1.5 x refit.timeout_s in refit `step`
-    // Trainer rank `rank` stalls for 1.5 x refit.timeout_s (alive: its heartbeat goes on) before
+    // Trainer rank `rank` stalls for 2.5 x refit.timeout_s (alive: its heartbeat goes on) before
     // the first bytes it moves in refit `step`; engine rank `rank` before its commit.
     kStallTrainer,
     kStallEngine,
@@ -34,7 +34,7 @@ struct Fault {
   // corrupt, fail-pause, slow-pause, stall-*: the refit step it fires in ("corrupt:K:S",
   // "fail-pause:R:S"; the others: step 1)
   int step = 1;
-  // stall-*: how long, in ms (the runtime sets 1.5 x refit.timeout_s)
+  // stall-*: how long, in ms (the runtime sets 2.5 x refit.timeout_s)
   int stall_ms = 0;
 };
 

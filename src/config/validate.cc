@@ -292,13 +292,20 @@ Status check_architecture(const Config& c, const ModelSpec& spec) {
         "megatron; allowed: fsdp2{}",
         c.model, arch, spec.known_architecture() ? "" : ", with generation.layout: hf"));
   if (spec.known_architecture()) return Status::Ok();
+  // DeepSeek's engines derive state after loading and keep a float32 parameter: no in-place
+  // fused layout can serve them (docs/models.md, "DeepSeek-V3").
+  const bool deepseek = arch.rfind("Deepseek", 0) == 0;
   if (c.generation.layout == EngineLayout::kFused)
     return Status::Unsupported(fmt::format(
         "generation.layout: fused needs an architecture refit knows (the engine's fused "
-        "parameter names and TP slices); {} is {}; got fused; allowed: hf (every engine rank "
+        "parameter names and TP slices); {} is {}{}; got fused; allowed: hf (every engine rank "
         "receives the whole tensors under their Hugging Face names, and the engine's "
         "load_weights fuses and slices them)",
-        c.model, arch));
+        c.model, arch,
+        deepseek ? " (refit has no fused layout for it: vLLM and SGLang derive the MLA matrices "
+                   "from kv_b_proj after loading and keep mlp.gate.e_score_correction_bias in "
+                   "float32, which in-place writes cannot serve)"
+                 : ""));
   return Status::Ok();
 }
 

@@ -812,7 +812,7 @@ Result<std::unique_ptr<Engine>> create_engine_with_fault(const Config& config, i
                     engine_rank, config.engine_ranks() - 1));
   REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
   Fault armed = fault;
-  armed.stall_ms = static_cast<int>(config.refit.timeout_s * 1500);
+  armed.stall_ms = static_cast<int>(config.refit.timeout_s * 2500);
   auto e = std::make_unique<EngineImpl>(config, engine_rank, endpoint, armed);
   REFIT_RETURN_IF_ERROR(e->init());
   return std::unique_ptr<Engine>(std::move(e));

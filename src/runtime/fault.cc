@@ -71,7 +71,8 @@ class FaultProbe final : public RefitProbe {
   }
 
  private:
-  // Alive but stuck (its heartbeat thread goes on): for 1.5 x refit.timeout_s.
+  // Alive but stuck (its heartbeat thread goes on): for 2.5 x refit.timeout_s, so that the
+  // other ranks time out even when scheduling on a loaded machine delays them by a whole timeout.
   void stall(const std::string& where) {
     log::info("fault injection: stalling for {} ms {}", f_.stall_ms, where);
     std::this_thread::sleep_for(std::chrono::milliseconds(f_.stall_ms));

@@ -603,7 +603,7 @@ Result<std::unique_ptr<Trainer>> create_trainer_with_fault(const Config& config,
                                                rank, config.policy.world_size));
   REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
   Fault armed = fault;
-  armed.stall_ms = static_cast<int>(config.refit.timeout_s * 1500);
+  armed.stall_ms = static_cast<int>(config.refit.timeout_s * 2500);
   auto t = std::make_unique<TrainerImpl>(config, rank, endpoint, armed);
   REFIT_RETURN_IF_ERROR(t->init());
   return std::unique_ptr<Trainer>(std::move(t));
