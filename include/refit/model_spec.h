@@ -37,8 +37,10 @@ enum class Architecture {
   kOther,     // any other class: the tensor table comes from the checkpoint's headers
 };
 
-// Whether refit's Megatron bridge (docs/megatron.md) knows the architecture's Megatron names.
-bool megatron_knows(Architecture arch);
+// The Llama family (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE): the architectures whose Megatron
+// names refit's bridge knows (docs/megatron.md) and that its reference forward covers
+// (src/engine/forward.h). The others have a table and, but for kOther, a fused layout only.
+bool llama_family(Architecture arch);
 
 // HF architecture string ("Qwen3ForCausalLM") of an Architecture; "other" for kOther (its real
 // name is ModelConfig::architecture).

@@ -284,7 +284,7 @@ Status check_megatron(const Config& c, const ModelSpec& spec) {
 // from safetensors headers has none (docs/models.md).
 Status check_architecture(const Config& c, const ModelSpec& spec) {
   const std::string& arch = spec.config().architecture;
-  if (c.policy.backend == PolicyBackend::kMegatron && !megatron_knows(spec.config().arch))
+  if (c.policy.backend == PolicyBackend::kMegatron && !llama_family(spec.config().arch))
     return Status::Unsupported(fmt::format(
         "policy.backend: megatron needs an architecture refit's Megatron bridge knows "
         "(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "

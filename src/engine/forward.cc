@@ -193,24 +193,6 @@ Status check_forward_inputs(const ModelConfig& c, const std::vector<std::int32_t
 }
 }  // namespace fwd
 
-bool forward_knows(Architecture arch) {
-  switch (arch) {
-    case Architecture::kLlama:
-    case Architecture::kQwen2:
-    case Architecture::kQwen3:
-    case Architecture::kMistral:
-    case Architecture::kQwen3Moe:
-      return true;
-    case Architecture::kGemma2:
-    case Architecture::kGemma3:
-    case Architecture::kPhi3:
-    case Architecture::kQwen2Moe:
-    case Architecture::kOther:
-      return false;
-  }
-  return false;
-}
-
 Result<std::vector<float>> reference_forward(const ModelSpec& spec,
                                              const std::vector<const float*>& hf,
                                              const std::vector<std::int32_t>& tokens) {

@@ -29,12 +29,9 @@ namespace refit {
 // Single-process forward on the full HF tensors: hf[i] holds spec.tensors()[i] row-major (fp32;
 // for a refit check, the values after the cast to the target precision). Causal attention over
 // `tokens` at positions 0..T-1. Returns the logits [T, V], row-major. The pointers must stay
-// valid for the call; nothing is retained.
-// Whether the forward passes below cover the architecture (Llama, Qwen2, Qwen3, Mistral,
-// Qwen3-MoE). The others (Gemma's offset norms and soft-capping, Phi-3, Qwen2-MoE's shared expert,
-// tables read from headers) have none: --check-logits refuses them at setup.
-bool forward_knows(Architecture arch);
-
+// valid for the call; nothing is retained. The forward passes here cover the Llama family
+// (llama_family in refit/model_spec.h); --check-logits refuses the others at setup (Gemma's offset
+// norms and soft-capping, Phi-3, Qwen2-MoE's shared expert, tables read from headers).
 Result<std::vector<float>> reference_forward(const ModelSpec& spec,
                                              const std::vector<const float*>& hf,
                                              const std::vector<std::int32_t>& tokens);

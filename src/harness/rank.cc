@@ -354,7 +354,7 @@ Status verify_params(DataPlane& plane, const RankModel& model, const EngineShard
 }  // namespace
 
 Status check_logit_check_fits(const Config& cfg, const ModelSpec& spec) {
-  if (!forward_knows(spec.config().arch))
+  if (!llama_family(spec.config().arch))
     return Status::Unsupported(fmt::format(
         "--check-logits: refit has no reference forward for {} ({}); --verify still checks "
         "every byte the engines hold",

@@ -32,7 +32,7 @@ std::string_view architecture_name(Architecture arch) {
   return "?";
 }
 
-bool megatron_knows(Architecture arch) {
+bool llama_family(Architecture arch) {
   switch (arch) {
     case Architecture::kLlama:
     case Architecture::kQwen2:

@@ -77,6 +77,14 @@ def serve(engine, box):
     return thread
 
 
+def shut_down(trainer, thread, box, served):
+    """The trainer shuts the engine down; its serve() returns the refits it served."""
+    trainer.shutdown()
+    thread.join(timeout=20)
+    assert "error" not in box, box.get("error")
+    assert box["served"] == served
+
+
 def assert_module_is_bf16_of(engine_module, values):
     for name, p in engine_module.named_parameters():
         got = p.detach().view(torch.int16).numpy().view(np.uint16)
@@ -115,10 +123,7 @@ def test_trainer_module_to_hf_engine_module(model):
         trainer.refit(2)
         assert_module_is_bf16_of(engine_module, step2)
         assert resumed == ["step-1", "step-2"] and engine.weight_version == "step-2"
-        trainer.shutdown()
-        thread.join(timeout=20)
-        assert "error" not in box, box.get("error")
-        assert box["served"] == 2
+        shut_down(trainer, thread, box, served=2)
     finally:
         trainer.close()
         engine.close()
@@ -238,10 +243,7 @@ def test_unknown_architecture_from_module_to_module_by_name(tmp_path, mode):
             for b in batches:
                 for i in {n.split(".")[1] for n in b if n.startswith("layers.")}:
                     assert sum(n.startswith(f"layers.{i}.") for n in b) == 3, (i, b)
-        trainer.shutdown()
-        thread.join(timeout=20)
-        assert "error" not in box, box.get("error")
-        assert box["served"] == 2
+        shut_down(trainer, thread, box, served=2)
     finally:
         trainer.close()
         engine.close()
