@@ -20,7 +20,6 @@
 namespace refit {
 namespace {
 
-
 // "LlamaForCausalLM, ..." of every Architecture but kOther.
 std::string known_architectures() {
   std::string out;
@@ -29,9 +28,38 @@ std::string known_architectures() {
   return out;
 }
 
-// The tensor table of an architecture refit does not know, from the headers of `dir`'s
-// safetensors: every tensor with elements, in natural name order. With tie_word_embeddings, a
-// stored lm_head.weight is the embedding again: it is left out (sent once; engines tie it).
+// A table without architecture facts, from (name, shape) entries (safetensors headers, or an
+// explicit table): natural name order, every role kOther; a tied lm_head.weight (the embedding
+// again: sent once, engines tie it) and tensors without elements are left out. `where` names
+// the source in messages.
+Result<ModelSpec> other_table(ModelConfig c,
+                              std::vector<std::pair<std::string, std::vector<std::int64_t>>> entries,
+                              const std::string& where, std::string source) {
+  if (entries.size() > static_cast<std::size_t>(kMaxModelTensors))
+    return Status::InvalidArgument(fmt::format("{}: {} tensors; refit supports at most {}", where,
+                                               entries.size(), kMaxModelTensors));
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return natural_name_less(a.first, b.first); });
+  std::vector<TensorSpec> tensors;
+  tensors.reserve(entries.size());
+  for (auto& [name, shape] : entries) {
+    if (c.tie_word_embeddings && name == "lm_head.weight") continue;
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    if (n == 0) {
+      log::warn("{}: tensor {} has shape {} (no elements): not part of the refit", where, name,
+                shape_string(shape));
+      continue;
+    }
+    const std::int64_t layer = layer_of_name(name);
+    tensors.push_back(TensorSpec{std::move(name), std::move(shape), ParamRole::kOther, layer, -1});
+  }
+  if (tensors.empty())
+    return Status::InvalidArgument(fmt::format("{}: no tensor with elements", where));
+  return ModelSpec(std::move(c), std::move(tensors), std::move(source));
+}
+
+// The table of an architecture refit does not know, from the headers of `dir`'s safetensors.
 Result<ModelSpec> table_from_headers(ModelConfig c, const std::string& dir) {
   REFIT_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::open(dir));
   if (ckpt->empty())
@@ -40,35 +68,13 @@ Result<ModelSpec> table_from_headers(ModelConfig c, const std::string& dir) {
         "for, and the directory holds no safetensors to read one from; refit knows {}, and "
         "reads any other model's table from its safetensors headers",
         dir, c.architecture, known_architectures()));
-  std::vector<std::string> names = ckpt->tensor_names();
-  std::sort(names.begin(), names.end(), natural_name_less);
-  if (names.size() > static_cast<std::size_t>(kMaxModelTensors))
-    return Status::InvalidArgument(fmt::format("{}: the checkpoint holds {} tensors; refit supports "
-                                               "at most {}",
-                                               dir, names.size(), kMaxModelTensors));
-  std::vector<TensorSpec> tensors;
-  tensors.reserve(names.size());
-  for (const auto& name : names) {
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> entries;
+  for (const auto& name : ckpt->tensor_names()) {
     REFIT_ASSIGN_OR_RETURN(const TensorRef ref, ckpt->find(name));
-    const TensorInfo& info = *ref.info;
-    if (c.tie_word_embeddings && name == "lm_head.weight") {
-      log::info("{}: tie_word_embeddings is set: lm_head.weight is the embedding, sent once", dir);
-      continue;
-    }
-    if (info.numel() == 0) {
-      log::warn("{}: tensor {} has shape {} (no elements): not part of the refit", dir, name,
-                shape_string(info.shape));
-      continue;
-    }
-    tensors.push_back(TensorSpec{name, info.shape, ParamRole::kOther, layer_of_name(name), -1});
+    entries.emplace_back(name, ref.info->shape);
   }
-  if (tensors.empty())
-    return Status::InvalidArgument(
-        fmt::format("{}: the checkpoint's safetensors hold no tensor with elements", dir));
-  return ModelSpec(std::move(c), std::move(tensors), dir);
+  return other_table(std::move(c), std::move(entries), dir + ": the checkpoint's safetensors", dir);
 }
-
-
 
 // The parsed config.json of a preset or a model directory, and the directory ("" for a preset).
 Result<std::pair<ModelConfig, std::string>> load_model_config(std::string_view model) {
@@ -173,19 +179,7 @@ Result<ModelSpec> config_model_spec(const Config& config) {
     c = derived.config();
     c.arch = Architecture::kOther;
   }
-  std::vector<TensorSpec> tensors;
-  for (const auto& [name, shape] : config.tensor_table) {
-    if (c.tie_word_embeddings && name == "lm_head.weight") continue;
-    std::int64_t n = 1;
-    for (auto d : shape) n *= d;
-    if (n == 0) continue;
-    tensors.push_back(TensorSpec{name, shape, ParamRole::kOther, layer_of_name(name), -1});
-  }
-  std::sort(tensors.begin(), tensors.end(),
-            [](const TensorSpec& a, const TensorSpec& b) { return natural_name_less(a.name, b.name); });
-  if (tensors.empty())
-    return Status::InvalidArgument("tensor table: no tensor with elements");
-  return ModelSpec(std::move(c), std::move(tensors), source);
+  return other_table(std::move(c), config.tensor_table, "tensor table", source);
 }
 
 }  // namespace refit
