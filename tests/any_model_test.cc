@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -284,8 +285,17 @@ void expect_hf_cell(const TempDir& dir, const HfCell& c, const std::string& pair
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verified bit-exact on every engine rank"), std::string::npos)
       << r.output;
-  // The engines took the weights through the load_weights hook, checked and verified.
-  EXPECT_NE(r.output.find("by name in"), std::string::npos) << r.output;
+  // Every engine rank took the weights through the load_weights hook, checked and verified.
+  std::size_t hooked = 0;
+  for (auto at = r.output.find("by name in"); at != std::string::npos;
+       at = r.output.find("by name in", at + 1))
+    ++hooked;
+  EXPECT_EQ(hooked, static_cast<std::size_t>(c.num_engines * c.tp)) << r.output;
+  // --check-logits ran the reference forward on every rank's whole tensors.
+  if (std::find(extra.begin(), extra.end(), "--check-logits") != extra.end()) {
+    EXPECT_NE(r.output.find("engine logits match the reference forward"), std::string::npos)
+        << r.output;
+  }
   if (!pairs.empty()) {
     EXPECT_NE(r.output.find("pairs by executor: " + pairs), std::string::npos) << r.output;
   }
