@@ -36,6 +36,11 @@ enum class Executor { kAuto, kPeer, kP2p, kGather };
 //  hf:    every Hugging Face tensor whole, under its HF name, on every TP rank (the engine's
 //         load_weights fuses and slices; costs T times the bytes of fused with TP = T)
 enum class EngineLayout { kFused, kHf };
+// How FP8 weights carry their scales (refit.fp8.scheme; docs/fp8.md).
+//  block:  one float32 dequantization multiplier per block_rows x block_cols block
+//          (`weight_scale_inv`, DeepSeek-V3 / Qwen3-FP8 / vLLM and SGLang block-FP8 layers)
+//  tensor: one float32 multiplier per Hugging Face tensor (`weight_scale`)
+enum class Fp8Scheme { kBlock, kTensor };
 
 std::string_view device_name(Device d);
 std::string_view policy_backend_name(PolicyBackend b);
@@ -43,6 +48,7 @@ std::string_view engine_protocol_name(EngineProtocol p);
 std::string_view transfer_mode_name(TransferMode m);
 std::string_view executor_name(Executor e);
 std::string_view engine_layout_name(EngineLayout l);
+std::string_view fp8_scheme_name(Fp8Scheme s);
 
 struct MegatronParallel {
   int tp = 1;  // tensor parallel
@@ -66,8 +72,19 @@ struct GenerationConfig {
   EngineLayout layout = EngineLayout::kFused;
 };
 
+// refit.fp8: how refit.target_precision fp8 quantizes (docs/fp8.md).
+struct Fp8Config {
+  Fp8Scheme scheme = Fp8Scheme::kBlock;
+  std::int64_t block_rows = 128;  // along the output dim (weight rows); block scheme only
+  std::int64_t block_cols = 128;  // along the input dim (weight columns)
+  // refit.fp8 was written in the config. Otherwise a model directory's quantization_config, when
+  // it has one, decides (config.json "weight_block_size"), and the defaults above apply.
+  bool given = false;
+};
+
 struct RefitConfig {
   DType target_precision = DType::kBFloat16;
+  Fp8Config fp8;  // used when target_precision is fp8
   std::int64_t buffer_size_bytes = 256ll << 20;  // one bucket at most
   int num_buffers = 2;                           // in-flight buckets (>= 1)
   double timeout_s = 60.0;                       // bound on every wait inside a refit

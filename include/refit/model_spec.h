@@ -46,6 +46,14 @@ bool llama_family(Architecture arch);
 // name is ModelConfig::architecture).
 std::string_view architecture_name(Architecture arch);
 
+// config.json "quantization_config" of a quantized checkpoint (read for FP8 refits, docs/fp8.md).
+struct QuantizationConfig {
+  bool present = false;
+  std::string quant_method;                     // e.g. "fp8"
+  std::vector<std::int64_t> weight_block_size;  // [rows, cols]; empty: one scale per tensor
+  std::vector<std::string> ignored;             // modules_to_not_convert / ignored_layers
+};
+
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
   std::string architecture = "LlamaForCausalLM";  // config.json "architectures"[0], as written
@@ -77,6 +85,9 @@ struct ModelConfig {
   // Used by the reference forward pass only.
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
+
+  // The checkpoint's quantization_config, when config.json has one.
+  QuantizationConfig quantization;
 
   bool is_moe_layer(std::int64_t layer) const;
 };

@@ -69,6 +69,16 @@ std::string_view executor_name(Executor e) {
   return "?";
 }
 
+std::string_view fp8_scheme_name(Fp8Scheme s) {
+  switch (s) {
+    case Fp8Scheme::kBlock:
+      return "block";
+    case Fp8Scheme::kTensor:
+      return "tensor";
+  }
+  return "?";
+}
+
 std::string_view engine_layout_name(EngineLayout l) {
   switch (l) {
     case EngineLayout::kFused:
@@ -145,6 +155,13 @@ std::string config_to_yaml(const Config& c) {
   out << YAML::Key << "executor" << YAML::Value << std::string(executor_name(r.executor));
   out << YAML::Key << "checksum" << YAML::Value << r.checksum;
   out << YAML::Key << "keep_previous" << YAML::Value << r.keep_previous;
+  if (r.fp8.given) {  // written only when given: a model directory's quantization_config decides otherwise
+    out << YAML::Key << "fp8" << YAML::Value << YAML::Flow << YAML::BeginMap;
+    out << YAML::Key << "scheme" << YAML::Value << std::string(fp8_scheme_name(r.fp8.scheme));
+    out << YAML::Key << "block" << YAML::Value << YAML::Flow << YAML::BeginSeq << r.fp8.block_rows
+        << r.fp8.block_cols << YAML::EndSeq;
+    out << YAML::EndMap;
+  }
   out << YAML::EndMap;
 
   out << YAML::EndMap;
@@ -180,6 +197,9 @@ std::string config_to_json(const Config& c) {
       {"checksum", c.refit.checksum},
       {"keep_previous", c.refit.keep_previous},
   };
+  if (c.refit.fp8.given)
+    j["refit"]["fp8"] = {{"scheme", fp8_scheme_name(c.refit.fp8.scheme)},
+                         {"block", {c.refit.fp8.block_rows, c.refit.fp8.block_cols}}};
   return j.dump(2);
 }
 

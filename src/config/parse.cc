@@ -315,7 +315,7 @@ Status parse_refit(const Section& top, RefitConfig& r) {
   REFIT_ASSIGN_OR_RETURN(Section s, open_section(top, "refit",
                                                  {"target_precision", "buffer_size_bytes",
                                                   "num_buffers", "timeout_s", "executor",
-                                                  "checksum", "keep_previous"}));
+                                                  "checksum", "keep_previous", "fp8"}));
   if (auto v = s.get("target_precision")) {
     REFIT_ASSIGN_OR_RETURN(r.target_precision,
                            read_enum<DType>(s.key("target_precision"), *v,
@@ -345,6 +345,26 @@ Status parse_refit(const Section& top, RefitConfig& r) {
   }
   if (auto v = s.get("keep_previous")) {
     REFIT_ASSIGN_OR_RETURN(r.keep_previous, read_bool(s.key("keep_previous"), *v));
+  }
+  if (s.get("fp8")) {
+    REFIT_ASSIGN_OR_RETURN(Section f, open_section(s, "fp8", {"scheme", "block"}));
+    r.fp8.given = true;
+    if (auto v = f.get("scheme")) {
+      REFIT_ASSIGN_OR_RETURN(r.fp8.scheme,
+                             read_enum<Fp8Scheme>(f.key("scheme"), *v,
+                                                  {{"block", Fp8Scheme::kBlock},
+                                                   {"tensor", Fp8Scheme::kTensor}}));
+    }
+    if (auto v = f.get("block")) {
+      constexpr std::string_view kAllowed = "two positive integers [rows, cols], e.g. [128, 128]";
+      if (!v->IsSequence() || v->size() != 2)
+        return bad_value(f.key("block"), "expected a list of two integers", *v, kAllowed);
+      for (int i = 0; i < 2; ++i) {
+        REFIT_ASSIGN_OR_RETURN(const std::int64_t n,
+                               read_int(f.key("block"), (*v)[i], kFp8BlockRule));
+        (i == 0 ? r.fp8.block_rows : r.fp8.block_cols) = n;
+      }
+    }
   }
   return Status::Ok();
 }

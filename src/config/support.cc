@@ -69,10 +69,9 @@ const std::vector<DType>& parseable_target_precisions() {
 const std::vector<PrecisionSupport>& precision_support() {
   static const std::vector<PrecisionSupport> table = {
       {EngineProtocol::kVllm, DType::kBFloat16, true, "supported"},
-      {EngineProtocol::kVllm, DType::kFloat8E4M3, false,
-       "fp8 refit to vllm is not implemented yet"},
+      {EngineProtocol::kVllm, DType::kFloat8E4M3, true, "supported (refit.fp8, docs/fp8.md)"},
       {EngineProtocol::kSglang, DType::kBFloat16, true, "supported"},
-      {EngineProtocol::kSglang, DType::kFloat8E4M3, false, "the sglang protocol accepts bf16 only"},
+      {EngineProtocol::kSglang, DType::kFloat8E4M3, true, "supported (refit.fp8, docs/fp8.md)"},
   };
   return table;
 }

@@ -57,6 +57,9 @@ inline constexpr IntRule kBufferSizeRule{
     "an integer >= 256, e.g. 268435456 (256 MiB)"};
 inline constexpr IntRule kNumBuffersRule{1, 16, "must be between 1 and 16",
                                          "an integer from 1 to 16"};
+inline constexpr IntRule kFp8BlockRule{1, std::int64_t{1} << 20,
+                                       "must be between 1 and 1048576 elements",
+                                       "two positive integers [rows, cols], e.g. [128, 128]"};
 // Upper bound of refit.timeout_s: larger values are a typo and overflow clock arithmetic.
 inline constexpr double kMaxTimeoutS = 1e6;
 inline constexpr std::string_view kTimeoutAllowed = "a number of seconds > 0 and <= 1000000";

@@ -280,6 +280,37 @@ Status check_megatron(const Config& c, const ModelSpec& spec) {
   return Status::Ok();
 }
 
+// refit.target_precision fp8 (docs/fp8.md): the transfer plan carries the scales; the block must
+// fit the engines' layout on every TP rank.
+Status check_fp8(const Config& c, const ModelSpec& spec) {
+  const bool fp8 = c.refit.target_precision == DType::kFloat8E4M3;
+  if (c.refit.fp8.given && !fp8)
+    return invalid("refit.fp8", "is used only with refit.target_precision: fp8",
+                   fmt::format("refit.fp8 with refit.target_precision {}",
+                               dtype_name(c.refit.target_precision)),
+                   "remove refit.fp8, or set refit.target_precision: fp8");
+  REFIT_RETURN_IF_ERROR(check_int_rule("refit.fp8.block", c.refit.fp8.block_rows, kFp8BlockRule));
+  REFIT_RETURN_IF_ERROR(check_int_rule("refit.fp8.block", c.refit.fp8.block_cols, kFp8BlockRule));
+  REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(c, spec));
+  if (!fp8) return Status::Ok();
+  if (c.refit.executor == Executor::kGather)
+    return invalid("refit.executor",
+                   "gather moves full buckets in one dtype; FP8 weights travel with their scales "
+                   "on the transfer plan",
+                   "gather with refit.target_precision: fp8", "auto, peer or p2p");
+  if (c.refit.checksum)
+    return invalid("refit.checksum",
+                   "per-route checksums compare cast elements, and FP8 elements depend on their "
+                   "block's scale; --verify checks every FP8 element against the reference "
+                   "quantizer instead",
+                   "true with refit.target_precision: fp8", "false");
+  for (int t = 0; t < c.generation.tp_size; ++t) {
+    auto layout = engine_wire_layout(c, spec, wire, t);
+    if (!layout.ok()) return layout.status();
+  }
+  return Status::Ok();
+}
+
 // The fused engine layout and the Megatron bridge need the architecture's facts; a table read
 // from safetensors headers has none (docs/models.md).
 Status check_architecture(const Config& c, const ModelSpec& spec) {
@@ -323,6 +354,7 @@ Status validate_config(const Config& config, const ModelSpec& spec) {
   // The hf layout gives every TP rank whole tensors: any TP size fits.
   if (config.generation.layout == EngineLayout::kFused)
     REFIT_RETURN_IF_ERROR(check_engine_tp(spec, config.generation.tp_size));
+  REFIT_RETURN_IF_ERROR(check_fp8(config, spec));
   switch (config.policy.backend) {
     case PolicyBackend::kFsdp2:
       // Shard(0) with torch.chunk semantics fits any world size (trailing ranks may hold none).

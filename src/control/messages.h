@@ -122,7 +122,7 @@ struct RouteMetadata {
   std::string param;                // engine parameter name
   std::int64_t row = 0, col = 0;    // top-left in the parameter
   std::int64_t rows = 0, cols = 0;
-  std::int64_t offset = 0;          // elements from the start of its segment
+  std::int64_t offset = 0;          // bytes from the start of its segment (wire version 8)
 };
 struct RoutesMessage {
   std::vector<RouteMetadata> routes;

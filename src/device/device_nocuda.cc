@@ -8,6 +8,7 @@
 #include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
 #include "device/device.h"
+#include "device/quant_kernels.h"
 
 namespace refit {
 namespace {
@@ -19,6 +20,14 @@ Status no_cuda(const char* what) {
 }  // namespace
 
 bool cuda_built() { return false; }
+
+Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantRun>&, int) {
+  return no_cuda("DeviceQuantTable::upload");
+}
+Status launch_fp8_amax(const DeviceQuantTable&, DType, void*) { return no_cuda("launch_fp8_amax"); }
+Status launch_fp8_quantize(const DeviceQuantTable&, DType, void*) {
+  return no_cuda("launch_fp8_quantize");
+}
 int device_count() { return 0; }
 Status set_device(int) { return no_cuda("set_device"); }
 

@@ -2,6 +2,7 @@
 // parameter described as Pieces of the full HF tensors.
 #include <fmt/format.h>
 #include <algorithm>
+#include <tuple>
 
 #include "engine/engine_layout.h"
 
@@ -199,6 +200,18 @@ class Builder {
 
 }  // namespace
 
+std::int64_t EngineParam::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+std::int64_t EngineShardLayout::total_bytes() const {
+  std::int64_t total = 0;
+  for (const EngineParam& p : params) total += p.bytes();
+  return total;
+}
+
 std::int64_t EngineShardLayout::total_numel() const {
   std::int64_t total = 0;
   for (const auto& p : params) {
@@ -353,6 +366,137 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
   REFIT_RETURN_IF_ERROR(b.replicated("model.norm.weight", ix.final_norm));
   if (!c.tie_word_embeddings) REFIT_RETURN_IF_ERROR(vocab_parallel("lm_head.weight", ix.lm_head));
   return out;
+}
+
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// The block scales of parameter `p` (2-D [n, C] or 3-D [E, n, C]): every piece of a weight
+// becomes the piece of its scale tensor that covers the same blocks.
+Result<EngineParam> block_scale_param(const EngineParam& p, const WireModel& wire,
+                                      const std::string& where) {
+  const Fp8Table& f = *wire.fp8;
+  const std::int64_t br = f.block_rows, bc = f.block_cols;
+  const std::size_t nd = p.shape.size();
+  if (nd < 2)
+    return Status::Internal(fmt::format("fp8: parameter {} is not a matrix", p.name));
+  const std::int64_t n = p.shape[nd - 2], C = p.shape[nd - 1];
+  EngineParam s{.name = fp8_scale_name(p.name, f.scheme), .shape = p.shape, .dtype = DType::kFloat32};
+  s.shape[nd - 2] = ceil_div(n, br);
+  s.shape[nd - 1] = ceil_div(C, bc);
+  for (const Piece& pc : p.pieces) {
+    const TensorSpec& t = wire.spec.tensors()[pc.hf_tensor];
+    const MatrixShape m = matrix_shape(t.shape);
+    const std::int64_t e = pc.dst_row / n, within = pc.dst_row % n;
+    const bool rows_ok = pc.src_row % br == 0 && within % br == 0 &&
+                         (pc.rows % br == 0 || (pc.src_row + pc.rows == m.rows && within + pc.rows == n));
+    const bool cols_ok = pc.src_col % bc == 0 && pc.dst_col % bc == 0 &&
+                         (pc.cols % bc == 0 || (pc.src_col + pc.cols == m.cols && pc.dst_col + pc.cols == C));
+    if (!rows_ok || !cols_ok)
+      return Status::InvalidArgument(fmt::format(
+          "refit.fp8: {}: parameter {} takes rows [{}, {}) x cols [{}, {}) of {} [{}, {}] at "
+          "row {}, col {} of its [{}, {}]; that cuts a {} x {} block, and every block has one "
+          "scale; allowed: a generation.tp_size whose slices are whole blocks, or a "
+          "refit.fp8.block that divides them",
+          where, p.name, pc.src_row, pc.src_row + pc.rows, pc.src_col, pc.src_col + pc.cols,
+          t.name, m.rows, m.cols, within, pc.dst_col, n, C, br, bc));
+    s.pieces.push_back(Piece{.hf_tensor = static_cast<std::uint32_t>(f.scale_of[pc.hf_tensor]),
+                             .src_row = pc.src_row / br,
+                             .src_col = pc.src_col / bc,
+                             .rows = ceil_div(pc.rows, br),
+                             .cols = ceil_div(pc.cols, bc),
+                             .dst_row = e * ceil_div(n, br) + within / br,
+                             .dst_col = pc.dst_col / bc});
+  }
+  return s;
+}
+
+// Per-tensor scales of parameter `p`: one per HF tensor it holds, in the order they sit in it
+// ([3] for qkv_proj, [2] for gate_up_proj, [1] otherwise; [E, 2] for w13 and [E] for w2), as
+// vLLM's and SGLang's weight_scale parameters.
+Result<EngineParam> tensor_scale_param(const EngineParam& p, const WireModel& wire) {
+  const Fp8Table& f = *wire.fp8;
+  std::vector<const Piece*> order;
+  for (const Piece& pc : p.pieces) order.push_back(&pc);
+  std::stable_sort(order.begin(), order.end(), [](const Piece* a, const Piece* b) {
+    return std::tie(a->dst_row, a->dst_col) < std::tie(b->dst_row, b->dst_col);
+  });
+  std::vector<std::uint32_t> distinct;
+  for (const Piece* pc : order)
+    if (std::find(distinct.begin(), distinct.end(), pc->hf_tensor) == distinct.end())
+      distinct.push_back(pc->hf_tensor);
+  EngineParam s{.name = fp8_scale_name(p.name, f.scheme), .dtype = DType::kFloat32};
+  const auto k = static_cast<std::int64_t>(distinct.size());
+  if (p.shape.size() == 3) {
+    const std::int64_t experts = p.shape[0];
+    if (k % experts != 0)
+      return Status::Internal(fmt::format("fp8: parameter {} holds {} tensors over {} experts",
+                                          p.name, k, experts));
+    s.shape = k / experts > 1 ? std::vector<std::int64_t>{experts, k / experts}
+                              : std::vector<std::int64_t>{experts};
+  } else {
+    s.shape = {k};
+  }
+  const std::int64_t cols = matrix_shape(s.shape).cols;
+  for (std::int64_t i = 0; i < k; ++i)
+    s.pieces.push_back(Piece{.hf_tensor = static_cast<std::uint32_t>(
+                                 f.scale_of[distinct[static_cast<std::size_t>(i)]]),
+                             .rows = 1,
+                             .cols = 1,
+                             .dst_row = i / cols,
+                             .dst_col = i % cols});
+  return s;
+}
+
+}  // namespace
+
+Result<EngineShardLayout> engine_wire_layout(const ModelSpec& model, const WireModel& wire,
+                                             int tp_size, int tp_rank, EngineLayout layout,
+                                             EngineProtocol protocol) {
+  REFIT_ASSIGN_OR_RETURN(EngineShardLayout base,
+                         engine_layout(model, tp_size, tp_rank, layout, protocol));
+  const DType plain = wire.fp8 ? kFp8UnquantizedDType : wire.dtype.empty() ? DType::kBFloat16
+                                                                             : wire.dtype.front();
+  const std::string where = fmt::format("engine tp rank {} of {}", tp_rank, tp_size);
+  EngineShardLayout out;
+  out.tp_size = base.tp_size;
+  out.tp_rank = base.tp_rank;
+  out.params.reserve(base.params.size() * (wire.fp8 ? 2 : 1));
+  for (EngineParam& p : base.params) {
+    p.dtype = p.pieces.empty() ? plain : wire.dtype[p.pieces.front().hf_tensor];
+    for (const Piece& pc : p.pieces)
+      if (wire.dtype[pc.hf_tensor] != p.dtype)
+        return Status::InvalidArgument(fmt::format(
+            "refit.fp8: {}: parameter {} fuses {} ({}) and {} ({}); an engine layer is quantized "
+            "as a whole; allowed: list all of its modules in the checkpoint's "
+            "modules_to_not_convert, or none",
+            where, p.name, wire.spec.tensors()[p.pieces.front().hf_tensor].name,
+            dtype_name(p.dtype), wire.spec.tensors()[pc.hf_tensor].name,
+            dtype_name(wire.dtype[pc.hf_tensor])));
+    const bool quantized = wire.fp8 && p.dtype == DType::kFloat8E4M3;
+    out.params.push_back(std::move(p));
+    if (!quantized) continue;
+    const EngineParam& w = out.params.back();
+    REFIT_ASSIGN_OR_RETURN(EngineParam s, wire.fp8->scheme == Fp8Scheme::kBlock
+                                              ? block_scale_param(w, wire, where)
+                                              : tensor_scale_param(w, wire));
+    out.params.push_back(std::move(s));
+  }
+  out.pieces_by_hf.assign(wire.spec.tensors().size(), {});
+  for (std::uint32_t i = 0; i < out.params.size(); ++i)
+    for (std::uint32_t k = 0; k < out.params[i].pieces.size(); ++k)
+      out.pieces_by_hf[out.params[i].pieces[k].hf_tensor].emplace_back(i, k);
+  return out;
+}
+
+Result<EngineShardLayout> engine_wire_layout(const Config& config, const ModelSpec& model,
+                                             const WireModel& wire, int tp_rank) {
+  return engine_wire_layout(model, wire, config.generation.tp_size, tp_rank,
+                            config.generation.layout, config.generation.backend);
 }
 
 }  // namespace refit

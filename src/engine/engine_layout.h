@@ -14,6 +14,7 @@
 
 #include "common/piece.h"
 #include "refit/config.h"
+#include "spec/fp8.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
 
@@ -25,6 +26,9 @@ struct EngineParam {
   std::string name;                 // engine name, e.g. model.layers.0.self_attn.qkv_proj.weight
   std::vector<std::int64_t> shape;  // shape on this TP rank
   std::vector<Piece> pieces;        // dst = this parameter
+  DType dtype = DType::kBFloat16;   // what the engine stores (engine_wire_layout sets it)
+  std::int64_t numel() const;
+  std::int64_t bytes() const { return numel() * static_cast<std::int64_t>(dtype_size(dtype)); }
 };
 
 struct EngineShardLayout {
@@ -34,6 +38,7 @@ struct EngineShardLayout {
   // For each HF tensor index: (param index, piece index) of every piece that reads from it.
   std::vector<std::vector<std::pair<std::uint32_t, std::uint32_t>>> pieces_by_hf;
   std::int64_t total_numel() const;
+  std::int64_t total_bytes() const;
 };
 
 // Checks that TP size `tp` can shard `spec` (heads, kv heads unless replicated, intermediate
@@ -45,5 +50,19 @@ Status check_engine_tp(const ModelSpec& spec, int tp);
 // SGLang).
 Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
                                         EngineLayout layout, EngineProtocol protocol);
+
+// What engine TP rank `tp_rank` stores of the wire model (spec/fp8.h): engine_layout of `model`
+// with every parameter's dtype, and with FP8 one float32 scale parameter after each quantized one
+// (`<name>_scale_inv` with blocks, `<name>_scale` per tensor; docs/fp8.md). Pieces index the wire
+// tensors. Errors (setup): a parameter fusing a quantized tensor with one left unquantized, and,
+// with blocks, a TP slice or fused piece that would cut a block (naming the parameter, the
+// tensor, the rows and columns, and the block).
+Result<EngineShardLayout> engine_wire_layout(const ModelSpec& model, const WireModel& wire,
+                                             int tp_size, int tp_rank, EngineLayout layout,
+                                             EngineProtocol protocol);
+
+// engine_wire_layout from a config: the wire model, generation.tp_size, layout and backend.
+Result<EngineShardLayout> engine_wire_layout(const Config& config, const ModelSpec& model,
+                                             const WireModel& wire, int tp_rank);
 
 }  // namespace refit

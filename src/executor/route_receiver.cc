@@ -44,7 +44,6 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
   const int g = o_.engine_rank;
   const EngineShardLayout& lay =
       o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
-  const auto esize = static_cast<std::int64_t>(dtype_size(o_.config->refit.target_precision));
   const auto nslots = static_cast<std::size_t>(o_.config->refit.num_buffers);
   if (slots_.empty())
     for (std::size_t s = 0; s < nslots; ++s) {
@@ -70,16 +69,18 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
                                      .buf = slot + base,
                                      .bytes = static_cast<std::size_t>(s.bytes)});
         for (const Route& r : s.routes) {
-          const std::int64_t dst_cols = matrix_shape(lay.params[r.engine_param].shape).cols;
-          runs_[k].push_back(CopyRun{
-              .src = slot,
-              .dst = static_cast<std::byte*>(params[r.engine_param]),
-              .block = {.src_offset = base / esize + r.segment_offset,
-                        .src_stride = r.cols,
-                        .dst_offset = r.engine_row * dst_cols + r.engine_col,
-                        .dst_stride = dst_cols,
-                        .rows = r.rows,
-                        .cols = r.cols}});
+          const EngineParam& p = lay.params[r.engine_param];
+          const std::int64_t dst_cols = matrix_shape(p.shape).cols;
+          const std::size_t esize = dtype_size(p.dtype);
+          runs_[k].push_back(byte_run(slot, static_cast<std::byte*>(params[r.engine_param]),
+                                      {.src_offset = (base + r.segment_offset) /
+                                                     static_cast<std::int64_t>(esize),
+                                       .src_stride = r.cols,
+                                       .dst_offset = r.engine_row * dst_cols + r.engine_col,
+                                       .dst_stride = dst_cols,
+                                       .rows = r.rows,
+                                       .cols = r.cols},
+                                      esize));
         }
       }
       base += aligned_segment_bytes(s.bytes);
@@ -106,8 +107,7 @@ Status RouteReceiver::attach() {
           "{}: unexpected route metadata from {} (not a feeder, or sent twice)", o_.who, m.from));
     seen[i] = true;
     REFIT_ASSIGN_OR_RETURN(RoutesMessage routes, decode_routes(m.payload, m.from));
-    REFIT_RETURN_IF_ERROR(add_routes_metadata(in, routes, o_.sources[i], lay,
-                                              o_.config->refit.target_precision));
+    REFIT_RETURN_IF_ERROR(add_routes_metadata(in, routes, o_.sources[i], lay));
   }
   finish_incoming(in);
   o_.incoming = std::move(in);
@@ -225,7 +225,6 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
   const auto timeout = o_.config->refit.timeout();
   const std::int64_t base = applier_.completed();
   std::int64_t posted = 0;
-  const DType tgt = o_.config->refit.target_precision;
   for (std::size_t kk = 0; kk < recv_ops_.size(); ++kk) {
     const int k = static_cast<int>(kk);
     if (recv_ops_[kk].empty()) continue;
@@ -238,10 +237,10 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
     if (!st.ok()) return st.with_context(fmt::format("p2p round {} of engine rank {}", k, g));
     for (const P2POp& op : recv_ops_[kk]) bytes_received_ += static_cast<std::int64_t>(op.bytes);
     const std::vector<CopyRun>* runs = &runs_[kk];
-    applier_.post([this, runs, tgt, raw] {
+    applier_.post([this, runs, raw] {
       if (raw) return Status::Ok();
       Timer t;
-      Status st = o_.plane->copy(*runs, tgt, tgt);
+      Status st = o_.plane->copy(*runs, kByteCopyDType, kByteCopyDType);
       apply_seconds_ += t.seconds();
       return st;
     });

@@ -46,8 +46,7 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
         m.params.push_back(nullptr);
         continue;
       }
-      const auto bytes = static_cast<std::size_t>(matrix_shape(lay.params[p].shape).numel()) *
-                         dtype_size(o_.setup->plan.dtype);
+      const auto bytes = static_cast<std::size_t>(lay.params[p].bytes());
       auto mem = o_.plane->open_exported(direct.handles[p], bytes);
       if (!mem.ok()) return mem.status().with_context(what + " (" + lay.params[p].name + ")");
       m.params.push_back((*mem)->data());
@@ -56,9 +55,9 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
   } else {  // one region (allocate_params)
     // Every parameter must lie inside the region the engine says it exported: a paused message
     // with other offsets (a bug, or a forged message) must not make us write outside it.
-    const auto esize = static_cast<std::uint64_t>(dtype_size(o_.setup->plan.dtype));
     for (std::size_t p = 0; p < n; ++p) {
-      const auto bytes = static_cast<std::uint64_t>(matrix_shape(lay.params[p].shape).numel()) * esize;
+      const auto esize = static_cast<std::uint64_t>(dtype_size(lay.params[p].dtype));
+      const auto bytes = static_cast<std::uint64_t>(lay.params[p].bytes());
       const std::uint64_t off = direct.offsets[p];
       if (off % esize != 0 || off > direct.bytes || bytes > direct.bytes - off)
         return Status::Corruption(fmt::format(
@@ -103,15 +102,15 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
         o_.setup->engines[static_cast<std::size_t>(o_.targets[i] % tp)];
     const std::int64_t src_cols = matrix_shape(mine.tensors[r->trainer_tensor].shape).cols;
     const std::int64_t dst_cols = matrix_shape(lay.params[r->engine_param].shape).cols;
-    peer_runs_.push_back(CopyRun{
-        .src = static_cast<const std::byte*>(shards[r->trainer_tensor]),
-        .dst = m.params[r->engine_param],
-        .block = {.src_offset = r->trainer_row * src_cols + r->trainer_col,
-                  .src_stride = src_cols,
-                  .dst_offset = r->engine_row * dst_cols + r->engine_col,
-                  .dst_stride = dst_cols,
-                  .rows = r->rows,
-                  .cols = r->cols}});
+    peer_runs_.add(*o_.setup, *r, static_cast<const std::byte*>(shards[r->trainer_tensor]),
+                   m.params[r->engine_param],
+                   {.src_offset = r->trainer_row * src_cols + r->trainer_col,
+                    .src_stride = src_cols,
+                    .dst_offset = r->engine_row * dst_cols + r->engine_col,
+                    .dst_stride = dst_cols,
+                    .rows = r->rows,
+                    .cols = r->cols},
+                   scales_.get());
   }
 }
 
@@ -120,7 +119,6 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
 void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   const TransferPlan& plan = o_.setup->plan;
   const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
-  const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype));
   pack_runs_.assign(static_cast<std::size_t>(plan.rounds), {});
   send_ops_.assign(static_cast<std::size_t>(plan.rounds), {});
   std::size_t used = 0;  // rounds with sends so far
@@ -136,15 +134,16 @@ void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
         for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
           const Route& r = plan.routes[q];
           const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-          pack_runs_[kk].push_back(CopyRun{
-              .src = static_cast<const std::byte*>(shards[r.trainer_tensor]),
-              .dst = slot,
-              .block = {.src_offset = r.trainer_row * src_cols + r.trainer_col,
-                        .src_stride = src_cols,
-                        .dst_offset = base / esize + r.segment_offset,
-                        .dst_stride = r.cols,
-                        .rows = r.rows,
-                        .cols = r.cols}});
+          const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype_of(r)));
+          pack_runs_[kk].add(*o_.setup, r, static_cast<const std::byte*>(shards[r.trainer_tensor]),
+                             slot,
+                             {.src_offset = r.trainer_row * src_cols + r.trainer_col,
+                              .src_stride = src_cols,
+                              .dst_offset = (base + r.segment_offset) / esize,
+                              .dst_stride = r.cols,
+                              .rows = r.rows,
+                              .cols = r.cols},
+                             scales_.get());
         }
         send_ops_[kk].push_back(P2POp{.kind = P2POp::Kind::kSend,
                                       .peer = p2p_rank_of_engine(*o_.config, s.engine),
@@ -175,14 +174,30 @@ Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<
     it = checksum_runs_
              .emplace(i, trainer_checksum_runs(*o_.setup, o_.rank, o_.targets[i], shards))
              .first;
-  return o_.plane->checksum(it->second, o_.config->policy.dtype, o_.setup->plan.dtype);
+  return o_.plane->checksum(it->second, o_.config->policy.dtype,
+                            o_.config->refit.target_precision);
 }
 
-Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& shards,
+Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& user_shards,
                              TransferTimes& times) {
   const Config& cfg = *o_.config;
   const auto timeout = cfg.refit.timeout();
   bytes_sent_ = 0;
+  // FP8: every scale, before any engine pauses (a non-finite block refuses the refit here, on
+  // every trainer rank alike, and nothing moves).
+  all_shards_ = user_shards;
+  if (o_.setup->wire.fp8) {
+    if (!scales_) {
+      REFIT_ASSIGN_OR_RETURN(scales_, TrainerScales::create(*o_.setup, o_.rank, *o_.plane));
+    }
+    if (!begin.raw) {
+      Timer t;
+      REFIT_RETURN_IF_ERROR(scales_->compute(user_shards, cfg.policy.dtype, o_.trainer_group));
+      times.cast_pack += t.seconds();
+    }
+    for (void* p : scales_->local_tensors()) all_shards_.push_back(p);
+  }
+  const std::vector<void*>& shards = all_shards_;
   const std::string payload = encode(begin);
   REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
 
@@ -216,21 +231,21 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
     runs_built_for_ = modes_;
   }
 
-  const DType tgt = cfg.refit.target_precision;
-  const DType src = begin.raw ? tgt : cfg.policy.dtype;  // raw: the bytes without the cast
   if (peer_targets_ > 0) {
     if (peer_runs_.empty()) build_peer_runs(shards);
     // With point-to-point targets too, the rounds below are this rank's probe points.
     if (!begin.raw && p2p_targets_ == 0) probe_->before_round(begin.step, RefitProbe::kEveryRound);
     Timer t;
-    REFIT_RETURN_IF_ERROR(o_.plane->copy(peer_runs_, src, tgt));
+    REFIT_RETURN_IF_ERROR(peer_runs_.run(*o_.plane, cfg.policy.dtype, begin.raw));
     times.cast_pack += t.seconds();
     for (std::size_t i = 0; i < ids_.size(); ++i)
       if (modes_[i] == PairExecutor::kPeer)
         bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
-    if (!begin.raw)
+    if (!begin.raw) {
+      const auto [written, dtype] = peer_runs_.written();
       REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, RefitProbe::kEveryRound, *o_.plane,
-                                                peer_runs_, tgt));
+                                                *written, dtype));
+    }
   }
   if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, times));
   return Status::Ok();
@@ -314,7 +329,6 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
       staging_.push_back(std::move(buf));
     }
   if (send_ops_.empty()) build_pack_runs(shards);
-  const DType tgt = cfg.refit.target_precision;
   const auto timeout = cfg.refit.timeout();
   const auto nslots = static_cast<std::int64_t>(staging_.size());
   const std::int64_t base = sender_.completed();
@@ -330,11 +344,11 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
                                 .with_context(fmt::format("p2p sends of trainer rank {}", o_.rank)));
     if (!begin.raw) {
       Timer t;
-      REFIT_RETURN_IF_ERROR(o_.plane->copy(pack_runs_[static_cast<std::size_t>(k)],
-                                           cfg.policy.dtype, tgt));
+      const RouteCopies& copies = pack_runs_[static_cast<std::size_t>(k)];
+      REFIT_RETURN_IF_ERROR(copies.run(*o_.plane, cfg.policy.dtype, false));
       times.cast_pack += t.seconds();
-      REFIT_RETURN_IF_ERROR(probe_->after_write(
-          begin.step, k, *o_.plane, pack_runs_[static_cast<std::size_t>(k)], tgt));
+      const auto [written, dtype] = copies.written();
+      REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, k, *o_.plane, *written, dtype));
     }
     for (const P2POp& op : ops) bytes_sent_ += static_cast<std::int64_t>(op.bytes);
     sender_.post([this, &ops, k] {

@@ -14,6 +14,7 @@
 #include "executor/applier.h"
 #include "executor/executor.h"
 #include "executor/routes.h"
+#include "executor/trainer_scales.h"
 #include "plane/data_plane.h"
 
 namespace refit {
@@ -28,6 +29,7 @@ struct RouteSenderOptions {
   Mailbox* mailbox = nullptr;
   DataPlane* plane = nullptr;
   Communicator* p2p = nullptr;           // null when no point-to-point group exists
+  Communicator* trainer_group = nullptr;  // FP8 scales are combined over it (null: one rank)
   std::vector<int> targets;              // control_targets(plan, rank)
   std::vector<bool> target_same_host;    // per entry of targets
 };
@@ -94,9 +96,11 @@ class RouteSender final : public TrainerExecutor {
   std::vector<PairExecutor> modes_;           // per target, of the current refit
   std::vector<PairExecutor> runs_built_for_;  // modes the copy lists were built for
   std::map<std::size_t, Mapped> mapped_;      // target index -> its exported parameters
-  std::vector<CopyRun> peer_runs_;
+  RouteCopies peer_runs_;
   std::map<std::size_t, std::vector<CopyRun>> checksum_runs_;  // per target index
-  std::vector<std::vector<CopyRun>> pack_runs_;  // per round (p2p targets only)
+  std::vector<RouteCopies> pack_runs_;  // per round (p2p targets only)
+  std::unique_ptr<TrainerScales> scales_;  // FP8 only
+  std::vector<void*> all_shards_;  // the caller's shards, then the FP8 scale tensors
   std::vector<std::vector<P2POp>> send_ops_;     // per round
   // num_buffers staging slots; rounds with sends rotate over them, so packing round k+1 overlaps
   // sending round k (on sender_, the one thread that drives the p2p group during a refit).

@@ -10,23 +10,89 @@
 
 #include "common/env.h"
 #include "control/store.h"
+#include "executor/trainer_scales.h"
 
 namespace refit {
 
 Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec) {
   RouteSetup s;
-  for (int r = 0; r < config.policy.world_size; ++r) {
+  REFIT_ASSIGN_OR_RETURN(s.wire, wire_model(config, spec));
+  const ModelSpec& wire = s.wire.spec;
+  const int world = config.policy.world_size;
+  for (int r = 0; r < world; ++r) {
     REFIT_ASSIGN_OR_RETURN(auto lay, trainer_layout(spec, config.policy, r));
+    s.user_tensors = lay.tensors.size();
+    // FP8 scales: every trainer rank holds every scale tensor whole (it computes them before the
+    // refit, trainer_scales.h); scale i is owned by rank i mod world, and the plan spreads the
+    // engine ranks over the holders.
+    for (std::size_t t = spec.tensors().size(); t < wire.tensors().size(); ++t) {
+      const MatrixShape m = matrix_shape(wire.tensors()[t].shape);
+      LocalTensor scale{.name = wire.tensors()[t].name,
+                        .shape = wire.tensors()[t].shape,
+                        .pieces = {Piece{.hf_tensor = static_cast<std::uint32_t>(t),
+                                         .rows = m.rows,
+                                         .cols = m.cols}}};
+      if (static_cast<int>((t - spec.tensors().size()) % static_cast<std::size_t>(world)) == r)
+        scale.owned.push_back(0);
+      lay.tensors.push_back(std::move(scale));
+    }
+    lay.index_owned(wire.tensors().size());
     s.trainers.push_back(std::move(lay));
   }
   for (int t = 0; t < config.generation.tp_size; ++t) {
-    REFIT_ASSIGN_OR_RETURN(auto lay, engine_layout(spec, config.generation.tp_size, t, config.generation.layout,
-                                                   config.generation.backend));
+    REFIT_ASSIGN_OR_RETURN(auto lay, engine_wire_layout(config, spec, s.wire, t));
     s.engines.push_back(std::move(lay));
   }
-  s.plan = make_transfer_plan(spec, s.trainers, s.engines, config.generation.num_engines,
-                              config.refit.target_precision, config.refit.buffer_size_bytes);
+  s.plan = make_transfer_plan(wire, s.trainers, s.engines, config.generation.num_engines,
+                              s.wire.dtype, config.refit.buffer_size_bytes);
   return s;
+}
+
+void RouteCopies::clear() {
+  cast.clear();
+  scales.clear();
+  quant.clear();
+  quant_runs.clear();
+}
+
+void RouteCopies::add(const RouteSetup& setup, const Route& r, const std::byte* src,
+                      std::byte* dst, const Block2D& block, const TrainerScales* grids) {
+  const CopyRun run{.src = src, .dst = dst, .block = block};
+  const std::optional<Fp8Table>& f = setup.wire.fp8;
+  if (f && f->quantized(r.hf_tensor)) {
+    const ModelSpec& wire = setup.wire.spec;
+    const MatrixShape b = f->block(wire, r.hf_tensor);
+    quant.push_back(QuantRun{
+        .run = run,
+        .grid = grids->grid(r.hf_tensor),
+        .hf_row = r.hf_row,
+        .hf_col = r.hf_col,
+        .block_rows = b.rows,
+        .block_cols = b.cols,
+        .scale_cols = (matrix_shape(wire.tensors()[r.hf_tensor].shape).cols + b.cols - 1) / b.cols});
+    quant_runs.push_back(run);
+  } else if (f && f->is_scale(r.hf_tensor)) {
+    scales.push_back(run);
+  } else {
+    cast_to = setup.plan.dtype_of(r);
+    cast.push_back(run);
+  }
+}
+
+Status RouteCopies::run(DataPlane& plane, DType policy, bool raw) const {
+  if (!cast.empty()) REFIT_RETURN_IF_ERROR(plane.copy(cast, raw ? cast_to : policy, cast_to));
+  if (!quant.empty())
+    REFIT_RETURN_IF_ERROR(raw ? plane.copy(quant_runs, DType::kFloat8E4M3, DType::kFloat8E4M3)
+                              : plane.quantize(quant, policy));
+  if (!scales.empty())
+    REFIT_RETURN_IF_ERROR(plane.copy(scales, DType::kFloat32, DType::kFloat32));
+  return Status::Ok();
+}
+
+std::pair<const std::vector<CopyRun>*, DType> RouteCopies::written() const {
+  if (quant_runs.size() > cast.size()) return {&quant_runs, DType::kFloat8E4M3};
+  if (cast.empty() && !scales.empty()) return {&scales, DType::kFloat32};
+  return {&cast, cast_to};
 }
 
 bool uses_transfer_plan(const Config& config) {
@@ -209,10 +275,9 @@ RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout&
 }
 
 Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int trainer,
-                           const EngineShardLayout& layout, DType dtype) {
+                           const EngineShardLayout& layout) {
   std::map<std::string_view, std::uint32_t> index;
   for (std::uint32_t p = 0; p < layout.params.size(); ++p) index.emplace(layout.params[p].name, p);
-  const auto esize = static_cast<std::int64_t>(dtype_size(dtype));
   IncomingSegment* seg = nullptr;
   int seg_round = -1;
   for (std::size_t i = 0; i < m.routes.size(); ++i) {
@@ -235,7 +300,12 @@ Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int train
       seg = &in.rounds[static_cast<std::size_t>(r.round)].back();
       seg_round = r.round;
     }
-    if (r.offset * esize != seg->bytes) return bad("its segment offset leaves a gap or overlaps");
+    // Routes lie end to end, each at the next multiple of its element size (transfer_plan.h).
+    const auto esize = static_cast<std::int64_t>(dtype_size(layout.params[it->second].dtype));
+    if (r.offset != (seg->bytes + esize - 1) / esize * esize)
+      return bad(fmt::format("its segment offset {} leaves a gap or overlaps (the segment holds {} "
+                             "bytes before it)",
+                             r.offset, seg->bytes));
     seg->routes.push_back(Route{.trainer = trainer,
                                 .engine_param = it->second,
                                 .rows = r.rows,
@@ -244,7 +314,7 @@ Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int train
                                 .engine_col = r.col,
                                 .round = r.round,
                                 .segment_offset = r.offset});
-    seg->bytes += r.rows * r.cols * esize;
+    seg->bytes = r.offset + r.rows * r.cols * esize;
   }
   return Status::Ok();
 }

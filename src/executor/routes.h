@@ -36,11 +36,41 @@ class Store;
 
 // Everything of the transfer plan every rank derives from the config alone.
 struct RouteSetup {
-  std::vector<TrainerShardLayout> trainers;  // index = trainer rank
+  WireModel wire;                            // the model as the engines hold it (spec/fp8.h)
+  // index = trainer rank; local tensors [0, user_tensors) are the caller's shards, the rest are
+  // FP8 scale tensors the trainer computes (every rank holds all of them)
+  std::vector<TrainerShardLayout> trainers;
+  std::size_t user_tensors = 0;
   std::vector<EngineShardLayout> engines;    // index = TP rank
   TransferPlan plan;
 };
 Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec);
+
+class TrainerScales;
+
+// A trainer rank's copies of a set of routes, grouped by what they do to the elements: cast
+// (policy dtype -> the tensor's wire dtype; every tensor without fp8), FP8 scales (float32 as
+// they are) and FP8 weights (quantized with their block's scale, common/quantize.h).
+struct RouteCopies {
+  std::vector<CopyRun> cast;
+  DType cast_to = DType::kBFloat16;
+  std::vector<CopyRun> scales;
+  std::vector<QuantRun> quant;
+  std::vector<CopyRun> quant_runs;  // quant[i].run, for fault probes and raw passes
+
+  bool empty() const { return cast.empty() && scales.empty() && quant.empty(); }
+  void clear();
+  // Route `r` of `setup`, read at `src` (element block.src_offset, row stride block.src_stride of
+  // its local tensor) and written at `dst` (element block.dst_offset, row stride
+  // block.dst_stride, in the route's wire dtype). `scales` holds the FP8 grids (null without fp8).
+  void add(const RouteSetup& setup, const Route& r, const std::byte* src, std::byte* dst,
+           const Block2D& block, const TrainerScales* scales);
+  // Executes every group: `policy` is the shards' dtype. Raw (bench): the same bytes without a
+  // cast or a quantization (every group copied as its wire dtype).
+  Status run(DataPlane& plane, DType policy, bool raw) const;
+  // What a fault probe may corrupt: the largest group's runs and their wire dtype.
+  std::pair<const std::vector<CopyRun>*, DType> written() const;
+};
 
 // Whether the config moves bytes along the transfer plan (every executor but gather).
 bool uses_transfer_plan(const Config& config);
@@ -88,7 +118,7 @@ RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout&
 // layout (known parameter, inside its shape, segments laid end to end); errors name the trainer,
 // the route and the parameter. Call finish_incoming after the last source.
 Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int trainer,
-                           const EngineShardLayout& layout, DType dtype);
+                           const EngineShardLayout& layout);
 void finish_incoming(IncomingRoutes& in);
 
 // refit.checksum (common/checksum.h): the runs that checksum what one trainer rank sends one engine

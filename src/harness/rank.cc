@@ -1,5 +1,6 @@
 // CLI-mode ranks: own the storage, fill it with the deterministic weights every step, and verify.
 #include "harness/rank.h"
+#include "harness/fp8_reference.h"
 #include "common/stats.h"
 
 #include <thread>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -64,21 +66,31 @@ namespace {
 // source fills them), in the policy dtype and after the cast.
 Status dump_trainer_tensors(const RankOptions& o, const RankModel& model, int step) {
   const Config& cfg = o.config;
+  REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(cfg, model.spec));
+  std::optional<Fp8Reference> ref;
+  if (wire.fp8) ref.emplace(model, wire, cfg.policy.dtype, step);
   std::vector<HostBuffer> held, cast;
   std::vector<TensorView> trainer_views, expected_views;
-  for (std::uint32_t t = 0; t < model.spec.tensors().size(); ++t) {
-    const TensorSpec& ts = model.spec.tensors()[t];
+  for (std::uint32_t t = 0; t < wire.spec.tensors().size(); ++t) {
+    const TensorSpec& ts = wire.spec.tensors()[t];
     const MatrixShape m = matrix_shape(ts.shape);
     const std::vector<Piece> whole = {Piece{.hf_tensor = t, .rows = m.rows, .cols = m.cols}};
     const auto n = static_cast<std::size_t>(m.numel());
+    const DType out = wire.dtype[t];
+    cast.emplace_back(n * dtype_size(out) + 1);
+    if (ref) {  // FP8: the reference quantizer's codes and scales (docs/fp8.md)
+      REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte>* bytes, ref->tensor(t));
+      std::memcpy(cast.back().data(), bytes->data(), bytes->size());
+    } else {
+      materialize_pieces(model.spec, whole, ts.shape, *model.weights, step, cfg.policy.dtype, out,
+                         cast.back().data());
+    }
+    expected_views.push_back({ts.name, out, ts.shape, cast.back().data()});
+    if (t >= model.spec.tensors().size()) continue;  // scales: the trainer holds none
     held.emplace_back(n * dtype_size(cfg.policy.dtype) + 1);
-    cast.emplace_back(n * dtype_size(cfg.refit.target_precision) + 1);
     materialize_pieces(model.spec, whole, ts.shape, *model.weights, step, cfg.policy.dtype,
                        cfg.policy.dtype, held.back().data());
-    materialize_pieces(model.spec, whole, ts.shape, *model.weights, step, cfg.policy.dtype,
-                       cfg.refit.target_precision, cast.back().data());
     trainer_views.push_back({ts.name, cfg.policy.dtype, ts.shape, held.back().data()});
-    expected_views.push_back({ts.name, cfg.refit.target_precision, ts.shape, cast.back().data()});
   }
   const std::map<std::string, std::string> meta = {{"refit_model", cfg.model},
                                                    {"refit_step", std::to_string(step)}};
@@ -89,15 +101,14 @@ Status dump_trainer_tensors(const RankOptions& o, const RankModel& model, int st
 // Engine rank `g`'s parameters as they are now, under the engine's names and shapes.
 Status dump_engine_params(const RankOptions& o, DataPlane& plane, const EngineShardLayout& layout,
                           const std::vector<PieceTarget>& params, int g) {
-  const DType dt = o.config.refit.target_precision;
   std::vector<HostBuffer> host;
   std::vector<TensorView> views;
   for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto bytes =
-        static_cast<std::size_t>(matrix_shape(layout.params[i].shape).numel()) * dtype_size(dt);
+    const auto bytes = static_cast<std::size_t>(layout.params[i].bytes());
     host.emplace_back(bytes + 1);
     REFIT_RETURN_IF_ERROR(plane.read(host.back().data(), params[i].data, bytes));
-    views.push_back({layout.params[i].name, dt, layout.params[i].shape, host.back().data()});
+    views.push_back({layout.params[i].name, layout.params[i].dtype, layout.params[i].shape,
+                     host.back().data()});
   }
   return write_safetensors(
       fmt::format("{}/engine-{}.safetensors", o.dump_dir, g), views,
@@ -279,14 +290,17 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
 
 Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
                                       double copy_bandwidth, double peer_bandwidth) {
-  const auto ssize = static_cast<double>(dtype_size(config.policy.dtype));
-  const auto tsize = static_cast<double>(dtype_size(config.refit.target_precision));
   std::map<int, double> local, out, in;  // per device: bytes read+written there, sent, received
   std::set<int> devices;
   for (const Route& r : routes.plan.routes) {
     REFIT_ASSIGN_OR_RETURN(const int dt, device_ordinal(config, true, r.trainer));
     REFIT_ASSIGN_OR_RETURN(const int de, device_ordinal(config, false, r.engine));
     const auto n = static_cast<double>(r.numel());
+    const bool scale = routes.wire.fp8 && routes.wire.fp8->is_scale(r.hf_tensor);
+    // FP8 scales are read as float32 (the trainer computed them); everything else in the policy
+    // dtype. Written in the route's wire dtype.
+    const auto ssize = static_cast<double>(dtype_size(scale ? DType::kFloat32 : config.policy.dtype));
+    const auto tsize = static_cast<double>(dtype_size(routes.plan.dtype_of(r)));
     devices.insert(dt);
     devices.insert(de);
     local[dt] += n * ssize;  // the source is read where it lives
@@ -315,11 +329,42 @@ Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& ro
 
 namespace {
 
+// FP8 (docs/fp8.md): every parameter against the reference quantizer over whole HF tensors, on
+// the host.
+Status verify_fp8_params(DataPlane& plane, const RankModel& model, const WireModel& wire,
+                         const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
+                         const Config& cfg, int step, const std::string& who) {
+  Fp8Reference ref(model, wire, cfg.policy.dtype, step);
+  std::vector<std::byte> got;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = layout.params[i];
+    REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte> want, ref.param(p));
+    got.resize(want.size());
+    REFIT_RETURN_IF_ERROR(plane.read(got.data(), params[i].data, got.size()));
+    if (got == want) continue;
+    const std::size_t esize = dtype_size(p.dtype);
+    std::size_t b = 0;
+    while (got[b] == want[b]) ++b;
+    const std::int64_t k = static_cast<std::int64_t>(b / esize);
+    const std::int64_t cols = matrix_shape(p.shape).cols;
+    std::uint32_t g = 0, w = 0;
+    std::memcpy(&g, got.data() + k * static_cast<std::int64_t>(esize), esize);
+    std::memcpy(&w, want.data() + k * static_cast<std::int64_t>(esize), esize);
+    return Status::Corruption(fmt::format(
+        "verify: {}: tensor {} ({}) element {} (row {}, col {}; from {}) is 0x{:0{}x}, expected "
+        "0x{:0{}x} (step {}, the reference quantizer of docs/fp8.md)",
+        who, p.name, dtype_name(p.dtype), k, k / cols, k % cols, ref.source(p, k / cols, k % cols),
+        g, esize * 2, w, esize * 2, step));
+  }
+  return Status::Ok();
+}
+
 // Recomputes what every parameter must hold after `step` and compares bit for bit, on the
 // engine's device; the first mismatch names the parameter, the element and its HF source.
-Status verify_params(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
-                     const std::vector<PieceTarget>& params, const Config& cfg, int step,
-                     const std::string& who) {
+Status verify_params(DataPlane& plane, const RankModel& model, const WireModel& wire,
+                     const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
+                     const Config& cfg, int step, const std::string& who) {
+  if (wire.fp8) return verify_fp8_params(plane, model, wire, layout, params, cfg, step, who);
   const DType dt = cfg.refit.target_precision;
   const std::size_t esize = dtype_size(dt);
   REFIT_ASSIGN_OR_RETURN(auto found,
@@ -450,14 +495,14 @@ class LogitCheck {
 // After a rollback to `version`: the parameters hold it again, bit for bit — the weights of
 // `step`, the last step that passed verification, or with step 0 the zero-filled storage of
 // before the first refit.
-Status verify_rolled_back(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
-                          const std::vector<PieceTarget>& params, const Config& cfg, int step,
-                          const std::string& version, const std::string& who) {
+Status verify_rolled_back(DataPlane& plane, const RankModel& model, const WireModel& wire,
+                          const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
+                          const Config& cfg, int step, const std::string& version,
+                          const std::string& who) {
   if (step == 0) {
     std::vector<std::byte> host;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      host.resize(static_cast<std::size_t>(matrix_shape(params[i].shape).numel()) *
-                  dtype_size(cfg.refit.target_precision));
+      host.resize(static_cast<std::size_t>(layout.params[i].bytes()));
       REFIT_RETURN_IF_ERROR(plane.read(host.data(), params[i].data, host.size()));
       if (std::any_of(host.begin(), host.end(), [](std::byte b) { return b != std::byte{0}; }))
         return Status::Corruption(fmt::format(
@@ -466,7 +511,7 @@ Status verify_rolled_back(DataPlane& plane, const RankModel& model, const Engine
             who, layout.params[i].name));
     }
   } else {
-    REFIT_RETURN_IF_ERROR(verify_params(plane, model, layout, params, cfg, step, who)
+    REFIT_RETURN_IF_ERROR(verify_params(plane, model, wire, layout, params, cfg, step, who)
                               .with_context("after the rollback to version " + version));
   }
   log::info("{}: the weights kept after the failed refit (version '{}') verified bit-exact", who,
@@ -564,9 +609,9 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   const std::string who = fmt::format("engine {} tp rank {}", engine_rank / cfg.generation.tp_size,
                                       engine_rank % cfg.generation.tp_size);
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(cfg));
-  REFIT_ASSIGN_OR_RETURN(auto layout, engine_layout(model->spec, cfg.generation.tp_size,
-                                                    engine_rank % cfg.generation.tp_size, cfg.generation.layout,
-                                                    cfg.generation.backend));
+  REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(cfg, model->spec));
+  REFIT_ASSIGN_OR_RETURN(auto layout, engine_wire_layout(cfg, model->spec, wire,
+                                                         engine_rank % cfg.generation.tp_size));
   REFIT_ASSIGN_OR_RETURN(auto engine,
                          create_engine_with_fault(cfg, engine_rank, o.endpoint, o.fault));
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in
@@ -617,7 +662,7 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     if (loaded) REFIT_RETURN_IF_ERROR(loaded->check_complete(*plane, step));
     // Element-wise verification unless the engine was started for the logit check alone.
     if (o.verify || !logits)
-      REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, layout, params, cfg, step, who));
+      REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, wire, layout, params, cfg, step, who));
     if (logits)
       REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, layout, params, cfg, step, who));
     return Status::Ok();
@@ -640,8 +685,8 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     }
     if (!o.verify || !engine->is_valid()) continue;
     if (loaded) REFIT_RETURN_IF_ERROR(loaded->check_complete(*plane, published_step));
-    REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, layout, params, cfg, published_step,
-                                             engine->weight_version(), who));
+    REFIT_RETURN_IF_ERROR(verify_rolled_back(*plane, *model, wire, layout, params, cfg,
+                                             published_step, engine->weight_version(), who));
   }
   if (o.dump_dir.empty()) return Status::Ok();
   return dump_engine_params(o, *plane, layout, params, engine_rank);

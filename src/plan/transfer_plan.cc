@@ -41,6 +41,8 @@ void intersect(const Piece& own, const Piece& keep, int trainer, std::uint32_t t
       .trainer_col = own.dst_col + (c0 - own.src_col),
       .engine_row = keep.dst_row + (r0 - keep.src_row),
       .engine_col = keep.dst_col + (c0 - keep.src_col),
+      .hf_row = r0,
+      .hf_col = c0,
   });
 }
 
@@ -59,8 +61,10 @@ void split_route(const Route& r, std::int64_t max_elems, std::vector<Route>& out
         p.cols = std::min(max_elems, r.cols - c);
         p.trainer_row += row;
         p.engine_row += row;
+        p.hf_row += row;
         p.trainer_col += c;
         p.engine_col += c;
+        p.hf_col += c;
         out.push_back(p);
       }
     return;
@@ -71,6 +75,7 @@ void split_route(const Route& r, std::int64_t max_elems, std::vector<Route>& out
     p.rows = std::min(rows_per, r.rows - row);
     p.trainer_row += row;
     p.engine_row += row;
+    p.hf_row += row;
     out.push_back(p);
   }
 }
@@ -101,15 +106,16 @@ std::vector<int> TransferPlan::targets_of(int trainer) const {
 TransferPlan make_transfer_plan(const ModelSpec& spec,
                                 const std::vector<TrainerShardLayout>& trainers,
                                 const std::vector<EngineShardLayout>& engines, int num_engines,
-                                DType dtype, std::int64_t buffer_bytes) {
+                                const std::vector<DType>& dtypes, std::int64_t buffer_bytes) {
   TransferPlan plan;
   plan.trainer_ranks = static_cast<int>(trainers.size());
   const int tp = static_cast<int>(engines.size());
   plan.engine_ranks = num_engines * tp;
-  plan.dtype = dtype;
+  plan.tensor_dtype = dtypes;
   plan.buffer_bytes = buffer_bytes;
-  const auto esize = static_cast<std::int64_t>(dtype_size(dtype));
-  const std::int64_t max_elems = std::max<std::int64_t>(1, buffer_bytes / esize);
+  auto esize_of = [&](std::uint32_t t) {
+    return static_cast<std::int64_t>(dtype_size(dtypes[t]));
+  };
 
   // Every rank that holds a copy of an owned piece (data-parallel replicas, TP-replicated norms,
   // a tied embedding's second copy): the same HF rectangle, wherever it sits locally. Engine
@@ -151,7 +157,8 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
               whole.clear();
               intersect(src, eng.params[param].pieces[epiece], from.rank, from.local, e * tp + k,
                         param, whole);
-              for (const Route& w : whole) split_route(w, max_elems, routes);
+              for (const Route& w : whole)
+                split_route(w, std::max<std::int64_t>(1, buffer_bytes / esize_of(t)), routes);
             }
           }
       }
@@ -161,7 +168,7 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
   std::vector<std::int64_t> send(trainers.size(), 0), recv(static_cast<std::size_t>(plan.engine_ranks), 0);
   int round = 0;
   for (Route& r : routes) {
-    const std::int64_t b = r.numel() * esize;
+    const std::int64_t b = plan.bytes_of(r);
     auto& s = send[static_cast<std::size_t>(r.trainer)];
     auto& v = recv[static_cast<std::size_t>(r.engine)];
     if (s + b > buffer_bytes || v + b > buffer_bytes) {
@@ -186,7 +193,6 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
   Hasher h;
   h.add(plan.trainer_ranks);
   h.add(plan.engine_ranks);
-  h.add(static_cast<std::int64_t>(dtype));
   h.add(buffer_bytes);
   for (std::size_t i = 0; i < routes.size(); ++i) {
     Route& r = routes[i];
@@ -194,18 +200,20 @@ TransferPlan make_transfer_plan(const ModelSpec& spec,
     if (segs.empty() || segs.back().trainer != r.trainer || segs.back().engine != r.engine)
       segs.push_back(Segment{.trainer = r.trainer, .engine = r.engine, .first_route = i});
     Segment& seg = segs.back();
-    r.segment_offset = seg.bytes / esize;
-    seg.bytes += r.numel() * esize;
+    const std::int64_t esize = esize_of(r.hf_tensor), bytes = plan.bytes_of(r);
+    r.segment_offset = (seg.bytes + esize - 1) / esize * esize;  // element-aligned
+    seg.bytes = r.segment_offset + bytes;
     seg.num_routes++;
-    plan.trainer_bytes[static_cast<std::size_t>(r.trainer)] += r.numel() * esize;
-    plan.engine_bytes[static_cast<std::size_t>(r.engine)] += r.numel() * esize;
+    plan.trainer_bytes[static_cast<std::size_t>(r.trainer)] += bytes;
+    plan.engine_bytes[static_cast<std::size_t>(r.engine)] += bytes;
     plan.pair_bytes_[static_cast<std::size_t>(r.trainer) *
                          static_cast<std::size_t>(plan.engine_ranks) +
-                     static_cast<std::size_t>(r.engine)] += r.numel() * esize;
+                     static_cast<std::size_t>(r.engine)] += bytes;
     for (std::int64_t v : {std::int64_t{r.trainer}, std::int64_t{r.engine},
                            std::int64_t{r.hf_tensor}, std::int64_t{r.trainer_tensor},
                            std::int64_t{r.engine_param}, r.rows, r.cols, r.trainer_row,
-                           r.trainer_col, r.engine_row, r.engine_col, std::int64_t{r.round}})
+                           r.trainer_col, r.engine_row, r.engine_col, std::int64_t{r.round},
+                           static_cast<std::int64_t>(dtypes[r.hf_tensor])})
       h.add(v);
   }
   // Staging sizes: a rank's segments of one round laid out back to back, each aligned.

@@ -47,9 +47,10 @@ struct Route {
   std::int64_t rows = 0, cols = 0;
   std::int64_t trainer_row = 0, trainer_col = 0;  // top-left in the trainer's local tensor
   std::int64_t engine_row = 0, engine_col = 0;    // top-left in the engine's parameter
+  std::int64_t hf_row = 0, hf_col = 0;            // top-left in the HF tensor
   int round = 0;
-  std::int64_t segment_offset = 0;  // elements from the start of its (round, trainer, engine)
-                                    // segment
+  std::int64_t segment_offset = 0;  // bytes from the start of its (round, trainer, engine)
+                                    // segment; a multiple of the route's element size
   std::int64_t numel() const { return rows * cols; }
 };
 
@@ -64,7 +65,12 @@ struct Segment {
 struct TransferPlan {
   int trainer_ranks = 0;
   int engine_ranks = 0;
-  DType dtype = DType::kBFloat16;   // on the wire (the target precision)
+  // Per tensor of the wire model (spec/fp8.h): the dtype on the wire and in the engine.
+  std::vector<DType> tensor_dtype;
+  DType dtype_of(const Route& r) const { return tensor_dtype[r.hf_tensor]; }
+  std::int64_t bytes_of(const Route& r) const {
+    return r.numel() * static_cast<std::int64_t>(dtype_size(dtype_of(r)));
+  }
   std::int64_t buffer_bytes = 0;    // round bound per rank
   std::vector<Route> routes;        // ordered by (round, trainer, engine)
   int rounds = 0;
@@ -88,10 +94,12 @@ struct TransferPlan {
 };
 
 // `trainers[r]` is trainer rank r's layout; `engines[t]` is TP rank t's layout (the same for
-// every replica); `num_engines` replicas. `buffer_bytes` bounds each rank's bytes per round.
+// every replica); `num_engines` replicas; `dtypes[t]` the wire dtype of tensor t of `spec`.
+// `buffer_bytes` bounds each rank's bytes per round. Routes of different dtypes share segments,
+// each starting at a multiple of its element size.
 TransferPlan make_transfer_plan(const ModelSpec& spec,
                                 const std::vector<TrainerShardLayout>& trainers,
                                 const std::vector<EngineShardLayout>& engines, int num_engines,
-                                DType dtype, std::int64_t buffer_bytes);
+                                const std::vector<DType>& dtypes, std::int64_t buffer_bytes);
 
 }  // namespace refit

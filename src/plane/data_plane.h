@@ -32,6 +32,39 @@ struct CopyRun {
   Block2D block;
 };
 
+// Runs whose elements differ in size (an FP8 engine's fp8 weights, float32 scales and bf16
+// norms arriving in one staging slot) are copied as bytes: a same-dtype copy of a 1-byte dtype
+// moves bits unchanged.
+inline constexpr DType kByteCopyDType = DType::kFloat8E4M3;
+// `elems` (offsets, strides and columns in elements of `esize` bytes) as a run of bytes.
+inline CopyRun byte_run(const std::byte* src, std::byte* dst, const Block2D& elems,
+                        std::size_t esize) {
+  const auto e = static_cast<std::int64_t>(esize);
+  return CopyRun{.src = src,
+                 .dst = dst,
+                 .block = {.src_offset = elems.src_offset * e,
+                           .src_stride = elems.src_stride * e,
+                           .dst_offset = elems.dst_offset * e,
+                           .dst_stride = elems.dst_stride * e,
+                           .rows = elems.rows,
+                           .cols = elems.cols * e}};
+}
+
+// FP8 quantization (common/quantize.h) of one run: element (r, c) of `run` is element
+// (hf_row + r, hf_col + c) of its HF tensor, whose block grid (block_rows x block_cols blocks,
+// scale_cols blocks per row) lives at `grid` in plane memory: float32 scales for quantize(),
+// uint32 amax bits (abs_bits) for block_amax().
+struct QuantRun {
+  CopyRun run;
+  std::byte* grid = nullptr;
+  std::int64_t hf_row = 0, hf_col = 0;
+  std::int64_t block_rows = 1, block_cols = 1;
+  std::int64_t scale_cols = 1;
+  std::int64_t block_index(std::int64_t r, std::int64_t c) const {
+    return ((hf_row + r) / block_rows) * scale_cols + (hf_col + c) / block_cols;
+  }
+};
+
 struct RankModel;
 
 // A tensor of plane memory built from pieces of HF tensors (trainer shards, engine parameters).
@@ -104,6 +137,13 @@ class DataPlane {
   virtual Status copy(const std::vector<CopyRun>& runs, DType src_dtype, DType dst_dtype,
                       const std::byte* src_base = nullptr) = 0;
 
+  // FP8: folds max |x| of every element of every run (src elements of `src_dtype`) into its
+  // block's amax in the run's grid (uint32 bits, compared as integers: NaN above inf). The grid
+  // keeps what it held: zero it before the first call of a refit. Returns when complete.
+  virtual Status block_amax(const std::vector<QuantRun>& runs, DType src_dtype) = 0;
+  // FP8: writes quantize_fp8(x, scale of x's block) of every element to the run's dst (float8
+  // e4m3fn), the scales read from the run's grid (float32). Returns when complete.
+  virtual Status quantize(const std::vector<QuantRun>& runs, DType src_dtype) = 0;
   // The refit checksum (common/checksum.h) of every element of every run: element (r, c) of a
   // run is read at `src` element block.src_offset + r*block.src_stride + c, converted from
   // `src_dtype` to `as_dtype` exactly as copy() would, and keyed block.dst_offset +

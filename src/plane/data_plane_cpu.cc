@@ -14,6 +14,7 @@
 #include "common/convert.h"
 #include "common/env.h"
 #include "common/host_buffer.h"
+#include "common/quantize.h"
 #include "device/device.h"
 #include "plane/data_plane.h"
 #include "weights/materialize.h"
@@ -183,6 +184,47 @@ class CpuDataPlane final : public DataPlane {
     kernel_bytes_ += total_elements(runs) * static_cast<std::int64_t>(dtype_size(ddt));
     for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int) {
       run_rows(r, src_base, first, last, sdt, ddt);
+    });
+    return Status::Ok();
+  }
+
+  // One thread: blocks of different runs may be the same block, and amax grids are small.
+  Status block_amax(const std::vector<QuantRun>& runs, DType sdt) override {
+    std::vector<float> row;
+    for (const QuantRun& q : runs) {
+      const Block2D& b = q.run.block;
+      auto* grid = reinterpret_cast<std::uint32_t*>(q.grid);
+      row.resize(static_cast<std::size_t>(b.cols));
+      for (std::int64_t r = 0; r < b.rows; ++r) {
+        convert_block(q.run.src, sdt, b.src_offset + r * b.src_stride, 0, row.data(),
+                      DType::kFloat32, 0, 0, 1, b.cols);
+        for (std::int64_t c = 0; c < b.cols; ++c) {
+          std::uint32_t& a = grid[q.block_index(r, c)];
+          a = std::max(a, abs_bits(row[static_cast<std::size_t>(c)]));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status quantize(const std::vector<QuantRun>& runs, DType sdt) override {
+    std::vector<CopyRun> plain;
+    plain.reserve(runs.size());
+    for (const QuantRun& q : runs) plain.push_back(q.run);
+    kernel_bytes_ += total_elements(plain);
+    for_rows(plain, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int) {
+      const QuantRun& q = runs[static_cast<std::size_t>(&r - plain.data())];
+      const Block2D& b = r.block;
+      const auto* scales = reinterpret_cast<const float*>(q.grid);
+      std::vector<float> row(static_cast<std::size_t>(b.cols));
+      auto* dst = reinterpret_cast<std::uint8_t*>(r.dst);
+      for (std::int64_t i = first; i < last; ++i) {
+        convert_block(r.src, sdt, b.src_offset + i * b.src_stride, 0, row.data(),
+                      DType::kFloat32, 0, 0, 1, b.cols);
+        std::uint8_t* out = dst + b.dst_offset + i * b.dst_stride;
+        for (std::int64_t c = 0; c < b.cols; ++c)
+          out[c] = quantize_fp8(row[static_cast<std::size_t>(c)], scales[q.block_index(i, c)]);
+      }
     });
     return Status::Ok();
   }

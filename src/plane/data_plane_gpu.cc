@@ -19,6 +19,7 @@
 #include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
 #include "device/device.h"
+#include "device/quant_kernels.h"
 #include "plane/data_plane.h"
 #include "weights/materialize.h"
 #include "weights/setup.h"
@@ -264,6 +265,24 @@ class CudaDataPlane final : public DataPlane {
     return Status::Ok();
   }
 
+  Status block_amax(const std::vector<QuantRun>& runs, DType sdt) override {
+    REFIT_RETURN_IF_ERROR(on_device());
+    if (runs.empty()) return Status::Ok();
+    REFIT_ASSIGN_OR_RETURN(const DeviceQuantTable* t, quant_table(runs, sdt));
+    REFIT_RETURN_IF_ERROR(launch_fp8_amax(*t, sdt, stream_.handle()));
+    return sync("an fp8 amax");
+  }
+
+  Status quantize(const std::vector<QuantRun>& runs, DType sdt) override {
+    REFIT_RETURN_IF_ERROR(on_device());
+    if (runs.empty()) return Status::Ok();
+    REFIT_ASSIGN_OR_RETURN(const DeviceQuantTable* t, quant_table(runs, sdt));
+    REFIT_RETURN_IF_ERROR(launch_fp8_quantize(*t, sdt, stream_.handle()));
+    REFIT_RETURN_IF_ERROR(sync("an fp8 quantize"));
+    for (const QuantRun& q : runs) kernel_bytes_ += q.run.block.numel();
+    return Status::Ok();
+  }
+
   Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,
                                  DType as) override {
     REFIT_RETURN_IF_ERROR(on_device());
@@ -298,6 +317,41 @@ class CudaDataPlane final : public DataPlane {
       mix(static_cast<std::uint64_t>(r.block.cols));
     }
     return {static_cast<const void*>(runs.data()), runs.size(), h};
+  }
+
+  // An FP8 run list uploaded once, cached like copy tables (by the list's identity and content).
+  Result<const DeviceQuantTable*> quant_table(const std::vector<QuantRun>& runs, DType sdt) {
+    std::vector<CopyRun> plain;
+    std::uint64_t grids = 1469598103934665603ull;
+    for (const QuantRun& q : runs) {
+      plain.push_back(q.run);
+      for (std::int64_t v : {reinterpret_cast<std::int64_t>(q.grid), q.hf_row, q.hf_col})
+        grids = (grids ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
+    }
+    RunsKey key = runs_key(plain, nullptr);
+    key = {static_cast<const void*>(runs.data()), runs.size(), std::get<2>(key) ^ grids};
+    auto it = quant_.find(key);
+    if (it != quant_.end()) return &it->second;
+    if (quant_.size() >= kMaxCachedTables) quant_.clear();
+    (void)sdt;
+    std::vector<DeviceQuantRun> device_runs;
+    for (const QuantRun& q : runs)
+      device_runs.push_back(DeviceQuantRun{.src = q.run.src,
+                                           .dst = q.run.dst,
+                                           .grid = q.grid,
+                                           .src_offset = q.run.block.src_offset,
+                                           .src_stride = q.run.block.src_stride,
+                                           .dst_offset = q.run.block.dst_offset,
+                                           .dst_stride = q.run.block.dst_stride,
+                                           .rows = q.run.block.rows,
+                                           .cols = q.run.block.cols,
+                                           .hf_row = q.hf_row,
+                                           .hf_col = q.hf_col,
+                                           .block_rows = q.block_rows,
+                                           .block_cols = q.block_cols,
+                                           .scale_cols = q.scale_cols});
+    REFIT_ASSIGN_OR_RETURN(DeviceQuantTable t, DeviceQuantTable::upload(device_runs, device_));
+    return &quant_.emplace(key, std::move(t)).first->second;
   }
 
   // A checksum list as one uploaded table of offsets from its lowest source address (the keys
@@ -485,6 +539,7 @@ class CudaDataPlane final : public DataPlane {
   env::CopyEngineUse copy_engine_ = env::CopyEngineUse::kAuto;
   std::map<RunsKey, CopyTable> copies_;
   std::map<RunsKey, SumTable> sums_;
+  std::map<RunsKey, DeviceQuantTable> quant_;
   std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
 };
 

@@ -42,6 +42,10 @@ std::map<std::string, std::string> agreed_settings(const Config& c, const ModelS
       {"generation.tp_size", std::to_string(c.generation.tp_size)},
       {"generation.layout", std::string(engine_layout_name(c.generation.layout))},
       {"refit.target_precision", std::string(dtype_name(c.refit.target_precision))},
+      {"refit.fp8", c.refit.target_precision != DType::kFloat8E4M3 ? std::string("-")
+                    : c.refit.fp8.scheme == Fp8Scheme::kTensor
+                        ? std::string("tensor")
+                        : fmt::format("block {}x{}", c.refit.fp8.block_rows, c.refit.fp8.block_cols)},
       {"refit.buffer_size_bytes", std::to_string(c.refit.buffer_size_bytes)},
       {"refit.num_buffers", std::to_string(c.refit.num_buffers)},
       {"refit.executor", std::string(executor_name(c.refit.executor))},

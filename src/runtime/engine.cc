@@ -284,10 +284,12 @@ class EngineImpl final : public Engine {
 
   Status setup() {
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg_));
-    REFIT_ASSIGN_OR_RETURN(layout_, engine_layout(model_->spec, cfg_.generation.tp_size, tp_rank_,
-                                                  cfg_.generation.layout, cfg_.generation.backend));
+    // What this rank stores, each parameter in its own dtype (with fp8: fp8 weights, their
+    // float32 scales, bf16 for the rest; spec/fp8.h).
+    REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(cfg_, model_->spec));
+    REFIT_ASSIGN_OR_RETURN(layout_, engine_wire_layout(cfg_, model_->spec, wire, tp_rank_));
     for (const EngineParam& p : layout_.params)
-      slots_.push_back(TensorSlot{p.name, p.shape, cfg_.refit.target_precision});
+      slots_.push_back(TensorSlot{p.name, p.shape, p.dtype});
     ptrs_.assign(slots_.size(), nullptr);
     REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg_, false, rank_));
     REFIT_ASSIGN_OR_RETURN(plane_, make_data_plane(cfg_, device));
@@ -522,15 +524,15 @@ class EngineImpl final : public Engine {
     if (!keep_) {
       auto k = std::make_unique<Kept>();
       std::size_t total = 0;
-      const auto esize = static_cast<std::int64_t>(dtype_size(cfg_.refit.target_precision));
       std::vector<std::size_t> offsets;
       for (const TensorSlot& s : slots_) {
         offsets.push_back(total);
-        total += static_cast<std::size_t>(s.numel() * esize);
+        total += static_cast<std::size_t>(s.numel()) * dtype_size(s.dtype);
       }
       REFIT_ASSIGN_OR_RETURN(k->buffer, plane_->allocate(std::max<std::size_t>(total, 1)));
       for (std::size_t i = 0; i < slots_.size(); ++i) {
-        const std::int64_t n = slots_[i].numel();
+        // As bytes: the parameters' dtypes may differ (fp8).
+        const auto n = slots_[i].numel() * static_cast<std::int64_t>(dtype_size(slots_[i].dtype));
         if (n == 0) continue;
         std::byte* param = static_cast<std::byte*>(ptrs_[i]);
         std::byte* copy = k->buffer->data() + offsets[i];
@@ -539,8 +541,7 @@ class EngineImpl final : public Engine {
       }
       keep_ = std::move(k);
     }
-    const DType dt = cfg_.refit.target_precision;
-    REFIT_RETURN_IF_ERROR(plane_->copy(keep_->save, dt, dt).with_context(
+    REFIT_RETURN_IF_ERROR(plane_->copy(keep_->save, kByteCopyDType, kByteCopyDType).with_context(
         id() + ": refit.keep_previous: copying the parameters"));
     kept_version_ = version_;
     return Status::Ok();
@@ -594,8 +595,7 @@ class EngineImpl final : public Engine {
   // (refit.keep_previous) and resume, or leave the weights invalid and generation paused.
   Status fail_refit(const Status& why) {
     if (!kept_version_.empty() && keep_) {
-      const DType dt = cfg_.refit.target_precision;
-      Status restored = plane_->copy(keep_->restore, dt, dt);
+      Status restored = plane_->copy(keep_->restore, kByteCopyDType, kByteCopyDType);
       // The engine's own weights took the failed refit's bytes: hand it the restored ones.
       if (restored.ok()) restored = load_weights("after the rollback");
       if (restored.ok()) {

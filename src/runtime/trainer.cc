@@ -236,7 +236,9 @@ class TrainerImpl final : public Trainer {
     return secs;
   }
 
-  std::int64_t bytes_per_refit() const override { return model_->plan.payload_bytes; }
+  std::int64_t bytes_per_refit() const override {
+    return routes_ ? routes_->wire.payload_bytes() : model_->plan.payload_bytes;
+  }
   int buckets_per_refit() const override { return executor_->rounds(); }
   std::string plan_hash() const override { return executor_->plan_hash(); }
   Result<std::vector<RankTraffic>> traffic() override {
@@ -349,6 +351,7 @@ class TrainerImpl final : public Trainer {
     o.setup = routes_.get();
     o.mailbox = mailbox_.get();
     o.plane = plane_.get();
+    o.trainer_group = trainer_comm_.get();
     o.targets = control_targets(routes_->plan, rank_);
     std::vector<std::string> who;
     for (int g : o.targets) who.push_back(fmt::format("engine/{}", g));

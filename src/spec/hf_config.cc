@@ -50,6 +50,45 @@ double get_double(const json& j, const char* key, double fallback) {
   return (it != j.end() && it->is_number()) ? it->get<double>() : fallback;
 }
 
+// "quantization_config": quant_method, weight_block_size [rows, cols] and the modules left
+// unquantized (transformers' modules_to_not_convert, vLLM's ignored_layers; both are read).
+Result<QuantizationConfig> parse_quantization(const json& j) {
+  QuantizationConfig q;
+  const auto it = j.find("quantization_config");
+  if (it == j.end() || it->is_null()) return q;
+  if (!it->is_object())
+    return Status::InvalidArgument("config.json: \"quantization_config\" must be an object");
+  q.present = true;
+  if (auto m = it->find("quant_method"); m != it->end() && m->is_string())
+    q.quant_method = m->get<std::string>();
+  if (auto b = it->find("weight_block_size"); b != it->end() && !b->is_null()) {
+    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() ||
+        !(*b)[1].is_number_integer() || (*b)[0].get<std::int64_t>() <= 0 ||
+        (*b)[1].get<std::int64_t>() <= 0 || (*b)[0].get<std::int64_t>() > kMaxWidth ||
+        (*b)[1].get<std::int64_t>() > kMaxWidth)
+      return Status::InvalidArgument(fmt::format(
+          "config.json: quantization_config.weight_block_size must be two positive integers "
+          "[rows, cols], got {}",
+          b->dump()));
+    q.weight_block_size = {(*b)[0].get<std::int64_t>(), (*b)[1].get<std::int64_t>()};
+  }
+  for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+    const auto l = it->find(key);
+    if (l == it->end() || l->is_null()) continue;
+    if (!l->is_array())
+      return Status::InvalidArgument(
+          fmt::format("config.json: quantization_config.{} must be a list of module names", key));
+    for (const auto& v : *l) {
+      if (!v.is_string())
+        return Status::InvalidArgument(fmt::format(
+            "config.json: quantization_config.{} must be a list of module names, got {}", key,
+            v.dump()));
+      q.ignored.push_back(v.get<std::string>());
+    }
+  }
+  return q;
+}
+
 }  // namespace
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text) {
@@ -84,6 +123,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
   else
     c.arch = Architecture::kOther;
   c.architecture = arch;
+  REFIT_ASSIGN_OR_RETURN(c.quantization, parse_quantization(j));
   if (c.arch == Architecture::kOther) {
     // No architecture facts: the table comes from the checkpoint's headers. Sizes are read when
     // present (for `refit spec` and the logs); a present but invalid one is still an error.

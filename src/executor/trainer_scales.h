@@ -1,0 +1,48 @@
+// FP8 scales on a trainer rank (docs/fp8.md, "Where the quantization happens").
+//
+// Before every refit each trainer rank computes the scale of every block of every quantized
+// weight, so that it can quantize its own slices as it sends them (one byte per element on the
+// link): it folds max |x| of the pieces it owns into an amax grid per weight, the trainer group
+// combines the grids (an all-gather and a max: a block an FSDP2 chunk boundary or a Megatron
+// shard cuts gets the amax of all its slices), and scale = amax / 448 (1 for an all-zero block).
+// Every rank then holds every scale; the scale tensors are local tensors of every rank
+// (RouteSetup::trainers, after the caller's shards), sent like any other.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "executor/routes.h"
+#include "plane/data_plane.h"
+
+namespace refit {
+
+class TrainerScales {
+ public:
+  // Storage for every scale tensor of `setup.wire` on this rank's plane.
+  static Result<std::unique_ptr<TrainerScales>> create(const RouteSetup& setup, int rank,
+                                                       DataPlane& plane);
+  // The scale tensors' storage, as the local tensors after the caller's shards.
+  std::vector<void*> local_tensors() const;
+  // The float32 scale grid of quantized wire tensor `weight`.
+  std::byte* grid(std::uint32_t weight) const;
+  // Every scale, from the rank's shards (policy dtype `dtype`), combined over `trainer_group`
+  // (null with one trainer rank). Collective over the trainer group. A block holding NaN or inf
+  // is an error naming the tensor and the block, on every rank alike.
+  Status compute(const std::vector<void*>& shards, DType dtype, Communicator* trainer_group);
+
+ private:
+  TrainerScales(const RouteSetup& setup, int rank, DataPlane& plane)
+      : setup_(setup), rank_(rank), plane_(plane) {}
+
+  const RouteSetup& setup_;
+  const int rank_;
+  DataPlane& plane_;
+  std::vector<std::int64_t> offset_;  // per scale tensor (wire index - model tensors): elements
+  std::int64_t total_ = 0;            // elements of every grid
+  std::unique_ptr<PlaneBuffer> scales_, amax_, gathered_;
+  std::vector<QuantRun> runs_;        // this rank's owned pieces of every quantized weight
+  std::vector<void*> runs_for_;       // the shards runs_ were built for
+};
+
+}  // namespace refit
