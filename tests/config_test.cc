@@ -1,5 +1,6 @@
 // Config parsing, setup-time validation, and the `refit check` / `refit matrix` commands.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 
 #include <filesystem>
 #include <sys/stat.h>
@@ -300,14 +301,35 @@ TEST(ConfigValidate, ColocatedNeedsOneEngineRankPerTrainerRank) {
 }
 
 TEST(ConfigValidate, TargetPrecisionPerEngineProtocol) {
-  ExpectError(
-      ParseAndValidate("model: tiny-qwen3\nrefit: {target_precision: fp8}"),
-      StatusCode::kUnsupported,
-      {"refit.target_precision", "bf16 only", "got float8_e4m3", "sglang", "allowed: bfloat16"});
-  ExpectError(ParseAndValidate("model: tiny-qwen3\ngeneration: {backend: vllm}\n"
-                               "refit: {target_precision: float8_e4m3}"),
-              StatusCode::kUnsupported,
-              {"refit.target_precision", "not implemented yet", "got float8_e4m3", "vllm"});
+  // fp8 is accepted by both protocols; tiny-qwen3's TP 2 slices (32 rows) cut 128 x 128 blocks.
+  for (const char* engine : {"sglang", "vllm"}) {
+    const std::string base = fmt::format("model: tiny-qwen3\ngeneration: {{backend: {}}}\n", engine);
+    ExpectError(ParseAndValidate(base + "refit: {target_precision: fp8}"),
+                StatusCode::kInvalidArgument,
+                {"refit.fp8: engine tp rank 0 of 2", "qkv_proj.weight", "q_proj.weight [64, 64]",
+                 "cuts a 128 x 128 block"});
+    Status ok = ParseAndValidate(base + "refit: {target_precision: float8_e4m3, fp8: {block: [16, 16]}}");
+    EXPECT_TRUE(ok.ok()) << ok.to_string();
+    ok = ParseAndValidate(base + "refit: {target_precision: fp8, fp8: {scheme: tensor}}");
+    EXPECT_TRUE(ok.ok()) << ok.to_string();
+  }
+  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {target_precision: fp8, executor: "
+                               "gather, fp8: {scheme: tensor}}"),
+              StatusCode::kInvalidArgument,
+              {"refit.executor", "got gather with refit.target_precision: fp8",
+               "allowed: auto, peer or p2p"});
+  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {target_precision: fp8, checksum: "
+                               "true, fp8: {scheme: tensor}}"),
+              StatusCode::kInvalidArgument, {"refit.checksum", "reference quantizer"});
+  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {fp8: {scheme: tensor}}"),
+              StatusCode::kInvalidArgument,
+              {"refit.fp8", "only with refit.target_precision: fp8"});
+  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {target_precision: fp8, fp8: {block: [16]}}"),
+              StatusCode::kInvalidArgument, {"refit.fp8.block", "two integers"});
+  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {target_precision: fp8, fp8: {block: [0, 16]}}"),
+              StatusCode::kInvalidArgument, {"refit.fp8.block", "between 1 and"});
+  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {target_precision: fp8, fp8: {scheme: row}}"),
+              StatusCode::kInvalidArgument, {"refit.fp8.scheme", "block", "tensor"});
   EXPECT_TRUE(ParseAndValidate("model: tiny-qwen3\ngeneration: {backend: vllm}").ok());
 }
 
@@ -595,18 +617,17 @@ TEST(ConfigCli, MatrixPrintsTableAndJson) {
   EXPECT_CONTAINS(r.output, "SGLang non-colocated (broadcast)");
   EXPECT_CONTAINS(r.output, "| fsdp2 (DTensor) ");
   EXPECT_CONTAINS(r.output, "| megatron ");
-  EXPECT_CONTAINS(r.output, "not implemented yet");
+  EXPECT_CONTAINS(r.output, "| fp8 (float8_e4m3) | supported | supported |");
 
   auto j = testing::run_cli({"matrix", "--json"}, 60);
   ASSERT_EQ(j.exit_code, 0) << j.output;
   auto doc = nlohmann::json::parse(j.output);
   ASSERT_EQ(doc["cells"].size(), 8u);
   for (const auto& cell : doc["cells"]) EXPECT_TRUE(cell["supported"].get<bool>());
-  bool sglang_fp8_refused = false;
+  int fp8_supported = 0;
   for (const auto& p : doc["target_precisions"])
-    if (p["engine"] == "sglang" && p["precision"] == "float8_e4m3")
-      sglang_fp8_refused = !p["supported"].get<bool>();
-  EXPECT_TRUE(sglang_fp8_refused);
+    if (p["precision"] == "float8_e4m3") fp8_supported += p["supported"].get<bool>() ? 1 : 0;
+  EXPECT_EQ(fp8_supported, 2);  // vllm and sglang
 }
 
 }  // namespace

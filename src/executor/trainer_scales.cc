@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/log.h"
 #include "common/quantize.h"
 
 namespace refit {
@@ -106,6 +107,16 @@ Status TrainerScales::compute(const std::vector<void*>& shards, DType dtype,
         "trainer rank)",
         wire.tensors()[weight].name, b / cols, b % cols, b / cols * block.rows, block.rows,
         b % cols * block.cols, block.cols));
+  }
+  if (!logged_) {
+    logged_ = true;
+    log::info("trainer rank {}: fp8 ({} from {}): {} weights quantized at the sender, {} scales "
+              "combined over {} trainer rank(s)",
+              rank_,
+              f.scheme == Fp8Scheme::kBlock ? fmt::format("blocks {}x{}", f.block_rows, f.block_cols)
+                                            : std::string("one scale per tensor"),
+              f.source, f.num_quantized(), total_,
+              trainer_group != nullptr ? trainer_group->size() : 1);
   }
   return plane_.write(scales_->data(), scales.data(), bytes);
 }

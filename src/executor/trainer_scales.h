@@ -43,6 +43,7 @@ class TrainerScales {
   std::unique_ptr<PlaneBuffer> scales_, amax_, gathered_;
   std::vector<QuantRun> runs_;        // this rank's owned pieces of every quantized weight
   std::vector<void*> runs_for_;       // the shards runs_ were built for
+  bool logged_ = false;
 };
 
 }  // namespace refit

@@ -356,6 +356,8 @@ Status verify_fp8_params(DataPlane& plane, const RankModel& model, const WireMod
         who, p.name, dtype_name(p.dtype), k, k / cols, k % cols, ref.source(p, k / cols, k % cols),
         g, esize * 2, w, esize * 2, step));
   }
+  log::info("{}: {} parameters verified bit-exact against the FP8 reference quantizer (step {})",
+            who, params.size(), step);
   return Status::Ok();
 }
 
@@ -408,12 +410,71 @@ Status check_logit_check_fits(const Config& cfg, const ModelSpec& spec) {
     return Status::InvalidArgument(fmt::format(
         "--check-logits: {} has {} parameters; the CPU reference forward is limited to {}",
         cfg.model, spec.total_parameters(), kLogitCheckMaxParams));
-  if (cfg.refit.target_precision != DType::kBFloat16)
-    return Status::Unsupported("--check-logits needs bf16 engine parameters (refit.target_precision)");
   return Status::Ok();
 }
 
 namespace {
+
+// An FP8 code times its scale, rounded to bf16: the weight the forward passes of --check-logits
+// use for a quantized element, on both sides (docs/fp8.md).
+std::uint16_t dequantized_bf16(std::uint8_t code, float scale) {
+  return f32_to_bf16(fp8e4m3_to_f32(code) * scale);
+}
+
+// Every parameter of `layout` but the FP8 scales, as bf16 on the host: bf16 parameters as they
+// are, fp8 weights dequantized with the scale parameter after them (each element's scale found
+// through the layouts' pieces: the block of its HF element).
+Result<std::vector<std::vector<std::uint16_t>>> engine_bf16(DataPlane& plane, const WireModel& wire,
+                                                            const EngineShardLayout& layout,
+                                                            const std::vector<PieceTarget>& params) {
+  std::vector<std::vector<std::uint16_t>> out;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = layout.params[i];
+    const MatrixShape m = matrix_shape(p.shape);
+    if (p.dtype == DType::kBFloat16) {
+      out.emplace_back(static_cast<std::size_t>(m.numel()));
+      REFIT_RETURN_IF_ERROR(plane.read(out.back().data(), params[i].data, out.back().size() * 2));
+      continue;
+    }
+    if (p.dtype != DType::kFloat8E4M3 || i + 1 >= params.size())
+      return Status::Unsupported(fmt::format("--check-logits: parameter {} is {}", p.name,
+                                             dtype_name(p.dtype)));
+    const EngineParam& sp = layout.params[i + 1];
+    const MatrixShape sm = matrix_shape(sp.shape);
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(m.numel()));
+    std::vector<float> scales(static_cast<std::size_t>(sm.numel()));
+    REFIT_RETURN_IF_ERROR(plane.read(codes.data(), params[i].data, codes.size()));
+    REFIT_RETURN_IF_ERROR(plane.read(scales.data(), params[i + 1].data, scales.size() * 4));
+    std::vector<std::uint16_t> v(codes.size(), 0);
+    const Fp8Table& f = *wire.fp8;
+    for (const Piece& pc : p.pieces) {
+      const auto st = static_cast<std::uint32_t>(f.scale_of[pc.hf_tensor]);
+      const MatrixShape b = f.block(wire.spec, pc.hf_tensor);
+      // The scale piece derived from this weight piece: it covers every block of it.
+      const std::int64_t hr0 = pc.src_row / b.rows, hc0 = pc.src_col / b.cols;
+      const Piece* s = nullptr;
+      for (const Piece& q : sp.pieces)
+        if (q.hf_tensor == st && hr0 >= q.src_row && hr0 < q.src_row + q.rows &&
+            hc0 >= q.src_col && hc0 < q.src_col + q.cols)
+          s = &q;
+      if (s == nullptr)
+        return Status::Internal(
+            fmt::format("--check-logits: no scale of {} covers block ({}, {})", p.name, hr0, hc0));
+      for (std::int64_t r = 0; r < pc.rows; ++r)
+        for (std::int64_t c = 0; c < pc.cols; ++c) {
+          const std::int64_t hr = (pc.src_row + r) / b.rows, hc = (pc.src_col + c) / b.cols;
+          const std::int64_t k = (pc.dst_row + r) * m.cols + pc.dst_col + c;
+          const float scale =
+              scales[static_cast<std::size_t>((s->dst_row + hr - s->src_row) * sm.cols + s->dst_col +
+                                              hc - s->src_col)];
+          v[static_cast<std::size_t>(k)] = dequantized_bf16(codes[static_cast<std::size_t>(k)], scale);
+        }
+    }
+    out.push_back(std::move(v));
+    ++i;  // its scale parameter
+  }
+  return out;
+}
 
 // The engine's TP forward pass against a single-process forward on the trainer's weights.
 class LogitCheck {
@@ -438,33 +499,55 @@ class LogitCheck {
     return lc;
   }
 
-  Status check(DataPlane& plane, const RankModel& model, const EngineShardLayout& layout,
-               const std::vector<PieceTarget>& params, const Config& cfg, int step,
-               const std::string& who) {
-    // Reference: full HF tensors as the trainer holds them after the cast (bf16 → fp32).
+  Status check(DataPlane& plane, const RankModel& model, const WireModel& wire,
+               const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
+               const Config& cfg, int step, const std::string& who) {
+    // Reference: full HF tensors as the trainer holds them after the cast (bf16 → fp32); with
+    // fp8 the quantized weights dequantized (docs/fp8.md, "--check-logits").
     const auto& tensors = model.spec.tensors();
+    std::optional<Fp8Reference> ref;
+    if (wire.fp8) ref.emplace(model, wire, cfg.policy.dtype, step);
     std::vector<std::vector<float>> hf(tensors.size());
     std::vector<const float*> hf_ptrs;
     std::vector<std::uint16_t> bf16;
     for (std::size_t t = 0; t < tensors.size(); ++t) {
       const MatrixShape m = matrix_shape(tensors[t].shape);
-      const Piece whole{static_cast<std::uint32_t>(t), 0, 0, m.rows, m.cols, 0, 0};
       bf16.assign(static_cast<std::size_t>(m.numel()), 0);
-      materialize_pieces(model.spec, {whole}, tensors[t].shape, *model.weights, step,
-                         cfg.policy.dtype, DType::kBFloat16,
-                         reinterpret_cast<std::byte*>(bf16.data()));
+      if (ref && wire.fp8->quantized(static_cast<std::uint32_t>(t))) {
+        const auto s = static_cast<std::uint32_t>(wire.fp8->scale_of[t]);
+        REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte>* codes, ref->tensor(static_cast<std::uint32_t>(t)));
+        const std::vector<std::byte> c = *codes;
+        REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte>* scales, ref->tensor(s));
+        const MatrixShape b = wire.fp8->block(wire.spec, static_cast<std::uint32_t>(t));
+        const std::int64_t nbc = (m.cols + b.cols - 1) / b.cols;
+        const auto* sc = reinterpret_cast<const float*>(scales->data());
+        for (std::int64_t r = 0; r < m.rows; ++r)
+          for (std::int64_t k = 0; k < m.cols; ++k)
+            bf16[static_cast<std::size_t>(r * m.cols + k)] = dequantized_bf16(
+                static_cast<std::uint8_t>(c[static_cast<std::size_t>(r * m.cols + k)]),
+                sc[(r / b.rows) * nbc + k / b.cols]);
+      } else {
+        const Piece whole{static_cast<std::uint32_t>(t), 0, 0, m.rows, m.cols, 0, 0};
+        materialize_pieces(model.spec, {whole}, tensors[t].shape, *model.weights, step,
+                           cfg.policy.dtype, DType::kBFloat16,
+                           reinterpret_cast<std::byte*>(bf16.data()));
+      }
       hf[t].resize(bf16.size());
       convert(bf16.data(), DType::kBFloat16, hf[t].data(), DType::kFloat32, bf16.size());
       hf_ptrs.push_back(hf[t].data());
     }
     REFIT_ASSIGN_OR_RETURN(auto want, reference_forward(model.spec, hf_ptrs, tokens_));
-    std::vector<std::vector<std::uint16_t>> host(params.size());  // the engine's bf16 shards
+    // The engine's shards as bf16 (fp8 weights dequantized with the scales the engine holds),
+    // in the model's engine layout (no scale parameters).
+    REFIT_ASSIGN_OR_RETURN(const EngineShardLayout base,
+                           engine_layout(model.spec, cfg.generation.tp_size, layout.tp_rank,
+                                         cfg.generation.layout, cfg.generation.backend));
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::vector<std::uint16_t>> host,
+                           engine_bf16(plane, wire, layout, params));
+    if (host.size() != base.params.size())
+      return Status::Internal("check-logits: the engine layout without scales differs");
     std::vector<const std::uint16_t*> p16;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      host[i].resize(static_cast<std::size_t>(matrix_shape(params[i].shape).numel()));
-      REFIT_RETURN_IF_ERROR(plane.read(host[i].data(), params[i].data, host[i].size() * 2));
-      p16.push_back(host[i].data());
-    }
+    for (const auto& h : host) p16.push_back(h.data());
     std::vector<float> got;
     if (cfg.generation.layout == EngineLayout::kHf) {
       // Whole HF tensors, one per parameter in the spec's order: the same forward on them.
@@ -477,8 +560,7 @@ class LogitCheck {
       }
       REFIT_ASSIGN_OR_RETURN(got, reference_forward(model.spec, held_ptrs, tokens_));
     } else {
-      REFIT_ASSIGN_OR_RETURN(got,
-                             engine_forward(model.spec, layout, p16, tokens_, tp_group_.get()));
+      REFIT_ASSIGN_OR_RETURN(got, engine_forward(model.spec, base, p16, tokens_, tp_group_.get()));
     }
     Status st = compare_logits(got, want, model.spec.config().vocab_size, kLogitTolerance);
     if (!st.ok()) return st.with_context(fmt::format("check-logits: {} (step {})", who, step));
@@ -664,7 +746,7 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     if (o.verify || !logits)
       REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, wire, layout, params, cfg, step, who));
     if (logits)
-      REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, layout, params, cfg, step, who));
+      REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, wire, layout, params, cfg, step, who));
     return Status::Ok();
   });
   // Serve until the shutdown, past refits that failed at their end (the session goes on). After

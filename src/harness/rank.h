@@ -33,7 +33,7 @@ struct RankOptions {
 // Version of the --json report's layout (docs/runtime.md, docs/report.schema.json): 2 added
 // `ranks`, `executor`, `peer_bandwidth_gbps` and `floor_basis`; 3 added `ok` and `error` (a
 // report is written for failed runs too).
-inline constexpr int kReportSchemaVersion = 5;
+inline constexpr int kReportSchemaVersion = 6;
 
 // Per-run numbers collected by trainer rank 0.
 struct RefitReport {

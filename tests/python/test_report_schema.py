@@ -58,7 +58,7 @@ def load_valid(validator, path, out):
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
               for e in validator.iter_errors(report)]
     assert not errors, "\n".join(errors) + "\n" + json.dumps(report, indent=2)
-    assert report["schema_version"] == 5
+    assert report["schema_version"] == 6
     return report
 
 
