@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -116,8 +117,13 @@ TEST(Fp8Quantizer, NonFiniteBlocksHaveNoScale) {
 // The planes' amax and quantize (CPU loops; CUDA kernels where a GPU is visible) against the
 // reference over whole tensors: runs that each cover part of a block (as FSDP2 chunks and routes
 // cut them), several source dtypes, zero, huge, tiny and tie values.
-void expect_plane_matches_reference(DataPlane& plane, DType src_dtype) {
-  const std::int64_t rows = 37, cols = 45, br = 8, bc = 16;  // ragged blocks at both ends
+struct PlaneCase {
+  std::int64_t rows, cols, br, bc;
+  std::vector<std::int64_t> row_cuts, col_cuts;  // run boundaries, 0 and the end included
+};
+
+void expect_plane_matches_reference(DataPlane& plane, DType src_dtype, const PlaneCase& pc) {
+  const std::int64_t rows = pc.rows, cols = pc.cols, br = pc.br, bc = pc.bc;
   const std::int64_t nbr = (rows + br - 1) / br, nbc = (cols + bc - 1) / bc;
   std::vector<float> x(static_cast<std::size_t>(rows * cols));
   for (std::int64_t i = 0; i < rows * cols; ++i)
@@ -146,10 +152,11 @@ void expect_plane_matches_reference(DataPlane& plane, DType src_dtype) {
   ASSERT_TRUE(plane.write((*s_buf)->data(), src.data(), src.size()).ok());
   std::vector<std::uint32_t> zeros(want_scales.size(), 0);
   ASSERT_TRUE(plane.write((*grid)->data(), zeros.data(), grid_bytes).ok());
-  // Runs cut at rows 11 and 26 and column 21: no run holds a whole block.
   std::vector<QuantRun> runs;
-  for (auto [r0, r1] : {std::pair<std::int64_t, std::int64_t>{0, 11}, {11, 26}, {26, rows}})
-    for (auto [c0, c1] : {std::pair<std::int64_t, std::int64_t>{0, 21}, {21, cols}})
+  for (std::size_t i = 0; i + 1 < pc.row_cuts.size(); ++i)
+    for (std::size_t j = 0; j + 1 < pc.col_cuts.size(); ++j) {
+      const std::int64_t r0 = pc.row_cuts[i], r1 = pc.row_cuts[i + 1];
+      const std::int64_t c0 = pc.col_cuts[j], c1 = pc.col_cuts[j + 1];
       runs.push_back(QuantRun{.run = {.src = (*s_buf)->data(),
                                       .dst = (*out)->data(),
                                       .block = {.src_offset = r0 * cols + c0,
@@ -164,6 +171,7 @@ void expect_plane_matches_reference(DataPlane& plane, DType src_dtype) {
                               .block_rows = br,
                               .block_cols = bc,
                               .scale_cols = nbc});
+    }
   ASSERT_TRUE(plane.block_amax(runs, src_dtype).ok());
   std::vector<std::uint32_t> amax(want_scales.size());
   ASSERT_TRUE(plane.read(amax.data(), (*grid)->data(), grid_bytes).ok());
@@ -176,6 +184,54 @@ void expect_plane_matches_reference(DataPlane& plane, DType src_dtype) {
   ASSERT_TRUE(plane.read(got.data(), (*out)->data(), got.size()).ok());
   for (std::size_t i = 0; i < got.size(); ++i)
     ASSERT_EQ(got[i], want[i]) << dtype_name(src_dtype) << " element " << i << " = " << x[i];
+
+  // In one pass: the blocks that lie whole in a run get their scale from the quantizing call
+  // itself (their grid entries hold garbage before it); the others come from the grid.
+  std::vector<std::uint8_t> from_grid(want_scales.size(), 1);
+  for (const QuantRun& q : runs)
+    for (std::int64_t kr = 0; kr < nbr; ++kr)
+      for (std::int64_t kc = 0; kc < nbc; ++kc)
+        if (kr * br >= q.hf_row && std::min((kr + 1) * br, rows) <= q.hf_row + q.run.block.rows &&
+            kc * bc >= q.hf_col && std::min((kc + 1) * bc, cols) <= q.hf_col + q.run.block.cols)
+          from_grid[static_cast<std::size_t>(kr * nbc + kc)] = 0;
+  ASSERT_GT(std::count(from_grid.begin(), from_grid.end(), 0), 2);
+  std::vector<float> seeded = want_scales;
+  for (std::size_t b = 0; b < seeded.size(); ++b)
+    if (from_grid[b] == 0) seeded[b] = 12345.0f;
+  auto bad = plane.allocate(16);
+  ASSERT_TRUE(bad.ok());
+  const std::uint64_t clean[2] = {0, ~std::uint64_t{0}};
+  ASSERT_TRUE(plane.write((*bad)->data(), clean, 16).ok());
+  for (QuantRun& q : runs) {
+    q.from_grid = from_grid.data();
+    q.bad = (*bad)->data();
+    q.tag = 5;
+  }
+  ASSERT_TRUE(plane.write((*grid)->data(), seeded.data(), grid_bytes).ok());
+  std::vector<std::uint8_t> zero(x.size(), 0);
+  ASSERT_TRUE(plane.write((*out)->data(), zero.data(), zero.size()).ok());
+  ASSERT_TRUE(plane.quantize(runs, src_dtype).ok());
+  ASSERT_TRUE(plane.read(got.data(), (*out)->data(), got.size()).ok());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    ASSERT_EQ(got[i], want[i]) << "one pass: " << dtype_name(src_dtype) << " element " << i;
+  ASSERT_TRUE(plane.read(scales.data(), (*grid)->data(), grid_bytes).ok());
+  EXPECT_EQ(scales, want_scales) << "one pass: " << dtype_name(src_dtype);
+  std::uint64_t counted[2] = {1, 1};
+  ASSERT_TRUE(plane.read(counted, (*bad)->data(), 16).ok());
+  EXPECT_EQ(counted[0], 0u);
+
+  // A NaN in a block scaled in the pass is counted, naming the tensor and the block.
+  std::int64_t nan_block = -1;
+  for (std::size_t b = 0; b < from_grid.size() && nan_block < 0; ++b)
+    if (from_grid[b] == 0) nan_block = static_cast<std::int64_t>(b);
+  const std::int64_t at = (nan_block / nbc * br + 1) * cols + nan_block % nbc * bc + 2;
+  x[static_cast<std::size_t>(at)] = std::numeric_limits<float>::quiet_NaN();
+  convert(x.data(), DType::kFloat32, src.data(), src_dtype, x.size());
+  ASSERT_TRUE(plane.write((*s_buf)->data(), src.data(), src.size()).ok());
+  ASSERT_TRUE(plane.quantize(runs, src_dtype).ok());
+  ASSERT_TRUE(plane.read(counted, (*bad)->data(), 16).ok());
+  EXPECT_EQ(counted[0], 1u) << dtype_name(src_dtype);
+  EXPECT_EQ(counted[1], (std::uint64_t{5} << 32) | static_cast<std::uint64_t>(nan_block));
 }
 
 TEST(Fp8Plane, AmaxAndQuantizeMatchTheReferenceAcrossCutBlocks) {
@@ -186,8 +242,13 @@ TEST(Fp8Plane, AmaxAndQuantizeMatchTheReferenceAcrossCutBlocks) {
     cfg.device = d;
     auto plane = make_data_plane(cfg, 0);
     ASSERT_TRUE(plane.ok()) << plane.status().to_string();
-    for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
-      expect_plane_matches_reference(**plane, dt);
+    // Runs cut at rows 11 and 26 and column 21 (no run holds a whole block; ragged blocks at both
+    // ends), and a shape whose runs take the kernels' 8-element vector paths.
+    const PlaneCase scalar{37, 45, 8, 16, {0, 11, 26, 37}, {0, 21, 45}};
+    const PlaneCase vector{40, 64, 8, 16, {0, 11, 26, 40}, {0, 16, 48, 64}};
+    for (const PlaneCase& pc : {scalar, vector})
+      for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+        expect_plane_matches_reference(**plane, dt, pc);
     if (d == Device::kCuda) std::printf("[fp8] the CUDA kernels matched the reference\n");
   }
 }
@@ -446,6 +507,32 @@ void expect_fp8_verified(const Fp8Cell& c) {
 }
 
 TEST(Fp8Cells, Fsdp2VllmNonColocatedChunksCutBlocks) { expect_fp8_verified({}); }
+// One trainer rank: blocks that every route holds whole are scaled in the quantizing pass, those
+// that rounds of 768 bytes split (12 rows of 64) are scaled before the refit; no collective.
+TEST(Fp8Cells, OneTrainerRankScalesWholeBlocksInThePass) {
+  TempDir dir;
+  const std::string cfg = dir.write(
+      "c.yaml", "model: tiny-qwen3\npolicy: {world_size: 1}\ngeneration: {backend: vllm, tp_size: 2}\n"
+                "refit: {target_precision: fp8, buffer_size_bytes: 768, fp8: {block: [16, 16]}}\n");
+  auto r = run_cli({"run", cfg, "--steps", "2", "--verify"}, 180);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact against the FP8 reference quantizer (step 2)"),
+            std::string::npos) << r.output;
+  const auto at = r.output.find("blocks, ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(", 0 scaled in the quantizing pass"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(", 0 before the refit"), std::string::npos) << r.output;
+  // Colocated, default buffers: every block in the pass.
+  const std::string colo = dir.write(
+      "d.yaml", "model: tiny-moe\npolicy: {world_size: 1, dtype: bfloat16}\n"
+                "generation: {backend: sglang, colocated: true, tp_size: 1}\n"
+                "refit: {target_precision: fp8, fp8: {block: [8, 8]}}\n");
+  r = run_cli({"run", colo, "--steps", "2", "--verify"}, 180);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" 0 before the refit"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact against the FP8 reference quantizer (step 2)"),
+            std::string::npos) << r.output;
+}
 TEST(Fp8Cells, Fsdp2SglangNonColocatedP2p) {
   expect_fp8_verified({.generation = "backend: sglang, tp_size: 2",
                        .refit = "executor: p2p, fp8: {block: [16, 16]}"});

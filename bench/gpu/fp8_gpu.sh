@@ -5,13 +5,16 @@
 # of qwen3-8b bf16 -> fp8 and -> bf16 against the floor, beside torch's blockwise quantize.
 #   bash bench/gpu/carry_refit.sh
 #   run(command="bash bench/gpu/fp8_gpu.sh", carry=[".carry/refit"])
+# REFIT_FP8_PARTS: any of "unit exact cells bench" (default all).
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-fp8
 : > "$summary"
 nvidia-smi -L | tee -a "$summary"
 py=python3
+parts=${REFIT_FP8_PARTS:-"unit exact cells bench"}
+has() { [[ " $parts " == *" $1 "* ]]; }
 
-if [ -x "$c/bin/refit_tests" ]; then
+if has unit && [ -x "$c/bin/refit_tests" ]; then
   "$c/bin/refit_tests" --gtest_filter='Fp8Plane.*:Fp8Quantizer.*' > "$out/unit.log" 2>&1
   note "unit Fp8Plane/Fp8Quantizer rc=$? cuda-kernels-logs=$(grep -c 'CUDA kernels matched' "$out/unit.log")"
 fi
@@ -40,9 +43,11 @@ exact() {
   note "$(printf 'torch-exact %-14s refit rc=%s torch rc=%s  %s' "$1" "$rc" "$trc" "$(grep '^exact:' "$out/$1.log")")"
   rm -rf "$work/dump-$1"
 }
-exact q8-layer-bf16 "$work/q8-layer" bfloat16
-exact q30-layer-bf16 "$work/q30-layer" bfloat16
-exact q8-layer-fp32 "$work/q8-layer" float32
+if has exact; then
+  exact q8-layer-bf16 "$work/q8-layer" bfloat16
+  exact q30-layer-bf16 "$work/q30-layer" bfloat16
+  exact q8-layer-fp32 "$work/q8-layer" float32
+fi
 
 # cell NAME MODEL DTYPE BACKEND [extra args]: colocated 1 GPU, fused, --verify
 cell() {
@@ -51,9 +56,11 @@ cell() {
   timeout 600 "$R" run "$f" --steps 2 --verify > "$out/$1.log" 2>&1
   note "$(printf 'cell %-22s rc=%s verified-logs=%s' "$1" "$?" "$(grep -c 'against the FP8 reference quantizer' "$out/$1.log")")"
 }
-cell tiny-qwen3-logits tiny-qwen3 float32 vllm ", fp8: {block: [16, 16]}"
-cell q8-layer-sglang "$work/q8-layer" bfloat16 sglang
-cell q30-layer-tensor "$work/q30-layer" bfloat16 vllm ", fp8: {scheme: tensor}"
+if has cells; then
+  cell tiny-qwen3-logits tiny-qwen3 float32 vllm ", fp8: {block: [16, 16]}"
+  cell q8-layer-sglang "$work/q8-layer" bfloat16 sglang
+  cell q30-layer-tensor "$work/q30-layer" bfloat16 vllm ", fp8: {scheme: tensor}"
+fi
 
 # bench NAME TARGET: qwen3-8b bf16 trainer, colocated 1 GPU
 bench() {
@@ -62,9 +69,11 @@ bench() {
   timeout 600 "$R" bench "$f" --steps 5 --json "$out/bench-$1.json" > "$out/bench-$1.log" 2>&1
   note "$(printf 'bench %-10s rc=%s' "$1" "$?")"
 }
-bench fp8 fp8
-bench bf16 bf16
-$py "$root/bench/gpu/fp8_torch.py" baseline "$work/q8-full/config.json" > "$out/baseline.log" 2>&1
+if has bench; then
+  bench fp8 fp8
+  bench bf16 bf16
+  $py "$root/bench/gpu/fp8_torch.py" baseline "$work/q8-full/config.json" > "$out/baseline.log" 2>&1
+fi
 echo "== table"
 $py - "$out" <<'PY' | tee -a "$summary"
 import json, statistics, sys, glob, os
@@ -79,7 +88,8 @@ for name in ("fp8", "bf16"):
         print(f"{name:10} failed: {j.get('error', '')[:200]}"); continue
     ms = statistics.median(j["refit_seconds"]) * 1e3
     print(f"{name:10} {ms:8.2f} {j.get('floor_seconds', 0) * 1e3:9.2f} {j.get('ratio_to_floor', 0):6.2f} {j['gbps']:7.1f}")
-for line in open(f"{out}/baseline.log"):
-    print(line.rstrip())
+if os.path.exists(f"{out}/baseline.log"):
+    for line in open(f"{out}/baseline.log"):
+        print(line.rstrip())
 PY
 echo "== summary"; cat "$summary"

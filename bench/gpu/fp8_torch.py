@@ -26,7 +26,9 @@ def torch_quantize(x: torch.Tensor, br: int, bc: int):
     pad[:rows, :cols] = x
     blocks = pad.view(nbr, br, nbc, bc)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    # A tensor divisor: torch turns division by a Python scalar into a multiplication by its
+    # reciprocal on CUDA, which is not amax / 448 in float32.
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, 448.0))
     q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q.view(nbr * br, nbc * bc)[:rows, :cols].contiguous(), scale
 

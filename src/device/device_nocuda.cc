@@ -21,7 +21,7 @@ Status no_cuda(const char* what) {
 
 bool cuda_built() { return false; }
 
-Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantRun>&, int) {
+Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantRun>&, DType, int) {
   return no_cuda("DeviceQuantTable::upload");
 }
 Status launch_fp8_amax(const DeviceQuantTable&, DType, void*) { return no_cuda("launch_fp8_amax"); }

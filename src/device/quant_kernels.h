@@ -28,14 +28,20 @@ struct DeviceQuantRun {
   std::int64_t rows = 0, cols = 0;
   std::int64_t hf_row = 0, hf_col = 0;
   std::int64_t block_rows = 1, block_cols = 1, scale_cols = 1;
+  // quantize in one pass (DataPlane::QuantRun): per block of the grid (host memory, read when the
+  // table is built), 0 where the block lies whole in this run and the kernel computes its scale.
+  const std::uint8_t* from_grid = nullptr;
+  unsigned long long* bad = nullptr;  // [count, smallest tag << 32 | block] of non-finite blocks
+  std::uint32_t tag = 0;
 };
 
-// The runs cut into tiles of at most kQuantTileElems elements (whole rows, or column chunks of
-// one row), uploaded to `device`.
-inline constexpr std::int64_t kQuantTileElems = std::int64_t{1} << 15;
+// The runs cut into tiles (up to 64 rows of one block row, up to 1024 columns; a block the kernel
+// scales itself is one tile), uploaded to `device`.
 class DeviceQuantTable {
  public:
-  static Result<DeviceQuantTable> upload(const std::vector<DeviceQuantRun>& runs, int device);
+  // `src_dtype`: the runs' source dtype (the vector paths depend on its size).
+  static Result<DeviceQuantTable> upload(const std::vector<DeviceQuantRun>& runs, DType src_dtype,
+                                         int device);
   std::int64_t num_tiles() const { return tiles_; }
   const void* data() const { return table_.data(); }
 

@@ -237,7 +237,10 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
     if (!begin.raw && p2p_targets_ == 0) probe_->before_round(begin.step, RefitProbe::kEveryRound);
     Timer t;
     REFIT_RETURN_IF_ERROR(peer_runs_.run(*o_.plane, cfg.policy.dtype, begin.raw));
+    if (scales_ && !begin.raw) REFIT_RETURN_IF_ERROR(scales_->check_in_pass());
     times.cast_pack += t.seconds();
+    log::debug("trainer rank {}: peer copies of step {}: {:.3f} ms", o_.rank, begin.step,
+               t.seconds() * 1e3);
     for (std::size_t i = 0; i < ids_.size(); ++i)
       if (modes_[i] == PairExecutor::kPeer)
         bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
@@ -346,6 +349,8 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
       Timer t;
       const RouteCopies& copies = pack_runs_[static_cast<std::size_t>(k)];
       REFIT_RETURN_IF_ERROR(copies.run(*o_.plane, cfg.policy.dtype, false));
+      // Before the round is sent: a block found non-finite in its quantizing pass stops it.
+      if (scales_ && !copies.quant.empty()) REFIT_RETURN_IF_ERROR(scales_->check_in_pass());
       times.cast_pack += t.seconds();
       const auto [written, dtype] = copies.written();
       REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, k, *o_.plane, *written, dtype));

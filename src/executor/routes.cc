@@ -14,6 +14,69 @@
 
 namespace refit {
 
+namespace {
+
+// RouteSetup::fp8_from_grid: a block is computed before the refit unless every trainer piece and
+// every route that holds part of it holds it whole, and no replica sends it.
+void mark_fp8_blocks(RouteSetup& s) {
+  const Fp8Table& f = *s.wire.fp8;
+  const ModelSpec& wire = s.wire.spec;
+  s.fp8_from_grid.assign(wire.tensors().size(), {});
+  std::vector<MatrixShape> block(f.model_tensors), hf(f.model_tensors);
+  std::vector<std::int64_t> nbc(f.model_tensors, 0);
+  for (std::uint32_t w = 0; w < f.model_tensors; ++w) {
+    if (!f.quantized(w)) continue;
+    block[w] = f.block(wire, w);
+    hf[w] = matrix_shape(wire.tensors()[w].shape);
+    const std::int64_t nbr = (hf[w].rows + block[w].rows - 1) / block[w].rows;
+    nbc[w] = (hf[w].cols + block[w].cols - 1) / block[w].cols;
+    s.fp8_from_grid[w].assign(static_cast<std::size_t>(nbr * nbc[w]),
+                              block[w].numel() > kFp8FusedBlockElems ? 1 : 0);
+  }
+  // Marks the blocks that the rectangle [r0, +rows) x [c0, +cols) of weight w holds in part.
+  auto mark = [&](std::uint32_t w, std::int64_t r0, std::int64_t c0, std::int64_t rows,
+                  std::int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    const MatrixShape b = block[w], m = hf[w];
+    const std::int64_t r1 = r0 + rows, c1 = c0 + cols;
+    const std::int64_t kr0 = r0 / b.rows, kr1 = (r1 - 1) / b.rows;
+    const std::int64_t kc0 = c0 / b.cols, kc1 = (c1 - 1) / b.cols;
+    auto& g = s.fp8_from_grid[w];
+    auto row = [&](std::int64_t kr) {
+      for (std::int64_t kc = kc0; kc <= kc1; ++kc) g[static_cast<std::size_t>(kr * nbc[w] + kc)] = 1;
+    };
+    auto col = [&](std::int64_t kc) {
+      for (std::int64_t kr = kr0; kr <= kr1; ++kr) g[static_cast<std::size_t>(kr * nbc[w] + kc)] = 1;
+    };
+    if (r0 % b.rows != 0) row(kr0);
+    if (r1 % b.rows != 0 && r1 != m.rows) row(kr1);
+    if (c0 % b.cols != 0) col(kc0);
+    if (c1 % b.cols != 0 && c1 != m.cols) col(kc1);
+  };
+  for (const TrainerShardLayout& lay : s.trainers)
+    for (std::uint32_t l = 0; l < lay.tensors.size(); ++l) {
+      const LocalTensor& t = lay.tensors[l];
+      for (std::uint32_t p = 0; p < t.pieces.size(); ++p) {
+        const Piece& pc = t.pieces[p];
+        if (pc.hf_tensor >= f.model_tensors || !f.quantized(pc.hf_tensor)) continue;
+        if (std::find(t.owned.begin(), t.owned.end(), p) == t.owned.end()) {
+          // A copy another rank owns (data-parallel replica): its routes would quantize blocks
+          // whose scale its owner sends, so every block of the weight is computed before.
+          std::fill(s.fp8_from_grid[pc.hf_tensor].begin(), s.fp8_from_grid[pc.hf_tensor].end(), 1);
+          continue;
+        }
+        mark(pc.hf_tensor, pc.src_row, pc.src_col, pc.rows, pc.cols);
+      }
+    }
+  for (const Route& r : s.plan.routes)
+    if (r.hf_tensor < f.model_tensors && f.quantized(r.hf_tensor))
+      mark(r.hf_tensor, r.hf_row, r.hf_col, r.rows, r.cols);
+  for (const auto& g : s.fp8_from_grid)
+    s.fp8_any_from_grid |= std::find(g.begin(), g.end(), 1) != g.end();
+}
+
+}  // namespace
+
 Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec) {
   RouteSetup s;
   REFIT_ASSIGN_OR_RETURN(s.wire, wire_model(config, spec));
@@ -22,18 +85,25 @@ Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec)
   for (int r = 0; r < world; ++r) {
     REFIT_ASSIGN_OR_RETURN(auto lay, trainer_layout(spec, config.policy, r));
     s.user_tensors = lay.tensors.size();
-    // FP8 scales: every trainer rank holds every scale tensor whole (it computes them before the
-    // refit, trainer_scales.h); scale i is owned by rank i mod world, and the plan spreads the
-    // engine ranks over the holders.
+    // FP8 scales: every trainer rank holds every scale tensor whole (it computes them, or gets
+    // them from the trainer group, trainer_scales.h), and sends the blocks whose first element it
+    // owns: an owned piece of the weight becomes the rectangle of blocks that start inside it.
     for (std::size_t t = spec.tensors().size(); t < wire.tensors().size(); ++t) {
-      const MatrixShape m = matrix_shape(wire.tensors()[t].shape);
-      LocalTensor scale{.name = wire.tensors()[t].name,
-                        .shape = wire.tensors()[t].shape,
-                        .pieces = {Piece{.hf_tensor = static_cast<std::uint32_t>(t),
-                                         .rows = m.rows,
-                                         .cols = m.cols}}};
-      if (static_cast<int>((t - spec.tensors().size()) % static_cast<std::size_t>(world)) == r)
-        scale.owned.push_back(0);
+      const auto w = static_cast<std::uint32_t>(s.wire.fp8->weight_of[t]);
+      const MatrixShape b = s.wire.fp8->block(wire, w);
+      LocalTensor scale{.name = wire.tensors()[t].name, .shape = wire.tensors()[t].shape};
+      auto up = [](std::int64_t a, std::int64_t d) { return (a + d - 1) / d; };
+      for (const auto& [local, piece] : lay.owned_by_hf[w]) {
+        const Piece& p = lay.tensors[local].pieces[piece];
+        const std::int64_t r0 = up(p.src_row, b.rows), r1 = up(p.src_row + p.rows, b.rows);
+        const std::int64_t c0 = up(p.src_col, b.cols), c1 = up(p.src_col + p.cols, b.cols);
+        if (r0 >= r1 || c0 >= c1) continue;
+        scale.owned.push_back(static_cast<std::uint32_t>(scale.pieces.size()));
+        scale.pieces.push_back(Piece{.hf_tensor = static_cast<std::uint32_t>(t),
+                                     .src_row = r0, .src_col = c0,
+                                     .rows = r1 - r0, .cols = c1 - c0,
+                                     .dst_row = r0, .dst_col = c0});
+      }
       lay.tensors.push_back(std::move(scale));
     }
     lay.index_owned(wire.tensors().size());
@@ -45,6 +115,7 @@ Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec)
   }
   s.plan = make_transfer_plan(wire, s.trainers, s.engines, config.generation.num_engines,
                               s.wire.dtype, config.refit.buffer_size_bytes);
+  if (s.wire.fp8) mark_fp8_blocks(s);
   return s;
 }
 
@@ -62,6 +133,8 @@ void RouteCopies::add(const RouteSetup& setup, const Route& r, const std::byte* 
   if (f && f->quantized(r.hf_tensor)) {
     const ModelSpec& wire = setup.wire.spec;
     const MatrixShape b = f->block(wire, r.hf_tensor);
+    const std::vector<std::uint8_t>& from_grid = setup.fp8_from_grid[r.hf_tensor];
+    const bool in_pass = std::find(from_grid.begin(), from_grid.end(), 0) != from_grid.end();
     quant.push_back(QuantRun{
         .run = run,
         .grid = grids->grid(r.hf_tensor),
@@ -69,7 +142,10 @@ void RouteCopies::add(const RouteSetup& setup, const Route& r, const std::byte* 
         .hf_col = r.hf_col,
         .block_rows = b.rows,
         .block_cols = b.cols,
-        .scale_cols = (matrix_shape(wire.tensors()[r.hf_tensor].shape).cols + b.cols - 1) / b.cols});
+        .scale_cols = (matrix_shape(wire.tensors()[r.hf_tensor].shape).cols + b.cols - 1) / b.cols,
+        .from_grid = in_pass ? from_grid.data() : nullptr,
+        .bad = grids->bad(),
+        .tag = r.hf_tensor});
     quant_runs.push_back(run);
   } else if (f && f->is_scale(r.hf_tensor)) {
     scales.push_back(run);

@@ -43,7 +43,18 @@ struct RouteSetup {
   std::size_t user_tensors = 0;
   std::vector<EngineShardLayout> engines;    // index = TP rank
   TransferPlan plan;
+  // FP8, per wire tensor (empty for all but quantized weights): per block of its grid, 1 when the
+  // block's scale is computed before the refit (amax over the trainer ranks' pieces, combined
+  // over the trainer group) because a trainer rank's piece or a route holds only part of it, or
+  // the tensor has data-parallel replicas, or its blocks exceed kFp8FusedBlockElems; 0 when every
+  // route that moves it holds it whole, so the quantizing copy computes its scale in the same pass
+  // (docs/fp8.md, "Where the quantization happens").
+  std::vector<std::vector<std::uint8_t>> fp8_from_grid;
+  bool fp8_any_from_grid = false;  // some block of some weight needs the pass before the refit
 };
+
+// The largest block the quantizing copy takes whole in one pass (a CUDA thread block's registers).
+inline constexpr std::int64_t kFp8FusedBlockElems = 16384;
 Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec);
 
 class TrainerScales;

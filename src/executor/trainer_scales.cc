@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/log.h"
+#include "common/timer.h"
 #include "common/quantize.h"
 
 namespace refit {
@@ -21,6 +22,7 @@ Result<std::unique_ptr<TrainerScales>> TrainerScales::create(const RouteSetup& s
   const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(s->total_, 1)) * 4;
   REFIT_ASSIGN_OR_RETURN(s->scales_, plane.allocate(bytes));
   REFIT_ASSIGN_OR_RETURN(s->amax_, plane.allocate(bytes));
+  REFIT_ASSIGN_OR_RETURN(s->bad_, plane.allocate(16));
   return s;
 }
 
@@ -48,29 +50,58 @@ Status TrainerScales::compute(const std::vector<void*>& shards, DType dtype,
       const MatrixShape block = f.block(wire, t);
       const MatrixShape hf = matrix_shape(wire.tensors()[t].shape);
       const auto i = static_cast<std::size_t>(f.scale_of[t]) - f.model_tensors;
+      const std::vector<std::uint8_t>& from_grid = setup_.fp8_from_grid[t];
+      const bool all = std::find(from_grid.begin(), from_grid.end(), 0) == from_grid.end();
+      const std::int64_t nbc = (hf.cols + block.cols - 1) / block.cols;
       for (const auto& [local, piece] : mine.owned_by_hf[t]) {
         const Piece& p = mine.tensors[local].pieces[piece];
         const std::int64_t cols = matrix_shape(mine.tensors[local].shape).cols;
-        runs_.push_back(QuantRun{
-            .run = {.src = static_cast<const std::byte*>(shards[local]),
-                    .block = {.src_offset = p.dst_row * cols + p.dst_col,
-                              .src_stride = cols,
-                              .rows = p.rows,
-                              .cols = p.cols}},
-            .grid = amax_->data() + offset_[i] * 4,
-            .hf_row = p.src_row,
-            .hf_col = p.src_col,
-            .block_rows = block.rows,
-            .block_cols = block.cols,
-            .scale_cols = (hf.cols + block.cols - 1) / block.cols});
+        // The part of piece p in rows [r0, r1) x cols [c0, c1) of the HF tensor.
+        auto add = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+          runs_.push_back(QuantRun{
+              .run = {.src = static_cast<const std::byte*>(shards[local]),
+                      .block = {.src_offset = (p.dst_row + r0 - p.src_row) * cols + p.dst_col +
+                                              c0 - p.src_col,
+                                .src_stride = cols,
+                                .rows = r1 - r0,
+                                .cols = c1 - c0}},
+              .grid = amax_->data() + offset_[i] * 4,
+              .hf_row = r0,
+              .hf_col = c0,
+              .block_rows = block.rows,
+              .block_cols = block.cols,
+              .scale_cols = nbc});
+        };
+        if (all) {
+          add(p.src_row, p.src_row + p.rows, p.src_col, p.src_col + p.cols);
+          continue;
+        }
+        // Only the blocks computed before the refit (RouteSetup::fp8_from_grid).
+        for (std::int64_t kr = p.src_row / block.rows;
+             p.rows > 0 && kr <= (p.src_row + p.rows - 1) / block.rows; ++kr)
+          for (std::int64_t kc = p.src_col / block.cols;
+               p.cols > 0 && kc <= (p.src_col + p.cols - 1) / block.cols; ++kc) {
+            if (from_grid[static_cast<std::size_t>(kr * nbc + kc)] == 0) continue;
+            add(std::max(p.src_row, kr * block.rows),
+                std::min(p.src_row + p.rows, (kr + 1) * block.rows),
+                std::max(p.src_col, kc * block.cols),
+                std::min(p.src_col + p.cols, (kc + 1) * block.cols));
+          }
       }
     }
     runs_for_ = shards;
   }
+  const std::uint64_t clean[2] = {0, ~std::uint64_t{0}};
+  REFIT_RETURN_IF_ERROR(plane_.write(bad_->data(), clean, sizeof(clean)));
+  log_once(trainer_group);
+  // Every block is quantized in one pass by the copy that sends it: nothing to do before.
+  if (!setup_.fp8_any_from_grid) return Status::Ok();
   const auto bytes = static_cast<std::size_t>(total_) * 4;
   std::vector<std::uint32_t> amax(static_cast<std::size_t>(total_), 0);
+  Timer timer;
   REFIT_RETURN_IF_ERROR(plane_.write(amax_->data(), amax.data(), bytes));
   REFIT_RETURN_IF_ERROR(plane_.block_amax(runs_, dtype));
+  const double amax_s = timer.seconds();
   if (trainer_group != nullptr && trainer_group->size() > 1) {
     const auto world = static_cast<std::size_t>(trainer_group->size());
     if (!gathered_) {
@@ -108,17 +139,46 @@ Status TrainerScales::compute(const std::vector<void*>& shards, DType dtype,
         wire.tensors()[weight].name, b / cols, b % cols, b / cols * block.rows, block.rows,
         b % cols * block.cols, block.cols));
   }
-  if (!logged_) {
-    logged_ = true;
-    log::info("trainer rank {}: fp8 ({} from {}): {} weights quantized at the sender, {} scales "
-              "combined over {} trainer rank(s)",
-              rank_,
-              f.scheme == Fp8Scheme::kBlock ? fmt::format("blocks {}x{}", f.block_rows, f.block_cols)
-                                            : std::string("one scale per tensor"),
-              f.source, f.num_quantized(), total_,
-              trainer_group != nullptr ? trainer_group->size() : 1);
-  }
+  log::debug("trainer rank {}: fp8 scales: amax {:.3f} ms, combine and scales {:.3f} ms", rank_,
+             amax_s * 1e3, (timer.seconds() - amax_s) * 1e3);
   return plane_.write(scales_->data(), scales.data(), bytes);
+}
+
+void TrainerScales::log_once(Communicator* trainer_group) {
+  if (logged_) return;
+  logged_ = true;
+  const Fp8Table& f = *setup_.wire.fp8;
+  std::int64_t before = 0, in_pass = 0;
+  for (const auto& g : setup_.fp8_from_grid)
+    for (std::uint8_t b : g) (b ? before : in_pass) += 1;
+  log::info("trainer rank {}: fp8 ({} from {}): {} weights quantized at the sender; of {} "
+            "blocks, {} scaled in the quantizing pass, {} before the refit (combined over {} "
+            "trainer rank(s))",
+            rank_,
+            f.scheme == Fp8Scheme::kBlock ? fmt::format("blocks {}x{}", f.block_rows, f.block_cols)
+                                          : std::string("one scale per tensor"),
+            f.source, f.num_quantized(), before + in_pass, in_pass, before,
+            trainer_group != nullptr ? trainer_group->size() : 1);
+}
+
+Status TrainerScales::check_in_pass() {
+  std::uint64_t bad[2] = {0, 0};
+  REFIT_RETURN_IF_ERROR(plane_.read(bad, bad_->data(), sizeof(bad)));
+  if (bad[0] == 0) return Status::Ok();
+  const Fp8Table& f = *setup_.wire.fp8;
+  const ModelSpec& wire = setup_.wire.spec;
+  const auto weight = static_cast<std::uint32_t>(bad[1] >> 32);
+  const auto k = static_cast<std::int64_t>(bad[1] & 0xFFFFFFFFu);
+  const std::int64_t cols =
+      weight < f.model_tensors && f.quantized(weight)
+          ? matrix_shape(wire.tensors()[static_cast<std::size_t>(f.scale_of[weight])].shape).cols
+          : 1;
+  return Status::InvalidArgument(fmt::format(
+      "fp8: {} holds NaN or inf in block ({}, {}) ({} block(s) in all): a block without a finite "
+      "amax has no FP8 scale; it was quantized in one pass as it was sent, so the refit fails in "
+      "flight (the engines do not publish it)",
+      weight < wire.tensors().size() ? wire.tensors()[weight].name : "?", k / cols, k % cols,
+      bad[0]));
 }
 
 }  // namespace refit

@@ -54,12 +54,21 @@ inline CopyRun byte_run(const std::byte* src, std::byte* dst, const Block2D& ele
 // (hf_row + r, hf_col + c) of its HF tensor, whose block grid (block_rows x block_cols blocks,
 // scale_cols blocks per row) lives at `grid` in plane memory: float32 scales for quantize(),
 // uint32 amax bits (abs_bits) for block_amax().
+//
+// quantize() in one pass: where `from_grid` (host memory, one flag per block of the grid) is 0 for
+// a block, the block lies whole in this run and its scale is not in the grid yet: the call computes
+// it from the block (amax, as block_amax + fp8_scale_from_amax would), writes it to the grid and
+// quantizes with it. A non-finite block is counted at `bad` (plane memory, two uint64: the count,
+// then the smallest (tag << 32 | block index) seen); its codes are undefined.
 struct QuantRun {
   CopyRun run;
   std::byte* grid = nullptr;
   std::int64_t hf_row = 0, hf_col = 0;
   std::int64_t block_rows = 1, block_cols = 1;
   std::int64_t scale_cols = 1;
+  const std::uint8_t* from_grid = nullptr;  // null: every scale is in the grid
+  std::byte* bad = nullptr;
+  std::uint32_t tag = 0;  // the HF tensor, for `bad`
   std::int64_t block_index(std::int64_t r, std::int64_t c) const {
     return ((hf_row + r) / block_rows) * scale_cols + (hf_col + c) / block_cols;
   }
@@ -142,7 +151,8 @@ class DataPlane {
   // keeps what it held: zero it before the first call of a refit. Returns when complete.
   virtual Status block_amax(const std::vector<QuantRun>& runs, DType src_dtype) = 0;
   // FP8: writes quantize_fp8(x, scale of x's block) of every element to the run's dst (float8
-  // e4m3fn), the scales read from the run's grid (float32). Returns when complete.
+  // e4m3fn), the scales read from the run's grid (float32), or computed in the same pass where
+  // from_grid says so (QuantRun). Returns when complete.
   virtual Status quantize(const std::vector<QuantRun>& runs, DType src_dtype) = 0;
   // The refit checksum (common/checksum.h) of every element of every run: element (r, c) of a
   // run is read at `src` element block.src_offset + r*block.src_stride + c, converted from

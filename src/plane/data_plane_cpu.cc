@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -208,6 +209,8 @@ class CpuDataPlane final : public DataPlane {
   }
 
   Status quantize(const std::vector<QuantRun>& runs, DType sdt) override {
+    for (const QuantRun& q : runs)
+      if (q.from_grid != nullptr) scales_in_pass(q, sdt);
     std::vector<CopyRun> plain;
     plain.reserve(runs.size());
     for (const QuantRun& q : runs) plain.push_back(q.run);
@@ -227,6 +230,37 @@ class CpuDataPlane final : public DataPlane {
       }
     });
     return Status::Ok();
+  }
+
+  // The scales quantize() computes itself: blocks whole in `q` that from_grid leaves to it.
+  static void scales_in_pass(const QuantRun& q, DType sdt) {
+    const Block2D& b = q.run.block;
+    if (b.rows <= 0 || b.cols <= 0) return;
+    auto* grid = reinterpret_cast<float*>(q.grid);
+    std::vector<float> row;
+    for (std::int64_t kr = q.hf_row / q.block_rows; kr <= (q.hf_row + b.rows - 1) / q.block_rows; ++kr)
+      for (std::int64_t kc = q.hf_col / q.block_cols; kc <= (q.hf_col + b.cols - 1) / q.block_cols;
+           ++kc) {
+        const std::int64_t k = kr * q.scale_cols + kc;
+        if (q.from_grid[k] != 0) continue;
+        // The block's rows and columns inside the run (all of them: from_grid says it is whole).
+        const std::int64_t r0 = std::max(kr * q.block_rows - q.hf_row, std::int64_t{0});
+        const std::int64_t r1 = std::min((kr + 1) * q.block_rows - q.hf_row, b.rows);
+        const std::int64_t c0 = std::max(kc * q.block_cols - q.hf_col, std::int64_t{0});
+        const std::int64_t c1 = std::min((kc + 1) * q.block_cols - q.hf_col, b.cols);
+        std::uint32_t amax = 0;
+        row.resize(static_cast<std::size_t>(c1 - c0));
+        for (std::int64_t r = r0; r < r1; ++r) {
+          convert_block(q.run.src, sdt, b.src_offset + r * b.src_stride + c0, 0, row.data(),
+                        DType::kFloat32, 0, 0, 1, c1 - c0);
+          for (float x : row) amax = std::max(amax, abs_bits(x));
+        }
+        grid[k] = fp8_scale_from_amax(from_bits(amax));
+        if (!std::isnan(grid[k]) || q.bad == nullptr) continue;
+        auto* bad = reinterpret_cast<std::uint64_t*>(q.bad);
+        bad[0] += 1;
+        bad[1] = std::min(bad[1], (std::uint64_t{q.tag} << 32) | static_cast<std::uint64_t>(k));
+      }
   }
 
   Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,

@@ -329,11 +329,11 @@ class CudaDataPlane final : public DataPlane {
         grids = (grids ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
     }
     RunsKey key = runs_key(plain, nullptr);
-    key = {static_cast<const void*>(runs.data()), runs.size(), std::get<2>(key) ^ grids};
+    key = {static_cast<const void*>(runs.data()), runs.size(),
+           std::get<2>(key) ^ grids ^ (static_cast<std::uint64_t>(sdt) << 56)};
     auto it = quant_.find(key);
     if (it != quant_.end()) return &it->second;
     if (quant_.size() >= kMaxCachedTables) quant_.clear();
-    (void)sdt;
     std::vector<DeviceQuantRun> device_runs;
     for (const QuantRun& q : runs)
       device_runs.push_back(DeviceQuantRun{.src = q.run.src,
@@ -349,8 +349,11 @@ class CudaDataPlane final : public DataPlane {
                                            .hf_col = q.hf_col,
                                            .block_rows = q.block_rows,
                                            .block_cols = q.block_cols,
-                                           .scale_cols = q.scale_cols});
-    REFIT_ASSIGN_OR_RETURN(DeviceQuantTable t, DeviceQuantTable::upload(device_runs, device_));
+                                           .scale_cols = q.scale_cols,
+                                           .from_grid = q.from_grid,
+                                           .bad = reinterpret_cast<unsigned long long*>(q.bad),
+                                           .tag = q.tag});
+    REFIT_ASSIGN_OR_RETURN(DeviceQuantTable t, DeviceQuantTable::upload(device_runs, sdt, device_));
     return &quant_.emplace(key, std::move(t)).first->second;
   }
 

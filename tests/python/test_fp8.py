@@ -252,14 +252,29 @@ refit: {{target_precision: fp8, buffer_size_bytes: 4096}}
     assert subnormal > 100, subnormal
 
 
-def test_a_checkpoint_holding_nan_is_refused_naming_the_block(tmp_path):
+@pytest.mark.parametrize("world,when", [(3, "before"), (2, "in the pass")])
+def test_a_checkpoint_holding_nan_is_refused_naming_the_block(tmp_path, world, when):
+    """World 3 cuts v_proj's 32 rows at row 11: the NaN's block is scaled before the refit, which is
+    refused before any byte moves. World 2 holds it whole: it is scaled in the quantizing pass, and
+    the refit fails in flight."""
     t = _tiny_qwen3_tensors(np.random.default_rng(3))
     t["model.layers.1.self_attn.v_proj.weight"][20, 40] = np.nan
     out = run_refit(tmp_path, f"""
 model: {_tiny_qwen3_dir(tmp_path, {"quant_method": "fp8", "weight_block_size": [16, 16]}, t)}
-policy: {{backend: fsdp2, world_size: 2}}
+policy: {{backend: fsdp2, world_size: {world}}}
 generation: {{backend: sglang, tp_size: 2}}
 refit: {{target_precision: fp8, timeout_s: 10}}
 """, expect_ok=False)
     assert "model.layers.1.self_attn.v_proj.weight holds NaN or inf in block (1, 2)" in out, out
-    assert "nothing was sent" in out
+    assert ("nothing was sent" if when == "before" else "the refit fails in flight") in out, out
+
+
+def test_one_trainer_rank_scales_in_the_quantizing_pass(tmp_path):
+    out = run_refit(tmp_path, """
+model: tiny-qwen3
+policy: {backend: fsdp2, world_size: 1, dtype: bfloat16}
+generation: {backend: vllm, tp_size: 2}
+refit: {target_precision: fp8, buffer_size_bytes: 768, fp8: {block: [16, 16]}}
+""")
+    assert "scaled in the quantizing pass" in out and ", 0 scaled" not in out and ", 0 before" not in out
+    check_against_numpy(tmp_path / "dump", (16, 16))
