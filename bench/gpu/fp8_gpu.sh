@@ -17,6 +17,7 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 if has unit && [ -x "$c/bin/refit_tests" ]; then
   "$c/bin/refit_tests" --gtest_filter='Fp8Plane.*:Fp8Quantizer.*' > "$out/unit.log" 2>&1
   note "unit Fp8Plane/Fp8Quantizer rc=$? cuda-kernels-logs=$(grep -c 'CUDA kernels matched' "$out/unit.log")"
+  grep -B2 -A8 "Failure" "$out/unit.log" | head -40 | tee -a "$summary"
 fi
 
 # model NAME LAYERS HIDDEN HEADS KV INTER [MOE_INTER EXPERTS]: one config.json under $work/NAME

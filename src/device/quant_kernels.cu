@@ -44,14 +44,17 @@ __device__ __forceinline__ float load_f32(const void* base, std::int64_t i) {
 
 // Eight consecutive elements at `base + i` (i a multiple of 8, the address 16-byte aligned) as
 // float32: one or two 16-byte loads.
-template <int kSrc>
+// kKeep: a first read whose data is read again soon (cached normally, so that the second read
+// hits L2); otherwise streaming (evict first).
+template <int kSrc, bool kKeep = false>
 __device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, float (&x)[8]) {
   if constexpr (kSrc == 0) {
     const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    const float4 a = __ldcs(p), b = __ldcs(p + 1);
+    const float4 a = kKeep ? __ldg(p) : __ldcs(p), b = kKeep ? __ldg(p + 1) : __ldcs(p + 1);
     x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
   } else {
-    const uint4 q = __ldcs(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(base) + i));
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(base) + i);
+    const uint4 q = kKeep ? __ldg(p) : __ldcs(p);
     const unsigned int w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -113,6 +116,22 @@ __global__ void __launch_bounds__(kThreads)
     atomicMax(grid + brow * r.scale_cols + first_bcol + i, block_max[i]);
 }
 
+// x / s rounded to float32 exactly as IEEE division rounds it, from one reciprocal per block:
+// RN_f(RN_d(x * RN_d(1 / s))). The double product is within 2^-52 (relative) of x / s, and a
+// quotient of two floats is never closer than 2^-49 to a float rounding boundary (it would need
+// a 25-bit odd significand times a 24-bit one to fit 24 bits), so rounding the double to float
+// gives the IEEE float quotient (checked bit for bit against __fdiv_rn's CPU twin by Fp8Plane).
+__device__ __forceinline__ float div_by(float x, double inv_s) {
+  return __double2float_rn(static_cast<double>(x) * inv_s);
+}
+
+__device__ __forceinline__ unsigned int fp8_pack4(float a, float b, float c, float d, double inv_s) {
+  return static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(a, inv_s), __NV_SATFINITE, __NV_E4M3)) |
+         static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(b, inv_s), __NV_SATFINITE, __NV_E4M3)) << 8 |
+         static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(c, inv_s), __NV_SATFINITE, __NV_E4M3)) << 16 |
+         static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(d, inv_s), __NV_SATFINITE, __NV_E4M3)) << 24;
+}
+
 // One whole block in one pass: read once (into registers on the vector path), amax over the
 // thread block, scale = amax / 448 (1 when zero) written to the grid, then the codes.
 template <int kSrc>
@@ -148,31 +167,25 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     return block_scale;
   };
   if (t.vec) {
-    const int groups = t.cols / 8, n = groups * t.rows;  // at most 8 * kThreads
-    float x[8][8];
+    // Two reads of the block: the first from memory (kept in L2), the second from L2. Holding the
+    // block in registers instead costs occupancy, and the pass is then slower (docs/fp8.md).
+    const int groups = t.cols / 8, n = groups * t.rows;
     unsigned int m = 0;
+#pragma unroll 4
+    for (int g = threadIdx.x; g < n; g += kThreads) {
+      float x[8];
+      load8_f32<kSrc, true>(r.src, src0 + (g / groups) * r.src_stride + (g % groups) * 8, x);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int g = threadIdx.x + j * kThreads;
-      if (g < n) {
-        load8_f32<kSrc>(r.src, src0 + (g / groups) * r.src_stride + (g % groups) * 8, x[j]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(x[j][e]) & 0x7FFFFFFFu);
-      }
+      for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(x[e]) & 0x7FFFFFFFu);
     }
-    const float s = reduce(m);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int g = threadIdx.x + j * kThreads;
-      if (g >= n) continue;
-      unsigned int lo = 0, hi = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        lo |= static_cast<unsigned int>(__nv_cvt_float_to_fp8(__fdiv_rn(x[j][e], s), __NV_SATFINITE, __NV_E4M3)) << (8 * e);
-        hi |= static_cast<unsigned int>(__nv_cvt_float_to_fp8(__fdiv_rn(x[j][e + 4], s), __NV_SATFINITE, __NV_E4M3)) << (8 * e);
-      }
+    const double inv_s = 1.0 / static_cast<double>(reduce(m));
+#pragma unroll 4
+    for (int g = threadIdx.x; g < n; g += kThreads) {
+      float x[8];
+      load8_f32<kSrc>(r.src, src0 + (g / groups) * r.src_stride + (g % groups) * 8, x);
       __stcs(reinterpret_cast<uint2*>(dst + (g / groups) * r.dst_stride + (g % groups) * 8),
-             make_uint2(lo, hi));
+             make_uint2(fp8_pack4(x[0], x[1], x[2], x[3], inv_s),
+                        fp8_pack4(x[4], x[5], x[6], x[7], inv_s)));
     }
     return;
   }
@@ -209,16 +222,12 @@ __global__ void __launch_bounds__(kThreads)
     const int groups = (t.cols + 7) / 8;
     for (int g = threadIdx.x; g < groups * t.rows; g += kThreads) {
       const int row = g / groups, c = (g % groups) * 8;
-      const float s = scales[(hf_col0 + c) / r.block_cols];
+      const double inv_s = 1.0 / static_cast<double>(scales[(hf_col0 + c) / r.block_cols]);
       float x[8];
       load8_f32<kSrc>(r.src, src0 + row * r.src_stride + c, x);
-      unsigned int lo = 0, hi = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        lo |= static_cast<unsigned int>(__nv_cvt_float_to_fp8(__fdiv_rn(x[k], s), __NV_SATFINITE, __NV_E4M3)) << (8 * k);
-        hi |= static_cast<unsigned int>(__nv_cvt_float_to_fp8(__fdiv_rn(x[k + 4], s), __NV_SATFINITE, __NV_E4M3)) << (8 * k);
-      }
-      __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + c), make_uint2(lo, hi));
+      __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + c),
+             make_uint2(fp8_pack4(x[0], x[1], x[2], x[3], inv_s),
+                        fp8_pack4(x[4], x[5], x[6], x[7], inv_s)));
     }
     return;
   }

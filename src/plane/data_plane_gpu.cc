@@ -325,7 +325,9 @@ class CudaDataPlane final : public DataPlane {
     std::uint64_t grids = 1469598103934665603ull;
     for (const QuantRun& q : runs) {
       plain.push_back(q.run);
-      for (std::int64_t v : {reinterpret_cast<std::int64_t>(q.grid), q.hf_row, q.hf_col})
+      for (std::int64_t v : {reinterpret_cast<std::int64_t>(q.grid), q.hf_row, q.hf_col,
+                             reinterpret_cast<std::int64_t>(q.from_grid),
+                             reinterpret_cast<std::int64_t>(q.bad), std::int64_t{q.tag}})
         grids = (grids ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
     }
     RunsKey key = runs_key(plain, nullptr);
