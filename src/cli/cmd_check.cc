@@ -69,8 +69,8 @@ void print_transfer_plan(const Config& c, const ModelSpec& spec) {
   for (int r = 0; r < plan.trainer_ranks; ++r)
     print(fmt::format("  trainer rank {} sends {}\n", r,
                       mb(plan.trainer_bytes[static_cast<std::size_t>(r)])));
-  const auto model_bytes =
-      spec.total_parameters() * static_cast<std::int64_t>(dtype_size(c.refit.target_precision));
+  if (routes->wire.fp8) print("  " + fp8_plan_summary(*routes) + "\n");
+  const std::int64_t model_bytes = routes->wire.payload_bytes();
   for (int g = 0; g < plan.engine_ranks; ++g) {
     const std::int64_t b = plan.engine_bytes[static_cast<std::size_t>(g)];
     print(fmt::format("  engine rank {} receives {} ({:.3f} of the model)\n", g, mb(b),

@@ -200,11 +200,7 @@ class Builder {
 
 }  // namespace
 
-std::int64_t EngineParam::numel() const {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
+std::int64_t EngineParam::numel() const { return matrix_shape(shape).numel(); }
 
 std::int64_t EngineShardLayout::total_bytes() const {
   std::int64_t total = 0;

@@ -119,6 +119,20 @@ Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec)
   return s;
 }
 
+std::string fp8_plan_summary(const RouteSetup& s) {
+  if (!s.wire.fp8) return {};
+  const Fp8Table& f = *s.wire.fp8;
+  std::int64_t before = 0, in_pass = 0;
+  for (const auto& g : s.fp8_from_grid)
+    for (std::uint8_t b : g) (b ? before : in_pass) += 1;
+  return fmt::format(
+      "fp8 ({} from {}): {} weights quantized at the sender; of {} blocks, {} scaled in the "
+      "quantizing pass, {} before the refit",
+      f.scheme == Fp8Scheme::kBlock ? fmt::format("blocks {}x{}", f.block_rows, f.block_cols)
+                                    : std::string("one scale per tensor"),
+      f.source, f.num_quantized(), before + in_pass, in_pass, before);
+}
+
 void RouteCopies::clear() {
   cast.clear();
   scales.clear();

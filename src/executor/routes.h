@@ -53,6 +53,10 @@ struct RouteSetup {
   bool fp8_any_from_grid = false;  // some block of some weight needs the pass before the refit
 };
 
+// "fp8 (blocks 128x128 from <source>): N weights quantized at the sender; of B blocks, X scaled in
+// the quantizing pass, Y before the refit" (`refit check`, the trainer's log); "" without fp8.
+std::string fp8_plan_summary(const RouteSetup& setup);
+
 // The largest block the quantizing copy takes whole in one pass (a CUDA thread block's registers).
 inline constexpr std::int64_t kFp8FusedBlockElems = 16384;
 Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec);

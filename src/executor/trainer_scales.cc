@@ -147,18 +147,8 @@ Status TrainerScales::compute(const std::vector<void*>& shards, DType dtype,
 void TrainerScales::log_once(Communicator* trainer_group) {
   if (logged_) return;
   logged_ = true;
-  const Fp8Table& f = *setup_.wire.fp8;
-  std::int64_t before = 0, in_pass = 0;
-  for (const auto& g : setup_.fp8_from_grid)
-    for (std::uint8_t b : g) (b ? before : in_pass) += 1;
-  log::info("trainer rank {}: fp8 ({} from {}): {} weights quantized at the sender; of {} "
-            "blocks, {} scaled in the quantizing pass, {} before the refit (combined over {} "
-            "trainer rank(s))",
-            rank_,
-            f.scheme == Fp8Scheme::kBlock ? fmt::format("blocks {}x{}", f.block_rows, f.block_cols)
-                                          : std::string("one scale per tensor"),
-            f.source, f.num_quantized(), before + in_pass, in_pass, before,
-            trainer_group != nullptr ? trainer_group->size() : 1);
+  log::info("trainer rank {}: {} (combined over {} trainer rank(s))", rank_,
+            fp8_plan_summary(setup_), trainer_group != nullptr ? trainer_group->size() : 1);
 }
 
 Status TrainerScales::check_in_pass() {
