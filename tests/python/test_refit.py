@@ -203,6 +203,13 @@ def test_a_failed_verification_fails_the_refit_not_the_session(keep_previous):
         assert "norm looks wrong at v2" in message and "engine 0 tp rank 0" in message
         assert "did not publish version 'v2'" in message
         assert ranks.trainer.session_ok and ranks.engine.session_ok
+        # The engine settles step 2 (rollback, or invalid weights) on its serving thread after it
+        # reported the failure, which may be after refit() raised here: wait for it, bounded.
+        deadline = time.monotonic() + 20
+        settled = (lambda: len(resumed) == 2) if keep_previous else (
+            lambda: ranks.engine.weight_version != "v1")
+        while not settled() and time.monotonic() < deadline:
+            time.sleep(0.01)
         if keep_previous:
             assert ranks.engine.weight_version == "v1" and ranks.engine.is_valid
             assert all(np.array_equal(ranks.params[k], v1[k]) for k in v1), "rollback not bit-exact"
