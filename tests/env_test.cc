@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <cctype>
 #include <functional>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "test_util.h"
 
@@ -91,6 +93,10 @@ TEST(EnvParse, BadValuesNameTheVariableTheValueAndWhatIsAccepted) {
       {"REFIT_LOG", "loud", "one of debug, info, warn, error", st(env::parse_log_level)},
       {"REFIT_LOG", "DEBUG", "one of debug, info, warn, error", st(env::parse_log_level)},
       {"REFIT_COPY_ENGINE", "yes", "one of 0, 1, auto", st(env::parse_copy_engine)},
+      {"REFIT_CONTROL_SPIN_US", "-1", "an integer from 0 to 1000000",
+       st(env::parse_control_spin_us)},
+      {"REFIT_CONTROL_SPIN_US", "2000000", "an integer from 0 to 1000000",
+       st(env::parse_control_spin_us)},
       {"MASTER_PORT", "70000", "an integer from 1 to 65535", st(env::parse_master_port)},
       {"MASTER_PORT", "0", "an integer from 1 to 65535", st(env::parse_master_port)},
       {"RANK", "-1", "a non-negative integer", st(env::parse_rank)},
@@ -172,6 +178,31 @@ TEST(EnvCli, GoodValuesAreUsedAndLoggedAtDebug) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("environment: REFIT_CPU_THREADS=1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("environment: REFIT_LOG=debug"), std::string::npos) << r.output;
+}
+
+// REFIT_CONTROL_SPIN_US: the ranks' mailboxes poll without blocking for that long after each
+// message; the refit's messages (paused, proceed, commit, ...) then arrive while they spin, and
+// each mailbox counts those at exit. The default is 0 on this 2-core machine, 50000 with 8 cores.
+TEST(EnvCli, ControlSpinCatchesTheRefitsMessages) {
+  EXPECT_EQ(*env::parse_control_spin_us("0"), 0);
+  EXPECT_EQ(*env::parse_control_spin_us(env::Text()),
+            std::thread::hardware_concurrency() >= 8 ? 50000 : 0);
+  TempDir dir;
+  ScopedEnv log("REFIT_LOG", "debug");
+  ScopedEnv spin("REFIT_CONTROL_SPIN_US", "500000");
+  auto r = run_cli({"run", dir.write("c.yaml", kTinyConfig), "--steps", "3", "--verify"}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("environment: REFIT_CONTROL_SPIN_US=500000"), std::string::npos);
+  // "mailbox 'trainer/0': N message(s) arrived while it spun": N > 0 for some mailbox.
+  std::int64_t caught = 0;
+  const std::string tail = " message(s) arrived while it spun (REFIT_CONTROL_SPIN_US=500000)";
+  for (std::size_t at = r.output.find(tail); at != std::string::npos;
+       at = r.output.find(tail, at + 1)) {
+    std::size_t b = at;
+    while (b > 0 && std::isdigit(static_cast<unsigned char>(r.output[b - 1]))) --b;
+    if (b < at) caught += std::stoll(r.output.substr(b, at - b));
+  }
+  EXPECT_GT(caught, 0) << r.output;
 }
 
 }  // namespace

@@ -112,6 +112,21 @@ TEST(Fp8Quantizer, NonFiniteBlocksHaveNoScale) {
   }
   EXPECT_TRUE(std::isnan(fp8_scale_from_amax(std::numeric_limits<float>::infinity())));
   EXPECT_EQ(fp8_scale_from_amax(0.0f), 1.0f);
+  // amax / 448 underflows to 0 below 448 * 2^-150: scale 1 too (not 0, which would turn the
+  // block's zeros into NaN codes), and every code is a signed zero.
+  EXPECT_EQ(fp8_scale_from_amax(1e-44f), 1.0f);
+  EXPECT_EQ(fp8_scale_from_amax(3.1e-43f), 1.0f);
+  EXPECT_GT(fp8_scale_from_amax(3.2e-43f), 0.0f);
+  EXPECT_NE(fp8_scale_from_amax(3.2e-43f), 1.0f);
+  const float tiny[4] = {1e-44f, -1e-44f, 0.0f, -0.0f};
+  std::uint8_t codes[4];
+  float scale = 0;
+  ASSERT_TRUE(quantize_fp8_blocks(tiny, 1, 4, 1, 4, codes, &scale));
+  EXPECT_EQ(scale, 1.0f);
+  EXPECT_EQ(codes[0], 0x00);
+  EXPECT_EQ(codes[1], 0x80);
+  EXPECT_EQ(codes[2], 0x00);
+  EXPECT_EQ(codes[3], 0x80);
 }
 
 // The planes' amax and quantize (CPU loops; CUDA kernels where a GPU is visible) against the
@@ -122,9 +137,9 @@ struct PlaneCase {
   std::vector<std::int64_t> row_cuts, col_cuts;  // run boundaries, 0 and the end included
 };
 
-void expect_plane_matches_reference(DataPlane& plane, DType src_dtype, const PlaneCase& pc) {
-  const std::int64_t rows = pc.rows, cols = pc.cols, br = pc.br, bc = pc.bc;
-  const std::int64_t nbr = (rows + br - 1) / br, nbc = (cols + bc - 1) / bc;
+// Zero, huge, tiny and tie values over a PlaneCase's shape.
+std::vector<float> plane_case_values(DType src_dtype, const PlaneCase& pc) {
+  const std::int64_t rows = pc.rows, cols = pc.cols;
   std::vector<float> x(static_cast<std::size_t>(rows * cols));
   for (std::int64_t i = 0; i < rows * cols; ++i)
     x[static_cast<std::size_t>(i)] = std::ldexp(std::sin(0.37f * static_cast<float>(i)),
@@ -136,6 +151,15 @@ void expect_plane_matches_reference(DataPlane& plane, DType src_dtype, const Pla
           (src_dtype == DType::kFloat16 ? 6.0e4f : 2.5e38f) * (c % 2 ? -1.0f : 1.0f);
   x[static_cast<std::size_t>(20 * cols + 3)] = 448.0f;
   x[static_cast<std::size_t>(20 * cols + 4)] = 1.0625f;
+  return x;
+}
+
+// `x` (pc.rows x pc.cols, rounded to src_dtype here) through the plane: scales from the grid
+// (block_amax, then quantize), then in one pass; then a NaN in a block scaled in the pass.
+void expect_plane_matches_reference(DataPlane& plane, DType src_dtype, const PlaneCase& pc,
+                                    std::vector<float> x) {
+  const std::int64_t rows = pc.rows, cols = pc.cols, br = pc.br, bc = pc.bc;
+  const std::int64_t nbr = (rows + br - 1) / br, nbc = (cols + bc - 1) / bc;
   // The source as the plane reads it (rounded to src_dtype, as a trainer of that dtype holds it).
   std::vector<std::byte> src(x.size() * dtype_size(src_dtype));
   convert(x.data(), DType::kFloat32, src.data(), src_dtype, x.size());
@@ -224,7 +248,8 @@ void expect_plane_matches_reference(DataPlane& plane, DType src_dtype, const Pla
   std::int64_t nan_block = -1;
   for (std::size_t b = 0; b < from_grid.size() && nan_block < 0; ++b)
     if (from_grid[b] == 0) nan_block = static_cast<std::int64_t>(b);
-  const std::int64_t at = (nan_block / nbc * br + 1) * cols + nan_block % nbc * bc + 2;
+  const std::int64_t at = (nan_block / nbc * br + std::min<std::int64_t>(br - 1, 1)) * cols +
+                         nan_block % nbc * bc + std::min<std::int64_t>(bc - 1, 2);
   x[static_cast<std::size_t>(at)] = std::numeric_limits<float>::quiet_NaN();
   convert(x.data(), DType::kFloat32, src.data(), src_dtype, x.size());
   ASSERT_TRUE(plane.write((*s_buf)->data(), src.data(), src.size()).ok());
@@ -248,9 +273,90 @@ TEST(Fp8Plane, AmaxAndQuantizeMatchTheReferenceAcrossCutBlocks) {
     const PlaneCase vector{40, 64, 8, 16, {0, 11, 26, 40}, {0, 16, 48, 64}};
     for (const PlaneCase& pc : {scalar, vector})
       for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
-        expect_plane_matches_reference(**plane, dt, pc);
+        expect_plane_matches_reference(**plane, dt, pc, plane_case_values(dt, pc));
     if (d == Device::kCuda) std::printf("[fp8] the CUDA kernels matched the reference\n");
   }
+}
+
+// The CUDA kernels divide without a division instruction (quant_kernels.cu, Divisor): each
+// quotient must round as IEEE float division does wherever that decides the FP8 code. Blocks of
+// one row, each with its own scale:
+//  - bfloat16: amax every 3rd positive finite bfloat16, and in its block every bfloat16 of
+//    magnitude up to the amax (both signs);
+//  - float32: amax over every binade and at the scale's edges (subnormal, underflowing to zero,
+//    either side of 2^-90, the largest), and values whose quotient lies within 3 ulps of each FP8
+//    rounding boundary, where the float32 rounding decides the code.
+// Scaled from the grid and in the pass. The CPU plane divides with the reference itself.
+TEST(Fp8Plane, CudaDivisionRoundsAsIeee) {
+  if (device_count() == 0) GTEST_SKIP() << "no GPU: the CPU plane divides with the reference";
+  Config cfg;
+  cfg.device = Device::kCuda;
+  auto plane = make_data_plane(cfg, 0);
+  ASSERT_TRUE(plane.ok()) << plane.status().to_string();
+  const auto round8 = [](std::size_t n) { return static_cast<std::int64_t>((n + 7) / 8 * 8); };
+  {  // bfloat16
+    std::vector<float> magnitudes;  // every positive finite bfloat16, ascending
+    for (std::uint32_t b = 1; b < 0x7F80; ++b) magnitudes.push_back(from_bits(b << 16));
+    std::vector<std::vector<float>> blocks;
+    std::size_t width = 0;
+    for (std::size_t a = 0; a < magnitudes.size(); a += 7) {
+      // Every value whose quotient is at least 2^-13 (codes start at 2^-10), the 8 below those
+      // and the 8 smallest subnormals: the others quantize like these.
+      const float floor = magnitudes[a] * 0x1p-22f;
+      std::size_t lo = static_cast<std::size_t>(
+          std::lower_bound(magnitudes.begin(), magnitudes.begin() + static_cast<std::ptrdiff_t>(a), floor) -
+          magnitudes.begin());
+      lo = lo > 8 ? lo - 8 : 0;
+      std::vector<float> blk = {magnitudes[a], -0.0f, 0.0f};
+      for (std::size_t v = 0; v < a; ++v)
+        if (v >= lo || v < 8) {
+          blk.push_back(magnitudes[v]);
+          blk.push_back(-magnitudes[v]);
+        }
+      width = std::max(width, blk.size());
+      blocks.push_back(std::move(blk));
+    }
+    const std::int64_t w = round8(width), n = static_cast<std::int64_t>(blocks.size());
+    std::vector<float> x(static_cast<std::size_t>(w * n), 0.0f);
+    for (std::size_t b = 0; b < blocks.size(); ++b)
+      std::copy(blocks[b].begin(), blocks[b].end(),
+                x.begin() + static_cast<std::ptrdiff_t>(b) * w);
+    expect_plane_matches_reference(**plane, DType::kBFloat16, {n, w, 1, w, {0, n}, {0, w}},
+                                   std::move(x));
+  }
+  {  // float32 near the FP8 rounding boundaries
+    std::vector<float> boundaries;  // midpoints between consecutive e4m3 magnitudes, and 448
+    for (int code = 0; code < 126; ++code) {
+      const float lo = fp8e4m3_to_f32(static_cast<std::uint8_t>(code));
+      boundaries.push_back(lo + (fp8e4m3_to_f32(static_cast<std::uint8_t>(code + 1)) - lo) / 2);
+    }
+    boundaries.push_back(448.0f);
+    std::vector<float> amaxes = {1e-44f, 6.3e-43f, 0x1p-126f * 448, 0x1p-90f * 448,
+                                 0x1p-90f * 448 * 0.999f, std::numeric_limits<float>::max()};
+    for (int e = -120; e <= 127; e += 1) amaxes.push_back(std::ldexp(1.0f + static_cast<float>(e & 7) / 7.3f, e));
+    const std::int64_t w = round8(boundaries.size() * 14 + 1);
+    std::vector<float> x;
+    for (float a : amaxes) {
+      const float s = fp8_scale_from_amax(a);
+      std::vector<float> blk = {a};
+      for (float m : boundaries) {
+        // x near m * s, both signs, clamped to the amax.
+        const auto centre = static_cast<float>(static_cast<double>(m) * static_cast<double>(s));
+        float v = centre;
+        for (int k = 0; k < 3; ++k) v = std::nextafter(v, 0.0f);
+        for (int k = 0; k < 7; ++k, v = std::nextafter(v, std::numeric_limits<float>::max())) {
+          blk.push_back(std::min(v, a));
+          blk.push_back(-std::min(v, a));
+        }
+      }
+      blk.resize(static_cast<std::size_t>(w), 0.0f);
+      x.insert(x.end(), blk.begin(), blk.end());
+    }
+    const auto n = static_cast<std::int64_t>(amaxes.size());
+    expect_plane_matches_reference(**plane, DType::kFloat32, {n, w, 1, w, {0, n}, {0, w}},
+                                   std::move(x));
+  }
+  std::printf("[fp8] the CUDA division matched IEEE division on every case\n");
 }
 
 Config fp8_config(const std::string& model, int tp, const std::string& fp8_yaml) {

@@ -63,24 +63,30 @@ if has cells; then
   cell q30-layer-tensor "$work/q30-layer" bfloat16 vllm ", fp8: {scheme: tensor}"
 fi
 
-# bench NAME TARGET: qwen3-8b bf16 trainer, colocated 1 GPU
+# bench NAME TARGET [CLI]: qwen3-8b bf16 trainer, colocated 1 GPU. With REFIT_LOG=debug the
+# ranks' lines carry wall-clock times: one timeline of trainer and engine per step.
 bench() {
   local f=$work/b-$1.yaml
   printf 'model: qwen3-8b\ndevice: cuda\npolicy: {backend: fsdp2, world_size: 1, dtype: bfloat16}\ngeneration: {backend: vllm, colocated: true, num_engines: 1, tp_size: 1}\nrefit: {target_precision: %s, timeout_s: 300}\n' "$2" > "$f"
-  timeout 600 "$R" bench "$f" --steps 5 --json "$out/bench-$1.json" > "$out/bench-$1.log" 2>&1
+  timeout 600 "${3:-$R}" bench "$f" --steps 5 --json "$out/bench-$1.json" > "$out/bench-$1.log" 2>&1
   note "$(printf 'bench %-10s rc=%s' "$1" "$?")"
 }
 if has bench; then
   bench fp8 fp8
+  # A second CLI staged beside the first (another build of the kernels), benched alike.
+  if [ -x "$c/bin/refit-alt" ]; then bench fp8-alt fp8 "$c/bin/refit-alt"; fi
+  # The mailboxes' spin off (REFIT_CONTROL_SPIN_US=0): what it saves per refit.
+  REFIT_CONTROL_SPIN_US=0 bench fp8-nospin fp8
   bench bf16 bf16
+  REFIT_LOG=debug bench fp8-debug fp8
   $py "$root/bench/gpu/fp8_torch.py" baseline "$work/q8-full/config.json" > "$out/baseline.log" 2>&1
 fi
 echo "== table"
 $py - "$out" <<'PY' | tee -a "$summary"
 import json, statistics, sys, glob, os
 out = sys.argv[1]
-print(f"{'bench':10} {'ms':>8} {'floor ms':>9} {'ratio':>6} {'GB/s':>7}")
-for name in ("fp8", "bf16"):
+print(f"{'bench':10} {'ms':>8} {'floor ms':>9} {'ratio':>6} {'GB/s':>7}  phases ms (cast_pack transfer apply)")
+for name in ("fp8", "fp8-alt", "fp8-nospin", "bf16", "fp8-debug"):
     p = f"{out}/bench-{name}.json"
     if not os.path.exists(p):
         print(f"{name:10} missing"); continue
@@ -88,7 +94,9 @@ for name in ("fp8", "bf16"):
     if not j.get("ok"):
         print(f"{name:10} failed: {j.get('error', '')[:200]}"); continue
     ms = statistics.median(j["refit_seconds"]) * 1e3
-    print(f"{name:10} {ms:8.2f} {j.get('floor_seconds', 0) * 1e3:9.2f} {j.get('ratio_to_floor', 0):6.2f} {j['gbps']:7.1f}")
+    ph = j.get("phases", {})
+    phases = " ".join(f"{ph.get(k, 0) * 1e3:.2f}" for k in ("cast_pack", "transfer", "apply"))
+    print(f"{name:10} {ms:8.2f} {j.get('floor_seconds', 0) * 1e3:9.2f} {j.get('ratio_to_floor', 0):6.2f} {j['gbps']:7.1f}  {phases}")
 if os.path.exists(f"{out}/baseline.log"):
     for line in open(f"{out}/baseline.log"):
         print(line.rstrip())

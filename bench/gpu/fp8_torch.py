@@ -3,7 +3,7 @@
   python3 fp8_torch.py exact DUMP BLOCK_ROWS BLOCK_COLS
       Every quantized weight of a `refit run --dump` (generation.layout hf: the engine holds the
       checkpoint's names) against torch's quantizer on the GPU: amax per block, scale = amax / 448
-      (1 for an all-zero block), (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn). Codes and
+      (1 where that is 0), (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn). Codes and
       scales must match bit for bit; bf16 tensors must equal the trainer's values rounded to bf16.
   python3 fp8_torch.py baseline MODEL_JSON
       The torch baseline: blockwise quantize of every linear weight of a model's shapes (bf16 on
@@ -28,7 +28,8 @@ def torch_quantize(x: torch.Tensor, br: int, bc: int):
     amax = blocks.abs().amax(dim=(1, 3))
     # A tensor divisor: torch turns division by a Python scalar into a multiplication by its
     # reciprocal on CUDA, which is not amax / 448 in float32.
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, 448.0))
+    scale = amax / torch.full_like(amax, 448.0)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q.view(nbr * br, nbc * bc)[:rows, :cols].contiguous(), scale
 

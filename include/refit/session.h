@@ -74,6 +74,7 @@ struct RankTraffic {
   // by point-to-point.
   int peer_pairs = 0;
   int p2p_pairs = 0;
+  bool operator==(const RankTraffic&) const = default;
 };
 
 // One whole parameter of an engine rank, handed to a load_weights hook (Engine::on_load_weights):

@@ -133,6 +133,18 @@ Result<int> cpu_threads() {
   return v;
 }
 
+Result<int> parse_control_spin_us(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> us,
+                         parse_int("REFIT_CONTROL_SPIN_US", text, 0, 1000000));
+  if (us) return *us;
+  return std::thread::hardware_concurrency() >= 8 ? 50000 : 0;
+}
+
+Result<int> control_spin_us() {
+  static const Result<int> v = load("REFIT_CONTROL_SPIN_US", &parse_control_spin_us);
+  return v;
+}
+
 Result<std::optional<int>> parse_device(Text text) {
   return parse_int("REFIT_DEVICE", text, 0, INT_MAX);
 }
@@ -192,6 +204,7 @@ Status check() {
   REFIT_RETURN_IF_ERROR(cpu_threads().status());
   REFIT_RETURN_IF_ERROR(device().status());
   REFIT_RETURN_IF_ERROR(copy_engine().status());
+  REFIT_RETURN_IF_ERROR(control_spin_us().status());
   REFIT_RETURN_IF_ERROR(run_id().status());
   return Status::Ok();
 }

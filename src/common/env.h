@@ -59,6 +59,12 @@ enum class CopyEngineUse { kKernel, kCopyEngines, kAuto };
 Result<CopyEngineUse> parse_copy_engine(Text text);
 Result<CopyEngineUse> copy_engine();
 
+// REFIT_CONTROL_SPIN_US: microseconds a rank's control thread keeps polling its mailbox without
+// blocking after it last sent or received a message, 0..1000000; default 50000 on machines with
+// at least 8 cores, else 0 (control/mailbox.h).
+Result<int> parse_control_spin_us(Text text);
+Result<int> control_spin_us();
+
 // REFIT_HOST_ID: which host this process is on for the executor choice; nullopt (default): the
 // kernel's boot id and the IPC namespace (host_identity).
 std::optional<std::string> host_id();

@@ -1,5 +1,7 @@
 #include "common/log.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <mutex>
 
@@ -11,6 +13,12 @@ namespace {
 std::mutex& mu() {
   static std::mutex m;
   return m;
+}
+// At debug level every line carries the wall-clock time (µs), so that the lines of the trainer
+// and engine processes of one host can be put on one timeline.
+std::atomic<bool>& stamped() {
+  static std::atomic<bool> s{false};
+  return s;
 }
 std::string& prefix() {
   static std::string p = "refit";
@@ -26,7 +34,10 @@ Level threshold() {
       write(Level::kWarn, l.status().message() + "; logging at info");
       return Level::kInfo;
     }
-    if (*l == Level::kDebug) write(Level::kDebug, "environment: REFIT_LOG=debug");
+    if (*l == Level::kDebug) {
+      stamped() = true;
+      write(Level::kDebug, "environment: REFIT_LOG=debug");
+    }
     return *l;
   }();
   return level;
@@ -44,7 +55,16 @@ bool enabled(Level level) { return level >= threshold(); }
 void write(Level level, const std::string& message) {
   const char* tag = level == Level::kError ? "error: " : level == Level::kWarn ? "warning: " : "";
   std::lock_guard lock(mu());
-  std::fprintf(stderr, "[%s] %s%s\n", prefix().c_str(), tag, message.c_str());
+  if (stamped()) {
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
+    std::fprintf(stderr, "[%s %lld.%06lld] %s%s\n", prefix().c_str(),
+                 static_cast<long long>(us / 1000000), static_cast<long long>(us % 1000000), tag,
+                 message.c_str());
+  } else {
+    std::fprintf(stderr, "[%s] %s%s\n", prefix().c_str(), tag, message.c_str());
+  }
   std::fflush(stderr);
 }
 

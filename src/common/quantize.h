@@ -5,7 +5,8 @@
 // float8_e4m3fn on the device). x is the trainer's value in the policy dtype, widened to float32
 // exactly (bf16 and fp16 widen exactly); every operation is one float32 operation:
 //   amax      = max |x| over the block
-//   scale     = amax / 448            (an all-zero block: scale = 1)
+//   scale     = amax / 448            (1 where that is zero: an all-zero block, or
+//                                       amax < 448 * 2^-150, whose quotient underflows)
 //   quantized = saturate(round_to_nearest_even(x / scale))  as float8 e4m3fn
 // The scale is the dequantization multiplier: x ≈ quantized * scale. Vllm and SGLang call it
 // `weight_scale_inv` for block scales (DeepSeek-V3's name) and `weight_scale` per tensor.
@@ -39,7 +40,8 @@ inline float from_bits(std::uint32_t u) {
 // 1 for an all-zero block. Non-finite amax: NaN (the caller reports the block).
 inline float fp8_scale_from_amax(float amax) {
   if (!(amax <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::quiet_NaN();
-  return amax == 0.0f ? 1.0f : amax / kFp8E4M3Max;
+  const float s = amax / kFp8E4M3Max;
+  return s == 0.0f ? 1.0f : s;
 }
 
 // One element: saturate(rne(x / scale)). f32_to_fp8e4m3 rounds to nearest even and saturates.

@@ -1,6 +1,9 @@
 // FP8 amax and quantize kernels (device/quant_kernels.h; semantics: common/quantize.h).
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cuda_pipeline.h>
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <limits>
@@ -13,6 +16,17 @@ namespace refit {
 namespace {
 
 constexpr int kThreads = 256;
+// Thread blocks of the quantize kernel resident per SM (registers capped to fit): a whole block
+// scaled in the pass waits at a barrier between its two reads, and other thread blocks keep the
+// memory busy meanwhile. 2048 threads per SM, 1536 on sm_86/87/89.
+#ifndef REFIT_QUANT_MIN_BLOCKS
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
+#define REFIT_QUANT_MIN_BLOCKS 6
+#else
+#define REFIT_QUANT_MIN_BLOCKS 8
+#endif
+#endif
+constexpr int kQuantBlocksPerSm = REFIT_QUANT_MIN_BLOCKS;
 
 // A tile: `rows` x `cols` elements of run `run` starting at (row0, col0) of the run. Its rows lie
 // in one block row of the HF tensor (so every element of a column shares one scale), at most
@@ -42,20 +56,16 @@ __device__ __forceinline__ float load_f32(const void* base, std::int64_t i) {
   }
 }
 
-// Eight consecutive elements at `base + i` (i a multiple of 8, the address 16-byte aligned) as
-// float32: one or two 16-byte loads.
-// kKeep: a first read whose data is read again soon (cached normally, so that the second read
-// hits L2); otherwise streaming (evict first).
-template <int kSrc, bool kKeep = false>
-__device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, float (&x)[8]) {
+// Eight elements as float32 from their raw bytes: a and b for float32 (4 each), a alone for
+// 16-bit types.
+template <int kSrc>
+__device__ __forceinline__ void decode8(const uint4& a, const uint4& b, float (&x)[8]) {
   if constexpr (kSrc == 0) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    const float4 a = kKeep ? __ldg(p) : __ldcs(p), b = kKeep ? __ldg(p + 1) : __ldcs(p + 1);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = __uint_as_float(w[k]);
   } else {
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(base) + i);
-    const uint4 q = kKeep ? __ldg(p) : __ldcs(p);
-    const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if constexpr (kSrc == 1) {
@@ -69,9 +79,46 @@ __device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, floa
   }
 }
 
+template <int kSrc>
+constexpr int kGroupBytes = kSrc == 0 ? 32 : 16;  // 8 elements
+
+// Eight consecutive elements at `base + i` (i a multiple of 8, the address 16-byte aligned) as
+// float32: one or two 16-byte loads, streaming (evict first).
+template <int kSrc>
+__device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, float (&x)[8]) {
+  const auto* p = reinterpret_cast<const uint4*>(static_cast<const std::byte*>(base) +
+                                                 i * (kGroupBytes<kSrc> / 8));
+  const uint4 a = __ldcs(p);
+  const uint4 b = kSrc == 0 ? __ldcs(p + 1) : a;
+  decode8<kSrc>(a, b, x);
+}
+
 // Tiles whose every row is 8-element groups that are 16-byte aligned at the source, 8-byte
 // aligned at the destination and never straddle a block column (QuantTile::vec) take the vector
 // paths below: one load of 8 elements, one scale and one 8-byte store per group.
+//
+// A thread takes groups threadIdx.x, + kThreads, + 2 kThreads, ... of a tile `groups` wide: group
+// g lies at row g / groups, column (g % groups) * 8. GroupWalk steps through them without a
+// division by the runtime width per group (an integer division costs ~20 instructions).
+struct GroupWalk {
+  int row, col;    // the group now (col in elements)
+  int drow, dcol;  // the step of kThreads groups
+  int width;       // groups * 8
+  __device__ explicit GroupWalk(int groups)
+      : row(static_cast<int>(threadIdx.x) / groups),
+        col(static_cast<int>(threadIdx.x) % groups * 8),
+        drow(kThreads / groups),
+        dcol(kThreads % groups * 8),
+        width(groups * 8) {}
+  __device__ void next() {
+    row += drow;
+    col += dcol;
+    if (col >= width) {
+      col -= width;
+      ++row;
+    }
+  }
+};
 
 // Each thread folds max |x| down its columns (no division per element), then the tile's threads
 // fold per block column in shared memory, and one atomic per block column reaches the grid.
@@ -88,16 +135,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < nbcols; i += kThreads) block_max[i] = 0;
   __syncthreads();
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
-  if (t.vec) {  // thread i: group i % groups of row i / groups (and every kThreads-th after)
-    const int groups = t.cols / 8;
-    for (int g = threadIdx.x; g < groups * t.rows; g += kThreads) {
-      const int row = g / groups, c = (g % groups) * 8;
+  if (t.vec) {
+    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next()) {
       float x[8];
-      load8_f32<kSrc>(r.src, src0 + row * r.src_stride + c, x);
+      load8_f32<kSrc>(r.src, src0 + w.row * r.src_stride + w.col, x);
       unsigned int m = 0;
 #pragma unroll
       for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(x[k]) & 0x7FFFFFFFu);
-      atomicMax(&block_max[(hf_col0 + c) / bc - first_bcol], m);
+      atomicMax(&block_max[(hf_col0 + w.col) / bc - first_bcol], m);
     }
   }
   for (int c = threadIdx.x; !t.vec && c < t.cols; c += kThreads) {
@@ -116,26 +161,53 @@ __global__ void __launch_bounds__(kThreads)
     atomicMax(grid + brow * r.scale_cols + first_bcol + i, block_max[i]);
 }
 
-// x / s rounded to float32 exactly as IEEE division rounds it, from one reciprocal per block:
-// RN_f(RN_d(x * RN_d(1 / s))). The double product is within 2^-52 (relative) of x / s, and a
-// quotient of two floats is never closer than 2^-49 to a float rounding boundary (it would need
-// a 25-bit odd significand times a 24-bit one to fit 24 bits), so rounding the double to float
-// gives the IEEE float quotient (checked bit for bit against __fdiv_rn's CPU twin by Fp8Plane).
-__device__ __forceinline__ float div_by(float x, double inv_s) {
-  return __double2float_rn(static_cast<double>(x) * inv_s);
+// x / s rounded to float32 exactly as IEEE division rounds it (__fdiv_rn), without a division
+// per element. A Divisor holds s and y = RN(1 / s), once per block. Then q0 = RN(x * y) is within
+// 2 ulps of x / s, and two Markstein steps q <- RN(q + RN(x - q * s) * y) (fma) finish it:
+//  - the first leaves q within half an ulp plus 2^-46 (relative) of x / s, so q is faithful;
+//  - with y the correctly rounded 1 / s and q faithful, the remainder x - q * s is exact in an fma
+//    and the second step rounds to RN(x / s) (Markstein's theorem), unless something underflows.
+// Underflow: |x| <= 448.0001 * s (s = amax / 448 rounded, so s < 2^120), and `fast` holds only
+// for s in [2^-90, 2^120]. A quotient of at least 2^-11 then has |x| >= 2^-101, and every
+// intermediate, the remainders (about |x| * 2^-23) included, is a normal float: exact as above.
+// A smaller quotient has FP8 code zero either way (codes below 2^-10 round to zero, and the
+// steps move a quotient that small by far less than 2^-11), and copysign gives it x's sign, as
+// IEEE division does (the fma steps would turn -0 into +0). Other scales (subnormal, NaN) take
+// __fdiv_rn. Checked bit for bit against __fdiv_rn over every bfloat16 x and many scales
+// (Fp8Plane.DivisionMatchesIeee).
+struct Divisor {
+  float s, y;
+  bool fast;
+};
+
+__device__ __forceinline__ Divisor divisor(float s) {
+  return Divisor{s, __frcp_rn(s), s >= 0x1p-90f && s <= 0x1p120f};  // not fast for NaN
 }
 
-__device__ __forceinline__ unsigned int fp8_pack4(float a, float b, float c, float d, double inv_s) {
-  return static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(a, inv_s), __NV_SATFINITE, __NV_E4M3)) |
-         static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(b, inv_s), __NV_SATFINITE, __NV_E4M3)) << 8 |
-         static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(c, inv_s), __NV_SATFINITE, __NV_E4M3)) << 16 |
-         static_cast<unsigned int>(__nv_cvt_float_to_fp8(div_by(d, inv_s), __NV_SATFINITE, __NV_E4M3)) << 24;
+__device__ __forceinline__ float div_by(float x, const Divisor& d) {
+  if (!d.fast) return __fdiv_rn(x, d.s);
+  float q = __fmul_rn(x, d.y);
+  q = __fmaf_rn(__fmaf_rn(-q, d.s, x), d.y, q);
+  q = __fmaf_rn(__fmaf_rn(-q, d.s, x), d.y, q);
+  return copysignf(q, x);
+}
+
+__device__ __forceinline__ unsigned int fp8_pack2(float a, float b, const Divisor& s) {
+  // a in the low byte, b in the high one.
+  return __nv_cvt_float2_to_fp8x2(make_float2(div_by(a, s), div_by(b, s)), __NV_SATFINITE,
+                                  __NV_E4M3);
+}
+
+__device__ __forceinline__ unsigned int fp8_pack4(float a, float b, float c, float d,
+                                                  const Divisor& s) {
+  return fp8_pack2(a, b, s) | fp8_pack2(c, d, s) << 16;
 }
 
 // One whole block in one pass: read once (into registers on the vector path), amax over the
 // thread block, scale = amax / 448 (1 when zero) written to the grid, then the codes.
 template <int kSrc>
-__device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuantRun& r) {
+__device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuantRun& r,
+                                            std::byte* stage) {
   __shared__ unsigned int warp_max[kThreads / 32];
   __shared__ float block_scale;
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
@@ -158,7 +230,8 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
                                    static_cast<unsigned long long>(k));
         }
       } else {
-        s = all == 0 ? 1.0f : __fdiv_rn(__uint_as_float(all), 448.0f);
+        s = __fdiv_rn(__uint_as_float(all), 448.0f);
+        if (s == 0.0f) s = 1.0f;  // all zero, or amax / 448 underflows (common/quantize.h)
       }
       static_cast<float*>(r.grid)[k] = s;
       block_scale = s;
@@ -167,23 +240,39 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     return block_scale;
   };
   if (t.vec) {
-    // Two reads of the block: the first from memory (kept in L2), the second from L2. Holding the
-    // block in registers instead costs occupancy, and the pass is then slower (docs/fp8.md).
-    const int groups = t.cols / 8, n = groups * t.rows;
+    // The block is staged in shared memory (cp.async, every group of this thread in flight at
+    // once), so it is read from memory once: the amax and the codes both come from the stage.
+    // Each thread reads back only the groups it staged, so no barrier is needed before its amax.
+    // (Re-reading from L2 instead lost a fifth of the bandwidth: the blocks in flight on every SM
+    // are about the size of L2; docs/fp8.md.)
+    constexpr int kG = kGroupBytes<kSrc>;
+    const auto* src = static_cast<const std::byte*>(r.src) + src0 * (kG / 8);
+    int g = threadIdx.x;
+    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next(), g += kThreads) {
+      const std::byte* p = src + (w.row * r.src_stride + w.col) * (kG / 8);
+#pragma unroll
+      for (int h = 0; h < kG; h += 16) __pipeline_memcpy_async(stage + g * kG + h, p + h, 16);
+    }
+    __pipeline_commit();
+    const int n = g;  // one past this thread's last group, in steps of kThreads
+    __pipeline_wait_prior(0);
+    auto staged = [&](int k, float (&x)[8]) {
+      const auto* q = reinterpret_cast<const uint4*>(stage + k * kG);
+      decode8<kSrc>(q[0], kSrc == 0 ? q[1] : q[0], x);
+    };
     unsigned int m = 0;
-#pragma unroll 4
-    for (int g = threadIdx.x; g < n; g += kThreads) {
+    for (int k = threadIdx.x; k < n; k += kThreads) {
       float x[8];
-      load8_f32<kSrc, true>(r.src, src0 + (g / groups) * r.src_stride + (g % groups) * 8, x);
+      staged(k, x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(x[e]) & 0x7FFFFFFFu);
     }
-    const double inv_s = 1.0 / static_cast<double>(reduce(m));
-#pragma unroll 4
-    for (int g = threadIdx.x; g < n; g += kThreads) {
+    const Divisor inv_s = divisor(reduce(m));
+    g = threadIdx.x;
+    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next(), g += kThreads) {
       float x[8];
-      load8_f32<kSrc>(r.src, src0 + (g / groups) * r.src_stride + (g % groups) * 8, x);
-      __stcs(reinterpret_cast<uint2*>(dst + (g / groups) * r.dst_stride + (g % groups) * 8),
+      staged(g, x);
+      __stcs(reinterpret_cast<uint2*>(dst + w.row * r.dst_stride + w.col),
              make_uint2(fp8_pack4(x[0], x[1], x[2], x[3], inv_s),
                         fp8_pack4(x[4], x[5], x[6], x[7], inv_s)));
     }
@@ -204,12 +293,10 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
 }
 
 template <int kSrc>
-__global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const QuantTile* __restrict__ tiles, const DeviceQuantRun* __restrict__ runs) {
-  const QuantTile t = tiles[blockIdx.x];
-  const DeviceQuantRun& r = runs[t.run];
+__device__ __forceinline__ void quantize_tile(const QuantTile& t, const DeviceQuantRun& r,
+                                              std::byte* stage) {
   if (t.fused) {
-    fused_block<kSrc>(t, r);
+    fused_block<kSrc>(t, r, stage);
     return;
   }
   const float* scales =
@@ -218,14 +305,11 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   const std::int64_t hf_col0 = r.hf_col + t.col0;
   if (t.vec) {
-    // Thread i takes group i % groups of rows i / groups, i / groups + threads / groups, ...
-    const int groups = (t.cols + 7) / 8;
-    for (int g = threadIdx.x; g < groups * t.rows; g += kThreads) {
-      const int row = g / groups, c = (g % groups) * 8;
-      const double inv_s = 1.0 / static_cast<double>(scales[(hf_col0 + c) / r.block_cols]);
+    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next()) {
+      const Divisor inv_s = divisor(scales[(hf_col0 + w.col) / r.block_cols]);
       float x[8];
-      load8_f32<kSrc>(r.src, src0 + row * r.src_stride + c, x);
-      __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + c),
+      load8_f32<kSrc>(r.src, src0 + w.row * r.src_stride + w.col, x);
+      __stcs(reinterpret_cast<uint2*>(dst + w.row * r.dst_stride + w.col),
              make_uint2(fp8_pack4(x[0], x[1], x[2], x[3], inv_s),
                         fp8_pack4(x[4], x[5], x[6], x[7], inv_s)));
     }
@@ -240,6 +324,15 @@ __global__ void __launch_bounds__(kThreads)
       dst[row * r.dst_stride + c] = __nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3);
     }
   }
+}
+
+// One thread block per tile; `stage` holds a whole block scaled in the pass (stage_bytes()).
+template <int kSrc>
+__global__ void __launch_bounds__(kThreads, kQuantBlocksPerSm)
+    quantize_kernel(const QuantTile* __restrict__ tiles, const DeviceQuantRun* __restrict__ runs) {
+  extern __shared__ __align__(16) std::byte stage[];
+  const QuantTile t = tiles[blockIdx.x];
+  quantize_tile<kSrc>(t, runs[t.run], stage);
 }
 
 int src_code(DType d) {
@@ -271,23 +364,33 @@ Status launch(const DeviceQuantTable& table, DType src_dtype, void* stream, cons
       static_cast<std::size_t>(table.num_tiles()) * sizeof(QuantTile));
   const auto blocks = static_cast<unsigned>(table.num_tiles());
   auto* s = static_cast<cudaStream_t>(stream);
-  if (code == 0) K<0>::run(blocks, s, tiles, runs);
-  if (code == 1) K<1>::run(blocks, s, tiles, runs);
-  if (code == 2) K<2>::run(blocks, s, tiles, runs);
+  if (code == 0) REFIT_RETURN_IF_ERROR(K<0>::run(blocks, s, tiles, runs, table.stage_bytes()));
+  if (code == 1) REFIT_RETURN_IF_ERROR(K<1>::run(blocks, s, tiles, runs, table.stage_bytes()));
+  if (code == 2) REFIT_RETURN_IF_ERROR(K<2>::run(blocks, s, tiles, runs, table.stage_bytes()));
   REFIT_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
 
 template <int kSrc>
 struct AmaxK {
-  static void run(unsigned blocks, cudaStream_t s, const QuantTile* t, const DeviceQuantRun* r) {
+  static Status run(unsigned blocks, cudaStream_t s, const QuantTile* t, const DeviceQuantRun* r,
+                    std::size_t) {
     amax_kernel<kSrc><<<blocks, kThreads, 0, s>>>(t, r);
+    return Status::Ok();
   }
 };
 template <int kSrc>
 struct QuantizeK {
-  static void run(unsigned blocks, cudaStream_t s, const QuantTile* t, const DeviceQuantRun* r) {
-    quantize_kernel<kSrc><<<blocks, kThreads, 0, s>>>(t, r);
+  static Status run(unsigned blocks, cudaStream_t s, const QuantTile* t, const DeviceQuantRun* r,
+                    std::size_t stage) {
+    // Above 48 KiB a kernel must ask for its dynamic shared memory (a float32 block of 128 x 128
+    // stages 64 KiB).
+    if (stage > 48 * 1024)
+      REFIT_CUDA_CHECK(cudaFuncSetAttribute(quantize_kernel<kSrc>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(stage)));
+    quantize_kernel<kSrc><<<blocks, kThreads, stage, s>>>(t, r);
+    return Status::Ok();
   }
 };
 
@@ -297,6 +400,7 @@ Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantR
                                                   DType src_dtype, int device) {
   const std::size_t src_esize = dtype_size(src_dtype);
   std::vector<QuantTile> tiles;
+  std::size_t stage = 0;  // the largest block staged whole (fused_block)
   for (std::size_t i = 0; i < runs.size(); ++i) {
     const DeviceQuantRun& r = runs[i];
     if (r.rows <= 0 || r.cols <= 0) continue;
@@ -318,6 +422,7 @@ Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantR
           if (r.from_grid[kr * r.scale_cols + kc] == 0) {
             tiles.push_back(QuantTile{static_cast<std::int32_t>(i), static_cast<std::int32_t>(r1 - r0),
                                       static_cast<std::int32_t>(c1 - c0), vec ? 1 : 0, r0, c0, 1, 0});
+            if (vec) stage = std::max(stage, static_cast<std::size_t>((r1 - r0) * (c1 - c0)) * src_esize);
             continue;
           }
           for (std::int64_t row = r0; row < r1; row += kTileRows)
@@ -342,7 +447,15 @@ Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantR
     }
   }
   DeviceQuantTable t;
+  // A block scaled in the pass is staged in shared memory whole (the transfer plan scales blocks
+  // of at most 16384 elements this way: 64 KiB of float32).
+  if (stage > 96 * 1024)
+    return Status::InvalidArgument(fmt::format(
+        "fp8 quantize: a block scaled in the pass holds {} bytes of {}; at most 98304 fit in "
+        "shared memory (scale it from the grid instead)",
+        stage, dtype_name(src_dtype)));
   t.tiles_ = static_cast<std::int64_t>(tiles.size());
+  t.stage_bytes_ = stage;
   const std::size_t tile_bytes = tiles.size() * sizeof(QuantTile);
   const std::size_t bytes = tile_bytes + runs.size() * sizeof(DeviceQuantRun);
   REFIT_ASSIGN_OR_RETURN(t.table_, DeviceBuffer::allocate(std::max<std::size_t>(bytes, 1), device));

@@ -44,10 +44,13 @@ class DeviceQuantTable {
                                          int device);
   std::int64_t num_tiles() const { return tiles_; }
   const void* data() const { return table_.data(); }
+  // Shared memory a quantize thread block stages its whole block in (0: no such tile).
+  std::size_t stage_bytes() const { return stage_bytes_; }
 
  private:
   DeviceBuffer table_;
   std::int64_t tiles_ = 0;
+  std::size_t stage_bytes_ = 0;
 };
 
 // Folds max |x| of every element into its block's amax (atomic max on the uint32 bits).

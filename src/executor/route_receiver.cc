@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/log.h"
 #include "common/timer.h"
 #include "transport/transport.h"
 
@@ -157,7 +158,9 @@ Status RouteReceiver::receive(const EngineRefit& r) {
       encode(PausedMessage{.step = begin.step,
                            .direct = exported,
                            .refused = paused.ok() ? "" : paused.message()})));
+  log::debug("{}: paused for refit step {} and answered", o_.who, begin.step);
   REFIT_ASSIGN_OR_RETURN(const ProceedMessage proceed, await_proceed(begin.step, r.early_commits));
+  log::debug("{}: every feeder proceeds with refit step {}", o_.who, begin.step);
   if (!proceed.go) {
     r.abandon(proceed.error, paused.ok());
     return send_each(*o_.mailbox, feeders_, MessageType::kProceed,

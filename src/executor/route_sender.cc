@@ -206,6 +206,8 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   aborted_.clear();
   std::vector<std::optional<PausedMessage>> all(all_ids_.size());
   REFIT_ASSIGN_OR_RETURN(const std::string refused, collect_paused(begin, all));
+  log::debug("trainer rank {}: every engine rank answered the begin of step {}", o_.rank,
+             begin.step);
   std::vector<std::optional<PausedMessage>> answers;  // of the targets
   for (int g : o_.targets) answers.push_back(std::move(all[static_cast<std::size_t>(g)]));
   REFIT_RETURN_IF_ERROR(send_each(

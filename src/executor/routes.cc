@@ -170,10 +170,13 @@ void RouteCopies::add(const RouteSetup& setup, const Route& r, const std::byte* 
 }
 
 Status RouteCopies::run(DataPlane& plane, DType policy, bool raw) const {
-  if (!cast.empty()) REFIT_RETURN_IF_ERROR(plane.copy(cast, raw ? cast_to : policy, cast_to));
-  if (!quant.empty())
-    REFIT_RETURN_IF_ERROR(raw ? plane.copy(quant_runs, DType::kFloat8E4M3, DType::kFloat8E4M3)
-                              : plane.quantize(quant, policy));
+  if (!raw && !quant.empty()) {
+    REFIT_RETURN_IF_ERROR(plane.copy_and_quantize(cast, policy, cast_to, quant, policy));
+  } else {
+    if (!cast.empty()) REFIT_RETURN_IF_ERROR(plane.copy(cast, raw ? cast_to : policy, cast_to));
+    if (!quant.empty())
+      REFIT_RETURN_IF_ERROR(plane.copy(quant_runs, DType::kFloat8E4M3, DType::kFloat8E4M3));
+  }
   if (!scales.empty())
     REFIT_RETURN_IF_ERROR(plane.copy(scales, DType::kFloat32, DType::kFloat32));
   return Status::Ok();

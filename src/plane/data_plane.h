@@ -154,6 +154,16 @@ class DataPlane {
   // e4m3fn), the scales read from the run's grid (float32), or computed in the same pass where
   // from_grid says so (QuantRun). Returns when complete.
   virtual Status quantize(const std::vector<QuantRun>& runs, DType src_dtype) = 0;
+  // FP8: copy(cast, cast_from, cast_to) and quantize(quant, quant_from), which write disjoint
+  // destinations. The GPU plane runs them at once on two streams: the cast takes the memory
+  // bandwidth the quantize kernel leaves between its reads (docs/fp8.md). Returns when both are
+  // complete.
+  virtual Status copy_and_quantize(const std::vector<CopyRun>& cast, DType cast_from,
+                                   DType cast_to, const std::vector<QuantRun>& quant,
+                                   DType quant_from) {
+    REFIT_RETURN_IF_ERROR(copy(cast, cast_from, cast_to));
+    return quantize(quant, quant_from);
+  }
   // The refit checksum (common/checksum.h) of every element of every run: element (r, c) of a
   // run is read at `src` element block.src_offset + r*block.src_stride + c, converted from
   // `src_dtype` to `as_dtype` exactly as copy() would, and keyed block.dst_offset +

@@ -249,19 +249,35 @@ class CudaDataPlane final : public DataPlane {
     REFIT_RETURN_IF_ERROR(on_device());
     if (runs.empty()) return Status::Ok();
     REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(runs, sdt, ddt, src_base));
-    // The copy engines' stretches (one call each) on the side stream when the kernel runs too.
-    void* ce_stream = t->kernel_bytes > 0 ? side_stream_.handle() : stream_.handle();
-    for (const auto& [dst, src, bytes] : t->engine_copies)
-      REFIT_RETURN_IF_ERROR(copy_device_async(dst, src, bytes, ce_stream));
-    if (t->kernel_bytes > 0)
-      REFIT_RETURN_IF_ERROR(launch_block_copy(t->table, 0,
-                                              src_base != nullptr ? src_base : t->src, sdt, t->dst,
-                                              ddt, stream_.handle()));
+    REFIT_ASSIGN_OR_RETURN(void* ce_stream, launch_copy(*t, sdt, ddt, src_base, stream_.handle()));
     REFIT_RETURN_IF_ERROR(sync(t->kernel_bytes > 0 ? "a block copy" : "copy-engine copies"));
     if (ce_stream != stream_.handle())
       REFIT_RETURN_IF_ERROR(synchronize_stream(ce_stream, timeout_, "copy-engine copies"));
-    kernel_bytes_ += t->kernel_bytes;
-    copy_engine_bytes_ += t->engine_bytes;
+    return Status::Ok();
+  }
+
+  // The cast kernel on the side stream, the quantize kernel on the main one, then both waited
+  // for. Copy-engine stretches (REFIT_COPY_ENGINE) keep the plain path.
+  Status copy_and_quantize(const std::vector<CopyRun>& cast, DType cast_from, DType cast_to,
+                           const std::vector<QuantRun>& quant, DType quant_from) override {
+    REFIT_RETURN_IF_ERROR(on_device());
+    if (cast.empty() || quant.empty()) return DataPlane::copy_and_quantize(cast, cast_from, cast_to, quant, quant_from);
+    REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(cast, cast_from, cast_to, nullptr));
+    if (!t->engine_copies.empty()) return DataPlane::copy_and_quantize(cast, cast_from, cast_to, quant, quant_from);
+    REFIT_ASSIGN_OR_RETURN(const DeviceQuantTable* q, quant_table(quant, quant_from));
+    if (side_stream_.handle() == nullptr) {
+      REFIT_ASSIGN_OR_RETURN(side_stream_, DeviceStream::create(device_));
+    }
+    REFIT_ASSIGN_OR_RETURN(void* unused, launch_copy(*t, cast_from, cast_to, nullptr, side_stream_.handle()));
+    (void)unused;
+    Status launched = launch_fp8_quantize(*q, quant_from, stream_.handle());
+    // Both streams are waited for, whatever failed: nothing may still write after this returns.
+    Status quantized = sync("an fp8 quantize");
+    Status cast_done = synchronize_stream(side_stream_.handle(), timeout_, "a block copy beside an fp8 quantize");
+    REFIT_RETURN_IF_ERROR(launched);
+    REFIT_RETURN_IF_ERROR(quantized);
+    REFIT_RETURN_IF_ERROR(cast_done);
+    for (const QuantRun& r : quant) kernel_bytes_ += r.run.block.numel();
     return Status::Ok();
   }
 
@@ -396,6 +412,21 @@ class CudaDataPlane final : public DataPlane {
     std::int64_t engine_bytes = 0;  // what engine_copies move
     std::int64_t kernel_bytes = 0;  // what the kernel's table moves (0: no launch)
   };
+  // Launches table `t`: its copy-engine stretches (one call each; on the side stream when the
+  // kernel runs too) and its kernel on `stream`. Returns the copy engines' stream.
+  Result<void*> launch_copy(const CopyTable& t, DType sdt, DType ddt, const std::byte* src_base,
+                            void* stream) {
+    void* ce_stream = t.kernel_bytes > 0 ? side_stream_.handle() : stream;
+    for (const auto& [dst, src, bytes] : t.engine_copies)
+      REFIT_RETURN_IF_ERROR(copy_device_async(dst, src, bytes, ce_stream));
+    if (t.kernel_bytes > 0)
+      REFIT_RETURN_IF_ERROR(launch_block_copy(t.table, 0, src_base != nullptr ? src_base : t.src,
+                                              sdt, t.dst, ddt, stream));
+    kernel_bytes_ += t.kernel_bytes;
+    copy_engine_bytes_ += t.engine_bytes;
+    return ce_stream;
+  }
+
   Result<CopyTable*> copy_table(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
                                 const std::byte* src_base) {
     const RunsKey key = runs_key(runs, src_base);

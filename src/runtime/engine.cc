@@ -492,6 +492,7 @@ class EngineImpl final : public Engine {
     }
     REFIT_RETURN_IF_ERROR(expect_from_each(*mailbox_, feeders(), MessageType::kCommit,
                                            early_commits, timeout(), id(), "the commit"));
+    log::debug("{}: every feeder committed refit step {}", id(), begin_.step);
     if (!raw) probe_->before_commit(begin_.step);
     traffic_ = executor_->traffic();
     // Every peer feeder has mapped the exported memory by now: its name may go.
@@ -628,7 +629,7 @@ class EngineImpl final : public Engine {
     // Every byte landed: the engine's load_weights takes them before anything is published or
     // verified. Its failure ends the session (the engine's weights are torn).
     if (!raw) REFIT_RETURN_IF_ERROR(load_weights("the refit"));
-    REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
+    REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(*store_, traffic_));
     if (!raw && !agreed) publish();
     for (std::size_t i = 0; i < feeders().size(); ++i)
       REFIT_RETURN_IF_ERROR(mailbox_->send(
@@ -775,6 +776,7 @@ class EngineImpl final : public Engine {
   std::vector<std::string> param_handles_;  // CUDA: IPC handles of the registered parameters
   bool export_failed_ = false;              // a registered parameter cannot be exported
   RankTraffic traffic_;
+  TrafficPublisher traffic_publisher_;
   std::string version_ = "0";
   bool valid_ = true;  // false from the moment a refit may write until it publishes
   std::string run_id_;

@@ -16,6 +16,13 @@ Status publish_traffic(Store& store, const RankTraffic& t) {
   return store.set(fmt::format("traffic/{}/{}", t.role, t.rank), j.dump());
 }
 
+Status TrafficPublisher::publish(Store& store, const RankTraffic& traffic) {
+  if (last_ && *last_ == traffic) return Status::Ok();
+  REFIT_RETURN_IF_ERROR(publish_traffic(store, traffic));
+  last_ = traffic;
+  return Status::Ok();
+}
+
 Result<std::vector<RankTraffic>> read_traffic(Store& store, const Config& config,
                                               std::chrono::milliseconds timeout) {
   std::vector<RankTraffic> out;

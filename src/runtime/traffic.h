@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <vector>
 
 #include "refit/config.h"
@@ -14,6 +15,16 @@ namespace refit {
 class Store;
 
 Status publish_traffic(Store& store, const RankTraffic& traffic);
+
+// A rank's publisher: a refit's traffic is almost always the previous refit's, and the store's
+// round trip lies on the refit's critical path, so it writes only what changed.
+class TrafficPublisher {
+ public:
+  Status publish(Store& store, const RankTraffic& traffic);
+
+ private:
+  std::optional<RankTraffic> last_;
+};
 // Trainer ranks 0.., then engine ranks 0.. of `config`.
 Result<std::vector<RankTraffic>> read_traffic(Store& store, const Config& config,
                                               std::chrono::milliseconds timeout);

@@ -139,7 +139,7 @@ class TrainerImpl final : public Trainer {
     stats_.apply_s = phase_.apply;
     stats_.bytes = model_->plan.payload_bytes;
     stats_.buckets = executor_->rounds();
-    REFIT_RETURN_IF_ERROR(publish_traffic(*store_, traffic_));
+    REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(*store_, traffic_));
     if (const std::string& aborted = executor_->aborted(); !aborted.empty()) {
       // Refused before any byte moved (every trainer rank decides alike): nothing to verify or
       // publish.
@@ -444,6 +444,7 @@ class TrainerImpl final : public Trainer {
     if (!raw) probe_->before_commit(step);
     REFIT_RETURN_IF_ERROR(send_each(*mailbox_, fed_engines(), MessageType::kCommit,
                                     encode(CommitMessage{.step = step})));
+    log::debug("{}: committed refit step {}", id(), step);
     std::vector<std::string> sent(fed_engines().size());
     if (cfg_.refit.checksum && !raw)
       for (std::size_t i = 0; i < sent.size(); ++i) {
@@ -578,6 +579,7 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
   std::unique_ptr<TrainerExecutor> executor_;
   RankTraffic traffic_;
+  TrafficPublisher traffic_publisher_;
   std::deque<Message> early_verdicts_;  // verdicts that overtook a commit acknowledgement
   Phases phase_;
   RefitStats stats_;

@@ -1,5 +1,5 @@
 """FP8 refits checked against a NumPy reference quantizer (docs/fp8.md), written here from the
-documented semantics alone: scale = amax / 448 per block (1 for an all-zero block), code =
+documented semantics alone: scale = amax / 448 per block (1 where that is 0), code =
 saturate(round-to-nearest-even(x / scale)) as float8 e4m3fn, float32 arithmetic.
 
 Each test runs `refit run --verify --dump` (real processes on loopback) and compares what the
@@ -60,7 +60,8 @@ def quantize(x: np.ndarray, br: int, bc: int) -> Tuple[np.ndarray, np.ndarray]:
         for j in range(nbc):
             blk = x[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
             amax = np.float32(np.max(np.abs(blk)))
-            s = np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(448.0))
+            s = np.float32(amax / np.float32(448.0))
+            s = np.float32(1.0) if s == 0 else s
             scales[i, j] = s
             codes[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = e4m3_codes((blk / s).astype(np.float32))
     return codes, scales
