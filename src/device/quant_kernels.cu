@@ -1,4 +1,5 @@
 // FP8 amax and quantize kernels (device/quant_kernels.h; semantics: common/quantize.h).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_pipeline.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "device/cuda_check.h"
 #include "device/quant_kernels.h"
@@ -98,19 +100,23 @@ __device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, floa
 // paths below: one load of 8 elements, one scale and one 8-byte store per group.
 //
 // A thread takes groups threadIdx.x, + kThreads, + 2 kThreads, ... of a tile `groups` wide: group
-// g lies at row g / groups, column (g % groups) * 8. GroupWalk steps through them without a
-// division by the runtime width per group (an integer division costs ~20 instructions).
-struct GroupWalk {
-  int row, col;    // the group now (col in elements)
-  int drow, dcol;  // the step of kThreads groups
-  int width;       // groups * 8
-  __device__ explicit GroupWalk(int groups)
-      : row(static_cast<int>(threadIdx.x) / groups),
-        col(static_cast<int>(threadIdx.x) % groups * 8),
-        drow(kThreads / groups),
-        dcol(kThreads % groups * 8),
-        width(groups * 8) {}
-  __device__ void next() {
+// g lies at row g / groups, column (g % groups) * 8. for_each_group(groups, rows, f) calls
+// f(row, col, i) for the i-th group of this thread (group threadIdx.x + i * kThreads), in order,
+// without a division by the runtime width per group (an integer division costs ~20
+// instructions). When the width divides kThreads (128 columns: 16 groups) the thread keeps its
+// column and only steps rows.
+template <class F>
+__device__ __forceinline__ void for_each_group(int groups, int rows, F&& f) {
+  const int tid = static_cast<int>(threadIdx.x);
+  int row = tid / groups, col = tid % groups * 8;
+  const int drow = kThreads / groups;
+  if (kThreads % groups == 0) {
+    for (int i = 0; row < rows; row += drow, ++i) f(row, col, i);
+    return;
+  }
+  const int dcol = kThreads % groups * 8, width = groups * 8;
+  for (int i = 0; row < rows; ++i) {
+    f(row, col, i);
     row += drow;
     col += dcol;
     if (col >= width) {
@@ -118,7 +124,7 @@ struct GroupWalk {
       ++row;
     }
   }
-};
+}
 
 // Each thread folds max |x| down its columns (no division per element), then the tile's threads
 // fold per block column in shared memory, and one atomic per block column reaches the grid.
@@ -136,14 +142,14 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   if (t.vec) {
-    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next()) {
+    for_each_group(t.cols / 8, t.rows, [&](int row, int col, int) {
       float x[8];
-      load8_f32<kSrc>(r.src, src0 + w.row * r.src_stride + w.col, x);
+      load8_f32<kSrc>(r.src, src0 + row * r.src_stride + col, x);
       unsigned int m = 0;
 #pragma unroll
       for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(x[k]) & 0x7FFFFFFFu);
-      atomicMax(&block_max[(hf_col0 + w.col) / bc - first_bcol], m);
-    }
+      atomicMax(&block_max[(hf_col0 + col) / bc - first_bcol], m);
+    });
   }
   for (int c = threadIdx.x; !t.vec && c < t.cols; c += kThreads) {
     unsigned int m = 0;
@@ -173,8 +179,8 @@ __global__ void __launch_bounds__(kThreads)
 // A smaller quotient has FP8 code zero either way (codes below 2^-10 round to zero, and the
 // steps move a quotient that small by far less than 2^-11), and copysign gives it x's sign, as
 // IEEE division does (the fma steps would turn -0 into +0). Other scales (subnormal, NaN) take
-// __fdiv_rn. Checked bit for bit against __fdiv_rn over every bfloat16 x and many scales
-// (Fp8Plane.DivisionMatchesIeee).
+// __fdiv_rn. Checked bit for bit against the CPU's division over every bfloat16 x under 4663
+// scales, and float32 x at every FP8 rounding boundary (Fp8Plane.CudaDivisionRoundsAsIeee).
 struct Divisor {
   float s, y;
   bool fast;
@@ -184,27 +190,93 @@ __device__ __forceinline__ Divisor divisor(float s) {
   return Divisor{s, __frcp_rn(s), s >= 0x1p-90f && s <= 0x1p120f};  // not fast for NaN
 }
 
+// kFast: the caller checked d.fast once for a whole block (no test per element).
+template <bool kFast = false>
 __device__ __forceinline__ float div_by(float x, const Divisor& d) {
-  if (!d.fast) return __fdiv_rn(x, d.s);
+  if (!kFast && !d.fast) return __fdiv_rn(x, d.s);
   float q = __fmul_rn(x, d.y);
   q = __fmaf_rn(__fmaf_rn(-q, d.s, x), d.y, q);
   q = __fmaf_rn(__fmaf_rn(-q, d.s, x), d.y, q);
   return copysignf(q, x);
 }
 
+template <bool kFast = false>
 __device__ __forceinline__ unsigned int fp8_pack2(float a, float b, const Divisor& s) {
   // a in the low byte, b in the high one.
-  return __nv_cvt_float2_to_fp8x2(make_float2(div_by(a, s), div_by(b, s)), __NV_SATFINITE,
-                                  __NV_E4M3);
+  return __nv_cvt_float2_to_fp8x2(make_float2(div_by<kFast>(a, s), div_by<kFast>(b, s)),
+                                  __NV_SATFINITE, __NV_E4M3);
 }
 
-__device__ __forceinline__ unsigned int fp8_pack4(float a, float b, float c, float d,
-                                                  const Divisor& s) {
-  return fp8_pack2(a, b, s) | fp8_pack2(c, d, s) << 16;
+// The codes of 8 elements, 8 bytes in element order.
+template <bool kFast = false>
+__device__ __forceinline__ uint2 fp8_pack8(const float (&x)[8], const Divisor& s) {
+  return make_uint2(fp8_pack2<kFast>(x[0], x[1], s) | fp8_pack2<kFast>(x[2], x[3], s) << 16,
+                    fp8_pack2<kFast>(x[4], x[5], s) | fp8_pack2<kFast>(x[6], x[7], s) << 16);
 }
 
-// One whole block in one pass: read once (into registers on the vector path), amax over the
-// thread block, scale = amax / 448 (1 when zero) written to the grid, then the codes.
+// The codes of 8 16-bit source elements from their raw words (a: elements 0-7, two per word, the
+// first in the low half), scale range checked by the caller (d.fast). The quotient is taken of |x|
+// (a free operand modifier) and the sign bits of x are put into the codes with one byte
+// permutation: e4m3 is sign-magnitude, and IEEE division gives x / s the sign of x, zeros
+// included. That replaces a copysign per element.
+template <int kSrc>
+__device__ __forceinline__ uint2 fp8_pack8_signed(const uint4& a, const Divisor& d) {
+  static_assert(kSrc == 1 || kSrc == 2, "16-bit sources");
+  float x[8];
+  decode8<kSrc>(a, a, x);
+  auto mag = [&](float v) {
+    const float m = fabsf(v);
+    float q = __fmul_rn(m, d.y);
+    q = __fmaf_rn(__fmaf_rn(-q, d.s, m), d.y, q);
+    return __fmaf_rn(__fmaf_rn(-q, d.s, m), d.y, q);
+  };
+  auto pair = [&](int k) {
+    return static_cast<unsigned int>(__nv_cvt_float2_to_fp8x2(
+        make_float2(mag(x[k]), mag(x[k + 1])), __NV_SATFINITE, __NV_E4M3));
+  };
+  // Byte 1 and byte 3 of each word hold the sign bits of its two elements at bit 7.
+  const unsigned int lo = pair(0) | pair(2) << 16, hi = pair(4) | pair(6) << 16;
+  return make_uint2(lo | (__byte_perm(a.x, a.y, 0x7531) & 0x80808080u),
+                    hi | (__byte_perm(a.z, a.w, 0x7531) & 0x80808080u));
+}
+
+// max |x| over 8 staged elements folded into `m`, compared as float32 bits (NaN above inf above
+// every finite value). 16-bit sources fold pairs with one packed max per word (__hmax2_nan keeps
+// NaN), into `m2`: half the instructions of widening every element first.
+template <int kSrc>
+__device__ __forceinline__ void fold_amax(const uint4& a, const uint4& b, unsigned int& m,
+                                          unsigned int& m2) {
+  if constexpr (kSrc == 0) {
+    const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m = max(m, w[k] & 0x7FFFFFFFu);
+  } else {
+    using T2 = std::conditional_t<kSrc == 1, __nv_bfloat162, __half2>;
+    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const unsigned int abs2 = w[k] & 0x7FFF7FFFu;
+      const T2 r = __hmax2_nan(*reinterpret_cast<const T2*>(&m2), *reinterpret_cast<const T2*>(&abs2));
+      m2 = *reinterpret_cast<const unsigned int*>(&r);
+    }
+  }
+}
+
+// The float32 bits of the larger half of m2 (fold_amax), or m for float32.
+template <int kSrc>
+__device__ __forceinline__ unsigned int amax_bits(unsigned int m, unsigned int m2) {
+  if constexpr (kSrc == 0) {
+    return m;
+  } else {
+    // Non-negative 16-bit floats (and NaN above inf) order like their bits.
+    const unsigned int h = max(m2 >> 16, m2 & 0xFFFFu);
+    if constexpr (kSrc == 1) return h << 16;
+    return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+}
+
+// One whole block in one pass: read once (staged in shared memory on the vector path), amax over
+// the thread block, scale = amax / 448 (1 where that is 0) written to the grid, then the codes.
 template <int kSrc>
 __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuantRun& r,
                                             std::byte* stage) {
@@ -247,34 +319,45 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     // are about the size of L2; docs/fp8.md.)
     constexpr int kG = kGroupBytes<kSrc>;
     const auto* src = static_cast<const std::byte*>(r.src) + src0 * (kG / 8);
-    int g = threadIdx.x;
-    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next(), g += kThreads) {
-      const std::byte* p = src + (w.row * r.src_stride + w.col) * (kG / 8);
+    // Group i of this thread is group threadIdx.x + i * kThreads of the tile, at that place in
+    // the stage.
+    std::byte* mine = stage + threadIdx.x * kG;
+    int count = 0;  // this thread's groups
+    for_each_group(t.cols / 8, t.rows, [&](int row, int col, int i) {
+      const std::byte* p = src + (row * r.src_stride + col) * (kG / 8);
 #pragma unroll
-      for (int h = 0; h < kG; h += 16) __pipeline_memcpy_async(stage + g * kG + h, p + h, 16);
-    }
+      for (int h = 0; h < kG; h += 16)
+        __pipeline_memcpy_async(mine + i * (kThreads * kG) + h, p + h, 16);
+      count = i + 1;
+    });
     __pipeline_commit();
-    const int n = g;  // one past this thread's last group, in steps of kThreads
     __pipeline_wait_prior(0);
-    auto staged = [&](int k, float (&x)[8]) {
-      const auto* q = reinterpret_cast<const uint4*>(stage + k * kG);
-      decode8<kSrc>(q[0], kSrc == 0 ? q[1] : q[0], x);
-    };
-    unsigned int m = 0;
-    for (int k = threadIdx.x; k < n; k += kThreads) {
-      float x[8];
-      staged(k, x);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(x[e]) & 0x7FFFFFFFu);
+    const auto* groups = reinterpret_cast<const uint4*>(stage);
+    unsigned int m = 0, m2 = 0;
+    for (int i = 0; i < count; ++i) {
+      const uint4* q = groups + (threadIdx.x + i * kThreads) * (kG / 16);
+      fold_amax<kSrc>(q[0], q[kSrc == 0 ? 1 : 0], m, m2);
     }
-    const Divisor inv_s = divisor(reduce(m));
-    g = threadIdx.x;
-    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next(), g += kThreads) {
-      float x[8];
-      staged(g, x);
-      __stcs(reinterpret_cast<uint2*>(dst + w.row * r.dst_stride + w.col),
-             make_uint2(fp8_pack4(x[0], x[1], x[2], x[3], inv_s),
-                        fp8_pack4(x[4], x[5], x[6], x[7], inv_s)));
+    const Divisor inv_s = divisor(reduce(amax_bits<kSrc>(m, m2)));
+    // The codes; the scale's range is checked once here, not per element (div_by).
+    auto codes = [&](auto fast) {
+      for_each_group(t.cols / 8, t.rows, [&](int row, int col, int i) {
+        const uint4* q = groups + (threadIdx.x + i * kThreads) * (kG / 16);
+        uint2 c;
+        if constexpr (kSrc != 0 && decltype(fast)::value) {
+          c = fp8_pack8_signed<kSrc>(q[0], inv_s);
+        } else {
+          float x[8];
+          decode8<kSrc>(q[0], q[kSrc == 0 ? 1 : 0], x);
+          c = fp8_pack8<decltype(fast)::value>(x, inv_s);
+        }
+        __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + col), c);
+      });
+    };
+    if (inv_s.fast) {
+      codes(std::true_type{});
+    } else {
+      codes(std::false_type{});
     }
     return;
   }
@@ -305,14 +388,12 @@ __device__ __forceinline__ void quantize_tile(const QuantTile& t, const DeviceQu
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   const std::int64_t hf_col0 = r.hf_col + t.col0;
   if (t.vec) {
-    for (GroupWalk w(t.cols / 8); w.row < t.rows; w.next()) {
-      const Divisor inv_s = divisor(scales[(hf_col0 + w.col) / r.block_cols]);
+    for_each_group(t.cols / 8, t.rows, [&](int row, int col, int) {
+      const Divisor inv_s = divisor(scales[(hf_col0 + col) / r.block_cols]);
       float x[8];
-      load8_f32<kSrc>(r.src, src0 + w.row * r.src_stride + w.col, x);
-      __stcs(reinterpret_cast<uint2*>(dst + w.row * r.dst_stride + w.col),
-             make_uint2(fp8_pack4(x[0], x[1], x[2], x[3], inv_s),
-                        fp8_pack4(x[4], x[5], x[6], x[7], inv_s)));
-    }
+      load8_f32<kSrc>(r.src, src0 + row * r.src_stride + col, x);
+      __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + col), fp8_pack8(x, inv_s));
+    });
     return;
   }
   for (int c = threadIdx.x; c < t.cols; c += kThreads) {
