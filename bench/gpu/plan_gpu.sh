@@ -7,7 +7,8 @@
 #   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
 #   run(command="bash bench/gpu/plan_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
 #
-# Environment: REFIT_PG_PARTS (default "cells bench torch"), REFIT_PG_BENCH (space-separated bench
+# Environment: REFIT_PG_PARTS (default "cells bench torch"; "fp8": FP8 engines on 2 GPUs, cells
+# with --verify and benches, docs/fp8.md), REFIT_PG_BENCH (space-separated bench
 # names to run, default all), REFIT_PG_STEPS (bench steps, default 5).
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-plan-gpu
@@ -153,6 +154,36 @@ if has bench; then
   bench colo-1gpu-8b-fp32-keep "$(cfg b14 qwen3-8b fsdp2 1 - vllm true 1 1 float32 auto '' '' ', keep_previous: true')"
   bench noncolo-1to1-8b-bf16-checksum "$(cfg b15 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto '' '' ', checksum: true')"
   bench colo-w2-tp2-8b-bf16-checksum "$(cfg b16 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto '' '' ', checksum: true')"
+fi
+
+# FP8 engines (issue 14) on 2 GPUs: colocated world 2 -> TP 2 and non-colocated 1 -> 1 through
+# the transfer plan, verified against the reference quantizer; benches whose engine ranks' bytes
+# received (the table) are the bytes on the link; torch's quantize of the same elements.
+fp8=", target_precision: fp8"
+if has fp8; then
+  echo "== fp8 cells"
+  : > "$out/cells.log"
+  cell "fp8 colocated fsdp2 w2 -> vllm tp2, tiny-qwen3 (auto)" 0 \
+    "$(cfg e1 tiny-qwen3 fsdp2 2 - vllm true 1 2 float32 auto '' '' "$fp8, fp8: {block: [16, 16]}")" --steps 2 --verify --check-logits
+  cell "fp8 colocated megatron tp2 -> sglang tp2, tiny-qwen3 (auto)" 0 \
+    "$(cfg e2 tiny-qwen3 megatron 2 2,1,1 sglang true 1 2 float32 auto '' '' "$fp8, fp8: {block: [16, 16]}")" --steps 2 --verify
+  cell "fp8 non-colocated fsdp2 w1 -> vllm tp1, tiny-qwen3 (peer over NVLink)" 0 \
+    "$(cfg e3 tiny-qwen3 fsdp2 1 - vllm false 1 1 float32 auto '' '' "$fp8, fp8: {block: [16, 16]}")" --steps 2 --verify
+  cell "fp8 non-colocated fsdp2 w1 -> sglang tp1, tiny-qwen3 (p2p NCCL)" 0 \
+    "$(cfg e4 tiny-qwen3 fsdp2 1 - sglang false 1 1 float32 p2p 4096 '' "$fp8, fp8: {block: [16, 16]}")" --steps 2 --verify
+  echo "== fp8 benchmarks"
+  : > "$out/bench.log"
+  bench fp8-colo-w2-tp2-8b-bf16 "$(cfg g1 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto '' '' "$fp8")"
+  bench bf16-colo-w2-tp2-8b-bf16 "$(cfg g2 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto)"
+  bench fp8-noncolo-1to1-8b-bf16 "$(cfg g3 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto '' '' "$fp8")"
+  bench bf16-noncolo-1to1-8b-bf16 "$(cfg g4 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 auto)"
+  bench fp8-noncolo-1to1-8b-bf16-p2p "$(cfg g5 qwen3-8b fsdp2 1 - vllm false 1 1 bfloat16 p2p '' '' "$fp8")"
+  mkdir -p "$work/q8" && python3 -c "
+import json; json.dump({'architectures': ['Qwen3ForCausalLM'], 'hidden_size': 4096, 'num_hidden_layers': 36,
+  'num_attention_heads': 32, 'num_key_value_heads': 8, 'head_dim': 128, 'intermediate_size': 12288,
+  'vocab_size': 4096, 'tie_word_embeddings': False}, open('$work/q8/config.json', 'w'))"
+  python3 "$root/bench/gpu/fp8_torch.py" baseline "$work/q8/config.json" > "$out/torch-fp8.log" 2>&1
+  note "$(tail -1 "$out/torch-fp8.log")"
 fi
 
 if has torch; then
