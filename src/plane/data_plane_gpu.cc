@@ -261,19 +261,23 @@ class CudaDataPlane final : public DataPlane {
   Status copy_and_quantize(const std::vector<CopyRun>& cast, DType cast_from, DType cast_to,
                            const std::vector<QuantRun>& quant, DType quant_from) override {
     REFIT_RETURN_IF_ERROR(on_device());
-    if (cast.empty() || quant.empty()) return DataPlane::copy_and_quantize(cast, cast_from, cast_to, quant, quant_from);
+    auto one_then_other = [&] {
+      return DataPlane::copy_and_quantize(cast, cast_from, cast_to, quant, quant_from);
+    };
+    if (cast.empty() || quant.empty()) return one_then_other();
     REFIT_ASSIGN_OR_RETURN(CopyTable * t, copy_table(cast, cast_from, cast_to, nullptr));
-    if (!t->engine_copies.empty()) return DataPlane::copy_and_quantize(cast, cast_from, cast_to, quant, quant_from);
+    if (!t->engine_copies.empty()) return one_then_other();
     REFIT_ASSIGN_OR_RETURN(const DeviceQuantTable* q, quant_table(quant, quant_from));
     if (side_stream_.handle() == nullptr) {
       REFIT_ASSIGN_OR_RETURN(side_stream_, DeviceStream::create(device_));
     }
-    REFIT_ASSIGN_OR_RETURN(void* unused, launch_copy(*t, cast_from, cast_to, nullptr, side_stream_.handle()));
-    (void)unused;
+    REFIT_RETURN_IF_ERROR(
+        launch_copy(*t, cast_from, cast_to, nullptr, side_stream_.handle()).status());
     Status launched = launch_fp8_quantize(*q, quant_from, stream_.handle());
     // Both streams are waited for, whatever failed: nothing may still write after this returns.
     Status quantized = sync("an fp8 quantize");
-    Status cast_done = synchronize_stream(side_stream_.handle(), timeout_, "a block copy beside an fp8 quantize");
+    Status cast_done = synchronize_stream(side_stream_.handle(), timeout_,
+                                          "a block copy beside an fp8 quantize");
     REFIT_RETURN_IF_ERROR(launched);
     REFIT_RETURN_IF_ERROR(quantized);
     REFIT_RETURN_IF_ERROR(cast_done);
