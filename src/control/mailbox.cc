@@ -242,8 +242,8 @@ class ZmqMailbox final : public Mailbox {
         }
         left = std::min(left, liveness_interval_);
       }
-      zmq_pollitem_t item{pull_.handle(), 0, ZMQ_POLLIN, 0};
       if (spin_for_message(deadline)) continue;
+      zmq_pollitem_t item{pull_.handle(), 0, ZMQ_POLLIN, 0};
       if (zmq_poll(&item, 1, static_cast<long>(left.count())) < 0 && zmq_errno() != EINTR) {
         return Status::IOError(
             fmt::format("mailbox '{}': poll failed: {}", id_, zmq_strerror(zmq_errno())));
@@ -275,14 +275,15 @@ class ZmqMailbox final : public Mailbox {
 
   // REFIT_CONTROL_SPIN_US: within that long of this mailbox's last message, a waiting receive()
   // polls without blocking, yielding the core between polls, until a message is there (true) or
-  // the window or `deadline` passes (false). While a refit is in flight its messages follow each
+  // the window, `deadline` or the next liveness check passes (false). While a refit is in flight its messages follow each
   // other within milliseconds, and each hop of its critical path otherwise pays for waking this
   // thread from poll (about 0.1 ms on a virtual machine; docs/runtime.md). Between refits the
   // window has passed and the thread blocks at once.
   bool spin_for_message(Clock::time_point deadline) {
     if (spin_.count() == 0) return false;
     const Clock::time_point last{Clock::duration(active_.load())};
-    const Clock::time_point end = std::min(deadline, last + spin_);
+    Clock::time_point end = std::min(deadline, last + spin_);
+    if (liveness_) end = std::min(end, next_check_);
     zmq_pollitem_t item{pull_.handle(), 0, ZMQ_POLLIN, 0};
     while (Clock::now() < end) {
       if (zmq_poll(&item, 1, 0) > 0) {

@@ -18,17 +18,15 @@ namespace refit {
 namespace {
 
 constexpr int kThreads = 256;
-// Thread blocks of the quantize kernel resident per SM (registers capped to fit): a whole block
-// scaled in the pass waits at a barrier between its two reads, and other thread blocks keep the
-// memory busy meanwhile. 2048 threads per SM, 1536 on sm_86/87/89.
-#ifndef REFIT_QUANT_MIN_BLOCKS
+// Thread blocks of the quantize kernel resident per SM, registers capped to fit (32): a block
+// scaled in the pass waits for its stage and at a barrier for its amax, and other thread blocks
+// keep the memory busy meanwhile (shared memory then caps bfloat16 stages at 6). 2048 threads per
+// SM, 1536 on sm_86/87/89.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
-#define REFIT_QUANT_MIN_BLOCKS 6
+constexpr int kQuantBlocksPerSm = 6;
 #else
-#define REFIT_QUANT_MIN_BLOCKS 8
+constexpr int kQuantBlocksPerSm = 8;
 #endif
-#endif
-constexpr int kQuantBlocksPerSm = REFIT_QUANT_MIN_BLOCKS;
 
 // A tile: `rows` x `cols` elements of run `run` starting at (row0, col0) of the run. Its rows lie
 // in one block row of the HF tensor (so every element of a column shares one scale), at most
