@@ -281,8 +281,9 @@ TEST(Fp8Plane, AmaxAndQuantizeMatchTheReferenceAcrossCutBlocks) {
 // The CUDA kernels divide without a division instruction (quant_kernels.cu, Divisor): each
 // quotient must round as IEEE float division does wherever that decides the FP8 code. Blocks of
 // one row, each with its own scale:
-//  - bfloat16: amax every 3rd positive finite bfloat16, and in its block every bfloat16 of
-//    magnitude up to the amax (both signs);
+//  - bfloat16: amax every 7th positive finite bfloat16, and in its block every bfloat16 under
+//    the amax whose quotient is at least 2^-13 (both signs), the 8 below those and the 8
+//    smallest subnormals (the smaller ones quantize like these);
 //  - float32: amax over every binade and at the scale's edges (subnormal, underflowing to zero,
 //    either side of 2^-90, the largest), and values whose quotient lies within 3 ulps of each FP8
 //    rounding boundary, where the float32 rounding decides the code.

@@ -177,8 +177,8 @@ __global__ void __launch_bounds__(kThreads)
 // A smaller quotient has FP8 code zero either way (codes below 2^-10 round to zero, and the
 // steps move a quotient that small by far less than 2^-11), and copysign gives it x's sign, as
 // IEEE division does (the fma steps would turn -0 into +0). Other scales (subnormal, NaN) take
-// __fdiv_rn. Checked bit for bit against the CPU's division over every bfloat16 x under 4663
-// scales, and float32 x at every FP8 rounding boundary (Fp8Plane.CudaDivisionRoundsAsIeee).
+// __fdiv_rn. Checked bit for bit against the CPU's division for 4663 scales over every bfloat16 x
+// whose quotient can give a non-zero code, and float32 x at every FP8 rounding boundary (Fp8Plane.CudaDivisionRoundsAsIeee).
 struct Divisor {
   float s, y;
   bool fast;
