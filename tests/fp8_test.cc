@@ -285,8 +285,9 @@ TEST(Fp8Plane, AmaxAndQuantizeMatchTheReferenceAcrossCutBlocks) {
 //    the amax whose quotient is at least 2^-13 (both signs), the 8 below those and the 8
 //    smallest subnormals (the smaller ones quantize like these);
 //  - float32: amax over every binade and at the scale's edges (subnormal, underflowing to zero,
-//    either side of 2^-90, the largest), and values whose quotient lies within 3 ulps of each FP8
-//    rounding boundary, where the float32 rounding decides the code.
+//    either side of 2^-90 and of 2^100, powers of two, the largest), and values whose quotient
+//    lies within 3 ulps of each FP8 rounding boundary, where the float32 rounding decides the
+//    code.
 // Scaled from the grid and in the pass. The CPU plane divides with the reference itself.
 TEST(Fp8Plane, CudaDivisionRoundsAsIeee) {
   if (device_count() == 0) GTEST_SKIP() << "no GPU: the CPU plane divides with the reference";
@@ -333,7 +334,8 @@ TEST(Fp8Plane, CudaDivisionRoundsAsIeee) {
     }
     boundaries.push_back(448.0f);
     std::vector<float> amaxes = {1e-44f, 6.3e-43f, 0x1p-126f * 448, 0x1p-90f * 448,
-                                 0x1p-90f * 448 * 0.999f, std::numeric_limits<float>::max()};
+                                 0x1p-90f * 448 * 0.999f, 0x1p100f * 448, 0x1p100f * 448 * 1.001f,
+                                 448.0f, 0x1p-20f * 448, std::numeric_limits<float>::max()};
     for (int e = -120; e <= 127; e += 1) amaxes.push_back(std::ldexp(1.0f + static_cast<float>(e & 7) / 7.3f, e));
     const std::int64_t w = round8(boundaries.size() * 14 + 1);
     std::vector<float> x;

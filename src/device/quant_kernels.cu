@@ -37,7 +37,7 @@ struct QuantTile {
   std::int32_t run = 0;
   std::int32_t rows = 0;
   std::int32_t cols = 0;
-  std::int32_t vec = 0;  // the vector paths apply (see load8_f32)
+  std::int32_t vec = 0;  // the vector paths apply (see load8_f32; offsets in a tile fit 32 bits)
   std::int64_t row0 = 0, col0 = 0;
   std::int32_t fused = 0;  // one whole block: its scale is computed here (fused_block)
   std::int32_t pad = 0;
@@ -98,28 +98,37 @@ __device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, floa
 // paths below: one load of 8 elements, one scale and one 8-byte store per group.
 //
 // A thread takes groups threadIdx.x, + kThreads, + 2 kThreads, ... of a tile `groups` wide: group
-// g lies at row g / groups, column (g % groups) * 8. for_each_group(groups, rows, f) calls
-// f(row, col, i) for the i-th group of this thread (group threadIdx.x + i * kThreads), in order,
-// without a division by the runtime width per group (an integer division costs ~20
-// instructions). When the width divides kThreads (128 columns: 16 groups) the thread keeps its
-// column and only steps rows.
+// g lies at row g / groups, column (g % groups) * 8. for_each_group(groups, rows, ss, ds, f) calls
+// f(col, s, d, i) for the i-th group of this thread (group threadIdx.x + i * kThreads), in order,
+// where s = row * ss + col and d = row * ds + col are its element offsets at the source and the
+// destination, in 32 bits (QuantTile::vec). Offsets advance by additions: no division by the
+// runtime width (~20 instructions) and no 64-bit arithmetic per group. When the width divides kThreads (128 columns: 16 groups) the
+// thread keeps its column and only steps rows.
 template <class F>
-__device__ __forceinline__ void for_each_group(int groups, int rows, F&& f) {
+__device__ __forceinline__ void for_each_group(int groups, int rows, int ss, int ds, F&& f) {
   const int tid = static_cast<int>(threadIdx.x);
   int row = tid / groups, col = tid % groups * 8;
   const int drow = kThreads / groups;
+  int s = row * ss + col, d = row * ds + col;
   if (kThreads % groups == 0) {
-    for (int i = 0; row < rows; row += drow, ++i) f(row, col, i);
+    const int step_s = drow * ss, step_d = drow * ds;
+    for (int i = 0; row < rows; row += drow, ++i, s += step_s, d += step_d) f(col, s, d, i);
     return;
   }
   const int dcol = kThreads % groups * 8, width = groups * 8;
+  const int step_s = drow * ss + dcol, step_d = drow * ds + dcol;
+  const int wrap_s = ss - width, wrap_d = ds - width;  // one row down, back by the width
   for (int i = 0; row < rows; ++i) {
-    f(row, col, i);
+    f(col, s, d, i);
     row += drow;
     col += dcol;
+    s += step_s;
+    d += step_d;
     if (col >= width) {
       col -= width;
       ++row;
+      s += wrap_s;
+      d += wrap_d;
     }
   }
 }
@@ -140,9 +149,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   if (t.vec) {
-    for_each_group(t.cols / 8, t.rows, [&](int row, int col, int) {
+    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), 0, [&](int col, int s, int, int) {
       float x[8];
-      load8_f32<kSrc>(r.src, src0 + row * r.src_stride + col, x);
+      load8_f32<kSrc>(r.src, src0 + s, x);
       unsigned int m = 0;
 #pragma unroll
       for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(x[k]) & 0x7FFFFFFFu);
@@ -166,36 +175,47 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // x / s rounded to float32 exactly as IEEE division rounds it (__fdiv_rn), without a division
-// per element. A Divisor holds s and y = RN(1 / s), once per block. Then q0 = RN(x * y) is within
-// 2 ulps of x / s, and two Markstein steps q <- RN(q + RN(x - q * s) * y) (fma) finish it:
-//  - the first leaves q within half an ulp plus 2^-46 (relative) of x / s, so q is faithful;
-//  - with y the correctly rounded 1 / s and q faithful, the remainder x - q * s is exact in an fma
-//    and the second step rounds to RN(x / s) (Markstein's theorem), unless something underflows.
-// Underflow: |x| <= 448.0001 * s (s = amax / 448 rounded, so s < 2^120), and `fast` holds only
-// for s in [2^-90, 2^120]. A quotient of at least 2^-11 then has |x| >= 2^-101, and every
-// intermediate, the remainders (about |x| * 2^-23) included, is a normal float: exact as above.
-// A smaller quotient has FP8 code zero either way (codes below 2^-10 round to zero, and the
-// steps move a quotient that small by far less than 2^-11), and copysign gives it x's sign, as
-// IEEE division does (the fma steps would turn -0 into +0). Other scales (subnormal, NaN) take
-// __fdiv_rn. Checked bit for bit against the CPU's division for 4663 scales over every bfloat16 x
-// whose quotient can give a non-zero code, and float32 x at every FP8 rounding boundary (Fp8Plane.CudaDivisionRoundsAsIeee).
+// per element. A Divisor holds s, y = RN(1 / s) and y's error term, once per block:
+//  - e = 1 - s * y is exact in an fma (the residual of a correctly rounded reciprocal), and
+//    yl = RN(e * y) is within 2^-47 (relative) of 1/s - y;
+//  - per element, q0 = RN(x * y + RN(x * yl)) (a multiply and an fma) is within half an ulp plus
+//    2^-45 (relative) of x / s, so q0 is faithful;
+//  - with y the correctly rounded 1 / s and q0 faithful, the remainder x - q0 * s is exact in an
+//    fma, and one Markstein step q = RN(q0 + RN(x - q0 * s) * y) rounds to RN(x / s) (Markstein's
+//    theorem), unless something underflows.
+// Four floating-point instructions per element (two Markstein steps from RN(x * y) took five).
+// Underflow: |x| <= 448.0001 * s (s = amax / 448 rounded), and `fast` holds only for s in
+// [2^-90, 2^100]. A quotient of at least 2^-11 then has |x| >= 2^-101, the remainder is a
+// multiple of 2^-147 (exact, subnormal or not), and yl and RN(x * yl), where they are subnormal,
+// are off by at most 2^-150, under 2^-47 of 1/s and of the quotient. A smaller quotient has FP8
+// code zero either way (codes below 2^-10 round to zero, and the steps move a quotient that small
+// by far less than 2^-11), and copysign gives it x's sign, as IEEE division does (the fma steps
+// would turn -0 into +0). Other scales (subnormal, huge, NaN) take __fdiv_rn. Checked bit for bit
+// against the CPU's division for 4663 scales over every bfloat16 x whose quotient can give a
+// non-zero code, and float32 x at every FP8 rounding boundary
+// (Fp8Plane.CudaDivisionRoundsAsIeee).
 struct Divisor {
-  float s, y;
+  float s, y, yl;
   bool fast;
 };
 
 __device__ __forceinline__ Divisor divisor(float s) {
-  return Divisor{s, __frcp_rn(s), s >= 0x1p-90f && s <= 0x1p120f};  // not fast for NaN
+  const float y = __frcp_rn(s);
+  return Divisor{s, y, __fmul_rn(__fmaf_rn(-s, y, 1.0f), y),
+                 s >= 0x1p-90f && s <= 0x1p100f};  // not fast for NaN
+}
+
+// |x| / s (m = |x|, or x itself for the float32 path's copysign), the fast path of div_by.
+__device__ __forceinline__ float div_fast(float m, const Divisor& d) {
+  const float q0 = __fmaf_rn(m, d.y, __fmul_rn(m, d.yl));
+  return __fmaf_rn(__fmaf_rn(-q0, d.s, m), d.y, q0);
 }
 
 // kFast: the caller checked d.fast once for a whole block (no test per element).
 template <bool kFast = false>
 __device__ __forceinline__ float div_by(float x, const Divisor& d) {
   if (!kFast && !d.fast) return __fdiv_rn(x, d.s);
-  float q = __fmul_rn(x, d.y);
-  q = __fmaf_rn(__fmaf_rn(-q, d.s, x), d.y, q);
-  q = __fmaf_rn(__fmaf_rn(-q, d.s, x), d.y, q);
-  return copysignf(q, x);
+  return copysignf(div_fast(x, d), x);
 }
 
 template <bool kFast = false>
@@ -222,12 +242,7 @@ __device__ __forceinline__ uint2 fp8_pack8_signed(const uint4& a, const Divisor&
   static_assert(kSrc == 1 || kSrc == 2, "16-bit sources");
   float x[8];
   decode8<kSrc>(a, a, x);
-  auto mag = [&](float v) {
-    const float m = fabsf(v);
-    float q = __fmul_rn(m, d.y);
-    q = __fmaf_rn(__fmaf_rn(-q, d.s, m), d.y, q);
-    return __fmaf_rn(__fmaf_rn(-q, d.s, m), d.y, q);
-  };
+  auto mag = [&](float v) { return div_fast(fabsf(v), d); };
   auto pair = [&](int k) {
     return static_cast<unsigned int>(__nv_cvt_float2_to_fp8x2(
         make_float2(mag(x[k]), mag(x[k + 1])), __NV_SATFINITE, __NV_E4M3));
@@ -288,9 +303,10 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     m = __reduce_max_sync(0xFFFFFFFFu, m);
     if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
+    // Warp 0 folds the warps' maxima, thread 0 writes the scale.
+    const unsigned int all =
+        threadIdx.x < 32 ? __reduce_max_sync(0xFFFFFFFFu, warp_max[threadIdx.x % (kThreads / 32)]) : 0;
     if (threadIdx.x == 0) {
-      unsigned int all = 0;
-      for (int w = 0; w < kThreads / 32; ++w) all = max(all, warp_max[w]);
       float s;
       if (all > 0x7F7FFFFFu) {  // NaN or inf: no scale
         s = __uint_as_float(0x7FC00000u);
@@ -321,36 +337,39 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     // the stage.
     std::byte* mine = stage + threadIdx.x * kG;
     int count = 0;  // this thread's groups
-    for_each_group(t.cols / 8, t.rows, [&](int row, int col, int i) {
-      const std::byte* p = src + (row * r.src_stride + col) * (kG / 8);
+    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), static_cast<int>(r.dst_stride),
+                   [&](int, int s, int, int i) {
 #pragma unroll
-      for (int h = 0; h < kG; h += 16)
-        __pipeline_memcpy_async(mine + i * (kThreads * kG) + h, p + h, 16);
-      count = i + 1;
-    });
+                     for (int h = 0; h < kG; h += 16)
+                       __pipeline_memcpy_async(mine + i * (kThreads * kG) + h, src + s * (kG / 8) + h, 16);
+                     count = i + 1;
+                   });
     __pipeline_commit();
     __pipeline_wait_prior(0);
-    const auto* groups = reinterpret_cast<const uint4*>(stage);
+    // Group i of this thread in the stage.
+    const auto* groups = reinterpret_cast<const uint4*>(mine);
+    constexpr int kStride = kThreads * kG / 16;
     unsigned int m = 0, m2 = 0;
     for (int i = 0; i < count; ++i) {
-      const uint4* q = groups + (threadIdx.x + i * kThreads) * (kG / 16);
+      const uint4* q = groups + i * kStride;
       fold_amax<kSrc>(q[0], q[kSrc == 0 ? 1 : 0], m, m2);
     }
     const Divisor inv_s = divisor(reduce(amax_bits<kSrc>(m, m2)));
     // The codes; the scale's range is checked once here, not per element (div_by).
     auto codes = [&](auto fast) {
-      for_each_group(t.cols / 8, t.rows, [&](int row, int col, int i) {
-        const uint4* q = groups + (threadIdx.x + i * kThreads) * (kG / 16);
-        uint2 c;
-        if constexpr (kSrc != 0 && decltype(fast)::value) {
-          c = fp8_pack8_signed<kSrc>(q[0], inv_s);
-        } else {
-          float x[8];
-          decode8<kSrc>(q[0], q[kSrc == 0 ? 1 : 0], x);
-          c = fp8_pack8<decltype(fast)::value>(x, inv_s);
-        }
-        __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + col), c);
-      });
+      for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), static_cast<int>(r.dst_stride),
+                     [&](int, int, int d, int i) {
+                       const uint4* q = groups + i * kStride;
+                       uint2 c;
+                       if constexpr (kSrc != 0 && decltype(fast)::value) {
+                         c = fp8_pack8_signed<kSrc>(q[0], inv_s);
+                       } else {
+                         float x[8];
+                         decode8<kSrc>(q[0], q[kSrc == 0 ? 1 : 0], x);
+                         c = fp8_pack8<decltype(fast)::value>(x, inv_s);
+                       }
+                       __stcs(reinterpret_cast<uint2*>(dst + d), c);
+                     });
     };
     if (inv_s.fast) {
       codes(std::true_type{});
@@ -386,12 +405,13 @@ __device__ __forceinline__ void quantize_tile(const QuantTile& t, const DeviceQu
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   const std::int64_t hf_col0 = r.hf_col + t.col0;
   if (t.vec) {
-    for_each_group(t.cols / 8, t.rows, [&](int row, int col, int) {
-      const Divisor inv_s = divisor(scales[(hf_col0 + col) / r.block_cols]);
-      float x[8];
-      load8_f32<kSrc>(r.src, src0 + row * r.src_stride + col, x);
-      __stcs(reinterpret_cast<uint2*>(dst + row * r.dst_stride + col), fp8_pack8(x, inv_s));
-    });
+    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), static_cast<int>(r.dst_stride),
+                   [&](int col, int s, int d, int) {
+                     const Divisor inv_s = divisor(scales[(hf_col0 + col) / r.block_cols]);
+                     float x[8];
+                     load8_f32<kSrc>(r.src, src0 + s, x);
+                     __stcs(reinterpret_cast<uint2*>(dst + d), fp8_pack8(x, inv_s));
+                   });
     return;
   }
   for (int c = threadIdx.x; c < t.cols; c += kThreads) {
@@ -488,7 +508,10 @@ Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantR
         r.cols % 8 == 0 && r.src_offset % 8 == 0 && r.src_stride % 8 == 0 &&
         r.dst_offset % 8 == 0 && r.dst_stride % 8 == 0 && r.hf_col % 8 == 0 &&
         r.block_cols % 8 == 0 && reinterpret_cast<std::uintptr_t>(r.src) % 16 == 0 &&
-        reinterpret_cast<std::uintptr_t>(r.dst) % 8 == 0 && (8 * esize) % 16 == 0;
+        reinterpret_cast<std::uintptr_t>(r.dst) % 8 == 0 && (8 * esize) % 16 == 0 &&
+        // for_each_group's offsets within a tile are 32-bit
+        std::max<std::int64_t>(kTileRows, r.block_rows) * (std::max(r.src_stride, r.dst_stride) + 1) <
+            std::numeric_limits<std::int32_t>::max();
     if (r.from_grid != nullptr) {
       // Block by block: a block the kernel scales itself is one tile; the others are cut like
       // below, within their block.
