@@ -180,6 +180,17 @@ TEST(EnvCli, GoodValuesAreUsedAndLoggedAtDebug) {
   EXPECT_NE(r.output.find("environment: REFIT_LOG=debug"), std::string::npos) << r.output;
 }
 
+// The sum of N over the lines "...N<tail>" of `output`.
+std::int64_t count_in_lines(const std::string& output, const std::string& tail) {
+  std::int64_t n = 0;
+  for (std::size_t at = output.find(tail); at != std::string::npos; at = output.find(tail, at + 1)) {
+    std::size_t b = at;
+    while (b > 0 && std::isdigit(static_cast<unsigned char>(output[b - 1]))) --b;
+    if (b < at) n += std::stoll(output.substr(b, at - b));
+  }
+  return n;
+}
+
 // REFIT_CONTROL_SPIN_US: the ranks' mailboxes poll without blocking for that long after each
 // message; the refit's messages (paused, proceed, commit, ...) then arrive while they spin, and
 // each mailbox counts those at exit. The default is 0 on this 2-core machine, 50000 with 8 cores.
@@ -194,15 +205,34 @@ TEST(EnvCli, ControlSpinCatchesTheRefitsMessages) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("environment: REFIT_CONTROL_SPIN_US=500000"), std::string::npos);
   // "mailbox 'trainer/0': N message(s) arrived while it spun": N > 0 for some mailbox.
-  std::int64_t caught = 0;
-  const std::string tail = " message(s) arrived while it spun (REFIT_CONTROL_SPIN_US=500000)";
-  for (std::size_t at = r.output.find(tail); at != std::string::npos;
-       at = r.output.find(tail, at + 1)) {
-    std::size_t b = at;
-    while (b > 0 && std::isdigit(static_cast<unsigned char>(r.output[b - 1]))) --b;
-    if (b < at) caught += std::stoll(r.output.substr(b, at - b));
+  EXPECT_GT(count_in_lines(r.output, " message(s) arrived while it spun (REFIT_CONTROL_SPIN_US=500000)"),
+            0)
+      << r.output;
+}
+
+// REFIT_CONTROL_LANES: ranks on one host exchange the refit's messages over same-host lanes
+// (control/lane.h), each mailbox counting at exit what came that way; with 0, none does, and the
+// refit runs over ZeroMQ alone.
+TEST(EnvCli, SameHostLanesCarryTheRefitsMessages) {
+  EXPECT_TRUE(*env::parse_control_lanes(env::Text()));
+  EXPECT_FALSE(*env::parse_control_lanes("0"));
+  EXPECT_FALSE(env::parse_control_lanes("yes").ok());
+  TempDir dir;
+  ScopedEnv log("REFIT_LOG", "debug");
+  const std::string cfg = dir.write("c.yaml", kTinyConfig);
+  const std::string tail = " message(s) arrived over same-host lanes";
+  {
+    auto r = run_cli({"run", cfg, "--steps", "3", "--verify"}, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_GT(count_in_lines(r.output, tail), 0) << r.output;
+    EXPECT_NE(r.output.find("over its same-host lane"), std::string::npos) << r.output;
   }
-  EXPECT_GT(caught, 0) << r.output;
+  ScopedEnv off("REFIT_CONTROL_LANES", "0");
+  auto r = run_cli({"run", cfg, "--steps", "3", "--verify"}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("environment: REFIT_CONTROL_LANES=0"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(tail), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("over its same-host lane"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -1,12 +1,14 @@
 #include "common/env.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cctype>
 #include <climits>
 #include <cstdlib>
+#include <fstream>
 #include <thread>
 #include <type_traits>
 
@@ -174,6 +176,26 @@ std::optional<std::string> host_id() {
   return v;
 }
 
+std::string host_identity() {
+  if (std::optional<std::string> id = host_id()) return *id;
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  struct stat st {};
+  const unsigned long long ipc_ns =
+      ::stat("/proc/self/ns/ipc", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
+  return fmt::format("{}/ipc:{}", boot.empty() ? "unknown-boot" : boot, ipc_ns);
+}
+
+Result<bool> parse_control_lanes(Text text) {
+  REFIT_ASSIGN_OR_RETURN(std::optional<int> w, parse_word("REFIT_CONTROL_LANES", text, {"0", "1"}));
+  return !w.has_value() || *w == 1;
+}
+
+Result<bool> control_lanes() {
+  static const Result<bool> v = load("REFIT_CONTROL_LANES", &parse_control_lanes);
+  return v;
+}
+
 std::optional<std::string> host() {
   static const std::optional<std::string> v = load_string("REFIT_HOST", "MASTER_ADDR");
   return v;
@@ -205,6 +227,7 @@ Status check() {
   REFIT_RETURN_IF_ERROR(device().status());
   REFIT_RETURN_IF_ERROR(copy_engine().status());
   REFIT_RETURN_IF_ERROR(control_spin_us().status());
+  REFIT_RETURN_IF_ERROR(control_lanes().status());
   REFIT_RETURN_IF_ERROR(run_id().status());
   return Status::Ok();
 }

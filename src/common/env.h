@@ -69,6 +69,17 @@ Result<int> control_spin_us();
 // kernel's boot id and the IPC namespace (host_identity).
 std::optional<std::string> host_id();
 
+// Which machine this process runs on, as far as shared memory, CUDA IPC and the mailboxes'
+// same-host lanes are concerned: REFIT_HOST_ID when set (tests use it to split one machine into
+// several "hosts"), else the kernel's boot id and this process's IPC namespace.
+std::string host_identity();
+
+// REFIT_CONTROL_LANES: 1 (default): mailboxes on one host (host_identity) exchange messages over
+// Unix sockets their own threads read and write (control/lane.h); 0: every message goes through
+// ZeroMQ.
+Result<bool> parse_control_lanes(Text text);
+Result<bool> control_lanes();
+
 // REFIT_HOST: the address this process listens on; nullopt (default): MASTER_ADDR.
 std::optional<std::string> host();
 

@@ -1,4 +1,5 @@
-// Mailbox on ZeroMQ: one PULL socket to receive, one PUSH socket per peer to send.
+// Mailbox on ZeroMQ: one PULL socket to receive, one PUSH socket per peer to send; between
+// mailboxes on one host, a lane (control/lane.h) instead of the PUSH socket.
 //
 // Wire: a 3-frame message [type: 1 byte, refit epoch: 4 bytes little-endian][sender id][payload].
 // PUSH sockets are created with ZMQ_IMMEDIATE, so a message is queued only on a live connection:
@@ -20,12 +21,15 @@
 #include <thread>
 #include <tuple>
 #include <unordered_map>
+#include <deque>
+#include <sodium.h>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
 #include "common/env.h"
 #include "common/log.h"
 #include "control/auth.h"
+#include "control/lane.h"
 #include "control/store.h"
 
 namespace refit {
@@ -72,6 +76,7 @@ bool is_known_type(std::uint8_t t) {
 }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
+std::string lane_key(const std::string& id) { return "lane/" + id; }
 
 class ZmqMailbox final : public Mailbox {
  public:
@@ -88,6 +93,9 @@ class ZmqMailbox final : public Mailbox {
     if (spin_.count() > 0)
       log::debug("mailbox '{}': {} message(s) arrived while it spun (REFIT_CONTROL_SPIN_US={})",
                  id_, spun_.load(), spin_.count());
+    if (lane_)
+      log::debug("mailbox '{}': {} message(s) arrived over same-host lanes", id_,
+                 lane_messages_.load());
     // Sockets before the context (whose destruction waits for the PUSH linger).
     peers_.clear();
     pull_.close();
@@ -124,6 +132,18 @@ class ZmqMailbox final : public Mailbox {
       return Status::IOError(
           fmt::format("mailbox '{}': cannot bind {}: {}", id_, requested, e.what()));
     }
+    // The lane first: a sender that finds the mailbox finds its lane too.
+    if (env::control_lanes().ok() && *env::control_lanes()) {  // bad values were refused at setup
+      Result<lane::Listener> l = lane::Listener::open(fmt::format("mailbox '{}'", id_));
+      if (l.ok()) {
+        lane_.emplace(std::move(l).value());
+        REFIT_RETURN_IF_ERROR(store_.set(lane_key(id_), lane_->address())
+                                  .with_context(fmt::format("mailbox '{}': publishing its lane", id_)));
+      } else {
+        log::warn("mailbox '{}': no same-host lane, ZeroMQ carries every message: {}", id_,
+                  l.status().message());
+      }
+    }
     return store_.set(mailbox_key(id_), endpoint_)
         .with_context(fmt::format("mailbox '{}': publishing its address {}", id_, endpoint_));
   }
@@ -151,7 +171,8 @@ class ZmqMailbox final : public Mailbox {
       }
       Peer peer;
       peer.address = *address;
-      try {
+      if (lane_) peer.lane = open_lane(to);
+      if (!peer.lane) try {
         peer.socket = zmq::socket_t(ctx_, zmq::socket_type::push);
         peer.socket.set(zmq::sockopt::linger, static_cast<int>(kSendLinger.count()));
         peer.socket.set(zmq::sockopt::immediate, 1);
@@ -178,15 +199,17 @@ class ZmqMailbox final : public Mailbox {
     std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(head.data(), head.size()),
                                            zmq::buffer(id_), zmq::buffer(payload)};
     Status status;
-    try {
-      // Multipart delivery is atomic: the first frame is the one that may time out.
-      if (!zmq::send_multipart(it->second.socket, parts)) {
-        status = Status::Timeout(
-            fmt::format("{} at {}: not delivered within {} ms; the peer is not connected (exited?)",
-                        what, it->second.address, send_timeout().count()));
-      }
-    } catch (const zmq::error_t& e) {
-      status = Status::IOError(fmt::format("{} at {}: {}", what, it->second.address, e.what()));
+    if (it->second.lane) {
+      // A dead peer's lane fails at once (the kernel closed it); a live peer that reads nothing
+      // while its socket buffer is full is waited for up to the whole timeout.
+      const Status sent = lane::write_frame(it->second.lane.get(), static_cast<std::uint8_t>(type),
+                                            e, payload, timeout_);
+      if (!sent.ok())
+        status = Status(sent.code(), fmt::format("{} over its same-host lane: {}; the peer closed "
+                                                 "it (exited?)",
+                                                 what, sent.message()));
+    } else {
+      status = send_zmq(it->second, parts, what);
     }
     // Look the peer up again next time: it may have restarted under a new address.
     if (!status.ok()) peers_.erase(it);
@@ -207,9 +230,17 @@ class ZmqMailbox final : public Mailbox {
     for (;;) {
       std::vector<zmq::message_t> frames;
       try {
-        if (zmq::recv_multipart(pull_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
-          std::optional<Message> m = accept(frames);
+        pump_lanes();
+        std::optional<Message> m;
+        if (!lane_queue_.empty()) {
+          m = std::move(lane_queue_.front());
+          lane_queue_.pop_front();
+        } else if (zmq::recv_multipart(pull_, std::back_inserter(frames),
+                                       zmq::recv_flags::dontwait)) {
+          m = accept(frames);
           if (!m) continue;  // dropped
+        }
+        if (m) {
           const std::uint32_t mine = epoch_.load();
           if (m->epoch < mine) {
             // Of a refit that failed in flight: its peers moved on, so must we.
@@ -243,8 +274,9 @@ class ZmqMailbox final : public Mailbox {
         left = std::min(left, liveness_interval_);
       }
       if (spin_for_message(deadline)) continue;
-      zmq_pollitem_t item{pull_.handle(), 0, ZMQ_POLLIN, 0};
-      if (zmq_poll(&item, 1, static_cast<long>(left.count())) < 0 && zmq_errno() != EINTR) {
+      std::vector<zmq_pollitem_t>& items = poll_items();
+      if (zmq_poll(items.data(), static_cast<int>(items.size()), static_cast<long>(left.count())) < 0 &&
+          zmq_errno() != EINTR) {
         return Status::IOError(
             fmt::format("mailbox '{}': poll failed: {}", id_, zmq_strerror(zmq_errno())));
       }
@@ -266,12 +298,147 @@ class ZmqMailbox final : public Mailbox {
   struct Peer {
     std::string address;
     zmq::socket_t socket;
+    lane::Fd lane;  // set: messages go over the peer's same-host lane, not the socket
   };
+  // A connection to this mailbox's lane: `from` is empty until its hello named the sender.
+  struct LaneIn {
+    lane::Reader reader;
+    std::string from;
+  };
+
+  Status send_zmq(Peer& peer, std::array<zmq::const_buffer, 3>& parts, const std::string& what) {
+    try {
+      // Multipart delivery is atomic: the first frame is the one that may time out.
+      if (!zmq::send_multipart(peer.socket, parts))
+        return Status::Timeout(
+            fmt::format("{} at {}: not delivered within {} ms; the peer is not connected (exited?)",
+                        what, peer.address, send_timeout().count()));
+    } catch (const zmq::error_t& e) {
+      return Status::IOError(fmt::format("{} at {}: {}", what, peer.address, e.what()));
+    }
+    return Status::Ok();
+  }
+
+  // A lane to `to` when it published one on this host, else an empty Fd (ZeroMQ carries the
+  // messages). Every message to one peer takes one path, so they arrive in order.
+  lane::Fd open_lane(const std::string& to) {
+    Result<std::optional<std::string>> published = store_.try_get(lane_key(to));
+    if (!published.ok() || !published->has_value()) return lane::Fd();
+    const std::optional<lane::Address> a = lane::parse_address(**published);
+    if (!a) return lane::Fd();  // another host
+    std::string proof;
+    if (auth_) {
+      unsigned char sk[32];
+      if (!lane::z85_key(send_secret_, sk)) return lane::Fd();
+      proof = lane::make_proof(id_, to, a->key, sk);
+      sodium_memzero(sk, sizeof sk);
+    }
+    Result<lane::Fd> fd = lane::connect(*a, id_, proof, send_timeout());
+    if (!fd.ok()) {
+      log::debug("mailbox '{}': no lane to '{}' ({}); ZeroMQ carries its messages", id_, to,
+                 fd.status().message());
+      return lane::Fd();
+    }
+    log::debug("mailbox '{}': sends to '{}' over its same-host lane", id_, to);
+    return std::move(fd).value();
+  }
+
+  // Takes new lane connections and every whole frame they hold into lane_queue_; a connection
+  // that ends, breaks the framing or fails its hello is closed (the latter two logged and counted
+  // in dropped()).
+  void pump_lanes() {
+    if (!lane_) return;
+    for (;;) {
+      std::string refused;
+      lane::Fd c = lane_->accept(refused);
+      if (!refused.empty()) {
+        ++dropped_;
+        log::warn("mailbox '{}': refused a same-host lane connection from {}: only processes of "
+                  "its own user may connect",
+                  id_, refused);
+        continue;
+      }
+      if (!c) break;
+      lanes_in_.push_back(LaneIn{lane::Reader(std::move(c)), {}});
+      items_stale_ = true;
+    }
+    for (auto it = lanes_in_.begin(); it != lanes_in_.end();) {
+      // The frames a peer wrote before it closed its end are still taken.
+      const bool open = it->reader.fill();
+      bool keep = true;
+      while (keep) {
+        Result<std::optional<lane::Frame>> f = it->reader.next(kMaxControlFrameBytes);
+        if (!f.ok()) keep = drop_lane(*it, f.status().message());
+        if (!f.ok() || !*f) break;
+        keep = take_lane_frame(*it, **f);
+      }
+      if (keep && open) {
+        ++it;
+      } else {
+        it = lanes_in_.erase(it);
+        items_stale_ = true;
+      }
+    }
+  }
+
+  // Logs and counts a lane whose input is refused; false (the connection is to be closed).
+  bool drop_lane(const LaneIn& in, const std::string& why) {
+    ++dropped_;
+    log::warn("mailbox '{}': closed a same-host lane{}: {}", id_,
+              in.from.empty() ? std::string() : fmt::format(" from '{}'", in.from), why);
+    return false;
+  }
+
+  // One frame of a lane; false when the connection is to be closed.
+  bool take_lane_frame(LaneIn& in, lane::Frame& f) {
+    if (in.from.empty()) {  // the hello: who sends on this lane, and with auth its proof
+      const auto n = f.payload.empty() ? std::size_t{0}
+                                       : static_cast<std::size_t>(static_cast<unsigned char>(f.payload[0]));
+      if (f.type != lane::kHelloFrame || n == 0 || f.payload.size() < 1 + n)
+        return drop_lane(in, "its first frame is not a hello naming the sender");
+      std::string from = f.payload.substr(1, n);
+      if (auth_) {
+        const std::string* key = registered_key(from);
+        unsigned char pk[32];
+        if (key == nullptr || !lane::z85_key(*key, pk) ||
+            !lane::check_proof(std::string_view(f.payload).substr(1 + n), from, id_, pk,
+                               lane_->secret_key()))
+          return drop_lane(in, fmt::format("its hello claims to come from '{}' without the key "
+                                           "that sender registered",
+                                           from));
+      }
+      in.from = std::move(from);
+      return true;
+    }
+    if (!is_known_type(f.type))
+      return drop_lane(in, fmt::format("a frame of unknown type {}", static_cast<int>(f.type)));
+    Message m;
+    m.type = static_cast<MessageType>(f.type);
+    m.epoch = f.epoch;
+    m.from = in.from;
+    m.payload = std::move(f.payload);
+    lane_queue_.push_back(std::move(m));
+    ++lane_messages_;
+    return true;
+  }
+
+  // What receive() waits on: the PULL socket, the lane and its connections.
+  std::vector<zmq_pollitem_t>& poll_items() {
+    if (items_stale_ || items_.empty()) {
+      items_.assign(1, zmq_pollitem_t{pull_.handle(), 0, ZMQ_POLLIN, 0});
+      if (lane_) items_.push_back(zmq_pollitem_t{nullptr, lane_->fd(), ZMQ_POLLIN, 0});
+      for (const LaneIn& in : lanes_in_)
+        items_.push_back(zmq_pollitem_t{nullptr, in.reader.fd(), ZMQ_POLLIN, 0});
+      items_stale_ = false;
+    }
+    return items_;
+  }
   std::function<Status()> liveness_;
   std::chrono::milliseconds liveness_interval_{1000};
   Clock::time_point next_check_{};
 
   std::int64_t dropped() const override { return dropped_.load(); }
+  std::int64_t lane_messages() const override { return lane_messages_.load(); }
 
   // REFIT_CONTROL_SPIN_US: within that long of this mailbox's last message, a waiting receive()
   // polls without blocking, yielding the core between polls, until a message is there (true) or
@@ -284,9 +451,9 @@ class ZmqMailbox final : public Mailbox {
     const Clock::time_point last{Clock::duration(active_.load())};
     Clock::time_point end = std::min(deadline, last + spin_);
     if (liveness_) end = std::min(end, next_check_);
-    zmq_pollitem_t item{pull_.handle(), 0, ZMQ_POLLIN, 0};
+    std::vector<zmq_pollitem_t>& items = poll_items();
     while (Clock::now() < end) {
-      if (zmq_poll(&item, 1, 0) > 0) {
+      if (zmq_poll(items.data(), static_cast<int>(items.size()), 0) > 0) {
         ++spun_;
         return true;
       }
@@ -363,6 +530,12 @@ class ZmqMailbox final : public Mailbox {
   std::atomic<Clock::rep> active_{0};                // when it last sent or received
   std::atomic<std::int64_t> spun_{0};                // messages that arrived while it spun
   std::optional<Message> kept_;  // of a later refit epoch (receive thread)
+  std::optional<lane::Listener> lane_;  // this mailbox's same-host lane (REFIT_CONTROL_LANES)
+  std::vector<LaneIn> lanes_in_;        // its connections (receive thread)
+  std::deque<Message> lane_queue_;      // frames read from them, not yet returned
+  std::vector<zmq_pollitem_t> items_;   // poll_items()
+  bool items_stale_ = true;
+  std::atomic<std::int64_t> lane_messages_{0};
   zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t pull_;

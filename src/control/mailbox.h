@@ -3,7 +3,8 @@
 //
 // Every process owns one Mailbox: a socket bound to an ephemeral port on `host`, whose address
 // it publishes in the store under "mailbox/<id>". send() connects lazily to a peer's published
-// address. Messages from one sender to one receiver arrive in order. receive() waits at most
+// address, or, for a peer on the same host, to its same-host lane ("lane/<id>", control/lane.h;
+// REFIT_CONTROL_LANES=0 turns lanes off). Messages from one sender to one receiver arrive in order. receive() waits at most
 // `timeout`. A Mailbox is driven by one thread at a time; send() and receive() may be used from
 // two different threads concurrently.
 #pragma once
@@ -57,8 +58,11 @@ class Mailbox {
                                                const std::string& host,
                                                std::chrono::milliseconds timeout,
                                                std::shared_ptr<const ControlAuth> auth);
-  // Messages received so far that were dropped (malformed, or not from their claimed sender).
+  // Messages received so far that were dropped (malformed, or not from their claimed sender), and
+  // refused same-host lane connections (another user's, or a hello without the sender's key).
   virtual std::int64_t dropped() const = 0;
+  // Messages received so far over same-host lanes (control/lane.h) rather than ZeroMQ.
+  virtual std::int64_t lane_messages() const = 0;
   virtual ~Mailbox() = default;
   virtual const std::string& id() const = 0;
   // Sends to the mailbox published as "mailbox/<to>" (waiting for it up to the timeout).

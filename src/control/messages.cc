@@ -30,6 +30,13 @@ class Reader {
       fail(fmt::format("has wire version {}, this build speaks {}", v, kMessageWireVersion));
   }
 
+  // An object nested in a message already parsed: read in place (no wire version of its own).
+  struct Nested {};
+  Reader(Nested, const Json& object, const char* message, const std::string& from)
+      : j_(object), message_(message), from_(from) {
+    if (!j_.is_object()) fail("is not a JSON object");
+  }
+
   template <typename T>
   void get(const char* field, T& out) {
     if (!error_.ok()) return;
@@ -234,12 +241,11 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
   if (r.status().ok() && !r.json().contains("direct"))
     return Status::Corruption(fmt::format("paused message from {} has no field 'direct'", from));
   if (r.status().ok() && r.has("direct")) {
-    Json copy = r.json()["direct"];
-    if (!copy.is_object())
+    const Json& direct = r.json()["direct"];
+    if (!direct.is_object())
       return Status::Corruption(
           fmt::format("paused message from {}: field 'direct' is not an object", from));
-    copy["v"] = kMessageWireVersion;
-    Reader d(copy.dump(), "paused.direct", from);
+    Reader d(Reader::Nested{}, direct, "paused.direct", from);
     ExportedParams e;
     d.get("handle", e.handle);
     d.get("bytes", e.bytes);

@@ -144,6 +144,7 @@ Status RouteReceiver::receive(const EngineRefit& r) {
               begin.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
         return Status::Ok();
       }));
+  log::debug("{}: every feeder began refit step {}", o_.who, begin.step);
   // Pause (the hook may refuse), answer, and write nothing before every feeder said to proceed:
   // each trainer rank decides once every engine rank answered it.
   const Status paused = r.pause();

@@ -200,6 +200,7 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   const std::vector<void*>& shards = all_shards_;
   const std::string payload = encode(begin);
   REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
+  log::debug("trainer rank {}: sent the begin of step {}", o_.rank, begin.step);
 
   // Every engine rank pauses and tells every trainer rank whether its parameters are exported,
   // or refuses: every trainer rank decides alike whether to proceed, before any byte moves.
@@ -214,6 +215,7 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
       *o_.mailbox, ids_, MessageType::kProceed,
       encode(ProceedMessage{.step = begin.step, .go = refused.empty(), .error = refused})));
   if (!refused.empty()) return abort_refit(begin, refused);
+  log::debug("trainer rank {}: told its engine ranks to proceed with step {}", o_.rank, begin.step);
   modes_.assign(ids_.size(), PairExecutor::kP2p);
   peer_targets_ = p2p_targets_ = 0;
   for (std::size_t i = 0; i < ids_.size(); ++i) {

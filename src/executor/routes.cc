@@ -197,18 +197,8 @@ bool needs_p2p_group(const Config& config) {
   return !(config.device == Device::kCuda && config.generation.colocated);
 }
 
-std::string host_identity() {
-  if (std::optional<std::string> id = env::host_id()) return *id;
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  struct stat st {};
-  const unsigned long long ipc_ns =
-      ::stat("/proc/self/ns/ipc", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
-  return fmt::format("{}/ipc:{}", boot.empty() ? "unknown-boot" : boot, ipc_ns);
-}
-
 Status publish_host(Store& store, const std::string& who) {
-  return store.set("host/" + who, host_identity());
+  return store.set("host/" + who, env::host_identity());
 }
 
 Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,

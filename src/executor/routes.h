@@ -98,10 +98,6 @@ inline int p2p_rank_of_engine(const Config& config, int engine_rank) {
   return config.policy.world_size + engine_rank;
 }
 
-// Which machine this process runs on, as far as shared memory and CUDA IPC are concerned:
-// REFIT_HOST_ID when set (tests use it to split one machine into several "hosts"), else the
-// kernel's boot id and this process's IPC namespace.
-std::string host_identity();
 // Publishes this process's host under "host/<who>" ("trainer/0", "engine/3").
 Status publish_host(Store& store, const std::string& who);
 // Reads the host of every id in `who` (bounded by `timeout`, and ended early by a failing

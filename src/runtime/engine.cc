@@ -373,7 +373,7 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(auto hosts,
                            read_hosts(*store_, who, timeout(), alive()));
     for (std::size_t i = 0; i < hosts.size(); ++i) {
-      o.source_same_host.push_back(hosts[i] == host_identity());
+      o.source_same_host.push_back(hosts[i] == env::host_identity());
       REFIT_RETURN_IF_ERROR(
           check_pair_at_setup(cfg_, o.source_same_host.back(), o.sources[i], rank_));
     }
@@ -638,6 +638,7 @@ class EngineImpl final : public Engine {
                                   .apply_s = apply_s,
                                   .bytes_received = traffic_.bytes_received,
                                   .checksum = landed[i]})));
+    log::debug("{}: acknowledged the commit of refit step {}", id(), begin_.step);
     if (!agreed) return Status::Ok();
     Status v;
     if (begin_.verify) {

@@ -358,7 +358,7 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(auto hosts,
                            read_hosts(*store_, who, timeout(), alive()));
     for (std::size_t i = 0; i < hosts.size(); ++i) {
-      o.target_same_host.push_back(hosts[i] == host_identity());
+      o.target_same_host.push_back(hosts[i] == env::host_identity());
       REFIT_RETURN_IF_ERROR(
           check_pair_at_setup(cfg_, o.target_same_host.back(), rank_, o.targets[i]));
     }
@@ -467,6 +467,7 @@ class TrainerImpl final : public Trainer {
                                 "{}) arrived as checksum {} (refit.checksum)",
                                 step, id(), mine, c.checksum.empty() ? "(none)" : c.checksum));
     }
+    log::debug("{}: every engine acknowledged the commit of refit step {}", id(), step);
     return Status::Ok();
   }
 
