@@ -5,13 +5,14 @@
 # of qwen3-8b bf16 -> fp8 and -> bf16 against the floor, beside torch's blockwise quantize.
 #   bash bench/gpu/carry_refit.sh
 #   run(command="bash bench/gpu/fp8_gpu.sh", carry=[".carry/refit"])
-# REFIT_FP8_PARTS: any of "unit exact cells bench" (default all).
+# REFIT_FP8_PARTS: any of "unit exact cells bench baseline" (default all). REFIT_FP8_ROUNDS=N runs
+# the fp8 bench (and the alternative CLI's) N times, interleaved (default 1).
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-fp8
 : > "$summary"
 nvidia-smi -L | tee -a "$summary"
 py=python3
-parts=${REFIT_FP8_PARTS:-"unit exact cells bench"}
+parts=${REFIT_FP8_PARTS:-"unit exact cells bench baseline"}
 has() { [[ " $parts " == *" $1 "* ]]; }
 
 if has unit && [ -x "$c/bin/refit_tests" ]; then
@@ -72,13 +73,18 @@ bench() {
   note "$(printf 'bench %-10s rc=%s' "$1" "$?")"
 }
 if has bench; then
-  bench fp8 fp8
-  # A second CLI staged beside the first (another build of the kernels), benched alike.
-  if [ -x "$c/bin/refit-alt" ]; then bench fp8-alt fp8 "$c/bin/refit-alt"; fi
+  for ((k = 1; k <= ${REFIT_FP8_ROUNDS:-1}; ++k)); do
+    sfx=$([ "$k" -gt 1 ] && echo "-$k" || true)
+    bench "fp8$sfx" fp8
+    # A second CLI staged beside the first (another build), benched alike.
+    if [ -x "$c/bin/refit-alt" ]; then bench "fp8-alt$sfx" fp8 "$c/bin/refit-alt"; fi
+  done
   # The mailboxes' spin off (REFIT_CONTROL_SPIN_US=0): what it saves per refit.
   REFIT_CONTROL_SPIN_US=0 bench fp8-nospin fp8
   bench bf16 bf16
   REFIT_LOG=debug bench fp8-debug fp8
+fi
+if has baseline; then
   $py "$root/bench/gpu/fp8_torch.py" baseline "$work/q8-full/config.json" > "$out/baseline.log" 2>&1
 fi
 echo "== table"
@@ -86,10 +92,9 @@ $py - "$out" <<'PY' | tee -a "$summary"
 import json, statistics, sys, glob, os
 out = sys.argv[1]
 print(f"{'bench':10} {'ms':>8} {'floor ms':>9} {'ratio':>6} {'GB/s':>7}  phases ms (cast_pack transfer apply)")
-for name in ("fp8", "fp8-alt", "fp8-nospin", "bf16", "fp8-debug"):
+names = sorted(os.path.basename(p)[6:-5] for p in glob.glob(f"{out}/bench-*.json"))
+for name in names:
     p = f"{out}/bench-{name}.json"
-    if not os.path.exists(p):
-        print(f"{name:10} missing"); continue
     j = json.load(open(p))
     if not j.get("ok"):
         print(f"{name:10} failed: {j.get('error', '')[:200]}"); continue
@@ -101,4 +106,6 @@ if os.path.exists(f"{out}/baseline.log"):
     for line in open(f"{out}/baseline.log"):
         print(line.rstrip())
 PY
+# The debug bench's last steps as one timeline of trainer and engine.
+[ -f "$out/bench-fp8-debug.log" ] && $py "$root/bench/gpu/timeline.py" "$out/bench-fp8-debug.log" 2 | tee -a "$summary"
 echo "== summary"; cat "$summary"
