@@ -14,6 +14,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <atomic>
 #include <mutex>
@@ -21,7 +22,6 @@
 #include <thread>
 #include <tuple>
 #include <unordered_map>
-#include <deque>
 #include <sodium.h>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
@@ -172,20 +172,22 @@ class ZmqMailbox final : public Mailbox {
       Peer peer;
       peer.address = *address;
       if (lane_) peer.lane = open_lane(to);
-      if (!peer.lane) try {
-        peer.socket = zmq::socket_t(ctx_, zmq::socket_type::push);
-        peer.socket.set(zmq::sockopt::linger, static_cast<int>(kSendLinger.count()));
-        peer.socket.set(zmq::sockopt::immediate, 1);
-        peer.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
-        if (auth_) {
-          peer.socket.set(zmq::sockopt::curve_serverkey, auth_->server_public());
-          peer.socket.set(zmq::sockopt::curve_publickey, send_public_);
-          peer.socket.set(zmq::sockopt::curve_secretkey, send_secret_);
+      if (!peer.lane) {
+        try {
+          peer.socket = zmq::socket_t(ctx_, zmq::socket_type::push);
+          peer.socket.set(zmq::sockopt::linger, static_cast<int>(kSendLinger.count()));
+          peer.socket.set(zmq::sockopt::immediate, 1);
+          peer.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
+          if (auth_) {
+            peer.socket.set(zmq::sockopt::curve_serverkey, auth_->server_public());
+            peer.socket.set(zmq::sockopt::curve_publickey, send_public_);
+            peer.socket.set(zmq::sockopt::curve_secretkey, send_secret_);
+          }
+          peer.socket.connect(peer.address);
+        } catch (const zmq::error_t& e) {
+          return Status::IOError(
+              fmt::format("{}: cannot connect to {}: {}", what, peer.address, e.what()));
         }
-        peer.socket.connect(peer.address);
-      } catch (const zmq::error_t& e) {
-        return Status::IOError(
-            fmt::format("{}: cannot connect to {}: {}", what, peer.address, e.what()));
       }
       it = peers_.emplace(to, std::move(peer)).first;
     }
