@@ -13,7 +13,7 @@ namespace {
 
 TEST(Messages, RoundTrip) {
   const BeginMessage b{.step = 7, .version = "v7", .verify = true, .raw = false, .buckets = 3,
-                       .offer_direct = true};
+                       .offer_direct = true, .export_held = "00ff00ff00ff00ff"};
   auto b2 = decode_begin(encode(b), "trainer/0");
   ASSERT_TRUE(b2.ok()) << b2.status().to_string();
   EXPECT_EQ(b2->step, 7);
@@ -22,6 +22,7 @@ TEST(Messages, RoundTrip) {
   EXPECT_FALSE(b2->raw);
   EXPECT_EQ(b2->buckets, 3);
   EXPECT_TRUE(b2->offer_direct);
+  EXPECT_EQ(b2->export_held, "00ff00ff00ff00ff");
 
   PausedMessage p{.direct = ExportedParams{.handle = "abc", .bytes = 1ull << 40, .offsets = {0, 256}}};
   auto p2 = decode_paused(encode(p), "engine/1");
@@ -30,6 +31,21 @@ TEST(Messages, RoundTrip) {
   EXPECT_EQ(p2->direct->handle, "abc");
   EXPECT_EQ(p2->direct->bytes, 1ull << 40);
   EXPECT_EQ(p2->direct->offsets, (std::vector<std::uint64_t>{0, 256}));
+  EXPECT_FALSE(p2->direct->elided);
+  // An export left out: only its digest travels, and the digest names the export's content.
+  p.direct->digest = export_digest(*p.direct);
+  EXPECT_EQ(p.direct->digest.size(), 16u);
+  ExportedParams moved = *p.direct;
+  moved.offsets[1] = 512;
+  EXPECT_NE(export_digest(moved), p.direct->digest);
+  auto p4 = decode_paused(
+      encode(PausedMessage{.step = 5, .direct = ExportedParams{.digest = p.direct->digest, .elided = true}}),
+      "engine/1");
+  ASSERT_TRUE(p4.ok()) << p4.status().to_string();
+  ASSERT_TRUE(p4->direct.has_value());
+  EXPECT_TRUE(p4->direct->elided);
+  EXPECT_EQ(p4->direct->digest, p.direct->digest);
+  EXPECT_TRUE(p4->direct->handle.empty() && p4->direct->offsets.empty());
   auto p3 = decode_paused(encode(PausedMessage{.step = 4, .refused = "hook failed"}), "engine/1");
   ASSERT_TRUE(p3.ok());
   EXPECT_FALSE(p3->direct.has_value());

@@ -213,6 +213,22 @@ size_t count_of(const std::string& text, const std::string& what) {
   return n;
 }
 
+// An engine rank sends its exported parameters (a region's handle and every offset, or a handle
+// per parameter) in its first pause answer to each feeder only: later begins say which export the
+// feeder holds, and the answer leaves it out. World 2 -> TP 2 colocated: 4 peer pairs, so steps 2
+// and 3 leave the export out 8 times, and every step verifies.
+TEST(RuntimeZeroCopy, EnginesSendTheirExportOnce) {
+  setenv("REFIT_LOG", "debug", 1);
+  auto r = run_cell({.engine = "vllm", .colocated = true, .world_size = 2, .tp = 2},
+                    {"--steps", "3", "--verify"});
+  unsetenv("REFIT_LOG");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "/3: refit "), 3u) << r.output;
+  EXPECT_EQ(count_of(r.output, ", verified\n"), 3u) << r.output;
+  EXPECT_NE(r.output.find("pairs by executor: peer 4, p2p 0"), std::string::npos) << r.output;
+  EXPECT_EQ(count_of(r.output, "left out its export"), 8u) << r.output;
+}
+
 void expect_recovers(const Cell& c, const std::string& fault, int failed_step,
                      const std::string& cause) {
   auto r = run_cell(c, {"--steps", "3", "--verify", "--fault", fault});

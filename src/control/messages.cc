@@ -129,19 +129,37 @@ std::string encode(const BeginMessage& m) {
                {"verify", m.verify},
                {"raw", m.raw},
                {"buckets", m.buckets},
-               {"offer_direct", m.offer_direct}});
+               {"offer_direct", m.offer_direct},
+               {"export_held", m.export_held}});
 }
 
 std::string encode(const PausedMessage& m) {
   Json j = {{"step", m.step}, {"refused", m.refused}};
-  if (m.direct)
+  if (m.direct && m.direct->elided)
+    j["direct"] = {{"digest", m.direct->digest}, {"elided", true}};
+  else if (m.direct)
     j["direct"] = {{"handle", m.direct->handle},
                    {"bytes", m.direct->bytes},
                    {"offsets", m.direct->offsets},
-                   {"handles", m.direct->handles}};
+                   {"handles", m.direct->handles},
+                   {"digest", m.direct->digest},
+                   {"elided", false}};
   else
     j["direct"] = nullptr;
   return dump(std::move(j));
+}
+
+std::string export_digest(const ExportedParams& e) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&](std::string_view bytes) {
+    for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ 0xFF) * 1099511628211ull;  // field separator
+  };
+  mix(e.handle);
+  mix(std::to_string(e.bytes));
+  for (std::uint64_t o : e.offsets) mix(std::to_string(o));
+  for (const std::string& x : e.handles) mix(x);
+  return fmt::format("{:016x}", h);
 }
 
 std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
@@ -229,6 +247,7 @@ Result<BeginMessage> decode_begin(const std::string& payload, const std::string&
   r.get("raw", m.raw);
   r.get("buckets", m.buckets);
   r.get("offer_direct", m.offer_direct);
+  r.get("export_held", m.export_held);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -247,10 +266,14 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
           fmt::format("paused message from {}: field 'direct' is not an object", from));
     Reader d(Reader::Nested{}, direct, "paused.direct", from);
     ExportedParams e;
-    d.get("handle", e.handle);
-    d.get("bytes", e.bytes);
-    d.get("offsets", e.offsets);
-    d.get("handles", e.handles);
+    d.get("digest", e.digest);
+    d.get("elided", e.elided);
+    if (!e.elided) {
+      d.get("handle", e.handle);
+      d.get("bytes", e.bytes);
+      d.get("offsets", e.offsets);
+      d.get("handles", e.handles);
+    }
     if (!d.status().ok()) return d.status();
     m.direct = std::move(e);
   }

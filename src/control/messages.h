@@ -52,17 +52,26 @@ struct BeginMessage {
   bool raw = false;          // bench: bare transport pass, nothing is applied or published
   int buckets = 0;           // gather executor: buckets that follow (0 with the transfer plan)
   bool offer_direct = false; // gather executor: the trainer offers to write parameters in place
+  // Transfer plan: the digest of this engine rank's exported parameters that the trainer rank
+  // already holds ("" for none); an engine whose export has that digest answers without it.
+  std::string export_held;
 };
 
 // Parameters an engine exported for peer access, either as one region — `handle` maps `bytes`
 // of memory and parameter i starts `offsets[i]` bytes into it (Engine::allocate_params) — or, for
 // registered CUDA storage, one handle per parameter in `handles` (each maps that parameter).
+// `digest` names the export (export_digest); `elided`: the fields are left out because the
+// trainer rank said it holds that digest (BeginMessage::export_held), or does not use them.
 struct ExportedParams {
   std::string handle;
   std::uint64_t bytes = 0;
   std::vector<std::uint64_t> offsets;
   std::vector<std::string> handles;
+  std::string digest;
+  bool elided = false;
 };
+// A digest of the export's handles and offsets (16 hex digits).
+std::string export_digest(const ExportedParams& e);
 
 // engine -> every trainer rank: the answer to step `step`'s begin. Generation is paused and
 // parameters may be written once every feeder said to proceed — or, with `refused` set (the pause

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 
 #include "common/log.h"
 #include "common/timer.h"
@@ -133,6 +134,8 @@ Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
 
 Status RouteReceiver::receive(const EngineRefit& r) {
   const BeginMessage& begin = r.begin;
+  // Which export each feeder holds already (BeginMessage::export_held).
+  std::map<std::string, std::string> held{{r.first_from, begin.export_held}};
   REFIT_RETURN_IF_ERROR(expect_from_each(
       *o_.mailbox, feeders_, MessageType::kBegin, {r.first_from}, o_.config->refit.timeout(),
       o_.who,
@@ -142,6 +145,7 @@ Status RouteReceiver::receive(const EngineRefit& r) {
           return Status::Corruption(fmt::format(
               "{}: {} began step {}{}, {} began step {}{}", o_.who, r.first_from, begin.step,
               begin.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
+        held[m.from] = b.export_held;
         return Status::Ok();
       }));
   log::debug("{}: every feeder began refit step {}", o_.who, begin.step);
@@ -154,11 +158,22 @@ Status RouteReceiver::receive(const EngineRefit& r) {
     REFIT_RETURN_IF_ERROR(choose(exported.has_value()));
   }
   // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
-  REFIT_RETURN_IF_ERROR(send_each(
-      *o_.mailbox, trainer_ids_, MessageType::kPaused,
-      encode(PausedMessage{.step = begin.step,
-                           .direct = exported,
-                           .refused = paused.ok() ? "" : paused.message()})));
+  // The export travels only to a feeder that does not hold it already (the handles of a large
+  // model are tens of kilobytes of JSON); the others get its digest.
+  PausedMessage answer{.step = begin.step, .refused = paused.ok() ? "" : paused.message()};
+  std::string full, elided;
+  if (exported) {
+    exported->digest = export_digest(*exported);
+    answer.direct = exported;
+    full = encode(answer);
+    answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
+  }
+  elided = encode(answer);
+  for (const std::string& t : trainer_ids_) {
+    const auto h = held.find(t);
+    const bool send_full = exported && h != held.end() && h->second != exported->digest;
+    REFIT_RETURN_IF_ERROR(o_.mailbox->send(t, MessageType::kPaused, send_full ? full : elided));
+  }
   log::debug("{}: paused for refit step {} and answered", o_.who, begin.step);
   REFIT_ASSIGN_OR_RETURN(const ProceedMessage proceed, await_proceed(begin.step, r.early_commits));
   log::debug("{}: every feeder proceeds with refit step {}", o_.who, begin.step);

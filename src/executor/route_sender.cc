@@ -23,9 +23,31 @@ Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOption
   return std::unique_ptr<RouteSender>(new RouteSender(o));
 }
 
+// An answer's export as this rank holds it: a full one is kept; one left out (the target had the
+// digest this rank said it holds) is the kept one. A digest this rank does not hold is a protocol
+// violation.
+Status RouteSender::resolve_export(std::size_t i, PausedMessage& answer) {
+  if (!answer.direct) {
+    held_[i].reset();
+    return Status::Ok();
+  }
+  if (!answer.direct->elided) {
+    held_[i] = answer.direct;
+    return Status::Ok();
+  }
+  if (!held_[i] || held_[i]->digest != answer.direct->digest)
+    return Status::Corruption(fmt::format(
+        "trainer rank {}: engine rank {} answered with export {} left out, which this rank does "
+        "not hold ({})",
+        o_.rank, o_.targets[i], answer.direct->digest, held_[i] ? held_[i]->digest : "none"));
+  answer.direct = held_[i];
+  log::debug("trainer rank {}: engine rank {} left out its export {}, unchanged since it sent it",
+             o_.rank, o_.targets[i], held_[i]->digest);
+  return Status::Ok();
+}
+
 Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
-  std::string key = direct.handle;
-  for (const std::string& h : direct.handles) key += "|" + h;
+  const std::string key = direct.digest.empty() ? export_digest(direct) : direct.digest;
   Mapped& m = mapped_[i];
   if (!m.params.empty() && m.key == key) return Status::Ok();
   const int g = o_.targets[i];
@@ -198,8 +220,13 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
     for (void* p : scales_->local_tensors()) all_shards_.push_back(p);
   }
   const std::vector<void*>& shards = all_shards_;
-  const std::string payload = encode(begin);
-  REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, ids_, MessageType::kBegin, payload));
+  // Each target learns which of its exports this rank holds, so that it answers without it.
+  held_.resize(ids_.size());
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    BeginMessage b = begin;
+    if (held_[i]) b.export_held = held_[i]->digest;
+    REFIT_RETURN_IF_ERROR(o_.mailbox->send(ids_[i], MessageType::kBegin, encode(b)));
+  }
   log::debug("trainer rank {}: sent the begin of step {}", o_.rank, begin.step);
 
   // Every engine rank pauses and tells every trainer rank whether its parameters are exported,
@@ -210,7 +237,10 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   log::debug("trainer rank {}: every engine rank answered the begin of step {}", o_.rank,
              begin.step);
   std::vector<std::optional<PausedMessage>> answers;  // of the targets
-  for (int g : o_.targets) answers.push_back(std::move(all[static_cast<std::size_t>(g)]));
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    answers.push_back(std::move(all[static_cast<std::size_t>(o_.targets[i])]));
+    REFIT_RETURN_IF_ERROR(resolve_export(i, *answers.back()));
+  }
   REFIT_RETURN_IF_ERROR(send_each(
       *o_.mailbox, ids_, MessageType::kProceed,
       encode(ProceedMessage{.step = begin.step, .go = refused.empty(), .error = refused})));

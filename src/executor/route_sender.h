@@ -76,6 +76,7 @@ class RouteSender final : public TrainerExecutor {
   Result<std::string> collect_paused(const BeginMessage& begin,
                                      std::vector<std::optional<PausedMessage>>& answers);
   Status abort_refit(const BeginMessage& begin, const std::string& why);
+  Status resolve_export(std::size_t i, PausedMessage& answer);
   Status map_engine(std::size_t i, const ExportedParams& direct);
   void build_peer_runs(const std::vector<void*>& shards);
   void build_pack_runs(const std::vector<void*>& shards);
@@ -96,6 +97,8 @@ class RouteSender final : public TrainerExecutor {
   std::vector<PairExecutor> modes_;           // per target, of the current refit
   std::vector<PairExecutor> runs_built_for_;  // modes the copy lists were built for
   std::map<std::size_t, Mapped> mapped_;      // target index -> its exported parameters
+  // Per target: the last export it sent whole (its answers then leave it out; resolve_export).
+  std::vector<std::optional<ExportedParams>> held_;
   RouteCopies peer_runs_;
   std::map<std::size_t, std::vector<CopyRun>> checksum_runs_;  // per target index
   std::vector<RouteCopies> pack_runs_;  // per round (p2p targets only)
