@@ -1,10 +1,8 @@
 #include "executor/routes.h"
 
 #include <fmt/format.h>
-#include <sys/stat.h>
 
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <string_view>
 
