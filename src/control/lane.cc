@@ -1,7 +1,6 @@
 // Same-host lanes of the mailboxes (control/lane.h).
 #include "control/lane.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
 #include <sodium.h>
