@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads)
 //  - e = 1 - s * y is exact in an fma (the residual of a correctly rounded reciprocal), and
 //    yl = RN(e * y) is within 2^-47 (relative) of 1/s - y;
 //  - per element, q0 = RN(x * y + RN(x * yl)) (a multiply and an fma) is within half an ulp plus
-//    2^-45 (relative) of x / s, so q0 is faithful;
+//    2^-46 (relative) of x / s, so q0 is faithful;
 //  - with y the correctly rounded 1 / s and q0 faithful, the remainder x - q0 * s is exact in an
 //    fma, and one Markstein step q = RN(q0 + RN(x - q0 * s) * y) rounds to RN(x / s) (Markstein's
 //    theorem), unless something underflows.

@@ -104,8 +104,10 @@ class TrainerExecutor {
   RefitProbe* probe_ = &RefitProbe::none();
 };
 
-// Where an engine rank's parameters can be mapped by peer trainer ranks (sent with paused).
-using ExportFn = std::function<std::optional<ExportedParams>()>;
+// Where an engine rank's parameters can be mapped by peer trainer ranks (sent with paused), with
+// its digest; nullptr when they are not exported. Built once per registration, valid until the
+// next.
+using ExportFn = std::function<const ExportedParams*()>;
 
 // What an engine rank hands its executor for one refit.
 struct EngineRefit {

@@ -152,26 +152,25 @@ Status RouteReceiver::receive(const EngineRefit& r) {
   // Pause (the hook may refuse), answer, and write nothing before every feeder said to proceed:
   // each trainer rank decides once every engine rank answered it.
   const Status paused = r.pause();
-  std::optional<ExportedParams> exported;
+  const ExportedParams* exported = nullptr;
   if (paused.ok()) {
     exported = r.exported();
-    REFIT_RETURN_IF_ERROR(choose(exported.has_value()));
+    REFIT_RETURN_IF_ERROR(choose(exported != nullptr));
   }
   // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
   // The export travels only to a feeder that does not hold it already (the handles of a large
   // model are tens of kilobytes of JSON); the others get its digest.
   PausedMessage answer{.step = begin.step, .refused = paused.ok() ? "" : paused.message()};
-  std::string full, elided;
-  if (exported) {
-    exported->digest = export_digest(*exported);
-    answer.direct = exported;
-    full = encode(answer);
-    answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
-  }
-  elided = encode(answer);
+  if (exported) answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
+  const std::string elided = encode(answer);
+  std::string full;  // encoded for the first feeder that needs it
   for (const std::string& t : trainer_ids_) {
     const auto h = held.find(t);
     const bool send_full = exported && h != held.end() && h->second != exported->digest;
+    if (send_full && full.empty()) {
+      answer.direct = *exported;
+      full = encode(answer);
+    }
     REFIT_RETURN_IF_ERROR(o_.mailbox->send(t, MessageType::kPaused, send_full ? full : elided));
   }
   log::debug("{}: paused for refit step {} and answered", o_.who, begin.step);

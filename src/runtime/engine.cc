@@ -99,6 +99,7 @@ class EngineImpl final : public Engine {
     if (executor_) executor_->invalidate();  // copy lists hold the registered addresses
     keep_.reset();
     param_handles_.clear();
+    export_.reset();
     export_failed_ = false;
     return Status::Ok();
   }
@@ -132,6 +133,7 @@ class EngineImpl final : public Engine {
         ptrs_[i] = exported_->data() + offsets[i];
         out.push_back(ptrs_[i]);
       }
+      export_.reset();  // the parameters moved into the region
       return Status::Ok();
     });
     if (!st.ok()) return st;
@@ -388,9 +390,11 @@ class EngineImpl final : public Engine {
   }
 
   // Where our parameters are for peer access: the region refit allocated (allocate_params), or,
-  // on CUDA, an IPC handle per registered parameter (exported once per registration). Nothing when
-  // the storage cannot be shared (host memory the caller allocated): point-to-point serves then.
-  std::optional<ExportedParams> exported_params() {
+  // on CUDA, an IPC handle per registered parameter. Built with its digest once per registration
+  // (register_param resets it), not per refit. nullptr when the storage cannot be shared (host
+  // memory the caller allocated): point-to-point serves then.
+  const ExportedParams* exported_params() {
+    if (export_) return &*export_;
     if (exported_) {
       ExportedParams e;
       e.handle = export_handle_;
@@ -398,9 +402,11 @@ class EngineImpl final : public Engine {
       for (void* p : ptrs_)
         e.offsets.push_back(
             static_cast<std::uint64_t>(static_cast<std::byte*>(p) - exported_->data()));
-      return e;
+      e.digest = export_digest(e);
+      export_ = std::move(e);
+      return &*export_;
     }
-    if (cfg_.device != Device::kCuda || export_failed_) return std::nullopt;
+    if (cfg_.device != Device::kCuda || export_failed_) return nullptr;
     if (param_handles_.empty()) {
       for (std::size_t i = 0; i < ptrs_.size(); ++i) {
         const auto bytes = static_cast<std::size_t>(slots_[i].numel()) * dtype_size(slots_[i].dtype);
@@ -415,14 +421,16 @@ class EngineImpl final : public Engine {
                     id(), slots_[i].name, h.status().message());
           param_handles_.clear();
           export_failed_ = true;  // until the next registration
-          return std::nullopt;
+          return nullptr;
         }
         param_handles_.push_back(std::move(h).value());
       }
     }
     ExportedParams e;
     e.handles = param_handles_;
-    return e;
+    e.digest = export_digest(e);
+    export_ = std::move(e);
+    return &*export_;
   }
 
   // One refit, from its first begin: the executor receives every byte (the pause hook runs
@@ -775,6 +783,7 @@ class EngineImpl final : public Engine {
   BeginMessage begin_;  // of the refit in progress
   bool in_refit_ = false;  // from its begin until it published or failed
   std::vector<std::string> param_handles_;  // CUDA: IPC handles of the registered parameters
+  std::optional<ExportedParams> export_;    // exported_params(), until the next registration
   bool export_failed_ = false;              // a registered parameter cannot be exported
   RankTraffic traffic_;
   TrafficPublisher traffic_publisher_;
