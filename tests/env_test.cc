@@ -183,7 +183,8 @@ TEST(EnvCli, GoodValuesAreUsedAndLoggedAtDebug) {
 // The sum of N over the lines "...N<tail>" of `output`.
 std::int64_t count_in_lines(const std::string& output, const std::string& tail) {
   std::int64_t n = 0;
-  for (std::size_t at = output.find(tail); at != std::string::npos; at = output.find(tail, at + 1)) {
+  for (std::size_t at = output.find(tail); at != std::string::npos;
+       at = output.find(tail, at + 1)) {
     std::size_t b = at;
     while (b > 0 && std::isdigit(static_cast<unsigned char>(output[b - 1]))) --b;
     if (b < at) n += std::stoll(output.substr(b, at - b));
@@ -205,8 +206,9 @@ TEST(EnvCli, ControlSpinCatchesTheRefitsMessages) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("environment: REFIT_CONTROL_SPIN_US=500000"), std::string::npos);
   // "mailbox 'trainer/0': N message(s) arrived while it spun": N > 0 for some mailbox.
-  EXPECT_GT(count_in_lines(r.output, " message(s) arrived while it spun (REFIT_CONTROL_SPIN_US=500000)"),
-            0)
+  EXPECT_GT(
+      count_in_lines(r.output, " message(s) arrived while it spun (REFIT_CONTROL_SPIN_US=500000)"),
+      0)
       << r.output;
 }
 

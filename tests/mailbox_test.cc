@@ -292,11 +292,12 @@ TEST(MailboxLane, StrangersAreRefused) {
   {  // A hello claiming trainer/0, proved with a stranger's key, then a forged begin.
     unsigned char pk[32], sk[32];
     crypto_box_keypair(pk, sk);
-    auto fd = lane::connect(*at, "trainer/0", lane::make_proof("trainer/0", "engine/0", at->key, sk),
-                            1s);
+    auto fd =
+        lane::connect(*at, "trainer/0", lane::make_proof("trainer/0", "engine/0", at->key, sk), 1s);
     ASSERT_TRUE(fd.ok()) << fd.status().to_string();
-    ASSERT_TRUE(lane::write_frame(fd->get(), static_cast<std::uint8_t>(MessageType::kBegin), 0,
-                                  begin, 1s).ok());
+    ASSERT_TRUE(
+        lane::write_frame(fd->get(), static_cast<std::uint8_t>(MessageType::kBegin), 0, begin, 1s)
+            .ok());
     expect_nothing(1);
   }
   sockaddr_un addr;
@@ -304,8 +305,9 @@ TEST(MailboxLane, StrangersAreRefused) {
   {  // No hello: a begin first.
     lane::Fd fd(::socket(AF_UNIX, SOCK_STREAM, 0));
     ASSERT_EQ(::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), len), 0);
-    ASSERT_TRUE(lane::write_frame(fd.get(), static_cast<std::uint8_t>(MessageType::kBegin), 0,
-                                  begin, 1s).ok());
+    ASSERT_TRUE(
+        lane::write_frame(fd.get(), static_cast<std::uint8_t>(MessageType::kBegin), 0, begin, 1s)
+            .ok());
     expect_nothing(2);
   }
   if (::getuid() == 0) {  // Another user (root can become one): it connects, and is refused.

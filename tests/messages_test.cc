@@ -12,8 +12,13 @@ namespace refit {
 namespace {
 
 TEST(Messages, RoundTrip) {
-  const BeginMessage b{.step = 7, .version = "v7", .verify = true, .raw = false, .buckets = 3,
-                       .offer_direct = true, .export_held = "00ff00ff00ff00ff"};
+  const BeginMessage b{.step = 7,
+                       .version = "v7",
+                       .verify = true,
+                       .raw = false,
+                       .buckets = 3,
+                       .offer_direct = true,
+                       .export_held = "00ff00ff00ff00ff"};
   auto b2 = decode_begin(encode(b), "trainer/0");
   ASSERT_TRUE(b2.ok()) << b2.status().to_string();
   EXPECT_EQ(b2->step, 7);
@@ -39,7 +44,8 @@ TEST(Messages, RoundTrip) {
   moved.offsets[1] = 512;
   EXPECT_NE(export_digest(moved), p.direct->digest);
   auto p4 = decode_paused(
-      encode(PausedMessage{.step = 5, .direct = ExportedParams{.digest = p.direct->digest, .elided = true}}),
+      encode(PausedMessage{.step = 5,
+                           .direct = ExportedParams{.digest = p.direct->digest, .elided = true}}),
       "engine/1");
   ASSERT_TRUE(p4.ok()) << p4.status().to_string();
   ASSERT_TRUE(p4->direct.has_value());

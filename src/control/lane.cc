@@ -8,11 +8,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <zmq.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
-#include <zmq.h>
 
 #include "common/env.h"
 
@@ -40,7 +40,8 @@ void put_u32(std::string& s, std::uint32_t v) {
 
 std::uint32_t get_u32(const char* p) {
   std::uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<std::uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -77,7 +78,8 @@ Result<Listener> Listener::open(const std::string& who) {
   const socklen_t len = abstract_address(l.name_, addr);
   l.fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (l.fd_ < 0) return Status::IOError(fmt::format("{}: lane socket: {}", who, errno_text()));
-  if (::bind(l.fd_, reinterpret_cast<const sockaddr*>(&addr), len) != 0 || ::listen(l.fd_, 128) != 0)
+  if (::bind(l.fd_, reinterpret_cast<const sockaddr*>(&addr), len) != 0 ||
+      ::listen(l.fd_, 128) != 0)
     return Status::IOError(
         fmt::format("{}: cannot listen on lane @{}: {}", who, l.name_, errno_text()));
   crypto_box_keypair(l.pk_, l.sk_);
@@ -196,7 +198,8 @@ Status write_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_v
     if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       return Status::IOError(errno_text());
     if (n < 0) {
-      const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto wait =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (wait.count() <= 0) return Status::Timeout("the peer did not take it");
       pollfd p{fd, POLLOUT, 0};
       ::poll(&p, 1, static_cast<int>(wait.count()));

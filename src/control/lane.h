@@ -90,7 +90,8 @@ Result<Fd> connect(const Address& a, const std::string& sender, const std::strin
                    std::chrono::milliseconds timeout);
 
 // The hello's proof that `sender` holds `sender_secret` (32 bytes; its registered key pair's),
-// addressed to the lane key `lane_key`: a nonce and a crypto_box of "refit-lane:<receiver>:<sender>".
+// addressed to the lane key `lane_key`: a nonce and a crypto_box of
+// "refit-lane:<receiver>:<sender>".
 std::string make_proof(const std::string& sender, const std::string& receiver,
                        const std::string& lane_key, const unsigned char* sender_secret);
 // Whether `proof` is such a box from the holder of `sender_public` (32 bytes) to the listener.

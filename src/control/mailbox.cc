@@ -10,19 +10,19 @@
 
 #include <fmt/format.h>
 
+#include <sodium.h>
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <deque>
 #include <functional>
-#include <atomic>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
-#include <sodium.h>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -137,8 +137,9 @@ class ZmqMailbox final : public Mailbox {
       Result<lane::Listener> l = lane::Listener::open(fmt::format("mailbox '{}'", id_));
       if (l.ok()) {
         lane_.emplace(std::move(l).value());
-        REFIT_RETURN_IF_ERROR(store_.set(lane_key(id_), lane_->address())
-                                  .with_context(fmt::format("mailbox '{}': publishing its lane", id_)));
+        REFIT_RETURN_IF_ERROR(
+            store_.set(lane_key(id_), lane_->address())
+                .with_context(fmt::format("mailbox '{}': publishing its lane", id_)));
       } else {
         log::warn("mailbox '{}': no same-host lane, ZeroMQ carries every message: {}", id_,
                   l.status().message());
@@ -277,8 +278,9 @@ class ZmqMailbox final : public Mailbox {
       }
       if (spin_for_message(deadline)) continue;
       std::vector<zmq_pollitem_t>& items = poll_items();
-      if (zmq_poll(items.data(), static_cast<int>(items.size()), static_cast<long>(left.count())) < 0 &&
-          zmq_errno() != EINTR) {
+      const int polled =
+          zmq_poll(items.data(), static_cast<int>(items.size()), static_cast<long>(left.count()));
+      if (polled < 0 && zmq_errno() != EINTR) {
         return Status::IOError(
             fmt::format("mailbox '{}': poll failed: {}", id_, zmq_strerror(zmq_errno())));
       }
@@ -355,9 +357,10 @@ class ZmqMailbox final : public Mailbox {
       lane::Fd c = lane_->accept(refused);
       if (!refused.empty()) {
         ++dropped_;
-        log::warn("mailbox '{}': refused a same-host lane connection from {}: only processes of "
-                  "its own user may connect",
-                  id_, refused);
+        log::warn(
+            "mailbox '{}': refused a same-host lane connection from {}: only processes of "
+            "its own user may connect",
+            id_, refused);
         continue;
       }
       if (!c) break;
@@ -394,8 +397,9 @@ class ZmqMailbox final : public Mailbox {
   // One frame of a lane; false when the connection is to be closed.
   bool take_lane_frame(LaneIn& in, lane::Frame& f) {
     if (in.from.empty()) {  // the hello: who sends on this lane, and with auth its proof
-      const auto n = f.payload.empty() ? std::size_t{0}
-                                       : static_cast<std::size_t>(static_cast<unsigned char>(f.payload[0]));
+      const auto n = f.payload.empty()
+                         ? std::size_t{0}
+                         : static_cast<std::size_t>(static_cast<unsigned char>(f.payload[0]));
       if (f.type != lane::kHelloFrame || n == 0 || f.payload.size() < 1 + n)
         return drop_lane(in, "its first frame is not a hello naming the sender");
       std::string from = f.payload.substr(1, n);
@@ -444,10 +448,10 @@ class ZmqMailbox final : public Mailbox {
 
   // REFIT_CONTROL_SPIN_US: within that long of this mailbox's last message, a waiting receive()
   // polls without blocking, yielding the core between polls, until a message is there (true) or
-  // the window, `deadline` or the next liveness check passes (false). While a refit is in flight its messages follow each
-  // other within milliseconds, and each hop of its critical path otherwise pays for waking this
-  // thread from poll (about 0.1 ms on a virtual machine; docs/runtime.md). Between refits the
-  // window has passed and the thread blocks at once.
+  // the window, `deadline` or the next liveness check passes (false). While a refit is in flight
+  // its messages follow each other within milliseconds, and each hop of its critical path otherwise
+  // pays for waking this thread from poll (about 0.1 ms on a virtual machine; docs/runtime.md).
+  // Between refits the window has passed and the thread blocks at once.
   bool spin_for_message(Clock::time_point deadline) {
     if (spin_.count() == 0) return false;
     const Clock::time_point last{Clock::duration(active_.load())};

@@ -4,9 +4,9 @@
 // Every process owns one Mailbox: a socket bound to an ephemeral port on `host`, whose address
 // it publishes in the store under "mailbox/<id>". send() connects lazily to a peer's published
 // address, or, for a peer on the same host, to its same-host lane ("lane/<id>", control/lane.h;
-// REFIT_CONTROL_LANES=0 turns lanes off). Messages from one sender to one receiver arrive in order. receive() waits at most
-// `timeout`. A Mailbox is driven by one thread at a time; send() and receive() may be used from
-// two different threads concurrently.
+// REFIT_CONTROL_LANES=0 turns lanes off). Messages from one sender to one receiver arrive in order.
+// receive() waits at most `timeout`. A Mailbox is driven by one thread at a time; send() and
+// receive() may be used from two different threads concurrently.
 #pragma once
 
 #include <chrono>

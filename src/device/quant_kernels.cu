@@ -102,8 +102,8 @@ __device__ __forceinline__ void load8_f32(const void* base, std::int64_t i, floa
 // f(col, s, d, i) for the i-th group of this thread (group threadIdx.x + i * kThreads), in order,
 // where s = row * ss + col and d = row * ds + col are its element offsets at the source and the
 // destination, in 32 bits (QuantTile::vec). Offsets advance by additions: no division by the
-// runtime width (~20 instructions) and no 64-bit arithmetic per group. When the width divides kThreads (128 columns: 16 groups) the
-// thread keeps its column and only steps rows.
+// runtime width (~20 instructions) and no 64-bit arithmetic per group. When the width divides
+// kThreads (128 columns: 16 groups) the thread keeps its column and only steps rows.
 template <class F>
 __device__ __forceinline__ void for_each_group(int groups, int rows, int ss, int ds, F&& f) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -149,14 +149,15 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   if (t.vec) {
-    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), 0, [&](int col, int s, int, int) {
-      float x[8];
-      load8_f32<kSrc>(r.src, src0 + s, x);
-      unsigned int m = 0;
+    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), 0,
+                   [&](int col, int s, int, int) {
+                     float x[8];
+                     load8_f32<kSrc>(r.src, src0 + s, x);
+                     unsigned int m = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(x[k]) & 0x7FFFFFFFu);
-      atomicMax(&block_max[(hf_col0 + col) / bc - first_bcol], m);
-    });
+                     for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(x[k]) & 0x7FFFFFFFu);
+                     atomicMax(&block_max[(hf_col0 + col) / bc - first_bcol], m);
+                   });
   }
   for (int c = threadIdx.x; !t.vec && c < t.cols; c += kThreads) {
     unsigned int m = 0;
@@ -305,7 +306,8 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     __syncthreads();
     // Warp 0 folds the warps' maxima, thread 0 writes the scale.
     const unsigned int all =
-        threadIdx.x < 32 ? __reduce_max_sync(0xFFFFFFFFu, warp_max[threadIdx.x % (kThreads / 32)]) : 0;
+        threadIdx.x < 32 ? __reduce_max_sync(0xFFFFFFFFu, warp_max[threadIdx.x % (kThreads / 32)])
+                         : 0;
     if (threadIdx.x == 0) {
       float s;
       if (all > 0x7F7FFFFFu) {  // NaN or inf: no scale
@@ -337,11 +339,12 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     // the stage.
     std::byte* mine = stage + threadIdx.x * kG;
     int count = 0;  // this thread's groups
-    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), static_cast<int>(r.dst_stride),
-                   [&](int, int s, int, int i) {
+    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride),
+                   static_cast<int>(r.dst_stride), [&](int, int s, int, int i) {
 #pragma unroll
                      for (int h = 0; h < kG; h += 16)
-                       __pipeline_memcpy_async(mine + i * (kThreads * kG) + h, src + s * (kG / 8) + h, 16);
+                       __pipeline_memcpy_async(mine + i * (kThreads * kG) + h,
+                                               src + s * (kG / 8) + h, 16);
                      count = i + 1;
                    });
     __pipeline_commit();
@@ -357,8 +360,8 @@ __device__ __forceinline__ void fused_block(const QuantTile& t, const DeviceQuan
     const Divisor inv_s = divisor(reduce(amax_bits<kSrc>(m, m2)));
     // The codes; the scale's range is checked once here, not per element (div_by).
     auto codes = [&](auto fast) {
-      for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), static_cast<int>(r.dst_stride),
-                     [&](int, int, int d, int i) {
+      for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride),
+                     static_cast<int>(r.dst_stride), [&](int, int, int d, int i) {
                        const uint4* q = groups + i * kStride;
                        uint2 c;
                        if constexpr (kSrc != 0 && decltype(fast)::value) {
@@ -405,8 +408,8 @@ __device__ __forceinline__ void quantize_tile(const QuantTile& t, const DeviceQu
   const std::int64_t src0 = r.src_offset + t.row0 * r.src_stride + t.col0;
   const std::int64_t hf_col0 = r.hf_col + t.col0;
   if (t.vec) {
-    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride), static_cast<int>(r.dst_stride),
-                   [&](int col, int s, int d, int) {
+    for_each_group(t.cols / 8, t.rows, static_cast<int>(r.src_stride),
+                   static_cast<int>(r.dst_stride), [&](int col, int s, int d, int) {
                      const Divisor inv_s = divisor(scales[(hf_col0 + col) / r.block_cols]);
                      float x[8];
                      load8_f32<kSrc>(r.src, src0 + s, x);
@@ -504,14 +507,14 @@ Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantR
     const DeviceQuantRun& r = runs[i];
     if (r.rows <= 0 || r.cols <= 0) continue;
     const auto esize = static_cast<std::uintptr_t>(src_esize);
-    const bool vec =
-        r.cols % 8 == 0 && r.src_offset % 8 == 0 && r.src_stride % 8 == 0 &&
-        r.dst_offset % 8 == 0 && r.dst_stride % 8 == 0 && r.hf_col % 8 == 0 &&
-        r.block_cols % 8 == 0 && reinterpret_cast<std::uintptr_t>(r.src) % 16 == 0 &&
-        reinterpret_cast<std::uintptr_t>(r.dst) % 8 == 0 && (8 * esize) % 16 == 0 &&
-        // for_each_group's offsets within a tile are 32-bit
-        std::max<std::int64_t>(kTileRows, r.block_rows) * (std::max(r.src_stride, r.dst_stride) + 1) <
-            std::numeric_limits<std::int32_t>::max();
+    const bool vec = r.cols % 8 == 0 && r.src_offset % 8 == 0 && r.src_stride % 8 == 0 &&
+                     r.dst_offset % 8 == 0 && r.dst_stride % 8 == 0 && r.hf_col % 8 == 0 &&
+                     r.block_cols % 8 == 0 && reinterpret_cast<std::uintptr_t>(r.src) % 16 == 0 &&
+                     reinterpret_cast<std::uintptr_t>(r.dst) % 8 == 0 && (8 * esize) % 16 == 0 &&
+                     // for_each_group's offsets within a tile are 32-bit
+                     std::max<std::int64_t>(kTileRows, r.block_rows) *
+                             (std::max(r.src_stride, r.dst_stride) + 1) <
+                         std::numeric_limits<std::int32_t>::max();
     if (r.from_grid != nullptr) {
       // Block by block: a block the kernel scales itself is one tile; the others are cut like
       // below, within their block.
