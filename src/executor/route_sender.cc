@@ -23,16 +23,16 @@ Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOption
   return std::unique_ptr<RouteSender>(new RouteSender(o));
 }
 
-// An answer's export as this rank holds it: a full one is kept; one left out (the target had the
-// digest this rank said it holds) is the kept one. A digest this rank does not hold is a protocol
-// violation.
+// Keeps a target's export as held_[i]: a full one is moved there; one left out (the target had
+// the digest this rank said it holds) must be the one held (a protocol violation otherwise).
+// held_[i] is then what the answer exports, or nothing.
 Status RouteSender::resolve_export(std::size_t i, PausedMessage& answer) {
   if (!answer.direct) {
     held_[i].reset();
     return Status::Ok();
   }
   if (!answer.direct->elided) {
-    held_[i] = answer.direct;
+    held_[i] = std::move(answer.direct);
     return Status::Ok();
   }
   if (!held_[i] || held_[i]->digest != answer.direct->digest)
@@ -40,7 +40,6 @@ Status RouteSender::resolve_export(std::size_t i, PausedMessage& answer) {
         "trainer rank {}: engine rank {} answered with export {} left out, which this rank does "
         "not hold ({})",
         o_.rank, o_.targets[i], answer.direct->digest, held_[i] ? held_[i]->digest : "none"));
-  answer.direct = held_[i];
   log::debug("trainer rank {}: engine rank {} left out its export {}, unchanged since it sent it",
              o_.rank, o_.targets[i], held_[i]->digest);
   return Status::Ok();
@@ -236,11 +235,9 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   REFIT_ASSIGN_OR_RETURN(const std::string refused, collect_paused(begin, all));
   log::debug("trainer rank {}: every engine rank answered the begin of step {}", o_.rank,
              begin.step);
-  std::vector<std::optional<PausedMessage>> answers;  // of the targets
-  for (std::size_t i = 0; i < ids_.size(); ++i) {
-    answers.push_back(std::move(all[static_cast<std::size_t>(o_.targets[i])]));
-    REFIT_RETURN_IF_ERROR(resolve_export(i, *answers.back()));
-  }
+  // The targets' exports (held_): what each target's pair executor and mapping use below.
+  for (std::size_t i = 0; i < ids_.size(); ++i)
+    REFIT_RETURN_IF_ERROR(resolve_export(i, *all[static_cast<std::size_t>(o_.targets[i])]));
   REFIT_RETURN_IF_ERROR(send_each(
       *o_.mailbox, ids_, MessageType::kProceed,
       encode(ProceedMessage{.step = begin.step, .go = refused.empty(), .error = refused})));
@@ -249,12 +246,12 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
   modes_.assign(ids_.size(), PairExecutor::kP2p);
   peer_targets_ = p2p_targets_ = 0;
   for (std::size_t i = 0; i < ids_.size(); ++i) {
-    const bool exported = answers[i]->direct.has_value();
+    const bool exported = held_[i].has_value();
     REFIT_ASSIGN_OR_RETURN(modes_[i],
                            choose_pair_executor(cfg, o_.target_same_host[i], exported,
                                                 o_.p2p != nullptr, o_.rank, o_.targets[i]));
     if (modes_[i] == PairExecutor::kPeer) {
-      REFIT_RETURN_IF_ERROR(map_engine(i, *answers[i]->direct));
+      REFIT_RETURN_IF_ERROR(map_engine(i, *held_[i]));
       ++peer_targets_;
     } else {
       ++p2p_targets_;
