@@ -1,4 +1,4 @@
-// The logit check (engine/forward.h): the reference forward against values computed by hand for
+// The logit check (harness/forward.h): the reference forward against values computed by hand for
 // one-layer, one-head models; every engine TP size of the tiny presets against the reference,
 // with the TP ranks as threads over an in-test communicator; deliberately wrong layouts caught.
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 
 #include "comm/communicator.h"
 #include "engine/engine_layout.h"
-#include "engine/forward.h"
+#include "harness/forward.h"
 #include "refit/model_spec.h"
 
 // engine_layout() calls check_engine_tp(), whose definition (src/engine/tp_check.cc) arrives with

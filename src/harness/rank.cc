@@ -21,7 +21,7 @@
 #include "control/auth.h"
 #include "control/store.h"
 #include "engine/engine_layout.h"
-#include "engine/forward.h"
+#include "harness/forward.h"
 #include "io/safetensors.h"
 #include "plane/data_plane.h"
 #include "weights/materialize.h"

@@ -1,4 +1,4 @@
-// Internal to the logit check (engine/forward.h): the CPU kernels both forward passes share.
+// Internal to the logit check (harness/forward.h): the CPU kernels both forward passes share.
 // Activations are fp32 row-major [T, n]; weights are read through WeightView, so the reference
 // pass (fp32 HF tensors) and the engine pass (bf16 shards) run the same arithmetic. Dot products
 // accumulate in double: the passes sum partial products in different groupings (TP partials), and

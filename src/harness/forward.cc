@@ -1,13 +1,13 @@
 // The logit check's single-process reference forward on full HF tensors, its token sequence and
-// its comparison (engine/forward.h). The TP engine pass lives in forward_engine.cc.
-#include "engine/forward.h"
+// its comparison (harness/forward.h). The TP engine pass lives in forward_engine.cc.
+#include "harness/forward.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 
-#include "engine/forward_kernels.h"
+#include "harness/forward_kernels.h"
 
 namespace refit {
 namespace {

@@ -1,4 +1,4 @@
-// The logit check's engine pass (engine/forward.h): one engine TP rank runs the decoder from its
+// The logit check's engine pass (harness/forward.h): one engine TP rank runs the decoder from its
 // own vLLM / SGLang shards and combines partial results with its TP peers, the way the engine's
 // parallel layers do: vocabulary-parallel embedding (all-reduce), column-parallel qkv and gate_up
 // (local heads / rows), row-parallel o_proj and down_proj (all-reduce), expert slices
@@ -10,8 +10,8 @@
 #include <string>
 #include <unordered_map>
 
-#include "engine/forward.h"
-#include "engine/forward_kernels.h"
+#include "harness/forward.h"
+#include "harness/forward_kernels.h"
 
 namespace refit {
 namespace {

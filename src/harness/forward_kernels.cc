@@ -1,5 +1,5 @@
-// CPU kernels of the logit check; see engine/forward_kernels.h.
-#include "engine/forward_kernels.h"
+// CPU kernels of the logit check; see harness/forward_kernels.h.
+#include "harness/forward_kernels.h"
 
 #include <algorithm>
 #include <numeric>
