@@ -13,6 +13,7 @@ bash scripts/build.sh
 ctest --preset default -j 2 "$@"
 if [ "${REFIT_SKIP_SANITIZERS:-0}" != 1 ]; then
   export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}" CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+  export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
   cmake --preset asan >/dev/null
   cmake --build --preset asan -j "$(nproc)"
   ctest --preset asan -j 2 "$@"
