@@ -149,21 +149,24 @@ TEST(AnyModel, TiedOutputHeadIsSentOnce) {
   EXPECT_EQ(spec->tensors().size(), phi_like().tensors.size() - 1);
 }
 
-// DeepSeek-V3 goes through its headers and the hf layout; the fused layout is refused with the
-// reason (the engines' post-processing and a float32 parameter).
-TEST(AnyModel, DeepseekFusedIsRefusedWithTheReason) {
+// An architecture refit has no facts about, even a relative of one it knows (DeepSeek-V2's class
+// next to DeepseekV3ForCausalLM), goes through its headers and the hf layout; fused is refused,
+// naming the way that works.
+TEST(AnyModel, UnknownDeepseekClassGoesThroughItsHeaders) {
   TempDir dir;
-  Table t{.arch = "DeepseekV3ForCausalLM"};
+  Table t{.arch = "DeepseekV2ForCausalLM"};
   t.tensors = {{"model.embed_tokens.weight", {50, 16}},
                {"model.layers.0.self_attn.kv_b_proj.weight", {24, 8}},
-               {"model.layers.0.mlp.gate.e_score_correction_bias", {4}},
+               {"model.layers.0.mlp.gate.weight", {4, 16}},
                {"lm_head.weight", {50, 16}}};
   const std::string model = write_model(dir, "ds", t, 1);
   const std::string fused = dir.write("f.yaml", "model: " + model + "\ngeneration: {tp_size: 2}\n");
   auto r = run_cli({"check", fused}, 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("refit has no fused layout for it"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("e_score_correction_bias in float32"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("generation.layout: fused needs an architecture refit knows"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("is DeepseekV2ForCausalLM"), std::string::npos) << r.output;
   const std::string hf =
       dir.write("h.yaml", "model: " + model + "\ngeneration: {tp_size: 2, layout: hf}\n");
   auto ok = run_cli({"run", hf, "--steps", "1", "--verify"}, 120);

@@ -94,11 +94,14 @@ std::vector<std::vector<float>> random_hf(const ModelSpec& spec, std::uint64_t s
         case ParamRole::kKNorm:
         case ParamRole::kPreFfnNorm:
         case ParamRole::kPostFfnNorm:
+        case ParamRole::kQALayerNorm:
+        case ParamRole::kKvALayerNorm:
           v = static_cast<float>(1.0 + u / 4);
           break;
         case ParamRole::kQBias:
         case ParamRole::kKBias:
         case ParamRole::kVBias:
+        case ParamRole::kRouterBias:
           v = static_cast<float>(u / 5);
           break;
         case ParamRole::kLmHead:
@@ -119,6 +122,10 @@ std::vector<std::vector<float>> random_hf(const ModelSpec& spec, std::uint64_t s
         case ParamRole::kSharedUp:
         case ParamRole::kSharedDown:
         case ParamRole::kSharedExpertGate:
+        case ParamRole::kQAProj:
+        case ParamRole::kQBProj:
+        case ParamRole::kKvAProj:
+        case ParamRole::kKvBProj:
         case ParamRole::kOther:
           v = static_cast<float>(u * std::sqrt(3.0 / static_cast<double>(m.cols)));
           break;

@@ -1,4 +1,5 @@
-// The fused engine layouts of Gemma 2, Gemma 3 (text), Phi-3 and Qwen2-MoE (docs/models.md),
+// The fused engine layouts of Gemma 2, Gemma 3 (text), Phi-3, Qwen2-MoE, DeepSeek-V3 (MLA) and
+// GLM-4.5 (docs/models.md),
 // checked against an independent oracle written from the engines' loaders rather than from
 // src/engine/engine_layout.cc: for every TP rank, what vLLM's / SGLang's load_weights would leave
 // in each parameter when handed the whole HF tensors (QKVParallelLinear and
@@ -6,11 +7,13 @@
 // fused is split by output sizes first, RowParallelLinear narrows columns, VocabParallelEmbedding
 // pads the vocabulary to a multiple of 64 and splits it, replicated layers copy whole). Sources:
 // vllm-project/vllm: vllm/model_executor/layers/linear.py, models/{gemma2,gemma3,phi3,llama,
-// qwen2_moe}.py; sgl-project/sglang: python/sglang/srt/models/{gemma2,gemma3_causal,llama,
-// qwen2_moe}.py.
+// qwen2_moe,deepseek_v2,glm4_moe}.py; sgl-project/sglang: python/sglang/srt/models/{gemma2,
+// gemma3_causal,llama,qwen2_moe,deepseek_v2,glm4_moe}.py and
+// models/deepseek_common/deepseek_weight_loader.py.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -20,6 +23,7 @@
 #include "engine/engine_layout.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
+#include "spec/fp8.h"
 #include "test_util.h"
 
 namespace refit {
@@ -108,9 +112,33 @@ std::map<std::string, Tagged> loader_oracle(const ModelSpec& spec, std::int64_t 
   auto merged = [&](const Tagged& gate, const Tagged& up, std::int64_t I) {
     return cat({rows(gate, r * I / t, I / t), rows(up, r * I / t, I / t)});
   };
+  // ColumnParallelLinear narrows the output dim to the rank's 1/t, RowParallelLinear the input.
+  auto column = [&](const Tagged& w) { return rows(w, r * w.rows() / t, w.rows() / t); };
+  auto row_parallel = [&](const Tagged& w) { return cols(w, r * w.shape[1] / t, w.shape[1] / t); };
+  const bool deepseek_moe = c.arch == Architecture::kDeepseekV3 || c.arch == Architecture::kGlm4Moe;
   for (std::int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
-    if (c.fused_in_checkpoint) {  // loaded_shard_id None: split by output sizes, then as above
+    if (c.arch == Architecture::kDeepseekV3) {  // MLA: models/deepseek_v2.py of both engines
+      const std::string a = p + "self_attn.";
+      if (c.q_lora_rank > 0) {
+        // vLLM: fused_qkv_a_proj, MergedColumnParallelLinear([q_lora_rank, kv_lora_rank + rope],
+        // disable_tp) with q_a_proj as shard 0 and kv_a_proj_with_mqa as shard 1; SGLang:
+        // fused_qkv_a_proj_with_mqa, a ReplicatedLinear given torch.cat([q_a, kv_a], dim=0).
+        const std::string fused = protocol == EngineProtocol::kSglang
+                                      ? "fused_qkv_a_proj_with_mqa.weight"
+                                      : "fused_qkv_a_proj.weight";
+        out[a + fused] = cat({hf(a + "q_a_proj.weight"), hf(a + "kv_a_proj_with_mqa.weight")});
+        out[a + "q_a_layernorm.weight"] = hf(a + "q_a_layernorm.weight");
+        out[a + "q_b_proj.weight"] = column(hf(a + "q_b_proj.weight"));
+      } else {
+        out[a + "q_proj.weight"] = column(hf(a + "q_proj.weight"));
+        out[a + "kv_a_proj_with_mqa.weight"] = hf(a + "kv_a_proj_with_mqa.weight");
+      }
+      out[a + "kv_a_layernorm.weight"] = hf(a + "kv_a_layernorm.weight");
+      out[a + "kv_b_proj.weight"] = column(hf(a + "kv_b_proj.weight"));
+      out[a + "o_proj.weight"] = row_parallel(hf(a + "o_proj.weight"));
+    } else if (c.fused_in_checkpoint) {  // loaded_shard_id None: split by output sizes, then as
+                                         // above
       const Tagged qkv = hf(p + "self_attn.qkv_proj.weight");
       out[p + "self_attn.qkv_proj.weight"] =
           qkv_shard(rows(qkv, 0, nq * d), rows(qkv, nq * d, nkv * d), rows(qkv, (nq + nkv) * d, nkv * d));
@@ -123,12 +151,36 @@ std::map<std::string, Tagged> loader_oracle(const ModelSpec& spec, std::int64_t 
             qkv_shard(hf(p + "self_attn.q_proj.bias"), hf(p + "self_attn.k_proj.bias"),
                       hf(p + "self_attn.v_proj.bias"));
     }
-    out[p + "self_attn.o_proj.weight"] = cols(hf(p + "self_attn.o_proj.weight"), r * qh * d, qh * d);
+    if (c.arch != Architecture::kDeepseekV3)
+      out[p + "self_attn.o_proj.weight"] =
+          cols(hf(p + "self_attn.o_proj.weight"), r * qh * d, qh * d);
     if (c.qk_norm) {
       out[p + "self_attn.q_norm.weight"] = hf(p + "self_attn.q_norm.weight");
       out[p + "self_attn.k_norm.weight"] = hf(p + "self_attn.k_norm.weight");
     }
-    if (c.is_moe_layer(i)) {
+    if (deepseek_moe && i >= c.first_k_dense_replace) {
+      // DeepseekV2MoE / Glm4MoE (vLLM) and DeepseekV2MoE / Glm4MoeSparseMoeBlock (SGLang): the
+      // gate module holds the router weight and e_score_correction_bias, FusedMoE w13 / w2, and
+      // every shared expert in one MLP (mlp.shared_experts, moe_intermediate_size *
+      // n_shared_experts rows).
+      const std::int64_t E = c.num_experts, I = c.moe_intermediate_size;
+      out[p + "mlp.gate.weight"] = hf(p + "mlp.gate.weight");
+      out[p + "mlp.gate.e_score_correction_bias"] = hf(p + "mlp.gate.e_score_correction_bias");
+      std::vector<Tagged> w13, w2;
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::string q = fmt::format("{}mlp.experts.{}.", p, e);
+        w13.push_back(merged(hf(q + "gate_proj.weight"), hf(q + "up_proj.weight"), I));
+        w2.push_back(row_parallel(hf(q + "down_proj.weight")));
+      }
+      out[p + "mlp.experts.w13_weight"] = stack(w13);
+      out[p + "mlp.experts.w2_weight"] = stack(w2);
+      const std::int64_t S = I * c.n_shared_experts;
+      out[p + "mlp.shared_experts.gate_up_proj.weight"] =
+          merged(hf(p + "mlp.shared_experts.gate_proj.weight"),
+                 hf(p + "mlp.shared_experts.up_proj.weight"), S);
+      out[p + "mlp.shared_experts.down_proj.weight"] =
+          row_parallel(hf(p + "mlp.shared_experts.down_proj.weight"));
+    } else if (!deepseek_moe && c.is_moe_layer(i)) {
       const std::int64_t E = c.num_experts, I = c.moe_intermediate_size;
       out[p + "mlp.gate.weight"] = hf(p + "mlp.gate.weight");
       std::vector<Tagged> w13, w2;
@@ -194,7 +246,7 @@ TEST_P(FusedArchs, EveryRankMatchesWhatTheEnginesLoadersLeave) {
   ASSERT_TRUE(spec.ok()) << spec.status().to_string();
   int checked = 0;
   for (EngineProtocol protocol : {EngineProtocol::kVllm, EngineProtocol::kSglang}) {
-    for (int t : {1, 2, 4}) {
+    for (int t : {1, 2, 4, 8}) {
       if (!check_engine_tp(*spec, t).ok()) continue;
       for (int r = 0; r < t; ++r) {
         SCOPED_TRACE(fmt::format("{} {} tp {} rank {}", GetParam(),
@@ -219,7 +271,8 @@ TEST_P(FusedArchs, EveryRankMatchesWhatTheEnginesLoadersLeave) {
 
 INSTANTIATE_TEST_SUITE_P(Tiny, FusedArchs,
                          ::testing::Values("tiny-gemma2", "tiny-gemma3", "tiny-phi3",
-                                           "tiny-qwen2-moe", "tiny-qwen3", "tiny-moe"),
+                                           "tiny-qwen2-moe", "tiny-qwen3", "tiny-moe",
+                                           "tiny-deepseek", "tiny-deepseek-lite", "tiny-glm4-moe"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (auto& ch : n)
@@ -236,6 +289,194 @@ TEST(FusedArchsFacts, Gemma3EmbeddingIsWholeInSglangAndSplitInVllm) {
   ASSERT_TRUE(sg.ok() && vl.ok());
   EXPECT_EQ(sg->params[0].shape, (std::vector<std::int64_t>{401, 40}));
   EXPECT_EQ(vl->params[0].shape, (std::vector<std::int64_t>{224, 40}));  // 448 / 2
+}
+
+Config engine_config(const std::string& model, EngineProtocol protocol, int tp) {
+  Config c;
+  c.model = model;
+  c.generation.backend = protocol;
+  c.generation.tp_size = tp;
+  return c;
+}
+
+// The dtype of every engine parameter: the router correction bias float32 in both engines,
+// GLM-4.5's router weight float32 in vLLM (nn.Linear(..., dtype=torch.float32) in glm4_moe.py)
+// and in the model dtype in SGLang (Glm4MoeGate), DeepSeek-V3's router in the model dtype in both
+// (vLLM's GateLinear without params_dtype, SGLang's MoEGate); everything else bf16.
+TEST(FusedArchsFacts, EngineDtypesFollowEachEnginesParameters) {
+  int checked = 0;
+  for (const char* model : {"tiny-deepseek", "tiny-deepseek-lite", "tiny-glm4-moe"}) {
+    auto spec = load_model_spec(model);
+    ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+    for (EngineProtocol protocol : {EngineProtocol::kVllm, EngineProtocol::kSglang}) {
+      const Config cfg = engine_config(model, protocol, 2);
+      auto wire = wire_model(cfg, *spec);
+      ASSERT_TRUE(wire.ok()) << wire.status().to_string();
+      auto L = engine_wire_layout(cfg, *spec, *wire, 1);
+      ASSERT_TRUE(L.ok()) << L.status().to_string();
+      const bool glm_vllm =
+          spec->config().arch == Architecture::kGlm4Moe && protocol == EngineProtocol::kVllm;
+      for (const EngineParam& p : L->params) {
+        SCOPED_TRACE(fmt::format("{} {} {}", model, engine_protocol_name(protocol), p.name));
+        const bool bias = p.name.ends_with("mlp.gate.e_score_correction_bias");
+        const bool router = p.name.ends_with("mlp.gate.weight");
+        EXPECT_EQ(p.dtype, bias || (router && glm_vllm) ? DType::kFloat32 : DType::kBFloat16);
+        checked += bias;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * (2 + 2 + 2));  // MoE layers: tiny-deepseek 2, lite 2, glm 2; two engines
+}
+
+// The published models at TP 8, as vLLM and SGLang shape them (per-partition sizes of the
+// engines' ColumnParallelLinear / RowParallelLinear / FusedMoE).
+TEST(FusedArchsFacts, PublishedMoeModelsAtTp8) {
+  struct Want {
+    const char* model;
+    EngineProtocol protocol;
+    std::string name;
+    std::vector<std::int64_t> shape;
+  };
+  const std::string l3 = "model.layers.3.", l1 = "model.layers.1.";
+  const std::vector<Want> wants = {
+      {"deepseek-v3",
+       EngineProtocol::kVllm,
+       l3 + "self_attn.fused_qkv_a_proj.weight",
+       {2112, 7168}},
+      {"deepseek-v3",
+       EngineProtocol::kSglang,
+       l3 + "self_attn.fused_qkv_a_proj_with_mqa.weight",
+       {2112, 7168}},
+      {"deepseek-v3", EngineProtocol::kVllm, l3 + "self_attn.q_b_proj.weight", {16 * 192, 1536}},
+      {"deepseek-v3", EngineProtocol::kVllm, l3 + "self_attn.kv_b_proj.weight", {16 * 256, 512}},
+      {"deepseek-v3", EngineProtocol::kVllm, l3 + "self_attn.o_proj.weight", {7168, 16 * 128}},
+      {"deepseek-v3", EngineProtocol::kVllm, l3 + "mlp.experts.w13_weight", {256, 512, 7168}},
+      {"deepseek-v3", EngineProtocol::kVllm, l3 + "mlp.experts.w2_weight", {256, 7168, 256}},
+      {"deepseek-v3",
+       EngineProtocol::kVllm,
+       l3 + "mlp.shared_experts.gate_up_proj.weight",
+       {512, 7168}},
+      {"deepseek-v3", EngineProtocol::kVllm, l3 + "mlp.gate.e_score_correction_bias", {256}},
+      {"deepseek-v3",
+       EngineProtocol::kVllm,
+       "model.layers.2.mlp.gate_up_proj.weight",
+       {4608, 7168}},
+      {"kimi-k2", EngineProtocol::kSglang, l3 + "self_attn.q_b_proj.weight", {8 * 192, 1536}},
+      {"kimi-k2", EngineProtocol::kSglang, l3 + "mlp.experts.w13_weight", {384, 512, 7168}},
+      {"kimi-k2", EngineProtocol::kSglang, "lm_head.weight", {20480, 7168}},
+      {"glm-4.5-air", EngineProtocol::kVllm, l1 + "self_attn.qkv_proj.weight", {1536 + 256, 4096}},
+      {"glm-4.5-air", EngineProtocol::kVllm, l1 + "self_attn.qkv_proj.bias", {1536 + 256}},
+      {"glm-4.5-air", EngineProtocol::kVllm, l1 + "mlp.experts.w13_weight", {128, 352, 4096}},
+      {"glm-4.5-air",
+       EngineProtocol::kVllm,
+       l1 + "mlp.shared_experts.down_proj.weight",
+       {4096, 176}},
+  };
+  for (const Want& w : wants) {
+    SCOPED_TRACE(fmt::format("{} {} {}", w.model, engine_protocol_name(w.protocol), w.name));
+    auto spec = load_model_spec(w.model);
+    ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+    auto L = engine_layout(*spec, 8, 5, EngineLayout::kFused, w.protocol);
+    ASSERT_TRUE(L.ok()) << L.status().to_string();
+    const auto it = std::find_if(L->params.begin(), L->params.end(),
+                                 [&](const EngineParam& p) { return p.name == w.name; });
+    ASSERT_NE(it, L->params.end());
+    EXPECT_EQ(it->shape, w.shape);
+  }
+}
+
+// FP8 as DeepSeek-V3 and Kimi-K2 ship (block 128 x 128 weight_scale_inv): every quantized linear
+// of the engine layout has its scale under the engine's name, the router, its bias and the norms
+// stay unquantized, and no TP slice of either model cuts a block up to TP 8.
+TEST(FusedArchsFacts, DeepseekFp8ScalesCarryTheEnginesNames) {
+  for (const char* model : {"deepseek-v3", "kimi-k2"})
+    for (EngineProtocol protocol : {EngineProtocol::kVllm, EngineProtocol::kSglang})
+      for (int tp : {1, 2, 4, 8}) {
+        SCOPED_TRACE(fmt::format("{} {} tp {}", model, engine_protocol_name(protocol), tp));
+        auto spec = load_model_spec(model);
+        ASSERT_TRUE(spec.ok());
+        Config cfg = engine_config(model, protocol, tp);
+        cfg.refit.target_precision = DType::kFloat8E4M3;
+        auto wire = wire_model(cfg, *spec);
+        ASSERT_TRUE(wire.ok()) << wire.status().to_string();
+        auto L = engine_wire_layout(cfg, *spec, *wire, tp - 1);
+        ASSERT_TRUE(L.ok()) << L.status().to_string();
+        if (std::string(model) != "deepseek-v3" || tp != 8) continue;
+        std::map<std::string, const EngineParam*> by_name;
+        for (const EngineParam& p : L->params) by_name[p.name] = &p;
+        const std::string a = "model.layers.5.self_attn.", m = "model.layers.5.mlp.";
+        const std::string fused = protocol == EngineProtocol::kSglang
+                                      ? "fused_qkv_a_proj_with_mqa.weight"
+                                      : "fused_qkv_a_proj.weight";
+        using S = std::vector<std::int64_t>;
+        const std::vector<std::pair<std::string, S>> scales = {
+            {a + fused + "_scale_inv", {17, 56}},  // 12 blocks of q_a, 5 of kv_a (576 rows)
+            {a + "q_b_proj.weight_scale_inv", {24, 12}},
+            {a + "kv_b_proj.weight_scale_inv", {32, 4}},
+            {a + "o_proj.weight_scale_inv", {56, 16}},
+            {m + "experts.w13_weight_scale_inv", {256, 4, 56}},
+            {m + "experts.w2_weight_scale_inv", {256, 56, 2}},
+            {m + "shared_experts.gate_up_proj.weight_scale_inv", {4, 56}},
+            {m + "shared_experts.down_proj.weight_scale_inv", {56, 2}},
+            {"model.layers.0.mlp.gate_up_proj.weight_scale_inv", {36, 56}},
+            {"model.layers.0.mlp.down_proj.weight_scale_inv", {56, 18}}};
+        for (const auto& [name, shape] : scales) {
+          ASSERT_TRUE(by_name.count(name)) << name;
+          EXPECT_EQ(by_name[name]->shape, shape) << name;
+          EXPECT_EQ(by_name[name]->dtype, DType::kFloat32) << name;
+          EXPECT_EQ(by_name[name.substr(0, name.size() - std::string("_scale_inv").size())]->dtype,
+                    DType::kFloat8E4M3)
+              << name;
+        }
+        EXPECT_EQ(by_name[m + "gate.weight"]->dtype, DType::kBFloat16);
+        EXPECT_EQ(by_name[m + "gate.e_score_correction_bias"]->dtype, DType::kFloat32);
+        EXPECT_EQ(by_name[a + "kv_a_layernorm.weight"]->dtype, DType::kBFloat16);
+        EXPECT_FALSE(by_name.count(m + "gate.weight_scale_inv"));
+        EXPECT_FALSE(by_name.count(a + "q_a_layernorm.weight_scale_inv"));
+      }
+}
+
+// A block the fused a-projection would cut is refused at setup, naming the parameter and the
+// tensor: with 16-row blocks, kv_a_proj_with_mqa starts at row 24 of fused_qkv_a_proj (tiny
+// q_lora_rank 24), so its first block would share a scale with q_a_proj's last.
+TEST(FusedArchsFacts, Fp8BlockCutByTheFusedAProjectionIsRefused) {
+  auto spec = load_model_spec("tiny-deepseek");
+  ASSERT_TRUE(spec.ok());
+  Config cfg = engine_config("tiny-deepseek", EngineProtocol::kVllm, 1);
+  cfg.refit.target_precision = DType::kFloat8E4M3;
+  cfg.refit.fp8 = Fp8Config{.block_rows = 16, .block_cols = 16, .given = true};
+  auto wire = wire_model(cfg, *spec);
+  ASSERT_TRUE(wire.ok()) << wire.status().to_string();
+  auto L = engine_wire_layout(cfg, *spec, *wire, 0);
+  ASSERT_FALSE(L.ok());
+  EXPECT_NE(L.status().message().find(
+                "parameter model.layers.0.self_attn.fused_qkv_a_proj.weight takes rows [0, 24) x "
+                "cols [0, 48) of model.layers.0.self_attn.q_a_proj.weight [24, 48] at row 0, col "
+                "0 of its [52, 48]; that cuts a 16 x 16 block"),
+            std::string::npos)
+      << L.status().message();
+  cfg.refit.fp8.block_rows = cfg.refit.fp8.block_cols = 8;  // 24 = 3 blocks: every piece fits
+  auto wire8 = wire_model(cfg, *spec);
+  ASSERT_TRUE(wire8.ok());
+  EXPECT_TRUE(engine_wire_layout(cfg, *spec, *wire8, 0).ok());
+}
+
+// GLM-4.5-Air's dense MLP (intermediate_size 10944, 85.5 blocks of 128) cannot be block-quantized
+// as one gate_up_proj at any TP size: gate's last block would share its scale with up's first.
+TEST(FusedArchsFacts, Glm45AirDenseMlpCutsA128Block) {
+  auto spec = load_model_spec("glm-4.5-air");
+  ASSERT_TRUE(spec.ok());
+  Config cfg = engine_config("glm-4.5-air", EngineProtocol::kVllm, 1);
+  cfg.refit.target_precision = DType::kFloat8E4M3;
+  auto wire = wire_model(cfg, *spec);
+  ASSERT_TRUE(wire.ok());
+  auto L = engine_wire_layout(cfg, *spec, *wire, 0);
+  ASSERT_FALSE(L.ok());
+  EXPECT_NE(L.status().message().find("parameter model.layers.0.mlp.gate_up_proj.weight takes rows "
+                                      "[0, 10944) x cols [0, 4096) of "
+                                      "model.layers.0.mlp.gate_proj.weight"),
+            std::string::npos)
+      << L.status().message();
 }
 
 // What needs facts refit lacks for them is refused: the Megatron bridge and the logit check.

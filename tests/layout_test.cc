@@ -333,6 +333,11 @@ std::int64_t expected_copies(const ModelSpec& spec, const TensorSpec& ts, std::i
     case ParamRole::kPreFfnNorm:
     case ParamRole::kPostFfnNorm:
     case ParamRole::kSharedExpertGate:
+    case ParamRole::kRouterBias:
+    case ParamRole::kQAProj:  // MLA's a-projections and their norms are replicated
+    case ParamRole::kQALayerNorm:
+    case ParamRole::kKvAProj:
+    case ParamRole::kKvALayerNorm:
       return t;
     case ParamRole::kQkvProj:  // q rows once, k/v rows as kKProj: no single count
       return -1;
@@ -356,6 +361,8 @@ std::int64_t expected_copies(const ModelSpec& spec, const TensorSpec& ts, std::i
     case ParamRole::kSharedGate:
     case ParamRole::kSharedUp:
     case ParamRole::kSharedDown:
+    case ParamRole::kQBProj:
+    case ParamRole::kKvBProj:
       return 1;
     case ParamRole::kOther:  // header tables: only the hf layout, where every rank holds all
       return t;

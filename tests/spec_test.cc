@@ -34,13 +34,142 @@ INSTANTIATE_TEST_SUITE_P(Presets, PresetTotals,
                                            Published{"gemma-2-2b", 2'614'341'888, 288},
                                            Published{"gemma-3-1b", 999'885'952, 340},
                                            Published{"phi-3-mini", 3'821'079'552, 195},
-                                           Published{"qwen1.5-moe-a2.7b", 14'315'784'192, 4'659}),
+                                           Published{"qwen1.5-moe-a2.7b", 14'315'784'192, 4'659},
+                                           // Model card: 671B total (685B with the MTP layer,
+                                           // which is not part of the table).
+                                           Published{"deepseek-v3", 671'026'419'200, 45'395},
+                                           // Model card: 1T total (1.04T elsewhere).
+                                           Published{"kimi-k2", 1'026'408'232'448, 69'975},
+                                           // Model card: 106B total (110B with the MTP layer).
+                                           Published{"glm-4.5-air", 106'852'251'264, 17'925}),
                          [](const auto& info) {
                            std::string n = info.param.preset;
                            for (auto& ch : n)
                              if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            return n;
                          });
+
+// The activated parameters of the published model cards: every tensor but the routed experts,
+// plus num_experts_per_tok of them per MoE layer (GLM counts them without the embeddings).
+TEST(Spec, FrontierMoeActivatedParametersMatchTheModelCards) {
+  struct Card {
+    const char* preset;
+    std::int64_t billions;
+    bool without_embeddings;
+  };
+  for (const Card& card : {Card{"deepseek-v3", 37, false}, Card{"kimi-k2", 32, false},
+                           Card{"glm-4.5-air", 12, true}}) {
+    SCOPED_TRACE(card.preset);
+    auto spec = load_model_spec(card.preset);
+    ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+    const ModelConfig& c = spec->config();
+    std::int64_t active = 0;
+    for (const TensorSpec& t : spec->tensors()) {
+      const bool routed = t.role == ParamRole::kExpertGate || t.role == ParamRole::kExpertUp ||
+                          t.role == ParamRole::kExpertDown;
+      const bool embedding = t.role == ParamRole::kEmbedding || t.role == ParamRole::kLmHead;
+      if (card.without_embeddings && embedding) continue;
+      if (!routed || t.expert < c.num_experts_per_tok) active += t.numel();
+    }
+    EXPECT_EQ(active / 1'000'000'000, card.billions) << active;
+  }
+}
+
+// DeepSeek-V3's table, as transformers' DeepseekV3ForCausalLM names it: MLA, three dense layers,
+// then MoE layers with a float32 correction bias and one shared-experts MLP; no MTP layer.
+TEST(Spec, DeepseekV3TableIsTransformersStateDict) {
+  auto spec = load_model_spec("deepseek-v3");
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  auto shape = [&](const std::string& name) {
+    const auto at = spec->find(name);
+    EXPECT_TRUE(at) << name;
+    return at ? spec->tensors()[*at].shape : std::vector<std::int64_t>{};
+  };
+  using S = std::vector<std::int64_t>;
+  const std::string a = "model.layers.0.self_attn.";
+  EXPECT_EQ(shape(a + "q_a_proj.weight"), (S{1536, 7168}));
+  EXPECT_EQ(shape(a + "q_a_layernorm.weight"), (S{1536}));
+  EXPECT_EQ(shape(a + "q_b_proj.weight"), (S{128 * 192, 1536}));
+  EXPECT_EQ(shape(a + "kv_a_proj_with_mqa.weight"), (S{576, 7168}));
+  EXPECT_EQ(shape(a + "kv_a_layernorm.weight"), (S{512}));
+  EXPECT_EQ(shape(a + "kv_b_proj.weight"), (S{128 * 256, 512}));
+  EXPECT_EQ(shape(a + "o_proj.weight"), (S{7168, 128 * 128}));
+  EXPECT_FALSE(spec->find(a + "q_proj.weight"));
+  EXPECT_EQ(shape("model.layers.2.mlp.gate_proj.weight"), (S{18432, 7168}));
+  EXPECT_FALSE(spec->find("model.layers.2.mlp.gate.weight"));
+  EXPECT_EQ(shape("model.layers.3.mlp.gate.weight"), (S{256, 7168}));
+  EXPECT_EQ(shape("model.layers.3.mlp.gate.e_score_correction_bias"), (S{256}));
+  EXPECT_EQ(shape("model.layers.60.mlp.experts.255.down_proj.weight"), (S{7168, 2048}));
+  EXPECT_EQ(shape("model.layers.60.mlp.shared_experts.up_proj.weight"), (S{2048, 7168}));
+  EXPECT_FALSE(spec->find("model.layers.61.eh_proj.weight"));  // the MTP layer
+  EXPECT_EQ(spec->config().num_nextn_predict_layers, 1);
+  // HF order within an MoE layer: experts, the router and its bias, the shared experts.
+  EXPECT_LT(*spec->find("model.layers.3.mlp.experts.255.down_proj.weight"),
+            *spec->find("model.layers.3.mlp.gate.weight"));
+  EXPECT_EQ(*spec->find("model.layers.3.mlp.gate.weight") + 1,
+            *spec->find("model.layers.3.mlp.gate.e_score_correction_bias"));
+  EXPECT_LT(*spec->find("model.layers.3.mlp.gate.e_score_correction_bias"),
+            *spec->find("model.layers.3.mlp.shared_experts.gate_proj.weight"));
+}
+
+// q_lora_rank null (DeepSeek-V2-Lite, Moonlight): one q_proj, no q_a / q_b; several shared experts
+// in one MLP of moe_intermediate_size * n_shared_experts; first_k_dense_replace dense layers.
+TEST(Spec, DeepseekTinyTablesCoverEveryVariant) {
+  auto lite = load_model_spec("tiny-deepseek-lite");
+  ASSERT_TRUE(lite.ok()) << lite.status().to_string();
+  using S = std::vector<std::int64_t>;
+  EXPECT_EQ(lite->tensors()[*lite->find("model.layers.0.self_attn.q_proj.weight")].shape,
+            (S{4 * 12, 40}));
+  EXPECT_FALSE(lite->find("model.layers.0.self_attn.q_a_proj.weight"));
+  EXPECT_FALSE(lite->find("model.layers.0.self_attn.q_a_layernorm.weight"));
+  EXPECT_TRUE(lite->find("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_TRUE(lite->find("model.layers.1.mlp.gate.e_score_correction_bias"));
+  auto ds = load_model_spec("tiny-deepseek");
+  ASSERT_TRUE(ds.ok()) << ds.status().to_string();
+  EXPECT_EQ(ds->config().first_k_dense_replace, 2);
+  EXPECT_TRUE(ds->find("model.layers.1.mlp.up_proj.weight"));
+  EXPECT_FALSE(ds->find("model.layers.1.mlp.gate.weight"));
+  EXPECT_EQ(ds->tensors()[*ds->find("model.layers.2.mlp.shared_experts.gate_proj.weight")].shape,
+            (S{2 * 16, 48}));                                           // two shared experts of 16
+  EXPECT_FALSE(ds->find("model.layers.4.self_attn.kv_b_proj.weight"));  // MTP: not in the table
+  auto glm = load_model_spec("tiny-glm4-moe");
+  ASSERT_TRUE(glm.ok()) << glm.status().to_string();
+  EXPECT_TRUE(glm->find("model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_TRUE(glm->find("model.layers.0.self_attn.k_norm.weight"));
+  EXPECT_FALSE(glm->find("model.layers.0.self_attn.o_proj.bias"));
+  EXPECT_TRUE(glm->find("model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_TRUE(glm->find("model.layers.1.mlp.gate.e_score_correction_bias"));
+  EXPECT_TRUE(glm->find("model.layers.2.mlp.shared_experts.down_proj.weight"));
+  EXPECT_FALSE(glm->find("model.layers.3.mlp.gate.weight"));  // MTP: not in the table
+}
+
+// What the engines and transformers would disagree on is refused at parse time, naming the key.
+TEST(Spec, DeepseekConfigsTheEnginesDoNotServeAreRefused) {
+  const std::string base =
+      R"("architectures":["DeepseekV3ForCausalLM"],"hidden_size":16,"intermediate_size":32,)"
+      R"("moe_intermediate_size":8,"num_hidden_layers":2,"num_attention_heads":2,)"
+      R"("q_lora_rank":8,"kv_lora_rank":8,"qk_nope_head_dim":4,"qk_rope_head_dim":4,)"
+      R"("v_head_dim":4,"n_routed_experts":4,"num_experts_per_tok":2,"first_k_dense_replace":1,)"
+      R"("vocab_size":64)";
+  ASSERT_TRUE(parse_hf_config("{" + base + R"(,"topk_method":"noaux_tc"})").ok());
+  struct Case {
+    std::string extra, words;
+  };
+  for (const Case& c :
+       {Case{"", R"(needs "topk_method": "noaux_tc")"},
+        Case{R"(,"topk_method":"greedy")", R"(got "greedy")"},
+        Case{R"(,"topk_method":"noaux_tc","attention_bias":true)", "attention_bias"},
+        Case{R"(,"topk_method":"noaux_tc","moe_layer_freq":2)", "moe_layer_freq 2"},
+        Case{R"(,"topk_method":"noaux_tc","tie_word_embeddings":true)", "tie_word_embeddings"},
+        Case{R"(,"topk_method":"noaux_tc","kv_lora_rank":null)",
+             R"(missing required key "kv_lora_rank")"},
+        Case{R"(,"topk_method":"noaux_tc","first_k_dense_replace":-1)",
+             R"("first_k_dense_replace" must be an integer)"}}) {
+    auto r = parse_hf_config("{" + base + c.extra + "}");
+    ASSERT_FALSE(r.ok()) << c.extra;
+    EXPECT_NE(r.status().message().find(c.words), std::string::npos) << r.status().message();
+  }
+}
 
 TEST(Spec, Qwen2HasBiasAndDerivedHeadDim) {
   auto spec = load_model_spec("qwen2.5-0.5b");

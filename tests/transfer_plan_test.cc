@@ -312,10 +312,10 @@ TEST(TransferPlan, ChecksumsOfBothSidesAgreeAndCatchOneElement) {
                                              s->engines[static_cast<std::size_t>(g)],
                                              param_ptrs[static_cast<std::size_t>(g)]);
     for (int r : s->plan.sources_of(g)) {
-      auto a = (*plane)->checksum(
-          trainer_checksum_runs(*s, r, g, shard_ptrs[static_cast<std::size_t>(r)]),
-          DType::kFloat32, DType::kBFloat16);
-      auto b = (*plane)->checksum(landed.at(r), DType::kBFloat16, DType::kBFloat16);
+      const auto sent = trainer_checksum_runs(*s, r, g, shard_ptrs[static_cast<std::size_t>(r)]);
+      EXPECT_EQ(sent.size(), 1u);  // one dtype: bf16
+      auto a = checksum_groups(**plane, sent, DType::kFloat32);
+      auto b = checksum_groups(**plane, landed.at(r), std::nullopt);
       EXPECT_TRUE(a.ok() && b.ok());
       out[r] = {*a, *b};
     }

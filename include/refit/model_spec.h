@@ -25,21 +25,25 @@
 namespace refit {
 
 enum class Architecture {
-  kLlama,     // LlamaForCausalLM
-  kQwen2,     // Qwen2ForCausalLM (q/k/v bias)
-  kQwen3,     // Qwen3ForCausalLM (q/k norms)
-  kMistral,   // MistralForCausalLM
-  kQwen3Moe,  // Qwen3MoeForCausalLM (q/k norms, routed experts)
-  kGemma2,    // Gemma2ForCausalLM (pre/post feed-forward norms, tied embeddings)
-  kGemma3,    // Gemma3ForCausalLM, text only (Gemma 2's norms plus q/k norms)
-  kPhi3,      // Phi3ForCausalLM (q/k/v and gate/up already fused in the checkpoint)
-  kQwen2Moe,  // Qwen2MoeForCausalLM (q/k/v bias, routed experts plus a gated shared expert)
-  kOther,     // any other class: the tensor table comes from the checkpoint's headers
+  kLlama,       // LlamaForCausalLM
+  kQwen2,       // Qwen2ForCausalLM (q/k/v bias)
+  kQwen3,       // Qwen3ForCausalLM (q/k norms)
+  kMistral,     // MistralForCausalLM
+  kQwen3Moe,    // Qwen3MoeForCausalLM (q/k norms, routed experts)
+  kGemma2,      // Gemma2ForCausalLM (pre/post feed-forward norms, tied embeddings)
+  kGemma3,      // Gemma3ForCausalLM, text only (Gemma 2's norms plus q/k norms)
+  kPhi3,        // Phi3ForCausalLM (q/k/v and gate/up already fused in the checkpoint)
+  kQwen2Moe,    // Qwen2MoeForCausalLM (q/k/v bias, routed experts plus a gated shared expert)
+  kDeepseekV3,  // DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2, Moonlight): MLA, dense first
+                // layers, routed and shared experts, a float32 router correction bias
+  kGlm4Moe,     // Glm4MoeForCausalLM (GLM-4.5/4.6): q/k/v bias, optional q/k norms, dense first
+                // layers, routed and shared experts, a float32 router correction bias
+  kOther,       // any other class: the tensor table comes from the checkpoint's headers
 };
 
 // The Llama family (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE): the architectures whose Megatron
 // names refit's bridge knows (docs/megatron.md) and that its reference forward covers
-// (src/engine/forward.h). The others have a table and, but for kOther, a fused layout only.
+// (src/harness/forward.h). The others have a table and, but for kOther, a fused layout only.
 bool llama_family(Architecture arch);
 
 // HF architecture string ("Qwen3ForCausalLM") of an Architecture; "other" for kOther (its real
@@ -69,15 +73,34 @@ struct ModelConfig {
   bool tie_word_embeddings = false;    // no lm_head.weight when true
   bool attention_bias = false;         // q/k/v_proj.bias (Qwen2 always; Llama if set)
   bool qk_norm = false;                // self_attn.{q,k}_norm.weight (Qwen3, Qwen3-MoE)
-  // Qwen3-MoE only (num_experts == 0 for dense models).
+  // MoE models only (num_experts == 0 for dense models).
   std::int64_t num_experts = 0;          // E
   std::int64_t num_experts_per_tok = 0;  // top-k of the router
   std::int64_t moe_intermediate_size = 0;
   std::int64_t decoder_sparse_step = 1;       // layer i is MoE when (i+1) % step == 0 ...
   std::vector<std::int64_t> mlp_only_layers;  // ... and i is not listed here
   bool norm_topk_prob = true;
-  // Qwen2-MoE: the shared expert's I (0: no shared expert).
+  // The shared expert's I (0: no shared expert). Qwen2-MoE: shared_expert_intermediate_size, one
+  // gated mlp.shared_expert; DeepSeek-V3 / GLM-4.5: moe_intermediate_size * n_shared_experts, one
+  // ungated mlp.shared_experts MLP holding all of them.
   std::int64_t shared_expert_intermediate_size = 0;
+  std::int64_t n_shared_experts = 0;  // DeepSeek-V3 / GLM-4.5 (the count behind the size above)
+  // DeepSeek-V3 / GLM-4.5: layers [0, first_k_dense_replace) are dense, every later one MoE.
+  std::int64_t first_k_dense_replace = 0;
+  // mlp.gate.e_score_correction_bias [E] in every MoE layer (DeepSeek-V3 with topk_method
+  // noaux_tc, GLM-4.5); the engines keep it in float32 (docs/models.md).
+  bool router_bias = false;
+  // Multi-head latent attention (DeepSeek-V3). q_lora_rank 0: config.json's null, one q_proj
+  // [nq * (nope + rope), H] instead of q_a_proj / q_a_layernorm / q_b_proj.
+  bool mla = false;
+  std::int64_t q_lora_rank = 0;
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t qk_nope_head_dim = 0;
+  std::int64_t qk_rope_head_dim = 0;
+  std::int64_t v_head_dim = 0;
+  // Multi-token-prediction layers after the decoder layers (DeepSeek-V3, GLM-4.5
+  // num_nextn_predict_layers): read, never part of the table (docs/models.md, "MTP layers").
+  std::int64_t num_nextn_predict_layers = 0;
   // Gemma 2 / 3: pre_/post_feedforward_layernorm in every layer.
   bool feedforward_norms = false;
   // Phi-3: the checkpoint holds self_attn.qkv_proj and mlp.gate_up_proj already fused.
@@ -113,8 +136,8 @@ enum class ParamRole {
   kDownProj,  // dense MLP [H, I]
   kRouter,    // mlp.gate.weight [E, H]
   kExpertGate,
-  kExpertUp,    // [I_moe, H]
-  kExpertDown,  // [H, I_moe]
+  kExpertUp,     // [I_moe, H]
+  kExpertDown,   // [H, I_moe]
   kPreFfnNorm,   // pre_feedforward_layernorm.weight [H] (Gemma)
   kPostFfnNorm,  // post_feedforward_layernorm.weight [H] (Gemma)
   kQkvProj,      // self_attn.qkv_proj.weight [(nq + 2 nkv) d, H] = [q; k; v] (Phi-3)
@@ -123,7 +146,16 @@ enum class ParamRole {
   kSharedUp,          // mlp.shared_expert.{gate,up}_proj.weight [I_sh, H] (Qwen2-MoE)
   kSharedDown,        // mlp.shared_expert.down_proj.weight [H, I_sh]
   kSharedExpertGate,  // mlp.shared_expert_gate.weight [1, H]
-  kOther,       // a tensor of a table read from safetensors headers (no architecture facts)
+  kRouterBias,        // mlp.gate.e_score_correction_bias [E] (DeepSeek-V3, GLM-4.5; float32)
+  // Multi-head latent attention (DeepSeek-V3); its q_proj (q_lora_rank null) is kQProj
+  // [nq * (nope + rope), H] and its o_proj kOProj [H, nq * v].
+  kQAProj,        // self_attn.q_a_proj.weight [q_lora_rank, H]
+  kQALayerNorm,   // self_attn.q_a_layernorm.weight [q_lora_rank]
+  kQBProj,        // self_attn.q_b_proj.weight [nq * (nope + rope), q_lora_rank]
+  kKvAProj,       // self_attn.kv_a_proj_with_mqa.weight [kv_lora_rank + rope, H]
+  kKvALayerNorm,  // self_attn.kv_a_layernorm.weight [kv_lora_rank]
+  kKvBProj,       // self_attn.kv_b_proj.weight [nq * (nope + v), kv_lora_rank]
+  kOther,         // a tensor of a table read from safetensors headers (no architecture facts)
 };
 
 struct TensorSpec {

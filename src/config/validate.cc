@@ -292,6 +292,15 @@ Status check_fp8(const Config& c, const ModelSpec& spec) {
   REFIT_RETURN_IF_ERROR(check_int_rule("refit.fp8.block", c.refit.fp8.block_rows, kFp8BlockRule));
   REFIT_RETURN_IF_ERROR(check_int_rule("refit.fp8.block", c.refit.fp8.block_cols, kFp8BlockRule));
   REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(c, spec));
+  // Parameters the engines keep in a dtype of their own (engine_dtype, spec/fp8.h) travel on the
+  // transfer plan, whose routes carry their dtype; gather buckets hold one dtype.
+  if (const auto apart = wire.first_kept_apart(); apart && c.refit.executor == Executor::kGather)
+    return invalid(
+        "refit.executor",
+        fmt::format("gather moves full buckets in one dtype, and {}'s engines keep {} in "
+                    "{} (docs/models.md, \"Engine dtypes\")",
+                    c.model, wire.spec.tensors()[*apart].name, dtype_name(wire.dtype[*apart])),
+        "gather", "auto, peer or p2p");
   if (!fp8) return Status::Ok();
   if (c.refit.executor == Executor::kGather)
     return invalid("refit.executor",
@@ -315,28 +324,31 @@ Status check_fp8(const Config& c, const ModelSpec& spec) {
 // from safetensors headers has none (docs/models.md).
 Status check_architecture(const Config& c, const ModelSpec& spec) {
   const std::string& arch = spec.config().architecture;
-  if (c.policy.backend == PolicyBackend::kMegatron && !llama_family(spec.config().arch))
+  if (c.policy.backend == PolicyBackend::kMegatron && !llama_family(spec.config().arch)) {
+    // Megatron-Core's multi-latent attention (linear_q_down_proj, linear_kv_down_proj, ...) and
+    // its shared experts are not in refit's bridge (docs/megatron.md, docs/models.md).
+    const bool mla = spec.config().mla;
+    const bool shared = spec.config().shared_expert_intermediate_size > 0;
     return Status::Unsupported(fmt::format(
         "policy.backend: megatron needs an architecture refit's Megatron bridge knows "
         "(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
-        "Qwen3MoeForCausalLM: Megatron's parameter names and shard layouts); {} is {}; got "
+        "Qwen3MoeForCausalLM: Megatron's parameter names and shard layouts); {} is {}{}; got "
         "megatron; allowed: fsdp2{}",
-        c.model, arch, spec.known_architecture() ? "" : ", with generation.layout: hf"));
+        c.model, arch,
+        mla      ? " (Megatron-Core's multi-latent attention and shared-expert shards are not "
+                   "modelled)"
+        : shared ? " (Megatron-Core's shared-expert shards are not modelled)"
+                 : "",
+        spec.known_architecture() ? "" : ", with generation.layout: hf"));
+  }
   if (spec.known_architecture()) return Status::Ok();
-  // DeepSeek's engines derive state after loading and keep a float32 parameter: no in-place
-  // fused layout can serve them (docs/models.md, "DeepSeek-V3").
-  const bool deepseek = arch.rfind("Deepseek", 0) == 0;
   if (c.generation.layout == EngineLayout::kFused)
     return Status::Unsupported(fmt::format(
         "generation.layout: fused needs an architecture refit knows (the engine's fused "
-        "parameter names and TP slices); {} is {}{}; got fused; allowed: hf (every engine rank "
+        "parameter names and TP slices); {} is {}; got fused; allowed: hf (every engine rank "
         "receives the whole tensors under their Hugging Face names, and the engine's "
         "load_weights fuses and slices them)",
-        c.model, arch,
-        deepseek ? " (refit has no fused layout for it: vLLM and SGLang derive the MLA matrices "
-                   "from kv_b_proj after loading and keep mlp.gate.e_score_correction_bias in "
-                   "float32, which in-place writes cannot serve)"
-                 : ""));
+        c.model, arch));
   return Status::Ok();
 }
 

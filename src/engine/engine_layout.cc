@@ -23,6 +23,9 @@ struct LayerTensors {
   std::uint32_t qkv = kNone, gate_up = kNone;                 // fused in the checkpoint (Phi-3)
   std::uint32_t shared_gate = kNone, shared_up = kNone, shared_down = kNone;  // Qwen2-MoE
   std::uint32_t shared_expert_gate = kNone;
+  std::uint32_t router_bias = kNone;                         // DeepSeek-V3, GLM-4.5
+  std::uint32_t q_a = kNone, q_a_norm = kNone, q_b = kNone;  // MLA
+  std::uint32_t kv_a = kNone, kv_a_norm = kNone, kv_b = kNone;
 };
 
 struct SpecIndex {
@@ -141,6 +144,27 @@ Result<SpecIndex> index_spec(const ModelSpec& spec) {
       case ParamRole::kSharedExpertGate:
         L->shared_expert_gate = i;
         break;
+      case ParamRole::kRouterBias:
+        L->router_bias = i;
+        break;
+      case ParamRole::kQAProj:
+        L->q_a = i;
+        break;
+      case ParamRole::kQALayerNorm:
+        L->q_a_norm = i;
+        break;
+      case ParamRole::kQBProj:
+        L->q_b = i;
+        break;
+      case ParamRole::kKvAProj:
+        L->kv_a = i;
+        break;
+      case ParamRole::kKvALayerNorm:
+        L->kv_a_norm = i;
+        break;
+      case ParamRole::kKvBProj:
+        L->kv_b = i;
+        break;
       case ParamRole::kOther:
         return Status::Internal(
             fmt::format("engine layout: tensor {} has no role for the fused layout", t.name));
@@ -198,6 +222,83 @@ class Builder {
   EngineShardLayout& out_;
 };
 
+// Grouped-query attention of one layer on TP rank r of t (vLLM's and SGLang's QKVParallelLinear,
+// RowParallelLinear): q heads split; kv heads split when t <= nkv, else replicated with rank r
+// holding kv head r*nkv/t.
+Status gqa_attention(Builder& b, const ModelConfig& c, const LayerTensors& L, const std::string& p,
+                     std::int64_t t, std::int64_t r) {
+  const std::int64_t H = c.hidden_size, d = c.head_dim;
+  const std::int64_t q_rows = c.num_heads / t * d;
+  const std::int64_t kv_heads_local = t <= c.num_kv_heads ? c.num_kv_heads / t : 1;
+  const std::int64_t kv_rows = kv_heads_local * d;
+  const std::int64_t kv_row0 = r * c.num_kv_heads / t * d;
+  const std::int64_t qkv_rows = q_rows + 2 * kv_rows;
+  b.param(p + "self_attn.qkv_proj.weight", {qkv_rows, H});
+  if (c.fused_in_checkpoint) {  // Phi-3: q, k and v are row ranges of one HF tensor
+    const std::int64_t k0 = c.num_heads * d, v0 = k0 + c.num_kv_heads * d;
+    REFIT_RETURN_IF_ERROR(b.piece(L.qkv, r * q_rows, 0, q_rows, H, 0, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.qkv, k0 + kv_row0, 0, kv_rows, H, q_rows, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.qkv, v0 + kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+  } else {
+    REFIT_RETURN_IF_ERROR(b.piece(L.q, r * q_rows, 0, q_rows, H, 0, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.k, kv_row0, 0, kv_rows, H, q_rows, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.v, kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+  }
+  if (c.attention_bias) {  // 1-D: matrix view [1, n], so row ranges become column ranges
+    b.param(p + "self_attn.qkv_proj.bias", {qkv_rows});
+    REFIT_RETURN_IF_ERROR(b.piece(L.q_bias, 0, r * q_rows, 1, q_rows, 0, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.k_bias, 0, kv_row0, 1, kv_rows, 0, q_rows));
+    REFIT_RETURN_IF_ERROR(b.piece(L.v_bias, 0, kv_row0, 1, kv_rows, 0, q_rows + kv_rows));
+  }
+  const std::int64_t o_cols = c.num_heads * d / t;
+  b.param(p + "self_attn.o_proj.weight", {H, o_cols});
+  REFIT_RETURN_IF_ERROR(b.piece(L.o, 0, r * o_cols, H, o_cols, 0, 0));
+  if (c.qk_norm) {
+    REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.q_norm.weight", L.q_norm));
+    REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.k_norm.weight", L.k_norm));
+  }
+  return Status::Ok();
+}
+
+// Multi-head latent attention of one layer on TP rank r of t (vLLM's DeepseekV2MLAAttention and
+// SGLang's DeepseekV2AttentionMLA, both in models/deepseek_v2.py):
+//  - q_lora_rank set: q_a_proj and kv_a_proj_with_mqa in one replicated parameter, [q_a rows;
+//    kv_a rows] (vLLM: fused_qkv_a_proj, a MergedColumnParallelLinear with disable_tp; SGLang:
+//    fused_qkv_a_proj_with_mqa, a ReplicatedLinear its loader fills with torch.cat), then
+//    q_a_layernorm replicated and q_b_proj column-parallel (the rank's heads);
+//  - q_lora_rank null: q_proj column-parallel and kv_a_proj_with_mqa replicated;
+//  - kv_a_layernorm replicated, kv_b_proj column-parallel (the rank's heads, nope + v rows each),
+//    o_proj row-parallel (the rank's heads' v columns).
+Status mla_attention(Builder& b, const ModelConfig& c, const LayerTensors& L, const std::string& p,
+                     std::int64_t t, std::int64_t r, EngineProtocol protocol) {
+  const std::int64_t H = c.hidden_size, heads = c.num_heads / t;
+  const std::int64_t qk_head = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const std::int64_t kv_a_rows = c.kv_lora_rank + c.qk_rope_head_dim;
+  if (c.q_lora_rank > 0) {
+    const char* fused = protocol == EngineProtocol::kSglang
+                            ? "self_attn.fused_qkv_a_proj_with_mqa.weight"
+                            : "self_attn.fused_qkv_a_proj.weight";
+    b.param(p + fused, {c.q_lora_rank + kv_a_rows, H});
+    REFIT_RETURN_IF_ERROR(b.piece(L.q_a, 0, 0, c.q_lora_rank, H, 0, 0));
+    REFIT_RETURN_IF_ERROR(b.piece(L.kv_a, 0, 0, kv_a_rows, H, c.q_lora_rank, 0));
+    REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.q_a_layernorm.weight", L.q_a_norm));
+    b.param(p + "self_attn.q_b_proj.weight", {heads * qk_head, c.q_lora_rank});
+    REFIT_RETURN_IF_ERROR(
+        b.piece(L.q_b, r * heads * qk_head, 0, heads * qk_head, c.q_lora_rank, 0, 0));
+  } else {
+    REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.kv_a_proj_with_mqa.weight", L.kv_a));
+    b.param(p + "self_attn.q_proj.weight", {heads * qk_head, H});
+    REFIT_RETURN_IF_ERROR(b.piece(L.q, r * heads * qk_head, 0, heads * qk_head, H, 0, 0));
+  }
+  REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.kv_a_layernorm.weight", L.kv_a_norm));
+  const std::int64_t kv_b_rows = heads * (c.qk_nope_head_dim + c.v_head_dim);
+  b.param(p + "self_attn.kv_b_proj.weight", {kv_b_rows, c.kv_lora_rank});
+  REFIT_RETURN_IF_ERROR(b.piece(L.kv_b, r * kv_b_rows, 0, kv_b_rows, c.kv_lora_rank, 0, 0));
+  const std::int64_t o_cols = heads * c.v_head_dim;
+  b.param(p + "self_attn.o_proj.weight", {H, o_cols});
+  return b.piece(L.o, 0, r * o_cols, H, o_cols, 0, 0);
+}
+
 }  // namespace
 
 std::int64_t EngineParam::numel() const { return matrix_shape(shape).numel(); }
@@ -241,7 +342,7 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
   REFIT_RETURN_IF_ERROR(check_engine_tp(spec, tp_size));
   const ModelConfig& c = spec.config();
   const std::int64_t t = tp_size, r = tp_rank;
-  const std::int64_t H = c.hidden_size, d = c.head_dim;
+  const std::int64_t H = c.hidden_size;
   const std::int64_t padded_vocab =
       (c.vocab_size + kEngineVocabPadding - 1) / kEngineVocabPadding * kEngineVocabPadding;
   if (padded_vocab % t != 0)
@@ -250,14 +351,6 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
                     "{} rounded up to a multiple of {})",
                     tp_size, padded_vocab, c.vocab_size, kEngineVocabPadding));
   REFIT_ASSIGN_OR_RETURN(const SpecIndex ix, index_spec(spec));
-
-  // Attention: q heads are split; kv heads are split when t <= nkv, else replicated with rank r
-  // holding kv head r*nkv/t.
-  const std::int64_t q_rows = c.num_heads / t * d;
-  const std::int64_t kv_heads_local = t <= c.num_kv_heads ? c.num_kv_heads / t : 1;
-  const std::int64_t kv_rows = kv_heads_local * d;
-  const std::int64_t kv_row0 = r * c.num_kv_heads / t * d;
-  const std::int64_t qkv_rows = q_rows + 2 * kv_rows;
 
   EngineShardLayout out;
   out.tp_size = tp_size;
@@ -283,29 +376,10 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
     const LayerTensors& L = ix.layers[static_cast<std::size_t>(i)];
     const std::string p = fmt::format("model.layers.{}.", i);
 
-    b.param(p + "self_attn.qkv_proj.weight", {qkv_rows, H});
-    if (c.fused_in_checkpoint) {  // Phi-3: q, k and v are row ranges of one HF tensor
-      const std::int64_t k0 = c.num_heads * d, v0 = k0 + c.num_kv_heads * d;
-      REFIT_RETURN_IF_ERROR(b.piece(L.qkv, r * q_rows, 0, q_rows, H, 0, 0));
-      REFIT_RETURN_IF_ERROR(b.piece(L.qkv, k0 + kv_row0, 0, kv_rows, H, q_rows, 0));
-      REFIT_RETURN_IF_ERROR(b.piece(L.qkv, v0 + kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
+    if (c.mla) {
+      REFIT_RETURN_IF_ERROR(mla_attention(b, c, L, p, t, r, protocol));
     } else {
-      REFIT_RETURN_IF_ERROR(b.piece(L.q, r * q_rows, 0, q_rows, H, 0, 0));
-      REFIT_RETURN_IF_ERROR(b.piece(L.k, kv_row0, 0, kv_rows, H, q_rows, 0));
-      REFIT_RETURN_IF_ERROR(b.piece(L.v, kv_row0, 0, kv_rows, H, q_rows + kv_rows, 0));
-    }
-    if (c.attention_bias) {  // 1-D: matrix view [1, n], so row ranges become column ranges
-      b.param(p + "self_attn.qkv_proj.bias", {qkv_rows});
-      REFIT_RETURN_IF_ERROR(b.piece(L.q_bias, 0, r * q_rows, 1, q_rows, 0, 0));
-      REFIT_RETURN_IF_ERROR(b.piece(L.k_bias, 0, kv_row0, 1, kv_rows, 0, q_rows));
-      REFIT_RETURN_IF_ERROR(b.piece(L.v_bias, 0, kv_row0, 1, kv_rows, 0, q_rows + kv_rows));
-    }
-    const std::int64_t o_cols = c.num_heads * d / t;
-    b.param(p + "self_attn.o_proj.weight", {H, o_cols});
-    REFIT_RETURN_IF_ERROR(b.piece(L.o, 0, r * o_cols, H, o_cols, 0, 0));
-    if (c.qk_norm) {
-      REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.q_norm.weight", L.q_norm));
-      REFIT_RETURN_IF_ERROR(b.replicated(p + "self_attn.k_norm.weight", L.k_norm));
+      REFIT_RETURN_IF_ERROR(gqa_attention(b, c, L, p, t, r));
     }
 
     if (L.router != kNone) {
@@ -316,6 +390,11 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
         return Status::Internal(
             fmt::format("engine layout: layer {} does not list all {} experts", i, E));
       REFIT_RETURN_IF_ERROR(b.replicated(p + "mlp.gate.weight", L.router));
+      // DeepSeek-V3 / GLM-4.5: the router's correction bias, a float32 parameter of the gate
+      // module in both engines (vLLM: GateLinear / nn.Linear e_score_correction_bias; SGLang:
+      // MoEGate / Glm4MoeGate).
+      if (c.router_bias)
+        REFIT_RETURN_IF_ERROR(b.replicated(p + "mlp.gate.e_score_correction_bias", L.router_bias));
       b.param(p + "mlp.experts.w13_weight", {E, 2 * I, H});
       for (std::int64_t e = 0; e < E; ++e) {
         const auto ue = static_cast<std::size_t>(e);
@@ -326,7 +405,17 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
       for (std::int64_t e = 0; e < E; ++e)
         REFIT_RETURN_IF_ERROR(
             b.piece(L.expert_down[static_cast<std::size_t>(e)], 0, r * I, H, I, e * H, 0));
-      if (c.shared_expert_intermediate_size > 0) {  // Qwen2-MoE: a dense MLP beside the experts
+      if (c.n_shared_experts > 0) {
+        // DeepSeek-V3 / GLM-4.5: every shared expert in one MergedColumnParallelLinear /
+        // RowParallelLinear MLP, mlp.shared_experts (vLLM's and SGLang's DeepseekV2MLP /
+        // Glm4MoeMLP with moe_intermediate_size * n_shared_experts).
+        const std::int64_t S = c.shared_expert_intermediate_size / t;
+        b.param(p + "mlp.shared_experts.gate_up_proj.weight", {2 * S, H});
+        REFIT_RETURN_IF_ERROR(b.piece(L.shared_gate, r * S, 0, S, H, 0, 0));
+        REFIT_RETURN_IF_ERROR(b.piece(L.shared_up, r * S, 0, S, H, S, 0));
+        b.param(p + "mlp.shared_experts.down_proj.weight", {H, S});
+        REFIT_RETURN_IF_ERROR(b.piece(L.shared_down, 0, r * S, H, S, 0, 0));
+      } else if (c.shared_expert_intermediate_size > 0) {  // Qwen2-MoE: a gated shared expert
         const std::int64_t S = c.shared_expert_intermediate_size / t;
         b.param(p + "mlp.shared_expert.gate_up_proj.weight", {2 * S, H});
         REFIT_RETURN_IF_ERROR(b.piece(L.shared_gate, r * S, 0, S, H, 0, 0));

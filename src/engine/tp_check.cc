@@ -42,8 +42,15 @@ std::string engine_tp_problem(const ModelConfig& c, std::int64_t t) {
     return fmt::format("moe_intermediate_size ({}) is not divisible by {}", c.moe_intermediate_size,
                        t);
   if (has_moe_mlp(c) && c.shared_expert_intermediate_size % t != 0)
-    return fmt::format("shared_expert_intermediate_size ({}) is not divisible by {}",
-                       c.shared_expert_intermediate_size, t);
+    return c.n_shared_experts > 0
+               ? fmt::format("moe_intermediate_size * n_shared_experts ({}) is not divisible by {}",
+                             c.shared_expert_intermediate_size, t)
+               : fmt::format("shared_expert_intermediate_size ({}) is not divisible by {}",
+                             c.shared_expert_intermediate_size, t);
+  // SGLang's DeepSeek-V3 and GLM-4.5 MoE layers refuse a TP size above the number of routed
+  // experts (models/deepseek_v2.py, glm4_moe.py); vLLM's accept it, but one table serves both.
+  if (has_moe_mlp(c) && c.n_shared_experts > 0 && t > c.num_experts)
+    return fmt::format("{} exceeds n_routed_experts ({})", t, c.num_experts);
   return {};
 }
 

@@ -128,8 +128,7 @@ Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
   }
   const auto it = checksum_runs_.find(o_.sources[i]);
   if (it == checksum_runs_.end()) return std::uint64_t{0};
-  const DType dt = o_.config->refit.target_precision;
-  return o_.plane->checksum(it->second, dt, dt);
+  return checksum_groups(*o_.plane, it->second, std::nullopt);
 }
 
 Status RouteReceiver::receive(const EngineRefit& r) {

@@ -80,7 +80,7 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::vector<std::vector<P2POp>> recv_ops_;  // per round
   std::vector<std::vector<CopyRun>> runs_;    // per round: slot -> parameters
-  std::map<int, std::vector<CopyRun>> checksum_runs_;  // per trainer rank (refit.checksum)
+  std::map<int, std::vector<ChecksumGroup>> checksum_runs_;  // per trainer rank (refit.checksum)
   std::int64_t bytes_received_ = 0;
   int peer_sources_ = 0, p2p_sources_ = 0;
   double apply_seconds_ = 0;  // written on the apply thread

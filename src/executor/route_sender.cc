@@ -195,8 +195,7 @@ Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<
     it = checksum_runs_
              .emplace(i, trainer_checksum_runs(*o_.setup, o_.rank, o_.targets[i], shards))
              .first;
-  return o_.plane->checksum(it->second, o_.config->policy.dtype,
-                            o_.config->refit.target_precision);
+  return checksum_groups(*o_.plane, it->second, o_.config->policy.dtype);
 }
 
 Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& user_shards,

@@ -100,7 +100,7 @@ class RouteSender final : public TrainerExecutor {
   // Per target: the last export it sent whole (its answers then leave it out; resolve_export).
   std::vector<std::optional<ExportedParams>> held_;
   RouteCopies peer_runs_;
-  std::map<std::size_t, std::vector<CopyRun>> checksum_runs_;  // per target index
+  std::map<std::size_t, std::vector<ChecksumGroup>> checksum_runs_;  // per target index
   std::vector<RouteCopies> pack_runs_;  // per round (p2p targets only)
   std::unique_ptr<TrainerScales> scales_;  // FP8 only
   std::vector<void*> all_shards_;  // the caller's shards, then the FP8 scale tensors

@@ -161,9 +161,14 @@ void RouteCopies::add(const RouteSetup& setup, const Route& r, const std::byte* 
     quant_runs.push_back(run);
   } else if (f && f->is_scale(r.hf_tensor)) {
     scales.push_back(run);
-  } else {
-    cast_to = setup.plan.dtype_of(r);
+  } else if (const DType to = setup.plan.dtype_of(r); to == setup.wire.plain) {
+    cast_to = to;
     cast.push_back(run);
+  } else {
+    auto group =
+        std::find_if(apart.begin(), apart.end(), [&](const auto& g) { return g.first == to; });
+    if (group == apart.end()) group = apart.insert(apart.end(), {to, {}});
+    group->second.push_back(run);
   }
 }
 
@@ -175,6 +180,8 @@ Status RouteCopies::run(DataPlane& plane, DType policy, bool raw) const {
     if (!quant.empty())
       REFIT_RETURN_IF_ERROR(plane.copy(quant_runs, DType::kFloat8E4M3, DType::kFloat8E4M3));
   }
+  for (const auto& [to, runs] : apart)
+    REFIT_RETURN_IF_ERROR(plane.copy(runs, raw ? to : policy, to));
   if (!scales.empty())
     REFIT_RETURN_IF_ERROR(plane.copy(scales, DType::kFloat32, DType::kFloat32));
   return Status::Ok();
@@ -183,6 +190,7 @@ Status RouteCopies::run(DataPlane& plane, DType policy, bool raw) const {
 std::pair<const std::vector<CopyRun>*, DType> RouteCopies::written() const {
   if (quant_runs.size() > cast.size()) return {&quant_runs, DType::kFloat8E4M3};
   if (cast.empty() && !scales.empty()) return {&scales, DType::kFloat32};
+  if (cast.empty() && !apart.empty()) return {&apart.front().second, apart.front().first};
   return {&cast, cast_to};
 }
 
@@ -299,40 +307,60 @@ CopyRun checksum_run(const Route& r, const void* data, std::int64_t row, std::in
                            .cols = r.cols}};
 }
 
+// The group of `groups` for `dtype`, made when missing.
+std::vector<CopyRun>& group_of(std::vector<ChecksumGroup>& groups, DType dtype) {
+  for (ChecksumGroup& g : groups)
+    if (g.dtype == dtype) return g.runs;
+  return groups.emplace_back(ChecksumGroup{.dtype = dtype}).runs;
+}
+
 }  // namespace
 
-std::vector<CopyRun> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
-                                           const std::vector<void*>& shards) {
+std::vector<ChecksumGroup> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
+                                                 const std::vector<void*>& shards) {
   const EngineShardLayout& layout =
       setup.engines[static_cast<std::size_t>(engine) % setup.engines.size()];
   const std::vector<std::int64_t> key_base = param_key_bases(layout);
   const TrainerShardLayout& mine = setup.trainers[static_cast<std::size_t>(trainer)];
-  std::vector<CopyRun> runs;
+  std::vector<ChecksumGroup> groups;
   for (const Route& r : setup.plan.routes) {
     if (r.trainer != trainer || r.engine != engine || r.numel() == 0) continue;
     const std::int64_t tcols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-    runs.push_back(checksum_run(r, shards[r.trainer_tensor], r.trainer_row, r.trainer_col, tcols,
+    group_of(groups, layout.params[r.engine_param].dtype)
+        .push_back(checksum_run(r, shards[r.trainer_tensor], r.trainer_row, r.trainer_col, tcols,
                                 layout, key_base));
   }
-  return runs;
+  return groups;
 }
 
-std::map<int, std::vector<CopyRun>> engine_checksum_runs(const IncomingRoutes& in,
-                                                         const EngineShardLayout& layout,
-                                                         const std::vector<void*>& params) {
+std::map<int, std::vector<ChecksumGroup>> engine_checksum_runs(const IncomingRoutes& in,
+                                                               const EngineShardLayout& layout,
+                                                               const std::vector<void*>& params) {
   const std::vector<std::int64_t> key_base = param_key_bases(layout);
-  std::map<int, std::vector<CopyRun>> runs;
+  std::map<int, std::vector<ChecksumGroup>> runs;
   for (const auto& round : in.rounds)
     for (const IncomingSegment& seg : round) {
-      std::vector<CopyRun>& mine = runs[seg.trainer];
+      std::vector<ChecksumGroup>& mine = runs[seg.trainer];
       for (const Route& r : seg.routes) {
         if (r.numel() == 0) continue;
         const std::int64_t pcols = matrix_shape(layout.params[r.engine_param].shape).cols;
-        mine.push_back(checksum_run(r, params[r.engine_param], r.engine_row, r.engine_col, pcols,
+        group_of(mine, layout.params[r.engine_param].dtype)
+            .push_back(checksum_run(r, params[r.engine_param], r.engine_row, r.engine_col, pcols,
                                     layout, key_base));
       }
     }
   return runs;
+}
+
+Result<std::uint64_t> checksum_groups(DataPlane& plane, const std::vector<ChecksumGroup>& groups,
+                                      std::optional<DType> src) {
+  std::uint64_t sum = 0;  // the terms' sum modulo 2^64, whatever the grouping (common/checksum.h)
+  for (const ChecksumGroup& g : groups) {
+    REFIT_ASSIGN_OR_RETURN(const std::uint64_t part,
+                           plane.checksum(g.runs, src.value_or(g.dtype), g.dtype));
+    sum += part;
+  }
+  return sum;
 }
 
 RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout& layout, int trainer,

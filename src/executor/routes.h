@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,13 +68,16 @@ class TrainerScales;
 // (policy dtype -> the tensor's wire dtype; every tensor without fp8), FP8 scales (float32 as
 // they are) and FP8 weights (quantized with their block's scale, common/quantize.h).
 struct RouteCopies {
-  std::vector<CopyRun> cast;
+  std::vector<CopyRun> cast;  // to the wire model's plain dtype (WireModel::plain)
   DType cast_to = DType::kBFloat16;
+  // Casts of the tensors the engines keep in a dtype of their own (engine_dtype, spec/fp8.h: the
+  // router correction bias in float32), one group per dtype, in the order first met.
+  std::vector<std::pair<DType, std::vector<CopyRun>>> apart;
   std::vector<CopyRun> scales;
   std::vector<QuantRun> quant;
   std::vector<CopyRun> quant_runs;  // quant[i].run, for fault probes and raw passes
 
-  bool empty() const { return cast.empty() && scales.empty() && quant.empty(); }
+  bool empty() const { return cast.empty() && apart.empty() && scales.empty() && quant.empty(); }
   void clear();
   // Route `r` of `setup`, read at `src` (element block.src_offset, row stride block.src_stride of
   // its local tensor) and written at `dst` (element block.dst_offset, row stride
@@ -134,16 +138,25 @@ void finish_incoming(IncomingRoutes& in);
 
 // refit.checksum (common/checksum.h): the runs that checksum what one trainer rank sends one engine
 // rank, on each side, keyed by position in the engine rank's parameters (every parameter's
-// elements numbered from the first parameter's, in layout order).
+// elements numbered from the first parameter's, in layout order), grouped by the dtype the
+// elements travel in (their engine parameter's: the checksum of a pair is the sum of its groups').
 //  - trainer side: its routes to engine rank `engine`, read from `shards` (its registered local
-//    tensors, policy dtype; checksummed as the plan's dtype);
+//    tensors, policy dtype; checksummed as their parameter's dtype);
 //  - engine side: for each trainer rank in `in`, its routes as they landed in `params`.
 // Zero-element routes add nothing.
-std::vector<CopyRun> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
-                                           const std::vector<void*>& shards);
-std::map<int, std::vector<CopyRun>> engine_checksum_runs(const IncomingRoutes& in,
-                                                         const EngineShardLayout& layout,
-                                                         const std::vector<void*>& params);
+struct ChecksumGroup {
+  DType dtype = DType::kBFloat16;
+  std::vector<CopyRun> runs;
+};
+std::vector<ChecksumGroup> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
+                                                 const std::vector<void*>& shards);
+std::map<int, std::vector<ChecksumGroup>> engine_checksum_runs(const IncomingRoutes& in,
+                                                               const EngineShardLayout& layout,
+                                                               const std::vector<void*>& params);
+// The refit checksum of every group: `src` is the dtype the runs' sources hold (the trainer's
+// policy dtype; the engine's own parameters: nullopt, each group read as its dtype).
+Result<std::uint64_t> checksum_groups(DataPlane& plane, const std::vector<ChecksumGroup>& groups,
+                                      std::optional<DType> src);
 
 // Engine ranks that trainer rank `rank` talks to: its plan targets, and, on trainer rank 0, every
 // engine rank that receives from no one (it still needs a begin and a commit).

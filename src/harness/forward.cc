@@ -120,6 +120,13 @@ HfIndex index_hf(const ModelSpec& spec) {
       case ParamRole::kSharedUp:
       case ParamRole::kSharedDown:
       case ParamRole::kSharedExpertGate:
+      case ParamRole::kRouterBias:
+      case ParamRole::kQAProj:
+      case ParamRole::kQALayerNorm:
+      case ParamRole::kQBProj:
+      case ParamRole::kKvAProj:
+      case ParamRole::kKvALayerNorm:
+      case ParamRole::kKvBProj:
       case ParamRole::kOther:  // architectures without a forward here: refused before (forward.h)
         break;
     }

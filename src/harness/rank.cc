@@ -367,13 +367,32 @@ Status verify_params(DataPlane& plane, const RankModel& model, const WireModel& 
                      const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
                      const Config& cfg, int step, const std::string& who) {
   if (wire.fp8) return verify_fp8_params(plane, model, wire, layout, params, cfg, step, who);
-  const DType dt = cfg.refit.target_precision;
-  const std::size_t esize = dtype_size(dt);
-  REFIT_ASSIGN_OR_RETURN(auto found,
-                         plane.find_mismatch(model, params, step, cfg.policy.dtype, dt));
+  // One pass per engine dtype: the parameters in the plain dtype, then any kept apart (the router
+  // correction bias in float32, spec/fp8.h engine_dtype).
+  std::optional<std::pair<std::size_t, std::int64_t>> found;
+  std::vector<DType> dtypes;
+  for (const EngineParam& p : layout.params)
+    if (std::find(dtypes.begin(), dtypes.end(), p.dtype) == dtypes.end()) dtypes.push_back(p.dtype);
+  for (const DType group : dtypes) {
+    std::vector<PieceTarget> targets;
+    std::vector<std::size_t> index_of;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (layout.params[i].dtype == group) {
+        targets.push_back(params[i]);
+        index_of.push_back(i);
+      }
+    REFIT_ASSIGN_OR_RETURN(auto hit,
+                           plane.find_mismatch(model, targets, step, cfg.policy.dtype, group));
+    if (hit) {
+      found = std::make_pair(index_of[hit->first], hit->second);
+      break;
+    }
+  }
   if (!found) return Status::Ok();
   const auto [index, k] = *found;
   const EngineParam& p = layout.params[index];
+  const DType dt = p.dtype;
+  const std::size_t esize = dtype_size(dt);
   const std::int64_t cols = matrix_shape(p.shape).cols;
   const std::int64_t row = k / cols, col = k % cols;
   std::uint32_t got = 0, want = 0;

@@ -45,6 +45,10 @@ bool fp8_linear_weight(const TensorSpec& t) {
     case ParamRole::kSharedGate:
     case ParamRole::kSharedUp:
     case ParamRole::kSharedDown:
+    case ParamRole::kQAProj:  // MLA: DeepSeek-V3's FP8 checkpoints quantize every projection
+    case ParamRole::kQBProj:
+    case ParamRole::kKvAProj:
+    case ParamRole::kKvBProj:
       return true;
     case ParamRole::kOther: {
       // No architecture facts: a 2-D weight of a module whose last name component is a
@@ -54,13 +58,46 @@ bool fp8_linear_weight(const TensorSpec& t) {
       const std::string last = module.substr(module.rfind('.') + 1);
       return last.find("proj") != std::string::npos;
     }
-    default:
+    case ParamRole::kEmbedding:
+    case ParamRole::kLmHead:
+    case ParamRole::kFinalNorm:
+    case ParamRole::kInputNorm:
+    case ParamRole::kPostAttnNorm:
+    case ParamRole::kQBias:
+    case ParamRole::kKBias:
+    case ParamRole::kVBias:
+    case ParamRole::kQNorm:
+    case ParamRole::kKNorm:
+    case ParamRole::kRouter:
+    case ParamRole::kPreFfnNorm:
+    case ParamRole::kPostFfnNorm:
+    case ParamRole::kSharedExpertGate:
+    case ParamRole::kRouterBias:
+    case ParamRole::kQALayerNorm:
+    case ParamRole::kKvALayerNorm:
       return false;
   }
+  return false;
 }
 
 std::string fp8_scale_name(const std::string& name, Fp8Scheme scheme) {
   return name + (scheme == Fp8Scheme::kBlock ? "_scale_inv" : "_scale");
+}
+
+DType engine_dtype(const Config& config, const ModelSpec& spec, const TensorSpec& t, DType plain) {
+  if (t.role == ParamRole::kRouterBias) return DType::kFloat32;
+  if (t.role == ParamRole::kRouter && spec.config().arch == Architecture::kGlm4Moe &&
+      config.generation.backend == EngineProtocol::kVllm &&
+      config.generation.layout == EngineLayout::kFused)
+    return DType::kFloat32;
+  return plain;
+}
+
+std::optional<std::uint32_t> WireModel::first_kept_apart() const {
+  const std::size_t n = fp8 ? fp8->model_tensors : spec.tensors().size();
+  for (std::uint32_t t = 0; t < n; ++t)
+    if (dtype[t] != plain && dtype[t] != DType::kFloat8E4M3) return t;
+  return std::nullopt;
 }
 
 std::int64_t WireModel::payload_bytes() const {
@@ -87,7 +124,10 @@ Result<WireModel> wire_model(const Config& config, const ModelSpec& spec) {
           "\"{}\"), so its engines hold FP8 weights and scales; got {}; allowed: fp8",
           config.model, qc.quant_method, dtype_name(config.refit.target_precision)));
     w.spec = spec;
-    w.dtype.assign(spec.tensors().size(), config.refit.target_precision);
+    w.plain = config.refit.target_precision;
+    w.dtype.reserve(spec.tensors().size());
+    for (const TensorSpec& t : spec.tensors())
+      w.dtype.push_back(engine_dtype(config, spec, t, config.refit.target_precision));
     return w;
   }
   Fp8Table f;
@@ -139,7 +179,10 @@ Result<WireModel> wire_model(const Config& config, const ModelSpec& spec) {
   f.model_tensors = tensors.size();
   f.scale_of.assign(tensors.size(), -1);
   f.weight_of.assign(tensors.size(), -1);
-  w.dtype.assign(tensors.size(), kFp8UnquantizedDType);
+  w.plain = kFp8UnquantizedDType;
+  w.dtype.reserve(tensors.size());
+  for (const TensorSpec& t : tensors)
+    w.dtype.push_back(engine_dtype(config, spec, t, kFp8UnquantizedDType));
   for (std::uint32_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     if (!fp8_linear_weight(t)) continue;

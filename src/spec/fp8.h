@@ -38,12 +38,27 @@ struct WireModel {
   ModelSpec spec;              // the model's tensors, then the scales
   std::vector<DType> dtype;    // per wire tensor: what the engine stores
   std::optional<Fp8Table> fp8;  // set when refit.target_precision is fp8
+  // What every unquantized tensor is kept in but those engine_dtype keeps apart:
+  // refit.target_precision, or kFp8UnquantizedDType with fp8.
+  DType plain = DType::kBFloat16;
   // Bytes of one engine replica's copy of every wire tensor.
   std::int64_t payload_bytes() const;
+  // The first model tensor the engines keep in a dtype other than `plain` and other than FP8
+  // (engine_dtype), or nullopt.
+  std::optional<std::uint32_t> first_kept_apart() const;
 };
 
-// The engine dtype of the tensors FP8 leaves alone (embeddings, lm_head, norms, biases, routers).
+// The engine dtype of the tensors FP8 leaves alone (embeddings, lm_head, norms, biases, routers)
+// but for those engine_dtype keeps in float32.
 inline constexpr DType kFp8UnquantizedDType = DType::kBFloat16;
+
+// The dtype the engines keep unquantized HF tensor `t` in, when the rest of the model is in
+// `plain` (refit.target_precision, or kFp8UnquantizedDType with fp8): float32 for DeepSeek-V3's and
+// GLM-4.5's router correction bias (both engines, both layouts) and for GLM-4.5's router weight
+// in vLLM's fused layout (vLLM's Glm4MoE builds the gate as a float32 nn.Linear; SGLang's
+// Glm4MoeGate takes the model dtype); `plain` otherwise. Every such cast is exact: a float32 or
+// bfloat16 trainer value widens to float32 unchanged (docs/models.md, "Engine dtypes").
+DType engine_dtype(const Config& config, const ModelSpec& spec, const TensorSpec& t, DType plain);
 
 // The wire model of `config` over `spec`. Errors (setup): refit.fp8 contradicting the model
 // directory's quantization_config, a quantization_config that is not FP8, an architecture whose

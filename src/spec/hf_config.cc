@@ -50,6 +50,100 @@ double get_double(const json& j, const char* key, double fallback) {
   return (it != j.end() && it->is_number()) ? it->get<double>() : fallback;
 }
 
+// A count that may be 0 (first_k_dense_replace, num_nextn_predict_layers).
+Result<std::int64_t> get_count(const json& j, const char* key, std::int64_t fallback,
+                               std::int64_t max) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_number_integer() || it->get<std::int64_t>() < 0 || it->get<std::int64_t>() > max)
+    return Status::InvalidArgument(fmt::format(
+        "config.json: \"{}\" must be an integer in [0, {}], got {}", key, max, it->dump()));
+  return it->get<std::int64_t>();
+}
+
+// The MoE keys DeepSeek-V3 and GLM-4.5 share (transformers' DeepseekV3Config / Glm4MoeConfig):
+// n_routed_experts routed experts of moe_intermediate_size, n_shared_experts shared ones in one
+// MLP, layers [0, first_k_dense_replace) dense, every MoE router with a correction bias.
+Status parse_deepseek_moe(const json& j, ModelConfig& c, std::int64_t dense_default) {
+  REFIT_ASSIGN_OR_RETURN(c.intermediate_size,
+                         get_int(j, "intermediate_size", std::nullopt, kMaxFfn));
+  REFIT_ASSIGN_OR_RETURN(c.num_experts, get_int(j, "n_routed_experts", std::nullopt, kMaxExperts));
+  REFIT_ASSIGN_OR_RETURN(c.num_experts_per_tok,
+                         get_int(j, "num_experts_per_tok", std::nullopt, kMaxExperts));
+  REFIT_ASSIGN_OR_RETURN(c.moe_intermediate_size,
+                         get_int(j, "moe_intermediate_size", std::nullopt, kMaxFfn));
+  REFIT_ASSIGN_OR_RETURN(c.n_shared_experts, get_int(j, "n_shared_experts", 1, kMaxExperts));
+  if (c.moe_intermediate_size * c.n_shared_experts > kMaxFfn)
+    return Status::InvalidArgument(fmt::format(
+        "config.json: moe_intermediate_size ({}) * n_shared_experts ({}) is more than {}",
+        c.moe_intermediate_size, c.n_shared_experts, kMaxFfn));
+  c.shared_expert_intermediate_size = c.moe_intermediate_size * c.n_shared_experts;
+  REFIT_ASSIGN_OR_RETURN(c.first_k_dense_replace,
+                         get_count(j, "first_k_dense_replace", dense_default, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.num_nextn_predict_layers,
+                         get_count(j, "num_nextn_predict_layers", 0, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.norm_topk_prob, get_bool(j, "norm_topk_prob", true));
+  if (c.num_experts_per_tok > c.num_experts)
+    return Status::InvalidArgument(
+        fmt::format("config.json: need 0 < num_experts_per_tok ({}) <= n_routed_experts ({})",
+                    c.num_experts_per_tok, c.num_experts));
+  c.router_bias = true;
+  return Status::Ok();
+}
+
+// DeepseekV3ForCausalLM: multi-head latent attention (transformers' DeepseekV3Attention; vLLM's
+// and SGLang's deepseek_v2.py). The engines build every MLA projection without bias and keep the
+// correction bias only with topk_method noaux_tc, where transformers always has it: configs
+// that would make the two tables differ are refused, naming the key.
+Status parse_deepseek_v3(const json& j, ModelConfig& c) {
+  REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", std::nullopt, kMaxWidth));
+  REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", std::nullopt, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.num_heads, get_int(j, "num_attention_heads", std::nullopt, kMaxCount));
+  REFIT_ASSIGN_OR_RETURN(c.vocab_size, get_int(j, "vocab_size", std::nullopt, kMaxVocab));
+  c.mla = true;
+  if (auto it = j.find("q_lora_rank"); it == j.end() || it->is_null()) {
+    c.q_lora_rank = 0;  // DeepSeek-V2-Lite style: one q_proj
+  } else {
+    REFIT_ASSIGN_OR_RETURN(c.q_lora_rank, get_int(j, "q_lora_rank", std::nullopt, kMaxWidth));
+  }
+  REFIT_ASSIGN_OR_RETURN(c.kv_lora_rank, get_int(j, "kv_lora_rank", std::nullopt, kMaxWidth));
+  REFIT_ASSIGN_OR_RETURN(c.qk_nope_head_dim,
+                         get_int(j, "qk_nope_head_dim", std::nullopt, kMaxWidth));
+  REFIT_ASSIGN_OR_RETURN(c.qk_rope_head_dim,
+                         get_int(j, "qk_rope_head_dim", std::nullopt, kMaxWidth));
+  REFIT_ASSIGN_OR_RETURN(c.v_head_dim, get_int(j, "v_head_dim", std::nullopt, kMaxWidth));
+  // MLA has no kv heads to split: every head's keys and values come from the one latent.
+  c.num_kv_heads = c.num_heads;
+  c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  REFIT_RETURN_IF_ERROR(parse_deepseek_moe(j, c, /*dense_default=*/3));
+  REFIT_ASSIGN_OR_RETURN(c.tie_word_embeddings, get_bool(j, "tie_word_embeddings", false));
+  if (c.tie_word_embeddings)
+    return Status::Unsupported(
+        "config.json: DeepseekV3ForCausalLM with tie_word_embeddings true; vLLM and SGLang keep "
+        "lm_head as a parameter of its own and never tie it; allowed: false");
+  REFIT_ASSIGN_OR_RETURN(const bool bias, get_bool(j, "attention_bias", false));
+  if (bias)
+    return Status::Unsupported(
+        "config.json: DeepseekV3ForCausalLM with attention_bias true; vLLM and SGLang build "
+        "every MLA projection without bias; allowed: false");
+  if (auto it = j.find("moe_layer_freq");
+      it != j.end() && !it->is_null() && !(it->is_number_integer() && it->get<std::int64_t>() == 1))
+    return Status::Unsupported(fmt::format(
+        "config.json: DeepseekV3ForCausalLM with moe_layer_freq {}; transformers makes every "
+        "layer from first_k_dense_replace on MoE, the engines only every moe_layer_freq-th; "
+        "allowed: 1",
+        it->dump()));
+  const auto topk = j.find("topk_method");
+  if (topk == j.end() || !topk->is_string() || topk->get<std::string>() != "noaux_tc")
+    return Status::Unsupported(fmt::format(
+        "config.json: DeepseekV3ForCausalLM needs \"topk_method\": \"noaux_tc\"; vLLM and "
+        "SGLang keep mlp.gate.e_score_correction_bias only then, transformers always; got {}",
+        topk == j.end() ? std::string("none") : topk->dump()));
+  c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
+  c.rope_theta = get_double(j, "rope_theta", 10000.0);
+  return Status::Ok();
+}
+
 // "quantization_config": quant_method, weight_block_size [rows, cols] and the modules left
 // unquantized (transformers' modules_to_not_convert, vLLM's ignored_layers; both are read).
 Result<QuantizationConfig> parse_quantization(const json& j) {
@@ -89,6 +183,42 @@ Result<QuantizationConfig> parse_quantization(const json& j) {
   return q;
 }
 
+// What the table of `c` would hold, estimated in floating point (no overflow): refused when it
+// could never be a model, before any tensor is built.
+Result<ModelConfig> check_size(const ModelConfig& c) {
+  const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
+  const double experts = static_cast<double>(c.num_experts);
+  const double ffn = c.num_experts > 0
+                         ? experts * 3.0 * h * static_cast<double>(c.moe_intermediate_size) +
+                               3.0 * h * static_cast<double>(c.shared_expert_intermediate_size)
+                         : 3.0 * h * static_cast<double>(c.intermediate_size);
+  const double nq = static_cast<double>(c.num_heads);
+  const double q_in = c.q_lora_rank > 0 ? static_cast<double>(c.q_lora_rank) : h;
+  const double attention =
+      c.mla ? h * static_cast<double>(c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim) +
+                  q_in * nq * static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim) +
+                  static_cast<double>(c.kv_lora_rank) * nq *
+                      static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) +
+                  nq * static_cast<double>(c.v_head_dim) * h
+            : h * d * static_cast<double>(2 * c.num_heads + 2 * c.num_kv_heads);
+  const double layers = static_cast<double>(c.num_layers);
+  const double parameters =
+      static_cast<double>(c.vocab_size) * h * (c.tie_word_embeddings ? 1.0 : 2.0) +
+      layers * (attention + ffn);
+  const double tensors = 3.0 + layers * (16.0 + 3.0 * experts);
+  if (tensors > static_cast<double>(kMaxModelTensors))
+    return Status::InvalidArgument(fmt::format(
+        "config.json: num_hidden_layers ({}) and num_experts ({}) would make about {:.0f} tensors; "
+        "refit supports at most {}",
+        c.num_layers, c.num_experts, tensors, kMaxModelTensors));
+  if (parameters > kMaxParameters)
+    return Status::InvalidArgument(fmt::format(
+        "config.json: hidden_size ({}), intermediate sizes, vocab_size ({}) and num_hidden_layers "
+        "({}) would make about {:.3g} parameters; refit supports at most {:.0g}",
+        c.hidden_size, c.vocab_size, c.num_layers, parameters, kMaxParameters));
+  return c;
+}
+
 }  // namespace
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text) {
@@ -120,6 +250,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
     c.arch = Architecture::kPhi3;
   else if (arch == "Qwen2MoeForCausalLM")
     c.arch = Architecture::kQwen2Moe;
+  else if (arch == "DeepseekV3ForCausalLM")
+    c.arch = Architecture::kDeepseekV3;
+  else if (arch == "Glm4MoeForCausalLM")
+    c.arch = Architecture::kGlm4Moe;
   else
     c.arch = Architecture::kOther;
   c.architecture = arch;
@@ -134,6 +268,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
     return c;
   }
 
+  if (c.arch == Architecture::kDeepseekV3) {
+    REFIT_RETURN_IF_ERROR(parse_deepseek_v3(j, c));
+    return check_size(c);
+  }
   REFIT_ASSIGN_OR_RETURN(c.hidden_size, get_int(j, "hidden_size", std::nullopt, kMaxWidth));
   REFIT_ASSIGN_OR_RETURN(c.num_layers, get_int(j, "num_hidden_layers", std::nullopt, kMaxCount));
   REFIT_ASSIGN_OR_RETURN(c.num_heads, get_int(j, "num_attention_heads", std::nullopt, kMaxCount));
@@ -173,6 +311,16 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
                                "qkv_proj has no bias");
   c.qk_norm = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe ||
               c.arch == Architecture::kGemma3;
+  if (c.arch == Architecture::kGlm4Moe) {
+    // GLM-4.5: q/k/v bias as attention_bias says, q/k norms as use_qk_norm says, partial rotary
+    // (no tensor of its own), the DeepSeek-V3 MoE block.
+    REFIT_ASSIGN_OR_RETURN(c.qk_norm, get_bool(j, "use_qk_norm", false));
+    REFIT_RETURN_IF_ERROR(parse_deepseek_moe(j, c, /*dense_default=*/1));
+    if (c.tie_word_embeddings)
+      return Status::Unsupported(
+          "config.json: Glm4MoeForCausalLM with tie_word_embeddings true; vLLM and SGLang keep "
+          "lm_head as a parameter of its own and never tie it; allowed: false");
+  }
   c.feedforward_norms = gemma;
   c.fused_in_checkpoint = c.arch == Architecture::kPhi3;
   c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
@@ -210,32 +358,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text) {
           fmt::format("config.json: need 0 < num_experts_per_tok ({}) <= num_experts ({})",
                       c.num_experts_per_tok, c.num_experts));
   }
-  // What the table would hold, estimated in floating point (no overflow): refused when it could
-  // never be a model, before any tensor is built.
-  const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
-  const double experts = static_cast<double>(c.num_experts);
-  const double ffn =
-      moe ? experts * 3.0 * h * static_cast<double>(c.moe_intermediate_size) +
-                3.0 * h * static_cast<double>(c.shared_expert_intermediate_size)
-          : 3.0 * h * static_cast<double>(c.intermediate_size);
-  const double attention =
-      h * d * static_cast<double>(2 * c.num_heads + 2 * c.num_kv_heads);
-  const double layers = static_cast<double>(c.num_layers);
-  const double parameters =
-      static_cast<double>(c.vocab_size) * h * (c.tie_word_embeddings ? 1.0 : 2.0) +
-      layers * (attention + ffn);
-  const double tensors = 3.0 + layers * (16.0 + 3.0 * experts);
-  if (tensors > static_cast<double>(kMaxModelTensors))
-    return Status::InvalidArgument(fmt::format(
-        "config.json: num_hidden_layers ({}) and num_experts ({}) would make about {:.0f} tensors; "
-        "refit supports at most {}",
-        c.num_layers, c.num_experts, tensors, kMaxModelTensors));
-  if (parameters > kMaxParameters)
-    return Status::InvalidArgument(fmt::format(
-        "config.json: hidden_size ({}), intermediate sizes, vocab_size ({}) and num_hidden_layers "
-        "({}) would make about {:.3g} parameters; refit supports at most {:.0g}",
-        c.hidden_size, c.vocab_size, c.num_layers, parameters, kMaxParameters));
-  return c;
+  return check_size(c);
 }
 
 }  // namespace refit

@@ -26,6 +26,10 @@ std::string_view architecture_name(Architecture arch) {
       return "Phi3ForCausalLM";
     case Architecture::kQwen2Moe:
       return "Qwen2MoeForCausalLM";
+    case Architecture::kDeepseekV3:
+      return "DeepseekV3ForCausalLM";
+    case Architecture::kGlm4Moe:
+      return "Glm4MoeForCausalLM";
     case Architecture::kOther:
       return "other";
   }
@@ -44,6 +48,8 @@ bool llama_family(Architecture arch) {
     case Architecture::kGemma3:
     case Architecture::kPhi3:
     case Architecture::kQwen2Moe:
+    case Architecture::kDeepseekV3:
+    case Architecture::kGlm4Moe:
     case Architecture::kOther:
       return false;
   }
@@ -52,6 +58,7 @@ bool llama_family(Architecture arch) {
 
 bool ModelConfig::is_moe_layer(std::int64_t layer) const {
   if (num_experts <= 0) return false;
+  if (layer < first_k_dense_replace) return false;
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
     return false;
   return decoder_sparse_step > 0 && (layer + 1) % decoder_sparse_step == 0;
@@ -82,7 +89,25 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
   add("model.embed_tokens.weight", {c.vocab_size, H}, ParamRole::kEmbedding);
   for (std::int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
-    if (c.fused_in_checkpoint) {
+    if (c.mla) {
+      // transformers' DeepseekV3Attention, in registration order.
+      const std::int64_t qk_head = c.qk_nope_head_dim + c.qk_rope_head_dim;
+      if (c.q_lora_rank > 0) {
+        add(p + "self_attn.q_a_proj.weight", {c.q_lora_rank, H}, ParamRole::kQAProj, i);
+        add(p + "self_attn.q_a_layernorm.weight", {c.q_lora_rank}, ParamRole::kQALayerNorm, i);
+        add(p + "self_attn.q_b_proj.weight", {c.num_heads * qk_head, c.q_lora_rank},
+            ParamRole::kQBProj, i);
+      } else {
+        add(p + "self_attn.q_proj.weight", {c.num_heads * qk_head, H}, ParamRole::kQProj, i);
+      }
+      add(p + "self_attn.kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, H},
+          ParamRole::kKvAProj, i);
+      add(p + "self_attn.kv_a_layernorm.weight", {c.kv_lora_rank}, ParamRole::kKvALayerNorm, i);
+      add(p + "self_attn.kv_b_proj.weight",
+          {c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, ParamRole::kKvBProj,
+          i);
+      add(p + "self_attn.o_proj.weight", {H, c.num_heads * c.v_head_dim}, ParamRole::kOProj, i);
+    } else if (c.fused_in_checkpoint) {
       add(p + "self_attn.qkv_proj.weight", {q_rows + 2 * kv_rows, H}, ParamRole::kQkvProj, i);
     } else {
       add(p + "self_attn.q_proj.weight", {q_rows, H}, ParamRole::kQProj, i);
@@ -92,12 +117,32 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
       add(p + "self_attn.v_proj.weight", {kv_rows, H}, ParamRole::kVProj, i);
       if (c.attention_bias) add(p + "self_attn.v_proj.bias", {kv_rows}, ParamRole::kVBias, i);
     }
-    add(p + "self_attn.o_proj.weight", {H, q_rows}, ParamRole::kOProj, i);
+    if (!c.mla) add(p + "self_attn.o_proj.weight", {H, q_rows}, ParamRole::kOProj, i);
     if (c.qk_norm) {
       add(p + "self_attn.q_norm.weight", {d}, ParamRole::kQNorm, i);
       add(p + "self_attn.k_norm.weight", {d}, ParamRole::kKNorm, i);
     }
-    if (c.is_moe_layer(i)) {
+    const bool deepseek_moe =
+        c.arch == Architecture::kDeepseekV3 || c.arch == Architecture::kGlm4Moe;
+    if (c.is_moe_layer(i) && deepseek_moe) {
+      // DeepSeek-V3 / GLM-4.5 (transformers' DeepseekV3MoE): experts, the router with its
+      // correction bias (a persistent buffer), then one MLP for every shared expert.
+      const std::int64_t I = c.moe_intermediate_size, S = c.shared_expert_intermediate_size;
+      for (std::int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string q = fmt::format("{}mlp.experts.{}.", p, e);
+        add(q + "gate_proj.weight", {I, H}, ParamRole::kExpertGate, i, e);
+        add(q + "up_proj.weight", {I, H}, ParamRole::kExpertUp, i, e);
+        add(q + "down_proj.weight", {H, I}, ParamRole::kExpertDown, i, e);
+      }
+      add(p + "mlp.gate.weight", {c.num_experts, H}, ParamRole::kRouter, i);
+      if (c.router_bias)
+        add(p + "mlp.gate.e_score_correction_bias", {c.num_experts}, ParamRole::kRouterBias, i);
+      if (S > 0) {
+        add(p + "mlp.shared_experts.gate_proj.weight", {S, H}, ParamRole::kSharedGate, i);
+        add(p + "mlp.shared_experts.up_proj.weight", {S, H}, ParamRole::kSharedUp, i);
+        add(p + "mlp.shared_experts.down_proj.weight", {H, S}, ParamRole::kSharedDown, i);
+      }
+    } else if (c.is_moe_layer(i)) {
       const std::int64_t I = c.moe_intermediate_size;
       add(p + "mlp.gate.weight", {c.num_experts, H}, ParamRole::kRouter, i);
       for (std::int64_t e = 0; e < c.num_experts; ++e) {

@@ -103,6 +103,45 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "norm_topk_prob": false,
   "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": false,
   "torch_dtype": "bfloat16"})"},
+      // deepseek-ai/DeepSeek-V3 — 671,026,419,200 parameters without its MTP layer (model card:
+      // 671B total, 37B activated; 685B with the MTP module). Ships in FP8 (block 128 x 128);
+      // refit.target_precision: fp8 gives the same scheme.
+      {"deepseek-v3", R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+  "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+  "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+  "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+  "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "vocab_size": 129280,
+  "attention_bias": false, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "hidden_act": "silu"})"},
+      // moonshotai/Kimi-K2-Instruct — 1,026,408,232,448 parameters (model card: 1T total, 32B
+      // activated; 64 heads, 384 experts, one dense layer). Ships in FP8 (block 128 x 128).
+      {"kimi-k2", R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+  "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+  "v_head_dim": 128, "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+  "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+  "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0, "vocab_size": 163840,
+  "attention_bias": false, "rms_norm_eps": 1e-06, "rope_theta": 50000.0,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "hidden_act": "silu"})"},
+      // zai-org/GLM-4.5-Air — 106,852,251,264 parameters without its MTP layer (model card: 106B
+      // total, 12B active; 96 heads of 128, q/k/v bias, partial rotary 0.5, one dense layer).
+      {"glm-4.5-air", R"({
+  "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+  "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+  "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+  "attention_bias": true, "use_qk_norm": false, "partial_rotary_factor": 0.5,
+  "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+  "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 1, "vocab_size": 151552,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "hidden_act": "silu"})"},
       // Tiny models for tests. Vocabulary sizes are deliberately not multiples of 64 or 128.
       // Dense Qwen3 with GQA 2 and q/k norms, untied.
       {"tiny-qwen3", R"({
@@ -151,6 +190,36 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "vocab_size": 211, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 20,
   "shared_expert_intermediate_size": 36, "decoder_sparse_step": 1, "mlp_only_layers": [1],
   "norm_topk_prob": false, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
+      // DeepSeek-V3 shapes: MLA with q_lora_rank, two dense layers, then MoE layers with 8
+      // experts (top-2) and two shared experts; an MTP layer (not part of the table). Every TP
+      // size up to 8 shards it.
+      {"tiny-deepseek", R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 48, "intermediate_size": 48,
+  "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 8,
+  "num_key_value_heads": 8, "q_lora_rank": 24, "kv_lora_rank": 20, "qk_nope_head_dim": 12,
+  "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "n_shared_experts": 2,
+  "num_experts_per_tok": 2, "first_k_dense_replace": 2, "moe_layer_freq": 1,
+  "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1,
+  "vocab_size": 299, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
+      // DeepSeek-V2-Lite / Moonlight style: MLA with q_lora_rank null (one q_proj), one dense
+      // layer, 5 experts (top-2) and one shared expert.
+      {"tiny-deepseek-lite", R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 40, "intermediate_size": 36,
+  "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4,
+  "num_key_value_heads": 4, "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+  "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 5, "n_shared_experts": 1,
+  "num_experts_per_tok": 2, "first_k_dense_replace": 1, "topk_method": "noaux_tc",
+  "vocab_size": 257, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
+      // GLM-4.5 shapes: GQA 4 with q/k/v bias and q/k norms (nq * d != H; kv heads replicated
+      // at TP 4 and 8), one dense layer, 8 experts (top-2) and a shared expert; an MTP layer
+      // (not part of the table).
+      {"tiny-glm4-moe", R"({
+  "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 40, "intermediate_size": 56,
+  "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 8,
+  "num_key_value_heads": 2, "head_dim": 12, "attention_bias": true, "use_qk_norm": true,
+  "partial_rotary_factor": 0.5, "n_routed_experts": 8, "n_shared_experts": 1,
+  "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1,
+  "vocab_size": 311, "rms_norm_eps": 1e-05, "tie_word_embeddings": false})"},
   };
   return table;
 }

@@ -1,5 +1,8 @@
 #include "weights/weights.h"
 
+#include <fmt/format.h>
+
+#include "common/piece.h"
 #include "io/safetensors.h"
 
 namespace refit {
@@ -23,7 +26,49 @@ inline float unit(std::uint64_t bits24) {
 }  // namespace
 
 WeightSource::WeightSource(const ModelSpec& spec, std::uint64_t seed, const Checkpoint* checkpoint)
-    : spec_(spec), seed_(seed), checkpoint_(checkpoint) {}
+    : spec_(spec), seed_(seed), checkpoint_(checkpoint) {
+  if (checkpoint_ == nullptr) return;
+  const std::vector<std::int64_t>& block = spec.config().quantization.weight_block_size;
+  for (std::uint32_t t = 0; t < spec.tensors().size() && status_.ok(); ++t) {
+    const TensorSpec& ts = spec.tensors()[t];
+    const auto ref = checkpoint_->find(ts.name);
+    if (!ref.ok() || ref->info->dtype != DType::kFloat8E4M3) continue;
+    const MatrixShape m = matrix_shape(ts.shape);
+    Fp8Base b{.cols = m.cols};
+    auto grid = checkpoint_->find(ts.name + "_scale_inv");
+    if (grid.ok()) {
+      const MatrixShape g = matrix_shape(grid->info->shape);
+      b.block_rows = block.size() == 2 ? block[0] : 0;
+      b.block_cols = block.size() == 2 ? block[1] : 0;
+      if (b.block_rows <= 0 || (m.rows + b.block_rows - 1) / b.block_rows != g.rows ||
+          (m.cols + b.block_cols - 1) / b.block_cols != g.cols) {
+        status_ = Status::InvalidArgument(fmt::format(
+            "checkpoint: {} is F8_E4M3 with {} of shape {}, which is not one scale per "
+            "quantization_config.weight_block_size block ({}) of its {}",
+            ts.name, grid->info->name, shape_string(grid->info->shape),
+            block.size() == 2 ? fmt::format("[{}, {}]", block[0], block[1]) : "not given",
+            shape_string(ts.shape)));
+        continue;
+      }
+      b.grid_cols = g.cols;
+    } else {
+      grid = checkpoint_->find(ts.name + "_scale");
+      if (!grid.ok() || grid->info->numel() != 1) {
+        status_ = Status::InvalidArgument(fmt::format(
+            "checkpoint: {} is F8_E4M3 but the checkpoint holds neither {}_scale_inv (one scale "
+            "per block) nor a one-element {}_scale; an FP8 weight cannot be read without its "
+            "scales",
+            ts.name, ts.name, ts.name));
+        continue;
+      }
+      b.block_rows = m.rows;
+      b.block_cols = m.cols;
+    }
+    b.scales.resize(static_cast<std::size_t>(grid->info->numel()));
+    grid->read(b.scales.data(), DType::kFloat32);
+    fp8_.emplace(t, std::move(b));
+  }
+}
 
 void WeightSource::values(std::uint32_t tensor, std::int64_t begin, std::int64_t n, int step,
                           float* out) const {
@@ -36,6 +81,14 @@ void WeightSource::values(std::uint32_t tensor, std::int64_t begin, std::int64_t
     if (ref.ok()) {
       base_buf.resize(static_cast<std::size_t>(n));
       ref->read_range(begin, n, base_buf.data(), DType::kFloat32);
+      if (const auto q = fp8_.find(tensor); q != fp8_.end()) {  // an FP8 checkpoint: dequantize
+        const Fp8Base& b = q->second;
+        for (std::int64_t k = 0; k < n; ++k) {
+          const std::int64_t row = (begin + k) / b.cols, col = (begin + k) % b.cols;
+          base_buf[static_cast<std::size_t>(k)] *= b.scales[static_cast<std::size_t>(
+              row / b.block_rows * b.grid_cols + col / b.block_cols)];
+        }
+      }
       base = base_buf.data();
     }
   }

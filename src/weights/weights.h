@@ -5,13 +5,21 @@
 // where base comes from the model's safetensors when it has them, else from a hash of
 // (seed, t, i), and delta from the same hash. Any process can compute any element, so an engine
 // rank recomputes exactly what it must hold without talking to the trainer. Thread-safe (const).
+//
+// A checkpoint that ships FP8 (DeepSeek-V3, Kimi-K2: F8_E4M3 weights, each with a float32
+// `<name>_scale_inv` of one scale per quantization_config.weight_block_size block, or a
+// `<name>_scale` of one element) gives the dequantized base: float32(code) * scale, one float32
+// multiply (docs/fp8.md, "FP8 checkpoints as the trainer's weights").
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
+#include <vector>
 
 #include "refit/dtype.h"
 #include "refit/model_spec.h"
+#include "refit/status.h"
 
 namespace refit {
 
@@ -24,11 +32,21 @@ class WeightSource {
 
   // w(t, i, step) for i in [begin, begin + n), as fp32.
   void values(std::uint32_t tensor, std::int64_t begin, std::int64_t n, int step, float* out) const;
+  // Ok, or why an FP8 tensor of the checkpoint has no usable scale (naming it): checked at setup.
+  const Status& status() const { return status_; }
 
  private:
+  // The scale grid of an FP8 tensor of the checkpoint.
+  struct Fp8Base {
+    std::vector<float> scales;  // [grid_rows, grid_cols], row-major
+    std::int64_t cols = 1;      // the weight's columns
+    std::int64_t block_rows = 1, block_cols = 1, grid_cols = 1;
+  };
   const ModelSpec& spec_;
   std::uint64_t seed_;
   const Checkpoint* checkpoint_;
+  std::unordered_map<std::uint32_t, Fp8Base> fp8_;  // by tensor index
+  Status status_;
 };
 
 }  // namespace refit
