@@ -9,13 +9,16 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "common/convert.h"
+#include "engine/engine_layout.h"
 #include "io/safetensors.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
+#include "spec/fp8.h"
 #include "test_util.h"
 #include "weights/setup.h"
 
@@ -186,6 +189,59 @@ TEST(FrontierMoeSetup, WhatTheseModelsCannotUseIsRefusedAtSetup) {
        "--verify"},
       120);
   EXPECT_EQ(hf.exit_code, 0) << hf.output;
+}
+
+// The model directory's quantization_config decides what stays bf16, by module name: kv_b_proj
+// (every layer) and layer 0's dense MLP here, through modules_to_not_convert and vLLM's
+// ignored_layers alike. Leaving out only one half of the fused a-projection is refused, naming it.
+TEST(FrontierMoeSetup, QuantizationConfigKeepsDeepseekModulesInBf16) {
+  TempDir dir;
+  auto with = [&](const std::string& name, const std::string& quant) {
+    std::string config = *preset_config_json("tiny-deepseek");
+    config.insert(config.rfind('}'), ", \"quantization_config\": " + quant);
+    dir.write(name + "/config.json", config);
+    return dir.path() + "/" + name;
+  };
+  for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+    SCOPED_TRACE(key);
+    const std::string model =
+        with(key, fmt::format(R"({{"quant_method": "fp8", "weight_block_size": [8, 8], "{}": )"
+                              R"(["kv_b_proj", "model.layers.0.mlp"]}})",
+                              key));
+    auto spec = load_model_spec(model);
+    ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+    Config cfg;
+    cfg.model = model;
+    cfg.generation.backend = EngineProtocol::kSglang;
+    cfg.refit.target_precision = DType::kFloat8E4M3;
+    ASSERT_TRUE(validate_config(cfg, *spec).ok());
+    auto wire = wire_model(cfg, *spec);
+    ASSERT_TRUE(wire.ok());
+    auto L = engine_wire_layout(cfg, *spec, *wire, 1);
+    ASSERT_TRUE(L.ok()) << L.status().to_string();
+    std::map<std::string, DType> dtype;
+    for (const EngineParam& p : L->params) dtype[p.name] = p.dtype;
+    const std::string a = "model.layers.2.self_attn.";
+    EXPECT_EQ(dtype.at(a + "kv_b_proj.weight"), DType::kBFloat16);
+    EXPECT_FALSE(dtype.count(a + "kv_b_proj.weight_scale_inv"));
+    EXPECT_EQ(dtype.at("model.layers.0.mlp.gate_up_proj.weight"), DType::kBFloat16);
+    EXPECT_EQ(dtype.at("model.layers.1.mlp.gate_up_proj.weight"), DType::kFloat8E4M3);
+    EXPECT_EQ(dtype.at(a + "fused_qkv_a_proj_with_mqa.weight"), DType::kFloat8E4M3);
+    EXPECT_EQ(dtype.at(a + "q_b_proj.weight_scale_inv"), DType::kFloat32);
+    EXPECT_EQ(dtype.at("model.layers.2.mlp.gate.e_score_correction_bias"), DType::kFloat32);
+  }
+  const std::string split = with("split", R"({"quant_method": "fp8", "weight_block_size": [8, 8],
+                  "modules_to_not_convert": ["kv_a_proj_with_mqa"]})");
+  auto r = run_cli({"check", dir.write("s.yaml", "model: " + split +
+                                                     "\ngeneration: {tp_size: "
+                                                     "2}\nrefit: {target_precision: fp8}\n")},
+                   60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("parameter model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight "
+                          "fuses model.layers.0.self_attn.q_a_proj.weight (float8_e4m3) and "
+                          "model.layers.0.self_attn.kv_a_proj_with_mqa.weight (bfloat16)"),
+            std::string::npos)
+      << r.output;
 }
 
 // A checkpoint that ships FP8 (F8_E4M3 weights with float32 weight_scale_inv, DeepSeek-V3's
