@@ -191,6 +191,34 @@ TEST(FrontierMoeSetup, WhatTheseModelsCannotUseIsRefusedAtSetup) {
   EXPECT_EQ(hf.exit_code, 0) << hf.output;
 }
 
+// A checkpoint with its MTP layer (model.layers.{num_hidden_layers}.*) is accepted: the layer is
+// not part of the table, and setup says so.
+TEST(FrontierMoeSetup, CheckpointMtpLayerIsLeftOutSayingSo) {
+  TempDir dir;
+  dir.write("m/config.json", *preset_config_json("tiny-deepseek"));
+  auto spec = load_model_spec(dir.path() + "/m");
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  std::vector<std::vector<float>> data;
+  std::vector<TensorView> views;
+  for (const TensorSpec& t : spec->tensors()) {
+    data.emplace_back(static_cast<std::size_t>(t.numel()), 0.25f);
+    views.push_back({t.name, DType::kFloat32, t.shape, data.back().data()});
+  }
+  data.emplace_back(48 * 96, 0.5f);  // the MTP layer's eh_proj [H, 2H], and one of its norms
+  views.push_back({"model.layers.4.eh_proj.weight", DType::kFloat32, {48, 96}, data.back().data()});
+  data.emplace_back(48, 1.0f);
+  views.push_back({"model.layers.4.enorm.weight", DType::kFloat32, {48}, data.back().data()});
+  ASSERT_TRUE(write_checkpoint(dir.path() + "/m", views).ok());
+  auto r = run_cli({"check", dir.write("c.yaml", "model: " + dir.path() + "/m\n")}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the checkpoint's 2 tensor(s) of its 1 MTP layer(s) (model.layers.4.*) "
+                          "are not part of the refit"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("every safetensors header checked against the table"), std::string::npos)
+      << r.output;
+}
+
 // The model directory's quantization_config decides what stays bf16, by module name: kv_b_proj
 // (every layer) and layer 0's dense MLP here, through modules_to_not_convert and vLLM's
 // ignored_layers alike. Leaving out only one half of the fused a-projection is refused, naming it.
