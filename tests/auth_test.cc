@@ -1,7 +1,7 @@
 // The authenticated control plane (control/auth.h): keys from the run secret, the store's
 // set-once keys, mailboxes that drop what their claimed sender did not send, and the rule that
 // only loopback addresses may go unauthenticated. The attack on a running session is
-// Attack.ForeignProcessesCannotReachOrForgeTheControlPlane (runtime_test.cc).
+// Attack.ForeignProcessesCannotReachOrForgeTheControlPlane (separate_launch_test.cc).
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 

@@ -20,12 +20,6 @@ extern char** environ;
 namespace refit {
 namespace {
 
-#define REFIT_REQUIRE_GPU()                                                             \
-  do {                                                                                  \
-    if (device_count() == 0)                                                            \
-      GTEST_SKIP() << (cuda_built() ? "no CUDA device visible" : "built without CUDA"); \
-  } while (0)
-
 constexpr std::size_t kBytes = 1 << 20;
 constexpr std::size_t kOffset = 4096;  // the exported range starts inside its allocation
 

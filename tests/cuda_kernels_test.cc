@@ -10,18 +10,13 @@
 #include "common/convert.h"
 #include "device/copy_kernels.h"
 #include "device/device.h"
-#include "plane/data_plane.h"
 #include "engine/engine_layout.h"
+#include "plane/data_plane.h"
+#include "test_util.h"
 #include "weights/weights.h"
 
 namespace refit {
 namespace {
-
-#define REFIT_REQUIRE_GPU()                                                             \
-  do {                                                                                  \
-    if (device_count() == 0)                                                            \
-      GTEST_SKIP() << (cuda_built() ? "no CUDA device visible" : "built without CUDA"); \
-  } while (0)
 
 constexpr DType kAll[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3};
 

@@ -13,15 +13,10 @@
 #include "comm/nccl/nccl_communicator.h"
 #include "control/store.h"
 #include "device/device.h"
+#include "test_util.h"
 
 namespace refit {
 namespace {
-
-#define REFIT_REQUIRE_GPU()                                                             \
-  do {                                                                                  \
-    if (device_count() == 0)                                                            \
-      GTEST_SKIP() << (cuda_built() ? "no CUDA device visible" : "built without CUDA"); \
-  } while (0)
 
 // An in-process store: enough for rendezvous between threads of one test.
 class MemoryStore : public Store {

@@ -2,7 +2,7 @@
 // copy engines beside the kernel when every destination is another GPU's memory, the kernel
 // alone otherwise, for memory allocated on the other GPU and for memory another process exported
 // there through CUDA IPC (the peer executor's case). Checked by the plane's per-path byte counters
-// and bit for bit. Needs 2 GPUs (runs on the device machine); skips elsewhere.
+// and bit for bit. Needs 2 GPUs; skips elsewhere.
 #include <gtest/gtest.h>
 
 #include <cstdint>

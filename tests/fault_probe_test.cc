@@ -1,6 +1,6 @@
 // The fault-injection probe (runtime/fault.h) at the executors' probe points, in isolation: which
 // round kills which rank, and which byte a corruption flips. The end-to-end faults run in
-// runtime_test.cc through the CLI.
+// runtime_faults_test.cc through the CLI.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>

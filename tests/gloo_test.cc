@@ -20,16 +20,14 @@
 #include "comm/communicator.h"
 #include "comm/gloo/gloo_store.h"
 #include "control/store.h"
+#include "test_util.h"
 
 namespace refit {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using testing::seconds_since;
 
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;

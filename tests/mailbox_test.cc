@@ -18,16 +18,14 @@
 #include "control/mailbox.h"
 #include "control/messages.h"
 #include "control/store.h"
+#include "test_util.h"
 
 namespace refit {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using testing::seconds_since;
 
 class MailboxTest : public ::testing::Test {
  protected:

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <sstream>
 
 #include "common/convert.h"
 #include "io/safetensors.h"
@@ -31,19 +30,22 @@ struct MCell {
   double timeout_s = 20;
 };
 
+// The config of a Megatron cell (refit.buffer_size_bytes 16384, seed 3).
 std::string yaml(const MCell& c) {
-  std::ostringstream y;
-  y << "model: " << c.model << "\nseed: 3\n"
-    << "policy:\n  backend: " << c.backend << "\n  world_size: " << c.world_size
-    << "\n  dtype: float32\n";
-  if (c.backend == "megatron")
-    y << "  megatron: {tp: " << c.tp << ", pp: " << c.pp << ", ep: " << c.ep << "}\n";
-  y << "generation:\n  backend: " << c.engine
-    << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
-    << "\n  tp_size: " << c.engine_tp << "\n"
-    << "refit:\n  buffer_size_bytes: 16384\n  timeout_s: " << c.timeout_s
-    << "\n  executor: " << c.executor << "\n";
-  return y.str();
+  return testing::config_yaml({.model = c.model,
+                               .engine = c.engine,
+                               .colocated = c.colocated,
+                               .world_size = c.world_size,
+                               .num_engines = c.num_engines,
+                               .tp = c.engine_tp,
+                               .buffer = 16384,
+                               .timeout_s = c.timeout_s,
+                               .executor = c.executor,
+                               .seed = 3,
+                               .backend = c.backend,
+                               .megatron_tp = c.tp,
+                               .megatron_pp = c.pp,
+                               .megatron_ep = c.ep});
 }
 
 void expect_cell(const MCell& c) {

@@ -14,6 +14,7 @@
 #include "plane/data_plane.h"
 #include "plane/shared_memory.h"
 #include "refit/model_spec.h"
+#include "runtime/slots.h"
 
 namespace refit {
 namespace {
@@ -42,15 +43,12 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
   auto engine_box = Mailbox::open(**store, "engine/0", "127.0.0.1", 5s, nullptr);
   ASSERT_TRUE(trainer_box.ok() && engine_box.ok());
 
-  // The engine's region, as allocate_params would lay it out, and the trainer's shards.
+  // The engine's region, as allocate_params lays it out, and the trainer's shards.
   const EngineShardLayout& lay = setup->engines[0];
-  std::vector<std::uint64_t> offsets;
-  std::uint64_t total = 0;
-  for (const EngineParam& p : lay.params) {
-    offsets.push_back(total);
-    total += static_cast<std::uint64_t>(matrix_shape(p.shape).numel()) * 2;
-    total = (total + 255) / 256 * 256;
-  }
+  std::vector<TensorSlot> slots;
+  for (const EngineParam& p : lay.params) slots.push_back(TensorSlot{p.name, p.shape, p.dtype});
+  std::size_t total = 0;
+  std::vector<std::size_t> offsets = slot_offsets(slots, &total);
   std::string handle;
   auto region = (*plane)->allocate_exported(total, "/refit-test-route-sender-" + unguessable_suffix(), &handle);
   ASSERT_TRUE(region.ok()) << region.status().to_string();

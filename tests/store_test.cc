@@ -9,16 +9,14 @@
 #include <vector>
 
 #include "control/store.h"
+#include "test_util.h"
 
 namespace refit {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using testing::seconds_since;
 
 std::unique_ptr<StoreServer> start_server() {
   auto server = StoreServer::start("127.0.0.1", 0, nullptr);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -105,6 +106,38 @@ int run_test_child(const std::string& filter, const std::vector<std::string>& en
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string config_yaml(const RunConfig& c) {
+  std::ostringstream y;
+  y << "model: " << c.model << "\n"
+    << "device: cpu\nseed: " << c.seed << "\n"
+    << "policy:\n  backend: " << c.backend << "\n  world_size: " << c.world_size
+    << "\n  dtype: " << c.dtype << "\n";
+  if (c.backend == "megatron")
+    y << "  megatron: {tp: " << c.megatron_tp << ", pp: " << c.megatron_pp
+      << ", ep: " << c.megatron_ep << "}\n";
+  y << "generation:\n  backend: " << c.engine
+    << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
+    << "\n  tp_size: " << c.tp << "\n"
+    << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
+    << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s
+    << "\n  executor: " << c.executor << "\n  checksum: " << (c.checksum ? "true" : "false")
+    << "\n  keep_previous: " << (c.keep_previous ? "true" : "false") << "\n";
+  return y.str();
+}
+
+CliResult run_config(const RunConfig& c, const std::vector<std::string>& args) {
+  TempDir dir;
+  std::vector<std::string> all = {"run", dir.write("config.yaml", config_yaml(c))};
+  all.insert(all.end(), args.begin(), args.end());
+  return run_cli(all, 120);
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
 }
 
 }  // namespace refit::testing

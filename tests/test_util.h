@@ -1,11 +1,29 @@
-// Helpers shared by the tests: temporary directories and running the refit CLI as a process.
+// Helpers shared by the tests: temporary directories, running the refit CLI (and `refit run` on a
+// config of the multi-process tests) as a process, time measured since a point, and skipping a
+// test that needs a GPU.
 #pragma once
 
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "device/device.h"
+
+// Skips the test unless a CUDA device is visible, saying why (no device, or a build without CUDA).
+#define REFIT_REQUIRE_GPU()                                                                      \
+  do {                                                                                           \
+    if (::refit::device_count() == 0)                                                            \
+      GTEST_SKIP() << (::refit::cuda_built() ? "no CUDA device visible" : "built without CUDA"); \
+  } while (0)
+
 namespace refit::testing {
+
+// Seconds since `t0` on the steady clock.
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // A fresh directory under $TMPDIR, removed with its contents on destruction.
 class TempDir {
@@ -34,5 +52,36 @@ CliResult run_cli(const std::vector<std::string>& args, double timeout_s = 300);
 // ("NAME=value"); returns its exit status (124 after `timeout`, then it is killed; 128+signal).
 int run_test_child(const std::string& filter, const std::vector<std::string>& env_extra,
                    std::chrono::seconds timeout);
+
+// A `refit run` config of the multi-process tests: device cpu, FSDP2 (or Megatron) trainer ranks
+// feeding engines of one protocol. Field order is that of the designated initializers the tests
+// write (`{.engine = "vllm", .colocated = true}`).
+struct RunConfig {
+  std::string model = "tiny-qwen3";
+  std::string engine = "sglang";  // generation.backend
+  bool colocated = false;
+  int world_size = 2;
+  int num_engines = 1;
+  int tp = 2;                     // generation.tp_size
+  std::string dtype = "float32";  // policy.dtype
+  long long buffer = 1 << 16;     // refit.buffer_size_bytes
+  int num_buffers = 2;
+  double timeout_s = 20;
+  std::string executor = "auto";
+  bool checksum = false;
+  bool keep_previous = false;
+  std::uint64_t seed = 7;
+  std::string backend = "fsdp2";  // policy.backend; megatron writes policy.megatron below
+  int megatron_tp = 1, megatron_pp = 1, megatron_ep = 1;
+};
+// The config file's text: every key of `c` (docs/config.md).
+std::string config_yaml(const RunConfig& c);
+
+// `refit run` on `c` (written to a temporary file) with `args`, bounded by 120 s.
+CliResult run_config(const RunConfig& c,
+                     const std::vector<std::string>& args = {"--steps", "2", "--verify"});
+
+// How often `what` occurs in `text`.
+std::size_t count_of(const std::string& text, const std::string& what);
 
 }  // namespace refit::testing

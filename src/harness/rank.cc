@@ -26,6 +26,7 @@
 #include "plane/data_plane.h"
 #include "weights/materialize.h"
 #include "runtime/protocol.h"
+#include "runtime/slots.h"
 #include "executor/routes.h"
 #include "weights/setup.h"
 #include "trainer/trainer_layout.h"
@@ -40,13 +41,8 @@ struct SlotArena {
 
   static Result<SlotArena> create(DataPlane& plane, const std::vector<TensorSlot>& slots) {
     SlotArena a;
-    std::vector<std::size_t> offsets;
     std::size_t total = 0;
-    for (const TensorSlot& s : slots) {
-      offsets.push_back(total);
-      total += static_cast<std::size_t>(s.numel()) * dtype_size(s.dtype);
-      total = (total + 255) / 256 * 256;
-    }
+    const std::vector<std::size_t> offsets = slot_offsets(slots, &total);
     REFIT_ASSIGN_OR_RETURN(a.memory, plane.allocate(std::max<std::size_t>(total, 1)));
     for (std::size_t o : offsets) a.ptrs.push_back(a.memory->data() + o);
     return a;

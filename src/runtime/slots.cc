@@ -55,4 +55,16 @@ Status check_registered(const std::vector<TensorSlot>& slots, const std::vector<
                   who, count, missing, count > 3 ? ", ..." : ""));
 }
 
+std::vector<std::size_t> slot_offsets(const std::vector<TensorSlot>& slots, std::size_t* total) {
+  std::vector<std::size_t> offsets;
+  std::size_t end = 0;
+  for (const TensorSlot& s : slots) {
+    offsets.push_back(end);
+    end += static_cast<std::size_t>(s.numel()) * dtype_size(s.dtype);
+    end = (end + 255) / 256 * 256;
+  }
+  *total = end;
+  return offsets;
+}
+
 }  // namespace refit
