@@ -131,5 +131,46 @@ TEST(ReportFile, FailedRunReports) {
   EXPECT_EQ(read_json(path).at("error").at("rank"), 1);
 }
 
+TEST(ReportFile, SetupErrorReports) {
+  TempDir dir;
+  const std::string path = dir.path() + "/report.json";
+  // The config could not be read: no config, no executor, no rank.
+  ASSERT_TRUE(write_setup_failure_report_json(
+                  path, SetupFailure{.command = "refit run",
+                                     .steps = 3,
+                                     .verify = true,
+                                     .message = "not found: config file /x.yaml cannot be opened"})
+                  .ok());
+  auto j = read_json(path);
+  EXPECT_EQ(j.at("schema_version"), kReportSchemaVersion);
+  EXPECT_EQ(j.at("ok"), false);
+  EXPECT_EQ(j.at("steps"), 3);
+  EXPECT_EQ(j.at("verified"), true);
+  EXPECT_EQ(j.at("error").at("role"), "setup");
+  EXPECT_EQ(j.at("error").at("process"), "refit run");
+  EXPECT_EQ(j.at("error").at("message"),
+            "refit run: not found: config file /x.yaml cannot be opened");
+  EXPECT_FALSE(j.at("error").contains("rank"));
+  EXPECT_FALSE(j.contains("config"));
+  EXPECT_FALSE(j.contains("executor"));
+  // A config that was read goes into the report, with its executor.
+  auto cfg = parse_config("model: tiny-qwen3\nrefit: {executor: p2p}\n");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  ASSERT_TRUE(write_setup_failure_report_json(
+                  path, SetupFailure{.command = "refit bench",
+                                     .steps = 3,
+                                     .config = &*cfg,
+                                     .message = "invalid argument: --fault corrupt:999: …"})
+                  .ok());
+  j = read_json(path);
+  EXPECT_EQ(j.at("error").at("process"), "refit bench");
+  EXPECT_EQ(j.at("executor"), "p2p");
+  EXPECT_EQ(j.at("config").at("model"), "tiny-qwen3");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()),
+                          std::filesystem::directory_iterator()),
+            1)
+      << "the temporary file was renamed";
+}
+
 }  // namespace
 }  // namespace refit

@@ -46,7 +46,7 @@ TEST(RuntimeReport, FailedRunReportBlamesTheKilledRank) {
   ASSERT_EQ(r.exit_code, 1) << r.output;
   std::ifstream in(json);
   const auto j = nlohmann::json::parse(in);
-  EXPECT_EQ(j.at("schema_version").get<int>(), 6);
+  EXPECT_EQ(j.at("schema_version").get<int>(), 7);
   EXPECT_FALSE(j.at("ok").get<bool>()) << j.dump(2);
   const auto& e = j.at("error");
   EXPECT_EQ(e.at("role"), "engine") << j.dump(2);
@@ -81,7 +81,7 @@ TEST(RuntimeReport, RanksArrayShowsShardSizedReceives) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     std::ifstream in(json);
     const auto j = nlohmann::json::parse(in);
-    EXPECT_EQ(j.at("schema_version").get<int>(), 6);
+    EXPECT_EQ(j.at("schema_version").get<int>(), 7);
     EXPECT_TRUE(j.at("ok").get<bool>());
     EXPECT_FALSE(j.contains("error"));
     EXPECT_EQ(j.at("executor").get<std::string>(), executor);

@@ -2,13 +2,14 @@
 // (one rank, torchrun-style environment) and `refit shard` (what a trainer rank holds).
 #include <CLI/CLI.hpp>
 
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fcntl.h>
@@ -43,6 +44,7 @@ struct RunFlags {
   int raw_passes = 0;
   std::string dump_dir;
   double deadline_s = 0;  // run / bench: the whole run's bound (0: the default, run_deadline)
+  std::string command;    // "refit run", "refit bench", "refit trainer": names a setup error
 };
 
 // `refit run`'s overall bound when --deadline is not given: three timeouts per refit (its own,
@@ -125,6 +127,22 @@ void prepare_report(const std::string& json_path) {
   if (!json_path.empty()) exit_if_error(prepare_report_path(json_path), kExitSetup);
 }
 
+// A setup error after the --json path was prepared (before any rank started): the report says so
+// (`ok: false`, error.role "setup", `config` when it was read), and the error goes on to exit 2.
+[[noreturn]] void report_setup_error(const RunFlags& f, const Config* cfg, const CliExit& e) {
+  if (!f.json_path.empty()) {
+    Status written =
+        write_setup_failure_report_json(f.json_path, SetupFailure{.command = f.command,
+                                                                  .steps = f.steps,
+                                                                  .verify = f.verify,
+                                                                  .check_logits = f.check_logits,
+                                                                  .config = cfg,
+                                                                  .message = e.what()});
+    if (!written.ok()) std::fprintf(stderr, "refit: %s\n", written.to_string().c_str());
+  }
+  throw e;
+}
+
 // Trainer rank 0 of a run that failed writes the failure report, blaming the run's root cause
 // (the process with_root_cause names in `st`, or itself).
 void report_trainer_failure(const std::string& json_path, const RankOptions& o, int rank,
@@ -148,7 +166,13 @@ void run_trainer(const RunFlags& f) {
     throw CliExit(kExitSetup,
                   fmt::format("RANK={} is outside the trainer group of {}", rank, world));
   if (rank == 0) prepare_report(f.json_path);
-  RankOptions o = rank_options(f, cfg);
+  RankOptions o;
+  try {
+    o = rank_options(f, cfg);
+  } catch (const CliExit& e) {
+    if (rank == 0) report_setup_error(f, &cfg, e);
+    throw;
+  }
   RefitReport report;
   Status st = run_trainer_rank(o, rank, &report);
   if (!st.ok()) {
@@ -181,13 +205,21 @@ void run_engine(const RunFlags& f) {
 
 // `refit run` / `refit bench`: every rank as a process of this machine.
 void run_local(const RunFlags& f) {
-  exit_if_error(env::check(), kExitSetup);  // every rank inherits this environment
-  prepare_report(f.json_path);
-  const Config cfg = load_checked_config(f.config_path);
-  const RankOptions options = rank_options(f, cfg);  // flags are checked before anything starts
-  if (options.fault.step > f.steps)
-    throw CliExit(kExitSetup, fmt::format("--fault {}: step {} is past the run's --steps {}",
-                                          f.fault, options.fault.step, f.steps));
+  prepare_report(f.json_path);  // first: every setup error below is reported in it
+  std::optional<Config> loaded;
+  RankOptions checked;
+  try {
+    exit_if_error(env::check(), kExitSetup);  // every rank inherits this environment
+    loaded = load_checked_config(f.config_path);
+    checked = rank_options(f, *loaded);  // flags are checked before anything starts
+    if (checked.fault.step > f.steps)
+      throw CliExit(kExitSetup, fmt::format("--fault {}: step {} is past the run's --steps {}",
+                                            f.fault, checked.fault.step, f.steps));
+  } catch (const CliExit& e) {
+    report_setup_error(f, loaded ? &*loaded : nullptr, e);
+  }
+  const Config& cfg = *loaded;
+  const RankOptions& options = checked;
   // Children read the resolved config from a private file.
   // Under $TMPDIR (default /tmp), removed when the run ends, however it ends.
   const char* tmp = std::getenv("TMPDIR");
@@ -347,7 +379,10 @@ void add_run_commands(CLI::App& app) {
         ->check(CLI::PositiveNumber);
   };
   add_deadline(run);
-  run->callback([f] { run_local(*f); });
+  run->callback([f] {
+    f->command = "refit run";
+    run_local(*f);
+  });
 
   auto* bench = app.add_subcommand("bench", "Measure refit throughput against the raw transport");
   bench->add_option("CONFIG", f->config_path, "config YAML")->required();
@@ -357,6 +392,7 @@ void add_run_commands(CLI::App& app) {
   bench->callback([f] {
     if (f->steps < 3) f->steps = 3;
     f->raw_passes = 3;
+    f->command = "refit bench";
     run_local(*f);
   });
 
@@ -371,7 +407,10 @@ void add_run_commands(CLI::App& app) {
   trainer->add_option("--host", f->host,
                       "address to listen on (default REFIT_HOST or MASTER_ADDR)");
   add_common(trainer);
-  trainer->callback([f] { run_trainer(*f); });
+  trainer->callback([f] {
+    f->command = "refit trainer";
+    run_trainer(*f);
+  });
 
   auto* engine = app.add_subcommand(
       "engine",

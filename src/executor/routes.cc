@@ -428,16 +428,6 @@ Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int train
   return Status::Ok();
 }
 
-const char* pair_executor_name(PairExecutor e) {
-  switch (e) {
-    case PairExecutor::kPeer:
-      return "peer";
-    case PairExecutor::kP2p:
-      return "p2p";
-  }
-  return "?";
-}
-
 Result<PairExecutor> choose_pair_executor(const Config& config, bool same_host,
                                           bool engine_exported, bool have_p2p_group, int trainer,
                                           int engine_rank) {

@@ -169,7 +169,6 @@ std::vector<int> control_sources(const TransferPlan& plan, int engine_rank);
 Status check_pair_at_setup(const Config& config, bool same_host, int trainer, int engine_rank);
 
 enum class PairExecutor { kPeer, kP2p };
-const char* pair_executor_name(PairExecutor e);
 // The executor of one pair, or an error naming the pair and the fix.
 Result<PairExecutor> choose_pair_executor(const Config& config, bool same_host,
                                           bool engine_exported, bool have_p2p_group, int trainer,

@@ -30,10 +30,9 @@ struct RankOptions {
   std::string dump_dir;
 };
 
-// Version of the --json report's layout (docs/runtime.md, docs/report.schema.json): 2 added
-// `ranks`, `executor`, `peer_bandwidth_gbps` and `floor_basis`; 3 added `ok` and `error` (a
-// report is written for failed runs too).
-inline constexpr int kReportSchemaVersion = 6;
+// Version of the --json report's layout (docs/report.schema.json; what each version added:
+// docs/runtime.md, "Report").
+inline constexpr int kReportSchemaVersion = 7;
 
 // Per-run numbers collected by trainer rank 0.
 struct RefitReport {
@@ -93,6 +92,20 @@ Status write_report_json(const std::string& path, const RankOptions& options,
 // The report of a run that failed: `ok: false` and `error` naming the process blamed.
 Status write_failure_report_json(const std::string& path, const RankOptions& options,
                                  const Blame& error);
+// A command that stopped with a setup error before any rank started, after its --json path was
+// checked: `command` ("refit run", "refit bench", "refit trainer") and the flags it was given, the
+// config when it was read (nullptr when the error was in reading it), and the error's text.
+struct SetupFailure {
+  std::string command;
+  int steps = 0;
+  bool verify = false;
+  bool check_logits = false;
+  const Config* config = nullptr;
+  std::string message;
+};
+// Its report: `ok: false`, `error` {message "<command>: <message>", process <command>, role
+// "setup"} and no rank; `executor` and `config` only when the config was read.
+Status write_setup_failure_report_json(const std::string& path, const SetupFailure& failure);
 // `refit run` after a run that failed, `first` being the first process that exited abnormally
 // (`killed`: by a signal). The failure report trainer rank 0 wrote (its root cause comes from the
 // run's "error/first") stays, unless `first` was killed outright: that is always the root cause.

@@ -147,6 +147,15 @@ Status write_failure_report_json(const std::string& path, const RankOptions& opt
   return write_report_file(path, failure_report(options, error));
 }
 
+Status write_setup_failure_report_json(const std::string& path, const SetupFailure& f) {
+  nlohmann::ordered_json j = report_head(false, f.steps, f.verify, f.check_logits);
+  if (f.config != nullptr) j["executor"] = std::string(executor_name(f.config->refit.executor));
+  j["error"] = {
+      {"message", f.command + ": " + f.message}, {"process", f.command}, {"role", "setup"}};
+  if (f.config != nullptr) j["config"] = nlohmann::ordered_json::parse(config_to_json(*f.config));
+  return write_report_file(path, j);
+}
+
 Status settle_failed_run_report(const std::string& path, const RankOptions& options,
                                 const Blame& first, bool killed) {
   // A device or pipe cannot be read back (reading /dev/stdout would block): what trainer rank 0

@@ -1,8 +1,9 @@
 """The --json report as a contract (docs/report.schema.json, docs/runtime.md "Report").
 
-Real reports of `refit run` / `refit bench`, successful and failed, validate against the schema; a
-failed run's report names the error and the process blamed and never leaves an earlier run's
-report behind; a --json path that cannot be written exits 2 before any rank starts.
+Real reports of `refit run` / `refit bench` / `refit trainer`, successful, failed and stopped by a
+setup error, validate against the schema; a failed run's report names the error and the process
+blamed (the command, for a setup error) and never leaves an earlier run's report behind; a --json
+path that cannot be written exits 2 before any rank starts.
 """
 
 import json
@@ -58,7 +59,7 @@ def load_valid(validator, path, out):
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
               for e in validator.iter_errors(report)]
     assert not errors, "\n".join(errors) + "\n" + json.dumps(report, indent=2)
-    assert report["schema_version"] == 6
+    assert report["schema_version"] == 7
     return report
 
 
@@ -162,11 +163,59 @@ def test_unwritable_json_path_is_a_setup_error(tmp_path, command, kind):
     assert sorted(os.listdir(tmp_path)) == before
 
 
-def test_setup_error_leaves_no_stale_report(tmp_path):
+def setup_error_report(validator, tmp_path, *args, env=None):
+    """A command stopped by a setup error, over a stale success report: exit 2, and in place of
+    the stale report this run's, `ok: false`, blaming the command."""
     json_path = tmp_path / "report.json"
     json_path.write_text(json.dumps(STALE))
-    bad = CONFIG.format(executor="auto").replace("world_size: 2", "world_size: 0")
-    out = cli("run", write_config(tmp_path, text=bad), "--json", str(json_path))
+    out = cli(*args, "--json", str(json_path), env=env, timeout=30)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "world_size" in out.stderr, out.stderr
-    assert not json_path.exists(), "an earlier run's report was left in place"
+    report = load_valid(validator, json_path, out)
+    assert report["ok"] is False and "stale" not in report, report
+    error = report["error"]
+    assert error["role"] == "setup" and "rank" not in error, error
+    assert error["process"] == "refit " + args[0], error
+    # The report carries the error the CLI printed, after the command's name.
+    assert error["message"].startswith(error["process"] + ": "), error
+    printed = error["message"][len(error["process"]) + 2:]
+    assert f"refit: error: {printed}" in out.stderr, (printed, out.stderr)
+    # Nothing started.
+    assert "[refit trainer" not in out.stderr and "[refit engine" not in out.stderr, out.stderr
+    assert no_leftovers(tmp_path) == []
+    return report
+
+
+def test_setup_error_in_the_config_is_reported(tmp_path, validator):
+    bad = CONFIG.format(executor="auto").replace("world_size: 2", "world_size: 0")
+    report = setup_error_report(validator, tmp_path, "run", write_config(tmp_path, text=bad))
+    assert "policy.world_size" in report["error"]["message"], report
+    # The config could not be read: the report has none, nor an executor.
+    assert "config" not in report and "executor" not in report, report
+    assert report["steps"] == 1 and report["verified"] is False
+
+
+def test_missing_config_file_is_reported(tmp_path, validator):
+    missing = str(tmp_path / "nonexistent.yaml")
+    report = setup_error_report(validator, tmp_path, "run", missing, "--verify")
+    assert "not found" in report["error"]["message"] and missing in report["error"]["message"]
+    assert "config" not in report and report["verified"] is True, report
+
+
+def test_fault_past_the_plan_is_reported_with_the_config(tmp_path, validator):
+    report = setup_error_report(validator, tmp_path, "run", write_config(tmp_path), "--steps", "2",
+                                "--fault", "corrupt:999")
+    assert "--fault corrupt:999" in report["error"]["message"], report
+    assert "past the plan" in report["error"]["message"], report
+    assert report["config"]["model"] == "tiny-qwen3" and report["executor"] == "auto", report
+    assert report["steps"] == 2, report
+
+
+def test_bench_and_trainer_setup_errors_name_their_command(tmp_path, validator):
+    report = setup_error_report(validator, tmp_path, "bench", write_config(tmp_path),
+                                "--fault", "kill-trainer:5:0")
+    assert "there is no trainer rank 5" in report["error"]["message"], report
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    report = setup_error_report(validator, tmp_path, "trainer", write_config(tmp_path),
+                                "--fault", "corrupt:999", env=env)
+    assert "past the plan" in report["error"]["message"] and "config" in report, report
