@@ -609,10 +609,13 @@ void bind_session(py::module_& m) {
   py::class_<PyTrainer>(m, "Trainer", R"doc(
 One trainer rank of a refit (refit/session.h).
 
-Trainer(config, rank, master_addr="127.0.0.1", master_port=29500, host="127.0.0.1") joins the
-control plane (rank 0 hosts the store on master_addr:master_port), forms the trainer group and
-waits for its engines: it is collective with every rank of the refit and blocks (GIL released) for
-at most config.timeout_s per wait. `host` is the address this process listens on for its peers.
+Trainer(config, rank=None, *, master_addr=None, master_port=None, host=None) joins the control
+plane (rank 0 hosts the store on master_addr:master_port), forms the trainer group and waits for
+its engines: it is collective with every rank of the refit and blocks (GIL released) for at most
+config.timeout_s per wait. `host` is the address this process listens on for its peers. Arguments
+left out come from torchrun's environment: rank from RANK, master_addr from MASTER_ADDR (default
+127.0.0.1), master_port from MASTER_PORT (default 29500), host from REFIT_HOST, else the local
+address this host uses to reach master_addr (docs/python.md).
 
 Then register every local tensor once (zero-copy: refit reads the registered storage in place at
 each refit), and call refit(step) after every training step.
@@ -645,7 +648,7 @@ group; the GIL is released while it runs.
 )doc")
       .def_property_readonly("last_stats", &PyTrainer::last_stats, R"doc(
 The last refit: {"seconds", "unshard_s", "cast_pack_s", "transfer_s", "apply_s" (stages overlap),
-"bytes", "buckets", "gbps"}.
+"bytes", "buckets", "gbps"} (docs/python.md says what "bytes" counts).
 )doc")
       .def("traffic", &PyTrainer::traffic, R"doc(
 Every rank's traffic in the last refit, trainer ranks then engine ranks: a list of {"role"
@@ -691,9 +694,10 @@ Tells the engines this rank feeds that no refit follows and waits until they lef
   py::class_<PyEngine>(m, "Engine", R"doc(
 One engine rank of a refit (refit/session.h): engine_rank = engine index * tp_size + tp rank.
 
-Engine(config, engine_rank, master_addr="127.0.0.1", master_port=29500, host="127.0.0.1") joins the
+Engine(config, engine_rank=None, *, master_addr=None, master_port=None, host=None) joins the
 control plane of trainer rank 0 (at master_addr:master_port) and announces itself to the trainer
-rank that feeds it (GIL released while it waits). Register every parameter of `params` once
+ranks that feed it (GIL released while it waits). Arguments left out come from the environment as
+for Trainer; engine_rank from ENGINE_RANK, else RANK. Register every parameter of `params` once
 (zero-copy: refit writes into that storage), set the hooks, then serve refits with serve_one()
 or serve().
 )doc")
