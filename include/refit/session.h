@@ -1,16 +1,43 @@
 // refit/session.h — the library API: one trainer rank or one engine rank of a refit.
 //
 // A refit connects `policy.world_size` trainer ranks to `num_engines * tp_size` engine ranks
-// (docs/design.md §3). Each rank is one process that creates a Trainer or an Engine with the same Config
-// and the address of trainer rank 0, which hosts the rendezvous store. The caller owns the
+// (docs/design.md §3). Each rank is one process that creates a Trainer or an Engine with the same
+// Config and the address of trainer rank 0, which hosts the rendezvous store. The caller owns the
 // tensors: it registers the storage of every local tensor (trainer) or parameter (engine) once,
 // and refit reads or writes that storage in place — no copies into refit-owned tensors.
 //
-// Threading: a Trainer or Engine is driven by one thread. Its calls are collective with the other
-// ranks of the refit (create, refit, shutdown), and every wait inside them is bounded by
-// refit.timeout_s; a failure anywhere surfaces on every rank as a non-ok Status naming its cause.
+// Threads.
+//  - A Trainer or an Engine is driven by one thread at a time. No method of an object may run
+//    while another of its methods runs on another thread — accessors (weight_version(),
+//    session_ok(), ...) included: C++ does not check it, and it is a data race. Calls may come
+//    from different threads one after another, when the caller orders them (for example by
+//    joining the thread that made the previous call). Objects are independent of each other: a
+//    Trainer and an Engine of one process may be driven by two threads at once.
+//  - The calls that talk to other ranks block the calling thread: create, Trainer::refit,
+//    shutdown and traffic, Engine::serve_one and serve. Every wait inside them is bounded by
+//    refit.timeout_s, except an engine's wait for the next refit, which lasts as long as the
+//    trainer lives. A failure anywhere surfaces on every rank as a non-ok Status naming its cause.
+//  - refit runs threads of its own inside each rank (a heartbeat, data-plane workers, a sender or
+//    an applier, the store server on trainer rank 0: docs/design.md §5b). None of them calls the
+//    caller's code.
+//  - Every Engine hook (on_pause, on_resume, on_verify, on_load_weights) runs on the thread that
+//    called serve_one() or serve(), inside that call. A hook may call weight_version(),
+//    is_valid() and session_ok() of its Engine, and no other of its methods.
+//  - Nothing stops serve() from another thread. serve() returns when the trainer shuts the
+//    engines down (Trainer::shutdown() on every trainer rank), or with the failure that ended the
+//    session. To end an engine rank earlier, end its process: its peers then fail within the
+//    silence bound (5.5 s), naming it.
+//  - The Python module wraps these objects with the same rule, enforced: a second thread's call
+//    while one runs raises RuntimeError; Engine.weight_version and Engine.is_valid alone may be
+//    read from any thread (docs/python.md).
 // Lifetime: registered storage must stay valid (and, on the trainer, unmodified during refit())
-// until the object is destroyed.
+// until the object is destroyed. Destroying a Trainer or an Engine tells no other rank: it joins
+// refit's threads in the rank (bounded: a heartbeat request ends within 2 s) and closes its
+// collectives, mailbox and store connections — on trainer rank 0 also the store server. The other
+// ranks learn it from the silence: within 5.5 s their current or next wait fails, naming this rank
+// (trainer rank 0: the store it hosts). Call Trainer::shutdown() first for a clean end; an
+// engine rank ends cleanly when serve_one() returned false. Never destroy an object while another
+// thread is inside one of its methods.
 #pragma once
 
 #include <cstdint>
@@ -95,16 +122,19 @@ class Trainer {
   // Trainer rank `rank`: joins the control plane (rank 0 hosts it), forms the trainer group and
   // the point-to-point group (or, with executor gather and broadcast, the update group), and
   // waits for the engines it feeds to join; vLLM plan hashes are compared here. Collective with
-  // every rank of the refit.
+  // every rank of the refit: blocks until they joined, each wait bounded by refit.timeout_s.
   static Result<std::unique_ptr<Trainer>> create(const Config& config, int rank,
                                                  const Endpoint& endpoint);
+  // Tells no peer (see "Lifetime" above); call shutdown() first.
   virtual ~Trainer() = default;
 
   // The local tensors this rank holds, under the trainer's names (FSDP2: HF names with dim-0
   // chunk shapes; Megatron: Megatron names with TP/PP/EP shard shapes), in the policy dtype.
   virtual const std::vector<TensorSlot>& tensors() const = 0;
-  // Registers the storage of local tensor `name` (contiguous, row-major, host memory).
-  // Errors name the tensor and the expected shape/dtype.
+  // Registers the storage of local tensor `name` (contiguous, row-major; host memory with
+  // device: cpu, CUDA memory with device: cuda). Local: talks to no other rank. Registering a
+  // name again replaces its storage for the next refit. Errors name the tensor and the expected
+  // shape/dtype.
   virtual Status register_tensor(const std::string& name, void* data, DType dtype,
                                  const std::vector<std::int64_t>& shape) = 0;
 
@@ -125,6 +155,7 @@ class Trainer {
   // Whether this rank can run another refit: false once a failure ended the session (every later
   // call returns that failure; re-create every rank to recover, docs/runtime.md).
   virtual bool session_ok() const = 0;
+  // The last refit's stage times and bytes; the reference is valid until the next refit().
   virtual const RefitStats& last_stats() const = 0;
   // bench: one pass of the bare moves over the same bytes (no unshard, cast or apply). The bytes
   // are not the weights: with peer access they land in the engines' parameters (which keep their
@@ -136,10 +167,13 @@ class Trainer {
   virtual int buckets_per_refit() const = 0;
   virtual std::string plan_hash() const = 0;
   // Every rank's traffic in the last refit (trainer ranks, then engine ranks), as each rank
-  // reported it on the control plane after the refit. Call after refit().
+  // reported it on the control plane after the refit. Call after refit(); it reads the store
+  // (blocking, bounded by refit.timeout_s). Not collective.
   virtual Result<std::vector<RankTraffic>> traffic() = 0;
 
-  // Tells the engines it feeds that no refit follows and waits until they left. Collective.
+  // Tells the engines it feeds that no refit follows and waits until they left (their
+  // serve_one() returns false, serve() returns ok). Collective over the trainer group; trainer
+  // rank 0, which hosts the store, leaves last. After it only destruction is left.
   virtual Status shutdown() = 0;
 };
 
@@ -147,14 +181,20 @@ class Engine {
  public:
   // Engine rank `engine_rank` (= engine index * tp_size + tp rank): joins the control plane and
   // the point-to-point group (executor gather: the update group, or its trainer rank's ipc slots),
-  // then announces itself (with its plan hash) to every trainer rank that feeds it.
+  // then announces itself (with its plan hash) to every trainer rank that feeds it. Collective
+  // with the trainer ranks: blocks until they joined, each wait bounded by refit.timeout_s.
   static Result<std::unique_ptr<Engine>> create(const Config& config, int engine_rank,
                                                 const Endpoint& endpoint);
+  // Tells no peer (see "Lifetime" above). Storage from allocate_params() is freed; registered
+  // storage is the caller's and keeps the bytes of the last refit (a complete version when
+  // is_valid() was true).
   virtual ~Engine() = default;
 
   // The parameters this rank stores, under the engine's names and TP shard shapes
   // (vLLM / SGLang layout), in refit.target_precision.
   virtual const std::vector<TensorSlot>& params() const = 0;
+  // Registers writable storage for parameter `name` (as Trainer::register_tensor). Local; call it
+  // before the first serve_one(), or between serve_one() calls (never from a hook).
   virtual Status register_param(const std::string& name, void* data, DType dtype,
                                 const std::vector<std::int64_t>& shape) = 0;
   // Instead of registering: refit allocates zero-filled storage for every parameter, in memory the
@@ -164,11 +204,18 @@ class Engine {
   // element, no staging buffers. On CUDA, registered cudaMalloc memory (the caching allocators')
   // is exported per parameter instead; host memory the caller allocated cannot be mapped, and
   // its feeders use point-to-point. Returns the pointers in params() order; they live as long as
-  // the Engine.
+  // the Engine. Local; at most once, before the first serve_one().
   virtual Result<std::vector<void*>> allocate_params() = 0;
 
+  // The hooks (on_pause, on_resume, on_verify, on_load_weights) are set from the driving thread
+  // before the first serve_one() or between serve_one() calls, never from a hook; each runs on
+  // the thread that called serve_one() / serve(), inside that call.
+  //
   // Called around every refit: generation must pause before any parameter changes and may
-  // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake). A pause hook that
+  // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake). The resume hook also runs
+  // when a refit is aborted before any byte landed (for the ranks whose pause succeeded), after a
+  // pause hook that outlasted refit.timeout_s, and after a refit.keep_previous rollback; never
+  // after a refit that left the weights invalid. A pause hook that
   // returns an error (or runs past refit.timeout_s) makes every rank abort the refit before any
   // parameter is written: the weights keep their version and validity, the error (naming this
   // rank) is the refit's on every rank, and the session goes on (transfer plan; with executor
@@ -200,18 +247,21 @@ class Engine {
   virtual void on_load_weights(
       std::function<Status(const std::vector<ParamView>& batch)> hook) = 0;
 
-  // Serves one refit (blocking). Waits for it to start as long as the trainer lives (a failure of
-  // any rank, or the loss of the store, ends the wait); each step of the refit is bounded by
-  // refit.timeout_s. Returns true after a committed refit, false when the trainer shut the
-  // engines down. A refit that failed at its end (checksum mismatch, failed verification), was
-  // refused before any byte moved, or failed in flight with every rank alive is returned as its
-  // error with session_ok() still true: serve the next one.
+  // Serves one refit (blocking; the hooks run inside it). Waits for it to start as long as the
+  // trainer lives (a failure of any rank, or the loss of the store, ends the wait; no other thread
+  // can); each step of the refit is bounded by refit.timeout_s. Returns true after a committed
+  // refit, false when the trainer shut the engines down. A refit that failed at its end (checksum
+  // mismatch, failed verification), was refused before any byte moved, or failed in flight with
+  // every rank alive is returned as its error with session_ok() still true: serve the next one.
   virtual Result<bool> serve_one() = 0;
-  // Serves refits until shutdown, past refits that failed at their end.
+  // Serves refits until shutdown, past refits that failed at their end (serve_one() in a loop, on
+  // the calling thread). Returns ok after the trainer's shutdown, or the failure that ended the
+  // session.
   virtual Status serve() = 0;
   // Whether this rank can serve another refit (see Trainer::session_ok).
   virtual bool session_ok() const = 0;
-  // The version published by the last committed refit ("0" before the first). Empty while a
+  // The version published by the last committed refit ("0" before the first), read on the driving
+  // thread (or in a hook): not while another thread is inside serve_one(). Empty while a
   // refit may be writing the parameters, and after a refit that failed once it could have
   // written them (a failure, a checksum mismatch, a failed verification): the weights are then a
   // mix of two versions and generation stays paused (the resume hook did not run). With

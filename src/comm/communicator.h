@@ -1,4 +1,5 @@
-// The collectives refit needs, behind one interface (Gloo on CPU now, NCCL on GPU later).
+// The collectives refit needs, behind one interface: Gloo on CPU (comm/gloo), NCCL on GPU
+// (comm/nccl).
 //
 // A Communicator is a fixed group of `size()` processes. Every call is collective: all members
 // call it in the same order with matching sizes. Calls are bounded by the timeout given at

@@ -1,5 +1,7 @@
-// Every environment variable refit reads, read one way: one typed accessor per variable, the only
-// place in src/ that calls getenv. README.md "Environment variables" lists them all.
+// Every environment variable refit reads, read one way: one typed accessor per variable.
+// README.md "Environment variables" lists them all. Elsewhere in src/ only control/auth.cc
+// (REFIT_SECRET and REFIT_SECRET_FILE, read by process_control_auth: the secret is never logged)
+// and cli/cmd_run.cc (TMPDIR, where `refit run` makes its run directory) call getenv.
 //
 // An accessor reads its variable once, caches the result (the value, or the error) for the life
 // of the process and logs the chosen value at debug level once. An empty value counts as unset.

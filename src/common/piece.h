@@ -5,7 +5,7 @@
 // [E, R, C] is [E*R, C]). A layout (FSDP2 shard, Megatron shard, engine TP shard) describes each
 // of its local tensors as a list of Pieces: rectangular blocks of one full HF tensor placed at a
 // position of the local tensor. Unshard, pack and apply are all "copy these pieces", so one
-// copy engine (CPU loops now, CUDA kernels later) serves every backend.
+// copy engine (CPU loops, and the CUDA kernels of device/copy_kernels.h) serves every backend.
 #pragma once
 
 #include <cstdint>
