@@ -25,7 +25,7 @@ parameter / time), the raw broadcast's ms and GB/s, buckets, tensors, peak extra
 
 --device cpu runs the same code on the Gloo backend with host tensors (a smoke test; no streams).
 
-  python3 bench/baselines/torch_broadcast.py --refit .carry/refit/bin/refit --model qwen3-8b \\
+  python3 bench/baselines/torch_broadcast.py --refit build/src/refit --model qwen3-8b \\
       --trainer-dtype float32 --engines 1 --json out.json
   python3 bench/baselines/torch_broadcast.py --device cpu --model tiny --engines 2
 """

@@ -17,7 +17,7 @@ which moves the same bytes as refit's layout. Per tensor:
 Prints one JSON object: median ms over --steps after one warm-up, bytes written, bytes over the
 link per GPU.
 
-  python3 bench/baselines/torch_shard.py --refit .carry/refit/bin/refit --model qwen3-8b \\
+  python3 bench/baselines/torch_shard.py --refit build/src/refit --model qwen3-8b \\
       --trainer-dtype float32 --json out.json
 """
 import argparse

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Issue 12 on one GPU through the CLI (`device: cuda`, colocated world 1 -> TP 1, CUDA IPC):
+# Any model, any engine layout, on one GPU through the CLI (`device: cuda`, colocated world 1 -> TP 1, CUDA IPC):
 # the fused layouts of the new architectures (Gemma 3 with SGLang's whole embedding, Phi-3's
 # checkpoint-fused q/k/v and gate/up, Qwen2-MoE's shared expert, Gemma 2) and the hf layout,
 # where `refit run`'s engine takes every batch through the on_load_weights hook from GPU memory
 # and verifies what it took; one hf cell with a corrupted refit rolled back (the hook runs again
-# on the restored bytes). One table last; logs under $OUT.
-#   bash bench/gpu/carry_refit.sh
-#   run(command="bash bench/gpu/any_model_gpu.sh", carry=[".carry/refit"])
+# on the restored bytes). One table last; logs in $REFIT_BENCH_OUT (default /tmp/refit-any-model).
+#   bash scripts/build.sh && bash bench/gpu/any_model_gpu.sh
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-any-model
 : > "$summary"

@@ -5,8 +5,8 @@
 #   plain      as configured;
 #   nospin     REFIT_CONTROL_SPIN_US=0;
 #   nolanes    REFIT_CONTROL_LANES=0 (every message through ZeroMQ);
-#   bash bench/gpu/carry_refit.sh
-#   run(command="bash bench/gpu/control_hops.sh", carry=[".carry/refit"])
+# One GPU; logs in $REFIT_BENCH_OUT (default /tmp/refit-hops).
+#   bash scripts/build.sh && bash bench/gpu/control_hops.sh
 # REFIT_HOPS_VARIANTS picks some, in order, repeats allowed (default "plain nolanes nospin").
 # Prints the medians and the last step's timelines.
 set -uo pipefail

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 14 on one GPU (docs/fp8.md): the CUDA amax / quantize kernels against the CPU reference
+# FP8 engines on one GPU (docs/fp8.md): the CUDA amax / quantize kernels against the CPU reference
 # (refit_tests Fp8Plane), FP8 refits of one layer of qwen3-8b and qwen3-30b-a3b shapes dumped and
 # compared with torch's float8_e4m3fn quantizer, colocated cells with --verify, and `refit bench`
-# of qwen3-8b bf16 -> fp8 and -> bf16 against the floor, beside torch's blockwise quantize.
-#   bash bench/gpu/carry_refit.sh
-#   run(command="bash bench/gpu/fp8_gpu.sh", carry=[".carry/refit"])
+# of qwen3-8b bf16 -> fp8 and -> bf16 against the floor, beside torch's blockwise quantize (torch
+# in python3). Logs in $REFIT_BENCH_OUT (default /tmp/refit-fp8).
+#   bash scripts/build.sh && bash bench/gpu/fp8_gpu.sh
 # REFIT_FP8_PARTS: any of "unit exact cells bench baseline" (default all). REFIT_FP8_ROUNDS=N runs
-# the fp8 bench (and the alternative CLI's) N times, interleaved (default 1).
+# the fp8 bench (and that of ALT, another build of the CLI, when given: bench/gpu/common.sh) N times, interleaved (default 1).
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-fp8
 : > "$summary"
@@ -15,8 +15,8 @@ py=python3
 parts=${REFIT_FP8_PARTS:-"unit exact cells bench baseline"}
 has() { [[ " $parts " == *" $1 "* ]]; }
 
-if has unit && [ -x "$c/bin/refit_tests" ]; then
-  "$c/bin/refit_tests" --gtest_filter='Fp8Plane.*:Fp8Quantizer.*' > "$out/unit.log" 2>&1
+if has unit && [ -x "$T" ]; then
+  "$T" --gtest_filter='Fp8Plane.*:Fp8Quantizer.*' > "$out/unit.log" 2>&1
   note "unit Fp8Plane/Fp8Quantizer rc=$? cuda-kernels-logs=$(grep -c 'CUDA kernels matched' "$out/unit.log")"
   grep -B2 -A8 "Failure" "$out/unit.log" | head -40 | tee -a "$summary"
 fi
@@ -77,7 +77,7 @@ if has bench; then
     sfx=$([ "$k" -gt 1 ] && echo "-$k" || true)
     bench "fp8$sfx" fp8
     # A second CLI staged beside the first (another build), benched alike.
-    if [ -x "$c/bin/refit-alt" ]; then bench "fp8-alt$sfx" fp8 "$c/bin/refit-alt"; fi
+    if [ -x "$ALT" ]; then bench "fp8-alt$sfx" fp8 "$ALT"; fi
   done
   # The mailboxes' spin off (REFIT_CONTROL_SPIN_US=0): what it saves per refit.
   REFIT_CONTROL_SPIN_US=0 bench fp8-nospin fp8

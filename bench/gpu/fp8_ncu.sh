@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Nsight Compute on the FP8 quantize kernel (and the bf16 cast beside it) of a qwen3-8b bf16 -> fp8
 # refit, colocated on one GPU: throughput against the GPU's peaks, occupancy, warp stalls.
-#   bash bench/gpu/carry_refit.sh
-#   run(command="bash bench/gpu/fp8_ncu.sh", carry=[".carry/refit"])
-# Writes $OUT/ncu-quantize.txt and $OUT/ncu-copy.txt; prints the headline metrics.
+# Needs Nsight Compute (ncu) on PATH and the permission to profile (root, or
+# NVreg_RestrictProfilingToAdminUsers=0).
+#   bash scripts/build.sh && bash bench/gpu/fp8_ncu.sh
+# Writes ncu-quantize.txt and ncu-copy.txt into $REFIT_BENCH_OUT (default /tmp/refit-ncu); prints
+# the headline metrics.
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-ncu
 f=$work/b.yaml

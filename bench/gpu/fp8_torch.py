@@ -1,4 +1,4 @@
-"""FP8 on the device (issue 14, docs/fp8.md), with torch as the reference.
+"""FP8 engines on a GPU (docs/fp8.md), with torch as the reference.
 
   python3 fp8_torch.py exact DUMP BLOCK_ROWS BLOCK_COLS
       Every quantized weight of a `refit run --dump` (generation.layout hf: the engine holds the

@@ -2,10 +2,10 @@
 # refit.checksum and refit.keep_previous on one GPU (docs/runtime.md, "What checksums and rollback
 # cost"): recovery cells with --verify (a corrupted step fails, the session goes on; with
 # keep_previous every engine rank restores and verifies the previous version), then `refit bench`
-# on qwen3-8b colocated (fp32 and bf16 trainers) with each off and on, in one session. One table
-# last; logs under $OUT (summary.txt, cells.log, bench.log).
-#   bash bench/gpu/carry_refit.sh                                         # here: fills .carry/refit
-#   run(command="bash bench/gpu/integrity_gpu.sh", kind="nvidia-h200", carry=[".carry/refit"])
+# on qwen3-8b colocated (fp32 and bf16 trainers) with each off and on, in one run of the script.
+# One GPU. One table last; logs in $REFIT_BENCH_OUT (default /tmp/refit-integrity_gpu):
+# summary.txt, cells.log, bench.log.
+#   bash scripts/build.sh && bash bench/gpu/integrity_gpu.sh
 # Environment: REFIT_IG_STEPS (bench steps, default 8).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"

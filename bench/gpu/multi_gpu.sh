@@ -1,53 +1,41 @@
 #!/usr/bin/env bash
-# Non-colocated refit on several GPUs of one host (issues 7 and 15): trainer ranks on the first
-# GPUs, engine ranks on the next ones. Cells run the transfer plan (refit.executor auto: peer
-# access over NVLink); every benchmark runs twice in the same session, as the transfer plan and as
-# the full-bucket broadcast (executor gather: NCCL unshard + broadcast), and the table gives the
-# plan's speed-up over the broadcast.
+# Non-colocated refit on several GPUs of one host: trainer ranks on the first GPUs, engine ranks on
+# the next ones. Cells run the transfer plan (refit.executor auto: peer access over NVLink); every
+# benchmark runs twice, as the transfer plan and as the full-bucket broadcast (executor gather:
+# NCCL unshard + broadcast), and the table gives the plan's speed-up over the broadcast.
 #  - cells: `refit run --verify` (and --check-logits where cheap) on tiny models for every split
 #    the GPU count allows: FSDP2 → SGLang / vLLM with 1 trainer GPU + 1 engine GPU; with ≥ 4 GPUs
-#    multi-rank FSDP2 unsharding over NCCL (world 2 and 3) and Megatron TP 2 → both protocols with
-#    2 engines; with 8 GPUs larger splits (FSDP2 world 4 → 2 engines TP 2, Megatron TP 2 × EP 2 /
-#    TP 2 × PP 2, 3 engines); faults (corruption, a killed engine, a killed trainer rank).
-#  - bench: `refit bench` (GB/s, ratio to the raw NCCL broadcast of the same buckets in the same
-#    run) on qwen3-8b (fp32 and bf16 trainer) and qwen3-30b-a3b (bf16) shapes, FSDP2 world 1 →
-#    one engine TP 1 (2 GPUs); with ≥ 4 GPUs also → TP 2 and FSDP2 world 2 → TP 2; with 8 GPUs
-#    → TP 4; each shape verified at that scale first, and the PyTorch packed-broadcast baseline
-#    (bench/baselines/torch_broadcast.py) on the same shapes, GPUs and bucket size.
-# One table last; logs under $OUT (summary.txt, topology.txt, cells.log, bench.log, torch.log,
-# results.json).
+#    multi-rank FSDP2 (world 2 and 3) and Megatron TP 2 → both protocols with 2 engines; with 8
+#    GPUs larger splits (FSDP2 world 4 → 2 engines TP 2, Megatron TP 2 × EP 2 / TP 2 × PP 2,
+#    3 engines); faults (corruption, a killed engine, a killed trainer rank).
+#  - bench: `refit bench` (GB/s, ratio to the floor) on qwen3-8b (fp32 and bf16 trainer) and
+#    qwen3-30b-a3b (bf16) shapes, FSDP2 world 1 → one engine TP 1 (2 GPUs); with ≥ 4 GPUs also
+#    → TP 2 and FSDP2 world 2 → TP 2; with 8 GPUs → TP 4; each shape verified at that scale
+#    first, and the PyTorch packed-broadcast baseline (bench/baselines/torch_broadcast.py) on the
+#    same shapes, GPUs and bucket size.
+# One table last; logs in $REFIT_BENCH_OUT (default /tmp/refit-multi-gpu): summary.txt,
+# topology.txt, cells.log, bench.log, torch.log, results.json.
 #
-#   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
-#   run(command="bash bench/gpu/multi_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
+#   bash scripts/build.sh && bash bench/gpu/multi_gpu.sh
+#   REFIT_MG_PARTS=cells bash bench/gpu/multi_gpu.sh     # one part only (4 or 8 GPUs: each part
+#   REFIT_MG_PARTS=bench bash bench/gpu/multi_gpu.sh     # takes several minutes)
 #
 # Environment: REFIT_MG_PARTS ("cells bench", or one of them), REFIT_MG_GPUS (default: the count
 # nvidia-smi -L lists), REFIT_MG_SHAPES (default "qwen3-8b:float32 qwen3-8b:bfloat16
 # qwen3-30b-a3b:bfloat16"), REFIT_MG_BUCKET (bench bucket bytes, default 512 MiB),
-# REFIT_MG_PYTHON (an interpreter with torch, default python3), and REFIT_MG_DEVICE=cpu with
-# REFIT_BIN=build/src/refit: a dry run of the same configs (and the baseline) on Gloo here.
+# REFIT_MG_PYTHON (an interpreter with torch, default python3), and REFIT_MG_DEVICE=cpu: a dry
+# run of the same configs (and the baseline) on Gloo, on a machine without GPUs.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/refit-multi-gpu}
-mkdir -p "$out"
-c=$root/.carry/refit
-R=${REFIT_BIN:-$c/bin/refit}
+source "$(dirname "$0")/common.sh" /tmp/refit-multi-gpu
 dev=${REFIT_MG_DEVICE:-cuda}
 parts=${REFIT_MG_PARTS:-"cells bench"}
 has() { [[ " $parts " == *" $1 "* ]]; }
 shapes=${REFIT_MG_SHAPES:-"qwen3-8b:float32 qwen3-8b:bfloat16 qwen3-30b-a3b:bfloat16"}
 bench_buf=${REFIT_MG_BUCKET:-536870912}
-py=${REFIT_MG_PYTHON:-python3}  # with torch (the device machine's python3 has it)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-summary=$out/summary.txt
+py=${REFIT_MG_PYTHON:-python3}  # with torch
 : > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
 
 if [ "$dev" = cuda ]; then
-  nccl_dir=$(dirname "$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)")
-  export LD_LIBRARY_PATH=$c/lib:$nccl_dir:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
   nvidia-smi -L | tee -a "$summary"
   nvidia-smi topo -m > "$out/topology.txt" 2>&1
   note "nccl from: $nccl_dir"

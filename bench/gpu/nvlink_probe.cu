@@ -1,6 +1,6 @@
 // Which way moves bytes from GPU 0 to GPU 1 fastest: copy engine or SM stores/loads, pushed by the
 // sender or pulled by the receiver, into memory allocated in-process or mapped through CUDA IPC
-// from another process (as refit's peer executor does). Built and run on the device machine:
+// from another process (as refit's peer executor does). Built and run on a host with two GPUs:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/nvlink_probe bench/gpu/nvlink_probe.cu
 //   /tmp/nvlink_probe [MiB per copy, default 1024]

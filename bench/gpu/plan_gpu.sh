@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The transfer plan on 2 GPUs of one host: cells with --verify (and --check-logits on tiny models),
 # faults, then `refit bench` on the targets' shapes against the plan-aware floor, and the PyTorch
-# baselines on the same GPUs. One table last; logs under $OUT (summary.txt, cells.log, bench.log,
-# torch.log, results.json, topology.txt).
+# baselines on the same GPUs (torch in python3). Two GPUs. One table last; logs in
+# $REFIT_BENCH_OUT (default /tmp/refit-plan-gpu): summary.txt, cells.log, bench.log, torch.log,
+# results.json, topology.txt.
 #
-#   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
-#   run(command="bash bench/gpu/plan_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
+#   bash scripts/build.sh && bash bench/gpu/plan_gpu.sh
 #
 # Environment: REFIT_PG_PARTS (default "cells bench torch"; "fp8": FP8 engines on 2 GPUs, cells
 # with --verify and benches, docs/fp8.md), REFIT_PG_BENCH (space-separated bench
@@ -156,7 +156,7 @@ if has bench; then
   bench colo-w2-tp2-8b-bf16-checksum "$(cfg b16 qwen3-8b fsdp2 2 - vllm true 1 2 bfloat16 auto '' '' ', checksum: true')"
 fi
 
-# FP8 engines (issue 14) on 2 GPUs: colocated world 2 -> TP 2 and non-colocated 1 -> 1 through
+# FP8 engines on 2 GPUs: colocated world 2 -> TP 2 and non-colocated 1 -> 1 through
 # the transfer plan, verified against the reference quantizer; benches whose engine ranks' bytes
 # received (the table) are the bytes on the link; torch's quantize of the same elements.
 fp8=", target_precision: fp8"

@@ -4,9 +4,9 @@
 # refit, aborts its NCCL communicators (or stops writing over CUDA IPC), forms the groups anew,
 # and step 3 of the same session verifies bit-exact. With 2 GPUs: NCCL and NVLink cells (trainer
 # on GPU 0, engine on GPU 1) and colocated world 2 -> TP 2; with 1 GPU: colocated world 1 -> TP 1.
-# One table last; logs under $OUT (summary.txt, <cell>.log).
-#   bash bench/gpu/carry_refit.sh                                     # here: fills .carry/refit
-#   run(command="bash bench/gpu/recovery_gpu.sh", kind="nvidia-h200-x2", carry=[".carry/refit"])
+# One table last; logs in $REFIT_BENCH_OUT (default /tmp/refit-recovery_gpu): summary.txt,
+# <cell>.log.
+#   bash scripts/build.sh && bash bench/gpu/recovery_gpu.sh
 # Environment: REFIT_RG_TIMEOUT (refit.timeout_s of every cell, default 5).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The integrated GPU check of refit on the device machine (one H200): the CUDA unit tests, every
+# refit on one GPU (an H200, or any GPU the build has kernels for): the CUDA unit tests, every
 # `device: cuda` cell one GPU allows through the real CLI (colocated trainer + engine processes,
-# zero-copy and CUDA-IPC buckets, FSDP2 and Megatron, --verify on the GPU, --check-logits, a
-# corruption fault), `refit bench` on qwen3-8b (fp32 trainer) and qwen3-30b-a3b (bf16 trainer)
-# shapes with the floor measured in the same run, and the Python module's PyTorch device test.
-# One table last; logs under $OUT.
+# the peer executor and executor gather's CUDA-IPC buckets, FSDP2 and Megatron, --verify on the
+# GPU, --check-logits, a corruption fault), `refit bench` on qwen3-8b (fp32 trainer) and
+# qwen3-30b-a3b (bf16 trainer) shapes with the floor measured in the same run, and the Python
+# module's PyTorch device test. One table last; logs in $REFIT_BENCH_OUT (default
+# /tmp/refit-device). About 10 minutes.
 #
-#   bash bench/gpu/carry_refit.sh                                   # here: fills .carry/refit
-#   run(command="bash bench/gpu/refit_device.sh", carry=[".carry/refit"], timeout_s=600)
+#   bash scripts/build.sh && bash bench/gpu/refit_device.sh
+#
+# REFIT_DEVICE_PARTS: any of "tests cells archcheck bench python" (default all). The python part
+# uses the build tree's module (build/python), or builds one from a bundle's librefit.a
+# (bench/gpu/bundle.sh with REFIT_BUNDLE_WITH=python or all).
 set -uo pipefail
 source "$(dirname "$0")/common.sh" /tmp/refit-device
 : > "$summary"
@@ -19,7 +23,7 @@ note "nccl from: $nccl_dir"
 
 if has tests; then
 echo "== CUDA unit tests"
-timeout 240 "$c/bin/refit_tests" --gtest_filter='Cuda*' > "$out/tests.log" 2>&1
+timeout 240 "$T" --gtest_filter='Cuda*' > "$out/tests.log" 2>&1
 note "cuda unit tests: rc=$? ($(grep -c '^\[       OK' "$out/tests.log") ok, $(grep -c '^\[  FAILED' "$out/tests.log") failed, $(grep -c '^\[  SKIPPED' "$out/tests.log") skipped)"
 fi
 
@@ -75,9 +79,9 @@ timeout 400 "$R" bench "$(EXEC=gather BUF=536870912 cfg qwen3-8b fsdp2 vllm floa
 note "qwen3-8b-fp32 cuda-ipc buckets bench rc=$?"
 fi
 
-if has archcheck && [ -x "$c/bin/refit-sm80" ]; then
+if has archcheck && [ -x "$SM80" ]; then
 echo "== a CLI with sm_80 kernels only, on this GPU: must be refused at setup, naming the GPU"
-timeout 120 "$c/bin/refit-sm80" run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 1 \
+timeout 120 "$SM80" run "$(cfg tiny-qwen3 fsdp2 sglang float32)" --steps 1 \
   > "$out/archcheck.log" 2>&1
 rc=$?
 if [ $rc != 0 ] && grep -q "has no refit kernels" "$out/archcheck.log"; then
@@ -88,16 +92,22 @@ fi
 fi
 
 if has python; then
-echo "== python module (built here for this interpreter) + PyTorch device test"
-py=$work/py/refit
-mkdir -p "$py" && cp "$root"/python/refit/*.py "$py/"
-cudalib=/usr/local/cuda/lib64
-if g++ -O2 -shared -fPIC -std=c++20 "$root"/python/src/*.cc -I"$root/include" -I"$c/include" -I"$root/python/src" \
-     $(python3 -m pybind11 --includes) -o "$py/_refit$(python3-config --extension-suffix)" \
-     -Wl,--start-group "$c/lib/librefit.a" "$c/lib/libgloo.so.0" "$c/lib/libzmq.so.5" \
-     "$c/lib/libyaml-cpp.so.0.7" "$c/lib/libfmt.so.9" "$c/lib/libsodium.so.23" -Wl,--end-group \
-     -L"$cudalib" -lcudart_static -L"$nccl_dir" -l:libnccl.so.2 -lpthread -ldl -lrt > "$out/python.log" 2>&1; then
-  PYTHONPATH=$work/py timeout "${REFIT_PY_TIMEOUT:-540}" python3 "$root/bench/gpu/python_device_test.py" \
+echo "== python module + PyTorch device test"
+if ls "${build:-/nonexistent}"/python/refit/_refit*.so > /dev/null 2>&1; then
+  pypath=$build/python  # the build tree's module
+  : > "$out/python.log"
+else  # a bundle: build the module here, for this interpreter, from its librefit.a
+  pypath=$work/py
+  mkdir -p "$pypath/refit" && cp "$root"/python/refit/*.py "$pypath/refit/"
+  g++ -O2 -shared -fPIC -std=c++20 "$root"/python/src/*.cc -I"$root/include" -I"$I" -I"$root/python/src" \
+    $(python3 -m pybind11 --includes) -o "$pypath/refit/_refit$(python3-config --extension-suffix)" \
+    -Wl,--start-group "$A" "$lib/libgloo.so.0" "$lib/libzmq.so.5" \
+    "$lib/libyaml-cpp.so.0.7" "$lib/libfmt.so.9" "$lib/libsodium.so.23" -Wl,--end-group \
+    -L/usr/local/cuda/lib64 -lcudart_static -L"$nccl_dir" -l:libnccl.so.2 -lpthread -ldl -lrt \
+    > "$out/python.log" 2>&1 || pypath=
+fi
+if [ -n "$pypath" ]; then
+  PYTHONPATH=$pypath timeout "${REFIT_PY_TIMEOUT:-540}" python3 "$root/bench/gpu/python_device_test.py" \
     --steps 2 ${REFIT_PY_CASES:+--cases "$REFIT_PY_CASES"} --json "$work/python.json" >> "$out/python.log" 2>&1
   note "python device test rc=$?"
 else

@@ -244,7 +244,7 @@ T unpod(const std::string& s) {
   return v;
 }
 
-// bench/gpu/run.sh sets REFIT_BENCH_BULK=0 when the bulk-engine variant failed its tests.
+// bench/gpu/kernels_gpu.sh sets REFIT_BENCH_BULK=0 when the bulk-engine variant failed its tests.
 bool bulk_allowed() {
   const char* v = std::getenv("REFIT_BENCH_BULK");
   return v == nullptr || std::string(v) != "0";
