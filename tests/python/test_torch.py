@@ -91,6 +91,99 @@ def assert_module_is_bf16_of(engine_module, values):
         np.testing.assert_array_equal(got, bf16_bits(values[name]), err_msg=name)
 
 
+def test_replicated_trainer_ranks_register_views_of_their_chunks():
+    """docs/rl-loop.md, "Without FSDP2": every trainer rank holds the whole module (DDP, or torch
+    older than 2.4) and registers views of the dim-0 chunks an FSDP2 rank would hold; an optimizer
+    step in place on the replicas is what the next refit brings to the engine, bit for bit."""
+    spec = refit.model_spec("tiny-qwen3")
+    world = 2
+    replicas = [module_from_spec(spec, torch.float32, step=1) for _ in range(world)]
+    engine_module = module_from_spec(spec, torch.bfloat16)
+    cfg = config("tiny-qwen3", world_size=world)
+    port = free_port()
+    box, trainers, registered = {}, [None] * world, [{} for _ in range(world)]
+
+    def make_engine():
+        try:
+            box["engine"] = rt.engine_from_hf(engine_module, cfg, 0, master_port=port)
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    def make_trainer(rank):
+        # The docs' pattern, as written there.
+        try:
+            tensors = rt.module_tensors(replicas[rank])
+            c = cfg.with_tensor_table(rt.tensor_table(tensors))
+            trainer = refit.Trainer(c, rank, master_port=port)
+            for slot in trainer.tensors:
+                t = tensors[slot.name].detach()
+                rows = -(-t.shape[0] // world)
+                view = t[rank * rows: rank * rows + slot.shape[0]]
+                trainer.register(slot.name, view)
+                registered[rank][slot.name] = (view, t)
+            trainers[rank] = trainer
+        except BaseException as e:  # noqa: BLE001
+            box[f"error-{rank}"] = e
+
+    threads = [threading.Thread(target=make_engine),
+               threading.Thread(target=make_trainer, args=(1,))]
+    for t in threads:
+        t.start()
+    make_trainer(0)
+    for t in threads:
+        t.join(timeout=30)
+    assert not [k for k in box if k.startswith("error")], box
+    engine = box["engine"]
+
+    def on_every_rank(call):
+        """`call(trainer)` on every trainer rank at once (refit and shutdown are collective)."""
+        errors = []
+
+        def one(rank):
+            try:
+                call(trainers[rank])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=30)
+        assert not errors, errors
+
+    try:
+        # Views, not copies: each shares its parameter's storage, contiguous, at the chunk's rows.
+        for rank in range(world):
+            for name, (view, whole) in registered[rank].items():
+                assert view.is_contiguous(), name
+                assert view.numel() == 0 or (
+                    view.data_ptr() == whole.data_ptr() + rank * -(-whole.shape[0] // world)
+                    * whole[0:1].numel() * whole.element_size()), name
+        thread = serve(engine, box)
+        on_every_rank(lambda t: t.refit(1))
+        assert_module_is_bf16_of(engine_module, hf_weights(spec, 1))
+        # An optimizer step, in place and the same on every replica (what DDP's all-reduce gives).
+        for module in replicas:
+            opt = torch.optim.SGD(module.parameters(), lr=0.25)
+            for p in module.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+        stepped = {name: p.detach().numpy().copy() for name, p in replicas[0].named_parameters()}
+        assert not np.array_equal(stepped["model.norm.weight"], hf_weights(spec, 1)["model.norm.weight"])
+        on_every_rank(lambda t: t.refit(2))
+        assert_module_is_bf16_of(engine_module, stepped)
+        assert engine.weight_version == "step-2"
+        on_every_rank(lambda t: t.shutdown())
+        thread.join(timeout=20)
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 2
+    finally:
+        for t in trainers:
+            t.close()
+        engine.close()
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen2"])
 def test_trainer_module_to_hf_engine_module(model):
     spec = refit.model_spec(model)
