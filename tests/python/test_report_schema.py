@@ -211,9 +211,9 @@ def test_fault_past_the_plan_is_reported_with_the_config(tmp_path, validator):
 
 
 def test_bench_and_trainer_setup_errors_name_their_command(tmp_path, validator):
-    report = setup_error_report(validator, tmp_path, "bench", write_config(tmp_path),
-                                "--fault", "kill-trainer:5:0")
-    assert "there is no trainer rank 5" in report["error"]["message"], report
+    bad = CONFIG.format(executor="auto").replace("tp_size: 2", "tp_size: 3")
+    report = setup_error_report(validator, tmp_path, "bench", write_config(tmp_path, text=bad))
+    assert "generation.tp_size" in report["error"]["message"], report
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     report = setup_error_report(validator, tmp_path, "trainer", write_config(tmp_path),
