@@ -81,7 +81,8 @@ std::int64_t align_up(std::int64_t v, std::int64_t a) { return (v + a - 1) / a *
 Result<Plan> make_plan(const Options& o) {
   Plan p;
   REFIT_ASSIGN_OR_RETURN(p.spec, load_model_spec(o.model));
-  REFIT_ASSIGN_OR_RETURN(p.layout, engine_layout(p.spec, 1, 0));
+  REFIT_ASSIGN_OR_RETURN(p.layout,
+                         engine_layout(p.spec, 1, 0, EngineLayout::kFused, EngineProtocol::kVllm));
   REFIT_ASSIGN_OR_RETURN(p.buckets,
                          make_bucket_plan(p.spec, DType::kBFloat16, o.buffer_bytes, 256));
   const std::int64_t talign = 256 / static_cast<std::int64_t>(dtype_size(o.trainer_dtype));
@@ -233,6 +234,11 @@ std::vector<std::string> unpack_strings(const std::string& in) {
   }
   return out;
 }
+// A bucket and the slot it fills, as one message payload.
+struct BucketSlot {
+  int bucket = 0;
+  int slot = 0;
+};
 template <typename T>
 std::string pod(const T& v) {
   return std::string(reinterpret_cast<const char*>(&v), sizeof(T));
@@ -312,7 +318,7 @@ Status engine_main(const Options& o, const Plan& p, Channel& ch) {
         REFIT_RETURN_IF_ERROR(ch.send(kZeroCopyDone));
         break;
       case kFilled: {
-        const auto [bucket, slot] = unpod<std::pair<int, int>>(msg.second);
+        const auto [bucket, slot] = unpod<BucketSlot>(msg.second);
         REFIT_RETURN_IF_ERROR(filled[slot].wait_on(stream.handle()));
         REFIT_RETURN_IF_ERROR(launch_block_copy(apply, static_cast<std::size_t>(bucket),
                                                 slots[slot].data(), DType::kBFloat16, params.data(),
@@ -628,7 +634,7 @@ Status trainer_main(const Options& o, const Plan& p, Channel& ch, nlohmann::json
                                               tdt, slots.bytes() + s * slot_bytes, DType::kBFloat16,
                                               st));
       REFIT_RETURN_IF_ERROR(filled[s].record(st));
-      REFIT_RETURN_IF_ERROR(ch.send(kFilled, pod(std::make_pair(b, s))));
+      REFIT_RETURN_IF_ERROR(ch.send(kFilled, pod(BucketSlot{b, s})));
     }
     REFIT_RETURN_IF_ERROR(t1.record(st));
     while (freed_seen < nbuckets) {
