@@ -4,8 +4,8 @@
 # float32 router in vLLM's layout), then two layers of DeepSeek-V3 at its published widths (one
 # dense layer, one MoE layer of 256 experts: 12.4 B parameters) verified bit-exact in bf16 and
 # benched bf16 -> bf16 and bf16 -> fp8 (128 x 128 blocks, every slice whole blocks).
-#   bash bench/gpu/carry_refit.sh
-#   run(command="bash bench/gpu/frontier_moe_gpu.sh", carry=[".carry/refit"])
+# Logs in $REFIT_BENCH_OUT (default /tmp/refit-frontier).
+#   bash scripts/build.sh && bash bench/gpu/frontier_moe_gpu.sh
 # Expected: every cell rc=0 with its verified line counted once per step; the bench lines print
 # the median refit time and its ratio to the floor.
 set -uo pipefail
