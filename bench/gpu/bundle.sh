@@ -8,22 +8,25 @@
 #   bash scripts/build.sh && bash bench/gpu/bundle.sh [BUILD_DIR]
 #   rsync -a ./ gpu-host:refit/ && ssh gpu-host 'cd refit && bash bench/gpu/refit_device.sh'
 # The scripts use the bundle when it exists, else the build tree (bench/gpu/common.sh).
-# REFIT_BUNDLE_WITH picks the large parts: tests (default: refit_tests, for the CUDA unit tests;
-# no Python module on the GPU host), python (librefit.a, for refit_device.sh's python part; no
-# CUDA unit tests) or all.
+# REFIT_BUNDLE_WITH picks the large parts: tests (default: the CLI and refit_tests, for the CUDA
+# unit tests; no Python module on the GPU host), python (the CLI and librefit.a, for
+# refit_device.sh's python part; no CUDA unit tests), kernels (refit_tests and zero_copy_bench,
+# for kernels_gpu.sh; build it first: cmake --build build --target zero_copy_bench) or all.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
 dst=.bundle/refit
 rm -rf "$dst" && mkdir -p "$dst/bin" "$dst/lib" "$dst/include/refit"
-strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"
 with=${REFIT_BUNDLE_WITH:-tests}
 case $with in
-  tests | python | all) ;;
-  *) echo "bundle.sh: REFIT_BUNDLE_WITH is tests, python or all" >&2; exit 2 ;;
+  tests | python | kernels | all) ;;
+  *) echo "bundle.sh: REFIT_BUNDLE_WITH is tests, python, kernels or all" >&2; exit 2 ;;
 esac
-if [ "$with" != python ]; then strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"; fi
-if [ "$with" != tests ]; then strip --strip-debug -o "$dst/lib/librefit.a" "$build/src/librefit.a"; fi
+has() { [ "$with" = all ] || [[ " $* " == *" $with "* ]]; }
+if has tests python; then strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"; fi
+if has tests kernels; then strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"; fi
+if has python; then strip --strip-debug -o "$dst/lib/librefit.a" "$build/src/librefit.a"; fi
+if has kernels; then strip --strip-debug -o "$dst/bin/zero_copy_bench" "$build/zero_copy_bench"; fi
 cp "$build/include/refit/version.h" "$dst/include/refit/"
 # A CLI built for other GPUs only (refit_device.sh's archcheck: the "no kernels for this GPU"
 # setup error), if present:

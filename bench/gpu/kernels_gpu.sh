@@ -7,7 +7,8 @@
 #
 #   bash scripts/build.sh && bash bench/gpu/kernels_gpu.sh
 #
-# Builds the zero_copy_bench target in the build tree first (REFIT_BUILD, default ./build).
+# Builds the zero_copy_bench target in the build tree first (REFIT_BUILD, default ./build), or
+# takes it from a bundle (REFIT_BUNDLE_WITH=kernels bash bench/gpu/bundle.sh).
 # Environment: REFIT_BENCH_STEPS (5), REFIT_BENCH_SHAPES ("qwen3-8b:float32
 # qwen3-30b-a3b:bfloat16"), REFIT_SKIP_TORCH=1 to skip the baseline, REFIT_SKIP_TESTS=1 to skip
 # the unit tests.
@@ -16,16 +17,20 @@ source "$(dirname "$0")/common.sh"
 : > "$summary"
 steps=${REFIT_BENCH_STEPS:-5}
 shapes=${REFIT_BENCH_SHAPES:-"qwen3-8b:float32 qwen3-30b-a3b:bfloat16"}
-build=${REFIT_BUILD:-$root/build}
 cd "$root"
 
 { nvidia-smi; nvcc --version; python3 -c 'import torch; print("torch", torch.__version__)'; } \
   > "$out/machine.txt" 2>&1
 
-echo "== build zero_copy_bench"
-if ! cmake --build "$build" --target zero_copy_bench > "$out/build.log" 2>&1; then
-  tail -40 "$out/build.log"
-  note "build failed (build.log)"
+if [ -n "${build:-}" ]; then  # the build tree: build the benchmark there
+  echo "== build zero_copy_bench"
+  if ! cmake --build "$build" --target zero_copy_bench > "$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"
+    note "build failed (build.log)"
+    exit 1
+  fi
+elif [ ! -x "$Z" ]; then
+  note "the bundle has no zero_copy_bench: REFIT_BUNDLE_WITH=kernels bash bench/gpu/bundle.sh"
   exit 1
 fi
 
@@ -61,14 +66,14 @@ for shape in $shapes; do
   model=${shape%%:*}
   dtype=${shape##*:}
   echo "== bench $model ($dtype trainer)"
-  timeout 300 "$build/zero_copy_bench" --model "$model" --trainer-dtype "$dtype" --steps "$steps" \
+  timeout 300 "$Z" --model "$model" --trainer-dtype "$dtype" --steps "$steps" \
     --json "$work/bench-$model.json" >> "$out/bench.log" 2>&1
   rc=$?
   tail -3 "$out/bench.log"
   [ $rc -eq 0 ] && bench_json+=("$work/bench-$model.json") || { note "bench $model failed (rc $rc)"; status=1; }
   if [ "${REFIT_SKIP_TORCH:-0}" != 1 ]; then
     echo "== torch baseline $model"
-    "$build/zero_copy_bench" --model "$model" --dump-layout "$work/layout-$model.json" &&
+    "$Z" --model "$model" --dump-layout "$work/layout-$model.json" &&
       timeout 300 python3 bench/baselines/torch_colocated.py --layout "$work/layout-$model.json" \
         --trainer-dtype "$dtype" --steps "$steps" --json "$work/torch-$model.json" >> "$out/torch.log" 2>&1
     rc=$?
@@ -77,6 +82,7 @@ for shape in $shapes; do
   fi
 done
 
+shopt -s nullglob  # no JSON when every benchmark failed
 python3 - "$out/results.json" "$work"/*.json <<'PY'
 import json, sys
 json.dump({p.rsplit("/", 1)[-1]: json.load(open(p)) for p in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)
