@@ -1,4 +1,4 @@
-// The fault-injection probe (runtime/fault.h) at the executors' probe points, in isolation: which
+// The fault-injection probe (harness/fault_probe.h) at the executors' probe points, in isolation: which
 // round kills which rank, and which byte a corruption flips. The end-to-end faults run in
 // runtime_faults_test.cc through the CLI.
 #include <gtest/gtest.h>
@@ -9,9 +9,9 @@
 #include <cstring>
 #include <vector>
 
-#include "common/fault.h"
+#include "harness/fault.h"
 #include "plane/data_plane.h"
-#include "runtime/fault.h"
+#include "harness/fault_probe.h"
 
 namespace refit {
 namespace {

@@ -135,7 +135,6 @@ void expect_both(const char* what, std::pair<int, int> r) {
 TEST(Fuzz, ControlMessageDecoders) {
   HelloMessage hello;
   hello.engine_rank = 3;
-  hello.protocol = "vllm";
   hello.plan_hash = "abc";
   hello.total_parameters = 1000;
   hello.settings = {{"refit.buffer_size_bytes", "4096"}, {"generation.tp_size", "2"}};
@@ -144,7 +143,7 @@ TEST(Fuzz, ControlMessageDecoders) {
                 return decode_hello(p, from).ok() && check_peer_versions(p, from, "me").ok();
               }));
   expect_both("begin", fuzz(102, encode(BeginMessage{.step = 2, .version = "v2", .verify = true,
-                                                     .buckets = 3, .offer_direct = true}),
+                                                     .buckets = 3, .export_held = "0123456789abcdef"}),
                             true, [&](const std::string& p) { return decode_begin(p, from).ok(); }));
   PausedMessage paused;
   paused.step = 2;
@@ -154,14 +153,31 @@ TEST(Fuzz, ControlMessageDecoders) {
   expect_both("commit", fuzz(104, encode(CommitMessage{.step = 7}), true,
                              [&](const std::string& p) { return decode_commit(p, from).ok(); }));
   expect_both("committed",
-              fuzz(105, encode(CommittedMessage{.version = "v", .apply_s = 0.5, .bytes_received = 9}),
+              fuzz(105, encode(CommittedMessage{.step = 2, .apply_s = 0.5, .checksum = "ab"}),
                    true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
-  expect_both("verified", fuzz(106, encode(VerifiedMessage{.verified = false, .error = "x"}), true,
+  const FailureOrigin failed{
+      .rank = RankId::engine(3, 2), .code = StatusCode::kCorruption, .error = "x"};
+  expect_both("verified", fuzz(106, encode(VerifiedMessage{.step = 2, .failed = failed}), true,
                                [&](const std::string& p) { return decode_verified(p, from).ok(); }));
-  expect_both("proceed", fuzz(110, encode(ProceedMessage{.step = 3, .go = false, .error = "x"}),
+  expect_both("proceed", fuzz(110, encode(ProceedMessage{.step = 3, .refused = failed}),
                               true, [&](const std::string& p) { return decode_proceed(p, from).ok(); }));
-  expect_both("outcome", fuzz(109, encode(OutcomeMessage{.publish = false, .error = "x"}), true,
+  expect_both("outcome", fuzz(109, encode(OutcomeMessage{.step = 3, .failed = failed}), true,
                               [&](const std::string& p) { return decode_outcome(p, from).ok(); }));
+  expect_both("outcome-heard",
+              fuzz(111, encode(OutcomeHeardMessage{.step = 3, .valid = true, .weight_version = "3"}),
+                   true, [&](const std::string& p) { return decode_outcome_heard(p, from).ok(); }));
+  expect_both("abort-heard", fuzz(112, encode(AbortHeardMessage{.step = 4}), true, [&](const std::string& p) {
+                return decode_abort_heard(p, from).ok();
+              }));
+  expect_both("bucket",
+              fuzz(113, encode(BucketMessage{.slot = 1, .step = 2, .bucket = 3, .bytes = 4096, .meta = "m"}),
+                   true, [&](const std::string& p) { return decode_bucket(p, from).ok(); }));
+  expect_both("bucket-done",
+              fuzz(114, encode(BucketDoneMessage{.slot = 1, .step = 2, .bucket = 3}), true,
+                   [&](const std::string& p) { return decode_bucket_done(p, from).ok(); }));
+  expect_both("failure record", fuzz(115, encode_failure(failed), true, [&](const std::string& p) {
+                return decode_failure(p, from).ok();
+              }));
   RoutesMessage routes;
   routes.routes = {{.round = 0, .param = "w", .row = 0, .col = 0, .rows = 2, .cols = 3, .offset = 0},
                    {.round = 1, .param = "b", .row = 1, .col = 0, .rows = 1, .cols = 3, .offset = 6}};

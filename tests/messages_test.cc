@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "control/message_types.h"
 #include "control/messages.h"
 
 namespace refit {
@@ -17,7 +18,6 @@ TEST(Messages, RoundTrip) {
                        .verify = true,
                        .raw = false,
                        .buckets = 3,
-                       .offer_direct = true,
                        .export_held = "00ff00ff00ff00ff"};
   auto b2 = decode_begin(encode(b), "trainer/0");
   ASSERT_TRUE(b2.ok()) << b2.status().to_string();
@@ -26,7 +26,6 @@ TEST(Messages, RoundTrip) {
   EXPECT_TRUE(b2->verify);
   EXPECT_FALSE(b2->raw);
   EXPECT_EQ(b2->buckets, 3);
-  EXPECT_TRUE(b2->offer_direct);
   EXPECT_EQ(b2->export_held, "00ff00ff00ff00ff");
 
   PausedMessage p{.direct = ExportedParams{.handle = "abc", .bytes = 1ull << 40, .offsets = {0, 256}}};
@@ -52,32 +51,53 @@ TEST(Messages, RoundTrip) {
   EXPECT_TRUE(p4->direct->elided);
   EXPECT_EQ(p4->direct->digest, p.direct->digest);
   EXPECT_TRUE(p4->direct->handle.empty() && p4->direct->offsets.empty());
-  auto p3 = decode_paused(encode(PausedMessage{.step = 4, .refused = "hook failed"}), "engine/1");
-  ASSERT_TRUE(p3.ok());
+  // A refusal travels as a failure record: the rank (an engine id of its TP size), the code and
+  // the error.
+  const FailureOrigin hook{
+      .rank = RankId::engine(5, 4), .code = StatusCode::kTimeout, .error = "hook failed"};
+  auto p3 = decode_paused(encode(PausedMessage{.step = 4, .refused = hook}), "engine/1");
+  ASSERT_TRUE(p3.ok()) << p3.status().to_string();
   EXPECT_FALSE(p3->direct.has_value());
   EXPECT_EQ(p3->step, 4);
-  EXPECT_EQ(p3->refused, "hook failed");
-  auto go = decode_proceed(encode(ProceedMessage{.step = 9, .go = true}), "trainer/1");
+  ASSERT_TRUE(p3->refused.has_value());
+  EXPECT_EQ(p3->refused->rank, RankId::engine(5, 4));
+  EXPECT_EQ(p3->refused->rank.name(), "engine 1 tp rank 1");
+  EXPECT_EQ(p3->refused->code, StatusCode::kTimeout);
+  EXPECT_EQ(p3->refused->error, "hook failed");
+  auto go = decode_proceed(encode(ProceedMessage{.step = 9}), "trainer/1");
   ASSERT_TRUE(go.ok()) << go.status().to_string();
   EXPECT_EQ(go->step, 9);
-  EXPECT_TRUE(go->go);
-  auto abort = decode_proceed(encode(ProceedMessage{.step = 2, .go = false, .error = "x: y"}),
-                              "trainer/0");
+  EXPECT_FALSE(go->refused.has_value());
+  auto abort = decode_proceed(encode(ProceedMessage{.step = 2, .refused = hook}), "trainer/0");
   ASSERT_TRUE(abort.ok());
-  EXPECT_FALSE(abort->go);
-  EXPECT_EQ(abort->error, "x: y");
+  ASSERT_TRUE(abort->refused.has_value());
+  EXPECT_EQ(abort->refused->error, "hook failed");
   auto missing = decode_proceed(R"({"v": )" + std::to_string(kMessageWireVersion) + R"(, "step": 1})",
                                 "trainer/0");
   ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find("'go'"), std::string::npos) << missing.status().message();
+  EXPECT_NE(missing.status().message().find("'refused'"), std::string::npos)
+      << missing.status().message();
+  // A failure record must name a rank and a known code.
+  auto j = nlohmann::json::parse(encode(ProceedMessage{.step = 2, .refused = hook}));
+  j["refused"]["rank"] = "launcher";
+  auto norank = decode_proceed(j.dump(), "trainer/0");
+  ASSERT_FALSE(norank.ok());
+  EXPECT_NE(norank.status().message().find("failure of 'launcher', which is no rank"),
+            std::string::npos)
+      << norank.status().to_string();
+  j["refused"]["rank"] = "engine/5";
+  j["refused"]["code"] = 99;
+  auto nocode = decode_proceed(j.dump(), "trainer/0");
+  ASSERT_FALSE(nocode.ok());
+  EXPECT_NE(nocode.status().message().find("unknown code 99"), std::string::npos)
+      << nocode.status().to_string();
 
-  auto h = decode_hello(encode(HelloMessage{.engine_rank = 3, .protocol = "vllm",
+  auto h = decode_hello(encode(HelloMessage{.engine_rank = 3,
                                             .plan_hash = "0123456789abcdef",
                                             .total_parameters = 8190735360}),
                         "engine/3");
   ASSERT_TRUE(h.ok()) << h.status().to_string();
   EXPECT_EQ(h->engine_rank, 3);
-  EXPECT_EQ(h->protocol, "vllm");
   EXPECT_EQ(h->plan_hash, "0123456789abcdef");
   EXPECT_EQ(h->total_parameters, 8190735360);
 
@@ -85,16 +105,66 @@ TEST(Messages, RoundTrip) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->step, 2);
   auto cd = decode_committed(
-      encode(CommittedMessage{.version = "2", .apply_s = 0.25, .bytes_received = 123456789012}),
+      encode(CommittedMessage{.step = 2, .apply_s = 0.25, .checksum = "00000000000000ff"}),
       "engine/0");
   ASSERT_TRUE(cd.ok());
-  EXPECT_EQ(cd->version, "2");
+  EXPECT_EQ(cd->step, 2);
   EXPECT_DOUBLE_EQ(cd->apply_s, 0.25);
-  EXPECT_EQ(cd->bytes_received, 123456789012);
-  auto v = decode_verified(encode(VerifiedMessage{.verified = false, .error = "bad"}), "engine/0");
+  EXPECT_EQ(cd->checksum, "00000000000000ff");
+  const FailureOrigin bad{.rank = RankId::engine(0, 2), .code = StatusCode::kCorruption, .error = "bad"};
+  auto v = decode_verified(encode(VerifiedMessage{.step = 3, .failed = bad}), "engine/0");
   ASSERT_TRUE(v.ok());
-  EXPECT_FALSE(v->verified);
-  EXPECT_EQ(v->error, "bad");
+  EXPECT_EQ(v->step, 3);
+  ASSERT_TRUE(v->failed.has_value());
+  EXPECT_EQ(v->failed->error, "bad");
+  auto ok = decode_verified(encode(VerifiedMessage{.step = 3}), "engine/0");
+  ASSERT_TRUE(ok.ok());
+  EXPECT_FALSE(ok->failed.has_value());
+  auto o = decode_outcome(encode(OutcomeMessage{.step = 3, .failed = bad}), "trainer/1");
+  ASSERT_TRUE(o.ok());
+  ASSERT_TRUE(o->failed.has_value());
+  EXPECT_EQ(o->failed->rank, RankId::engine(0, 2));
+  // The engine's acknowledgement of the outcome says what it holds now, in fields of its own.
+  auto heard = decode_outcome_heard(
+      encode(OutcomeHeardMessage{.step = 3, .valid = true, .weight_version = "step-2"}), "engine/1");
+  ASSERT_TRUE(heard.ok()) << heard.status().to_string();
+  EXPECT_TRUE(heard->valid);
+  EXPECT_EQ(heard->weight_version, "step-2");
+  auto ah = decode_abort_heard(encode(AbortHeardMessage{.step = 7}), "engine/1");
+  ASSERT_TRUE(ah.ok());
+  EXPECT_EQ(ah->step, 7);
+  auto bk = decode_bucket(
+      encode(BucketMessage{.slot = 1, .step = 2, .bucket = 5, .bytes = 1ull << 33, .meta = "m"}),
+      "trainer/0");
+  ASSERT_TRUE(bk.ok()) << bk.status().to_string();
+  EXPECT_EQ(bk->bucket, 5);
+  EXPECT_EQ(bk->bytes, 1ull << 33);
+  EXPECT_EQ(bk->meta, "m");
+  auto bd = decode_bucket_done(encode(BucketDoneMessage{.slot = 1, .step = 2, .bucket = 5}),
+                               "engine/0");
+  ASSERT_TRUE(bd.ok());
+  EXPECT_EQ(bd->slot, 1);
+  EXPECT_TRUE(decode_shutdown(encode(ShutdownMessage{}), "trainer/0").ok());
+  EXPECT_TRUE(decode_leaving(encode(LeavingMessage{}), "engine/0").ok());
+  auto f = decode_failure(encode_failure(bad), "the store");
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_EQ(f->rank, bad.rank);
+  EXPECT_EQ(f->describe(), "engine 0 tp rank 0: bad");
+}
+
+// Every message type has one row in the table: its name, the one role that sends it, its phase.
+TEST(Messages, TableNamesEveryTypeAndItsSender) {
+  EXPECT_STREQ(message_type_name(MessageType::kOutcomeHeard), "outcome-heard");
+  EXPECT_EQ(message_info(MessageType::kOutcome).sender, Role::kTrainer);
+  EXPECT_EQ(message_info(MessageType::kOutcomeHeard).sender, Role::kEngine);
+  EXPECT_EQ(message_info(MessageType::kProceed).sender, Role::kTrainer);
+  EXPECT_EQ(message_info(MessageType::kAbortHeard).sender, Role::kEngine);
+  EXPECT_EQ(message_info(MessageType::kShutdown).sender, Role::kTrainer);
+  EXPECT_EQ(message_info(MessageType::kLeaving).sender, Role::kEngine);
+  EXPECT_EQ(message_info(MessageType::kHello).phase, Phase::kSetup);
+  EXPECT_FALSE(is_message_type(0));
+  EXPECT_TRUE(is_message_type(static_cast<std::uint8_t>(MessageType::kLeaving)));
+  EXPECT_FALSE(is_message_type(static_cast<std::uint8_t>(MessageType::kLeaving) + 1));
 }
 
 TEST(Messages, RoutesRoundTripAndRefusal) {
@@ -130,10 +200,10 @@ TEST(Messages, MissingFieldIsNamed) {
 
 TEST(Messages, MistypedFieldIsNamed) {
   auto j = nlohmann::json::parse(encode(CommittedMessage{}));
-  j["bytes_received"] = "many";
+  j["apply_s"] = "many";
   auto r = decode_committed(j.dump(), "engine/2");
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("field 'bytes_received' has the wrong type (string)"),
+  EXPECT_NE(r.status().message().find("field 'apply_s' has the wrong type (string)"),
             std::string::npos)
       << r.status().to_string();
   auto k = nlohmann::json::parse(encode(PausedMessage{.direct = ExportedParams{}}));

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "harness/rank.h"
+#include "control/store.h"
 #include "runtime/failure.h"
 #include "test_util.h"
 
@@ -16,34 +17,62 @@ namespace {
 
 using testing::TempDir;
 
+// One identity type, one formatter and one parser for each spelling of a rank.
 TEST(ReportBlame, ProcessNames) {
-  auto t = blame_process("trainer rank 3", 2);
+  auto t = RankId::from_name("trainer rank 3", 2);
   ASSERT_TRUE(t.has_value());
-  EXPECT_EQ(t->role, "trainer");
+  EXPECT_EQ(t->role, Role::kTrainer);
   EXPECT_EQ(t->rank, 3);
-  auto e = blame_process("engine 1 tp rank 1", 4);
+  EXPECT_STREQ(role_name(t->role), "trainer");
+  auto e = RankId::from_name("engine 1 tp rank 1", 4);
   ASSERT_TRUE(e.has_value());
-  EXPECT_EQ(e->role, "engine");
+  EXPECT_EQ(e->role, Role::kEngine);
   EXPECT_EQ(e->rank, 5);  // engine index * tp_size + tp rank
-  EXPECT_EQ(e->process, "engine 1 tp rank 1");
-  EXPECT_FALSE(blame_process("trainer rank 3x", 2).has_value());
-  EXPECT_FALSE(blame_process("the launcher", 2).has_value());
+  EXPECT_EQ(e->name(), "engine 1 tp rank 1");
+  EXPECT_EQ(e->mailbox(), "engine/5");
+  EXPECT_EQ(RankId::from_mailbox("engine/5", 4), e);
+  EXPECT_EQ(RankId::from_mailbox(RankId::trainer(7).mailbox(), 4), RankId::trainer(7));
+  EXPECT_FALSE(RankId::from_name("trainer rank 3x", 2).has_value());
+  EXPECT_FALSE(RankId::from_name("the launcher", 2).has_value());
+  EXPECT_FALSE(RankId::from_name("engine 1 tp rank 4", 4).has_value());  // past the TP size
+  EXPECT_FALSE(RankId::from_mailbox("engine/-1", 4).has_value());
+  EXPECT_FALSE(RankId::from_mailbox("engine/1/0", 4).has_value());
 }
 
+// The root cause another process recorded in the store travels with the failure as its origin,
+// and the report blames that process.
 TEST(ReportBlame, RootCauseFromElsewhere) {
-  const Status st(StatusCode::kAborted,
-                  "step 1: aborted because engine 0 tp rank 1: corruption: verify: engine 0 tp "
-                  "rank 1: tensor x element 3 (seen here as: timeout: mailbox (waiting))");
-  const Blame b = blame_failure("trainer rank 0", st, 2);
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  auto store = connect_store("127.0.0.1", (*server)->port(), std::chrono::seconds(5), nullptr);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  const FailureOrigin verify{.rank = RankId::engine(1, 2),
+                             .code = StatusCode::kCorruption,
+                             .error = "corruption: verify: engine 0 tp rank 1: tensor x element 3"};
+  announce_failure(store->get(), verify);
+  announce_failure(store->get(), FailureOrigin{.rank = RankId::trainer(1), .error = "later"});
+  const Status st = with_root_cause(store->get(), RankId::trainer(0),
+                                    Status::Timeout("mailbox (waiting)").with_context("step 1"));
+  EXPECT_EQ(st.code(), StatusCode::kAborted);
+  EXPECT_EQ(st.message(),
+            "aborted because engine 0 tp rank 1: corruption: verify: engine 0 tp rank 1: tensor x "
+            "element 3 (seen here as: timeout: step 1: mailbox (waiting))");
+  const Blame b = blame_failure(RankId::trainer(0), st);
   EXPECT_EQ(b.process, "engine 0 tp rank 1");
   EXPECT_EQ(b.role, "engine");
   EXPECT_EQ(b.rank, 1);
   EXPECT_EQ(b.message, "engine 0 tp rank 1: corruption: verify: engine 0 tp rank 1: tensor x element 3");
-  // liveness_check's form has no "seen here as".
+  // The process that recorded it keeps its own failure.
+  const Status own = with_root_cause(store->get(), RankId::engine(1, 2), Status::Corruption("x"));
+  EXPECT_EQ(own.message(), "x");
+  // The origin survives contexts added on the way.
   const Blame l = blame_failure(
-      "trainer rank 0",
-      Status::Aborted("aborted because trainer rank 1: aborted: the process was killed by signal 9"),
-      2);
+      RankId::trainer(0),
+      Status::Aborted("aborted because trainer rank 1: the process was killed by signal 9")
+          .with_origin(FailureOrigin{.rank = RankId::trainer(1),
+                                     .code = StatusCode::kAborted,
+                                     .error = "aborted: the process was killed by signal 9"})
+          .with_context("waiting for the commit"));
   EXPECT_EQ(l.process, "trainer rank 1");
   EXPECT_EQ(l.message, "trainer rank 1: aborted: the process was killed by signal 9");
 }
@@ -51,14 +80,17 @@ TEST(ReportBlame, RootCauseFromElsewhere) {
 // A refit that failed at its end is blamed on the engine rank that reported it, also through the
 // CLI's summary around it.
 TEST(ReportBlame, FailedRefitNamesTheEngineThatReportedIt) {
-  const std::string m = failed_refit_message(2, "step-2", "engine 1 tp rank 0",
-                                             "engine 1 tp rank 0: checksum mismatch in refit step 2");
-  EXPECT_EQ(m, "refit step 2: the engines did not publish version 'step-2': engine 1 tp rank 0 "
-               "reported: checksum mismatch in refit step 2 (the session stays usable: the next "
-               "refit publishes a new version)");
+  const Status failed =
+      failed_refit(StatusCode::kCorruption, 2, "step-2",
+                   FailureOrigin{.rank = RankId::engine(2, 2),
+                                 .code = StatusCode::kCorruption,
+                                 .error = "checksum mismatch in refit step 2"});
+  EXPECT_EQ(failed.message(),
+            "refit step 2: the engines did not publish version 'step-2': engine 1 tp rank 0 "
+            "reported: checksum mismatch in refit step 2 (the session stays usable: the next "
+            "refit publishes a new version)");
   const Blame b = blame_failure(
-      "trainer rank 1",
-      Status::Corruption("1 of 3 refit(s) failed (steps 2); the first failure: " + m), 2);
+      RankId::trainer(1), failed.with_context("1 of 3 refit(s) failed (steps 2); the first failure"));
   EXPECT_EQ(b.process, "engine 1 tp rank 0");
   EXPECT_EQ(b.role, "engine");
   EXPECT_EQ(b.rank, 2);
@@ -66,7 +98,7 @@ TEST(ReportBlame, FailedRefitNamesTheEngineThatReportedIt) {
 }
 
 TEST(ReportBlame, OwnFailure) {
-  const Blame b = blame_failure("trainer rank 0", Status::Timeout("no engine answered"), 2);
+  const Blame b = blame_failure(RankId::trainer(0), Status::Timeout("no engine answered"));
   EXPECT_EQ(b.process, "trainer rank 0");
   EXPECT_EQ(b.role, "trainer");
   EXPECT_EQ(b.rank, 0);
@@ -100,8 +132,8 @@ TEST(ReportFile, FailedRunReports) {
   o.steps = 2;
   o.verify = true;
   const std::string path = dir.path() + "/report.json";
-  Blame engine = *blame_process("engine 0 tp rank 1", 2);
-  engine.message = "engine 0 tp rank 1: corruption: verify: …";
+  const Blame engine = blame_of(FailureOrigin{
+      .rank = RankId::engine(1, 2), .code = StatusCode::kCorruption, .error = "corruption: verify: …"});
   ASSERT_TRUE(write_failure_report_json(path, o, engine).ok());
   auto j = read_json(path);
   EXPECT_EQ(j.at("schema_version"), kReportSchemaVersion);
@@ -115,8 +147,9 @@ TEST(ReportFile, FailedRunReports) {
       << "the temporary file was renamed";
 
   // The launcher keeps trainer rank 0's failure report when the first process to fail exited...
-  Blame trainer = *blame_process("trainer rank 1", 2);
-  trainer.message = "trainer rank 1: aborted: the process exited with code 1";
+  const Blame trainer = blame_of(FailureOrigin{.rank = RankId::trainer(1),
+                                               .code = StatusCode::kAborted,
+                                               .error = "aborted: the process exited with code 1"});
   ASSERT_TRUE(settle_failed_run_report(path, o, trainer, /*killed=*/false).ok());
   EXPECT_EQ(read_json(path).at("error").at("process"), "engine 0 tp rank 1");
   // ...and blames a process killed outright.

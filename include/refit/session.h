@@ -84,11 +84,19 @@ struct TensorSlot {
 
 // Seconds each stage was busy in the last refit (stages overlap, so they may add up to more than
 // the refit's own time), and the refit's bytes.
+//  - Trainer::last_stats: `seconds` of the whole refit() on this rank, `apply_s` of the slowest
+//    engine it feeds, `bytes` of one copy of the model on the wire (target dtypes, FP8 scales
+//    included: the same number as bytes_per_refit()), `buckets` rounds of the transfer plan
+//    (buckets with executor gather).
+//  - Engine::last_stats: `seconds` from the refit's first begin to its end on this rank,
+//    `apply_s` spent applying, `bytes` that reached this rank, and `checksums_matched` feeders
+//    whose bytes passed refit.checksum.
 struct RefitStats {
   double seconds = 0;
   double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;
   std::int64_t bytes = 0;
   int buckets = 0;
+  int checksums_matched = 0;
 };
 
 // What one rank moved in the last refit.
@@ -157,10 +165,6 @@ class Trainer {
   virtual bool session_ok() const = 0;
   // The last refit's stage times and bytes; the reference is valid until the next refit().
   virtual const RefitStats& last_stats() const = 0;
-  // bench: one pass of the bare moves over the same bytes (no unshard, cast or apply). The bytes
-  // are not the weights: with peer access they land in the engines' parameters (which keep their
-  // published version), so run a refit after it before generating again.
-  virtual Result<double> raw_transport_pass() = 0;
   // The plan: bytes of one copy of the model (target dtype), rounds of the transfer plan (buckets
   // with executor gather), and the plan's hash.
   virtual std::int64_t bytes_per_refit() const = 0;
@@ -260,6 +264,9 @@ class Engine {
   virtual Status serve() = 0;
   // Whether this rank can serve another refit (see Trainer::session_ok).
   virtual bool session_ok() const = 0;
+  // This rank's side of the last refit it served (RefitStats); the reference is valid until the
+  // next serve_one().
+  virtual const RefitStats& last_stats() const = 0;
   // The version published by the last committed refit ("0" before the first), read on the driving
   // thread (or in a hook): not while another thread is inside serve_one(). Empty while a
   // refit may be writing the parameters, and after a refit that failed once it could have

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <cassert>
+#include <memory>
 #include <string>
 #include <utility>
 #include <variant>
+
+#include "refit/rank.h"
 
 namespace refit {
 
@@ -26,6 +29,19 @@ enum class StatusCode {
 };
 
 const char* status_code_name(StatusCode code);
+
+// Where a failure that travelled between ranks started: the process it is blamed on (its root
+// cause) and that process's own error as it recorded it. The runtime attaches it to every failure
+// it returns on behalf of another rank; a failure without one started on the rank returning it.
+struct FailureOrigin {
+  RankId rank;
+  StatusCode code = StatusCode::kInternal;
+  // That process's error as it reported it, without its name: a failure that ended its session as
+  // "<code name>: <message>" (Status::to_string), a refit's own failure as its message.
+  std::string error;
+  // "<process>: <error>", as the run's first failure is reported.
+  std::string describe() const;
+};
 
 class [[nodiscard]] Status {
  public:
@@ -50,12 +66,18 @@ class [[nodiscard]] Status {
   // "<code name>: <message>", or "ok".
   std::string to_string() const;
 
-  // Returns a copy whose message is "<context>: <message>" (same code).
+  // Returns a copy whose message is "<context>: <message>" (same code and origin).
   Status with_context(const std::string& context) const;
+
+  // The rank this failure started on, when the runtime knows it is another one (or named it);
+  // null otherwise.
+  const FailureOrigin* origin() const { return origin_.get(); }
+  Status with_origin(FailureOrigin origin) const;
 
  private:
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
+  std::shared_ptr<const FailureOrigin> origin_;
 };
 
 template <typename T>

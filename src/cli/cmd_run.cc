@@ -148,8 +148,7 @@ void prepare_report(const std::string& json_path) {
 void report_trainer_failure(const std::string& json_path, const RankOptions& o, int rank,
                             const Status& st) {
   if (json_path.empty() || rank != 0) return;
-  const Blame blame =
-      blame_failure(fmt::format("trainer rank {}", rank), st, o.config.generation.tp_size);
+  const Blame blame = blame_failure(RankId::trainer(rank), st);
   Status written = write_failure_report_json(json_path, o, blame);
   if (!written.ok()) std::fprintf(stderr, "refit: %s\n", written.to_string().c_str());
 }
@@ -260,7 +259,7 @@ void run_local(const RunFlags& f) {
     auth = std::make_shared<const ControlAuth>(setup_env(ControlAuth::from_secret(secret)));
   }
   for (int r = 0; r < cfg.policy.world_size; ++r) {
-    ChildSpec c{fmt::format("trainer rank {}", r), {"trainer"}, master, /*hosts_store=*/r == 0};
+    ChildSpec c{RankId::trainer(r).name(), {"trainer"}, master, /*hosts_store=*/r == 0};
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.args.insert(c.args.end(), {"--steps", std::to_string(f.steps)});
     if (f.raw_passes > 0)
@@ -271,10 +270,7 @@ void run_local(const RunFlags& f) {
     children.push_back(std::move(c));
   }
   for (int g = 0; g < cfg.engine_ranks(); ++g) {
-    ChildSpec c{
-        fmt::format("engine {} tp rank {}", g / cfg.generation.tp_size, g % cfg.generation.tp_size),
-        {"engine"},
-        master};
+    ChildSpec c{RankId::engine(g, cfg.generation.tp_size).name(), {"engine"}, master};
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.env.emplace_back("ENGINE_RANK", std::to_string(g));
     children.push_back(std::move(c));
@@ -282,10 +278,15 @@ void run_local(const RunFlags& f) {
   // A child that dies without a word (a signal) is recorded in the store as the run's first
   // failure, so every other rank stops within a second, naming it.
   const int store_port = *port;
-  auto on_failure = [store_port, auth](const std::string& child, const std::string& how) {
+  const int tp_size = cfg.generation.tp_size;
+  auto on_failure = [store_port, auth, tp_size](const std::string& child, const std::string& how) {
     auto store = connect_store("127.0.0.1", store_port, std::chrono::milliseconds(1000), auth);
-    if (store.ok())
-      announce_failure(store->get(), child, Status::Aborted(fmt::format("the process {}", how)));
+    const std::optional<RankId> who = RankId::from_name(child, tp_size);
+    if (store.ok() && who)
+      announce_failure(store->get(), FailureOrigin{.rank = *who,
+                                                   .code = StatusCode::kAborted,
+                                                   .error = fmt::format("aborted: the process {}",
+                                                                        how)});
   };
   auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s, on_failure,
                                 run_deadline(f, cfg));
@@ -305,11 +306,11 @@ void run_local(const RunFlags& f) {
     // killed outright (then that process is the root cause, whatever the ranks saw).
     if (!f.json_path.empty() && result->first_failed >= 0) {
       const std::string& name = children[result->first_failed].name;
-      Blame first;
-      if (auto parsed = blame_process(name, cfg.generation.tp_size)) first = *parsed;
-      first.process = name;
-      first.message = fmt::format("{}: {}", name,
-                                  Status::Aborted("the process " + result->first_how).to_string());
+      Blame first{.process = name, .message = name + ": aborted: the process " + result->first_how};
+      if (const std::optional<RankId> who = RankId::from_name(name, cfg.generation.tp_size))
+        first = blame_of(FailureOrigin{.rank = *who,
+                                       .code = StatusCode::kAborted,
+                                       .error = "aborted: the process " + result->first_how});
       Status written = settle_failed_run_report(f.json_path, options, first, result->first_killed);
       if (!written.ok()) std::fprintf(stderr, "refit: %s\n", written.to_string().c_str());
     }

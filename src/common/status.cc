@@ -33,7 +33,20 @@ std::string Status::to_string() const {
 
 Status Status::with_context(const std::string& context) const {
   if (ok()) return *this;
-  return Status(code_, context + ": " + message_);
+  Status out(code_, context + ": " + message_);
+  out.origin_ = origin_;
+  return out;
+}
+
+Status Status::with_origin(FailureOrigin origin) const {
+  if (ok()) return *this;
+  Status out = *this;
+  out.origin_ = std::make_shared<const FailureOrigin>(std::move(origin));
+  return out;
+}
+
+std::string FailureOrigin::describe() const {
+  return rank.name() + ": " + error;
 }
 
 }  // namespace refit

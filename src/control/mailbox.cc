@@ -34,46 +34,13 @@
 
 namespace refit {
 
-const char* message_type_name(MessageType type) {
-  switch (type) {
-    case MessageType::kHello:
-      return "hello";
-    case MessageType::kBegin:
-      return "begin";
-    case MessageType::kBucket:
-      return "bucket";
-    case MessageType::kBucketDone:
-      return "bucket-done";
-    case MessageType::kCommit:
-      return "commit";
-    case MessageType::kCommitted:
-      return "committed";
-    case MessageType::kShutdown:
-      return "shutdown";
-    case MessageType::kVerified:
-      return "verified";
-    case MessageType::kPaused:
-      return "paused";
-    case MessageType::kRoutes:
-      return "routes";
-    case MessageType::kOutcome:
-      return "outcome";
-    case MessageType::kProceed:
-      return "proceed";
-  }
-  return "unknown";
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 constexpr std::chrono::milliseconds kSendLinger{2000};
 
-bool is_known_type(std::uint8_t t) {
-  return t >= static_cast<std::uint8_t>(MessageType::kHello) &&
-         t <= static_cast<std::uint8_t>(MessageType::kProceed);
-}
+bool is_known_type(std::uint8_t t) { return is_message_type(t); }
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
 std::string lane_key(const std::string& id) { return "lane/" + id; }

@@ -15,30 +15,13 @@
 #include <memory>
 #include <string>
 
+#include "control/message_types.h"
 #include "refit/status.h"
 
 namespace refit {
 
 class ControlAuth;
 class Store;
-
-enum class MessageType : std::uint8_t {
-  kHello = 1,   // engine -> trainer: joined (payload: engine info)
-  kBegin,       // trainer -> engine: a refit starts (payload: step, weight_version)
-  kBucket,      // trainer -> engine: bucket metadata (payload: protocol-specific)
-  kBucketDone,  // engine -> trainer: a bucket was applied; its buffer may be reused
-  kCommit,      // trainer -> engine: every bucket was sent; bump the version
-  kCommitted,   // engine -> trainer: the version was bumped (payload: apply time)
-  kShutdown,    // trainer -> engine: no more refits (engine -> trainer: leaving)
-  kVerified,    // engine -> trainer: verification verdict of the last refit
-  kPaused,      // engine -> every trainer rank: generation paused (or the refit refused)
-  kRoutes,      // trainer -> engine, at setup (SGLang protocol): the routes it will send
-  kOutcome,     // trainer -> engine: publish the refit, or not (agreed by every trainer rank);
-                // engine -> trainer: done (payload: is_valid, weight version)
-  kProceed,     // trainer -> engine, after every paused: write, or abort the refit (every
-                // trainer rank decides alike); engine -> trainer: the abort was heard
-};
-const char* message_type_name(MessageType type);
 
 struct Message {
   MessageType type = MessageType::kHello;

@@ -14,6 +14,9 @@ std::string dump(Json j) {
   return j.dump();
 }
 
+Result<FailureOrigin> decode_failure_json(const Json& j, const char* message,
+                                          const std::string& from);
+
 // Reads the fields of one message; the first problem is kept and named.
 class Reader {
  public:
@@ -45,6 +48,22 @@ class Reader {
     if (!type_ok(*it, out))
       return fail(fmt::format("field '{}' has the wrong type ({})", field, it->type_name()));
     out = it->get<T>();
+  }
+  // An optional failure record: null or absent-as-null is nullopt.
+  void get_failure(const char* field, std::optional<FailureOrigin>& out) {
+    if (!error_.ok()) return;
+    auto it = j_.find(field);
+    if (it == j_.end()) return fail(fmt::format("has no field '{}'", field));
+    if (it->is_null()) {
+      out.reset();
+      return;
+    }
+    Result<FailureOrigin> f = decode_failure_json(*it, message_, from_);
+    if (!f.ok()) {
+      if (error_.ok()) error_ = f.status();
+      return;
+    }
+    out = std::move(f).value();
   }
   const Json& json() const { return j_; }
   bool has(const char* field) const { return j_.contains(field) && !j_[field].is_null(); }
@@ -86,7 +105,49 @@ class Reader {
   Status error_;
 };
 
+Json failure_json(const FailureOrigin& f) {
+  return {{"rank", f.rank.mailbox()},
+          {"tp_size", f.rank.tp_size},
+          {"code", static_cast<int>(f.code)},
+          {"error", f.error}};
+}
+Json failure_json(const std::optional<FailureOrigin>& f) {
+  return f ? failure_json(*f) : Json(nullptr);
+}
+
+Result<FailureOrigin> decode_failure_json(const Json& j, const char* message,
+                                          const std::string& from) {
+  const std::string what = std::string(message) + " failure";
+  Reader r(Reader::Nested{}, j, what.c_str(), from);
+  std::string rank;
+  int code = 0, tp_size = 0;
+  FailureOrigin f;
+  r.get("rank", rank);
+  r.get("tp_size", tp_size);
+  r.get("code", code);
+  r.get("error", f.error);
+  if (!r.status().ok()) return r.status();
+  const std::optional<RankId> id = RankId::from_mailbox(rank, tp_size);
+  if (!id)
+    return Status::Corruption(fmt::format("{} message from {}: failure of '{}', which is no rank",
+                                          message, from, rank));
+  if (code <= static_cast<int>(StatusCode::kOk) || code > static_cast<int>(StatusCode::kInternal))
+    return Status::Corruption(fmt::format("{} message from {}: failure with unknown code {}",
+                                          message, from, code));
+  f.rank = *id;
+  f.code = static_cast<StatusCode>(code);
+  return f;
+}
+
 }  // namespace
+
+std::string encode_failure(const FailureOrigin& failure) { return dump(failure_json(failure)); }
+
+Result<FailureOrigin> decode_failure(const std::string& payload, const std::string& from) {
+  Reader r(payload, "failure record", from);
+  if (!r.status().ok()) return r.status();
+  return decode_failure_json(r.json(), "failure record", from);
+}
 
 std::string encode_version_stamp(const std::string& refit_version,
                                  const std::map<std::string, std::string>& settings) {
@@ -117,7 +178,6 @@ Status check_peer_versions(const std::string& payload, const std::string& from,
 std::string encode(const HelloMessage& m) {
   return dump({{"refit_version", m.refit_version},
                {"engine_rank", m.engine_rank},
-               {"protocol", m.protocol},
                {"plan_hash", m.plan_hash},
                {"total_parameters", m.total_parameters},
                {"settings", m.settings}});
@@ -129,12 +189,11 @@ std::string encode(const BeginMessage& m) {
                {"verify", m.verify},
                {"raw", m.raw},
                {"buckets", m.buckets},
-               {"offer_direct", m.offer_direct},
                {"export_held", m.export_held}});
 }
 
 std::string encode(const PausedMessage& m) {
-  Json j = {{"step", m.step}, {"refused", m.refused}};
+  Json j = {{"step", m.step}, {"refused", failure_json(m.refused)}};
   if (m.direct && m.direct->elided)
     j["direct"] = {{"digest", m.direct->digest}, {"elided", true}};
   else if (m.direct)
@@ -162,25 +221,35 @@ std::string export_digest(const ExportedParams& e) {
   return fmt::format("{:016x}", h);
 }
 
-std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
-
-std::string encode(const CommittedMessage& m) {
-  return dump(
-      {{"version", m.version}, {"apply_s", m.apply_s}, {"bytes_received", m.bytes_received},
-       {"checksum", m.checksum}});
-}
-
-std::string encode(const VerifiedMessage& m) {
-  return dump({{"verified", m.verified}, {"error", m.error}});
-}
-
-std::string encode(const OutcomeMessage& m) {
-  return dump({{"publish", m.publish}, {"error", m.error}});
-}
-
 std::string encode(const ProceedMessage& m) {
-  return dump({{"step", m.step}, {"go", m.go}, {"error", m.error}});
+  return dump({{"step", m.step}, {"refused", failure_json(m.refused)}});
 }
+std::string encode(const AbortHeardMessage& m) { return dump({{"step", m.step}}); }
+std::string encode(const BucketMessage& m) {
+  return dump({{"slot", m.slot},
+               {"step", m.step},
+               {"bucket", m.bucket},
+               {"bytes", m.bytes},
+               {"meta", m.meta}});
+}
+std::string encode(const BucketDoneMessage& m) {
+  return dump({{"slot", m.slot}, {"step", m.step}, {"bucket", m.bucket}});
+}
+std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
+std::string encode(const CommittedMessage& m) {
+  return dump({{"step", m.step}, {"apply_s", m.apply_s}, {"checksum", m.checksum}});
+}
+std::string encode(const VerifiedMessage& m) {
+  return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
+}
+std::string encode(const OutcomeMessage& m) {
+  return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
+}
+std::string encode(const OutcomeHeardMessage& m) {
+  return dump({{"step", m.step}, {"valid", m.valid}, {"weight_version", m.weight_version}});
+}
+std::string encode(const ShutdownMessage&) { return dump(Json::object()); }
+std::string encode(const LeavingMessage&) { return dump(Json::object()); }
 
 std::string encode(const RoutesMessage& m) {
   Json routes = Json::array();
@@ -221,7 +290,6 @@ Result<HelloMessage> decode_hello(const std::string& payload, const std::string&
   HelloMessage m;
   r.get("refit_version", m.refit_version);
   r.get("engine_rank", m.engine_rank);
-  r.get("protocol", m.protocol);
   r.get("plan_hash", m.plan_hash);
   r.get("total_parameters", m.total_parameters);
   r.get("settings", m.settings);
@@ -246,7 +314,6 @@ Result<BeginMessage> decode_begin(const std::string& payload, const std::string&
   r.get("verify", m.verify);
   r.get("raw", m.raw);
   r.get("buckets", m.buckets);
-  r.get("offer_direct", m.offer_direct);
   r.get("export_held", m.export_held);
   if (!r.status().ok()) return r.status();
   return m;
@@ -256,7 +323,7 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
   Reader r(payload, "paused", from);
   PausedMessage m;
   r.get("step", m.step);
-  r.get("refused", m.refused);
+  r.get_failure("refused", m.refused);
   if (r.status().ok() && !r.json().contains("direct"))
     return Status::Corruption(fmt::format("paused message from {} has no field 'direct'", from));
   if (r.status().ok() && r.has("direct")) {
@@ -281,6 +348,45 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
   return m;
 }
 
+Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from) {
+  Reader r(payload, "proceed", from);
+  ProceedMessage m;
+  r.get("step", m.step);
+  r.get_failure("refused", m.refused);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<AbortHeardMessage> decode_abort_heard(const std::string& payload, const std::string& from) {
+  Reader r(payload, "abort-heard", from);
+  AbortHeardMessage m;
+  r.get("step", m.step);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<BucketMessage> decode_bucket(const std::string& payload, const std::string& from) {
+  Reader r(payload, "bucket", from);
+  BucketMessage m;
+  r.get("slot", m.slot);
+  r.get("step", m.step);
+  r.get("bucket", m.bucket);
+  r.get("bytes", m.bytes);
+  r.get("meta", m.meta);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<BucketDoneMessage> decode_bucket_done(const std::string& payload, const std::string& from) {
+  Reader r(payload, "bucket-done", from);
+  BucketDoneMessage m;
+  r.get("slot", m.slot);
+  r.get("step", m.step);
+  r.get("bucket", m.bucket);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
 Result<CommitMessage> decode_commit(const std::string& payload, const std::string& from) {
   Reader r(payload, "commit", from);
   CommitMessage m;
@@ -292,9 +398,8 @@ Result<CommitMessage> decode_commit(const std::string& payload, const std::strin
 Result<CommittedMessage> decode_committed(const std::string& payload, const std::string& from) {
   Reader r(payload, "committed", from);
   CommittedMessage m;
-  r.get("version", m.version);
+  r.get("step", m.step);
   r.get("apply_s", m.apply_s);
-  r.get("bytes_received", m.bytes_received);
   r.get("checksum", m.checksum);
   if (!r.status().ok()) return r.status();
   return m;
@@ -303,8 +408,8 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
 Result<VerifiedMessage> decode_verified(const std::string& payload, const std::string& from) {
   Reader r(payload, "verified", from);
   VerifiedMessage m;
-  r.get("verified", m.verified);
-  r.get("error", m.error);
+  r.get("step", m.step);
+  r.get_failure("failed", m.failed);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -312,20 +417,33 @@ Result<VerifiedMessage> decode_verified(const std::string& payload, const std::s
 Result<OutcomeMessage> decode_outcome(const std::string& payload, const std::string& from) {
   Reader r(payload, "outcome", from);
   OutcomeMessage m;
-  r.get("publish", m.publish);
-  r.get("error", m.error);
+  r.get("step", m.step);
+  r.get_failure("failed", m.failed);
   if (!r.status().ok()) return r.status();
   return m;
 }
 
-Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from) {
-  Reader r(payload, "proceed", from);
-  ProceedMessage m;
+Result<OutcomeHeardMessage> decode_outcome_heard(const std::string& payload,
+                                                 const std::string& from) {
+  Reader r(payload, "outcome-heard", from);
+  OutcomeHeardMessage m;
   r.get("step", m.step);
-  r.get("go", m.go);
-  r.get("error", m.error);
+  r.get("valid", m.valid);
+  r.get("weight_version", m.weight_version);
   if (!r.status().ok()) return r.status();
   return m;
+}
+
+Result<ShutdownMessage> decode_shutdown(const std::string& payload, const std::string& from) {
+  Reader r(payload, "shutdown", from);
+  if (!r.status().ok()) return r.status();
+  return ShutdownMessage{};
+}
+
+Result<LeavingMessage> decode_leaving(const std::string& payload, const std::string& from) {
+  Reader r(payload, "leaving", from);
+  if (!r.status().ok()) return r.status();
+  return LeavingMessage{};
 }
 
 }  // namespace refit

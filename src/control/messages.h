@@ -1,9 +1,9 @@
-// Typed control messages of a refit (the payloads of control/mailbox.h messages).
+// Typed control messages of a refit: the payload of each message type of control/message_types.h.
 //
 // Each message is one struct with one encoder and one decoder. Payloads are JSON objects that
 // carry the wire version `v`; decoding checks the version, every field's presence and type, and
 // returns kCorruption naming the message, the sender and the field — never a silent default, and
-// never an exception on the caller's thread.
+// never an exception on the caller's thread. docs/protocol.md lists them with their phases.
 #pragma once
 
 #include <cstdint>
@@ -19,16 +19,20 @@ namespace refit {
 
 inline constexpr int kMessageWireVersion = REFIT_WIRE_VERSION;
 
-// engine -> trainer, once at setup: the engine joined. Its `v` (wire version) and
+// A failure as it travels between ranks and as the store records it (runtime/failure.h).
+std::string encode_failure(const FailureOrigin& failure);
+// `from` names the sender in errors.
+Result<FailureOrigin> decode_failure(const std::string& payload, const std::string& from);
+
+// engine -> each feeder, once at setup: the engine joined. Its `v` (wire version) and
 // `refit_version` keep their names and meaning in every refit version, so a rank of another
 // version is reported as such (check_peer_versions), never misparsed.
 struct HelloMessage {
   std::string refit_version = version();  // the sender's refit (REFIT_VERSION_STRING)
   int engine_rank = 0;
-  std::string protocol;              // "sglang" | "vllm"
-  std::string plan_hash;             // the plan the engine derived (vLLM: must equal the trainer's)
-  std::int64_t total_parameters = 0; // of the model the engine loaded
-  // Every setting both sides must agree on, by config key (runtime/agreement.h); wire version 3.
+  std::string plan_hash;              // the plan the engine derived (vLLM: must equal the trainer's)
+  std::int64_t total_parameters = 0;  // of the model the engine loaded
+  // Every setting both sides must agree on, by config key (runtime/agreement.h).
   std::map<std::string, std::string> settings;
 };
 
@@ -44,14 +48,26 @@ Result<std::map<std::string, std::string>> decode_stamp_settings(const std::stri
 Status check_peer_versions(const std::string& payload, const std::string& from,
                            const std::string& self);
 
+// trainer -> engine, once at setup (SGLang protocol): every route the trainer rank will send
+// this engine rank, in the engine's terms — the engine places bytes as this says.
+struct RouteMetadata {
+  int round = 0;
+  std::string param;  // engine parameter name
+  std::int64_t row = 0, col = 0;  // top-left in the parameter
+  std::int64_t rows = 0, cols = 0;
+  std::int64_t offset = 0;  // bytes from the start of its segment
+};
+struct RoutesMessage {
+  std::vector<RouteMetadata> routes;
+};
+
 // trainer -> engine: a refit starts.
 struct BeginMessage {
   int step = 0;
-  std::string version;       // the weight version the engine publishes on commit
-  bool verify = false;       // run the verification hook after the commit
-  bool raw = false;          // bench: bare transport pass, nothing is applied or published
-  int buckets = 0;           // gather executor: buckets that follow (0 with the transfer plan)
-  bool offer_direct = false; // gather executor: the trainer offers to write parameters in place
+  std::string version;  // the weight version the engine publishes on commit
+  bool verify = false;  // run the verification hook after the commit
+  bool raw = false;     // bench: bare transport pass, nothing is applied or published
+  int buckets = 0;      // gather executor: buckets that follow (0 with the transfer plan)
   // Transfer plan: the digest of this engine rank's exported parameters that the trainer rank
   // already holds ("" for none); an engine whose export has that digest answers without it.
   std::string export_held;
@@ -73,89 +89,119 @@ struct ExportedParams {
 // A digest of the export's handles and offsets (16 hex digits).
 std::string export_digest(const ExportedParams& e);
 
-// engine -> every trainer rank: the answer to step `step`'s begin. Generation is paused and
-// parameters may be written once every feeder said to proceed — or, with `refused` set (the pause
-// hook failed, or took longer than refit.timeout_s), this engine rank refuses the refit and
-// nothing may be written.
+// engine -> every trainer rank (transfer plan): the answer to step `step`'s begin. Generation is
+// paused and parameters may be written once every feeder said to proceed — or, with `refused` set
+// (the pause hook failed, or took longer than refit.timeout_s), this engine rank refuses the
+// refit and nothing may be written.
 struct PausedMessage {
   int step = 0;
-  std::optional<ExportedParams> direct;  // set when the engine's parameters are exported
-  std::string refused;                   // empty: paused
+  std::optional<ExportedParams> direct;   // set when the engine's parameters are exported
+  std::optional<FailureOrigin> refused;   // this engine rank's refusal
 };
 
-// trainer -> engine, after every engine rank answered the begin of step `step`: `go` — write this
-// refit — or abort it before any byte is written, with `error` the lowest engine rank's refusal.
-// Every trainer rank decides from the same answers, so all say the same. The engine acknowledges
-// an abort with one of its own.
+// trainer -> engine (transfer plan), after every engine rank answered the begin of step `step`:
+// write this refit, or abort it before any byte is written because of `refused` (the lowest
+// engine rank's refusal). Every trainer rank decides from the same answers, so all say the same.
 struct ProceedMessage {
   int step = 0;
-  bool go = false;
-  std::string error;
+  std::optional<FailureOrigin> refused;  // unset: go
 };
 
-// trainer -> engine: every byte of this refit was sent.
+// engine -> feeder: an aborted refit's proceed was heard; nothing was written.
+struct AbortHeardMessage {
+  int step = 0;
+};
+
+// trainer -> engine (gather): the header of the bucket now in `slot` (SGLang: the metadata of
+// its tensors, `meta`).
+struct BucketMessage {
+  int slot = 0;
+  int step = 0;
+  int bucket = 0;
+  std::uint64_t bytes = 0;
+  std::string meta;
+};
+// engine -> trainer (gather, ipc): bucket `bucket` of step `step` was applied; `slot` is free.
+struct BucketDoneMessage {
+  int slot = 0;
+  int step = 0;
+  int bucket = 0;
+};
+
+// trainer -> engine: every byte this trainer rank sends for refit `step` moved.
 struct CommitMessage {
   int step = 0;
 };
 
-// engine -> trainer: the version was published.
+// engine -> feeder: every byte of refit `step` landed.
 struct CommittedMessage {
-  std::string version;
-  double apply_s = 0;               // seconds the engine spent applying
-  std::int64_t bytes_received = 0;  // bytes that reached this engine rank in this refit
+  int step = 0;
+  double apply_s = 0;  // seconds the engine spent applying
   // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte the receiving
   // trainer rank sent it in this refit, as 16 hex digits; empty when checksums are off. The
   // trainer rank compares it with its own.
   std::string checksum;
 };
 
-// engine -> trainer: the verification verdict after a commit.
+// engine -> feeder: the verification verdict of refit `step`.
 struct VerifiedMessage {
-  bool verified = false;
-  std::string error;  // empty when verified
+  int step = 0;
+  std::optional<FailureOrigin> failed;  // unset: verified
 };
 
 // trainer -> engine, when the refit checks its bytes (refit.checksum) or verifies: whether every
 // engine rank of the refit got every byte intact and passed verification, as every trainer rank
-// agreed. Engines publish only on `publish`, so the ranks of one engine never hold two versions.
-// The engine's acknowledgement reuses it: publish = is_valid(), error = its weight version now.
+// agreed. Engines publish only without `failed`, so the ranks of one engine never hold two
+// versions.
 struct OutcomeMessage {
-  bool publish = false;
-  std::string error;  // the first failure when not publishing
+  int step = 0;
+  std::optional<FailureOrigin> failed;  // the first failure; unset: publish
 };
 
-// trainer -> engine, once at setup (SGLang protocol): every route the trainer rank will send
-// this engine rank, in the engine's terms — the engine places bytes as this says.
-struct RouteMetadata {
-  int round = 0;
-  std::string param;                // engine parameter name
-  std::int64_t row = 0, col = 0;    // top-left in the parameter
-  std::int64_t rows = 0, cols = 0;
-  std::int64_t offset = 0;          // bytes from the start of its segment (wire version 8)
-};
-struct RoutesMessage {
-  std::vector<RouteMetadata> routes;
+// engine -> feeder: the outcome of refit `step` was applied: the weights are `valid` at
+// `weight_version` now (the refit's, or, rolled back, the previous one's).
+struct OutcomeHeardMessage {
+  int step = 0;
+  bool valid = false;
+  std::string weight_version;
 };
 
-std::string encode(const RoutesMessage& m);
-Result<RoutesMessage> decode_routes(const std::string& payload, const std::string& from);
+// trainer -> engine: no refit follows. engine -> feeder: heard; leaving.
+struct ShutdownMessage {};
+struct LeavingMessage {};
+
 std::string encode(const HelloMessage& m);
+std::string encode(const RoutesMessage& m);
 std::string encode(const BeginMessage& m);
 std::string encode(const PausedMessage& m);
+std::string encode(const ProceedMessage& m);
+std::string encode(const AbortHeardMessage& m);
+std::string encode(const BucketMessage& m);
+std::string encode(const BucketDoneMessage& m);
 std::string encode(const CommitMessage& m);
 std::string encode(const CommittedMessage& m);
 std::string encode(const VerifiedMessage& m);
 std::string encode(const OutcomeMessage& m);
-std::string encode(const ProceedMessage& m);
+std::string encode(const OutcomeHeardMessage& m);
+std::string encode(const ShutdownMessage& m);
+std::string encode(const LeavingMessage& m);
 
 // `from` names the sender in errors.
 Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from);
+Result<RoutesMessage> decode_routes(const std::string& payload, const std::string& from);
 Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from);
 Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from);
+Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from);
+Result<AbortHeardMessage> decode_abort_heard(const std::string& payload, const std::string& from);
+Result<BucketMessage> decode_bucket(const std::string& payload, const std::string& from);
+Result<BucketDoneMessage> decode_bucket_done(const std::string& payload, const std::string& from);
 Result<CommitMessage> decode_commit(const std::string& payload, const std::string& from);
 Result<CommittedMessage> decode_committed(const std::string& payload, const std::string& from);
 Result<VerifiedMessage> decode_verified(const std::string& payload, const std::string& from);
 Result<OutcomeMessage> decode_outcome(const std::string& payload, const std::string& from);
-Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from);
+Result<OutcomeHeardMessage> decode_outcome_heard(const std::string& payload,
+                                                 const std::string& from);
+Result<ShutdownMessage> decode_shutdown(const std::string& payload, const std::string& from);
+Result<LeavingMessage> decode_leaving(const std::string& payload, const std::string& from);
 
 }  // namespace refit

@@ -249,8 +249,8 @@ class StoreClient final : public Store {
   Status lost_status(const std::string& what) {
     if (aborted_.load()) {
       std::lock_guard<std::mutex> lock(mu_);
-      return Status(aborted_why_.code(), fmt::format("store {}: {} ended: {}", address_, what,
-                                                     aborted_why_.message()));
+      // As a context: the why keeps its origin (the rank a liveness check blamed).
+      return aborted_why_.with_context(fmt::format("store {}: {} ended", address_, what));
     }
     if (stalled_.load())
       return Status::IOError(fmt::format(

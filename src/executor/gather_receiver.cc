@@ -21,15 +21,16 @@ Status GatherReceiver::setup() {
                               static_cast<std::size_t>(cfg.refit.buffer_size_bytes),
                               cfg.refit.timeout()};
   if (cfg.generation.weight_transfer_mode == TransferMode::kBroadcast) {
-    feeders_ = {"trainer/0"};
+    feeders_ = {RankId::trainer(0)};
     REFIT_ASSIGN_OR_RETURN(update_,
                            o_.join_group("update", 1 + o_.engine_rank, 1 + cfg.engine_ranks()));
     REFIT_ASSIGN_OR_RETURN(receiver_,
                            make_broadcast_receiver(*update_, *o_.mailbox, *o_.plane, topt));
   } else {
-    feeders_ = {fmt::format("trainer/{}", o_.engine_rank)};
+    feeders_ = {RankId::trainer(o_.engine_rank)};
     REFIT_ASSIGN_OR_RETURN(receiver_,
-                           make_ipc_receiver(*o_.mailbox, *o_.store, *o_.plane, feeders_[0],
+                           make_ipc_receiver(*o_.mailbox, *o_.store, *o_.plane,
+                                             feeders_[0].mailbox(),
                                              ipc_segment_prefix(o_.run_id, o_.engine_rank), topt));
   }
   return Status::Ok();
@@ -91,16 +92,13 @@ Status GatherReceiver::apply(const IncomingBucket& in, bool raw, const std::vect
   return receiver_->release(in);
 }
 
-Status GatherReceiver::receive(const EngineRefit& r) {
-  const BeginMessage& begin = r.begin;
+Status GatherReceiver::receive(const BeginMessage& begin, const std::vector<void*>& params) {
   const int step = begin.step, buckets = begin.buckets;
   const bool raw = begin.raw;
   const BucketPlan& plan = o_.model->plan;
   if (buckets != static_cast<int>(plan.buckets.size()) && vllm())
     return Status::InvalidArgument(fmt::format(
         "vllm: the trainer announced {} buckets, the manifest has {}", buckets, plan.buckets.size()));
-  REFIT_RETURN_IF_ERROR(r.pause());
-  const std::vector<void*>& params = *r.params;
   if (vllm() && plan_runs_.empty()) {  // the manifest is fixed: every bucket's runs, once
     for (const Bucket& b : plan.buckets)
       plan_runs_.push_back(copy_runs(build_apply_runs(o_.model->spec, *o_.layout, b.entries,

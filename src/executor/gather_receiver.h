@@ -40,10 +40,10 @@ class GatherReceiver final : public EngineExecutor {
  public:
   static Result<std::unique_ptr<GatherReceiver>> create(const GatherReceiverOptions& options);
 
-  const std::vector<std::string>& feeders() const override { return feeders_; }
+  const std::vector<RankId>& feeders() const override { return feeders_; }
+  bool pause_handshake() const override { return false; }
   std::string plan_hash() const override { return o_.model->plan.hash_hex(); }
-  Status attach() override { return Status::Ok(); }
-  Status receive(const EngineRefit& refit) override;
+  Status receive(const BeginMessage& begin, const std::vector<void*>& params) override;
   void invalidate() override {
     plan_runs_.clear();
     sglang_runs_.clear();
@@ -66,7 +66,7 @@ class GatherReceiver final : public EngineExecutor {
   Status apply(const IncomingBucket& in, bool raw, const std::vector<void*>& params);
 
   GatherReceiverOptions o_;
-  std::vector<std::string> feeders_;
+  std::vector<RankId> feeders_;
   std::unique_ptr<Communicator> update_;  // broadcast
   std::unique_ptr<BucketReceiver> receiver_;
   std::vector<std::vector<CopyRun>> plan_runs_;  // vLLM: per bucket of the manifest

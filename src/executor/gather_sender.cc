@@ -34,16 +34,17 @@ Status GatherSender::setup() {
                               cfg.refit.timeout()};
   if (cfg.generation.weight_transfer_mode == TransferMode::kBroadcast) {
     if (o_.rank == 0) {
-      for (int g = 0; g < cfg.engine_ranks(); ++g) fed_.push_back(fmt::format("engine/{}", g));
+      for (int g = 0; g < cfg.engine_ranks(); ++g)
+        fed_.push_back(RankId::engine(g, cfg.generation.tp_size));
       REFIT_ASSIGN_OR_RETURN(update_, o_.join_group("update", 0, 1 + cfg.engine_ranks()));
       REFIT_ASSIGN_OR_RETURN(
-          sender_, make_broadcast_sender(*update_, *o_.mailbox, *o_.plane, fed_,
+          sender_, make_broadcast_sender(*update_, *o_.mailbox, *o_.plane, mailbox_ids(fed_),
                                          cfg.generation.backend == EngineProtocol::kSglang, topt));
     }
   } else {
-    fed_.push_back(fmt::format("engine/{}", o_.rank));
+    fed_.push_back(RankId::engine(o_.rank, cfg.generation.tp_size));
     REFIT_ASSIGN_OR_RETURN(sender_,
-                           make_ipc_sender(*o_.mailbox, *o_.store, *o_.plane, fed_[0],
+                           make_ipc_sender(*o_.mailbox, *o_.store, *o_.plane, fed_[0].mailbox(),
                                            ipc_segment_prefix(o_.run_id, o_.rank), topt));
   }
   const auto bucket_bytes = static_cast<std::size_t>(o_.model->plan.max_bucket_bytes);
@@ -65,9 +66,12 @@ Status GatherSender::setup() {
   return Status::Ok();
 }
 
-Status GatherSender::attach() {
+void GatherSender::targets_attached() {
   if (sender_) sender_->on_receivers_attached();
-  return Status::Ok();
+}
+
+void GatherSender::prepare_begin(std::size_t /*i*/, BeginMessage& begin) const {
+  begin.buckets = static_cast<int>(o_.model->plan.buckets.size());
 }
 
 void GatherSender::abort() {
@@ -139,17 +143,12 @@ Status GatherSender::unshard(std::size_t b, const std::vector<void*>& shards, st
   return Status::Ok();
 }
 
-Status GatherSender::transfer(const BeginMessage& begin_in, const std::vector<void*>& shards,
-                              TransferTimes& times) {
+Status GatherSender::send(const BeginMessage& begin_in, const std::vector<void*>& shards,
+                          TransferTimes& times) {
   const Config& cfg = *o_.config;
   const BucketPlan& plan = o_.model->plan;
   const DType tgt = cfg.refit.target_precision;
   const bool raw = begin_in.raw;
-  if (feeds()) {
-    BeginMessage begin = begin_in;
-    begin.buckets = static_cast<int>(plan.buckets.size());
-    REFIT_RETURN_IF_ERROR(send_each(*o_.mailbox, fed_, MessageType::kBegin, encode(begin)));
-  }
   for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
     std::byte* slot = nullptr;
     const int s = static_cast<int>(b % static_cast<std::size_t>(cfg.refit.num_buffers));

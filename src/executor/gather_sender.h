@@ -34,12 +34,17 @@ class GatherSender final : public TrainerExecutor {
  public:
   static Result<std::unique_ptr<GatherSender>> create(const GatherSenderOptions& options);
 
-  const std::vector<std::string>& engine_ids() const override { return fed_; }
+  const std::vector<RankId>& targets() const override { return fed_; }
+  const std::vector<RankId>& answers_from() const override {
+    static const std::vector<RankId> none;
+    return none;
+  }
   std::string plan_hash() const override { return o_.model->plan.hash_hex(); }
   int rounds() const override { return static_cast<int>(o_.model->plan.buckets.size()); }
-  Status attach() override;
-  Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
-                  TransferTimes& times) override;
+  void targets_attached() override;
+  void prepare_begin(std::size_t i, BeginMessage& begin) const override;
+  Status send(const BeginMessage& begin, const std::vector<void*>& shards,
+              TransferTimes& times) override;
   void invalidate() override { bucket_runs_.clear(); }
   RankTraffic traffic() const override { return traffic_; }
   void abort() override;
@@ -64,7 +69,7 @@ class GatherSender final : public TrainerExecutor {
 
   GatherSenderOptions o_;
   std::vector<BucketGather> gather_;
-  std::vector<std::string> fed_;
+  std::vector<RankId> fed_;
   std::unique_ptr<Communicator> update_;  // broadcast: trainer rank 0 and every engine rank
   std::unique_ptr<BucketSender> sender_;
   std::unique_ptr<PlaneBuffer> send_, stage_;  // unshard: this rank's part, everyone's parts

@@ -12,9 +12,7 @@
 namespace refit {
 
 RouteReceiver::RouteReceiver(const RouteReceiverOptions& o) : o_(o) {
-  for (int r : o_.sources) feeders_.push_back(fmt::format("trainer/{}", r));
-  for (int r = 0; r < o_.config->policy.world_size; ++r)
-    trainer_ids_.push_back(fmt::format("trainer/{}", r));
+  for (int r : o_.sources) feeders_.push_back(RankId::trainer(r));
 }
 
 Result<std::unique_ptr<RouteReceiver>> RouteReceiver::create(const RouteReceiverOptions& o) {
@@ -23,7 +21,7 @@ Result<std::unique_ptr<RouteReceiver>> RouteReceiver::create(const RouteReceiver
   return std::unique_ptr<RouteReceiver>(new RouteReceiver(o));
 }
 
-Status RouteReceiver::choose(bool params_exported) {
+Status RouteReceiver::prepare(bool params_exported) {
   modes_.assign(o_.sources.size(), PairExecutor::kP2p);
   peer_sources_ = p2p_sources_ = 0;
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
@@ -92,25 +90,12 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
   return Status::Ok();
 }
 
-Status RouteReceiver::attach() {
-  if (o_.config->generation.backend != EngineProtocol::kSglang) return Status::Ok();
+Status RouteReceiver::take_routes(const std::vector<RoutesMessage>& per_feeder) {
   const EngineShardLayout& lay =
       o_.setup->engines[static_cast<std::size_t>(o_.engine_rank % o_.config->generation.tp_size)];
   IncomingRoutes in;
-  std::vector<bool> seen(feeders_.size(), false);
-  for (std::size_t got = 0; got < feeders_.size(); ++got) {
-    REFIT_ASSIGN_OR_RETURN(Message m, expect_message(*o_.mailbox, MessageType::kRoutes,
-                                                     o_.config->refit.timeout(),
-                                                     "the feeders' route metadata"));
-    const auto it = std::find(feeders_.begin(), feeders_.end(), m.from);
-    const auto i = static_cast<std::size_t>(it - feeders_.begin());
-    if (it == feeders_.end() || seen[i])
-      return Status::Corruption(fmt::format(
-          "{}: unexpected route metadata from {} (not a feeder, or sent twice)", o_.who, m.from));
-    seen[i] = true;
-    REFIT_ASSIGN_OR_RETURN(RoutesMessage routes, decode_routes(m.payload, m.from));
-    REFIT_RETURN_IF_ERROR(add_routes_metadata(in, routes, o_.sources[i], lay));
-  }
+  for (std::size_t i = 0; i < per_feeder.size() && i < o_.sources.size(); ++i)
+    REFIT_RETURN_IF_ERROR(add_routes_metadata(in, per_feeder[i], o_.sources[i], lay));
   finish_incoming(in);
   o_.incoming = std::move(in);
   invalidate();
@@ -131,100 +116,9 @@ Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
   return checksum_groups(*o_.plane, it->second, std::nullopt);
 }
 
-Status RouteReceiver::receive(const EngineRefit& r) {
-  const BeginMessage& begin = r.begin;
-  // Which export each feeder holds already (BeginMessage::export_held).
-  std::map<std::string, std::string> held{{r.first_from, begin.export_held}};
-  REFIT_RETURN_IF_ERROR(expect_from_each(
-      *o_.mailbox, feeders_, MessageType::kBegin, {r.first_from}, o_.config->refit.timeout(),
-      o_.who,
-      "begins", [&](const Message& m) -> Status {
-        REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
-        if (b.step != begin.step || b.raw != begin.raw)
-          return Status::Corruption(fmt::format(
-              "{}: {} began step {}{}, {} began step {}{}", o_.who, r.first_from, begin.step,
-              begin.raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
-        held[m.from] = b.export_held;
-        return Status::Ok();
-      }));
-  log::debug("{}: every feeder began refit step {}", o_.who, begin.step);
-  // Pause (the hook may refuse), answer, and write nothing before every feeder said to proceed:
-  // each trainer rank decides once every engine rank answered it.
-  const Status paused = r.pause();
-  const ExportedParams* exported = nullptr;
-  if (paused.ok()) {
-    exported = r.exported();
-    REFIT_RETURN_IF_ERROR(choose(exported != nullptr));
-  }
-  // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
-  // The export travels only to a feeder that does not hold it already (the handles of a large
-  // model are tens of kilobytes of JSON); the others get its digest.
-  PausedMessage answer{.step = begin.step, .refused = paused.ok() ? "" : paused.message()};
-  if (exported) answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
-  const std::string elided = encode(answer);
-  std::string full;  // encoded for the first feeder that needs it
-  for (const std::string& t : trainer_ids_) {
-    const auto h = held.find(t);
-    const bool send_full = exported && h != held.end() && h->second != exported->digest;
-    if (send_full && full.empty()) {
-      answer.direct = *exported;
-      full = encode(answer);
-    }
-    REFIT_RETURN_IF_ERROR(o_.mailbox->send(t, MessageType::kPaused, send_full ? full : elided));
-  }
-  log::debug("{}: paused for refit step {} and answered", o_.who, begin.step);
-  REFIT_ASSIGN_OR_RETURN(const ProceedMessage proceed, await_proceed(begin.step, r.early_commits));
-  log::debug("{}: every feeder proceeds with refit step {}", o_.who, begin.step);
-  if (!proceed.go) {
-    r.abandon(proceed.error, paused.ok());
-    return send_each(*o_.mailbox, feeders_, MessageType::kProceed,
-                     encode(ProceedMessage{.step = begin.step, .go = false}));
-  }
-  if (!paused.ok())
-    return Status::Internal(fmt::format(
-        "{}: the feeders proceeded with refit step {} although this rank refused it: {}", o_.who,
-        begin.step, paused.message()));
-  REFIT_RETURN_IF_ERROR(receive_rounds(begin.step, begin.raw, *r.params));
+Status RouteReceiver::receive(const BeginMessage& begin, const std::vector<void*>& params) {
+  REFIT_RETURN_IF_ERROR(receive_rounds(begin.step, begin.raw, params));
   return applier_.drain(o_.config->refit.timeout());
-}
-
-// Every feeder's proceed for `step` (all say the same: every trainer rank decided from the same
-// answers). A feeder that
-// writes in place may commit before a slower feeder's proceed arrived: its commit is recorded in
-// `early_commits`. The wait is bounded by 3 x the timeout + 5 s: longer than the feeders wait for
-// every engine rank's answer (2 x the timeout + 5 s), however short the timeout.
-Result<ProceedMessage> RouteReceiver::await_proceed(int step,
-                                                    std::vector<std::string>* early_commits) {
-  std::vector<bool> seen(feeders_.size(), false);
-  ProceedMessage out{.step = step, .go = true};
-  for (std::size_t got = 0; got < feeders_.size();) {
-    Result<Message> r =
-        o_.mailbox->receive(o_.config->refit.timeout() * 3 + std::chrono::seconds(5));
-    if (!r.ok())
-      return r.status().with_context(fmt::format("{} waiting for the feeders' proceed of refit "
-                                                 "step {}",
-                                                 o_.who, step));
-    const Message& m = *r;
-    const auto it = std::find(feeders_.begin(), feeders_.end(), m.from);
-    const std::size_t i = static_cast<std::size_t>(it - feeders_.begin());
-    if (it != feeders_.end() && seen[i] && m.type == MessageType::kCommit && early_commits &&
-        std::find(early_commits->begin(), early_commits->end(), m.from) == early_commits->end()) {
-      early_commits->push_back(m.from);
-      continue;
-    }
-    if (it == feeders_.end() || seen[i] || m.type != MessageType::kProceed)
-      return Status::Corruption(fmt::format("{} waiting for the feeders' proceed of refit step {}: "
-                                            "unexpected {} from {}",
-                                            o_.who, step, message_type_name(m.type), m.from));
-    REFIT_ASSIGN_OR_RETURN(ProceedMessage p, decode_proceed(m.payload, m.from));
-    if (p.step != step)
-      return Status::Corruption(fmt::format("{}: {} sent the proceed of refit step {} in step {}",
-                                            o_.who, m.from, p.step, step));
-    if (!p.go && out.go) out = std::move(p);
-    seen[i] = true;
-    ++got;
-  }
-  return out;
 }
 
 Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*>& params) {

@@ -24,7 +24,6 @@ struct RouteReceiverOptions {
   std::string who;  // "engine I tp rank T", for errors
   const RouteSetup* setup = nullptr;
   DataPlane* plane = nullptr;
-  Mailbox* mailbox = nullptr;
   Communicator* p2p = nullptr;         // null when no point-to-point group exists
   std::vector<int> sources;            // control_sources(plan, engine_rank)
   std::vector<bool> source_same_host;  // per entry of sources
@@ -35,15 +34,23 @@ class RouteReceiver final : public EngineExecutor {
  public:
   static Result<std::unique_ptr<RouteReceiver>> create(const RouteReceiverOptions& options);
 
-  const std::vector<std::string>& feeders() const override { return feeders_; }
+  const std::vector<RankId>& feeders() const override { return feeders_; }
+  bool pause_handshake() const override { return true; }
   std::string plan_hash() const override { return o_.setup->plan.hash_hex(); }
   // SGLang protocol: each feeder says which routes it will send here, and those are what this
   // rank receives and places (its own derivation of the plan only names the feeders).
-  Status attach() override;
-  // Every feeder begins; we pause once and tell each whether our parameters are exported (which
-  // decides every pair's executor, errors naming the pair and the fix); peer feeders write the
-  // parameters, point-to-point segments arrive here and are scattered on the apply thread.
-  Status receive(const EngineRefit& refit) override;
+  bool wants_routes() const override {
+    return o_.config->generation.backend == EngineProtocol::kSglang;
+  }
+  Status take_routes(const std::vector<RoutesMessage>& per_feeder) override;
+  // Whether our parameters are exported decides every pair's executor (errors naming the pair
+  // and the fix).
+  Status prepare(bool params_exported) override;
+  // Peer feeders write the parameters themselves; point-to-point segments arrive here and are
+  // scattered on the apply thread. Returns once every round was applied.
+  Status receive(const BeginMessage& begin, const std::vector<void*>& params) override;
+  bool checksums() const override { return true; }
+  bool can_recover() const override { return true; }
   void invalidate() override {
     runs_.clear();
     checksum_runs_.clear();
@@ -67,14 +74,11 @@ class RouteReceiver final : public EngineExecutor {
 
  private:
   explicit RouteReceiver(const RouteReceiverOptions& o);
-  Status choose(bool params_exported);
-  Result<ProceedMessage> await_proceed(int step, std::vector<std::string>* early_commits);
   Status build(const std::vector<void*>& params);
   Status receive_rounds(int step, bool raw, const std::vector<void*>& params);
 
   RouteReceiverOptions o_;
-  std::vector<std::string> feeders_;
-  std::vector<std::string> trainer_ids_;  // every trainer rank: each hears every paused
+  std::vector<RankId> feeders_;
   std::vector<PairExecutor> modes_;
   std::vector<PairExecutor> built_for_;
   std::vector<std::unique_ptr<PlaneBuffer>> slots_;

@@ -6,15 +6,14 @@
 
 #include "common/log.h"
 #include "common/timer.h"
-#include "control/mailbox.h"
 #include "transport/transport.h"
 
 namespace refit {
 
 RouteSender::RouteSender(const RouteSenderOptions& o) : o_(o) {
-  for (int g : o_.targets) ids_.push_back(fmt::format("engine/{}", g));
-  for (int g = 0; g < o_.config->engine_ranks(); ++g)
-    all_ids_.push_back(fmt::format("engine/{}", g));
+  const int tp = o_.config->generation.tp_size;
+  for (int g : o_.targets) targets_.push_back(RankId::engine(g, tp));
+  for (int g = 0; g < o_.config->engine_ranks(); ++g) all_engines_.push_back(RankId::engine(g, tp));
 }
 
 Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOptions& o) {
@@ -177,16 +176,16 @@ void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   }
 }
 
-Status RouteSender::attach() {
-  if (o_.config->generation.backend != EngineProtocol::kSglang) return Status::Ok();
-  for (std::size_t i = 0; i < o_.targets.size(); ++i) {
-    const int g = o_.targets[i];
-    const EngineShardLayout& lay =
-        o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
-    REFIT_RETURN_IF_ERROR(o_.mailbox->send(ids_[i], MessageType::kRoutes,
-                                           encode(routes_metadata(o_.setup->plan, lay, o_.rank, g))));
-  }
-  return Status::Ok();
+std::optional<RoutesMessage> RouteSender::routes_for(std::size_t i) const {
+  if (o_.config->generation.backend != EngineProtocol::kSglang) return std::nullopt;
+  const int g = o_.targets[i];
+  const EngineShardLayout& lay =
+      o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
+  return routes_metadata(o_.setup->plan, lay, o_.rank, g);
+}
+
+void RouteSender::prepare_begin(std::size_t i, BeginMessage& begin) const {
+  begin.export_held = i < held_.size() && held_[i] ? held_[i]->digest : std::string();
 }
 
 Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<void*>& shards) {
@@ -198,53 +197,39 @@ Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<
   return checksum_groups(*o_.plane, it->second, o_.config->policy.dtype);
 }
 
-Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>& user_shards,
-                             TransferTimes& times) {
-  const Config& cfg = *o_.config;
-  const auto timeout = cfg.refit.timeout();
-  bytes_sent_ = 0;
-  // FP8: every scale, before any engine pauses (a non-finite block refuses the refit here, on
-  // every trainer rank alike, and nothing moves).
+Status RouteSender::before_begin(const BeginMessage& begin, const std::vector<void*>& user_shards,
+                                 TransferTimes& times) {
   all_shards_ = user_shards;
-  if (o_.setup->wire.fp8) {
-    if (!scales_) {
-      REFIT_ASSIGN_OR_RETURN(scales_, TrainerScales::create(*o_.setup, o_.rank, *o_.plane));
-    }
-    if (!begin.raw) {
-      Timer t;
-      REFIT_RETURN_IF_ERROR(scales_->compute(user_shards, cfg.policy.dtype, o_.trainer_group));
-      times.cast_pack += t.seconds();
-    }
-    for (void* p : scales_->local_tensors()) all_shards_.push_back(p);
+  if (!o_.setup->wire.fp8) return Status::Ok();
+  if (!scales_) {
+    REFIT_ASSIGN_OR_RETURN(scales_, TrainerScales::create(*o_.setup, o_.rank, *o_.plane));
   }
-  const std::vector<void*>& shards = all_shards_;
-  // Each target learns which of its exports this rank holds, so that it answers without it.
-  held_.resize(ids_.size());
-  for (std::size_t i = 0; i < ids_.size(); ++i) {
-    BeginMessage b = begin;
-    if (held_[i]) b.export_held = held_[i]->digest;
-    REFIT_RETURN_IF_ERROR(o_.mailbox->send(ids_[i], MessageType::kBegin, encode(b)));
+  if (!begin.raw) {
+    Timer t;
+    REFIT_RETURN_IF_ERROR(
+        scales_->compute(user_shards, o_.config->policy.dtype, o_.trainer_group));
+    times.cast_pack += t.seconds();
   }
-  log::debug("trainer rank {}: sent the begin of step {}", o_.rank, begin.step);
+  for (void* p : scales_->local_tensors()) all_shards_.push_back(p);
+  return Status::Ok();
+}
 
-  // Every engine rank pauses and tells every trainer rank whether its parameters are exported,
-  // or refuses: every trainer rank decides alike whether to proceed, before any byte moves.
-  aborted_.clear();
-  std::vector<std::optional<PausedMessage>> all(all_ids_.size());
-  REFIT_ASSIGN_OR_RETURN(const std::string refused, collect_paused(begin, all));
-  log::debug("trainer rank {}: every engine rank answered the begin of step {}", o_.rank,
-             begin.step);
-  // The targets' exports (held_): what each target's pair executor and mapping use below.
-  for (std::size_t i = 0; i < ids_.size(); ++i)
-    REFIT_RETURN_IF_ERROR(resolve_export(i, *all[static_cast<std::size_t>(o_.targets[i])]));
-  REFIT_RETURN_IF_ERROR(send_each(
-      *o_.mailbox, ids_, MessageType::kProceed,
-      encode(ProceedMessage{.step = begin.step, .go = refused.empty(), .error = refused})));
-  if (!refused.empty()) return abort_refit(begin, refused);
-  log::debug("trainer rank {}: told its engine ranks to proceed with step {}", o_.rank, begin.step);
-  modes_.assign(ids_.size(), PairExecutor::kP2p);
+Status RouteSender::take_answers(std::vector<PausedMessage>& answers) {
+  held_.resize(targets_.size());
+  for (std::size_t i = 0; i < targets_.size(); ++i)
+    REFIT_RETURN_IF_ERROR(resolve_export(i, answers[static_cast<std::size_t>(o_.targets[i])]));
+  return Status::Ok();
+}
+
+Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*user_shards*/,
+                         TransferTimes& times) {
+  const Config& cfg = *o_.config;
+  bytes_sent_ = 0;
+  const std::vector<void*>& shards = all_shards_;  // the caller's, then the FP8 scales
+  modes_.assign(targets_.size(), PairExecutor::kP2p);
   peer_targets_ = p2p_targets_ = 0;
-  for (std::size_t i = 0; i < ids_.size(); ++i) {
+  held_.resize(targets_.size());
+  for (std::size_t i = 0; i < targets_.size(); ++i) {
     const bool exported = held_[i].has_value();
     REFIT_ASSIGN_OR_RETURN(modes_[i],
                            choose_pair_executor(cfg, o_.target_same_host[i], exported,
@@ -271,7 +256,7 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
     times.cast_pack += t.seconds();
     log::debug("trainer rank {}: peer copies of step {}: {:.3f} ms", o_.rank, begin.step,
                t.seconds() * 1e3);
-    for (std::size_t i = 0; i < ids_.size(); ++i)
+    for (std::size_t i = 0; i < targets_.size(); ++i)
       if (modes_[i] == PairExecutor::kPeer)
         bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
     if (!begin.raw) {
@@ -281,73 +266,6 @@ Status RouteSender::transfer(const BeginMessage& begin, const std::vector<void*>
     }
   }
   if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, times));
-  return Status::Ok();
-}
-
-// The answers to `begin` of every engine rank (all_ids_), in `answers`; returns the refusal of the
-// lowest engine rank that refused (its pause hook failed, or took longer than refit.timeout_s) as
-// "<engine process>: <why>", or "". Every engine rank answers every trainer rank, so every trainer
-// rank decides alike without talking to the others; engine ranks decide about their own slow
-// hooks. A trainer rank waits 2 x refit.timeout_s + 5 s for every answer (every rank alive) before
-// the session ends.
-Result<std::string> RouteSender::collect_paused(
-    const BeginMessage& begin, std::vector<std::optional<PausedMessage>>& answers) {
-  const auto timeout = o_.config->refit.timeout() * 2 + std::chrono::seconds(5);
-  for (std::size_t got = 0; got < all_ids_.size();) {
-    Result<Message> m = o_.mailbox->receive(timeout);
-    if (!m.ok())
-      return m.status().with_context(
-          fmt::format("{} waiting for the engines' pause", o_.mailbox->id()));
-    if (m->type != MessageType::kPaused)
-      return Status::Internal(fmt::format("{} waiting for the engines' pause: got {} from {}",
-                                          o_.mailbox->id(), message_type_name(m->type), m->from));
-    const auto it = std::find(all_ids_.begin(), all_ids_.end(), m->from);
-    if (it == all_ids_.end() || answers[static_cast<std::size_t>(it - all_ids_.begin())])
-      return Status::Corruption(
-          fmt::format("trainer rank {}: unexpected pause answer from {}", o_.rank, m->from));
-    REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m->payload, m->from));
-    // Each engine rank answers each begin once, before the refit goes on or is aborted; answers of
-    // a refit that failed in flight are dropped by their epoch (Mailbox::set_epoch).
-    if (p.step != begin.step)
-      return Status::Corruption(fmt::format("trainer rank {}: {} paused for refit step {} while "
-                                            "refit step {} is in flight",
-                                            o_.rank, m->from, p.step, begin.step));
-    answers[static_cast<std::size_t>(it - all_ids_.begin())] = std::move(p);
-    ++got;
-  }
-  for (std::size_t i = 0; i < all_ids_.size(); ++i)
-    if (!answers[i]->refused.empty()) {
-      // "<process>: <why>"; the engine's own error usually starts with its name already.
-      const std::string who = engine_process(all_ids_[i], o_.config->generation.tp_size) + ": ";
-      const std::string& why = answers[i]->refused;
-      return why.rfind(who, 0) == 0 ? why : who + why;
-    }
-  return std::string();
-}
-
-// Every trainer rank decided to abort this refit: every target was told, and acknowledges once it
-// heard every feeder (so that this rank's next begin cannot overtake another feeder's abort).
-Status RouteSender::abort_refit(const BeginMessage& begin, const std::string& why) {
-  aborted_ = why;
-  log::warn("trainer rank {}: refit step {} aborted before any byte moved: {}", o_.rank,
-            begin.step, why);
-  std::vector<bool> acked(ids_.size(), false);
-  for (std::size_t got = 0; got < ids_.size();) {
-    Result<Message> r = o_.mailbox->receive(o_.config->refit.timeout());
-    if (!r.ok())
-      return r.status().with_context(fmt::format(
-          "{} waiting for the engines to abort refit step {}", o_.mailbox->id(), begin.step));
-    const Message& m = *r;
-    const auto it = std::find(ids_.begin(), ids_.end(), m.from);
-    if (m.type != MessageType::kProceed || it == ids_.end() ||
-        acked[static_cast<std::size_t>(it - ids_.begin())])
-      return Status::Internal(fmt::format("{} waiting for the engines to abort refit step {}: "
-                                          "got {} from {}",
-                                          o_.mailbox->id(), begin.step,
-                                          message_type_name(m.type), m.from));
-    acked[static_cast<std::size_t>(it - ids_.begin())] = true;
-    ++got;
-  }
   return Status::Ok();
 }
 

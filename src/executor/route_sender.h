@@ -20,13 +20,11 @@
 namespace refit {
 
 class Communicator;
-class Mailbox;
 
 struct RouteSenderOptions {
   const Config* config = nullptr;
   int rank = 0;
   const RouteSetup* setup = nullptr;
-  Mailbox* mailbox = nullptr;
   DataPlane* plane = nullptr;
   Communicator* p2p = nullptr;           // null when no point-to-point group exists
   Communicator* trainer_group = nullptr;  // FP8 scales are combined over it (null: one rank)
@@ -38,18 +36,26 @@ class RouteSender final : public TrainerExecutor {
  public:
   static Result<std::unique_ptr<RouteSender>> create(const RouteSenderOptions& options);
 
-  const std::vector<std::string>& engine_ids() const override { return ids_; }
+  const std::vector<RankId>& targets() const override { return targets_; }
+  const std::vector<RankId>& answers_from() const override { return all_engines_; }
   std::string plan_hash() const override { return o_.setup->plan.hash_hex(); }
   int rounds() const override { return o_.setup->plan.rounds; }
   // SGLang protocol: the metadata of every route travels to its engine rank (once).
-  Status attach() override;
-  // Begins the refit on every target, waits until each has paused, then moves every route of
-  // this rank (cast to the target precision; `raw`: the same bytes without a cast, bench). When
-  // an engine rank refuses (its pause hook failed or took longer than refit.timeout_s), every
-  // trainer rank aborts the refit before any byte moves: aborted() says why.
-  Status transfer(const BeginMessage& begin, const std::vector<void*>& shards,
-                  TransferTimes& times) override;
-  const std::string& aborted() const override { return aborted_; }
+  std::optional<RoutesMessage> routes_for(std::size_t i) const override;
+  // The digest of target i's export this rank holds, so that the target answers without it.
+  void prepare_begin(std::size_t i, BeginMessage& begin) const override;
+  // FP8: every scale, before any engine pauses (a non-finite block refuses the refit here, on
+  // every trainer rank alike, and nothing moves).
+  Status before_begin(const BeginMessage& begin, const std::vector<void*>& shards,
+                      TransferTimes& times) override;
+  // The targets' exports: what each target's pair executor and mapping use.
+  Status take_answers(std::vector<PausedMessage>& answers) override;
+  // Moves every route of this rank (cast to the target precision; `raw`: the same bytes without
+  // a cast, bench), choosing each target's executor from what it exported.
+  Status send(const BeginMessage& begin, const std::vector<void*>& shards,
+              TransferTimes& times) override;
+  bool checksums() const override { return true; }
+  bool can_recover() const override { return true; }
   void invalidate() override {
     peer_runs_.clear();
     pack_runs_.clear();
@@ -73,9 +79,6 @@ class RouteSender final : public TrainerExecutor {
 
  private:
   explicit RouteSender(const RouteSenderOptions& o);
-  Result<std::string> collect_paused(const BeginMessage& begin,
-                                     std::vector<std::optional<PausedMessage>>& answers);
-  Status abort_refit(const BeginMessage& begin, const std::string& why);
   Status resolve_export(std::size_t i, PausedMessage& answer);
   Status map_engine(std::size_t i, const ExportedParams& direct);
   void build_peer_runs(const std::vector<void*>& shards);
@@ -92,8 +95,8 @@ class RouteSender final : public TrainerExecutor {
   };
 
   RouteSenderOptions o_;
-  std::vector<std::string> ids_;      // of the targets
-  std::vector<std::string> all_ids_;  // of every engine rank (each answers every begin here)
+  std::vector<RankId> targets_;
+  std::vector<RankId> all_engines_;  // each answers every begin here
   std::vector<PairExecutor> modes_;           // per target, of the current refit
   std::vector<PairExecutor> runs_built_for_;  // modes the copy lists were built for
   std::map<std::size_t, Mapped> mapped_;      // target index -> its exported parameters
@@ -112,7 +115,6 @@ class RouteSender final : public TrainerExecutor {
   double send_seconds_ = 0;  // written on sender_'s thread, read after it drained
   std::int64_t bytes_sent_ = 0;
   int peer_targets_ = 0, p2p_targets_ = 0;
-  std::string aborted_;  // of the last transfer: why every trainer rank aborted it
 };
 
 }  // namespace refit

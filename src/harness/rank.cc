@@ -25,6 +25,7 @@
 #include "io/safetensors.h"
 #include "plane/data_plane.h"
 #include "weights/materialize.h"
+#include "runtime/create.h"
 #include "runtime/protocol.h"
 #include "runtime/slots.h"
 #include "executor/routes.h"
@@ -226,7 +227,7 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
                 o.check_logits ? ", logits checked" : "");
   }
   for (int pass = 0; pass < o.raw_passes; ++pass) {
-    REFIT_ASSIGN_OR_RETURN(double secs, trainer->raw_transport_pass());
+    REFIT_ASSIGN_OR_RETURN(double secs, raw_transport_pass(*trainer));
     rep.raw_seconds.push_back(secs);
   }
   if (rank == 0) {
@@ -276,11 +277,10 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   rep.executor = std::string(executor_name(o.config.refit.executor));
   if (report != nullptr) *report = rep;
   if (!first_failed.ok())
-    return Status(first_failed.code(),
-                  fmt::format("{} of {} refit(s) failed (steps {}); the session went on and the "
-                              "other steps succeeded; the first failure: {}",
-                              failed_steps.size(), o.steps, fmt::join(failed_steps, ", "),
-                              first_failed.message()));
+    return first_failed.with_context(
+        fmt::format("{} of {} refit(s) failed (steps {}); the session went on and the other steps "
+                    "succeeded; the first failure",
+                    failed_steps.size(), o.steps, fmt::join(failed_steps, ", ")));
   return Status::Ok();
 }
 
@@ -703,8 +703,7 @@ class LoadedWeights {
 Status run_engine_rank(const RankOptions& o, int engine_rank) {
   log::set_prefix(fmt::format("engine rank {}", engine_rank));
   const Config& cfg = o.config;
-  const std::string who = fmt::format("engine {} tp rank {}", engine_rank / cfg.generation.tp_size,
-                                      engine_rank % cfg.generation.tp_size);
+  const std::string who = RankId::engine(engine_rank, cfg.generation.tp_size).name();
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(cfg));
   REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(cfg, model->spec));
   REFIT_ASSIGN_OR_RETURN(auto layout, engine_wire_layout(cfg, model->spec, wire,

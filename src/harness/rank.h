@@ -10,7 +10,7 @@
 #include "refit/session.h"
 #include "refit/status.h"
 #include "runtime/failure.h"
-#include "runtime/fault.h"
+#include "harness/fault_probe.h"
 
 namespace refit {
 

@@ -112,6 +112,8 @@ class DataPlane {
   // qualifies); CPU: kUnsupported — host memory a caller allocated cannot be mapped by another
   // process (use allocate_exported).
   virtual Result<std::string> export_existing(std::byte* ptr, std::size_t bytes) = 0;
+  // Whether export_existing can succeed on this plane at all.
+  virtual bool can_export_existing() const = 0;
   // Maps memory exported by a peer on the same host, once (never per refit).
   virtual Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                              std::size_t bytes) = 0;

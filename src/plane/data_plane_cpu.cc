@@ -124,6 +124,7 @@ class CpuDataPlane final : public DataPlane {
     return std::unique_ptr<PlaneBuffer>(new SharedPlaneBuffer(std::move(shm)));
   }
 
+  bool can_export_existing() const override { return false; }
   Result<std::string> export_existing(std::byte*, std::size_t) override {
     return Status::Unsupported(
         "host memory the caller allocated cannot be mapped by another process; allocate it with "

@@ -118,6 +118,7 @@ class CudaDataPlane final : public DataPlane {
     return buf;
   }
 
+  bool can_export_existing() const override { return true; }
   Result<std::string> export_existing(std::byte* ptr, std::size_t bytes) override {
     REFIT_RETURN_IF_ERROR(on_device());
     REFIT_ASSIGN_OR_RETURN(std::string raw, export_device_memory(ptr, bytes));

@@ -3,22 +3,43 @@
 #include <fmt/format.h>
 
 #include <condition_variable>
-#include <cstdio>
 #include <map>
 #include <mutex>
 #include <string_view>
 #include <thread>
 
+#include "control/messages.h"
 #include "control/store.h"
 #include "refit/config.h"
 
 namespace refit {
+namespace {
 
-void announce_failure(Store* store, const std::string& who, const Status& status) {
+constexpr const char* kFirstFailure = "error/first";
+
+std::string heartbeat_key(const RankId& rank) { return "heartbeat/" + rank.mailbox(); }
+
+// The store's record of a failure; a record this build cannot read (a bug) is kept as its text.
+FailureOrigin read_record(const std::string& encoded) {
+  Result<FailureOrigin> f = decode_failure(encoded, "the store");
+  if (f.ok()) return *f;
+  // Blamed on the store's host, whose store holds it.
+  return FailureOrigin{.rank = RankId::trainer(0),
+                       .code = StatusCode::kInternal,
+                       .error = "unreadable failure record in the store: " + f.status().message()};
+}
+
+}  // namespace
+
+FailureOrigin failure_of(const RankId& who, const Status& status) {
+  if (const FailureOrigin* o = status.origin(); o != nullptr && !(o->rank == who)) return *o;
+  return FailureOrigin{.rank = who, .code = status.code(), .error = status.to_string()};
+}
+
+void announce_failure(Store* store, const FailureOrigin& failure) {
   if (store == nullptr) return;
-  const std::string cause = fmt::format("{}: {}", who, status.to_string());
   auto n = store->add("error/count", 1);
-  if (n.ok() && *n == 1) (void)store->set("error/first", cause);
+  if (n.ok() && *n == 1) (void)store->set(kFirstFailure, encode_failure(failure));
 }
 
 std::string RefitEpochs::key(std::uint32_t epoch) { return fmt::format("refit/failed/{}", epoch); }
@@ -28,31 +49,31 @@ std::uint32_t RefitEpochs::current() const {
   return epoch_;
 }
 
-std::optional<std::string> RefitEpochs::failed() const {
+std::optional<FailureOrigin> RefitEpochs::failed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failed_;
 }
 
-std::string RefitEpochs::record(Store& store, const std::string& cause) {
+FailureOrigin RefitEpochs::record(Store& store, const FailureOrigin& cause) {
   const std::uint32_t epoch = current();
   if (auto known = failed()) return *known;
-  std::string recorded = cause;
+  std::string recorded = encode_failure(cause);
   auto n = store.add(fmt::format("refit/failures/{}", epoch), 1);
   if (n.ok() && *n == 1) {
-    (void)store.set(key(epoch), cause);
+    (void)store.set(key(epoch), recorded);
   } else if (n.ok()) {
     // Another rank was first: its cause, which it writes right after its add.
     auto first = store.get(key(epoch), std::chrono::seconds(2));
     if (first.ok()) recorded = *first;
   }
   (void)seen(epoch, recorded);
-  return failed().value_or(recorded);
+  return failed().value_or(cause);
 }
 
-bool RefitEpochs::seen(std::uint32_t epoch, const std::string& cause) {
+bool RefitEpochs::seen(std::uint32_t epoch, const std::string& encoded) {
   std::lock_guard<std::mutex> lock(mu_);
   if (epoch != epoch_ || failed_.has_value()) return false;
-  failed_ = cause;
+  failed_ = read_record(encoded);
   return true;
 }
 
@@ -75,9 +96,9 @@ struct Heartbeat::State {
   Status lost;                                  // the failed check (guarded by mu)
 };
 
-Heartbeat::Heartbeat(std::unique_ptr<Store> store, std::string who) {
+Heartbeat::Heartbeat(std::unique_ptr<Store> store, const RankId& who) {
   Store& beats = *store;
-  s_.reset(new State{std::move(store), beats, "heartbeat/" + who, {}, {}, false, {}, {}, {}, {}});
+  s_.reset(new State{std::move(store), beats, heartbeat_key(who), {}, {}, false, {}, {}, {}, {}});
   s_->thread = std::thread([s = s_.get()] {
     std::unique_lock<std::mutex> lock(s->mu);
     while (!s->stop) {
@@ -122,7 +143,7 @@ void Heartbeat::leave() {
   (void)s_->store.set(s_->key, "left");
 }
 
-void Heartbeat::watch(const std::string& who, std::vector<std::string> peers,
+void Heartbeat::watch(const RankId& who, std::vector<RankId> peers,
                       std::function<void(const Status&)> on_lost, RefitEpochs* epochs,
                       std::function<void(std::uint32_t)> on_refit_failed) {
   std::lock_guard<std::mutex> lock(s_->mu);
@@ -136,29 +157,26 @@ Status Heartbeat::verdict() const {
   return s_->lost;
 }
 
-Result<LivenessConnections> connect_liveness(const std::string& host, int port,
-                                             std::shared_ptr<const ControlAuth> auth,
-                                             const std::string& who) {
+Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
+                                             const std::string& host, int port,
+                                             const RankId& who) {
   LivenessConnections c;
-  REFIT_ASSIGN_OR_RETURN(c.probe, connect_store(host, port, kBeatRequestTimeout, auth));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats,
-                         connect_store(host, port, kBeatRequestTimeout, auth));
+  REFIT_ASSIGN_OR_RETURN(c.probe, connect(host, port, kBeatRequestTimeout));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats, connect(host, port, kBeatRequestTimeout));
   c.heartbeat = std::make_unique<Heartbeat>(std::move(beats), who);
   return c;
 }
 
-std::vector<std::string> rank_names(const Config& config) {
-  std::vector<std::string> names;
-  for (int r = 0; r < config.policy.world_size; ++r)
-    names.push_back(fmt::format("trainer rank {}", r));
-  for (int e = 0; e < config.generation.num_engines; ++e)
-    for (int t = 0; t < config.generation.tp_size; ++t)
-      names.push_back(fmt::format("engine {} tp rank {}", e, t));
-  return names;
+std::vector<RankId> rank_ids(const Config& config) {
+  std::vector<RankId> ids;
+  for (int r = 0; r < config.policy.world_size; ++r) ids.push_back(RankId::trainer(r));
+  for (int g = 0; g < config.engine_ranks(); ++g)
+    ids.push_back(RankId::engine(g, config.generation.tp_size));
+  return ids;
 }
 
-std::function<Status()> liveness_check(Store& store, const std::string& who,
-                                       std::vector<std::string> peers, RefitEpochs* epochs,
+std::function<Status()> liveness_check(Store& store, const RankId& who,
+                                       std::vector<RankId> peers, RefitEpochs* epochs,
                                        std::function<void(std::uint32_t)> on_refit_failed) {
   using Clock = std::chrono::steady_clock;
   struct Seen {
@@ -170,22 +188,26 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
   // store has not answered for kPeerSilence.
   auto answered = std::make_shared<Clock::time_point>(Clock::now());
   std::erase(peers, who);
-  std::vector<std::string> keys{"error/first"};
-  for (const std::string& peer : peers) keys.push_back("heartbeat/" + peer);
-  return [&store, who, peers = std::move(peers), keys = std::move(keys), seen, answered, epochs,
-          on_refit_failed = std::move(on_refit_failed)]() mutable -> Status {
+  std::vector<std::string> keys{kFirstFailure};
+  for (const RankId& peer : peers) keys.push_back(heartbeat_key(peer));
+  return [&store, who, peers = std::move(peers), keys = std::move(keys), seen, answered,
+          epochs, on_refit_failed = std::move(on_refit_failed)]() mutable -> Status {
+    const RankId store_host = RankId::trainer(0);
     const auto silent = [&](const Status& why) {
-      return Status::Aborted(fmt::format(
-          "aborted because trainer rank 0: the store it hosts did not answer for {:.1f} s "
-          "(stopped, hung or cut off; seen by {}): {}",
-          kPeerSilence.count() / 1000.0, who, why.to_string()));
+      const FailureOrigin o{
+          .rank = store_host,
+          .code = StatusCode::kAborted,
+          .error = fmt::format("the store it hosts did not answer for {:.1f} s (stopped, hung or "
+                               "cut off; seen by {}): {}",
+                               kPeerSilence.count() / 1000.0, who.name(), why.to_string())};
+      return Status::Aborted("aborted because " + o.rank.name() + ": " + o.error).with_origin(o);
     };
     // A failed request: the connection is gone (fatal), or the store is slow (fatal only after
     // kPeerSilence without an answer; else this round is skipped).
     const auto failed = [&](const Status& why) {
       if (why.code() != StatusCode::kTimeout)
-        return Status::Aborted(
-            fmt::format("lost the control plane (the store of trainer rank 0): {}", why.to_string()));
+        return Status::Aborted(fmt::format(
+            "lost the control plane (the store of trainer rank 0): {}", why.to_string()));
       if (Clock::now() - *answered >= kPeerSilence) return silent(why);
       return Status::Ok();
     };
@@ -205,136 +227,86 @@ std::function<Status()> liveness_check(Store& store, const std::string& who,
       if (refit.has_value() && epochs->seen(epoch, *refit) && on_refit_failed)
         on_refit_failed(epoch);
     }
-    const std::optional<std::string>& first = (*values)[0];
-    if (first.has_value() && first->rfind(who + ":", 0) != 0)
-      return Status::Aborted("aborted because " + *first);
+    if (const std::optional<std::string>& first = (*values)[0]; first.has_value()) {
+      const FailureOrigin o = read_record(*first);
+      if (!(o.rank == who)) return Status::Aborted("aborted because " + o.describe()).with_origin(o);
+    }
     const auto now = Clock::now();
     for (std::size_t i = 0; i < peers.size(); ++i) {
-      const std::string& peer = peers[i];
+      const RankId& peer = peers[i];
       const std::optional<std::string>& beat = (*values)[i + 1];
       if (!beat.has_value() || *beat == "left") continue;
-      auto [it, fresh] = seen->try_emplace(peer, Seen{*beat, now});
+      auto [it, fresh] = seen->try_emplace(peer.mailbox(), Seen{*beat, now});
       if (fresh || it->second.value != *beat) {
         it->second = Seen{*beat, now};
         continue;
       }
       if (now - it->second.since < kPeerSilence) continue;
-      const Status gone = Status::Aborted(fmt::format(
+      const std::string stopped = fmt::format(
           "stopped: no heartbeat for {:.1f} s (seen by {}; the process is stopped, hung or cut off)",
-          std::chrono::duration<double>(now - it->second.since).count(), who));
-      announce_failure(&store, peer, gone);
-      return Status::Aborted(fmt::format("aborted because {}: {}", peer, gone.message()));
+          std::chrono::duration<double>(now - it->second.since).count(), who.name());
+      const FailureOrigin gone{
+          .rank = peer, .code = StatusCode::kAborted, .error = "aborted: " + stopped};
+      announce_failure(&store, gone);
+      return Status::Aborted("aborted because " + peer.name() + ": " + stopped).with_origin(gone);
     }
     return Status::Ok();
   };
 }
 
-Status with_root_cause(Store* store, const std::string& who, const Status& status) {
+Status with_root_cause(Store* store, const RankId& who, const Status& status) {
   if (store == nullptr || status.ok()) return status;
-  auto first = store->try_get("error/first");
+  auto first = store->try_get(kFirstFailure);
   if (!first.ok() || !first->has_value()) return status;
-  const std::string& cause = **first;
-  if (cause.rfind(who + ":", 0) == 0) return status;  // the root cause is this process itself
-  if (status.message().find(cause) != std::string::npos) return status;
-  return Status(StatusCode::kAborted,
-                fmt::format("aborted because {} (seen here as: {})", cause, status.to_string()));
-}
-
-std::optional<Blame> blame_process(const std::string& name, int tp_size) {
-  Blame b;
-  int a = -1, t = -1, n = 0;
-  if (std::sscanf(name.c_str(), "trainer rank %d%n", &a, &n) == 1 &&
-      static_cast<std::size_t>(n) == name.size() && a >= 0) {
-    b.role = "trainer";
-    b.rank = a;
-  } else if (std::sscanf(name.c_str(), "engine %d tp rank %d%n", &a, &t, &n) == 2 &&
-             static_cast<std::size_t>(n) == name.size() && a >= 0 && t >= 0) {
-    b.role = "engine";
-    b.rank = a * tp_size + t;
-  } else {
-    return std::nullopt;
-  }
-  b.process = name;
-  return b;
+  const FailureOrigin cause = read_record(**first);
+  if (cause.rank == who) return status;  // the root cause is this process itself
+  if (const FailureOrigin* known = status.origin(); known != nullptr && known->rank == cause.rank)
+    return status;
+  // The cause already travelled in the text (through a library that keeps only messages).
+  if (status.message().find(cause.describe()) != std::string::npos) return status.with_origin(cause);
+  return Status(StatusCode::kAborted, fmt::format("aborted because {} (seen here as: {})",
+                                                  cause.describe(), status.to_string()))
+      .with_origin(cause);
 }
 
 namespace {
-constexpr std::string_view kNotPublished = "the engines did not publish version '";
-constexpr std::string_view kReported = " reported: ";
 constexpr std::string_view kStillUsable = " (the session stays usable: ";
-constexpr std::string_view kInFlight = "failed in flight: ";
 }  // namespace
 
-std::string failed_refit_message(int step, const std::string& version, const std::string& process,
-                                 const std::string& error) {
-  // The engine's own error often starts with its name already.
-  const std::string own = process + ": ";
-  const std::string e = error.rfind(own, 0) == 0 ? error.substr(own.size()) : error;
-  return fmt::format("refit step {}: {}{}': {}{}{}{}the next refit publishes a new version)", step,
-                     kNotPublished, version, process, kReported, e, kStillUsable);
+Status failed_refit(StatusCode code, int step, const std::string& version,
+                    const FailureOrigin& origin) {
+  return Status(code, fmt::format("refit step {}: the engines did not publish version '{}': {} "
+                                  "reported: {}{}the next refit publishes a new version)",
+                                  step, version, origin.rank.name(), origin.error, kStillUsable))
+      .with_origin(origin);
 }
 
-std::string failed_in_flight_message(int step, const std::string& version,
-                                     const std::string& cause) {
-  const std::size_t colon = cause.find(": ");
-  const std::string process = colon == std::string::npos ? "?" : cause.substr(0, colon);
-  const std::string error = colon == std::string::npos ? cause : cause.substr(colon + 2);
-  return fmt::format("refit step {} (version '{}') {}{}{}{}{}every rank is alive; the groups "
-                     "were formed anew and the next refit publishes a new version)",
-                     step, version, kInFlight, process, kReported, error, kStillUsable);
+Status failed_in_flight(int step, const std::string& version, const FailureOrigin& cause) {
+  return Status::Aborted(fmt::format("refit step {} (version '{}') failed in flight: {} reported: "
+                                     "{}{}every rank is alive; the groups were formed anew and "
+                                     "the next refit publishes a new version)",
+                                     step, version, cause.rank.name(), cause.error, kStillUsable))
+      .with_origin(cause);
 }
 
-Blame blame_failure(const std::string& self, const Status& status, int tp_size) {
-  // with_root_cause and liveness_check write "aborted because <process>: <error>", followed by
-  // " (seen here as: <this process's error>)" from with_root_cause; contexts may precede it.
-  static const std::string kBecause = "aborted because ";
-  static const std::string kSeen = " (seen here as: ";
-  const std::string& m = status.message();
-  // A refit that failed at its end: the engine rank that reported it; one that failed in flight:
-  // the rank that recorded it first.
-  std::size_t from = std::string::npos, skip = 0;
-  if (const std::size_t np = m.rfind(kNotPublished); np != std::string::npos) {
-    from = m.find("': ", np + kNotPublished.size());
-    skip = 3;
-  } else if (const std::size_t fl = m.rfind(kInFlight); fl != std::string::npos) {
-    from = fl;
-    skip = kInFlight.size();
-  }
-  if (from != std::string::npos) {
-    const std::size_t rep = m.find(kReported, from + skip);
-    if (rep != std::string::npos) {
-      if (auto b = blame_process(m.substr(from + skip, rep - from - skip), tp_size)) {
-        const std::size_t start = rep + kReported.size();
-        const std::size_t end = m.find(kStillUsable, start);
-        b->message = b->process + ": " +
-                     m.substr(start, end == std::string::npos ? std::string::npos : end - start);
-        return *b;
-      }
-    }
-  }
-  const std::size_t at = m.find(kBecause);
-  if (at != std::string::npos) {
-    const std::size_t start = at + kBecause.size();
-    const std::size_t colon = m.find(": ", start);
-    if (colon != std::string::npos) {
-      if (auto b = blame_process(m.substr(start, colon - start), tp_size)) {
-        const std::size_t seen = m.find(kSeen, colon);
-        b->message = m.substr(start, seen == std::string::npos ? std::string::npos : seen - start);
-        return *b;
-      }
-    }
-  }
-  Blame b;
-  if (auto parsed = blame_process(self, tp_size)) b = *parsed;
-  b.process = self;
-  b.message = fmt::format("{}: {}", self, status.to_string());
-  return b;
+Blame blame_of(const FailureOrigin& origin) {
+  return Blame{.process = origin.rank.name(),
+               .role = role_name(origin.rank.role),
+               .rank = origin.rank.rank,
+               .message = origin.rank.name() + ": " + origin.error};
+}
+
+Blame blame_failure(const RankId& self, const Status& status) {
+  return blame_of(failure_of(self, status));
 }
 
 std::function<Status()> rank_liveness(const Heartbeat& heartbeat, const RefitEpochs& epochs) {
   return [hb = &heartbeat, ep = &epochs]() -> Status {
     REFIT_RETURN_IF_ERROR(hb->verdict());
-    if (auto cause = ep->failed()) return Status::Aborted("the refit in flight failed: " + *cause);
+    if (auto cause = ep->failed())
+      return Status::Aborted("the refit in flight failed: " + cause->rank.name() + ": " +
+                             cause->error)
+          .with_origin(*cause);
     return Status::Ok();
   };
 }
@@ -353,10 +325,10 @@ Status settle_verdict(const Status& failure, const std::function<Status()>& verd
   return v;
 }
 
-std::optional<std::string> in_flight_cause(RefitEpochs& epochs, Store& store,
-                                           const std::string& who, const Status& failure,
-                                           bool later_epoch,
-                                           const std::function<Status()>& verdict) {
+std::optional<FailureOrigin> in_flight_cause(RefitEpochs& epochs, Store& store,
+                                             const RankId& who, const Status& failure,
+                                             bool later_epoch,
+                                             const std::function<Status()>& verdict) {
   const bool flagged = later_epoch || epochs.failed().has_value();
   if (!flagged && failure.code() != StatusCode::kTimeout &&
       failure.code() != StatusCode::kIOError)
@@ -366,19 +338,19 @@ std::optional<std::string> in_flight_cause(RefitEpochs& epochs, Store& store,
                       [&epochs] { return epochs.failed().has_value(); })
            .ok())
     return std::nullopt;
-  return epochs.record(store, fmt::format("{}: {}", who, failure.to_string()));
+  return epochs.record(store, failure_of(who, failure));
 }
 
-Status FailureLatch::guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
-                           const std::string& who, const std::function<void()>& close_collectives,
+Status FailureLatch::guard(const std::function<Status()>& step, Store* store, const RankId& who,
+                           const std::function<void()>& close_collectives,
                            const std::function<Status()>& verdict) {
   if (!failed_.ok()) return failed_;
   Status st = step();
   if (st.ok()) return st;
   // The watch announces a silent peer under "error/first", which with_root_cause then finds.
   (void)settle_verdict(st, verdict);
-  st = with_root_cause(store.get(), who, st);
-  announce_failure(store.get(), who, st);
+  st = with_root_cause(store, who, st);
+  announce_failure(store, failure_of(who, st));
   close_collectives();
   failed_ = st;
   return st;

@@ -1,22 +1,24 @@
 // How a failure on one process reaches every other one.
 //
-// The failing process records its cause once per run under the store key "error/first" (the
-// first writer wins) and closes its collectives. Every process checks that key (and that the
-// store, hosted by trainer rank 0, is still there) while it waits on its mailbox, and processes
-// that fail because a peer vanished look it up, so every process stops within a second of the
-// first failure and reports the same root cause. (No abort messages: a send to a dead peer would
-// block for the send timeout.)
+// The failing process records its failure once per run under the store key "error/first" (the
+// first writer wins), as a record (control/messages.h, FailureOrigin: the rank, the code, its error), and
+// closes its collectives. Every process checks that key (and that the store, hosted by trainer
+// rank 0, is still there) while it waits, and processes that fail because a peer vanished look it
+// up, so every process stops within a second of the first failure and reports the same root
+// cause, with that rank attached (Status::origin). (No abort messages: a send to a dead peer
+// would block for the send timeout.)
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "refit/rank.h"
 #include "refit/status.h"
 
 namespace refit {
@@ -25,11 +27,14 @@ class ControlAuth;
 class Store;
 struct Config;
 
-void announce_failure(Store* store, const std::string& who, const Status& status);
+// Records `failure` as the run's first failure, unless another process did first.
+void announce_failure(Store* store, const FailureOrigin& failure);
+// `status`, seen on `who`, as the record announce_failure stores.
+FailureOrigin failure_of(const RankId& who, const Status& status);
 
-// Heartbeats: every rank adds 1 to "heartbeat/<its name>" every kHeartbeatInterval from a thread
-// of its own, for as long as it lives (a stopped or hung process stops beating; a busy one does
-// not). A rank that leaves cleanly sets the key to "left".
+// Heartbeats: every rank adds 1 to "heartbeat/<its mailbox id>" every kHeartbeatInterval from a
+// thread of its own, for as long as it lives (a stopped or hung process stops beating; a busy one
+// does not). A rank that leaves cleanly sets the key to "left".
 inline constexpr std::chrono::milliseconds kHeartbeatInterval{500};
 // A peer whose heartbeat stood still this long, or a store that did not answer a ping this long,
 // counts as gone. Every waiting rank checks every 500 ms, so a stopped peer is noticed within
@@ -45,35 +50,34 @@ inline constexpr std::chrono::milliseconds kBeatRequestTimeout{2000};
 // heartbeat watch reads that key and wakes its collectives and waits. Every rank then moves to
 // epoch E + 1: it forms its groups anew, and its mailbox drops messages of epoch E (Mailbox::
 // set_epoch). Thread-safe: the watch runs on the heartbeat's thread.
-class RefitEpochs;
-// How long, in refit.timeout_s, the ranks wait for each other to form the groups of a new refit
-// epoch: a rank still stalled then (it has not seen the failure) ends the session.
-inline constexpr int kReformWait = 4;
-
 class RefitEpochs {
  public:
   static std::string key(std::uint32_t epoch);
   std::uint32_t current() const;
-  // The current epoch's failure ("<process>: <error>"), once recorded here or seen by the watch.
-  std::optional<std::string> failed() const;
+  // The current epoch's failure, once recorded here or seen by the watch.
+  std::optional<FailureOrigin> failed() const;
   // Records `cause` as the current epoch's failure unless another rank did first; returns the
   // recorded one.
-  std::string record(Store& store, const std::string& cause);
-  // The watch found `cause` under key(epoch): true the first time for the current epoch.
-  bool seen(std::uint32_t epoch, const std::string& cause);
+  FailureOrigin record(Store& store, const FailureOrigin& cause);
+  // The watch found `encoded` (a failure record) under key(epoch): true the first time for the
+  // current epoch.
+  bool seen(std::uint32_t epoch, const std::string& encoded);
   void advance();  // to the next epoch
 
  private:
   mutable std::mutex mu_;
   std::uint32_t epoch_ = 0;
-  std::optional<std::string> failed_;
+  std::optional<FailureOrigin> failed_;
 };
+// How long, in refit.timeout_s, the ranks wait for each other to form the groups of a new refit
+// epoch: a rank still stalled then (it has not seen the failure) ends the session.
+inline constexpr int kReformWait = 4;
 
 class Heartbeat {
  public:
   // Beats through `store`, a connection of its own whose requests time out within a couple of
   // seconds, so that a stopped store host cannot hold up this process's exit.
-  Heartbeat(std::unique_ptr<Store> store, std::string who);
+  Heartbeat(std::unique_ptr<Store> store, const RankId& who);
   ~Heartbeat();  // stops beating (without "left": call leave() for a clean exit)
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
@@ -84,7 +88,7 @@ class Heartbeat {
   // with a peer that fell silent is woken instead of waiting out refit.timeout_s.
   // With `epochs`, each check also reads the current refit epoch's failure key, and calls
   // `on_refit_failed(epoch)` once when it appears.
-  void watch(const std::string& who, std::vector<std::string> peers,
+  void watch(const RankId& who, std::vector<RankId> peers,
              std::function<void(const Status&)> on_lost, RefitEpochs* epochs = nullptr,
              std::function<void(std::uint32_t)> on_refit_failed = {});
   // The watch's verdict so far: ok until a check failed, then that failure (at most one beat,
@@ -104,13 +108,14 @@ struct LivenessConnections {
   std::unique_ptr<Store> probe;
   std::unique_ptr<Heartbeat> heartbeat;
 };
-Result<LivenessConnections> connect_liveness(const std::string& host, int port,
-                                             std::shared_ptr<const ControlAuth> auth,
-                                             const std::string& who);
+using ConnectStoreFn = std::function<Result<std::unique_ptr<Store>>(
+    const std::string& host, int port, std::chrono::milliseconds timeout)>;
+Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
+                                             const std::string& host, int port,
+                                             const RankId& who);
 
-// Every rank name of the run `config` describes, as the runtime names them: "trainer rank R" for
-// R < policy.world_size, and "engine E tp rank T" for every engine and TP rank.
-std::vector<std::string> rank_names(const Config& config);
+// Every rank of the run `config` describes: trainer ranks, then engine ranks.
+std::vector<RankId> rank_ids(const Config& config);
 
 // A liveness check for waits on the control plane (mailboxes, store gets, group rendezvous). It
 // fails when:
@@ -124,8 +129,8 @@ std::vector<std::string> rank_names(const Config& config);
 // heartbeat), however many peers there are.
 // With `epochs`, the same request reads the current refit epoch's failure key (RefitEpochs), and
 // `on_refit_failed(epoch)` runs once when it appears.
-std::function<Status()> liveness_check(Store& store, const std::string& who,
-                                       std::vector<std::string> peers = {},
+std::function<Status()> liveness_check(Store& store, const RankId& who,
+                                       std::vector<RankId> peers = {},
                                        RefitEpochs* epochs = nullptr,
                                        std::function<void(std::uint32_t)> on_refit_failed = {});
 
@@ -140,49 +145,42 @@ std::function<Status()> rank_liveness(const Heartbeat& heartbeat, const RefitEpo
 Status settle_verdict(const Status& failure, const std::function<Status()>& verdict,
                       const std::function<bool()>& settled = {});
 
-// `status`, prefixed with the run's first recorded failure when that came from elsewhere.
-Status with_root_cause(Store* store, const std::string& who, const Status& status);
+// `status`, prefixed with the run's first recorded failure when that came from elsewhere, and
+// carrying it as its origin.
+Status with_root_cause(Store* store, const RankId& who, const Status& status);
 
 // A refit that failed at its end with every rank alive (a checksum mismatch, a failed
 // verification), as every trainer rank returns it: "refit step S: the engines did not publish
-// version 'V': <process> reported: <error> (the session stays usable: …)". `process` is the
-// first engine rank that failed ("engine 0 tp rank 1"); blame_failure finds it there.
-std::string failed_refit_message(int step, const std::string& version, const std::string& process,
-                                 const std::string& error);
+// version 'V': <process> reported: <error> (the session stays usable: …)", with `origin`, the
+// first engine rank that failed, attached.
+Status failed_refit(StatusCode code, int step, const std::string& version,
+                    const FailureOrigin& origin);
 
 // Whether `failure`, of a refit in flight on rank `who`, fails only the refit: it timed out or lost
 // a connection and the heartbeat watch (`verdict`) names no dead peer within kPeerSilence + 1 s,
 // or another rank recorded the current epoch's failure first (`epochs`, or `later_epoch`: a
-// peer's message of a later epoch arrived). Then returns the epoch's recorded cause ("<process>:
-// <error>"; this rank's failure when it is the first); nullopt when the session must end.
-std::optional<std::string> in_flight_cause(RefitEpochs& epochs, Store& store,
-                                           const std::string& who, const Status& failure,
-                                           bool later_epoch,
-                                           const std::function<Status()>& verdict);
+// peer's message of a later epoch arrived). Then returns the epoch's recorded cause (this rank's
+// failure when it is the first); nullopt when the session must end.
+std::optional<FailureOrigin> in_flight_cause(RefitEpochs& epochs, Store& store,
+                                             const RankId& who, const Status& failure,
+                                             bool later_epoch,
+                                             const std::function<Status()>& verdict);
 
 // A refit that failed in flight with every rank alive, as every rank returns it: "refit step S
-// failed in flight: <process> reported: <error> (the session stays usable: …)", where "<process>:
-// <error>" is the cause recorded first (RefitEpochs). blame_failure finds the process there.
-std::string failed_in_flight_message(int step, const std::string& version,
-                                     const std::string& cause);
+// failed in flight: <process> reported: <error> (the session stays usable: …)", where the cause is
+// the one recorded first (RefitEpochs), attached as the origin.
+Status failed_in_flight(int step, const std::string& version, const FailureOrigin& cause);
 
-// The process a failure is blamed on (the JSON report's `error`, docs/runtime.md): the run's first
-// failure as recorded under "error/first" — "<process>: <error>".
+// The process a failure is blamed on (the JSON report's `error`, docs/runtime.md): the status's
+// origin, or the rank that returned it.
 struct Blame {
   std::string process;  // "trainer rank 1", "engine 0 tp rank 1"
   std::string role;     // "trainer" | "engine"
   int rank = -1;        // trainer rank, or global engine rank (engine index * tp_size + tp rank)
   std::string message;  // "<process>: <error>", as recorded under "error/first"
 };
-
-// `name` ("trainer rank R" or "engine I tp rank T") as a Blame without message; nullopt for any
-// other text.
-std::optional<Blame> blame_process(const std::string& name, int tp_size);
-
-// The root cause of a failure that process `self` reported as `status`: the process named by
-// with_root_cause's "aborted because <process>: <error>" or by failed_refit_message's
-// "<process> reported: <error>" when the status carries one, else `self` itself.
-Blame blame_failure(const std::string& self, const Status& status, int tp_size);
+Blame blame_of(const FailureOrigin& origin);
+Blame blame_failure(const RankId& self, const Status& status);
 
 // The first failure of a rank, latched: guard() runs a step of the rank; when it fails, the
 // cause is traced to the run's root cause, recorded in the store, the rank's collectives are
@@ -197,8 +195,8 @@ class FailureLatch {
   // answer or its connection broke (kTimeout, kIOError) waits up to kPeerSilence + 1 s for the
   // watch to name a peer that is gone, so that the failure is blamed on that peer and not on
   // this rank (a send to a killed rank fails before its heartbeat is missed).
-  Status guard(const std::function<Status()>& step, const std::unique_ptr<Store>& store,
-               const std::string& who, const std::function<void()>& close_collectives,
+  Status guard(const std::function<Status()>& step, Store* store, const RankId& who,
+               const std::function<void()>& close_collectives,
                const std::function<Status()>& verdict = {});
   const Status& status() const { return failed_; }
 

@@ -18,41 +18,43 @@ std::int64_t ParamView::numel() const {
   return n;
 }
 
-Status register_slot(const std::vector<TensorSlot>& slots, std::vector<void*>& ptrs,
-                     const std::string& who, const std::string& name, void* data, DType dtype,
+std::size_t Registry::bytes(std::size_t i) const {
+  return static_cast<std::size_t>(slots_[i].numel()) * dtype_size(slots_[i].dtype);
+}
+
+Status Registry::add(const std::string& name, void* data, DType dtype,
                      const std::vector<std::int64_t>& shape) {
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    if (slots[i].name != name) continue;
-    if (dtype != slots[i].dtype || shape != slots[i].shape)
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].name != name) continue;
+    if (dtype != slots_[i].dtype || shape != slots_[i].shape)
       return Status::InvalidArgument(
-          fmt::format("{}: tensor {} registered as {} {}, expected {} {}", who, name,
-                      dtype_name(dtype), nlohmann::json(shape).dump(), dtype_name(slots[i].dtype),
-                      nlohmann::json(slots[i].shape).dump()));
-    if (data == nullptr && slots[i].numel() > 0)
+          fmt::format("{}: tensor {} registered as {} {}, expected {} {}", who_, name,
+                      dtype_name(dtype), nlohmann::json(shape).dump(), dtype_name(slots_[i].dtype),
+                      nlohmann::json(slots_[i].shape).dump()));
+    if (data == nullptr && slots_[i].numel() > 0)
       return Status::InvalidArgument(
-          fmt::format("{}: tensor {} registered with no storage", who, name));
-    ptrs[i] = data;
+          fmt::format("{}: tensor {} registered with no storage", who_, name));
+    ptrs_[i] = data;
     return Status::Ok();
   }
   return Status::NotFound(
       fmt::format("{}: no tensor named {} on this rank ({} tensors; see "
                   "tensors() / params() for the names)",
-                  who, name, slots.size()));
+                  who_, name, slots_.size()));
 }
 
-Status check_registered(const std::vector<TensorSlot>& slots, const std::vector<void*>& ptrs,
-                        const std::string& who) {
+Status Registry::check() const {
   std::string missing;
   int count = 0;
-  for (std::size_t i = 0; i < slots.size(); ++i)
-    if (ptrs[i] == nullptr && slots[i].numel() > 0) {
-      if (++count <= 3) missing += (missing.empty() ? "" : ", ") + slots[i].name;
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (ptrs_[i] == nullptr && slots_[i].numel() > 0) {
+      if (++count <= 3) missing += (missing.empty() ? "" : ", ") + slots_[i].name;
     }
   if (count == 0) return Status::Ok();
   return Status::InvalidArgument(
       fmt::format("{}: {} tensor(s) not registered before the refit: "
                   "{}{}",
-                  who, count, missing, count > 3 ? ", ..." : ""));
+                  who_, count, missing, count > 3 ? ", ..." : ""));
 }
 
 std::vector<std::size_t> slot_offsets(const std::vector<TensorSlot>& slots, std::size_t* total) {

@@ -1,4 +1,5 @@
-// Registration of caller-owned storage for the slots (tensors / parameters) of a rank.
+// The slots of a rank — its local tensors (trainer) or parameters (engine) — and the caller-owned
+// storage registered for them.
 #pragma once
 
 #include <cstddef>
@@ -9,13 +10,32 @@
 
 namespace refit {
 
-// Registers `data` for slot `name`; errors name `who`, the tensor and the expected shape/dtype.
-Status register_slot(const std::vector<TensorSlot>& slots, std::vector<void*>& ptrs,
-                     const std::string& who, const std::string& name, void* data, DType dtype,
-                     const std::vector<std::int64_t>& shape);
-// Every slot registered? Otherwise names the first missing ones.
-Status check_registered(const std::vector<TensorSlot>& slots, const std::vector<void*>& ptrs,
-                        const std::string& who);
+class Registry {
+ public:
+  Registry() = default;
+  Registry(std::vector<TensorSlot> slots, std::string who)
+      : slots_(std::move(slots)), ptrs_(slots_.size(), nullptr), who_(std::move(who)) {}
+
+  const std::vector<TensorSlot>& slots() const { return slots_; }
+  // The registered storage of each slot (nullptr until registered), in slots() order.
+  const std::vector<void*>& ptrs() const { return ptrs_; }
+  std::size_t size() const { return slots_.size(); }
+  std::size_t bytes(std::size_t i) const;
+
+  // Registers `data` for slot `name`; errors name the rank, the tensor and the expected
+  // shape/dtype.
+  Status add(const std::string& name, void* data, DType dtype,
+             const std::vector<std::int64_t>& shape);
+  // Points every slot at `ptrs` (storage refit allocated itself).
+  void place(std::vector<void*> ptrs) { ptrs_ = std::move(ptrs); }
+  // Every slot registered? Otherwise names the first missing ones.
+  Status check() const;
+
+ private:
+  std::vector<TensorSlot> slots_;
+  std::vector<void*> ptrs_;
+  std::string who_;
+};
 
 // One region holding every slot, as Engine::allocate_params() lays it out: the slots back to
 // back in order, each starting 256-byte aligned. Returns each slot's byte offset; `total` gets

@@ -9,6 +9,7 @@
 #include "comm/communicator.h"
 #include "common/timer.h"
 #include "plane/data_plane.h"
+#include "control/inbox.h"
 #include "transport/transport.h"
 
 namespace refit {
@@ -102,7 +103,7 @@ class BroadcastSender final : public BucketSender {
 
   Status deliver(const Job& job) {
     if (send_meta_) {
-      const std::string payload = encode_bucket_message(job.slot, job.header);
+      const std::string payload = encode(bucket_message(job.slot, job.header));
       for (const auto& id : engine_ids_)
         REFIT_RETURN_IF_ERROR(mailbox_.send(id, MessageType::kBucket, payload));
     }
@@ -147,8 +148,8 @@ class BroadcastReceiver final : public BucketReceiver {
     } else {
       REFIT_ASSIGN_OR_RETURN(
           Message msg, expect_message(mailbox_, MessageType::kBucket, timeout_, "bucket metadata"));
-      int ignored_slot = 0;
-      REFIT_RETURN_IF_ERROR(decode_bucket_message(msg.payload, ignored_slot, in.header));
+      REFIT_ASSIGN_OR_RETURN(const BucketMessage m, decode_bucket(msg.payload, msg.from));
+      in.header = incoming_bucket(m).header;
     }
     if (in.header.bytes > slots_[0]->size())
       return Status::Corruption(fmt::format("broadcast: bucket {} has {} bytes, the buffer {}",

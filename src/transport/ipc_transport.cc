@@ -8,6 +8,7 @@
 #include "control/store.h"
 #include "plane/data_plane.h"
 #include "plane/shared_memory.h"
+#include "control/inbox.h"
 #include "transport/transport.h"
 
 namespace refit {
@@ -41,7 +42,7 @@ class IpcSender final : public BucketSender {
 
   Status send(int slot, BucketHeader header) override {
     in_flight_[slot] = true;
-    return mailbox_.send(peer_, MessageType::kBucket, encode_bucket_message(slot, header));
+    return mailbox_.send(peer_, MessageType::kBucket, encode(bucket_message(slot, header)));
   }
 
   Status drain() override {
@@ -62,9 +63,8 @@ class IpcSender final : public BucketSender {
   Status take_ack() {
     REFIT_ASSIGN_OR_RETURN(Message msg, expect_message(mailbox_, MessageType::kBucketDone, timeout_,
                                                        "the acknowledgement of " + peer_));
-    int slot = -1;
-    BucketHeader h;
-    REFIT_RETURN_IF_ERROR(decode_bucket_message(msg.payload, slot, h));
+    REFIT_ASSIGN_OR_RETURN(const BucketDoneMessage done, decode_bucket_done(msg.payload, msg.from));
+    const int slot = done.slot;
     if (slot < 0 || slot >= num_slots() || !in_flight_[slot])
       return Status::Internal(
           fmt::format("ipc: {} acknowledged slot {} that was not in flight", peer_, slot));
@@ -89,8 +89,8 @@ class IpcReceiver final : public BucketReceiver {
   Result<IncomingBucket> receive(const std::optional<BucketHeader>& expected) override {
     REFIT_ASSIGN_OR_RETURN(Message msg, expect_message(mailbox_, MessageType::kBucket, timeout_,
                                                        "a bucket from " + peer_));
-    IncomingBucket in;
-    REFIT_RETURN_IF_ERROR(decode_bucket_message(msg.payload, in.slot, in.header));
+    REFIT_ASSIGN_OR_RETURN(const BucketMessage m, decode_bucket(msg.payload, msg.from));
+    IncomingBucket in = incoming_bucket(m);
     if (in.slot < 0 || in.slot >= static_cast<int>(slots_.size()) ||
         in.header.bytes > slots_[in.slot]->size())
       return Status::Corruption(fmt::format(
@@ -103,10 +103,10 @@ class IpcReceiver final : public BucketReceiver {
   }
 
   Status release(const IncomingBucket& bucket) override {
-    BucketHeader h;
-    h.step = bucket.header.step;
-    h.bucket = bucket.header.bucket;
-    return mailbox_.send(peer_, MessageType::kBucketDone, encode_bucket_message(bucket.slot, h));
+    return mailbox_.send(peer_, MessageType::kBucketDone,
+                         encode(BucketDoneMessage{.slot = bucket.slot,
+                                                  .step = bucket.header.step,
+                                                  .bucket = bucket.header.bucket}));
   }
 
  private:

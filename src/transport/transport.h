@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "control/mailbox.h"
+#include "control/messages.h"
 #include "refit/status.h"
 
 namespace refit {
@@ -98,12 +99,8 @@ Result<std::unique_ptr<BucketReceiver>> make_ipc_receiver(Mailbox& mailbox, Stor
                                                           const std::string& segment_prefix,
                                                           const TransportOptions& options);
 
-// Encodes / decodes a BucketHeader (plus slot) as a control-message payload.
-std::string encode_bucket_message(int slot, const BucketHeader& header);
-Status decode_bucket_message(const std::string& payload, int& slot, BucketHeader& header);
-
-// Waits for a message of `type` on `mailbox`; any other type is a protocol error naming both.
-Result<Message> expect_message(Mailbox& mailbox, MessageType type,
-                               std::chrono::milliseconds timeout, const std::string& waiting_for);
+// A bucket's header (plus slot) as the bucket message of control/messages.h, and back.
+BucketMessage bucket_message(int slot, const BucketHeader& header);
+IncomingBucket incoming_bucket(const BucketMessage& message);
 
 }  // namespace refit

@@ -263,8 +263,7 @@ class GlooCommunicator final : public Communicator {
       return Status::Aborted(fmt::format("{}{}: the communicator was aborted", prefix(), op));
     }
     if (!broken_.ok()) {
-      return Status(broken_.code(), fmt::format("{}{}: the group failed earlier: {}", prefix(), op,
-                                                broken_.message()));
+      return broken_.with_context(fmt::format("{}{}: the group failed earlier", prefix(), op));
     }
     return Status::Ok();
   }
@@ -351,8 +350,7 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
   } catch (const std::exception& e) {
     const Status store_error = adapter.last_error();
     if (!store_error.ok()) {
-      return Status(store_error.code(),
-                    fmt::format("{} via the store: {}", op, store_error.message()));
+      return store_error.with_context(fmt::format("{} via the store", op));
     }
     return Status(looks_like_timeout(e.what()) ? StatusCode::kTimeout : StatusCode::kIOError,
                   fmt::format("{} on {}: {}", op, options.hostname, e.what()));

@@ -1,5 +1,5 @@
 // Fault injection for tests (`refit run --fault`): what fires where, applied in step 1 of a run by
-// the trainer and engine ranks (runtime/fault.h) and the executors.
+// the trainer and engine ranks (harness/fault_probe.h) and the executors.
 #pragma once
 
 #include <string_view>

@@ -1,12 +1,13 @@
-// Fault injection (common/fault.h) on the library's Trainer and Engine: a RefitProbe
-// (executor/executor.h) that kills this process or corrupts bytes at the probe points of step 1.
-// Nothing of it runs in the executors' code beyond the probe calls.
+// Fault injection (harness/fault.h, `refit run --fault`) on the library's Trainer and Engine: a
+// RefitProbe (executor/probe.h) handed in with the rank's services, which kills, stops, stalls or
+// corrupts at the probe points of a chosen refit step, and alters the hello for the setup
+// mismatches. Nothing of it runs in the library beyond the probe calls.
 #pragma once
 
 #include <memory>
 
-#include "common/fault.h"
-#include "executor/executor.h"
+#include "executor/probe.h"
+#include "harness/fault.h"
 #include "refit/session.h"
 #include "refit/status.h"
 
@@ -19,11 +20,14 @@ namespace refit {
 //  - corrupt:K[:S] (trainer ranks that write engine-bound bytes): flips a byte of round K's first
 //    written run after it was written (peer access: of the K-th run, or the last), in step S
 //    (default 1);
-//  - other kinds act at setup, not here: the probe does nothing.
-std::unique_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank);
+//  - stall-trainer / stall-engine: sleeps fault.stall_ms (alive: its heartbeat goes on);
+//  - plan-mismatch / version-mismatch (engine ranks): the hello announces another plan hash or
+//    refit version;
+//  - fail-pause / slow-pause act in the harness's pause hook, not here.
+std::shared_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank);
 
-// A Trainer / Engine with `fault` armed: it is passed at creation, since some faults act during
-// setup (kill/stop at setup; plan-mismatch and version-mismatch on the engine).
+// A Trainer / Engine with `fault` armed, on the default components: the probe is handed in at
+// creation, since some faults act during setup. Stalls last 2.5 x refit.timeout_s.
 Result<std::unique_ptr<Trainer>> create_trainer_with_fault(const Config& config, int rank,
                                                            const Endpoint& endpoint,
                                                            const Fault& fault);

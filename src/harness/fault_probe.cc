@@ -1,4 +1,4 @@
-#include "runtime/fault.h"
+#include "harness/fault_probe.h"
 
 #include <fmt/format.h>
 
@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "runtime/create.h"
 
 namespace refit {
 namespace {
@@ -16,6 +17,12 @@ namespace {
 class FaultProbe final : public RefitProbe {
  public:
   FaultProbe(const Fault& f, bool trainer, int rank) : f_(f), trainer_(trainer), rank_(rank) {}
+
+  void before_hello(HelloMessage& hello) override {
+    if (trainer_) return;
+    if (f_.kind == Fault::Kind::kVersionMismatch) hello.refit_version += "+mismatch";
+    if (f_.kind == Fault::Kind::kPlanMismatch) hello.plan_hash = "0000000000000000";
+  }
 
   void at_setup() override {
     if (!mine() || f_.bucket != Fault::kAtSetup) return;
@@ -93,8 +100,33 @@ class FaultProbe final : public RefitProbe {
 
 }  // namespace
 
-std::unique_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank) {
-  return std::make_unique<FaultProbe>(fault, trainer, rank);
+std::shared_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank) {
+  return std::make_shared<FaultProbe>(fault, trainer, rank);
+}
+
+namespace {
+
+Result<RankServices> armed(const Config& config, Fault fault, bool trainer, int rank) {
+  REFIT_ASSIGN_OR_RETURN(RankServices services, default_services());
+  fault.stall_ms = static_cast<int>(config.refit.timeout_s * 2500);
+  services.probe = make_fault_probe(fault, trainer, rank);
+  return services;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Trainer>> create_trainer_with_fault(const Config& config, int rank,
+                                                           const Endpoint& endpoint,
+                                                           const Fault& fault) {
+  REFIT_ASSIGN_OR_RETURN(RankServices services, armed(config, fault, true, rank));
+  return create_trainer(config, rank, endpoint, std::move(services));
+}
+
+Result<std::unique_ptr<Engine>> create_engine_with_fault(const Config& config, int engine_rank,
+                                                         const Endpoint& endpoint,
+                                                         const Fault& fault) {
+  REFIT_ASSIGN_OR_RETURN(RankServices services, armed(config, fault, false, engine_rank));
+  return create_engine(config, engine_rank, endpoint, std::move(services));
 }
 
 }  // namespace refit

@@ -1,4 +1,4 @@
-#include "common/fault.h"
+#include "harness/fault.h"
 
 #include <fmt/format.h>
 

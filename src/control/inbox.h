@@ -1,0 +1,63 @@
+// What a rank waits for on its mailbox, phase by phase (docs/protocol.md).
+//
+// The refit protocol's state machines (runtime/trainer_protocol.h, runtime/engine_protocol.h)
+// wait for one kind of message from a known set of peers at a time. Peers do not move in lock
+// step: one may already be in the next phase while another is still in this one (an engine rank's
+// verdict can overtake another engine rank's commit acknowledgement). An Inbox keeps such a
+// message, of a type the caller names as a later phase's, until that phase asks for it; any other
+// message is a protocol violation naming its type and sender. Driven by one thread.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "control/mailbox.h"
+#include "refit/status.h"
+
+namespace refit {
+
+// The next message on `mailbox`, which must be of `type`; any other is a protocol violation
+// naming both (kInternal).
+Result<Message> expect_message(Mailbox& mailbox, MessageType type,
+                               std::chrono::milliseconds timeout, const std::string& waiting_for);
+
+class Inbox {
+ public:
+  explicit Inbox(Mailbox& mailbox) : mailbox_(mailbox) {}
+  Inbox(const Inbox&) = delete;
+  Inbox& operator=(const Inbox&) = delete;
+
+  // The next message of one of `types`, from anyone (a kept one first). Messages of the `later`
+  // types are kept for their phase. Each wait on the mailbox is bounded by `timeout`.
+  Result<Message> next(std::initializer_list<MessageType> types, std::chrono::milliseconds timeout,
+                       std::string_view what, std::initializer_list<MessageType> later = {});
+
+  // One message of `type` from each of `from` (mailbox ids), in any order; returned in the order
+  // of `from`. `check` sees each as it arrives; a second one from the same sender, or one from
+  // anyone else, is a protocol violation. Messages of the `later` types are kept.
+  Result<std::vector<Message>> collect(MessageType type, const std::vector<std::string>& from,
+                                       std::chrono::milliseconds timeout, std::string_view what,
+                                       std::initializer_list<MessageType> later = {},
+                                       const std::function<Status(const Message&)>& check = {});
+
+  // How many messages are kept for a later phase.
+  std::size_t kept() const { return kept_.size(); }
+  // A phase that is over must have taken what was kept for it: kInternal naming the first left.
+  Status expect_none_kept(std::string_view when) const;
+  // Drops what is kept (a refit that failed: its messages mean nothing now).
+  void clear() { kept_.clear(); }
+
+ private:
+  // A kept message of `type` (from `sender`, when not empty), removed from the kept ones.
+  bool take_kept(MessageType type, const std::string& sender, Message& out);
+
+  Mailbox& mailbox_;
+  std::deque<Message> kept_;
+};
+
+}  // namespace refit

@@ -1,0 +1,49 @@
+// The control messages of refit: one table of every message type, who sends it and in which phase
+// (docs/protocol.md draws the phases as each side's state machine). Each type is sent in one
+// direction only; its payload is the struct of the same name in control/messages.h.
+#pragma once
+
+#include <cstdint>
+
+#include "refit/rank.h"
+
+namespace refit {
+
+enum class MessageType : std::uint8_t {
+  // Setup.
+  kHello = 1,   // engine -> each feeder: joined, with its versions, settings and plan hash
+  kRoutes,      // trainer -> engine (SGLang protocol, transfer plan): the routes it will send
+  // One refit.
+  kBegin,       // trainer -> engine: a refit starts
+  kPaused,      // engine -> every trainer rank (transfer plan): paused (or refused), its export
+  kProceed,     // trainer -> engine (transfer plan): write, or abort (every trainer rank alike)
+  kAbortHeard,  // engine -> feeder: the abort was heard; nothing was written
+  kBucket,      // trainer -> engine (gather): a bucket's header (the gather data path)
+  kBucketDone,  // engine -> trainer (gather, ipc): a bucket was applied; its slot is free again
+  kCommit,      // trainer -> engine: every byte of this rank for the refit moved
+  kCommitted,   // engine -> feeder: every byte of the refit landed (apply time, checksum)
+  kVerified,    // engine -> feeder: the verification hook's verdict
+  kOutcome,     // trainer -> engine: publish, or not (agreed by every trainer rank)
+  kOutcomeHeard,  // engine -> feeder: the outcome was applied (valid, weight version)
+  // The end.
+  kShutdown,  // trainer -> engine: no refit follows
+  kLeaving,   // engine -> feeder: the shutdown was heard; the engine leaves
+};
+
+// When in a session a message travels.
+enum class Phase : std::uint8_t { kSetup, kRefit, kShutdown };
+
+struct MessageInfo {
+  MessageType type;
+  const char* name;  // "begin", "paused", ...
+  Role sender;       // the only role that sends it
+  Phase phase;
+};
+
+// The table's row of `type`.
+const MessageInfo& message_info(MessageType type);
+const char* message_type_name(MessageType type);
+// Whether a type byte off the wire names a message type at all.
+bool is_message_type(std::uint8_t type);
+
+}  // namespace refit

@@ -1,0 +1,24 @@
+// Trainer and Engine with the components a caller chooses (runtime/rank_core.h, RankServices):
+// what Trainer::create and Engine::create do with default_services(), for the harness (a fault
+// probe) and for tests (components of their own, ranks on threads of one process).
+#pragma once
+
+#include <memory>
+
+#include "refit/session.h"
+#include "runtime/rank_core.h"
+
+namespace refit {
+
+Result<std::unique_ptr<Trainer>> create_trainer(const Config& config, int rank,
+                                                const Endpoint& endpoint, RankServices services);
+Result<std::unique_ptr<Engine>> create_engine(const Config& config, int engine_rank,
+                                              const Endpoint& endpoint, RankServices services);
+
+// bench: one pass of the bare moves over the same bytes as a refit (no unshard, cast or apply).
+// The bytes are not the weights: with peer access they land in the engines' parameters (which
+// keep their published version), so run a refit after it before generating again. Collective
+// over the trainer ranks, like refit().
+Result<double> raw_transport_pass(Trainer& trainer);
+
+}  // namespace refit

@@ -1,0 +1,367 @@
+#include "runtime/engine_protocol.h"
+
+#include <fmt/format.h>
+
+#include <map>
+
+#include "common/log.h"
+#include "common/timer.h"
+
+namespace refit {
+namespace {
+
+using enum MessageType;
+
+Status send_each(Mailbox& mailbox, const std::vector<std::string>& ids, MessageType type,
+                 const std::string& payload) {
+  for (const std::string& id : ids) REFIT_RETURN_IF_ERROR(mailbox.send(id, type, payload));
+  return Status::Ok();
+}
+
+}  // namespace
+
+EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executor, EngineWeights& weights)
+    : core_(core),
+      executor_(executor),
+      weights_(weights),
+      inbox_(core.mailbox()),
+      feeders_(mailbox_ids(executor.feeders())) {
+  for (int r = 0; r < core.config().policy.world_size; ++r)
+    trainers_.push_back(RankId::trainer(r).mailbox());
+}
+
+// This rank's own failure as it travels: its error without its name, which the record carries.
+FailureOrigin EngineRefitProtocol::mine(const Status& st) const {
+  const std::string own = core_.id() + ": ";
+  const std::string& m = st.message();
+  return FailureOrigin{.rank = core_.self(),
+                       .code = st.code(),
+                       .error = m.rfind(own, 0) == 0 ? m.substr(own.size()) : m};
+}
+
+Status EngineRefitProtocol::announce(HelloMessage hello) {
+  core_.probe().before_hello(hello);
+  REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), feeders_, kHello, encode(hello)));
+  if (!executor_.wants_routes()) return Status::Ok();
+  REFIT_ASSIGN_OR_RETURN(const std::vector<Message> got,
+                         inbox_.collect(kRoutes, feeders_, core_.timeout(),
+                                        "the feeders' route metadata"));
+  std::vector<RoutesMessage> routes;
+  for (const Message& m : got) {
+    REFIT_ASSIGN_OR_RETURN(RoutesMessage r, decode_routes(m.payload, m.from));
+    routes.push_back(std::move(r));
+  }
+  return executor_.take_routes(routes);
+}
+
+// Between refits the wait has no bound but the trainer's life: the mailbox's liveness check
+// (every 500 ms) ends it when the store's host is gone or any rank recorded a failure.
+// refit.timeout_s bounds each step of a refit in flight, not the gap between refits, which lasts
+// a rollout and a training step.
+Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one() {
+  Result<Message> msg = inbox_.next({kBegin, kShutdown}, core_.timeout(), "the next refit");
+  while (!msg.ok()) {
+    if (msg.status().code() == StatusCode::kTimeout) {
+      log::debug("{}: no refit for {} s; the trainer is alive, waiting on", core_.id(),
+                 core_.config().refit.timeout_s);
+    } else if (executor_.can_recover() && core_.behind()) {
+      REFIT_RETURN_IF_ERROR(catch_up());
+    } else {
+      break;
+    }
+    msg = inbox_.next({kBegin, kShutdown}, core_.timeout(), "the next refit");
+  }
+  if (!msg.ok())
+    return msg.status().with_context(
+        fmt::format("{} waiting for the next refit from {}", core_.id(), feeders_.front()));
+  if (msg->type == kShutdown) {
+    REFIT_RETURN_IF_ERROR(shutdown(*msg));
+    return Served{.shutdown = true};
+  }
+  return serve_refit(*msg);
+}
+
+// Every feeder says so; each is answered at once (its shutdown waits for the answer).
+Status EngineRefitProtocol::shutdown(const Message& first) {
+  REFIT_RETURN_IF_ERROR(decode_shutdown(first.payload, first.from).status());
+  std::vector<std::string> others;
+  for (const std::string& f : feeders_)
+    if (f != first.from) others.push_back(f);
+  if (others.size() == feeders_.size())
+    return Status::Internal(fmt::format("{}: unexpected shutdown from {}", core_.id(), first.from));
+  REFIT_RETURN_IF_ERROR(core_.mailbox().send(first.from, kLeaving, encode(LeavingMessage{})));
+  for (std::size_t i = 0; i < others.size(); ++i) {
+    REFIT_ASSIGN_OR_RETURN(std::vector<Message> m,
+                           inbox_.collect(kShutdown, {others[i]}, core_.timeout(), "the shutdown"));
+    REFIT_RETURN_IF_ERROR(decode_shutdown(m[0].payload, m[0].from).status());
+    REFIT_RETURN_IF_ERROR(core_.mailbox().send(others[i], kLeaving, encode(LeavingMessage{})));
+  }
+  core_.leave();
+  return Status::Ok();
+}
+
+Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_refit(const Message& first) {
+  REFIT_ASSIGN_OR_RETURN(begin_, decode_begin(first.payload, first.from));
+  if (std::find(feeders_.begin(), feeders_.end(), first.from) == feeders_.end())
+    return Status::Internal(fmt::format("{}: begin of refit step {} from {}, which does not feed it",
+                                        core_.id(), begin_.step, first.from));
+  Timer t;
+  Status refit_failure;
+  Status st = run_refit(first.from, refit_failure);
+  if (!st.ok()) {
+    std::optional<Status> in_flight = failed_in_flight(st);
+    if (!in_flight) return st;
+    REFIT_RETURN_IF_ERROR(reform());
+    refit_failure = *in_flight;
+  }
+  phase_ = Phase::kIdle;
+  inbox_.clear();
+  stats_.seconds = t.seconds();
+  return Served{.refit = refit_failure};
+}
+
+// One refit, from its first begin: every feeder begins, this rank pauses (the transfer plan:
+// answers every trainer rank and waits for every feeder's proceed), the executor receives every
+// byte, every feeder commits, then finish(). A refit the trainer ranks aborted before any byte
+// landed (this or another engine rank refused it) fails the refit, not the session.
+Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& refit_failure) {
+  const int step = begin_.step;
+  const bool raw = begin_.raw;
+  const auto timeout = core_.timeout();
+  // Per feeder: the digest of our export it holds (BeginMessage::export_held).
+  std::map<std::string, std::string> held{{first_from, begin_.export_held}};
+  std::vector<std::string> others;
+  for (const std::string& f : feeders_)
+    if (f != first_from) others.push_back(f);
+  REFIT_RETURN_IF_ERROR(
+      inbox_
+          .collect(kBegin, others, timeout, "begins", {},
+                   [&](const Message& m) -> Status {
+                     REFIT_ASSIGN_OR_RETURN(BeginMessage b, decode_begin(m.payload, m.from));
+                     if (b.step != step || b.raw != raw)
+                       return Status::Corruption(fmt::format(
+                           "{}: {} began step {}{}, {} began step {}{}", core_.id(), first_from,
+                           step, raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
+                     held[m.from] = b.export_held;
+                     return Status::Ok();
+                   })
+          .status());
+  phase_ = Phase::kBegun;
+  log::debug("{}: every feeder began refit step {}", core_.id(), step);
+
+  if (executor_.pause_handshake()) {
+    // Pause (the hook may refuse), answer, and write nothing before every feeder said to
+    // proceed: each trainer rank decides once every engine rank answered it.
+    const Status paused = raw ? Status::Ok() : weights_.pause(step);
+    const ExportedParams* exported = nullptr;
+    if (paused.ok()) {
+      exported = weights_.exported();
+      REFIT_RETURN_IF_ERROR(executor_.prepare(exported != nullptr));
+    }
+    // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
+    // The export travels only to a feeder that does not hold it already (the handles of a large
+    // model are tens of kilobytes of JSON); the others get its digest.
+    PausedMessage answer{.step = step};
+    if (!paused.ok()) answer.refused = mine(paused);
+    if (exported) answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
+    const std::string elided = encode(answer);
+    std::string full;  // encoded for the first feeder that needs it
+    for (const std::string& t : trainers_) {
+      const auto h = held.find(t);
+      const bool send_full = exported && h != held.end() && h->second != exported->digest;
+      if (send_full && full.empty()) {
+        answer.direct = *exported;
+        full = encode(answer);
+      }
+      REFIT_RETURN_IF_ERROR(core_.mailbox().send(t, kPaused, send_full ? full : elided));
+    }
+    phase_ = Phase::kPaused;
+    log::debug("{}: paused for refit step {} and answered", core_.id(), step);
+    // A feeder that writes in place may commit before a slower feeder's proceed arrived: its
+    // commit is kept for the commit phase. The wait is bounded by 3 x the timeout + 5 s: longer
+    // than the feeders wait for every engine rank's answer (2 x the timeout + 5 s).
+    std::optional<FailureOrigin> refused;
+    REFIT_RETURN_IF_ERROR(
+        inbox_
+            .collect(kProceed, feeders_, timeout * 3 + std::chrono::seconds(5),
+                     fmt::format("the feeders' proceed of refit step {}", step), {kCommit},
+                     [&](const Message& m) -> Status {
+                       REFIT_ASSIGN_OR_RETURN(
+                           ProceedMessage p,
+                           decode_proceed(m.payload, m.from));
+                       if (p.step != step)
+                         return Status::Corruption(fmt::format(
+                             "{}: {} sent the proceed of refit step {} in step {}", core_.id(),
+                             m.from, p.step, step));
+                       if (p.refused && !refused) refused = p.refused;
+                       return Status::Ok();
+                     })
+            .status());
+    if (refused) {
+      if (!raw) weights_.abandon(step, paused.ok(), refused->rank.name() + ": " + refused->error);
+      refit_failure = Status::Aborted(fmt::format("refit step {} was aborted before any byte "
+                                                  "landed: {}: {}",
+                                                  step, refused->rank.name(), refused->error))
+                          .with_origin(*refused);
+      return send_each(core_.mailbox(), feeders_, kAbortHeard,
+                       encode(AbortHeardMessage{.step = step}));
+    }
+    if (!paused.ok())
+      return Status::Internal(fmt::format("{}: the feeders proceeded with refit step {} although "
+                                          "this rank refused it: {}",
+                                          core_.id(), step, paused.message()));
+  } else if (!raw) {
+    // Gather: no answer to wait for; a pause that fails ends the session.
+    REFIT_RETURN_IF_ERROR(weights_.pause(step));
+  }
+  phase_ = Phase::kProceeding;
+  log::debug("{}: every feeder proceeds with refit step {}", core_.id(), step);
+  REFIT_RETURN_IF_ERROR(executor_.receive(begin_, weights_.params().ptrs()));
+  REFIT_RETURN_IF_ERROR(inbox_
+                            .collect(kCommit, feeders_, timeout, "the commit", {},
+                                     [&](const Message& m) -> Status {
+                                       REFIT_ASSIGN_OR_RETURN(CommitMessage c,
+                                                              decode_commit(m.payload, m.from));
+                                       if (c.step == step) return Status::Ok();
+                                       return Status::Corruption(fmt::format(
+                                           "{}: {} committed refit step {} in step {}",
+                                           core_.id(), m.from, c.step, step));
+                                     })
+                            .status());
+  phase_ = Phase::kLanded;
+  log::debug("{}: every feeder committed refit step {}", core_.id(), step);
+  if (!raw) core_.probe().before_commit(step);
+  traffic_ = executor_.traffic();
+  // Every peer feeder has mapped the exported memory by now: its name may go.
+  if (traffic_.peer_pairs > 0) weights_.release_export_name();
+  return finish(refit_failure);
+}
+
+// After every byte of a refit landed and every feeder committed: acknowledge (with
+// refit.checksum, each feeder gets this rank's checksum of its bytes), then — with checksums or
+// verification — run the verification hook and publish only on the trainer ranks' agreed
+// outcome, so that no engine rank publishes while another's bytes failed. A failed outcome fails
+// the refit, not the session: rollback (refit.keep_previous), or the weights stay invalid and
+// generation paused.
+Status EngineRefitProtocol::finish(Status& refit_failure) {
+  const Config& cfg = core_.config();
+  const int step = begin_.step;
+  const bool raw = begin_.raw;
+  const bool checksums = !raw && cfg.refit.checksum && executor_.checksums();
+  const bool agreed = !raw && (begin_.verify || checksums);
+  std::vector<std::string> landed(feeders_.size());
+  if (checksums)
+    for (std::size_t i = 0; i < feeders_.size(); ++i) {
+      REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum,
+                             executor_.checksum_from(i, weights_.params().ptrs()));
+      landed[i] = fmt::format("{:016x}", sum);
+    }
+  // Every byte landed: the engine's load_weights takes them before anything is published or
+  // verified. Its failure ends the session (the engine's weights are torn).
+  if (!raw) REFIT_RETURN_IF_ERROR(weights_.landed(step));
+  REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(core_.store(), traffic_));
+  if (!raw && !agreed) weights_.publish(begin_.version);
+  stats_.apply_s = executor_.apply_seconds();
+  stats_.bytes = traffic_.bytes_received;
+  stats_.checksums_matched = 0;
+  for (std::size_t i = 0; i < feeders_.size(); ++i)
+    REFIT_RETURN_IF_ERROR(core_.mailbox().send(
+        feeders_[i], kCommitted,
+        encode(CommittedMessage{
+            .step = step, .apply_s = stats_.apply_s, .checksum = landed[i]})));
+  phase_ = Phase::kCommitted;
+  log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);
+  if (!agreed) return Status::Ok();
+  Status v;
+  if (begin_.verify) {
+    v = weights_.verify(step, begin_.version);
+    VerifiedMessage verdict{.step = step};
+    if (!v.ok()) verdict.failed = mine(v);
+    REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), feeders_, kVerified, encode(verdict)));
+  }
+  // Every feeder sends the same agreed outcome; it waits for every engine's verification.
+  std::optional<FailureOrigin> failed;
+  REFIT_RETURN_IF_ERROR(
+      inbox_
+          .collect(kOutcome, feeders_, core_.timeout() * 5, "the outcome", {},
+                   [&](const Message& m) -> Status {
+                     REFIT_ASSIGN_OR_RETURN(
+                         OutcomeMessage o, decode_outcome(m.payload, m.from));
+                     if (o.failed && !failed) failed = o.failed;
+                     return Status::Ok();
+                   })
+          .status());
+  if (!failed && v.ok()) {
+    if (checksums) {
+      stats_.checksums_matched = static_cast<int>(feeders_.size());
+      log::debug("{}: refit.checksum: step {} arrived intact from {} feeder(s)", core_.id(), step,
+                 feeders_.size());
+    }
+    weights_.publish(begin_.version);
+  } else {
+    const Status why =
+        !v.ok() ? v
+                : Status::Corruption(fmt::format("refit step {} failed: {}: {}", step,
+                                                 failed->rank.name(), failed->error))
+                      .with_origin(*failed);
+    refit_failure = weights_.fail(step, why);
+  }
+  // Acknowledged to every feeder, which waits for it before its next message: a feeder that ran
+  // ahead (its next begin, or the shutdown) cannot overtake another feeder's outcome.
+  return send_each(core_.mailbox(), feeders_, kOutcomeHeard,
+                   encode(OutcomeHeardMessage{.step = step,
+                                              .valid = weights_.version().valid(),
+                                              .weight_version = weights_.version().label()}));
+}
+
+std::optional<Status> EngineRefitProtocol::failed_in_flight(const Status& failure) {
+  if (!executor_.can_recover()) return std::nullopt;
+  const Phase was = phase_;
+  const std::optional<FailureOrigin> cause = core_.settle_in_flight(begin_.step, failure);
+  if (!cause) return std::nullopt;
+  phase_ = Phase::kIdle;
+  const Status failed = refit::failed_in_flight(begin_.step, begin_.version, *cause);
+  if (!weights_.version().valid() && was != Phase::kIdle) {
+    // Bytes may have landed. A feeder that writes in place may still be writing (stalled, it has
+    // not seen the failure yet): no rollback then, the weights stay invalid and generation paused
+    // until a refit succeeds, which that feeder takes part in only after it stopped.
+    if (executor_.traffic().peer_pairs > 0)
+      weights_.forget_kept("after a refit that failed in flight while feeders wrote in place");
+    (void)weights_.fail(begin_.step, failed);
+  }
+  return failed;
+}
+
+// After a refit failed in flight: the point-to-point group of the new refit epoch (every rank
+// forms it now), and the executor's apply thread drained onto it.
+Status EngineRefitProtocol::reform() {
+  return core_.reform_groups(
+      [this](Communicator* p2p) { return executor_.recover(p2p, core_.timeout()); });
+}
+
+// Between refits: the last refit failed in flight on other ranks after this rank published its
+// part (its weights are complete), or a peer already moved to the next refit epoch. This rank
+// moves on too.
+Status EngineRefitProtocol::catch_up() {
+  log::warn("{}: the refit of epoch {} failed in flight on another rank after this rank published "
+            "weight version '{}' (its bytes are complete); forming the groups anew",
+            core_.id(), core_.epochs().current(), weights_.version().label());
+  core_.advance_epoch();
+  inbox_.clear();
+  return reform();
+}
+
+void EngineRefitProtocol::roll_back_at_the_end(const Status& why) {
+  if (phase_ == Phase::kIdle) return;
+  phase_ = Phase::kIdle;
+  if (weights_.version().valid() || !weights_.has_kept()) return;
+  if (executor_.traffic().peer_pairs > 0) {
+    log::warn("{}: refit.keep_previous: no rollback at the end of the session: feeders wrote in "
+              "place in refit step {}",
+              core_.id(), begin_.step);
+    return;
+  }
+  (void)weights_.fail(begin_.step, why);
+}
+
+}  // namespace refit

@@ -1,0 +1,85 @@
+// The engine rank's side of the refit protocol (docs/protocol.md): its one state machine. Between
+// refits it waits for a begin or the shutdown; during a refit it moves through the phases
+//   begun -> paused (answered every trainer rank) -> proceeding -> landed (the executor received
+//   every byte) -> committed -> verified -> outcome applied
+// (gather has no pause answer: it writes once paused), and the abort paths: a refit the trainer
+// ranks aborted before any byte landed, one that failed at its end (the weights roll back or stay
+// invalid, the session goes on), and one that failed in flight with every rank alive (every rank
+// forms its groups anew). It sends and receives every message of those phases; the executor moves
+// the bytes and the weights (runtime/engine_weights.h) take them.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "control/inbox.h"
+#include "control/messages.h"
+#include "executor/executor.h"
+#include "refit/session.h"
+#include "runtime/engine_weights.h"
+#include "runtime/rank_core.h"
+#include "runtime/traffic.h"
+
+namespace refit {
+
+class EngineRefitProtocol {
+ public:
+  enum class Phase : std::uint8_t {
+    kIdle,        // between refits
+    kBegun,       // every feeder began
+    kPaused,      // paused and answered every trainer rank; waiting for the feeders' proceed
+    kProceeding,  // bytes may land
+    kLanded,      // every byte landed; committing
+    kCommitted,   // acknowledged; verifying, waiting for the outcome
+  };
+
+  EngineRefitProtocol(RankCore& core, EngineExecutor& executor, EngineWeights& weights);
+
+  // Setup, once the executor exists: the hello to every feeder, then (SGLang protocol, transfer
+  // plan) the feeders' route metadata.
+  Status announce(HelloMessage hello);
+
+  // What serving one message between refits came to.
+  struct Served {
+    bool shutdown = false;  // the trainer shut the engines down; no refit follows
+    // The refit's own failure when the session goes on: refused before any byte moved, failed at
+    // its end, or failed in flight with every rank alive. Ok after a committed refit.
+    Status refit;
+  };
+  // Serves the next refit (or the shutdown). An error ends the session.
+  Result<Served> serve_one();
+  // The session ended during a refit (a dead or stopped rank, a bug): with refit.keep_previous
+  // the parameters go back to the kept complete version — unless a feeder wrote in place in this
+  // refit: one that is still alive may still be writing.
+  void roll_back_at_the_end(const Status& why);
+
+  Phase phase() const { return phase_; }
+  const RefitStats& last_stats() const { return stats_; }
+
+ private:
+  Result<Served> serve_refit(const Message& first);
+  Status run_refit(const std::string& first_from, Status& refit_failure);
+  Status finish(Status& refit_failure);
+  Status shutdown(const Message& first);
+  // A refit in flight failed with every rank alive: its failure (the session goes on), after the
+  // weights were dealt with and this rank moved to the next refit epoch; nullopt when the session
+  // must end.
+  std::optional<Status> failed_in_flight(const Status& failure);
+  Status catch_up();
+  Status reform();
+  FailureOrigin mine(const Status& st) const;
+
+  RankCore& core_;
+  EngineExecutor& executor_;
+  EngineWeights& weights_;
+  Inbox inbox_;
+  std::vector<std::string> feeders_;   // mailbox ids of executor_.feeders()
+  std::vector<std::string> trainers_;  // every trainer rank: each hears every paused
+  Phase phase_ = Phase::kIdle;
+  BeginMessage begin_;  // of the refit in flight
+  RankTraffic traffic_;
+  TrafficPublisher traffic_publisher_;
+  RefitStats stats_;
+};
+
+}  // namespace refit

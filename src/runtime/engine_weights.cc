@@ -1,0 +1,131 @@
+#include "runtime/engine_weights.h"
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "common/timer.h"
+#include "plane/shared_memory.h"
+
+namespace refit {
+
+EngineWeights::EngineWeights(const Config& config, RankId self, DataPlane& plane,
+                             Registry params)
+    : cfg_(config), self_(self), plane_(plane), params_(std::move(params)) {}
+
+Status EngineWeights::register_param(const std::string& name, void* data, DType dtype,
+                                     const std::vector<std::int64_t>& shape) {
+  REFIT_RETURN_IF_ERROR(params_.add(name, data, dtype, shape));
+  exports_.invalidate();
+  rollback_.invalidate();
+  return Status::Ok();
+}
+
+Result<std::vector<void*>> EngineWeights::allocate(const std::string& run_id) {
+  REFIT_RETURN_IF_ERROR(exports_.allocate(
+      plane_, params_, fmt::format("/refit-{}-e{}-{}", run_id, self_.rank, unguessable_suffix()),
+      self_.name()));
+  rollback_.invalidate();
+  return params_.ptrs();
+}
+
+Status EngineWeights::pause(int step) {
+  REFIT_RETURN_IF_ERROR(params_.check());
+  log::debug("pause generation for refit step {}", step);
+  if (hooks_.pause) {
+    Timer took;
+    const Status paused = hooks_.pause();
+    if (!paused.ok())
+      return Status(paused.code(),
+                    fmt::format("{}: the pause hook failed, so refit step {} was aborted before "
+                                "any parameter changed: {}",
+                                self_.name(), step, paused.message()));
+    // Longer than a step of a refit may take: refused here, the same to every feeder (they wait
+    // longer), and generation goes on.
+    if (took.seconds() > cfg_.refit.timeout_s) {
+      if (hooks_.resume) hooks_.resume();
+      return Status::Timeout(fmt::format(
+          "{}: the pause hook took {:.1f} s, longer than refit.timeout_s ({} s), so refit step {} "
+          "was aborted before any parameter changed",
+          self_.name(), took.seconds(), cfg_.refit.timeout_s, step));
+    }
+  }
+  // refit.keep_previous: a copy of a complete version to roll back to (nothing complete to keep
+  // when the weights are invalid).
+  if (cfg_.refit.keep_previous) {
+    rollback_.forget();
+    if (version_.valid())
+      REFIT_RETURN_IF_ERROR(rollback_.keep(plane_, params_, version_.label(), self_.name()));
+  }
+  // From here bytes may land: the old version no longer describes the weights until this refit
+  // publishes its own.
+  prior_ = version_.get();
+  version_.set(std::nullopt);
+  return Status::Ok();
+}
+
+void EngineWeights::abandon(int step, bool paused, const std::string& why) {
+  // Nothing landed: the weights are the previous version's.
+  if (paused) version_.set(prior_);
+  log::warn("{}: refit step {} was aborted before any byte landed; weight version '{}' stays{}: "
+            "{}",
+            self_.name(), step, version_.label(), paused ? " and generation resumes" : "", why);
+  if (paused && hooks_.resume) hooks_.resume();
+}
+
+Status EngineWeights::landed(int step) {
+  const int device = plane_.device() == Device::kCuda ? plane_.ordinal() : -1;
+  return loader_.load(params_, device, cfg_.refit.buffer_size_bytes, self_.name(), "the refit",
+                      step);
+}
+
+void EngineWeights::publish(const std::string& version) {
+  version_.set(version);
+  log::debug("resume generation at weight version {}", version);
+  if (hooks_.resume) hooks_.resume();
+}
+
+Status EngineWeights::fail(int step, const Status& why) {
+  if (const std::optional<std::string>& kept = rollback_.kept()) {
+    Status restored = rollback_.restore(plane_);
+    // The engine's own weights took the failed refit's bytes: hand it the restored ones.
+    const int device = plane_.device() == Device::kCuda ? plane_.ordinal() : -1;
+    if (restored.ok())
+      restored = loader_.load(params_, device, cfg_.refit.buffer_size_bytes, self_.name(),
+                              "after the rollback", step);
+    if (restored.ok()) {
+      version_.set(*kept);
+      log::warn("{}: refit step {} failed; rolled back to weight version '{}' "
+                "(refit.keep_previous) and resumed generation: {}",
+                self_.name(), step, *kept, why.message());
+      if (hooks_.resume) hooks_.resume();
+      return why;
+    }
+    log::error("{}: refit.keep_previous: restoring the parameters failed: {}", self_.name(),
+               restored.to_string());
+  }
+  version_.set(std::nullopt);
+  log::warn("{}: refit step {} failed; the weights are invalid and generation stays paused "
+            "until a refit succeeds: {}",
+            self_.name(), step, why.message());
+  return why;
+}
+
+Status EngineWeights::verify(int step, const std::string& version) const {
+  if (!hooks_.verify)
+    return Status::Unsupported(self_.name() +
+                               ": verification was asked for but this engine has no "
+                               "verification hook");
+  return hooks_.verify(step, version);
+}
+
+const ExportedParams* EngineWeights::exported() {
+  return exports_.get(plane_, params_, self_.name());
+}
+
+void EngineWeights::forget_kept(const std::string& why) {
+  if (!rollback_.kept()) return;
+  log::warn("{}: refit.keep_previous: no rollback {}", self_.name(), why);
+  rollback_.forget();
+}
+
+}  // namespace refit

@@ -1,0 +1,95 @@
+// The parameters of one engine rank and what a refit does to them: their registration (or
+// allocation), the version they hold, the caller's hooks around a refit (pause, resume, verify,
+// load_weights), the export that trainer ranks map for peer access, and the copy kept for
+// rollback (refit.keep_previous). The engine's protocol (runtime/engine_protocol.h) drives it,
+// phase by phase; nothing here sends or receives a message.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "plane/data_plane.h"
+#include "refit/config.h"
+#include "refit/rank.h"
+#include "refit/session.h"
+#include "runtime/export_cache.h"
+#include "runtime/rollback.h"
+#include "runtime/slots.h"
+#include "runtime/weight_loader.h"
+
+namespace refit {
+
+// The version the parameters hold: a complete version's label, or none while a refit may be
+// writing them, and after one failed once it could have (the weights are then a mix).
+class WeightVersion {
+ public:
+  bool valid() const { return label_.has_value(); }
+  // The label, or "" when invalid (Engine::weight_version()).
+  std::string label() const { return label_.value_or(""); }
+  const std::optional<std::string>& get() const { return label_; }
+  void set(std::optional<std::string> label) { label_ = std::move(label); }
+
+ private:
+  std::optional<std::string> label_ = std::string("0");  // before the first refit
+};
+
+struct EngineHooks {
+  std::function<Status()> pause;
+  std::function<void()> resume;
+  std::function<Status(int step, const std::string& version)> verify;
+};
+
+class EngineWeights {
+ public:
+  EngineWeights(const Config& config, RankId self, DataPlane& plane, Registry params);
+
+  const Registry& params() const { return params_; }
+  Status register_param(const std::string& name, void* data, DType dtype,
+                        const std::vector<std::int64_t>& shape);
+  // Engine::allocate_params: exported memory named after `run_id` for every parameter.
+  Result<std::vector<void*>> allocate(const std::string& run_id);
+  EngineHooks& hooks() { return hooks_; }
+  WeightLoader& loader() { return loader_; }
+  const WeightVersion& version() const { return version_; }
+
+  // A refit's steps, in order:
+  //  - pause: checks the registration and runs the pause hook (an error, or a hook that took
+  //    longer than refit.timeout_s, refuses the refit: generation resumes then, the weights keep
+  //    their version); keeps a copy (refit.keep_previous); from here the version is invalid.
+  Status pause(int step);
+  //  - the feeders aborted it before any byte landed: the version before pause() again, and
+  //    generation resumes when this rank had paused.
+  void abandon(int step, bool paused, const std::string& why);
+  //  - every byte landed: the load_weights hook takes them.
+  Status landed(int step);
+  //  - complete (and verified when asked): publish `version` and resume generation.
+  void publish(const std::string& version);
+  //  - or failed after bytes may have landed, with every rank alive: roll back to the kept copy
+  //    and resume, or leave the weights invalid and generation paused. Returns `why`.
+  Status fail(int step, const Status& why);
+  Status verify(int step, const std::string& version) const;
+
+  // Where the parameters can be mapped (ExportCache::get); nullptr when they cannot.
+  const ExportedParams* exported();
+  // Every peer feeder mapped the exported region: its name may go.
+  void release_export_name() { exports_.release_name(); }
+  // A feeder may still be writing in place: no rollback of this refit.
+  void forget_kept(const std::string& why);
+  bool has_kept() const { return rollback_.kept().has_value(); }
+
+ private:
+  const Config& cfg_;
+  const RankId self_;
+  DataPlane& plane_;
+  Registry params_;
+  EngineHooks hooks_;
+  WeightLoader loader_;
+  WeightVersion version_;
+  std::optional<std::string> prior_;  // the version before the refit in flight
+  ExportCache exports_;
+  Rollback rollback_;
+};
+
+}  // namespace refit

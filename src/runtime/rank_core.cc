@@ -1,0 +1,194 @@
+#include "runtime/rank_core.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <ctime>
+
+#include "common/env.h"
+#include "common/log.h"
+#include "control/auth.h"
+#include "executor/routes.h"
+#include "plane/groups.h"
+
+namespace refit {
+
+Result<RankServices> default_services() {
+  REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
+  RankServices s;
+  s.authenticated = auth != nullptr;
+  s.start_store = [auth](const std::string& host, int port) {
+    return StoreServer::start(host, port, auth);
+  };
+  s.connect_store = [auth](const std::string& host, int port, std::chrono::milliseconds timeout) {
+    return connect_store(host, port, timeout, auth);
+  };
+  s.open_mailbox = [auth](Store& store, const std::string& id, const std::string& host,
+                          std::chrono::milliseconds timeout) {
+    return Mailbox::open(store, id, host, timeout, auth);
+  };
+  s.make_plane = [](const Config& config, int device) { return make_data_plane(config, device); };
+  return s;
+}
+
+RankCore::RankCore(const Config& config, RankId self, const Endpoint& endpoint,
+                   RankServices services)
+    : cfg_(config),
+      self_(self),
+      ep_(endpoint),
+      services_(std::move(services)) {}
+
+RankCore::~RankCore() {
+  heartbeat_.reset();  // its thread may abort the groups: gone before them
+}
+
+Status RankCore::guarded(const std::function<Status()>& body) {
+  // Failures are recorded over the probe connection, whose requests end within seconds even when
+  // the store's host is stopped (store_ waits up to refit.timeout_s).
+  return latch_.guard(
+      body, probe_store_ ? probe_store_.get() : store_.get(), self_,
+      [this] { abort_collectives(); },
+      [this] {
+        // Before the heartbeat exists (early setup) there is no watch to wait for.
+        return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no heartbeat watch yet");
+      });
+}
+
+Status RankCore::connect(int device) {
+  REFIT_ASSIGN_OR_RETURN(plane_, services_.make_plane(cfg_, device));
+  const bool hosts_store = self_ == RankId::trainer(0);
+  if (hosts_store) {
+    REFIT_ASSIGN_OR_RETURN(server_, services_.start_store(ep_.master_addr, ep_.master_port));
+    log::info("control plane: store on {}:{}, {}", ep_.master_addr, ep_.master_port,
+              services_.authenticated
+                  ? "authenticated (CURVE, keys from the run secret)"
+                  : "unauthenticated (loopback only; set REFIT_SECRET to authenticate)");
+  }
+  REFIT_ASSIGN_OR_RETURN(store_,
+                         services_.connect_store(ep_.master_addr, ep_.master_port, timeout()));
+  REFIT_ASSIGN_OR_RETURN(LivenessConnections live,
+                         connect_liveness(services_.connect_store, ep_.master_addr,
+                                          ep_.master_port, self_));
+  probe_store_ = std::move(live.probe);
+  heartbeat_ = std::move(live.heartbeat);
+  // From now on a stopped store host or a silent peer ends this rank's store requests, on which
+  // setup waits (runtime/failure.h); once set up, its collectives too (watch_peers()).
+  heartbeat_->watch(self_, rank_ids(cfg_), [this](const Status& why) { store_->abort(why); });
+  if (hosts_store) {
+    REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
+    REFIT_RETURN_IF_ERROR(
+        store_->set("run_id", given.value_or(fmt::format("{}-{}", getpid(), time(nullptr)))));
+  }
+  REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
+  REFIT_ASSIGN_OR_RETURN(mailbox_,
+                         services_.open_mailbox(*store_, self_.mailbox(), ep_.host, timeout()));
+  mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
+  probe().at_setup();
+  return Status::Ok();
+}
+
+void RankCore::watch_peers() {
+  heartbeat_->watch(
+      self_, rank_ids(cfg_),
+      [this](const Status& why) {
+        store_->abort(why);
+        abort_collectives();
+      },
+      &epochs_, [this](std::uint32_t epoch) { abort_epoch(epoch); });
+}
+
+void RankCore::leave() {
+  if (heartbeat_) heartbeat_->leave();
+}
+
+std::function<Status()> RankCore::alive() const { return rank_liveness(*heartbeat_, epochs_); }
+
+Result<std::unique_ptr<Communicator>> RankCore::join_group(const std::string& name, int rank,
+                                                           int size,
+                                                           std::chrono::milliseconds wait) {
+  return make_group(*store_,
+                    GroupOptions{.name = name,
+                                 .rank = rank,
+                                 .size = size,
+                                 .host = ep_.host,
+                                 .timeout = wait.count() > 0 ? wait : timeout(),
+                                 .liveness = alive()},
+                    *plane_);
+}
+
+void RankCore::hold(Group which, std::unique_ptr<Communicator> group) {
+  std::lock_guard<std::mutex> lock(groups_mu_);
+  (which == Group::kTrainer ? trainer_group_ : p2p_group_) = std::move(group);
+}
+
+Communicator* RankCore::group(Group which) const {
+  std::lock_guard<std::mutex> lock(groups_mu_);
+  return (which == Group::kTrainer ? trainer_group_ : p2p_group_).get();
+}
+
+void RankCore::abort_collectives() {
+  std::lock_guard<std::mutex> lock(groups_mu_);
+  abort_locked();
+}
+
+void RankCore::abort_locked() {
+  if (trainer_group_) trainer_group_->abort();
+  if (p2p_group_) p2p_group_->abort();
+  if (abort_executor_) abort_executor_();
+}
+
+// The refit of `epoch` failed in flight (the heartbeat watch saw it): wakes the collectives of
+// that epoch, not those already formed for the next.
+void RankCore::abort_epoch(std::uint32_t epoch) {
+  std::lock_guard<std::mutex> lock(groups_mu_);
+  if (groups_epoch_ == epoch) abort_locked();
+}
+
+bool RankCore::behind() const {
+  return epochs_.failed().has_value() || mailbox_->kept_epoch() > epochs_.current();
+}
+
+std::optional<FailureOrigin> RankCore::settle_in_flight(int step, const Status& failure) {
+  if (!heartbeat_ || !probe_store_) return std::nullopt;
+  const std::optional<FailureOrigin> cause =
+      in_flight_cause(epochs_, *probe_store_, self_, failure,
+                      mailbox_->kept_epoch() > epochs_.current(),
+                      [this] { return heartbeat_->verdict(); });
+  if (!cause) return std::nullopt;
+  log::warn("{}: refit step {} failed in flight with every rank alive ({}: {}); forming the "
+            "groups anew for refit epoch {}",
+            id(), step, cause->rank.name(), cause->error, epochs_.current() + 1);
+  advance_epoch();
+  return cause;
+}
+
+void RankCore::advance_epoch() {
+  abort_epoch(epochs_.current());
+  epochs_.advance();
+  mailbox_->set_epoch(epochs_.current());
+}
+
+Status RankCore::reform_groups(const std::function<Status(Communicator* p2p)>& recover) {
+  const std::uint32_t epoch = epochs_.current();
+  const auto named = [epoch](const char* base) { return fmt::format("{}.{}", base, epoch); };
+  const auto wait = kReformWait * cfg_.refit.timeout();
+  std::unique_ptr<Communicator> trainer, p2p;
+  if (group(Group::kTrainer) != nullptr) {
+    REFIT_ASSIGN_OR_RETURN(trainer, join_group(named("trainer"), self_.rank,
+                                               cfg_.policy.world_size, wait));
+  }
+  if (group(Group::kP2p) != nullptr) {
+    const int rank = self_.is_trainer() ? p2p_rank_of_trainer(self_.rank)
+                                        : p2p_rank_of_engine(cfg_, self_.rank);
+    REFIT_ASSIGN_OR_RETURN(p2p, join_group(named("p2p"), rank,
+                                           cfg_.policy.world_size + cfg_.engine_ranks(), wait));
+  }
+  REFIT_RETURN_IF_ERROR(recover(p2p.get()).with_context(id()));
+  std::lock_guard<std::mutex> lock(groups_mu_);
+  if (trainer) std::swap(trainer_group_, trainer);
+  if (p2p) std::swap(p2p_group_, p2p);
+  groups_epoch_ = epoch;
+  return Status::Ok();  // the old groups go here
+}
+
+}  // namespace refit

@@ -1,0 +1,149 @@
+// The machinery both sides of a refit session share: one rank's identity and config, its failure
+// latch, its data plane, the control plane (the store — trainer rank 0 hosts it —, the liveness
+// connections and heartbeat, the mailbox), its refit epochs, the collective groups it formed and
+// their abort, and recovery after a refit failed in flight (docs/runtime.md). The Trainer and the
+// Engine (runtime/trainer.cc, runtime/engine.cc) each hold one and add only their own side's job.
+//
+// The components come from RankServices: the real store, mailbox and data plane by default
+// (default_services), or others a test hands in, so that a rank's state machine can run in one
+// process with real components on threads.
+//
+// Threading: driven by the rank's thread. The heartbeat's thread calls abort_collectives() (a peer
+// fell silent) and abort_epoch() (a refit failed in flight elsewhere); both take the group lock.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "comm/communicator.h"
+#include "control/mailbox.h"
+#include "control/store.h"
+#include "executor/probe.h"
+#include "plane/data_plane.h"
+#include "refit/config.h"
+#include "refit/rank.h"
+#include "refit/session.h"
+#include "runtime/failure.h"
+
+namespace refit {
+
+// Where a rank's components come from. Settings the components need from the environment (the
+// run secret, the mailbox's lanes and spin, the CPU plane's threads) are read once, by
+// default_services(), and captured here.
+struct RankServices {
+  std::function<Result<std::unique_ptr<StoreServer>>(const std::string& host, int port)>
+      start_store;
+  ConnectStoreFn connect_store;  // (host, port, request timeout)
+  std::function<Result<std::unique_ptr<Mailbox>>(Store& store, const std::string& id,
+                                                 const std::string& host,
+                                                 std::chrono::milliseconds timeout)>
+      open_mailbox;
+  std::function<Result<std::unique_ptr<DataPlane>>(const Config& config, int device)> make_plane;
+  // Acts at fixed points of each refit (fault injection, executor/probe.h); null: none.
+  std::shared_ptr<RefitProbe> probe;
+  // Whether the control plane is authenticated (the run has a secret): logged at setup.
+  bool authenticated = false;
+};
+// The real components, with this process's settings.
+Result<RankServices> default_services();
+
+class RankCore {
+ public:
+  RankCore(const Config& config, RankId self, const Endpoint& endpoint, RankServices services);
+  ~RankCore();
+  RankCore(const RankCore&) = delete;
+  RankCore& operator=(const RankCore&) = delete;
+
+  const Config& config() const { return cfg_; }
+  const RankId& self() const { return self_; }
+  std::string id() const { return self_.name(); }  // "trainer rank 0", "engine 1 tp rank 0"
+  const Endpoint& endpoint() const { return ep_; }
+  std::chrono::milliseconds timeout() const { return cfg_.refit.timeout(); }
+  RefitProbe& probe() { return services_.probe ? *services_.probe : RefitProbe::none(); }
+
+  // Runs `body` through the failure latch (runtime/failure.h): a failure is traced to the run's
+  // root cause, recorded, the collectives are closed, and every later call returns it.
+  Status guarded(const std::function<Status()>& body);
+  bool session_ok() const { return latch_.status().ok(); }
+  const Status& failure() const { return latch_.status(); }
+
+  // Setup of everything shared: the data plane on `device`, the store (trainer rank 0 starts
+  // it), the liveness connections and heartbeat, the run id, the mailbox, and the probe's setup
+  // point. Waits on the store from here on end when a peer or the store's host is gone.
+  Status connect(int device);
+  // After setup: the heartbeat watch also wakes this rank's collectives when a peer falls silent
+  // or the refit in flight fails elsewhere.
+  void watch_peers();
+  // Leaves on purpose: peers see "left", not a silent heartbeat.
+  void leave();
+  // Stops the heartbeat and its watch: the owner calls this first when it is destroyed, so that
+  // the watch cannot abort an executor being torn down.
+  void stop_watching() { heartbeat_.reset(); }
+
+  DataPlane& plane() { return *plane_; }
+  Store& store() { return *store_; }
+  Mailbox& mailbox() { return *mailbox_; }
+  const std::string& run_id() const { return run_id_; }
+  // The check every wait of this rank runs: the heartbeat watch's verdict and the refit epoch.
+  std::function<Status()> alive() const;
+
+  // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
+  // it runs alive(). `wait`: how long to wait for the others (default refit.timeout_s).
+  Result<std::unique_ptr<Communicator>> join_group(const std::string& name, int rank, int size,
+                                                   std::chrono::milliseconds wait = {});
+  // The groups this rank keeps (closed on a failure, formed anew after a refit failed in flight):
+  // the trainer group (trainer ranks) and the point-to-point group (every rank).
+  enum class Group { kTrainer, kP2p };
+  void hold(Group which, std::unique_ptr<Communicator> group);
+  Communicator* group(Group which) const;
+  // What else to abort with the groups (the executor's own collectives).
+  void on_abort(std::function<void()> abort) { abort_executor_ = std::move(abort); }
+  // Wakes every call blocked in a collective of this rank (safe from another thread).
+  void abort_collectives();
+
+  // Refits that fail in flight (docs/runtime.md, "A refit that fails in flight").
+  const RefitEpochs& epochs() const { return epochs_; }
+  // Whether the current epoch failed on another rank, or a peer already sent a message of a
+  // later epoch: this rank must move to the next epoch too.
+  bool behind() const;
+  // `failure` of refit `step` in flight: when every rank is alive and it timed out or lost a
+  // connection, or another rank recorded the refit's failure first, the epoch's recorded cause —
+  // and this rank has moved to the next epoch (its old collectives aborted, its mailbox on the new
+  // epoch). nullopt when the session must end.
+  std::optional<FailureOrigin> settle_in_flight(int step, const Status& failure);
+  // Moves to the next epoch without a failure of its own (the failure was seen elsewhere).
+  void advance_epoch();
+  // Forms the groups of the current epoch anew (every rank does now) and hands the new
+  // point-to-point group (null when there is none) to `recover` (the executor's).
+  Status reform_groups(const std::function<Status(Communicator* p2p)>& recover);
+
+ private:
+  void abort_locked();
+  void abort_epoch(std::uint32_t epoch);
+
+  const Config cfg_;
+  const RankId self_;
+  const Endpoint ep_;
+  RankServices services_;
+  std::unique_ptr<DataPlane> plane_;  // before every buffer and group made on it
+  std::unique_ptr<StoreServer> server_;  // trainer rank 0
+  std::unique_ptr<Store> store_;
+  // Liveness checks and failure records: requests bounded by kBeatRequestTimeout.
+  std::unique_ptr<Store> probe_store_;
+  std::unique_ptr<Mailbox> mailbox_;
+  std::string run_id_;
+  FailureLatch latch_;
+  RefitEpochs epochs_;
+  mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread
+  std::unique_ptr<Communicator> trainer_group_, p2p_group_;
+  std::function<void()> abort_executor_;
+  std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
+  // Last: destroyed first, so that its thread is gone before the collectives it may abort.
+  std::unique_ptr<Heartbeat> heartbeat_;
+};
+
+}  // namespace refit
