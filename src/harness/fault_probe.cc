@@ -74,7 +74,7 @@ class FaultProbe final : public RefitProbe {
     else
       log::info("fault injection: corrupting round {} in flight", round);
     const auto at = (r.block.dst_offset + r.block.cols / 2) * static_cast<std::int64_t>(dtype_size(dtype));
-    return plane.corrupt_byte(r.dst + at);
+    return plane.diagnostics()->corrupt_byte(r.dst + at);
   }
 
  private:

@@ -184,8 +184,9 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   REFIT_ASSIGN_OR_RETURN(auto trainer,
                          create_trainer_with_fault(o.config, rank, o.endpoint, o.fault));
   // The shards live on the rank's device: host memory, or GPU memory for device: cuda.
-  REFIT_ASSIGN_OR_RETURN(const int device, default_device(o.config, true, rank));
-  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(o.config, device));
+  REFIT_ASSIGN_OR_RETURN(const PlaneSettings plane_settings, PlaneSettings::from_environment());
+  const int device = default_device(o.config, true, rank, plane_settings);
+  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(o.config, device, plane_settings));
   REFIT_ASSIGN_OR_RETURN(SlotArena arena, SlotArena::create(*plane, trainer->tensors()));
   std::vector<PieceTarget> shards;
   for (std::size_t i = 0; i < trainer->tensors().size(); ++i) {
@@ -203,7 +204,7 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   for (int step = 1; step <= o.steps; ++step) {
     // The "training step": new weights in the registered shards.
     REFIT_RETURN_IF_ERROR(
-        plane->fill_weights(*model, shards, step, o.config.policy.dtype, o.config.policy.dtype));
+        plane->diagnostics()->fill_weights(*model, shards, step, o.config.policy.dtype, o.config.policy.dtype));
     Status refitted = trainer->refit(step, weight_version(o.config.generation.backend, step),
                                      o.verify || o.check_logits);
     if (!refitted.ok() && !trainer->session_ok()) return refitted;
@@ -237,18 +238,19 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   // The floor's bandwidths are measured after the shutdown: the other ranks must not wait on this
   // rank (bounded by refit.timeout_s) while it copies gigabytes.
   if (o.raw_passes > 0 && rank == 0) {
-    REFIT_ASSIGN_OR_RETURN(rep.copy_bandwidth, plane->measure_copy_bandwidth());
+    REFIT_ASSIGN_OR_RETURN(rep.copy_bandwidth, plane->diagnostics()->measure_copy_bandwidth());
     if (uses_transfer_plan(o.config)) {
       REFIT_ASSIGN_OR_RETURN(RouteSetup routes, make_route_setup(o.config, model->spec));
       // The link: from this rank's device to the first engine rank on another device.
       int peer = plane->ordinal();
       for (int g = 0; g < o.config.engine_ranks() && peer == plane->ordinal(); ++g) {
-        REFIT_ASSIGN_OR_RETURN(peer, device_ordinal(o.config, false, g));
+        peer = device_ordinal(o.config, false, g, plane_settings);
       }
-      REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->measure_peer_bandwidth(peer));
+      REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->diagnostics()->measure_peer_bandwidth(peer));
       REFIT_ASSIGN_OR_RETURN(
           const PlanFloor f,
-          transfer_plan_floor(o.config, routes, rep.copy_bandwidth, rep.peer_bandwidth));
+          transfer_plan_floor(o.config, routes, rep.copy_bandwidth, rep.peer_bandwidth,
+                              plane_settings));
       rep.floor_seconds = f.seconds;
       rep.floor_overlap_seconds = f.overlap_seconds;
       rep.floor_basis = f.basis;
@@ -285,12 +287,13 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
 }
 
 Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
-                                      double copy_bandwidth, double peer_bandwidth) {
+                                      double copy_bandwidth, double peer_bandwidth,
+                                      const PlaneSettings& settings) {
   std::map<int, double> local, out, in;  // per device: bytes read+written there, sent, received
   std::set<int> devices;
   for (const Route& r : routes.plan.routes) {
-    REFIT_ASSIGN_OR_RETURN(const int dt, device_ordinal(config, true, r.trainer));
-    REFIT_ASSIGN_OR_RETURN(const int de, device_ordinal(config, false, r.engine));
+    const int dt = device_ordinal(config, true, r.trainer, settings);
+    const int de = device_ordinal(config, false, r.engine, settings);
     const auto n = static_cast<double>(r.numel());
     const bool scale = routes.wire.fp8 && routes.wire.fp8->is_scale(r.hf_tensor);
     // FP8 scales are read as float32 (the trainer computed them); everything else in the policy
@@ -378,7 +381,7 @@ Status verify_params(DataPlane& plane, const RankModel& model, const WireModel& 
         index_of.push_back(i);
       }
     REFIT_ASSIGN_OR_RETURN(auto hit,
-                           plane.find_mismatch(model, targets, step, cfg.policy.dtype, group));
+                           plane.diagnostics()->find_mismatch(model, targets, step, cfg.policy.dtype, group));
     if (hit) {
       found = std::make_pair(index_of[hit->first], hit->second);
       break;
@@ -713,8 +716,9 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in
   // place.
   REFIT_ASSIGN_OR_RETURN(std::vector<void*> storage, engine->allocate_params());
-  REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg, false, engine_rank));
-  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(cfg, device));
+  REFIT_ASSIGN_OR_RETURN(const PlaneSettings plane_settings, PlaneSettings::from_environment());
+  const int device = default_device(cfg, false, engine_rank, plane_settings);
+  REFIT_ASSIGN_OR_RETURN(auto plane, make_data_plane(cfg, device, plane_settings));
   std::vector<PieceTarget> params;
   for (std::size_t i = 0; i < storage.size(); ++i)
     params.push_back(

@@ -11,6 +11,7 @@
 #include "refit/status.h"
 #include "runtime/failure.h"
 #include "harness/fault_probe.h"
+#include "plane/data_plane.h"
 
 namespace refit {
 
@@ -63,15 +64,16 @@ struct RefitReport {
 // there at `copy_bandwidth` (read+write bytes/s) plus the bytes it sends to or receives from other
 // devices at `peer_bandwidth` (bytes/s); the busiest device sets the floor. `overlap_seconds` is
 // the same with local traffic and the link overlapping perfectly (the larger of the two per
-// device): a strict lower bound, where `seconds` assumes they take turns. Fails only on a bad
-// REFIT_DEVICE (device_ordinal).
+// device): a strict lower bound, where `seconds` assumes they take turns. `settings` place the
+// ranks on devices (device_ordinal).
 struct PlanFloor {
   double seconds = 0;
   double overlap_seconds = 0;
   std::string basis;  // the busiest device and its bytes
 };
 Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
-                                      double copy_bandwidth, double peer_bandwidth);
+                                      double copy_bandwidth, double peer_bandwidth,
+                                      const PlaneSettings& settings);
 
 // Runs trainer rank `rank` for options.steps refits; trainer rank 0 fills `report`.
 // `--fault` against the run it would act on: the rank exists and the bucket or round is one the

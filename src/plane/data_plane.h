@@ -92,6 +92,33 @@ class PlaneBuffer {
   virtual void release_name() {}
 };
 
+// What the CLI's harness (`refit run`, `refit bench`, `--fault`) does with a plane besides moving a
+// refit's bytes: generate and check the deterministic weights, measure the bandwidths behind the
+// floor, damage a byte. Reached by DataPlane::diagnostics(); nothing on the refit path uses it.
+class PlaneDiagnostics {
+ public:
+  virtual ~PlaneDiagnostics() = default;
+  // The deterministic weights (weights/weights.h) of `step` into several tensors at once: each
+  // target's pieces, rounded to `via`, then written as `out` dtype. Elements no piece covers are
+  // left as they are.
+  virtual Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets,
+                              int step, DType via, DType out) = 0;
+  // Compares each target with what fill_weights would write; the first differing element
+  // (target index, element index), or nullopt when every covered element matches.
+  virtual Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
+      const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
+      DType dtype) = 0;
+  // Read+write bytes per second of a large copy within this plane's memory (median of a few
+  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (docs/design.md §7).
+  virtual Result<double> measure_copy_bandwidth() = 0;
+  // Payload bytes per second of a large copy from this plane's device to device `peer` (GPU:
+  // copy engines over NVLink / PCIe; CPU, or peer == ordinal(): half the copy bandwidth, since
+  // every byte is read and written in one memory). The floor of a refit across devices.
+  virtual Result<double> measure_peer_bandwidth(int peer) = 0;
+  // Flips bits of one byte of plane memory (fault injection).
+  virtual Status corrupt_byte(std::byte* at) = 0;
+};
+
 class DataPlane {
  public:
   virtual ~DataPlane() = default;
@@ -117,30 +144,13 @@ class DataPlane {
   // Maps memory exported by a peer on the same host, once (never per refit).
   virtual Result<std::unique_ptr<PlaneBuffer>> open_exported(const std::string& handle,
                                                              std::size_t bytes) = 0;
-  // Read+write bytes per second of a large copy within this plane's memory (median of a few
-  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (docs/design.md §7).
-  virtual Result<double> measure_copy_bandwidth() = 0;
-  // Payload bytes per second of a large copy from this plane's device to device `peer` (GPU:
-  // copy engines over NVLink / PCIe; CPU, or peer == ordinal(): half the copy bandwidth, since
-  // every byte is read and written in one memory). The floor of a refit across devices.
-  virtual Result<double> measure_peer_bandwidth(int peer) = 0;
   // Copies `bytes` of plane memory to host memory (reading results, error messages).
   virtual Status read(void* host_dst, const std::byte* src, std::size_t bytes) = 0;
   // Copies `bytes` of host memory into plane memory.
   virtual Status write(std::byte* dst, const void* host_src, std::size_t bytes) = 0;
-  // Flips bits of one byte of plane memory (fault injection).
-  Status corrupt_byte(std::byte* at);
-
-  // The deterministic weights (weights/weights.h) of `step` into several tensors at once: each
-  // target's pieces, rounded to `via`, then written as `out` dtype. Elements no piece covers are
-  // left as they are.
-  virtual Status fill_weights(const RankModel& model, const std::vector<PieceTarget>& targets,
-                              int step, DType via, DType out) = 0;
-  // Compares each target with what fill_weights would write; the first differing element
-  // (target index, element index), or nullopt when every covered element matches.
-  virtual Result<std::optional<std::pair<std::size_t, std::int64_t>>> find_mismatch(
-      const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
-      DType dtype) = 0;
+  // What the CLI's harness does with a plane besides moving a refit's bytes (PlaneDiagnostics);
+  // null on a plane that offers none.
+  virtual PlaneDiagnostics* diagnostics() { return nullptr; }
 
   // Executes every run, converting `src_dtype` elements to `dst_dtype`. Runs must not overlap in
   // their destinations. When `src_base` is set it replaces every run's `src` (a bucket that
@@ -189,10 +199,21 @@ class DataPlane {
   std::atomic<std::int64_t> kernel_bytes_{0}, copy_engine_bytes_{0};
 };
 
-// The plane of `config.device`. CPU: REFIT_CPU_THREADS workers (default: the number of cores,
-// at most 8). CUDA: GPU `device` (modulo the visible GPUs), one stream, REFIT_COPY_ENGINE.
-// A bad value of either variable is an InvalidArgument naming it (common/env.h).
-Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device = 0);
+// What a plane takes from the process's environment, read once at the edge (the library's
+// Trainer::create / Engine::create, the CLI) and passed in: REFIT_CPU_THREADS, REFIT_COPY_ENGINE
+// and REFIT_DEVICE (common/env.h). Default-constructed: the defaults, whatever the environment.
+struct PlaneSettings {
+  int cpu_threads = 0;  // CPU workers; 0: the number of cores, at most 8
+  int copy_engine = 2;  // env::CopyEngineUse as int: 0 kernel, 1 copy engines, 2 auto
+  std::optional<int> device;  // the GPU every rank of this process uses; nullopt: by placement
+  // The settings this process's environment gives; a bad value is an InvalidArgument naming it.
+  static Result<PlaneSettings> from_environment();
+};
+
+// The plane of `config.device`. CPU: `settings.cpu_threads` workers. CUDA: GPU `device` (modulo
+// the visible GPUs), one stream, `settings.copy_engine`.
+Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device = 0,
+                                                   const PlaneSettings& settings = {});
 
 // Verification on the host: the first element of target `t` whose bytes at `actual` (host memory)
 // differ from what the weight source gives at `step` (elements no piece covers must be zero), or
@@ -201,12 +222,12 @@ std::optional<std::int64_t> first_host_mismatch(const RankModel& model, const Pi
                                                 int step, DType via, DType dtype,
                                                 const std::byte* actual,
                                                 std::vector<std::byte>& expected);
-// The GPU a rank uses: REFIT_DEVICE when set; otherwise colocated ranks share the device of their
-// trainer rank, and non-colocated trainer ranks take the first GPUs and engine ranks the next
-// (modulo the count). A bad REFIT_DEVICE is an InvalidArgument naming it.
-Result<int> default_device(const Config& config, bool trainer, int rank);
+// The GPU a rank uses: `settings.device` (REFIT_DEVICE) when set; otherwise colocated ranks share
+// the device of their trainer rank, and non-colocated trainer ranks take the first GPUs and
+// engine ranks the next (modulo the count).
+int default_device(const Config& config, bool trainer, int rank, const PlaneSettings& settings);
 // The device ordinal that rank's plane actually uses: default_device modulo the visible GPUs
 // (0 on CPU, where every rank shares one memory).
-Result<int> device_ordinal(const Config& config, bool trainer, int rank);
+int device_ordinal(const Config& config, bool trainer, int rank, const PlaneSettings& settings);
 
 }  // namespace refit

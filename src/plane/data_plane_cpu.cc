@@ -103,8 +103,17 @@ class WorkerPool {
   bool stop_ = false;
 };
 
-class CpuDataPlane final : public DataPlane {
+// The plane and its diagnostics (PlaneDiagnostics: the harness's weight generation and checks,
+// bandwidth measurements, fault injection), which need the same workers and memory.
+class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
  public:
+  PlaneDiagnostics* diagnostics() override { return this; }
+  Status corrupt_byte(std::byte* at) override {
+    std::byte b{};
+    REFIT_RETURN_IF_ERROR(read(&b, at, 1));
+    b ^= std::byte{0x5a};
+    return write(at, &b, 1);
+  }
   explicit CpuDataPlane(int threads) : pool_(threads) {}
   Device device() const override { return Device::kCpu; }
   int ordinal() const override { return 0; }
@@ -380,13 +389,6 @@ std::optional<std::int64_t> first_host_mismatch(const RankModel& model, const Pi
   return static_cast<std::int64_t>(k);
 }
 
-Status DataPlane::corrupt_byte(std::byte* at) {
-  std::byte b{};
-  REFIT_RETURN_IF_ERROR(read(&b, at, 1));
-  b ^= std::byte{0x5a};
-  return write(at, &b, 1);
-}
-
 Status DataPlane::copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes) {
   if (bytes == 0) return Status::Ok();
   // One-byte elements of the same dtype: a plain copy on every plane.
@@ -398,30 +400,43 @@ Status DataPlane::copy_bytes(std::byte* dst, const std::byte* src, std::size_t b
   return copy(runs, DType::kFloat8E4M3, DType::kFloat8E4M3);
 }
 
-Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, int device);
+Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, int device,
+                                                        const PlaneSettings& settings);
 
-Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device) {
+Result<PlaneSettings> PlaneSettings::from_environment() {
+  PlaneSettings s;
+  REFIT_ASSIGN_OR_RETURN(s.cpu_threads, env::cpu_threads());
+  REFIT_ASSIGN_OR_RETURN(const env::CopyEngineUse copy_engine, env::copy_engine());
+  s.copy_engine = static_cast<int>(copy_engine);
+  REFIT_ASSIGN_OR_RETURN(s.device, env::device());
+  return s;
+}
+
+Result<std::unique_ptr<DataPlane>> make_data_plane(const Config& config, int device,
+                                                   const PlaneSettings& settings) {
   switch (config.device) {
     case Device::kCpu: {
-      REFIT_ASSIGN_OR_RETURN(const int threads, env::cpu_threads());
+      int threads = settings.cpu_threads;
+      if (threads <= 0) {
+        REFIT_ASSIGN_OR_RETURN(threads, env::parse_cpu_threads(std::nullopt));  // the default
+      }
       return std::unique_ptr<DataPlane>(new CpuDataPlane(threads));
     }
     case Device::kCuda:
-      return make_cuda_data_plane(config, device);
+      return make_cuda_data_plane(config, device, settings);
   }
   return Status::Internal("unknown device");
 }
 
-Result<int> default_device(const Config& config, bool trainer, int rank) {
-  REFIT_ASSIGN_OR_RETURN(const std::optional<int> device, env::device());
-  if (device) return *device;
+int default_device(const Config& config, bool trainer, int rank, const PlaneSettings& settings) {
+  if (settings.device) return *settings.device;
   if (trainer || config.generation.colocated) return rank;
   return config.policy.world_size + rank;
 }
 
-Result<int> device_ordinal(const Config& config, bool trainer, int rank) {
+int device_ordinal(const Config& config, bool trainer, int rank, const PlaneSettings& settings) {
   if (config.device == Device::kCpu) return 0;
-  REFIT_ASSIGN_OR_RETURN(const int device, default_device(config, trainer, rank));
+  const int device = default_device(config, trainer, rank, settings);
   const int count = device_count();
   return count > 0 ? device % count : 0;
 }

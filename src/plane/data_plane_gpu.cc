@@ -95,8 +95,17 @@ class OpenedPlaneBuffer final : public PlaneBuffer {
   std::weak_ptr<RemoteRanges> remote_;  // set when the memory is another GPU's
 };
 
-class CudaDataPlane final : public DataPlane {
+// The plane and its diagnostics (PlaneDiagnostics: the harness's weight generation and checks,
+// bandwidth measurements, fault injection), which need the same workers and memory.
+class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
  public:
+  PlaneDiagnostics* diagnostics() override { return this; }
+  Status corrupt_byte(std::byte* at) override {
+    std::byte b{};
+    REFIT_RETURN_IF_ERROR(read(&b, at, 1));
+    b ^= std::byte{0x5a};
+    return write(at, &b, 1);
+  }
   CudaDataPlane(int device, DeviceStream stream, std::chrono::milliseconds timeout)
       : device_(device), stream_(std::move(stream)), timeout_(timeout) {}
   Device device() const override { return Device::kCuda; }
@@ -586,7 +595,8 @@ class CudaDataPlane final : public DataPlane {
 
 }  // namespace
 
-Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, int device) {
+Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, int device,
+                                                        const PlaneSettings& settings) {
   if (!cuda_built())
     return Status::Unsupported(
         "device: cuda — this build of refit has no CUDA (configure with "
@@ -601,8 +611,7 @@ Result<std::unique_ptr<DataPlane>> make_cuda_data_plane(const Config& config, in
       device, std::move(stream),
       std::chrono::milliseconds(static_cast<long long>(config.refit.timeout_s * 1000)));
   plane->set_seed(config.seed);
-  REFIT_ASSIGN_OR_RETURN(const env::CopyEngineUse copy_engine, env::copy_engine());
-  plane->set_copy_engine(copy_engine);
+  plane->set_copy_engine(static_cast<env::CopyEngineUse>(settings.copy_engine));
   return std::unique_ptr<DataPlane>(std::move(plane));
 }
 

@@ -109,8 +109,7 @@ class EngineImpl final : public Engine {
     std::vector<TensorSlot> slots;
     for (const EngineParam& p : layout_.params)
       slots.push_back(TensorSlot{p.name, p.shape, p.dtype});
-    REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg, false, rank));
-    REFIT_RETURN_IF_ERROR(core_.connect(device));
+    REFIT_RETURN_IF_ERROR(core_.connect());
     weights_ = std::make_unique<EngineWeights>(cfg, core_.self(), core_.plane(),
                                                Registry(std::move(slots), core_.id()));
     // Agree with trainer rank 0 before joining any group: a rank launched with another config (or

@@ -27,7 +27,10 @@ Result<RankServices> default_services() {
                           std::chrono::milliseconds timeout) {
     return Mailbox::open(store, id, host, timeout, auth);
   };
-  s.make_plane = [](const Config& config, int device) { return make_data_plane(config, device); };
+  REFIT_ASSIGN_OR_RETURN(s.plane_settings, PlaneSettings::from_environment());
+  s.make_plane = [settings = s.plane_settings](const Config& config, int device) {
+    return make_data_plane(config, device, settings);
+  };
   return s;
 }
 
@@ -54,7 +57,9 @@ Status RankCore::guarded(const std::function<Status()>& body) {
       });
 }
 
-Status RankCore::connect(int device) {
+Status RankCore::connect() {
+  const int device =
+      default_device(cfg_, self_.is_trainer(), self_.rank, services_.plane_settings);
   REFIT_ASSIGN_OR_RETURN(plane_, services_.make_plane(cfg_, device));
   const bool hosts_store = self_ == RankId::trainer(0);
   if (hosts_store) {

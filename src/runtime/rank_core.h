@@ -43,6 +43,9 @@ struct RankServices {
                                                  std::chrono::milliseconds timeout)>
       open_mailbox;
   std::function<Result<std::unique_ptr<DataPlane>>(const Config& config, int device)> make_plane;
+  // The plane's settings (REFIT_CPU_THREADS, REFIT_COPY_ENGINE, REFIT_DEVICE) that make_plane
+  // uses, and which picks the rank's device.
+  PlaneSettings plane_settings;
   // Acts at fixed points of each refit (fault injection, executor/probe.h); null: none.
   std::shared_ptr<RefitProbe> probe;
   // Whether the control plane is authenticated (the run has a secret): logged at setup.
@@ -71,10 +74,10 @@ class RankCore {
   bool session_ok() const { return latch_.status().ok(); }
   const Status& failure() const { return latch_.status(); }
 
-  // Setup of everything shared: the data plane on `device`, the store (trainer rank 0 starts
-  // it), the liveness connections and heartbeat, the run id, the mailbox, and the probe's setup
-  // point. Waits on the store from here on end when a peer or the store's host is gone.
-  Status connect(int device);
+  // Setup of everything shared: the data plane on the rank's device, the store (trainer rank 0
+  // starts it), the liveness connections and heartbeat, the run id, the mailbox, and the probe's
+  // setup point. Waits on the store from here on end when a peer or the store's host is gone.
+  Status connect();
   // After setup: the heartbeat watch also wakes this rank's collectives when a peer falls silent
   // or the refit in flight fails elsewhere.
   void watch_peers();

@@ -154,7 +154,6 @@ class TrainerImpl final : public Trainer {
     const int rank = core_.self().rank;
     const int world = cfg.policy.world_size;
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg));
-    REFIT_ASSIGN_OR_RETURN(const int device, default_device(cfg, true, rank));
     // The caller registers the storage of each local shard, in the policy dtype.
     REFIT_ASSIGN_OR_RETURN(const TrainerShardLayout mine,
                            trainer_layout(model_->spec, cfg.policy, rank));
@@ -162,7 +161,7 @@ class TrainerImpl final : public Trainer {
     for (const LocalTensor& t : mine.tensors)
       slots.push_back(TensorSlot{t.name, t.shape, cfg.policy.dtype});
     shards_ = Registry(std::move(slots), core_.id());
-    REFIT_RETURN_IF_ERROR(core_.connect(device));
+    REFIT_RETURN_IF_ERROR(core_.connect());
     const auto settings = agreed_settings(cfg, model_->spec);
     REFIT_RETURN_IF_ERROR(check_trainer_versions(settings));
     if (world > 1) {

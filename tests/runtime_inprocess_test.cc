@@ -1,0 +1,332 @@
+// The two sides' state machines (runtime/trainer_protocol.h, runtime/engine_protocol.h) in one
+// process: a trainer rank and an engine rank on threads, with the real store, mailboxes, Gloo and
+// CPU data plane handed in through their services (runtime/rank_core.h). Each test drives a
+// refit through one path — publish, rollback, a refusal before any byte moved, a refit that fails
+// in flight and the epoch that follows — and checks the engine's version state, its bytes and the
+// messages each side sent, counted by a mailbox wrapped through the factory.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/convert.h"
+#include "control/mailbox.h"
+#include "harness/launcher.h"
+#include "runtime/create.h"
+
+namespace refit {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Messages a rank sent, by type: the mailbox the runtime got from its factory, counted.
+struct SentCounts {
+  std::mutex mu;
+  std::map<MessageType, int> by_type;
+  int of(MessageType t) {
+    std::lock_guard<std::mutex> lock(mu);
+    return by_type[t];
+  }
+  void reset() {
+    std::lock_guard<std::mutex> lock(mu);
+    by_type.clear();
+  }
+};
+
+class CountingMailbox final : public Mailbox {
+ public:
+  CountingMailbox(std::unique_ptr<Mailbox> inner, SentCounts& counts)
+      : inner_(std::move(inner)), counts_(counts) {}
+  std::int64_t dropped() const override { return inner_->dropped(); }
+  std::int64_t lane_messages() const override { return inner_->lane_messages(); }
+  const std::string& id() const override { return inner_->id(); }
+  Status send(const std::string& to, MessageType type, const std::string& payload) override {
+    {
+      std::lock_guard<std::mutex> lock(counts_.mu);
+      ++counts_.by_type[type];
+    }
+    return inner_->send(to, type, payload);
+  }
+  Result<Message> receive(std::chrono::milliseconds timeout) override {
+    return inner_->receive(timeout);
+  }
+  void set_epoch(std::uint32_t epoch) override { inner_->set_epoch(epoch); }
+  std::uint32_t epoch() const override { return inner_->epoch(); }
+  std::uint32_t kept_epoch() const override { return inner_->kept_epoch(); }
+  void set_liveness_check(std::function<Status()> check,
+                          std::chrono::milliseconds interval) override {
+    inner_->set_liveness_check(std::move(check), interval);
+  }
+
+ private:
+  std::unique_ptr<Mailbox> inner_;
+  SentCounts& counts_;
+};
+
+// Stalls the engine before its commit answer in one step (alive: its heartbeat goes on), so that
+// the trainer's wait times out with every rank alive: a refit that fails in flight.
+class StallBeforeCommit final : public RefitProbe {
+ public:
+  StallBeforeCommit(int step, std::chrono::milliseconds how_long) : step_(step), for_(how_long) {}
+  void before_commit(int step) override {
+    if (step != step_) return;
+    ++stalls;
+    std::this_thread::sleep_for(for_);
+  }
+  std::atomic<int> stalls{0};
+
+ private:
+  const int step_;
+  const std::chrono::milliseconds for_;
+};
+
+RankServices counted(SentCounts& counts, std::shared_ptr<RefitProbe> probe = nullptr) {
+  auto services = default_services();
+  EXPECT_TRUE(services.ok()) << services.status().to_string();
+  RankServices s = std::move(services).value();
+  auto open = s.open_mailbox;
+  s.open_mailbox = [open, &counts](Store& store, const std::string& id, const std::string& host,
+                                   std::chrono::milliseconds timeout) -> Result<std::unique_ptr<Mailbox>> {
+    REFIT_ASSIGN_OR_RETURN(auto inner, open(store, id, host, timeout));
+    return std::unique_ptr<Mailbox>(std::make_unique<CountingMailbox>(std::move(inner), counts));
+  };
+  s.probe = std::move(probe);
+  return s;
+}
+
+// One trainer rank and one engine rank (TP 1) of tiny-qwen3 in layout hf on the CPU: the engine's
+// parameters are the HF tensors, so each holds bf16(trainer's shard) after a refit.
+struct Pair {
+  Config cfg;
+  Endpoint ep;
+  SentCounts trainer_sent, engine_sent;
+  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<Engine> engine;
+  std::vector<std::vector<float>> shards;
+  std::vector<std::vector<std::uint16_t>> params;
+
+  explicit Pair(std::function<void(Config&)> adjust = {},
+                std::shared_ptr<RefitProbe> engine_probe = nullptr) {
+    cfg.model = "tiny-qwen3";
+    cfg.policy.world_size = 1;
+    cfg.generation.tp_size = 1;
+    cfg.generation.layout = EngineLayout::kHf;
+    cfg.refit.timeout_s = 3;
+    if (adjust) adjust(cfg);
+    auto port = pick_free_port();
+    EXPECT_TRUE(port.ok());
+    ep.master_port = *port;
+    auto t = std::async(std::launch::async, [&] {
+      return create_trainer(cfg, 0, ep, counted(trainer_sent));
+    });
+    auto e = create_engine(cfg, 0, ep, counted(engine_sent, std::move(engine_probe)));
+    auto tr = t.get();
+    EXPECT_TRUE(tr.ok()) << tr.status().to_string();
+    EXPECT_TRUE(e.ok()) << e.status().to_string();
+    if (!tr.ok() || !e.ok()) return;
+    trainer = std::move(tr).value();
+    engine = std::move(e).value();
+    for (const TensorSlot& s : trainer->tensors()) {
+      shards.emplace_back(static_cast<std::size_t>(s.numel()));
+      EXPECT_TRUE(trainer->register_tensor(s.name, shards.back().data(), s.dtype, s.shape).ok());
+    }
+    for (const TensorSlot& s : engine->params()) {
+      params.emplace_back(static_cast<std::size_t>(s.numel()));
+      EXPECT_TRUE(engine->register_param(s.name, params.back().data(), s.dtype, s.shape).ok());
+    }
+  }
+
+  bool ok() const { return trainer && engine; }
+  // The "training step": every element of every shard a function of the step.
+  void train(int step) {
+    for (std::size_t t = 0; t < shards.size(); ++t)
+      for (std::size_t i = 0; i < shards[t].size(); ++i)
+        shards[t][i] = static_cast<float>(step) + static_cast<float>((i * 7 + t) % 97) / 128.0f;
+  }
+  // Whether every engine parameter holds bf16 of the shards of `step`.
+  bool holds(int step) const {
+    for (std::size_t t = 0; t < params.size(); ++t)
+      for (std::size_t i = 0; i < params[t].size(); ++i) {
+        const float want = static_cast<float>(step) + static_cast<float>((i * 7 + t) % 97) / 128.0f;
+        if (params[t][i] != f32_to_bf16(want)) return false;
+      }
+    return true;
+  }
+  // One refit: the engine serves it on a thread while the trainer runs it here.
+  std::pair<Status, Result<bool>> refit(int step, bool verify) {
+    auto served = std::async(std::launch::async, [this] { return engine->serve_one(); });
+    Status st = trainer->refit(step, std::to_string(step), verify);
+    return {st, served.get()};
+  }
+  void shutdown() {
+    auto served = std::async(std::launch::async, [this] { return engine->serve_one(); });
+    EXPECT_TRUE(trainer->shutdown().ok());
+    auto s = served.get();
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    EXPECT_FALSE(*s) << "the shutdown is not a refit";
+  }
+};
+
+TEST(RuntimeInProcess, PublishesAndCountsEachPhaseMessage) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  int verified = 0;
+  p.engine->on_verify([&](int step, const std::string& version) {
+    ++verified;
+    EXPECT_EQ(version, std::to_string(step));
+    return p.holds(step) ? Status::Ok() : Status::Corruption("not the trainer's bytes");
+  });
+  EXPECT_EQ(p.engine->weight_version(), "0");
+  p.trainer_sent.reset();
+  p.engine_sent.reset();
+  p.train(1);
+  auto [st, served] = p.refit(1, /*verify=*/true);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_TRUE(served.ok()) << served.status().to_string();
+  EXPECT_TRUE(*served);
+  EXPECT_EQ(verified, 1);
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_TRUE(p.holds(1));
+  EXPECT_GT(p.engine->last_stats().bytes, 0);
+  EXPECT_EQ(p.engine->last_stats().bytes, p.trainer->bytes_per_refit());
+  // The trainer's side: begin, proceed, commit and outcome to its one target.
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kBegin), 1);
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kProceed), 1);
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kCommit), 1);
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kOutcome), 1);
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kAbortHeard), 0);
+  // The engine's: paused to every trainer rank, committed, verified and outcome-heard.
+  EXPECT_EQ(p.engine_sent.of(MessageType::kPaused), 1);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kCommitted), 1);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kVerified), 1);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kOutcomeHeard), 1);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kAbortHeard), 0);
+
+  // Without verification or checksums there is no outcome phase: published at the commit.
+  p.trainer_sent.reset();
+  p.engine_sent.reset();
+  p.train(2);
+  auto [st2, served2] = p.refit(2, /*verify=*/false);
+  ASSERT_TRUE(st2.ok()) << st2.to_string();
+  ASSERT_TRUE(served2.ok());
+  EXPECT_EQ(p.engine->weight_version(), "2");
+  EXPECT_TRUE(p.holds(2));
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kOutcome), 0);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kOutcomeHeard), 0);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kVerified), 0);
+  p.shutdown();
+  EXPECT_EQ(p.engine_sent.of(MessageType::kLeaving), 1);
+}
+
+TEST(RuntimeInProcess, FailedVerificationRollsBackBytesAndLabel) {
+  Pair p([](Config& c) { c.refit.keep_previous = true; });
+  ASSERT_TRUE(p.ok());
+  int resumed = 0;
+  p.engine->on_resume([&] { ++resumed; });
+  p.engine->on_verify([](int step, const std::string&) {
+    return step == 2 ? Status::Corruption("verify: step 2 is wrong") : Status::Ok();
+  });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, true).first.ok());
+  EXPECT_EQ(resumed, 1);
+  p.train(2);
+  auto [st, served] = p.refit(2, true);
+  // The refit's failure on both sides, blamed on the engine rank; the session goes on.
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kCorruption);
+  ASSERT_NE(st.origin(), nullptr);
+  EXPECT_EQ(st.origin()->rank, RankId::engine(0, 1));
+  EXPECT_NE(st.message().find("verify: step 2 is wrong"), std::string::npos) << st.message();
+  ASSERT_FALSE(served.ok());
+  EXPECT_TRUE(p.trainer->session_ok());
+  EXPECT_TRUE(p.engine->session_ok());
+  // Rolled back: step 1's bytes and label, generation resumed.
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_TRUE(p.holds(1));
+  EXPECT_EQ(resumed, 2);
+  // The next refit publishes normally.
+  p.train(3);
+  auto [st3, served3] = p.refit(3, true);
+  ASSERT_TRUE(st3.ok()) << st3.to_string();
+  EXPECT_EQ(p.engine->weight_version(), "3");
+  EXPECT_TRUE(p.holds(3));
+  p.shutdown();
+}
+
+TEST(RuntimeInProcess, RefusedPauseKeepsTheWeightsAndAbortsBeforeAnyByte) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  bool refuse = false;
+  p.engine->on_pause([&]() -> Status {
+    return refuse ? Status::Unsupported("generation cannot pause now") : Status::Ok();
+  });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, false).first.ok());
+  refuse = true;
+  p.trainer_sent.reset();
+  p.engine_sent.reset();
+  p.train(2);
+  auto [st, served] = p.refit(2, false);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kAborted);
+  ASSERT_NE(st.origin(), nullptr);
+  EXPECT_EQ(st.origin()->rank, RankId::engine(0, 1));
+  EXPECT_NE(st.message().find("generation cannot pause now"), std::string::npos) << st.message();
+  EXPECT_FALSE(served.ok());
+  // Nothing was written: step 1's weights under step 1's label.
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_TRUE(p.holds(1));
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kCommit), 0);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kAbortHeard), 1);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kCommitted), 0);
+  refuse = false;
+  p.train(3);
+  ASSERT_TRUE(p.refit(3, false).first.ok());
+  EXPECT_TRUE(p.holds(3));
+  p.shutdown();
+}
+
+// The engine stalls before its commit answer for longer than the trainer waits: the refit fails
+// in flight with every rank alive (the engine learns it waiting for the outcome), both move to
+// the next refit epoch and form their groups anew, and the next refit runs in it.
+TEST(RuntimeInProcess, RefitThatFailsInFlightMovesBothToTheNextEpoch) {
+  auto stall = std::make_shared<StallBeforeCommit>(2, 7500ms);  // 2.5 x refit.timeout_s
+  Pair p({}, stall);
+  ASSERT_TRUE(p.ok());
+  p.engine->on_verify([](int, const std::string&) { return Status::Ok(); });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, true).first.ok());
+  p.train(2);
+  auto [st, served] = p.refit(2, true);
+  EXPECT_EQ(stall->stalls.load(), 1) << "the stall did not run";
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kAborted);
+  EXPECT_NE(st.message().find("failed in flight"), std::string::npos) << st.message();
+  EXPECT_NE(st.origin(), nullptr);
+  EXPECT_TRUE(p.trainer->session_ok()) << st.to_string();
+  ASSERT_FALSE(served.ok());
+  EXPECT_NE(served.status().message().find("failed in flight"), std::string::npos)
+      << served.status().message();
+  EXPECT_TRUE(p.engine->session_ok()) << served.status().to_string();
+  // Its bytes may have landed and nothing was published: invalid until a refit succeeds.
+  EXPECT_FALSE(p.engine->is_valid());
+  // The next refit runs in epoch 1 on the groups formed anew.
+  p.train(3);
+  auto [st3, served3] = p.refit(3, false);
+  ASSERT_TRUE(st3.ok()) << st3.to_string();
+  ASSERT_TRUE(served3.ok()) << served3.status().to_string();
+  EXPECT_EQ(p.engine->weight_version(), "3");
+  EXPECT_TRUE(p.holds(3));
+  p.shutdown();
+}
+
+}  // namespace
+}  // namespace refit
