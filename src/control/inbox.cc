@@ -13,6 +13,12 @@ bool listed(std::initializer_list<MessageType> types, MessageType t) {
 
 }  // namespace
 
+Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, MessageType type,
+                    const std::string& payload) {
+  for (const std::string& id : to) REFIT_RETURN_IF_ERROR(mailbox.send(id, type, payload));
+  return Status::Ok();
+}
+
 Result<Message> expect_message(Mailbox& mailbox, MessageType type,
                                std::chrono::milliseconds timeout, const std::string& waiting_for) {
   auto msg = mailbox.receive(timeout);

@@ -26,6 +26,10 @@ namespace refit {
 Result<Message> expect_message(Mailbox& mailbox, MessageType type,
                                std::chrono::milliseconds timeout, const std::string& waiting_for);
 
+// Sends `payload` as `type` to every id in `to`.
+Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, MessageType type,
+                    const std::string& payload);
+
 class Inbox {
  public:
   explicit Inbox(Mailbox& mailbox) : mailbox_(mailbox) {}

@@ -9,7 +9,6 @@
 #include <optional>
 
 #include "common/env.h"
-#include "common/log.h"
 #include "control/messages.h"
 #include "engine/engine_layout.h"
 #include "executor/gather_receiver.h"
@@ -155,7 +154,6 @@ class EngineImpl final : public Engine {
     const int rank = core_.self().rank;
     REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg, model_->spec));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
-    REFIT_RETURN_IF_ERROR(publish_host(core_.store(), core_.self().mailbox()));
     RouteReceiverOptions o;
     o.config = &cfg;
     o.engine_rank = rank;
@@ -163,21 +161,10 @@ class EngineImpl final : public Engine {
     o.setup = routes_.get();
     o.plane = &core_.plane();
     o.sources = control_sources(routes_->plan, rank);
-    std::vector<std::string> who;
-    for (int r : o.sources) who.push_back(RankId::trainer(r).mailbox());
-    REFIT_ASSIGN_OR_RETURN(auto hosts,
-                           read_hosts(core_.store(), who, core_.timeout(), core_.alive()));
-    for (std::size_t i = 0; i < hosts.size(); ++i) {
-      o.source_same_host.push_back(hosts[i] == env::host_identity());
-      REFIT_RETURN_IF_ERROR(
-          check_pair_at_setup(cfg, o.source_same_host.back(), o.sources[i], rank));
-    }
-    if (needs_p2p_group(cfg)) {
-      REFIT_ASSIGN_OR_RETURN(auto p2p, core_.join_group("p2p", p2p_rank_of_engine(cfg, rank),
-                                                        cfg.policy.world_size + cfg.engine_ranks()));
-      core_.hold(RankCore::Group::kP2p, std::move(p2p));
-      o.p2p = core_.group(RankCore::Group::kP2p);
-    }
+    std::vector<RankId> feeders;
+    for (int r : o.sources) feeders.push_back(RankId::trainer(r));
+    REFIT_ASSIGN_OR_RETURN(o.source_same_host, core_.same_host(feeders));
+    REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p());
     o.incoming = incoming_from_plan(routes_->plan, rank);
     REFIT_ASSIGN_OR_RETURN(executor_, RouteReceiver::create(o));
     return Status::Ok();

@@ -12,12 +12,6 @@ namespace {
 
 using enum MessageType;
 
-Status send_each(Mailbox& mailbox, const std::vector<std::string>& ids, MessageType type,
-                 const std::string& payload) {
-  for (const std::string& id : ids) REFIT_RETURN_IF_ERROR(mailbox.send(id, type, payload));
-  return Status::Ok();
-}
-
 }  // namespace
 
 EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executor, EngineWeights& weights)
@@ -41,7 +35,7 @@ FailureOrigin EngineRefitProtocol::mine(const Status& st) const {
 
 Status EngineRefitProtocol::announce(HelloMessage hello) {
   core_.probe().before_hello(hello);
-  REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), feeders_, kHello, encode(hello)));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), feeders_, kHello, encode(hello)));
   if (!executor_.wants_routes()) return Status::Ok();
   REFIT_ASSIGN_OR_RETURN(const std::vector<Message> got,
                          inbox_.collect(kRoutes, feeders_, core_.timeout(),
@@ -203,7 +197,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                                                   "landed: {}: {}",
                                                   step, refused->rank.name(), refused->error))
                           .with_origin(*refused);
-      return send_each(core_.mailbox(), feeders_, kAbortHeard,
+      return send_to_each(core_.mailbox(), feeders_, kAbortHeard,
                        encode(AbortHeardMessage{.step = step}));
     }
     if (!paused.ok())
@@ -277,7 +271,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
     v = weights_.verify(step, begin_.version);
     VerifiedMessage verdict{.step = step};
     if (!v.ok()) verdict.failed = mine(v);
-    REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), feeders_, kVerified, encode(verdict)));
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), feeders_, kVerified, encode(verdict)));
   }
   // Every feeder sends the same agreed outcome; it waits for every engine's verification.
   std::optional<FailureOrigin> failed;
@@ -308,7 +302,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   }
   // Acknowledged to every feeder, which waits for it before its next message: a feeder that ran
   // ahead (its next begin, or the shutdown) cannot overtake another feeder's outcome.
-  return send_each(core_.mailbox(), feeders_, kOutcomeHeard,
+  return send_to_each(core_.mailbox(), feeders_, kOutcomeHeard,
                    encode(OutcomeHeardMessage{.step = step,
                                               .valid = weights_.version().valid(),
                                               .weight_version = weights_.version().label()}));

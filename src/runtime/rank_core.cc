@@ -28,6 +28,7 @@ Result<RankServices> default_services() {
     return Mailbox::open(store, id, host, timeout, auth);
   };
   REFIT_ASSIGN_OR_RETURN(s.plane_settings, PlaneSettings::from_environment());
+  s.host_identity = env::host_identity();
   s.make_plane = [settings = s.plane_settings](const Config& config, int device) {
     return make_data_plane(config, device, settings);
   };
@@ -129,6 +130,30 @@ void RankCore::hold(Group which, std::unique_ptr<Communicator> group) {
 Communicator* RankCore::group(Group which) const {
   std::lock_guard<std::mutex> lock(groups_mu_);
   return (which == Group::kTrainer ? trainer_group_ : p2p_group_).get();
+}
+
+Result<std::vector<bool>> RankCore::same_host(const std::vector<RankId>& peers) {
+  REFIT_RETURN_IF_ERROR(publish_host(*store_, self_.mailbox()));
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::string> hosts,
+                         read_hosts(*store_, mailbox_ids(peers), timeout(), alive()));
+  std::vector<bool> same;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    same.push_back(hosts[i] == services_.host_identity);
+    const int trainer = self_.is_trainer() ? self_.rank : peers[i].rank;
+    const int engine = self_.is_trainer() ? peers[i].rank : self_.rank;
+    REFIT_RETURN_IF_ERROR(check_pair_at_setup(cfg_, same.back(), trainer, engine));
+  }
+  return same;
+}
+
+Result<Communicator*> RankCore::join_p2p() {
+  if (!needs_p2p_group(cfg_)) return static_cast<Communicator*>(nullptr);
+  const int rank =
+      self_.is_trainer() ? p2p_rank_of_trainer(self_.rank) : p2p_rank_of_engine(cfg_, self_.rank);
+  REFIT_ASSIGN_OR_RETURN(auto p2p,
+                         join_group("p2p", rank, cfg_.policy.world_size + cfg_.engine_ranks()));
+  hold(Group::kP2p, std::move(p2p));
+  return group(Group::kP2p);
 }
 
 void RankCore::abort_collectives() {

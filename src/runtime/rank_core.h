@@ -22,6 +22,7 @@
 #include "comm/communicator.h"
 #include "control/mailbox.h"
 #include "control/store.h"
+#include "executor/executor.h"
 #include "executor/probe.h"
 #include "plane/data_plane.h"
 #include "refit/config.h"
@@ -50,6 +51,9 @@ struct RankServices {
   std::shared_ptr<RefitProbe> probe;
   // Whether the control plane is authenticated (the run has a secret): logged at setup.
   bool authenticated = false;
+  // Which host this process is on (env::host_identity): peers on the same one can map each
+  // other's memory.
+  std::string host_identity;
 };
 // The real components, with this process's settings.
 Result<RankServices> default_services();
@@ -103,6 +107,12 @@ class RankCore {
   enum class Group { kTrainer, kP2p };
   void hold(Group which, std::unique_ptr<Communicator> group);
   Communicator* group(Group which) const;
+  // The transfer plan at setup: publishes this rank's host, reads each peer's, and says which
+  // share it (each pair checked against refit.executor: check_pair_at_setup).
+  Result<std::vector<bool>> same_host(const std::vector<RankId>& peers);
+  // Forms and holds the point-to-point group when the config needs one (needs_p2p_group);
+  // returns it, or null.
+  Result<Communicator*> join_p2p();
   // What else to abort with the groups (the executor's own collectives).
   void on_abort(std::function<void()> abort) { abort_executor_ = std::move(abort); }
   // Wakes every call blocked in a collective of this rank (safe from another thread).

@@ -9,7 +9,6 @@
 #include <optional>
 
 #include "common/env.h"
-#include "common/log.h"
 #include "common/timer.h"
 #include "control/messages.h"
 #include "executor/gather_sender.h"
@@ -201,7 +200,6 @@ class TrainerImpl final : public Trainer {
     const int rank = core_.self().rank;
     REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg, model_->spec));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
-    REFIT_RETURN_IF_ERROR(publish_host(core_.store(), core_.self().mailbox()));
     RouteSenderOptions o;
     o.config = &cfg;
     o.rank = rank;
@@ -209,21 +207,10 @@ class TrainerImpl final : public Trainer {
     o.plane = &core_.plane();
     o.trainer_group = core_.group(RankCore::Group::kTrainer);
     o.targets = control_targets(routes_->plan, rank);
-    std::vector<std::string> who;
-    for (int g : o.targets) who.push_back(RankId::engine(g, cfg.generation.tp_size).mailbox());
-    REFIT_ASSIGN_OR_RETURN(auto hosts,
-                           read_hosts(core_.store(), who, core_.timeout(), core_.alive()));
-    for (std::size_t i = 0; i < hosts.size(); ++i) {
-      o.target_same_host.push_back(hosts[i] == env::host_identity());
-      REFIT_RETURN_IF_ERROR(
-          check_pair_at_setup(cfg, o.target_same_host.back(), rank, o.targets[i]));
-    }
-    if (needs_p2p_group(cfg)) {
-      REFIT_ASSIGN_OR_RETURN(auto p2p, core_.join_group("p2p", p2p_rank_of_trainer(rank),
-                                                        cfg.policy.world_size + cfg.engine_ranks()));
-      core_.hold(RankCore::Group::kP2p, std::move(p2p));
-      o.p2p = core_.group(RankCore::Group::kP2p);
-    }
+    std::vector<RankId> targets;
+    for (int g : o.targets) targets.push_back(RankId::engine(g, cfg.generation.tp_size));
+    REFIT_ASSIGN_OR_RETURN(o.target_same_host, core_.same_host(targets));
+    REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p());
     REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
     return Status::Ok();
   }

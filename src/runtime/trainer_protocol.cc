@@ -11,12 +11,6 @@ namespace {
 
 using enum MessageType;
 
-Status send_each(Mailbox& mailbox, const std::vector<std::string>& ids, MessageType type,
-                 const std::string& payload) {
-  for (const std::string& id : ids) REFIT_RETURN_IF_ERROR(mailbox.send(id, type, payload));
-  return Status::Ok();
-}
-
 }  // namespace
 
 TrainerRefitProtocol::TrainerRefitProtocol(RankCore& core, TrainerExecutor& executor)
@@ -83,7 +77,7 @@ Status TrainerRefitProtocol::run(const BeginMessage& begin_in, const std::vector
     // byte moves.
     REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> refused, collect_paused(step));
     ProceedMessage proceed{.step = step, .refused = refused};
-    REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), targets_, kProceed, encode(proceed)));
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), targets_, kProceed, encode(proceed)));
     if (refused) {
       REFIT_RETURN_IF_ERROR(abort(step, *refused));
       refit_failure = failed_refit(StatusCode::kAborted, step, begin_in.version, *refused);
@@ -110,7 +104,7 @@ Status TrainerRefitProtocol::run(const BeginMessage& begin_in, const std::vector
     if (core_.group(RankCore::Group::kTrainer) != nullptr) {
       REFIT_ASSIGN_OR_RETURN(failure, agree(failure));
     }
-    REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), targets_, kOutcome,
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), targets_, kOutcome,
                                     encode(OutcomeMessage{.step = step, .failed = failure})));
     // Each engine acknowledges once it heard every feeder, so nothing this rank sends next can
     // reach an engine before another rank's outcome.
@@ -179,7 +173,7 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
                                double& apply_s, std::optional<FailureOrigin>& failure) {
   if (!raw) core_.probe().before_commit(step);
   REFIT_RETURN_IF_ERROR(
-      send_each(core_.mailbox(), targets_, kCommit, encode(CommitMessage{.step = step})));
+      send_to_each(core_.mailbox(), targets_, kCommit, encode(CommitMessage{.step = step})));
   log::debug("{}: committed refit step {}", core_.id(), step);
   const bool checksums = core_.config().refit.checksum && executor_.checksums() && !raw;
   std::vector<std::string> sent(targets_.size());
@@ -258,7 +252,7 @@ Result<std::optional<FailureOrigin>> TrainerRefitProtocol::agree(
 // Engines acknowledge the shutdown before their feeder leaves, and trainer rank 0 (which hosts
 // the store) leaves last, so no process loses the control plane while it still needs it.
 Status TrainerRefitProtocol::shutdown() {
-  REFIT_RETURN_IF_ERROR(send_each(core_.mailbox(), targets_, kShutdown, encode(ShutdownMessage{})));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), targets_, kShutdown, encode(ShutdownMessage{})));
   REFIT_ASSIGN_OR_RETURN(const std::vector<Message> left,
                          inbox_.collect(kLeaving, targets_, core_.timeout(), "engine exits"));
   for (const Message& m : left) REFIT_RETURN_IF_ERROR(decode_leaving(m.payload, m.from).status());
