@@ -774,6 +774,10 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     if (more.ok() && !*more) break;
     if (more.ok()) {
       published_step = verifying_step;
+      // The run's log says that refit.checksum held (the runtime says it at debug level).
+      if (const int matched = engine->last_stats().checksums_matched; matched > 0)
+        log::info("{}: refit.checksum: step {} arrived intact from {} feeder(s)", who,
+                  published_step, matched);
       continue;
     }
     if (!engine->session_ok()) {

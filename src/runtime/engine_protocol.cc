@@ -75,7 +75,7 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one() {
   return serve_refit(*msg);
 }
 
-// Every feeder says so; each is answered at once (its shutdown waits for the answer).
+// Every feeder sends a shutdown and waits for this rank's answer before it leaves.
 Status EngineRefitProtocol::shutdown(const Message& first) {
   REFIT_RETURN_IF_ERROR(decode_shutdown(first.payload, first.from).status());
   std::vector<std::string> others;
@@ -84,11 +84,13 @@ Status EngineRefitProtocol::shutdown(const Message& first) {
   if (others.size() == feeders_.size())
     return Status::Internal(fmt::format("{}: unexpected shutdown from {}", core_.id(), first.from));
   REFIT_RETURN_IF_ERROR(core_.mailbox().send(first.from, kLeaving, encode(LeavingMessage{})));
-  for (std::size_t i = 0; i < others.size(); ++i) {
-    REFIT_ASSIGN_OR_RETURN(std::vector<Message> m,
-                           inbox_.collect(kShutdown, {others[i]}, core_.timeout(), "the shutdown"));
-    REFIT_RETURN_IF_ERROR(decode_shutdown(m[0].payload, m[0].from).status());
-    REFIT_RETURN_IF_ERROR(core_.mailbox().send(others[i], kLeaving, encode(LeavingMessage{})));
+  // The other feeders' shutdowns arrive in any order; every feeder sent its own before waiting
+  // for any answer, so collecting them all first cannot stall one.
+  REFIT_ASSIGN_OR_RETURN(const std::vector<Message> rest,
+                         inbox_.collect(kShutdown, others, core_.timeout(), "the shutdown"));
+  for (const Message& m : rest) {
+    REFIT_RETURN_IF_ERROR(decode_shutdown(m.payload, m.from).status());
+    REFIT_RETURN_IF_ERROR(core_.mailbox().send(m.from, kLeaving, encode(LeavingMessage{})));
   }
   core_.leave();
   return Status::Ok();
