@@ -43,6 +43,7 @@ struct RunFlags {
   int engine_rank = -1;
   int raw_passes = 0;
   std::string dump_dir;
+  std::string update;     // --update: how the generated weights move (weights/weights.h)
   double deadline_s = 0;  // run / bench: the whole run's bound (0: the default, run_deadline)
   std::string command;    // "refit run", "refit bench", "refit trainer": names a setup error
 };
@@ -80,6 +81,11 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   o.check_logits = f.check_logits;
   o.raw_passes = f.raw_passes;
   o.dump_dir = f.dump_dir;
+  if (!f.update.empty()) {
+    auto update = parse_weight_update(f.update);
+    exit_if_error(update.status(), kExitSetup);
+    o.update = *update;
+  }
   if (!o.dump_dir.empty()) {  // a directory we cannot write is a setup error, before any rank
     std::error_code ec;
     std::filesystem::create_directories(o.dump_dir, ec);
@@ -238,6 +244,7 @@ void run_local(const RunFlags& f) {
   if (f.verify) common.push_back("--verify");
   if (f.check_logits) common.push_back("--check-logits");
   if (!f.dump_dir.empty()) common.insert(common.end(), {"--dump", f.dump_dir});
+  if (!f.update.empty()) common.insert(common.end(), {"--update", f.update});
   std::vector<ChildSpec> children;
   // The run's id names its shared-memory segments, so that whatever its ranks leave behind (a
   // rank killed before it unlinked them, an interrupted run) is removed below.
@@ -353,7 +360,14 @@ void run_shard(const std::string& config_path, int rank, const std::string& out)
 
 void add_run_commands(CLI::App& app) {
   auto f = std::make_shared<RunFlags>();
+  auto add_update = [&](CLI::App* cmd) {
+    cmd->add_option("--update", f->update,
+                    "how the generated weights move each step: drift (default: by up to 1/128) "
+                    "or adam:LR (each element by about LR, as an optimizer step moves it; "
+                    "docs/delta.md); every rank of a run needs the same");
+  };
   auto add_common = [&](CLI::App* cmd) {
+    add_update(cmd);
     cmd->add_option("--fault", f->fault,
                     "inject a fault (tests): corrupt:BUCKET[:STEP], kill-trainer:RANK:AT, "
                     "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a "
@@ -390,6 +404,7 @@ void add_run_commands(CLI::App& app) {
   bench->add_option("--steps", f->steps, "refits to time")->check(CLI::PositiveNumber);
   bench->add_option("--json", f->json_path, "write the JSON report here (gbps, limit_gbps, ratio)");
   add_deadline(bench);
+  add_update(bench);
   bench->callback([f] {
     if (f->steps < 3) f->steps = 3;
     f->raw_passes = 3;

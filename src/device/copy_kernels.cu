@@ -10,105 +10,20 @@
 #include "common/checksum.h"
 #include "device/copy_kernels.h"
 #include "device/cuda_check.h"
+#include "device/element_convert.cuh"
 
 namespace refit {
 namespace {
 
 constexpr int kThreads = 256;
 
-// ---- element types: storage is raw bits, so copies never touch NaN payloads ----
-struct F32 {
-  using T = std::uint32_t;
-};
-struct BF16 {
-  using T = std::uint16_t;
-};
-struct F16 {
-  using T = std::uint16_t;
-};
-struct FP8 {
-  using T = std::uint8_t;
-};
-
-__device__ __forceinline__ std::uint32_t subnormal_units(std::uint32_t a, int unit_exp) {
-  const int e = static_cast<int>(a >> 23);
-  if (e == 0) return 0;
-  const std::uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
-  const int shift = unit_exp + 150 - e;
-  if (shift > 24) return 0;
-  const std::uint32_t q = m >> shift;
-  const std::uint32_t rem = m & ((1u << shift) - 1u);
-  const std::uint32_t half = 1u << (shift - 1);
-  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
-}
-
-// float32 bits -> narrow bits (round to nearest even; see common/convert.h).
-template <class D>
-__device__ __forceinline__ typename D::T from_f32(std::uint32_t u) {
-  if constexpr (std::is_same_v<D, F32>) {
-    return u;
-  } else if constexpr (std::is_same_v<D, BF16>) {
-    const std::uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
-    const std::uint32_t quiet_nan = (u >> 16) | 0x0040u;
-    const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-    return static_cast<std::uint16_t>(is_nan ? quiet_nan : (rounded >> 16));
-  } else if constexpr (std::is_same_v<D, F16>) {
-    const std::uint32_t sign = (u >> 16) & 0x8000u;
-    const std::uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return static_cast<std::uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-    if (a >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);
-    if (a >= 0x38800000u) {
-      const std::uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);
-      return static_cast<std::uint16_t>(sign | ((r >> 13) - (112u << 10)));
-    }
-    return static_cast<std::uint16_t>(sign | subnormal_units(a, -24));
-  } else {
-    static_assert(std::is_same_v<D, FP8>);
-    const std::uint32_t sign = (u >> 24) & 0x80u;
-    const std::uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return static_cast<std::uint8_t>(sign | 0x7Fu);
-    if (a >= 0x43E00000u) return static_cast<std::uint8_t>(sign | 0x7Eu);
-    if (a >= 0x3C800000u) {
-      const std::uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
-      return static_cast<std::uint8_t>(sign | ((r >> 20) - (120u << 3)));
-    }
-    return static_cast<std::uint8_t>(sign | subnormal_units(a, -9));
-  }
-}
-
-// narrow bits -> float32 bits (exact).
-template <class S>
-__device__ __forceinline__ std::uint32_t to_f32(typename S::T h) {
-  if constexpr (std::is_same_v<S, F32>) {
-    return h;
-  } else if constexpr (std::is_same_v<S, BF16>) {
-    return std::uint32_t{h} << 16;
-  } else if constexpr (std::is_same_v<S, F16>) {
-    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-    const std::uint32_t e = (h >> 10) & 0x1Fu;
-    const std::uint32_t m = h & 0x3FFu;
-    if (e == 31) return sign | 0x7F800000u | (m << 13);
-    if (e == 0) return sign | __float_as_uint(__fmul_rn(__uint2float_rn(m), 0x1p-24f));
-    return sign | ((e + 112) << 23) | (m << 13);
-  } else {
-    static_assert(std::is_same_v<S, FP8>);
-    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x80) << 24;
-    const std::uint32_t e = (h >> 3) & 0xF;
-    const std::uint32_t m = h & 0x7;
-    if ((h & 0x7F) == 0x7F) return sign | 0x7FC00000u;
-    if (e == 0) return sign | __float_as_uint(__fmul_rn(__uint2float_rn(m), 0x1p-9f));
-    return sign | ((e + 120) << 23) | (m << 20);
-  }
-}
-
-template <class S, class D>
-__device__ __forceinline__ typename D::T convert_elem(typename S::T x) {
-  if constexpr (std::is_same_v<S, D>) {
-    return x;
-  } else {
-    return from_f32<D>(to_f32<S>(x));
-  }
-}
+using elem::BF16;
+using elem::convert_elem;
+using elem::F16;
+using elem::F32;
+using elem::FP8;
+using elem::from_f32;
+using elem::to_f32;
 
 // ---- one contiguous row of n elements, 16-byte accesses where the addresses allow ----
 
@@ -424,13 +339,21 @@ __device__ __forceinline__ float unit(std::uint64_t bits24) {
   return __fmul_rn(__int2float_rn(v), 1.0f / (1 << 24));
 }
 
-// fp32 bits of w(tag, i, step), rounded to `via` (returned as fp32 bits, exact).
+// fp32 bits of w(tag, i, step), rounded to `via` (returned as fp32 bits, exact). `lr` > 0: the
+// update adam:lr, else drift.
 __device__ __forceinline__ std::uint32_t weight_bits(std::uint64_t key, std::int64_t i, float s,
-                                                     int via) {
+                                                     int via, float lr) {
   const std::uint64_t h = mix(key ^ static_cast<std::uint64_t>(i));
   const float b = __fmul_rn(unit(h >> 40), 0.2f);
-  const float delta = __fmul_rn(unit(h), 1.0f / 64);
-  const float v = __fadd_rn(b, __fmul_rn(s, delta));
+  float v;
+  if (lr > 0) {
+    const float u = unit(h);
+    const float a = __fadd_rn(__fmul_rn(2.0f, u), u < 0 ? -0.5f : 0.5f);
+    v = __fadd_rn(b, __fmul_rn(__fmul_rn(s, lr), a));
+  } else {
+    const float delta = __fmul_rn(unit(h), 1.0f / 64);
+    v = __fadd_rn(b, __fmul_rn(s, delta));
+  }
   const std::uint32_t u = __float_as_uint(v);
   switch (via) {
     case 1:
@@ -465,7 +388,7 @@ __device__ __forceinline__ std::uint64_t tensor_key(std::uint64_t seed, std::uin
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     generate_kernel(const DeviceTile* __restrict__ tiles, std::int64_t tile0, std::uint64_t seed,
-                    float step, int via, typename D::T* __restrict__ dst) {
+                    float step, int via, float lr, typename D::T* __restrict__ dst) {
   const DeviceTile t = tiles[tile0 + blockIdx.x];
   const std::uint64_t key = tensor_key(seed, t.tag);
   const int n = t.rows * t.cols;
@@ -474,7 +397,7 @@ __global__ void __launch_bounds__(kThreads)
     const int c = e - r * t.cols;
     const std::int64_t i = t.src_offset + static_cast<std::int64_t>(r) * t.src_stride + c;
     dst[t.dst_offset + static_cast<std::int64_t>(r) * t.dst_stride + c] =
-        from_f32<D>(weight_bits(key, i, step, via));
+        from_f32<D>(weight_bits(key, i, step, via, lr));
   }
 }
 
@@ -486,7 +409,7 @@ struct VerifyCounters {
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     verify_kernel(const DeviceTile* __restrict__ tiles, std::int64_t tile0, std::uint64_t seed,
-                  float step, int via, const typename D::T* __restrict__ actual,
+                  float step, int via, float lr, const typename D::T* __restrict__ actual,
                   VerifyCounters* counters) {
   const DeviceTile t = tiles[tile0 + blockIdx.x];
   const std::uint64_t key = tensor_key(seed, t.tag);
@@ -498,7 +421,7 @@ __global__ void __launch_bounds__(kThreads)
     const int c = e - r * t.cols;
     const std::int64_t i = t.src_offset + static_cast<std::int64_t>(r) * t.src_stride + c;
     const std::int64_t at = t.dst_offset + static_cast<std::int64_t>(r) * t.dst_stride + c;
-    if (actual[at] != from_f32<D>(weight_bits(key, i, step, via))) {
+    if (actual[at] != from_f32<D>(weight_bits(key, i, step, via, lr))) {
       ++mine;
       if (static_cast<unsigned long long>(at) < first) first = static_cast<unsigned long long>(at);
     }
@@ -626,7 +549,7 @@ Status launch_generate_range(const DeviceBlockTable& table, std::int64_t t0, std
     using D = decltype(d);
     generate_kernel<D>
         <<<static_cast<unsigned>(t1 - t0), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            table.tiles(), t0, p.seed, static_cast<float>(p.step), via_code(p.via),
+            table.tiles(), t0, p.seed, static_cast<float>(p.step), via_code(p.via), p.adam_lr,
             static_cast<typename D::T*>(dst));
     REFIT_CUDA_CHECK_LAUNCH("generate_kernel launch");
     return Status::Ok();
@@ -699,7 +622,7 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable& table, const Weigh
     verify_kernel<D>
         <<<static_cast<unsigned>(tiles), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
             table.tiles(), 0, params.seed, static_cast<float>(params.step), via_code(params.via),
-            static_cast<const typename D::T*>(actual),
+            params.adam_lr, static_cast<const typename D::T*>(actual),
             static_cast<VerifyCounters*>(counters.data()));
     REFIT_CUDA_CHECK_LAUNCH("verify_kernel launch");
     return Status::Ok();

@@ -123,6 +123,7 @@ struct WeightsParams {
   std::uint64_t seed = 0;
   int step = 0;
   DType via = DType::kFloat32;
+  float adam_lr = 0;  // > 0: the update adam:LR of weights/weights.h; 0: drift
 };
 Status launch_generate(const DeviceBlockTable& table, std::size_t group,
                        const WeightsParams& params, void* dst, DType dst_dtype, void* stream);

@@ -7,6 +7,7 @@
 
 #include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
+#include "device/delta_kernels.h"
 #include "device/device.h"
 #include "device/quant_kernels.h"
 
@@ -20,6 +21,26 @@ Status no_cuda(const char* what) {
 }  // namespace
 
 bool cuda_built() { return false; }
+
+struct DeviceDelta::Impl {};
+Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<DeltaRoute>&, int, int) {
+  return no_cuda("DeviceDelta::create");
+}
+DeviceDelta::~DeviceDelta() = default;
+Result<DeltaResult> DeviceDelta::encode(std::byte*, std::byte*, std::size_t, std::uint64_t, double,
+                                        void*, std::chrono::milliseconds) {
+  return no_cuda("DeviceDelta::encode");
+}
+Result<DeltaResult> DeviceDelta::capture(std::byte*, void*, std::chrono::milliseconds) {
+  return no_cuda("DeviceDelta::capture");
+}
+Result<DeltaResult> DeviceDelta::patch(std::byte*, void*, std::chrono::milliseconds) {
+  return no_cuda("DeviceDelta::patch");
+}
+Result<DeltaResult> DeviceDelta::apply(const std::vector<delta_format::RouteEntry>&, const std::byte*,
+                                       std::size_t, void*, std::chrono::milliseconds, ApplyFailure*) {
+  return no_cuda("DeviceDelta::apply");
+}
 
 Result<DeviceQuantTable> DeviceQuantTable::upload(const std::vector<DeviceQuantRun>&, DType, int) {
   return no_cuda("DeviceQuantTable::upload");

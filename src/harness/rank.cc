@@ -180,9 +180,11 @@ Status check_fault_fits(const Fault& f, const Config& config) {
 Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   log::set_prefix(fmt::format("trainer {}", rank));
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(o.config));
+  model->weights->set_update(o.update);
   REFIT_ASSIGN_OR_RETURN(auto layout, trainer_layout(model->spec, o.config.policy, rank));
   REFIT_ASSIGN_OR_RETURN(auto trainer,
                          create_trainer_with_fault(o.config, rank, o.endpoint, o.fault));
+  if (rank == 0) REFIT_RETURN_IF_ERROR(publish_weight_update(o));
   // The shards live on the rank's device: host memory, or GPU memory for device: cuda.
   REFIT_ASSIGN_OR_RETURN(const PlaneSettings plane_settings, PlaneSettings::from_environment());
   const int device = default_device(o.config, true, rank, plane_settings);
@@ -703,16 +705,51 @@ class LoadedWeights {
 
 }  // namespace
 
+namespace {
+
+// --update: trainer rank 0 publishes the update its weights follow; every engine checks it against
+// its own before it serves, so that ranks started separately with different flags fail at setup
+// naming the flag instead of failing verification.
+constexpr const char* kUpdateKey = "harness/weight_update";
+
+Result<std::unique_ptr<Store>> harness_store(const RankOptions& o) {
+  REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
+  return connect_store(o.endpoint.master_addr, o.endpoint.master_port, o.config.refit.timeout(),
+                       auth);
+}
+
+}  // namespace
+
+Status publish_weight_update(const RankOptions& o) {
+  REFIT_ASSIGN_OR_RETURN(auto store, harness_store(o));
+  return store->set(kUpdateKey, weight_update_name(o.update));
+}
+
+Status check_weight_update(const RankOptions& o, const std::string& who) {
+  REFIT_ASSIGN_OR_RETURN(auto store, harness_store(o));
+  auto theirs = store->get(kUpdateKey, o.config.refit.timeout());
+  if (!theirs.ok()) return theirs.status().with_context("reading trainer rank 0's --update");
+  const std::string ours = weight_update_name(o.update);
+  if (*theirs != ours)
+    return Status::InvalidArgument(fmt::format(
+        "--update: {} runs --update {}, but trainer rank 0 runs --update {}; give every rank "
+        "the same --update",
+        who, ours, *theirs));
+  return Status::Ok();
+}
+
 Status run_engine_rank(const RankOptions& o, int engine_rank) {
   log::set_prefix(fmt::format("engine rank {}", engine_rank));
   const Config& cfg = o.config;
   const std::string who = RankId::engine(engine_rank, cfg.generation.tp_size).name();
   REFIT_ASSIGN_OR_RETURN(auto model, load_rank_model(cfg));
+  model->weights->set_update(o.update);
   REFIT_ASSIGN_OR_RETURN(const WireModel wire, wire_model(cfg, model->spec));
   REFIT_ASSIGN_OR_RETURN(auto layout, engine_wire_layout(cfg, model->spec, wire,
                                                          engine_rank % cfg.generation.tp_size));
   REFIT_ASSIGN_OR_RETURN(auto engine,
                          create_engine_with_fault(cfg, engine_rank, o.endpoint, o.fault));
+  REFIT_RETURN_IF_ERROR(check_weight_update(o, who));
   // refit-owned parameter storage: a colocated trainer rank holding full tensors writes it in
   // place.
   REFIT_ASSIGN_OR_RETURN(std::vector<void*> storage, engine->allocate_params());

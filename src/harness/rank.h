@@ -12,6 +12,7 @@
 #include "runtime/failure.h"
 #include "harness/fault_probe.h"
 #include "plane/data_plane.h"
+#include "weights/weights.h"
 
 namespace refit {
 
@@ -24,6 +25,9 @@ struct RankOptions {
   bool verify = false;        // engines check every element after each refit
   bool check_logits = false;  // engines also compare a TP forward pass with a reference
   int raw_passes = 0;         // bench: raw transport passes after the refits
+  // How the generated weights move each step (--update); every rank of a run must use the same:
+  // trainer rank 0 publishes its own and engines refuse to serve another.
+  WeightUpdate update;
   Fault fault;
   // After the last refit: trainer rank 0 writes DIR/trainer.safetensors (the full HF tensors in
   // the policy dtype) and DIR/expected.safetensors (after the cast); engine rank g writes
@@ -82,6 +86,11 @@ Status check_fault_fits(const Fault& fault, const Config& config);
 // `--check-logits` against the run: an architecture with a reference forward, a model small
 // enough for it, bf16 engine parameters. An error names the flag and the reason.
 Status check_logit_check_fits(const Config& config, const ModelSpec& spec);
+
+// --update agreement: trainer rank 0 publishes options.update in the run's store; an engine
+// rank checks its own against it (InvalidArgument naming both when they differ).
+Status publish_weight_update(const RankOptions& options);
+Status check_weight_update(const RankOptions& options, const std::string& who);
 
 Status run_trainer_rank(const RankOptions& options, int rank, RefitReport* report);
 // Runs engine rank `engine_rank` until the trainer shuts it down.

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/piece.h"
+#include "delta/delta.h"
 #include "refit/config.h"
 #include "refit/dtype.h"
 #include "refit/status.h"
@@ -183,6 +184,39 @@ class DataPlane {
   // split into runs.
   virtual Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType src_dtype,
                                          DType as_dtype) = 0;
+
+  // ---- delta refits (delta/delta.h, docs/delta.md) ----
+  // A list of routes is built once and reused by every refit (the CUDA plane uploads it once,
+  // keyed by the vector's address and content, like copy lists). `kept` is plane memory of
+  // assign_kept_offsets(routes) bytes; `out` and `stream` are plane memory, 8-byte aligned. Every
+  // call returns when it is complete. Errors name the route (options.describe).
+  //
+  // encode: reads every route's new values once (its source cast to the wire dtype), compares them
+  // with the kept copy, updates the kept copy where they differ, and writes the stream (at most
+  // `capacity` bytes: delta_stream_capacity) computed against the base of digest `base_digest`.
+  virtual Result<DeltaResult> delta_encode(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                           std::byte* out, std::size_t capacity,
+                                           std::uint64_t base_digest,
+                                           const DeltaOptions& options) = 0;
+  // capture: the kept copy becomes the new values (after a full refit of them); digest_delta is
+  // their digest.
+  virtual Result<DeltaResult> delta_capture(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                            const DeltaOptions& options) = 0;
+  // apply: the stream, in place at every route's dst, which must hold the base of digest
+  // `base_digest`. A stream for another base, or one that fails its checksums or its tables, is
+  // refused (kCorruption) before anything is written; a route whose applied changes differ from
+  // the trainer's (the engine's bytes differ from the base at a changed element) fails after.
+  virtual Result<DeltaResult> delta_apply(const std::vector<DeltaRoute>& routes,
+                                          const std::byte* stream, std::size_t bytes,
+                                          std::uint64_t base_digest,
+                                          const DeltaOptions& options) = 0;
+  // patch (peer access, where the trainer writes the engine's memory): what changed is written to
+  // the kept copy and to dst, nothing else.
+  virtual Result<DeltaResult> delta_patch(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                          const DeltaOptions& options) = 0;
+  // The digest of every route's elements at dst (an engine rank's after a full refit): the sum of
+  // refit.checksum over them, keyed as the routes say.
+  Result<std::uint64_t> delta_digest(const std::vector<DeltaRoute>& routes);
 
   // Bytes copy() has moved so far, by who moved them: on CUDA the copy kernel or the copy engines
   // (REFIT_COPY_ENGINE); the CPU plane counts its threads' copies as `kernel`.

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -16,6 +17,7 @@
 #include "common/env.h"
 #include "common/host_buffer.h"
 #include "common/quantize.h"
+#include "delta/delta_cpu.h"
 #include "device/device.h"
 #include "plane/data_plane.h"
 #include "weights/materialize.h"
@@ -273,6 +275,25 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
       }
   }
 
+  Result<DeltaResult> delta_encode(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                   std::byte* out, std::size_t capacity, std::uint64_t base_digest,
+                                   const DeltaOptions& options) override {
+    return delta_encode_host(routes, kept, out, capacity, base_digest, options, workers());
+  }
+  Result<DeltaResult> delta_capture(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                    const DeltaOptions& options) override {
+    return delta_capture_host(routes, kept, options, workers());
+  }
+  Result<DeltaResult> delta_apply(const std::vector<DeltaRoute>& routes, const std::byte* stream,
+                                  std::size_t bytes, std::uint64_t base_digest,
+                                  const DeltaOptions& options) override {
+    return delta_apply_host(routes, stream, bytes, base_digest, options, workers());
+  }
+  Result<DeltaResult> delta_patch(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                  const DeltaOptions& options) override {
+    return delta_patch_host(routes, kept, options, workers());
+  }
+
   Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,
                                  DType as) override {
     std::vector<std::uint64_t> sums(static_cast<std::size_t>(pool_.size()), 0);
@@ -289,6 +310,22 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
     std::int64_t total = 0;
     for (const CopyRun& r : runs) total += r.block.numel();
     return total;
+  }
+
+  // The pool as the delta loops take it: equal ranges of items, one per worker.
+  HostWorkers workers() {
+    HostWorkers w;
+    w.count = pool_.size();
+    w.run = [this](std::int64_t items,
+                   const std::function<void(std::int64_t, std::int64_t, int)>& body) {
+      const int n = pool_.size();
+      const std::int64_t share = (items + n - 1) / n;
+      pool_.run([&](int k) {
+        const std::int64_t lo = k * share, hi = std::min(items, lo + share);
+        if (lo < hi) body(lo, hi, k);
+      });
+    };
+    return w;
   }
 
   // Calls fn(run, first row, end row, worker) over every row of every run, split over the pool:
@@ -387,6 +424,28 @@ std::optional<std::int64_t> first_host_mismatch(const RankModel& model, const Pi
   std::size_t k = 0;
   while (std::memcmp(expected.data() + k * esize, actual + k * esize, esize) == 0) ++k;
   return static_cast<std::int64_t>(k);
+}
+
+Result<std::uint64_t> DataPlane::delta_digest(const std::vector<DeltaRoute>& routes) {
+  std::map<DType, std::vector<CopyRun>> by_dtype;
+  for (const DeltaRoute& r : routes) {
+    if (r.elements() == 0) continue;
+    by_dtype[r.wire_dtype].push_back(
+        CopyRun{.src = r.dst,
+                .dst = nullptr,
+                .block = {.src_offset = r.block.dst_offset,
+                          .src_stride = r.block.dst_stride,
+                          .dst_offset = static_cast<std::int64_t>(r.key),
+                          .dst_stride = r.key_stride,
+                          .rows = r.block.rows,
+                          .cols = r.block.cols}});
+  }
+  std::uint64_t sum = 0;
+  for (const auto& [dtype, runs] : by_dtype) {
+    REFIT_ASSIGN_OR_RETURN(const std::uint64_t s, checksum(runs, dtype, dtype));
+    sum += s;
+  }
+  return sum;
 }
 
 Status DataPlane::copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes) {

@@ -17,7 +17,9 @@
 #include "common/env.h"
 #include "common/log.h"
 #include "device/copy_kernels.h"
+#include "delta/delta_cpu.h"
 #include "device/cuda_ipc.h"
+#include "device/delta_kernels.h"
 #include "device/device.h"
 #include "device/quant_kernels.h"
 #include "plane/data_plane.h"
@@ -213,7 +215,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
       return Status::Ok();
     }
     REFIT_ASSIGN_OR_RETURN(Table * table, weights_table(model, targets, dtype_size(out)));
-    REFIT_RETURN_IF_ERROR(launch_generate(table->table, WeightsParams{model_seed_, step, via},
+    REFIT_RETURN_IF_ERROR(launch_generate(table->table, weights_params(model, step, via),
                                           table->base, out, stream_.handle()));
     return sync("generating weights");
   }
@@ -238,7 +240,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     }
     REFIT_ASSIGN_OR_RETURN(Table * table, weights_table(model, targets, dtype_size(dtype)));
     REFIT_ASSIGN_OR_RETURN(VerifyResult r,
-                           verify_generated(table->table, WeightsParams{model_seed_, step, via},
+                           verify_generated(table->table, weights_params(model, step, via),
                                             table->base, dtype, stream_.handle(), timeout_));
     if (r.mismatches == 0) return Found();
     // Map the element back to its target (element offsets from the table's base).
@@ -321,6 +323,76 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     return block_checksum(t->table, t->src, sdt, as, stream_.handle(), timeout_);
   }
 
+  Result<DeltaResult> delta_encode(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                   std::byte* out, std::size_t capacity, std::uint64_t base_digest,
+                                   const DeltaOptions& options) override {
+    REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
+    return d->encode(kept, out, capacity, base_digest, options.dense_ratio, stream_.handle(),
+                     timeout_);
+  }
+  Result<DeltaResult> delta_capture(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                    const DeltaOptions& options) override {
+    REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
+    REFIT_ASSIGN_OR_RETURN(DeltaResult r, d->capture(kept, stream_.handle(), timeout_));
+    r.elements = delta_elements(routes);
+    return r;
+  }
+  Result<DeltaResult> delta_patch(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                  const DeltaOptions& options) override {
+    REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
+    REFIT_ASSIGN_OR_RETURN(DeltaResult r, d->patch(kept, stream_.handle(), timeout_));
+    r.elements = delta_elements(routes);
+    return r;
+  }
+  // The header and directory are read to the host and checked there (read_stream_directory);
+  // everything else runs on the GPU.
+  Result<DeltaResult> delta_apply(const std::vector<DeltaRoute>& routes, const std::byte* stream,
+                                  std::size_t bytes, std::uint64_t base_digest,
+                                  const DeltaOptions& options) override {
+    REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
+    if (reinterpret_cast<std::uintptr_t>(stream) % 8 != 0)
+      return Status::InvalidArgument("delta: a stream must start at an 8-byte boundary");
+    const std::size_t head = std::min<std::size_t>(
+        bytes, delta_format::kHeaderBytes + sizeof(delta_format::RouteEntry) * routes.size());
+    std::vector<std::byte> host(head);
+    REFIT_RETURN_IF_ERROR(sync("before reading a delta stream's directory"));
+    REFIT_RETURN_IF_ERROR(copy_to_host(host.data(), stream, head));
+    REFIT_ASSIGN_OR_RETURN(std::vector<delta_format::RouteEntry> entries,
+                           read_stream_directory(routes, host.data(), bytes, base_digest, options));
+    DeviceDelta::ApplyFailure failure;
+    auto r = d->apply(entries, stream, bytes, stream_.handle(), timeout_, &failure);
+    if (r.ok()) {
+      r->elements = delta_elements(routes);
+      return r;
+    }
+    if (failure.error == DeviceDelta::ApplyError::kNone) return r.status();
+    const std::string route = describe_route(options, routes[failure.route].tag);
+    switch (failure.error) {
+      case DeviceDelta::ApplyError::kPayloadChecksum:
+        return Status::Corruption(fmt::format(
+            "delta stream: {}: its payload ({} bytes) fails its checksum: the stream was "
+            "corrupted in flight; nothing was applied",
+            route, entries[failure.route].bytes));
+      case DeviceDelta::ApplyError::kChunkTable:
+        return Status::Corruption(fmt::format(
+            "delta stream: {}: its chunk table is malformed; nothing was applied", route));
+      case DeviceDelta::ApplyError::kCodes:
+        return Status::Corruption(fmt::format(
+            "delta stream: {}: malformed position or exception codes (the route was applied in "
+            "part)",
+            route));
+      case DeviceDelta::ApplyError::kResult:
+        return Status::Corruption(fmt::format(
+            "delta: {}: the applied changes differ from what the trainer computed ({} elements, "
+            "digest +{:016x}): this engine rank's base differs from the trainer's kept copy at an "
+            "element that changed",
+            route, entries[failure.route].changed, entries[failure.route].digest_delta));
+      case DeviceDelta::ApplyError::kNone:
+        break;
+    }
+    return r.status();
+  }
+
   void set_seed(std::uint64_t seed) { model_seed_ = seed; }
   void set_copy_engine(env::CopyEngineUse use) { copy_engine_ = use; }
 
@@ -330,6 +402,14 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   Status on_device() const { return set_device(device_); }
 
   Status sync(const char* what) { return synchronize_stream(stream_.handle(), timeout_, what); }
+
+  WeightsParams weights_params(const RankModel& model, int step, DType via) const {
+    const WeightUpdate& u = model.weights->update();
+    return WeightsParams{.seed = model_seed_,
+                         .step = step,
+                         .via = via,
+                         .adam_lr = u.kind == WeightUpdate::Kind::kAdam ? u.lr : 0.0f};
+  }
 
   // A run list's identity and content (lists are built once and reused by every refit).
   using RunsKey = std::tuple<const void*, std::size_t, std::uint64_t>;
@@ -577,6 +657,39 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     return &tables_.emplace(key, std::move(tab)).first->second;
   }
 
+  static std::int64_t delta_elements(const std::vector<DeltaRoute>& routes) {
+    std::int64_t n = 0;
+    for (const DeltaRoute& r : routes) n += r.elements();
+    return n;
+  }
+
+  // A delta list uploaded once, cached by the list's identity and content and the chunk size.
+  Result<DeviceDelta*> device_delta(const std::vector<DeltaRoute>& routes,
+                                    const DeltaOptions& options) {
+    REFIT_RETURN_IF_ERROR(on_device());
+    std::uint64_t h = 1469598103934665603ull;
+    auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    for (const DeltaRoute& r : routes) {
+      for (std::int64_t v : {r.block.src_offset, r.block.src_stride, r.block.dst_offset,
+                             r.block.dst_stride, r.block.rows, r.block.cols, r.kept, r.key_stride})
+        mix(static_cast<std::uint64_t>(v));
+      mix(reinterpret_cast<std::uintptr_t>(r.src));
+      mix(reinterpret_cast<std::uintptr_t>(r.dst));
+      mix(r.key);
+      mix(r.tag);
+      mix(static_cast<std::uint64_t>(r.src_dtype) << 8 | static_cast<std::uint64_t>(r.wire_dtype));
+    }
+    mix(static_cast<std::uint64_t>(options.chunk_log2));
+    const RunsKey key{static_cast<const void*>(routes.data()), routes.size(), h};
+    auto it = deltas_.find(key);
+    if (it != deltas_.end()) return it->second.get();
+    REFIT_RETURN_IF_ERROR(check_delta_routes(routes, options));
+    if (deltas_.size() >= 64) deltas_.clear();  // lists rebuilt: drop the stale uploads
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDelta> d,
+                           DeviceDelta::create(routes, options.chunk_log2, device_));
+    return deltas_.emplace(key, std::move(d)).first->second.get();
+  }
+
   static constexpr std::size_t kMaxCachedTables = 4096;
   // REFIT_COPY_ENGINE=auto: the copy engines' share of the bytes (0.45-0.6 measured equal).
   static constexpr double kCopyEngineShare = 0.5;
@@ -591,6 +704,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   std::map<RunsKey, SumTable> sums_;
   std::map<RunsKey, DeviceQuantTable> quant_;
   std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
+  std::map<RunsKey, std::unique_ptr<DeviceDelta>> deltas_;
 };
 
 }  // namespace

@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
 #include "common/piece.h"
 #include "io/safetensors.h"
 
@@ -24,6 +28,34 @@ inline float unit(std::uint64_t bits24) {
 }
 
 }  // namespace
+
+Result<WeightUpdate> parse_weight_update(std::string_view text) {
+  auto bad = [&](const std::string& why) {
+    return Status::InvalidArgument(fmt::format(
+        "--update {}: {}; accepted: drift (the default: every element moves by up to 1/128 per "
+        "step) or adam:LR (each element moves by about LR per step, LR a number in (0, 1), e.g. "
+        "adam:1e-6)",
+        text, why));
+  };
+  if (text == "drift") return WeightUpdate{};
+  if (text.substr(0, 5) != "adam:") return bad("unknown update");
+  const std::string lr(text.substr(5));
+  char* end = nullptr;
+  const double v = std::strtod(lr.c_str(), &end);
+  if (lr.empty() || end != lr.c_str() + lr.size() || !std::isfinite(v) || v <= 0 || v >= 1)
+    return bad(fmt::format("'{}' is not a learning rate in (0, 1)", lr));
+  return WeightUpdate{.kind = WeightUpdate::Kind::kAdam, .lr = static_cast<float>(v)};
+}
+
+std::string weight_update_name(const WeightUpdate& u) {
+  switch (u.kind) {
+    case WeightUpdate::Kind::kDrift:
+      return "drift";
+    case WeightUpdate::Kind::kAdam:
+      return fmt::format("adam:{}", u.lr);
+  }
+  return "?";
+}
 
 WeightSource::WeightSource(const ModelSpec& spec, std::uint64_t seed, const Checkpoint* checkpoint)
     : spec_(spec), seed_(seed), checkpoint_(checkpoint) {
@@ -91,6 +123,20 @@ void WeightSource::values(std::uint32_t tensor, std::int64_t begin, std::int64_t
       }
       base = base_buf.data();
     }
+  }
+  if (update_.kind == WeightUpdate::Kind::kAdam) {
+    // Exact in float32: u is a multiple of 2^-24 below 1/2 in magnitude, so 2u +- 1/2 has 24
+    // significant bits at most.
+    const float moved = s * update_.lr;
+    for (std::int64_t k = 0; k < n; ++k) {
+      const std::uint64_t h = mix(key ^ static_cast<std::uint64_t>(begin + k));
+      const float b = base ? base[k] : unit(h >> 40) * 0.2f;
+      const float u = unit(h);
+      const float a = 2.0f * u + (u < 0 ? -0.5f : 0.5f);
+      const float step_delta = moved * a;
+      out[k] = b + step_delta;
+    }
+    return;
   }
   for (std::int64_t k = 0; k < n; ++k) {
     const std::uint64_t h = mix(key ^ static_cast<std::uint64_t>(begin + k));

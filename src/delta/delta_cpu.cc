@@ -1,0 +1,779 @@
+// The delta component on host memory (delta/delta_cpu.h): every list is cut into chunks of
+// 2^chunk_log2 elements of one route, and the workers take ranges of chunks.
+#include "delta/delta_cpu.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "common/checksum.h"
+#include "common/convert.h"
+
+namespace refit {
+
+namespace df = delta_format;
+
+HostWorkers HostWorkers::inline_only() {
+  HostWorkers w;
+  w.count = 1;
+  w.run = [](std::int64_t items, const std::function<void(std::int64_t, std::int64_t, int)>& body) {
+    if (items > 0) body(0, items, 0);
+  };
+  return w;
+}
+
+std::uint64_t delta_words_checksum(const std::byte* p, std::uint64_t bytes,
+                                   std::uint64_t first_key) {
+  std::uint64_t sum = 0;
+  const std::uint64_t whole = bytes / 4;
+  for (std::uint64_t i = 0; i < whole; ++i) {
+    std::uint32_t w;
+    std::memcpy(&w, p + i * 4, 4);
+    sum += checksum_term(first_key + i, w);
+  }
+  if (bytes % 4 != 0) {
+    std::uint32_t w = 0;
+    std::memcpy(&w, p + whole * 4, bytes % 4);
+    sum += checksum_term(first_key + whole, w);
+  }
+  return sum;
+}
+
+namespace {
+
+// ---- bits ----
+
+void put_bits(std::uint32_t* w, std::uint64_t at, std::uint32_t v, int width) {
+  if (width == 0) return;
+  const std::uint64_t word = at >> 5;
+  const int off = static_cast<int>(at & 31);
+  const std::uint64_t x = static_cast<std::uint64_t>(v) << off;
+  w[word] |= static_cast<std::uint32_t>(x);
+  if (off + width > 32) w[word + 1] |= static_cast<std::uint32_t>(x >> 32);
+}
+
+// ---- routes and chunks ----
+
+// Global chunk numbering over a list: route i owns chunks [begin[i], begin[i + 1]).
+struct ChunkIndex {
+  std::vector<std::int64_t> begin;
+  int log2 = 13;
+  std::int64_t total() const { return begin.back(); }
+  std::size_t route_of(std::int64_t g) const {
+    return static_cast<std::size_t>(std::upper_bound(begin.begin(), begin.end(), g) -
+                                    begin.begin() - 1);
+  }
+};
+
+ChunkIndex index_chunks(const std::vector<DeltaRoute>& routes, int log2) {
+  ChunkIndex ix;
+  ix.log2 = log2;
+  ix.begin.reserve(routes.size() + 1);
+  ix.begin.push_back(0);
+  for (const DeltaRoute& r : routes)
+    ix.begin.push_back(ix.begin.back() + static_cast<std::int64_t>(df::chunk_count(
+                                             static_cast<std::uint64_t>(r.elements()), log2)));
+  return ix;
+}
+
+// The chunk's first element in its route and its element count.
+struct ChunkSpan {
+  std::size_t route = 0;
+  std::int64_t first = 0;
+  std::uint32_t elems = 0;
+};
+ChunkSpan chunk_span(const ChunkIndex& ix, const std::vector<DeltaRoute>& routes, std::int64_t g) {
+  ChunkSpan s;
+  s.route = ix.route_of(g);
+  s.first = (g - ix.begin[s.route]) << ix.log2;
+  s.elems = static_cast<std::uint32_t>(
+      std::min<std::int64_t>(std::int64_t{1} << ix.log2, routes[s.route].elements() - s.first));
+  return s;
+}
+
+std::int64_t total_elements(const std::vector<DeltaRoute>& routes) {
+  std::int64_t n = 0;
+  for (const DeltaRoute& r : routes) n += r.elements();
+  return n;
+}
+
+// Runs body over [0, items) on the workers, or on this thread when the list is small.
+void run_items(const HostWorkers& workers, const DeltaOptions& o, std::int64_t elements,
+               std::int64_t items, const std::function<void(std::int64_t, std::int64_t, int)>& body) {
+  if (items <= 0) return;
+  if (workers.count <= 1 || !workers.run || elements < o.parallel_min_elements || items == 1) {
+    body(0, items, 0);
+    return;
+  }
+  workers.run(items, body);
+}
+
+// Calls f(k, key) for the chunk's elements k = 0 .. elems-1 in order, with k's digest key, and
+// row(r, c, k0, len) before each row segment (element (r, c) of the route is the chunk's k0).
+template <class Row, class F>
+void walk_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, Row&& row, F&& f) {
+  const std::int64_t cols = r.block.cols;
+  std::int64_t rr = first / cols, cc = first % cols;
+  std::int64_t k = 0;
+  while (k < elems) {
+    const std::int64_t len = std::min<std::int64_t>(cols - cc, elems - k);
+    row(rr, cc, k, len);
+    const std::uint64_t key0 = r.key + static_cast<std::uint64_t>(rr) *
+                                           static_cast<std::uint64_t>(r.key_stride) +
+                               static_cast<std::uint64_t>(cc);
+    for (std::int64_t i = 0; i < len; ++i) f(k + i, key0 + static_cast<std::uint64_t>(i));
+    k += len;
+    cc = 0;
+    ++rr;
+  }
+}
+
+// The new values of a chunk, in the wire dtype, into `out`.
+void read_new(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, std::byte* out) {
+  const Block2D& b = r.block;
+  const std::int64_t cols = b.cols;
+  std::int64_t rr = first / cols, cc = first % cols, k = 0;
+  const std::size_t esize = dtype_size(r.wire_dtype);
+  while (k < elems) {
+    const std::int64_t len = std::min<std::int64_t>(cols - cc, elems - k);
+    convert_block(r.src, r.src_dtype, b.src_offset + rr * b.src_stride + cc, 0,
+                  out + static_cast<std::size_t>(k) * esize, r.wire_dtype, 0, 0, 1, len);
+    k += len;
+    cc = 0;
+    ++rr;
+  }
+}
+
+std::byte* dst_at(const DeltaRoute& r, std::int64_t rr, std::int64_t cc) {
+  const std::size_t esize = dtype_size(r.wire_dtype);
+  return r.dst + static_cast<std::size_t>(r.block.dst_offset + rr * r.block.dst_stride + cc) * esize;
+}
+
+template <class F>
+void dispatch_esize(std::size_t esize, F&& f) {
+  switch (esize) {
+    case 1:
+      f(std::uint8_t{});
+      return;
+    case 2:
+      f(std::uint16_t{});
+      return;
+    default:
+      f(std::uint32_t{});
+      return;
+  }
+}
+
+// ---- encode ----
+
+struct ChunkOut {
+  std::uint32_t info = 0;
+  std::uint32_t bytes = 0;  // of its data (4-aligned)
+  int worker = 0;
+  std::uint64_t word = 0;  // where its data starts in the worker's arena
+  std::uint64_t digest = 0;
+};
+
+struct Change {
+  std::uint32_t pos;
+  std::int32_t neg;      // 1: d < 0
+  std::uint32_t mag;     // |d|
+};
+
+// Codes one chunk's changes (positions increasing) into the worker's arena.
+void code_chunk(const std::vector<Change>& ch, std::uint32_t elems, int esize,
+                const std::byte* raw_new, ChunkOut& out, std::vector<std::uint32_t>& arena) {
+  const auto n = static_cast<std::uint32_t>(ch.size());
+  if (n == 0) return;
+  std::uint32_t m = 0;
+  int W = 0;
+  for (const Change& c : ch)
+    if (c.mag >= 2) ++m, W = std::max(W, df::bit_width(c.mag - 2));
+  const df::ChunkFields f = df::chunk_fields(n, m, W, elems);
+  const bool dense = df::chunk_goes_dense(f.bits, elems, esize);
+  const std::uint64_t bytes = df::chunk_data_bytes(n, dense, f.bits, elems, esize);
+  out.info = df::chunk_info(n, f.L, m > 0 && !dense, dense);
+  out.bytes = static_cast<std::uint32_t>(bytes);
+  out.word = arena.size();
+  arena.resize(arena.size() + bytes / 4, 0);
+  std::uint32_t* w = arena.data() + out.word;
+  if (dense) {
+    std::memcpy(w, raw_new, static_cast<std::size_t>(elems) * static_cast<std::size_t>(esize));
+    return;
+  }
+  if (m > 0) w[0] = df::exceptions_word(m, f.Le, W);
+  const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
+  std::uint32_t e = 0;
+  for (std::uint32_t j = 0; j < n; ++j) {
+    const Change& c = ch[j];
+    put_bits(w, f.low + static_cast<std::uint64_t>(j) * f.L, c.pos & low_mask, f.L);
+    if (c.neg) put_bits(w, f.sign + j, 1, 1);
+    put_bits(w, f.high + (c.pos >> f.L) + j, 1, 1);
+    if (c.mag >= 2) {
+      put_bits(w, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask, f.Le);
+      put_bits(w, f.exc_mag + static_cast<std::uint64_t>(e) * W, c.mag - 2, W);
+      put_bits(w, f.exc_high + (j >> f.Le) + e, 1, 1);
+      ++e;
+    }
+  }
+}
+
+// Compares a chunk's new values (`fresh`) with the kept copy and updates the kept copy where
+// they differ; the changes go to `changes` (positions increasing). Returns the digest delta.
+template <class T>
+std::uint64_t compare_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems,
+                            const T* fresh, T* kept, std::vector<Change>& changes) {
+  constexpr int width = 8 * sizeof(T);
+  std::uint64_t digest = 0;
+  walk_chunk(
+      r, first, elems, [](std::int64_t, std::int64_t, std::int64_t, std::int64_t) {},
+      [&](std::int64_t k, std::uint64_t key) {
+        const std::uint32_t nv = fresh[k], ov = kept[k];
+        if (nv == ov) return;
+        digest += checksum_term(key, nv) - checksum_term(key, ov);
+        kept[k] = fresh[k];
+        const std::int64_t d = df::ordered_difference(ov, nv, width);
+        changes.push_back(Change{.pos = static_cast<std::uint32_t>(k),
+                                 .neg = d < 0 ? 1 : 0,
+                                 .mag = static_cast<std::uint32_t>(d < 0 ? -d : d)});
+      });
+  return digest;
+}
+
+}  // namespace
+
+Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                      std::byte* out, std::size_t capacity,
+                                      std::uint64_t base_digest, const DeltaOptions& o,
+                                      const HostWorkers& workers) {
+  REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
+  const std::int64_t elements = total_elements(routes);
+  std::vector<ChunkOut> chunks(static_cast<std::size_t>(ix.total()));
+  std::vector<std::vector<std::uint32_t>> arenas(static_cast<std::size_t>(std::max(1, workers.count)));
+  // Pass 1: compare, update the kept copy, code each chunk into its worker's arena.
+  run_items(workers, o, elements, ix.total(), [&](std::int64_t g0, std::int64_t g1, int worker) {
+    std::vector<std::byte> fresh(std::size_t{4} << ix.log2);
+    std::vector<Change> changes;
+    changes.reserve(std::size_t{1} << ix.log2);
+    auto& arena = arenas[static_cast<std::size_t>(worker)];
+    for (std::int64_t g = g0; g < g1; ++g) {
+      const ChunkSpan s = chunk_span(ix, routes, g);
+      const DeltaRoute& r = routes[s.route];
+      const std::size_t esize = dtype_size(r.wire_dtype);
+      read_new(r, s.first, s.elems, fresh.data());
+      std::byte* k = kept + r.kept + static_cast<std::size_t>(s.first) * esize;
+      changes.clear();
+      ChunkOut& c = chunks[static_cast<std::size_t>(g)];
+      c.worker = worker;
+      dispatch_esize(esize, [&](auto t) {
+        using T = decltype(t);
+        c.digest = compare_chunk(r, s.first, s.elems, reinterpret_cast<const T*>(fresh.data()),
+                                 reinterpret_cast<T*>(k), changes);
+      });
+      code_chunk(changes, s.elems, static_cast<int>(esize), fresh.data(), c, arena);
+    }
+  });
+  // Layout: per route its mode, payload offset and size.
+  std::vector<df::RouteEntry> entries(routes.size());
+  std::vector<std::uint64_t> data_offset(chunks.size(), 0);  // from the route's table end
+  std::uint64_t at = df::kHeaderBytes + sizeof(df::RouteEntry) * routes.size();
+  DeltaResult res;
+  res.elements = elements;
+  for (std::size_t i = 0; i < routes.size(); ++i) {
+    const DeltaRoute& r = routes[i];
+    df::RouteEntry& e = entries[i];
+    e.tag = r.tag;
+    e.esize = static_cast<std::uint8_t>(dtype_size(r.wire_dtype));
+    e.chunk_log2 = static_cast<std::uint8_t>(ix.log2);
+    e.elements = static_cast<std::uint64_t>(r.elements());
+    std::uint64_t data = 0;
+    const auto c0 = static_cast<std::size_t>(ix.begin[i]), c1 = static_cast<std::size_t>(ix.begin[i + 1]);
+    for (std::size_t g = c0; g < c1; ++g) {
+      data_offset[g] = data;
+      data += chunks[g].bytes;
+      e.changed += df::info_count(chunks[g].info);
+      e.digest_delta += chunks[g].digest;
+    }
+    const std::uint64_t sparse = sizeof(df::ChunkEntry) * (c1 - c0) + data;
+    const std::uint64_t raw = e.elements * e.esize;
+    if (e.changed == 0) {
+      e.mode = df::kUnchanged;
+    } else if (static_cast<double>(sparse) >= o.dense_ratio * static_cast<double>(raw) ||
+               data > std::numeric_limits<std::uint32_t>::max()) {
+      e.mode = df::kDense;
+      e.bytes = raw;
+    } else {
+      e.mode = df::kSparse;
+      e.bytes = sparse;
+    }
+    at = df::align8(at);
+    e.offset = e.mode == df::kUnchanged ? 0 : at;
+    at += e.bytes;
+    res.changed += static_cast<std::int64_t>(e.changed);
+    res.digest_delta += e.digest_delta;
+    res.routes_unchanged += e.mode == df::kUnchanged;
+    res.routes_sparse += e.mode == df::kSparse;
+    res.routes_dense += e.mode == df::kDense;
+  }
+  const std::uint64_t total = df::align8(at);
+  if (total > capacity)
+    return Status::Internal(fmt::format(
+        "delta: the stream of {} routes takes {} bytes, more than the {} of its buffer", routes.size(),
+        total, capacity));
+  // Pass 2: payloads and their checksums, chunk by chunk.
+  std::vector<std::uint64_t> chunk_sum(chunks.size(), 0);
+  run_items(workers, o, elements, ix.total(), [&](std::int64_t g0, std::int64_t g1, int) {
+    for (std::int64_t g = g0; g < g1; ++g) {
+      const ChunkSpan s = chunk_span(ix, routes, g);
+      const df::RouteEntry& e = entries[s.route];
+      const std::int64_t k = g - ix.begin[s.route];
+      std::byte* payload = out + e.offset;
+      const ChunkOut& c = chunks[static_cast<std::size_t>(g)];
+      std::uint64_t sum = 0;
+      if (e.mode == df::kDense) {
+        const std::uint64_t b0 = static_cast<std::uint64_t>(s.first) * e.esize;
+        const std::uint64_t len = static_cast<std::uint64_t>(s.elems) * e.esize;
+        std::memcpy(payload + b0, kept + routes[s.route].kept + b0, len);
+        sum = delta_words_checksum(payload + b0, len, b0 / 4);
+      } else if (e.mode == df::kSparse) {
+        const std::uint64_t nchunks =
+            static_cast<std::uint64_t>(ix.begin[s.route + 1] - ix.begin[s.route]);
+        const df::ChunkEntry entry{
+            .offset = static_cast<std::uint32_t>(data_offset[static_cast<std::size_t>(g)]),
+            .info = c.info};
+        std::memcpy(payload + static_cast<std::uint64_t>(k) * sizeof(df::ChunkEntry), &entry,
+                    sizeof(entry));
+        sum = checksum_term(static_cast<std::uint64_t>(2 * k), entry.offset) +
+              checksum_term(static_cast<std::uint64_t>(2 * k + 1), entry.info);
+        const std::uint64_t table = nchunks * sizeof(df::ChunkEntry);
+        std::byte* data = payload + table + data_offset[static_cast<std::size_t>(g)];
+        if (c.bytes > 0) {
+          std::memcpy(data, arenas[static_cast<std::size_t>(c.worker)].data() + c.word, c.bytes);
+          sum += delta_words_checksum(data, c.bytes,
+                                      (table + data_offset[static_cast<std::size_t>(g)]) / 4);
+        }
+      }
+      chunk_sum[static_cast<std::size_t>(g)] = sum;
+    }
+  });
+  for (std::size_t i = 0; i < routes.size(); ++i) {
+    for (auto g = static_cast<std::size_t>(ix.begin[i]); g < static_cast<std::size_t>(ix.begin[i + 1]); ++g)
+      entries[i].payload_checksum += chunk_sum[g];
+    // Padding to the next payload reads as zero, never as old bytes of the buffer.
+    const std::uint64_t end = entries[i].offset + entries[i].bytes;
+    if (entries[i].mode != df::kUnchanged && df::align8(end) > end)
+      std::memset(out + end, 0, df::align8(end) - end);
+  }
+  df::StreamHeader h;
+  h.routes = static_cast<std::uint32_t>(routes.size());
+  h.total_bytes = total;
+  h.base_digest = base_digest;
+  std::memcpy(out + df::kHeaderBytes, entries.data(), sizeof(df::RouteEntry) * entries.size());
+  std::memcpy(out, &h, sizeof(h));
+  h.header_checksum = delta_words_checksum(out, df::kHeaderChecksumWords * 4, 0) +
+                      delta_words_checksum(out + df::kHeaderBytes,
+                                           sizeof(df::RouteEntry) * entries.size(),
+                                           df::kDirectoryKey0);
+  std::memcpy(out, &h, sizeof(h));
+  res.stream_bytes = static_cast<std::size_t>(total);
+  return res;
+}
+
+Result<DeltaResult> delta_capture_host(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                       const DeltaOptions& o, const HostWorkers& workers) {
+  REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
+  const std::int64_t elements = total_elements(routes);
+  std::vector<std::uint64_t> sums(static_cast<std::size_t>(ix.total()), 0);
+  run_items(workers, o, elements, ix.total(), [&](std::int64_t g0, std::int64_t g1, int) {
+    for (std::int64_t g = g0; g < g1; ++g) {
+      const ChunkSpan s = chunk_span(ix, routes, g);
+      const DeltaRoute& r = routes[s.route];
+      const std::size_t esize = dtype_size(r.wire_dtype);
+      std::byte* k = kept + r.kept + static_cast<std::size_t>(s.first) * esize;
+      read_new(r, s.first, s.elems, k);
+      std::uint64_t sum = 0;
+      dispatch_esize(esize, [&](auto t) {
+        using T = decltype(t);
+        const T* v = reinterpret_cast<const T*>(k);
+        walk_chunk(
+            r, s.first, s.elems, [](std::int64_t, std::int64_t, std::int64_t, std::int64_t) {},
+            [&](std::int64_t i, std::uint64_t key) { sum += checksum_term(key, v[i]); });
+      });
+      sums[static_cast<std::size_t>(g)] = sum;
+    }
+  });
+  DeltaResult res;
+  res.elements = elements;
+  for (std::uint64_t s : sums) res.digest_delta += s;
+  return res;
+}
+
+Result<DeltaResult> delta_patch_host(const std::vector<DeltaRoute>& routes, std::byte* kept,
+                                     const DeltaOptions& o, const HostWorkers& workers) {
+  REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
+  const std::int64_t elements = total_elements(routes);
+  std::vector<std::uint64_t> sums(static_cast<std::size_t>(ix.total()), 0);
+  std::vector<std::int64_t> changed(static_cast<std::size_t>(ix.total()), 0);
+  run_items(workers, o, elements, ix.total(), [&](std::int64_t g0, std::int64_t g1, int) {
+    std::vector<std::byte> fresh(std::size_t{4} << ix.log2);
+    for (std::int64_t g = g0; g < g1; ++g) {
+      const ChunkSpan s = chunk_span(ix, routes, g);
+      const DeltaRoute& r = routes[s.route];
+      const std::size_t esize = dtype_size(r.wire_dtype);
+      read_new(r, s.first, s.elems, fresh.data());
+      std::byte* k = kept + r.kept + static_cast<std::size_t>(s.first) * esize;
+      std::uint64_t sum = 0;
+      std::int64_t n = 0;
+      dispatch_esize(esize, [&](auto t) {
+        using T = decltype(t);
+        const T* nv = reinterpret_cast<const T*>(fresh.data());
+        T* kv = reinterpret_cast<T*>(k);
+        std::int64_t rr = 0, cc = 0, k0 = 0;
+        walk_chunk(
+            r, s.first, s.elems,
+            [&](std::int64_t row, std::int64_t col, std::int64_t first_k, std::int64_t) {
+              rr = row, cc = col, k0 = first_k;
+            },
+            [&](std::int64_t i, std::uint64_t key) {
+              if (nv[i] == kv[i]) return;
+              sum += checksum_term(key, nv[i]) - checksum_term(key, kv[i]);
+              kv[i] = nv[i];
+              std::memcpy(dst_at(r, rr, cc + (i - k0)), &nv[i], sizeof(T));
+              ++n;
+            });
+      });
+      sums[static_cast<std::size_t>(g)] = sum;
+      changed[static_cast<std::size_t>(g)] = n;
+    }
+  });
+  DeltaResult res;
+  res.elements = elements;
+  for (std::size_t g = 0; g < sums.size(); ++g) {
+    res.digest_delta += sums[g];
+    res.changed += changed[g];
+  }
+  return res;
+}
+
+Result<std::vector<df::RouteEntry>> read_stream_directory(const std::vector<DeltaRoute>& routes,
+                                                          const std::byte* head, std::size_t bytes,
+                                                          std::uint64_t base_digest,
+                                                          const DeltaOptions& o) {
+  auto corrupt = [](const std::string& what) {
+    return Status::Corruption("delta stream: " + what);
+  };
+  if (bytes < df::kHeaderBytes)
+    return corrupt(fmt::format("{} bytes is shorter than its {}-byte header", bytes, df::kHeaderBytes));
+  df::StreamHeader h;
+  std::memcpy(&h, head, sizeof(h));
+  if (h.magic != df::kMagic)
+    return corrupt(fmt::format("bad magic 0x{:08x} (a delta stream starts with 0x{:08x})", h.magic,
+                               df::kMagic));
+  if (h.version != df::kVersion)
+    return corrupt(fmt::format("format version {}, this build reads version {}", h.version,
+                               df::kVersion));
+  if (h.total_bytes != bytes)
+    return corrupt(fmt::format("its header says {} bytes, {} arrived", h.total_bytes, bytes));
+  if (h.routes != routes.size())
+    return corrupt(fmt::format("it holds {} routes, this receiver expects {}", h.routes,
+                               routes.size()));
+  const std::uint64_t dir_bytes = sizeof(df::RouteEntry) * routes.size();
+  if (bytes < df::kHeaderBytes + dir_bytes)
+    return corrupt(fmt::format("{} bytes cannot hold the directory of {} routes", bytes, routes.size()));
+  const std::uint64_t sum = delta_words_checksum(head, df::kHeaderChecksumWords * 4, 0) +
+                            delta_words_checksum(head + df::kHeaderBytes, dir_bytes, df::kDirectoryKey0);
+  if (sum != h.header_checksum)
+    return corrupt("its header and directory fail their checksum: the stream was corrupted");
+  if (h.base_digest != base_digest)
+    return Status::Corruption(fmt::format(
+        "delta stream: computed against the base with digest {:016x}, but this receiver holds the "
+        "base {:016x}: a delta applies only to the exact base it was computed against (send the "
+        "full routes instead)",
+        h.base_digest, base_digest));
+  std::vector<df::RouteEntry> entries(routes.size());
+  std::memcpy(entries.data(), head + df::kHeaderBytes, dir_bytes);
+  std::uint64_t end = df::kHeaderBytes + dir_bytes;
+  for (std::size_t i = 0; i < routes.size(); ++i) {
+    const df::RouteEntry& e = entries[i];
+    const DeltaRoute& r = routes[i];
+    auto bad = [&](const std::string& what) {
+      return Status::Corruption(
+          fmt::format("delta stream: {}: {}", describe_route(o, r.tag), what));
+    };
+    if (e.tag != r.tag)
+      return bad(fmt::format("entry {} is for route tag {}, expected here", i, e.tag));
+    if (e.elements != static_cast<std::uint64_t>(r.elements()))
+      return bad(fmt::format("{} elements in the stream, {} in this receiver's route", e.elements,
+                             r.elements()));
+    if (e.esize != dtype_size(r.wire_dtype))
+      return bad(fmt::format("{}-byte elements in the stream, {} ({} bytes) here", e.esize,
+                             dtype_name(r.wire_dtype), dtype_size(r.wire_dtype)));
+    const std::uint64_t raw = e.elements * e.esize;
+    switch (e.mode) {
+      case df::kUnchanged:
+        if (e.bytes != 0 || e.changed != 0 || e.digest_delta != 0)
+          return bad("an unchanged route with a payload");
+        continue;
+      case df::kDense:
+        if (e.bytes != raw) return bad(fmt::format("a dense payload of {} bytes, not {}", e.bytes, raw));
+        break;
+      case df::kSparse:
+        if (e.chunk_log2 < df::kMinChunkLog2 || e.chunk_log2 > df::kMaxChunkLog2)
+          return bad(fmt::format("chunks of 2^{} elements", e.chunk_log2));
+        if (e.bytes < sizeof(df::ChunkEntry) * df::chunk_count(e.elements, e.chunk_log2))
+          return bad(fmt::format("a sparse payload of {} bytes is shorter than its table", e.bytes));
+        break;
+      default:
+        return bad(fmt::format("unknown payload mode {}", e.mode));
+    }
+    if (e.changed == 0 || e.changed > e.elements)
+      return bad(fmt::format("{} changed elements of {}", e.changed, e.elements));
+    if (e.offset % 8 != 0 || e.offset < end || e.offset + e.bytes > bytes || e.offset + e.bytes < e.offset)
+      return bad(fmt::format("its payload [{}, +{}) lies outside the stream's free bytes [{}, {})",
+                             e.offset, e.bytes, end, bytes));
+    end = e.offset + e.bytes;
+  }
+  return entries;
+}
+
+namespace {
+
+// One piece of apply's work: a chunk of a route (sparse: the chunk of its table; dense: 2^log2
+// elements).
+struct ApplyOut {
+  std::int64_t changed = 0;
+  std::uint64_t digest = 0;
+  std::string error;  // empty: fine
+};
+
+std::string chunk_error_text(int error) {
+  switch (error) {
+    case df::kChunkBadOffset:
+      return "its data offset is unaligned or past the next chunk's";
+    case df::kChunkBadCount:
+      return "more changes than elements";
+    case df::kChunkBadFlags:
+      return "unknown flags";
+    case df::kChunkBadExceptions:
+      return "a bad exceptions word";
+    case df::kChunkBadLowBits:
+      return "low-bit counts other than its counts imply";
+    case df::kChunkShort:
+      return "its data runs past its extent";
+    default:
+      return "malformed";
+  }
+}
+
+// Applies one sparse chunk at dst (never writes outside the chunk's elements).
+template <class T>
+void apply_sparse_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems,
+                        const std::uint32_t* words, const df::ChunkView& v, ApplyOut& out) {
+  constexpr int width = 8 * sizeof(T);
+  const std::int64_t cols = r.block.cols;
+  const bool ok = df::decode_chunk(words, v, elems, [&](std::uint32_t p, bool neg, std::uint32_t mag) {
+    const std::int64_t e = first + static_cast<std::int64_t>(p);
+    const std::int64_t rr = e / cols, cc = e % cols;
+    std::byte* at = dst_at(r, rr, cc);
+    T old;
+    std::memcpy(&old, at, sizeof(T));
+    const T nv = static_cast<T>(df::add_ordered(old, neg ? -static_cast<std::int64_t>(mag) : mag, width));
+    const std::uint64_t key = r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
+                              static_cast<std::uint64_t>(cc);
+    out.digest += checksum_term(key, nv) - checksum_term(key, old);
+    std::memcpy(at, &nv, sizeof(T));
+    ++out.changed;
+  });
+  if (!ok) out.error = "malformed position or exception codes";
+}
+
+// Raw new bits of elements [first, first + elems) of a route at `raw`: compare, write what
+// differs.
+template <class T>
+void apply_raw(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, const std::byte* raw,
+               ApplyOut& out) {
+  std::int64_t rr = 0, cc = 0, k0 = 0;
+  walk_chunk(
+      r, first, elems,
+      [&](std::int64_t row, std::int64_t col, std::int64_t first_k, std::int64_t) {
+        rr = row, cc = col, k0 = first_k;
+      },
+      [&](std::int64_t i, std::uint64_t key) {
+        T nv, old;
+        std::memcpy(&nv, raw + i * static_cast<std::int64_t>(sizeof(T)), sizeof(T));
+        std::byte* at = dst_at(r, rr, cc + (i - k0));
+        std::memcpy(&old, at, sizeof(T));
+        if (nv == old) return;
+        out.digest += checksum_term(key, nv) - checksum_term(key, old);
+        std::memcpy(at, &nv, sizeof(T));
+        ++out.changed;
+      });
+}
+
+}  // namespace
+
+Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, const std::byte* stream,
+                                     std::size_t bytes, std::uint64_t base_digest,
+                                     const DeltaOptions& o, const HostWorkers& workers) {
+  REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  if (reinterpret_cast<std::uintptr_t>(stream) % 8 != 0)
+    return Status::InvalidArgument("delta: a stream must start at an 8-byte boundary");
+  REFIT_ASSIGN_OR_RETURN(std::vector<df::RouteEntry> entries,
+                         read_stream_directory(routes, stream, bytes, base_digest, o));
+  const std::int64_t elements = total_elements(routes);
+  // Pass 1: every payload against its checksum, in pieces of 2^16 words.
+  constexpr std::uint64_t kPieceWords = std::uint64_t{1} << 16;
+  struct Piece {
+    std::size_t route;
+    std::uint64_t word0, words;
+  };
+  std::vector<Piece> pieces;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const std::uint64_t words = (entries[i].bytes + 3) / 4;
+    for (std::uint64_t w = 0; w < words; w += kPieceWords)
+      pieces.push_back({i, w, std::min(kPieceWords, words - w)});
+  }
+  std::vector<std::uint64_t> piece_sum(pieces.size(), 0);
+  run_items(workers, o, static_cast<std::int64_t>(bytes / 2), static_cast<std::int64_t>(pieces.size()),
+            [&](std::int64_t p0, std::int64_t p1, int) {
+              for (std::int64_t p = p0; p < p1; ++p) {
+                const Piece& pc = pieces[static_cast<std::size_t>(p)];
+                const df::RouteEntry& e = entries[pc.route];
+                const std::uint64_t b0 = pc.word0 * 4;
+                const std::uint64_t len = std::min<std::uint64_t>(pc.words * 4, e.bytes - b0);
+                piece_sum[static_cast<std::size_t>(p)] =
+                    delta_words_checksum(stream + e.offset + b0, len, pc.word0);
+              }
+            });
+  std::vector<std::uint64_t> route_sum(entries.size(), 0);
+  for (std::size_t p = 0; p < pieces.size(); ++p) route_sum[pieces[p].route] += piece_sum[p];
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    if (route_sum[i] != entries[i].payload_checksum)
+      return Status::Corruption(fmt::format(
+          "delta stream: {}: its payload ({} bytes) fails its checksum: the stream was corrupted "
+          "in flight; nothing was applied",
+          describe_route(o, routes[i].tag), entries[i].bytes));
+  // Pass 2: every sparse chunk's table entry and counts (nothing is written yet).
+  // Work items: per sparse route its chunks (of its own size), per dense route pieces of
+  // 2^chunk_log2 elements.
+  struct Item {
+    std::size_t route;
+    std::uint64_t k;
+  };
+  std::vector<Item> items;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const df::RouteEntry& e = entries[i];
+    if (e.mode == df::kUnchanged) continue;
+    const int log2 = e.mode == df::kSparse ? e.chunk_log2 : o.chunk_log2;
+    for (std::uint64_t k = 0; k < df::chunk_count(e.elements, log2); ++k) items.push_back({i, k});
+  }
+  auto item_span = [&](const Item& it) {
+    const df::RouteEntry& e = entries[it.route];
+    const int log2 = e.mode == df::kSparse ? e.chunk_log2 : o.chunk_log2;
+    const std::uint64_t first = it.k << log2;
+    return std::make_pair(static_cast<std::int64_t>(first),
+                          static_cast<std::uint32_t>(
+                              std::min<std::uint64_t>(std::uint64_t{1} << log2, e.elements - first)));
+  };
+  std::vector<ApplyOut> outs(items.size());
+  std::vector<df::ChunkView> views(items.size());
+  run_items(workers, o, elements, static_cast<std::int64_t>(items.size()),
+            [&](std::int64_t i0, std::int64_t i1, int) {
+              for (std::int64_t i = i0; i < i1; ++i) {
+                const Item& it = items[static_cast<std::size_t>(i)];
+                const df::RouteEntry& e = entries[it.route];
+                if (e.mode != df::kSparse) continue;
+                df::ChunkView& v = views[static_cast<std::size_t>(i)];
+                v = df::check_chunk(reinterpret_cast<const unsigned char*>(stream + e.offset),
+                                    e.bytes, df::chunk_count(e.elements, e.chunk_log2), it.k,
+                                    item_span(it).second, e.esize);
+                if (v.error != df::kChunkOk)
+                  outs[static_cast<std::size_t>(i)].error =
+                      fmt::format("chunk {}: {}", it.k, chunk_error_text(v.error));
+              }
+            });
+  {
+    std::vector<std::uint64_t> counted(entries.size(), 0);
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      if (!outs[i].error.empty())
+        return Status::Corruption(fmt::format("delta stream: {}: {}",
+                                              describe_route(o, routes[items[i].route].tag),
+                                              outs[i].error));
+      counted[items[i].route] += views[i].n;
+    }
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      if (entries[i].mode == df::kSparse && counted[i] != entries[i].changed)
+        return Status::Corruption(fmt::format(
+            "delta stream: {}: its chunks hold {} changes, its directory says {}",
+            describe_route(o, routes[i].tag), counted[i], entries[i].changed));
+  }
+  // Pass 3: apply.
+  run_items(workers, o, elements, static_cast<std::int64_t>(items.size()),
+            [&](std::int64_t i0, std::int64_t i1, int) {
+              for (std::int64_t i = i0; i < i1; ++i) {
+                const Item& it = items[static_cast<std::size_t>(i)];
+                const df::RouteEntry& e = entries[it.route];
+                const DeltaRoute& r = routes[it.route];
+                const auto [first, elems] = item_span(it);
+                ApplyOut& out = outs[static_cast<std::size_t>(i)];
+                const df::ChunkView& v = views[static_cast<std::size_t>(i)];
+                const std::byte* data =
+                    stream + e.offset +
+                    (e.mode == df::kSparse
+                         ? df::chunk_count(e.elements, e.chunk_log2) * sizeof(df::ChunkEntry) + v.offset
+                         : 0);
+                dispatch_esize(e.esize, [&](auto t) {
+                  using T = decltype(t);
+                  if (e.mode == df::kDense) {
+                    apply_raw<T>(r, first, elems, data + static_cast<std::uint64_t>(first) * e.esize,
+                                 out);
+                  } else if (v.n == 0) {
+                    return;
+                  } else if (v.dense) {
+                    apply_raw<T>(r, first, elems, data, out);
+                  } else {
+                    apply_sparse_chunk<T>(r, first, elems,
+                                          reinterpret_cast<const std::uint32_t*>(data), v, out);
+                  }
+                });
+              }
+            });
+  DeltaResult res;
+  res.elements = elements;
+  res.stream_bytes = bytes;
+  std::vector<std::int64_t> changed(entries.size(), 0);
+  std::vector<std::uint64_t> digest(entries.size(), 0);
+  std::string first_error;
+  std::size_t error_route = 0;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (!outs[i].error.empty() && first_error.empty())
+      first_error = outs[i].error, error_route = items[i].route;
+    changed[items[i].route] += outs[i].changed;
+    digest[items[i].route] += outs[i].digest;
+  }
+  if (!first_error.empty())
+    return Status::Corruption(fmt::format("delta stream: {}: {} (the route was applied in part)",
+                                          describe_route(o, routes[error_route].tag), first_error));
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const df::RouteEntry& e = entries[i];
+    if (static_cast<std::uint64_t>(changed[i]) != e.changed || digest[i] != e.digest_delta)
+      return Status::Corruption(fmt::format(
+          "delta: {}: the applied changes ({} elements, digest +{:016x}) differ from what the "
+          "trainer computed ({} elements, +{:016x}): this engine rank's base differs from the "
+          "trainer's kept copy at an element that changed",
+          describe_route(o, routes[i].tag), changed[i], digest[i], e.changed, e.digest_delta));
+    res.changed += changed[i];
+    res.digest_delta += digest[i];
+    res.routes_unchanged += e.mode == df::kUnchanged;
+    res.routes_sparse += e.mode == df::kSparse;
+    res.routes_dense += e.mode == df::kDense;
+  }
+  return res;
+}
+
+}  // namespace refit
