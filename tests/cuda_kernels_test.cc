@@ -314,6 +314,20 @@ TEST(CudaKernels, GenerateMatchesWeightSource) {
     EXPECT_EQ(first_difference(download(gd, want.size()), want, dtype_size(c.out)), -1)
         << "via " << dtype_name(c.via) << " out " << dtype_name(c.out) << " step " << c.step;
   }
+  // --update adam:LR (weights/weights.h): the same values on the GPU.
+  WeightSource adam(e.spec, 1234, nullptr);
+  adam.set_update(WeightUpdate{.kind = WeightUpdate::Kind::kAdam, .lr = 1e-5f});
+  for (const Case c : {Case{DType::kFloat32, DType::kBFloat16, 3}, Case{DType::kFloat32, DType::kFloat32, 7},
+                       Case{DType::kBFloat16, DType::kBFloat16, 2}}) {
+    const auto want = cpu_generate(adam, e.runs, e.tags, c.step, c.via, c.out, e.elems);
+    GpuBuffer gd(want.size());
+    ASSERT_TRUE(fill_bytes_async(gd.data(), 0x77, want.size(), nullptr).ok());
+    const WeightsParams p{.seed = 1234, .step = c.step, .via = c.via, .adam_lr = 1e-5f};
+    ASSERT_TRUE(launch_generate(*table, p, gd.data(), c.out, nullptr).ok());
+    sync();
+    EXPECT_EQ(first_difference(download(gd, want.size()), want, dtype_size(c.out)), -1)
+        << "adam: via " << dtype_name(c.via) << " out " << dtype_name(c.out) << " step " << c.step;
+  }
 }
 
 TEST(CudaKernels, VerifyCountsExactlyTheCorruptedElements) {

@@ -11,7 +11,8 @@
 # REFIT_BUNDLE_WITH picks the large parts: tests (default: the CLI and refit_tests, for the CUDA
 # unit tests; no Python module on the GPU host), python (the CLI and librefit.a, for
 # refit_device.sh's python part; no CUDA unit tests), kernels (refit_tests and zero_copy_bench,
-# for kernels_gpu.sh; build it first: cmake --build build --target zero_copy_bench) or all.
+# for kernels_gpu.sh; build it first: cmake --build build --target zero_copy_bench), delta
+# (refit_tests and refit_delta_bench, for delta_gpu.sh) or all.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
@@ -19,12 +20,17 @@ dst=.bundle/refit
 rm -rf "$dst" && mkdir -p "$dst/bin" "$dst/lib" "$dst/include/refit"
 with=${REFIT_BUNDLE_WITH:-tests}
 case $with in
-  tests | python | kernels | all) ;;
-  *) echo "bundle.sh: REFIT_BUNDLE_WITH is tests, python, kernels or all" >&2; exit 2 ;;
+  tests | python | kernels | delta | all) ;;
+  *) echo "bundle.sh: REFIT_BUNDLE_WITH is tests, python, kernels, delta or all" >&2; exit 2 ;;
 esac
 has() { [ "$with" = all ] || [[ " $* " == *" $with "* ]]; }
 if has tests python; then strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"; fi
-if has tests kernels; then strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"; fi
+if has tests kernels delta; then
+  strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"
+fi
+if has delta; then
+  strip --strip-debug -o "$dst/bin/refit_delta_bench" "$build/tests/refit_delta_bench"
+fi
 if has python; then strip --strip-debug -o "$dst/lib/librefit.a" "$build/src/librefit.a"; fi
 if has kernels; then strip --strip-debug -o "$dst/bin/zero_copy_bench" "$build/zero_copy_bench"; fi
 cp "$build/include/refit/version.h" "$dst/include/refit/"

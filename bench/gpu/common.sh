@@ -3,7 +3,7 @@
 # last and keeps its logs in an output directory. Sets:
 #   root, the checkout;
 #   the refit binaries: R (the CLI), T (refit_tests), A (librefit.a), I (the generated headers:
-#     refit/version.h) and Z (zero_copy_bench) — from a bundle when there is one (bench/gpu/bundle.sh; REFIT_BUNDLE,
+#     refit/version.h), Z (zero_copy_bench) and D (refit_delta_bench) — from a bundle when there is one (bench/gpu/bundle.sh; REFIT_BUNDLE,
 #     default <checkout>/.bundle/refit), else from the build tree (REFIT_BUILD, default
 #     <checkout>/build, as `bash scripts/build.sh` makes it); REFIT_BIN overrides the CLI alone;
 #   the optional CLIs: SM80 (one built for sm_80 only: the bundle's refit-sm80, else
@@ -22,12 +22,12 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 bundle=${REFIT_BUNDLE:-$root/.bundle/refit}
 if [ -d "$bundle/bin" ]; then
   T=$bundle/bin/refit_tests A=$bundle/lib/librefit.a I=$bundle/include lib=$bundle/lib
-  Z=$bundle/bin/zero_copy_bench
+  Z=$bundle/bin/zero_copy_bench D=$bundle/bin/refit_delta_bench
   R=${REFIT_BIN:-$bundle/bin/refit} SM80=$bundle/bin/refit-sm80
 else
   build=${REFIT_BUILD:-$root/build}
   T=$build/tests/refit_tests A=$build/src/librefit.a I=$build/include lib=
-  Z=$build/zero_copy_bench
+  Z=$build/zero_copy_bench D=$build/tests/refit_delta_bench
   R=${REFIT_BIN:-$build/src/refit} SM80=$root/build-sm80/src/refit
 fi
 ALT=${REFIT_ALT_BIN:-$bundle/bin/refit-alt}

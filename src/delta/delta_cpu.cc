@@ -11,6 +11,10 @@
 #include "common/checksum.h"
 #include "common/convert.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace refit {
 
 namespace df = delta_format;
@@ -134,6 +138,10 @@ void walk_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, Ro
 void read_new(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, std::byte* out) {
   const Block2D& b = r.block;
   const std::int64_t cols = b.cols;
+  if (b.rows <= 1 || b.src_stride == cols) {  // the chunk is one run of the source
+    convert_block(r.src, r.src_dtype, b.src_offset + first, 0, out, r.wire_dtype, 0, 0, 1, elems);
+    return;
+  }
   std::int64_t rr = first / cols, cc = first % cols, k = 0;
   const std::size_t esize = dtype_size(r.wire_dtype);
   while (k < elems) {
@@ -144,6 +152,22 @@ void read_new(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, std:
     cc = 0;
     ++rr;
   }
+}
+
+// Element e of route r: its digest key and its place at dst (in elements), with divisions only
+// for routes whose rows are not contiguous there.
+std::uint64_t key_at(const DeltaRoute& r, std::int64_t e) {
+  if (r.block.rows <= 1 || r.key_stride == r.block.cols) return r.key + static_cast<std::uint64_t>(e);
+  const std::int64_t rr = e / r.block.cols, cc = e % r.block.cols;
+  return r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
+         static_cast<std::uint64_t>(cc);
+}
+std::byte* dst_elem(const DeltaRoute& r, std::int64_t e) {
+  const std::size_t esize = dtype_size(r.wire_dtype);
+  if (r.block.rows <= 1 || r.block.dst_stride == r.block.cols)
+    return r.dst + static_cast<std::size_t>(r.block.dst_offset + e) * esize;
+  const std::int64_t rr = e / r.block.cols, cc = e % r.block.cols;
+  return r.dst + static_cast<std::size_t>(r.block.dst_offset + rr * r.block.dst_stride + cc) * esize;
 }
 
 std::byte* dst_at(const DeltaRoute& r, std::int64_t rr, std::int64_t cc) {
@@ -220,26 +244,136 @@ void code_chunk(const std::vector<Change>& ch, std::uint32_t elems, int esize,
   }
 }
 
-// Compares a chunk's new values (`fresh`) with the kept copy and updates the kept copy where
-// they differ; the changes go to `changes` (positions increasing). Returns the digest delta.
+// What a compare does with each element that changed: update the kept copy (and dst when
+// patching), add to the digest delta, note the change for the coder.
 template <class T>
-std::uint64_t compare_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems,
-                            const T* fresh, T* kept, std::vector<Change>& changes) {
-  constexpr int width = 8 * sizeof(T);
+struct ChangeSink {
+  const DeltaRoute& r;
+  std::int64_t first;
+  T* kept;
+  std::vector<Change>* changes = nullptr;
+  bool patch = false;
   std::uint64_t digest = 0;
-  walk_chunk(
-      r, first, elems, [](std::int64_t, std::int64_t, std::int64_t, std::int64_t) {},
-      [&](std::int64_t k, std::uint64_t key) {
-        const std::uint32_t nv = fresh[k], ov = kept[k];
-        if (nv == ov) return;
-        digest += checksum_term(key, nv) - checksum_term(key, ov);
-        kept[k] = fresh[k];
-        const std::int64_t d = df::ordered_difference(ov, nv, width);
-        changes.push_back(Change{.pos = static_cast<std::uint32_t>(k),
-                                 .neg = d < 0 ? 1 : 0,
-                                 .mag = static_cast<std::uint32_t>(d < 0 ? -d : d)});
+  std::int64_t count = 0;
+  void operator()(std::uint32_t k, std::uint32_t nv, std::uint32_t ov) {
+    constexpr int width = 8 * sizeof(T);
+    const std::int64_t e = first + k;
+    const std::uint64_t key = key_at(r, e);
+    digest += checksum_term(key, nv) - checksum_term(key, ov);
+    const auto v = static_cast<T>(nv);
+    kept[k] = v;
+    if (patch) std::memcpy(dst_elem(r, e), &v, sizeof(T));
+    ++count;
+    if (changes != nullptr) {
+      const std::int64_t d = df::ordered_difference(ov, nv, width);
+      changes->push_back(Change{.pos = k,
+                                .neg = d < 0 ? 1 : 0,
+                                .mag = static_cast<std::uint32_t>(d < 0 ? -d : d)});
+    }
+  }
+};
+
+// `n` new values at `fresh` (wire dtype) against kept[k0 ..): blocks of 64 bytes that match are
+// skipped whole (a memcmp); at the densities of training most are.
+template <class T>
+void compare_run(const T* fresh, std::uint32_t k0, std::uint32_t n, ChangeSink<T>& sink) {
+  constexpr std::uint32_t kBlock = 64 / sizeof(T);
+  T* kept = sink.kept;
+  for (std::uint32_t b = 0; b < n; b += kBlock) {
+    const std::uint32_t e = std::min(n, b + kBlock);
+    if (std::memcmp(fresh + b, kept + k0 + b, (e - b) * sizeof(T)) == 0) continue;
+    for (std::uint32_t i = b; i < e; ++i)
+      if (fresh[i] != kept[k0 + i]) sink(k0 + i, fresh[i], kept[k0 + i]);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Eight float32 bits to bfloat16 bits in 32-bit lanes (common/convert.h: nearest even, NaN quiet).
+__attribute__((target("avx2"))) inline __m256i round_bf16_avx2(__m256i u) {
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                       _mm256_and_si256(hi, _mm256_set1_epi32(1))),
+      16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
+}
+
+// float32 -> bfloat16 and compare in one pass (16 elements a step, the rounding of
+// common/convert.h: nearest even, NaN quiet), for `n` contiguous source elements against
+// kept[k0 ..).
+__attribute__((target("avx2"))) void compare_f32_bf16_avx2(const std::byte* src, std::uint32_t k0,
+                                                           std::uint32_t n,
+                                                           ChangeSink<std::uint16_t>& sink) {
+  std::uint16_t* kept = sink.kept + k0;
+  alignas(32) std::uint16_t fresh[16];
+  std::uint32_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a =
+        round_bf16_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 4 * i)));
+    const __m256i b =
+        round_bf16_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 4 * i + 32)));
+    const __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    const __m256i old = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kept + i));
+    const auto same = static_cast<std::uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi16(v, old)));
+    if (same == 0xFFFFFFFFu) continue;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(fresh), v);
+    for (std::uint32_t j = 0; j < 16; ++j)
+      if (fresh[j] != kept[i + j]) sink(k0 + i + j, fresh[j], kept[i + j]);
+  }
+  for (; i < n; ++i) {
+    std::uint32_t u;
+    std::memcpy(&u, src + 4 * i, 4);
+    const std::uint16_t v = f32_bits_to_bf16(u);
+    if (v != kept[i]) sink(k0 + i, v, kept[i]);
+  }
+}
+#endif
+
+// Compares a chunk's new values with its kept copy in one pass over the source where it can: a
+// source in the wire dtype is compared in place, float32 -> bfloat16 is cast and compared at once
+// (AVX2); other casts go through `fresh`.
+template <class T>
+void compare_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems,
+                   std::vector<std::byte>& fresh, ChangeSink<T>& sink) {
+  const Block2D& b = r.block;
+  const std::size_t ssize = dtype_size(r.src_dtype);
+  auto each_run = [&](auto&& f) {  // f(source byte pointer, first k, count) per contiguous run
+    const std::int64_t cols = b.cols;
+    if (b.rows <= 1 || b.src_stride == cols) {
+      f(r.src + static_cast<std::size_t>(b.src_offset + first) * ssize, 0u, elems);
+      return;
+    }
+    std::int64_t rr = first / cols, cc = first % cols;
+    std::uint32_t k = 0;
+    while (k < elems) {
+      const auto len = static_cast<std::uint32_t>(std::min<std::int64_t>(cols - cc, elems - k));
+      f(r.src + static_cast<std::size_t>(b.src_offset + rr * b.src_stride + cc) * ssize, k, len);
+      k += len;
+      cc = 0;
+      ++rr;
+    }
+  };
+  if (r.src_dtype == r.wire_dtype) {
+    each_run([&](const std::byte* p, std::uint32_t k0, std::uint32_t n) {
+      compare_run(reinterpret_cast<const T*>(p), k0, n, sink);
+    });
+    return;
+  }
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (sizeof(T) == 2) {
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    if (avx2 && r.src_dtype == DType::kFloat32 && r.wire_dtype == DType::kBFloat16) {
+      each_run([&](const std::byte* p, std::uint32_t k0, std::uint32_t n) {
+        compare_f32_bf16_avx2(p, k0, n, sink);
       });
-  return digest;
+      return;
+    }
+  }
+#endif
+  read_new(r, first, elems, fresh.data());
+  compare_run(reinterpret_cast<const T*>(fresh.data()), 0, elems, sink);
 }
 
 }  // namespace
@@ -263,17 +397,18 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
       const ChunkSpan s = chunk_span(ix, routes, g);
       const DeltaRoute& r = routes[s.route];
       const std::size_t esize = dtype_size(r.wire_dtype);
-      read_new(r, s.first, s.elems, fresh.data());
       std::byte* k = kept + r.kept + static_cast<std::size_t>(s.first) * esize;
       changes.clear();
       ChunkOut& c = chunks[static_cast<std::size_t>(g)];
       c.worker = worker;
       dispatch_esize(esize, [&](auto t) {
         using T = decltype(t);
-        c.digest = compare_chunk(r, s.first, s.elems, reinterpret_cast<const T*>(fresh.data()),
-                                 reinterpret_cast<T*>(k), changes);
+        ChangeSink<T> sink{.r = r, .first = s.first, .kept = reinterpret_cast<T*>(k), .changes = &changes};
+        compare_chunk(r, s.first, s.elems, fresh, sink);
+        c.digest = sink.digest;
       });
-      code_chunk(changes, s.elems, static_cast<int>(esize), fresh.data(), c, arena);
+      // The kept copy holds every new value of the chunk now: a chunk that goes raw copies it.
+      code_chunk(changes, s.elems, static_cast<int>(esize), k, c, arena);
     }
   });
   // Layout: per route its mode, payload offset and size.
@@ -425,27 +560,15 @@ Result<DeltaResult> delta_patch_host(const std::vector<DeltaRoute>& routes, std:
       const ChunkSpan s = chunk_span(ix, routes, g);
       const DeltaRoute& r = routes[s.route];
       const std::size_t esize = dtype_size(r.wire_dtype);
-      read_new(r, s.first, s.elems, fresh.data());
       std::byte* k = kept + r.kept + static_cast<std::size_t>(s.first) * esize;
       std::uint64_t sum = 0;
       std::int64_t n = 0;
       dispatch_esize(esize, [&](auto t) {
         using T = decltype(t);
-        const T* nv = reinterpret_cast<const T*>(fresh.data());
-        T* kv = reinterpret_cast<T*>(k);
-        std::int64_t rr = 0, cc = 0, k0 = 0;
-        walk_chunk(
-            r, s.first, s.elems,
-            [&](std::int64_t row, std::int64_t col, std::int64_t first_k, std::int64_t) {
-              rr = row, cc = col, k0 = first_k;
-            },
-            [&](std::int64_t i, std::uint64_t key) {
-              if (nv[i] == kv[i]) return;
-              sum += checksum_term(key, nv[i]) - checksum_term(key, kv[i]);
-              kv[i] = nv[i];
-              std::memcpy(dst_at(r, rr, cc + (i - k0)), &nv[i], sizeof(T));
-              ++n;
-            });
+        ChangeSink<T> sink{.r = r, .first = s.first, .kept = reinterpret_cast<T*>(k), .patch = true};
+        compare_chunk(r, s.first, s.elems, fresh, sink);
+        sum = sink.digest;
+        n = sink.count;
       });
       sums[static_cast<std::size_t>(g)] = sum;
       changed[static_cast<std::size_t>(g)] = n;
@@ -575,20 +698,36 @@ template <class T>
 void apply_sparse_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems,
                         const std::uint32_t* words, const df::ChunkView& v, ApplyOut& out) {
   constexpr int width = 8 * sizeof(T);
-  const std::int64_t cols = r.block.cols;
+  // Changes are decoded a batch at a time and their parameters' cache lines prefetched before the
+  // batch is applied: the elements lie far apart, and a miss per change would dominate.
+  constexpr int kBatch = 32;
+  struct Pending {
+    std::byte* at;
+    std::int64_t e;
+    std::int64_t d;
+  };
+  Pending batch[kBatch];
+  int held = 0;
+  auto flush = [&] {
+    for (int i = 0; i < held; ++i) {
+      T old;
+      std::memcpy(&old, batch[i].at, sizeof(T));
+      const T nv = static_cast<T>(df::add_ordered(old, batch[i].d, width));
+      const std::uint64_t key = key_at(r, batch[i].e);
+      out.digest += checksum_term(key, nv) - checksum_term(key, old);
+      std::memcpy(batch[i].at, &nv, sizeof(T));
+    }
+    out.changed += held;
+    held = 0;
+  };
   const bool ok = df::decode_chunk(words, v, elems, [&](std::uint32_t p, bool neg, std::uint32_t mag) {
     const std::int64_t e = first + static_cast<std::int64_t>(p);
-    const std::int64_t rr = e / cols, cc = e % cols;
-    std::byte* at = dst_at(r, rr, cc);
-    T old;
-    std::memcpy(&old, at, sizeof(T));
-    const T nv = static_cast<T>(df::add_ordered(old, neg ? -static_cast<std::int64_t>(mag) : mag, width));
-    const std::uint64_t key = r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
-                              static_cast<std::uint64_t>(cc);
-    out.digest += checksum_term(key, nv) - checksum_term(key, old);
-    std::memcpy(at, &nv, sizeof(T));
-    ++out.changed;
+    std::byte* at = dst_elem(r, e);
+    __builtin_prefetch(at, 1);
+    batch[held++] = Pending{at, e, neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag)};
+    if (held == kBatch) flush();
   });
+  flush();
   if (!ok) out.error = "malformed position or exception codes";
 }
 
