@@ -266,6 +266,7 @@ int run(const Args& a) {
     }
     if (!before.empty()) {
       double bits = 0;
+      std::int64_t all_changed = 0, exceptions = 0;
       for (std::size_t i = 0; i < pairs.size(); ++i) {
         Pair& p = pairs[i];
         std::vector<std::byte> after(before[i].size());
@@ -279,10 +280,13 @@ int run(const Args& a) {
             std::memcpy(&o, before[i].data() + r.kept + e * static_cast<std::int64_t>(es), es);
             std::memcpy(&v, after.data() + r.kept + e * static_cast<std::int64_t>(es), es);
             if (o == v) continue;
-            ++diffs[delta_format::ordered_difference(o, v, static_cast<int>(8 * es))];
+            const std::int64_t d = delta_format::ordered_difference(o, v, static_cast<int>(8 * es));
+            ++diffs[d];
             ++n_changed;
+            exceptions += d > 1 || d < -1;
           }
         }
+        all_changed += n_changed;
         const double q = static_cast<double>(n_changed) / static_cast<double>(p.elements);
         auto h = [](double x) { return x <= 0 || x >= 1 ? 0.0 : -x * std::log2(x) - (1 - x) * std::log2(1 - x); };
         bits += static_cast<double>(p.elements) * h(q);
@@ -291,7 +295,9 @@ int run(const Args& a) {
       }
       std::printf("step 1: zero-order entropy of the changes %.0f bytes (%.4f of the full refit); ",
                   bits / 8, bits / 8 / static_cast<double>(full));
-      std::printf("the stream takes %.2fx that\n", static_cast<double>(wire) / (bits / 8));
+      std::printf("the stream takes %.2fx that; %.1f %% of the changes moved more than one step\n",
+                  static_cast<double>(wire) / (bits / 8),
+                  100.0 * static_cast<double>(exceptions) / static_cast<double>(std::max<std::int64_t>(all_changed, 1)));
     }
     verify(step);
     ratio_enc.push_back(enc_s / cast_s);
