@@ -159,6 +159,9 @@ int run(const Args& a) {
       for (std::size_t i = 0; i < p.trainer_side.routes.size(); ++i) {
         const DeltaRoute& tr = p.trainer_side.routes[i];
         const DeltaRoute& er = p.engine_side.routes[i];
+        if (i > 0 && tr.wire_dtype != p.wire)
+          die(fmt::format("pair {} -> {}: routes of several wire dtypes ({} and {}); the bench moves one per pair",
+                          t, g, dtype_name(p.wire), dtype_name(tr.wire_dtype)));
         p.wire = tr.wire_dtype;
         const std::int64_t n = tr.elements();
         p.pack.push_back(CopyRun{.src = tr.src, .dst = p.staging->data(),

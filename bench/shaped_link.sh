@@ -14,6 +14,8 @@
 # --update U (refit run --update), --verify, --refit BIN (default build/src/refit), --out DIR
 # (default: a new temporary directory), --timeout S (bound on the ranks, default 600),
 # --config FILE (instead of the generated config: model, FSDP2 world 2 float32 -> SGLang TP 2 bf16).
+# Exit codes: 0 every rank succeeded; 1 a rank failed; 2 bad usage; 3 this machine cannot make the
+# namespaces or shape the link.
 set -euo pipefail
 rate=1gbit model=qwen2.5-0.5b steps=3 update="" verify="" bin="" out="" limit=600 config=""
 while [ $# -gt 0 ]; do
@@ -43,17 +45,25 @@ a=refit-sa$$ b=refit-sb$$
 ip_a=10.232.$id.1 ip_b=10.232.$id.2
 cleanup() { ip netns del "$a" 2>/dev/null || true; ip netns del "$b" 2>/dev/null || true; }
 trap cleanup EXIT
-ip netns add "$a" && ip netns add "$b"
-ip link add "${a}v" type veth peer name "${b}v"
-ip link set "${a}v" netns "$a" && ip link set "${b}v" netns "$b"
-ip -n "$a" addr add "$ip_a/24" dev "${a}v" && ip -n "$b" addr add "$ip_b/24" dev "${b}v"
-ip -n "$a" link set "${a}v" up && ip -n "$b" link set "${b}v" up
-ip -n "$a" link set lo up && ip -n "$b" link set lo up
-if [ "$rate" != none ]; then
-  # The bucket holds at least one 64 KiB segment (veth passes GSO segments) and 2 ms at the rate.
+# Exit 3 when this machine cannot make the namespaces or shape the link (no privilege, no tc).
+setup_link() {
+  ip netns add "$a" && ip netns add "$b" &&
+    ip link add "${a}v" type veth peer name "${b}v" &&
+    ip link set "${a}v" netns "$a" && ip link set "${b}v" netns "$b" &&
+    ip -n "$a" addr add "$ip_a/24" dev "${a}v" && ip -n "$b" addr add "$ip_b/24" dev "${b}v" &&
+    ip -n "$a" link set "${a}v" up && ip -n "$b" link set "${b}v" up &&
+    ip -n "$a" link set lo up && ip -n "$b" link set lo up || return 1
+  [ "$rate" = none ] && return 0
+  # A bucket of 2 MB holds many 64 KiB segments (veth passes GSO segments) and 1.6 ms at 10 Gbit/s.
   for ns in "$a" "$b"; do
-    ip netns exec "$ns" tc qdisc add dev "${ns}v" root tbf rate "$rate" burst 2mb latency 100ms
+    ip netns exec "$ns" tc qdisc add dev "${ns}v" root tbf rate "$rate" burst 2mb latency 100ms ||
+      return 1
   done
+}
+if ! setup_link > "$out/setup.log" 2>&1; then
+  echo "shaped_link.sh: cannot make the namespaces or shape the link here:" >&2
+  cat "$out/setup.log" >&2
+  exit 3
 fi
 
 if [ -z "$config" ]; then

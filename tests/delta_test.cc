@@ -17,6 +17,8 @@
 #include "delta/delta.h"
 #include "delta/delta_cpu.h"
 #include "delta/format.h"
+#include "plane/data_plane.h"
+#include "refit/config.h"
 
 namespace refit {
 namespace {
@@ -629,6 +631,97 @@ TEST(DeltaHost, PredictedSizeMatchesMeasured) {
   const DeltaChoice ch = choose_delta(100'000'000, 2, 300, 0.01, 125e6, 2e9, 1e9);
   EXPECT_TRUE(ch.use_delta);
   EXPECT_LT(ch.delta_bytes, ch.full_bytes / 50);
+}
+
+// Around the break-even density: changes of random size (so exceptions with wide magnitudes)
+// from a third of the elements of the route's first half to all of them, the second half at 3 %.
+// The first half's chunks switch from coded to raw somewhere in between while the route stays
+// sparse; at the end every element changes and the route goes dense. Every step round-trips.
+TEST(DeltaHost, BreakEvenDensitySwitchesChunksAndRoutesToRaw) {
+  const Case c{.rows = 64, .cols = 1024, .src_stride = 1024, .dst_stride = 1024};
+  Harness h({c});
+  h.options().chunk_log2 = 10;
+  std::mt19937_64 rng(12);
+  for (std::int64_t i = 0; i < c.rows * c.cols; ++i) h.src(0).set(i, random_bf16(rng));
+  const HostWorkers w = HostWorkers::inline_only();
+  std::uint64_t base = h.full_refit(w);
+  int coded_chunks = 0, raw_chunks = 0, dense_routes = 0;
+  for (double density = 0.3; density <= 1.2001; density += 0.05) {
+    SCOPED_TRACE(density);
+    const bool all = density > 1.0001;  // the last steps: every element, across the route
+    std::bernoulli_distribution pick(std::min(density, 1.0)), few(all ? 1.0 : 0.03);
+    std::uniform_int_distribution<int> steps(1, 3000);
+    const std::int64_t half = c.rows * c.cols / 2;
+    for (std::int64_t i = 0; i < c.rows * c.cols; ++i)
+      if (i < half ? pick(rng) : few(rng))
+        h.src(0).set(i, df::add_ordered(h.src(0).get(i), (rng() & 1 ? 1 : -1) * steps(rng), 16));
+    auto enc = h.encode(w, base);
+    ASSERT_TRUE(enc.ok()) << enc.status().to_string();
+    df::RouteEntry e;
+    std::memcpy(&e, h.stream() + df::kHeaderBytes, sizeof(e));
+    if (e.mode == df::kDense) {
+      ++dense_routes;
+    } else if (e.mode == df::kSparse) {
+      for (std::uint64_t k = 0; k < df::chunk_count(e.elements, e.chunk_log2); ++k) {
+        df::ChunkEntry ce;
+        std::memcpy(&ce, h.stream() + e.offset + k * sizeof(ce), sizeof(ce));
+        ((ce.info & df::kChunkDense) ? raw_chunks : coded_chunks) += df::info_count(ce.info) > 0;
+      }
+    }
+    EXPECT_LE(enc->stream_bytes, df::align8(df::kHeaderBytes + sizeof(df::RouteEntry) + c.rows * c.cols * 2));
+    auto app = h.apply(w, enc->stream_bytes, base);
+    ASSERT_TRUE(app.ok()) << app.status().to_string();
+    base += app->digest_delta;
+    h.expect_engine_holds_cast(0);
+  }
+  EXPECT_GT(coded_chunks, 0);
+  EXPECT_GT(raw_chunks, 0);
+  EXPECT_GT(dense_routes, 0);
+}
+
+// The same through the CPU data plane's methods and its worker pool.
+TEST(DeltaHost, CpuPlaneMethodsRunOnItsWorkers) {
+  Config cfg;
+  auto plane = make_data_plane(cfg, 0);
+  ASSERT_TRUE(plane.ok()) << plane.status().to_string();
+  const std::vector<Case> cases = {
+      {.rows = 700, .cols = 896, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 896},
+      {.rows = 300, .cols = 448, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 448}};
+  Harness h(cases);
+  h.options().parallel_min_elements = 0;
+  h.options().chunk_log2 = 8;
+  std::mt19937_64 rng(13);
+  std::uniform_real_distribution<float> u(-0.1f, 0.1f);
+  std::vector<std::vector<float>> master;
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    master.emplace_back(h.src(i).bytes.size() / 4);
+    for (float& x : master.back()) x = u(rng);
+    std::memcpy(h.src(i).data(), master.back().data(), master.back().size() * 4);
+  }
+  std::uint64_t base = h.full_refit(HostWorkers::inline_only());
+  for (int step = 0; step < 3; ++step) {
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      for (float& x : master[i]) x += (rng() & 1 ? 2e-5f : -2e-5f);
+      std::memcpy(h.src(i).data(), master[i].data(), master[i].size() * 4);
+    }
+    auto enc = (*plane)->delta_encode(h.routes(), h.kept().data(), h.stream(), delta_stream_capacity(h.routes()),
+                                      base, h.options());
+    ASSERT_TRUE(enc.ok()) << enc.status().to_string();
+    EXPECT_GT(enc->changed, 0);
+    auto app = (*plane)->delta_apply(h.routes(), h.stream(), enc->stream_bytes, base, h.options());
+    ASSERT_TRUE(app.ok()) << app.status().to_string();
+    base += app->digest_delta;
+    h.expect_engine_holds_cast(0);
+    auto held = (*plane)->delta_digest(h.routes());
+    ASSERT_TRUE(held.ok());
+    EXPECT_EQ(*held, base);
+  }
+  auto cap = (*plane)->delta_capture(h.routes(), h.kept().data(), h.options());
+  ASSERT_TRUE(cap.ok());
+  EXPECT_EQ(cap->digest_delta, base);
+  auto patch = (*plane)->delta_patch(h.routes(), h.kept().data(), h.options());
+  ASSERT_TRUE(patch.ok());
+  EXPECT_EQ(patch->changed, 0);
 }
 
 TEST(DeltaHost, BadListsAreRefusedNamingTheRoute) {

@@ -28,6 +28,20 @@ HostWorkers HostWorkers::inline_only() {
   return w;
 }
 
+Status check_delta_pointers(const std::vector<DeltaRoute>& routes, const DeltaOptions& options,
+                            bool need_src, bool need_dst) {
+  for (const DeltaRoute& r : routes) {
+    if (r.elements() == 0) continue;
+    if (need_src && r.src == nullptr)
+      return Status::InvalidArgument(
+          fmt::format("delta: {}: no source to read the new values from", describe_route(options, r.tag)));
+    if (need_dst && r.dst == nullptr)
+      return Status::InvalidArgument(
+          fmt::format("delta: {}: no destination to apply to", describe_route(options, r.tag)));
+  }
+  return Status::Ok();
+}
+
 std::uint64_t delta_words_checksum(const std::byte* p, std::uint64_t bytes,
                                    std::uint64_t first_key) {
   std::uint64_t sum = 0;
@@ -383,6 +397,7 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
                                       std::uint64_t base_digest, const DeltaOptions& o,
                                       const HostWorkers& workers) {
   REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, true, false));
   const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
   const std::int64_t elements = total_elements(routes);
   std::vector<ChunkOut> chunks(static_cast<std::size_t>(ix.total()));
@@ -520,6 +535,7 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
 Result<DeltaResult> delta_capture_host(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                        const DeltaOptions& o, const HostWorkers& workers) {
   REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, true, false));
   const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
   const std::int64_t elements = total_elements(routes);
   std::vector<std::uint64_t> sums(static_cast<std::size_t>(ix.total()), 0);
@@ -550,6 +566,7 @@ Result<DeltaResult> delta_capture_host(const std::vector<DeltaRoute>& routes, st
 Result<DeltaResult> delta_patch_host(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                      const DeltaOptions& o, const HostWorkers& workers) {
   REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, true, true));
   const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
   const std::int64_t elements = total_elements(routes);
   std::vector<std::uint64_t> sums(static_cast<std::size_t>(ix.total()), 0);
@@ -760,6 +777,7 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
                                      std::size_t bytes, std::uint64_t base_digest,
                                      const DeltaOptions& o, const HostWorkers& workers) {
   REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, false, true));
   if (reinterpret_cast<std::uintptr_t>(stream) % 8 != 0)
     return Status::InvalidArgument("delta: a stream must start at an 8-byte boundary");
   REFIT_ASSIGN_OR_RETURN(std::vector<df::RouteEntry> entries,

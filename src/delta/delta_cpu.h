@@ -25,6 +25,11 @@ struct HostWorkers {
   static HostWorkers inline_only();
 };
 
+// Every route with elements has a source (encode, capture, patch) / a destination (apply, patch);
+// errors name the route. Every plane checks this before it runs a list.
+Status check_delta_pointers(const std::vector<DeltaRoute>& routes, const DeltaOptions& options,
+                            bool need_src, bool need_dst);
+
 // DataPlane::delta_encode on host memory: reads every route's new values once, compares them with
 // the kept copy at `kept`, updates the kept copy where they differ and writes the stream to `out`
 // (at most `capacity` bytes: delta_stream_capacity). `base_digest` goes into the header.

@@ -326,12 +326,14 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   Result<DeltaResult> delta_encode(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                    std::byte* out, std::size_t capacity, std::uint64_t base_digest,
                                    const DeltaOptions& options) override {
+    REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, options, true, false));
     REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
     return d->encode(kept, out, capacity, base_digest, options.dense_ratio, stream_.handle(),
                      timeout_);
   }
   Result<DeltaResult> delta_capture(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                     const DeltaOptions& options) override {
+    REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, options, true, false));
     REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
     REFIT_ASSIGN_OR_RETURN(DeltaResult r, d->capture(kept, stream_.handle(), timeout_));
     r.elements = delta_elements(routes);
@@ -339,6 +341,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   }
   Result<DeltaResult> delta_patch(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                   const DeltaOptions& options) override {
+    REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, options, true, true));
     REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
     REFIT_ASSIGN_OR_RETURN(DeltaResult r, d->patch(kept, stream_.handle(), timeout_));
     r.elements = delta_elements(routes);
@@ -349,6 +352,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   Result<DeltaResult> delta_apply(const std::vector<DeltaRoute>& routes, const std::byte* stream,
                                   std::size_t bytes, std::uint64_t base_digest,
                                   const DeltaOptions& options) override {
+    REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, options, false, true));
     REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
     if (reinterpret_cast<std::uintptr_t>(stream) % 8 != 0)
       return Status::InvalidArgument("delta: a stream must start at an 8-byte boundary");
