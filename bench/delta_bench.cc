@@ -84,7 +84,9 @@ Args parse(int argc, char** argv) {
       a.config = k;
     }
   }
-  if (a.config.empty()) die("usage: refit_delta_bench CONFIG [--update adam:LR] [--steps N] [--chunk-log2 K] [--no-verify]");
+  if (a.config.empty())
+    die("usage: refit_delta_bench CONFIG [--update adam:LR] [--steps N] [--chunk-log2 K] "
+        "[--no-verify]");
   if (a.steps < 1) die("--steps must be at least 1");
   return a;
 }
@@ -92,7 +94,8 @@ Args parse(int argc, char** argv) {
 struct Pair {
   int trainer = 0, engine = 0;
   PairDeltaRoutes trainer_side, engine_side;
-  std::vector<CopyRun> pack, full_apply, peer;  // shards -> staging, staging -> params, shards -> params
+  // shards -> staging, staging -> params, shards -> params
+  std::vector<CopyRun> pack, full_apply, peer;
   DType wire = DType::kBFloat16;
   std::unique_ptr<PlaneBuffer> kept, staging, stream;
   std::size_t capacity = 0;
@@ -103,8 +106,10 @@ struct Pair {
 
 int run(const Args& a) {
   const Config cfg = check(load_config_file(a.config), "config");
-  if (cfg.refit.target_precision != DType::kBFloat16 && cfg.refit.target_precision != DType::kFloat16)
-    die("the bench measures 16-bit targets (fp8 weights are quantized, not cast: see docs/delta.md)");
+  if (cfg.refit.target_precision != DType::kBFloat16 &&
+      cfg.refit.target_precision != DType::kFloat16)
+    die("the bench measures 16-bit targets (fp8 weights are quantized, not cast: see "
+        "docs/delta.md)");
   auto model = check(load_rank_model(cfg), "model");
   model->weights->set_update(check(parse_weight_update(a.update), "--update"));
   const RouteSetup setup = check(make_route_setup(cfg, model->spec), "transfer plan");
@@ -117,21 +122,25 @@ int run(const Args& a) {
   for (std::size_t t = 0; t < setup.trainers.size(); ++t)
     for (std::size_t l = 0; l < setup.user_tensors; ++l) {
       const LocalTensor& lt = setup.trainers[t].tensors[l];
-      const auto bytes = static_cast<std::size_t>(matrix_shape(lt.shape).numel()) * dtype_size(policy);
+      const auto bytes =
+          static_cast<std::size_t>(matrix_shape(lt.shape).numel()) * dtype_size(policy);
       shard_mem[t].push_back(check(plane->allocate(std::max<std::size_t>(bytes, 1)), "shards"));
       shards[t].push_back(shard_mem[t].back()->data());
       shard_targets[t].push_back({&lt.pieces, lt.shape, shard_mem[t].back()->data()});
     }
   const int engine_ranks = cfg.engine_ranks();
-  std::vector<std::vector<std::unique_ptr<PlaneBuffer>>> param_mem(static_cast<std::size_t>(engine_ranks));
+  std::vector<std::vector<std::unique_ptr<PlaneBuffer>>> param_mem(
+      static_cast<std::size_t>(engine_ranks));
   std::vector<std::vector<void*>> params(static_cast<std::size_t>(engine_ranks));
   std::vector<std::vector<PieceTarget>> param_targets(static_cast<std::size_t>(engine_ranks));
   for (int g = 0; g < engine_ranks; ++g) {
-    const EngineShardLayout& lay = setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)];
+    const EngineShardLayout& lay =
+        setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)];
     for (const EngineParam& p : lay.params) {
       param_mem[static_cast<std::size_t>(g)].push_back(
           check(plane->allocate(std::max<std::int64_t>(p.bytes(), 1)), "parameters"));
-      params[static_cast<std::size_t>(g)].push_back(param_mem[static_cast<std::size_t>(g)].back()->data());
+      params[static_cast<std::size_t>(g)].push_back(
+          param_mem[static_cast<std::size_t>(g)].back()->data());
       param_targets[static_cast<std::size_t>(g)].push_back(
           {&p.pieces, p.shape, param_mem[static_cast<std::size_t>(g)].back()->data()});
     }
@@ -146,12 +155,17 @@ int run(const Args& a) {
       p.trainer_side = trainer_delta_routes(setup, policy, t, g, DeltaSource::kShards,
                                             &shards[static_cast<std::size_t>(t)], nullptr, nullptr);
       const IncomingRoutes in = incoming_from_plan(setup.plan, g);
-      p.engine_side = engine_delta_routes(in, setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)], t,
-                                          params[static_cast<std::size_t>(g)]);
+      p.engine_side = engine_delta_routes(
+          in, setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)], t,
+          params[static_cast<std::size_t>(g)]);
       const std::int64_t kept_bytes = assign_kept_offsets(p.trainer_side.routes);
-      p.kept = check(plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(kept_bytes, 16))), "kept copy");
+      p.kept =
+          check(plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(kept_bytes, 16))),
+                "kept copy");
       p.full_bytes = delta_full_bytes(p.trainer_side.routes);
-      p.staging = check(plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(p.full_bytes, 16))), "staging");
+      p.staging =
+          check(plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(p.full_bytes, 16))),
+                "staging");
       p.capacity = delta_stream_capacity(p.trainer_side.routes);
       p.stream = check(plane->allocate(p.capacity), "stream");
       // The plain pack and the full apply, element for element the same routes.
@@ -160,22 +174,36 @@ int run(const Args& a) {
         const DeltaRoute& tr = p.trainer_side.routes[i];
         const DeltaRoute& er = p.engine_side.routes[i];
         if (i > 0 && tr.wire_dtype != p.wire)
-          die(fmt::format("pair {} -> {}: routes of several wire dtypes ({} and {}); the bench moves one per pair",
+          die(
+              fmt::format("pair {} -> {}: routes of several wire dtypes ({} and {}); the bench "
+                          "moves one per pair",
                           t, g, dtype_name(p.wire), dtype_name(tr.wire_dtype)));
         p.wire = tr.wire_dtype;
         const std::int64_t n = tr.elements();
-        p.pack.push_back(CopyRun{.src = tr.src, .dst = p.staging->data(),
-                                 .block = {.src_offset = tr.block.src_offset, .src_stride = tr.block.src_stride,
-                                           .dst_offset = at, .dst_stride = tr.block.cols,
-                                           .rows = tr.block.rows, .cols = tr.block.cols}});
-        p.full_apply.push_back(CopyRun{.src = p.staging->data(), .dst = er.dst,
-                                       .block = {.src_offset = at, .src_stride = tr.block.cols,
-                                                 .dst_offset = er.block.dst_offset, .dst_stride = er.block.dst_stride,
-                                                 .rows = tr.block.rows, .cols = tr.block.cols}});
-        p.peer.push_back(CopyRun{.src = tr.src, .dst = er.dst,
-                                 .block = {.src_offset = tr.block.src_offset, .src_stride = tr.block.src_stride,
-                                           .dst_offset = er.block.dst_offset, .dst_stride = er.block.dst_stride,
-                                           .rows = tr.block.rows, .cols = tr.block.cols}});
+        p.pack.push_back(CopyRun{.src = tr.src,
+                                 .dst = p.staging->data(),
+                                 .block = {.src_offset = tr.block.src_offset,
+                                           .src_stride = tr.block.src_stride,
+                                           .dst_offset = at,
+                                           .dst_stride = tr.block.cols,
+                                           .rows = tr.block.rows,
+                                           .cols = tr.block.cols}});
+        p.full_apply.push_back(CopyRun{.src = p.staging->data(),
+                                       .dst = er.dst,
+                                       .block = {.src_offset = at,
+                                                 .src_stride = tr.block.cols,
+                                                 .dst_offset = er.block.dst_offset,
+                                                 .dst_stride = er.block.dst_stride,
+                                                 .rows = tr.block.rows,
+                                                 .cols = tr.block.cols}});
+        p.peer.push_back(CopyRun{.src = tr.src,
+                                 .dst = er.dst,
+                                 .block = {.src_offset = tr.block.src_offset,
+                                           .src_stride = tr.block.src_stride,
+                                           .dst_offset = er.block.dst_offset,
+                                           .dst_stride = er.block.dst_stride,
+                                           .rows = tr.block.rows,
+                                           .cols = tr.block.cols}});
         at += n;
         p.elements += n;
         if (tr.tag != er.tag || tr.key != er.key || tr.elements() != er.elements())
@@ -188,18 +216,23 @@ int run(const Args& a) {
   auto verify = [&](int step) {
     if (!a.verify) return;
     for (int g = 0; g < engine_ranks; ++g) {
-      auto bad = check(plane->find_mismatch(*model, param_targets[static_cast<std::size_t>(g)], step, policy,
-                                            cfg.refit.target_precision),
+      auto bad = check(plane->find_mismatch(*model, param_targets[static_cast<std::size_t>(g)],
+                                            step, policy, cfg.refit.target_precision),
                        "verify");
       if (bad)
-        die(fmt::format("step {}: engine rank {} parameter {} element {} differs from the weights", step, g,
-                        setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)].params[bad->first].name,
+        die(fmt::format("step {}: engine rank {} parameter {} element {} differs from the weights",
+                        step, g,
+                        setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)]
+                            .params[bad->first]
+                            .name,
                         bad->second));
     }
     for (Pair& p : pairs) {
       const std::uint64_t held = check(plane->delta_digest(p.engine_side.routes), "digest");
       if (held != p.digest)
-        die(fmt::format("step {}: pair {} -> {}: the engine's digest {:016x} differs from the trainer's {:016x}",
+        die(
+            fmt::format("step {}: pair {} -> {}: the engine's digest {:016x} differs from the "
+                        "trainer's {:016x}",
                         step, p.trainer, p.engine, held, p.digest));
     }
   };
@@ -208,7 +241,9 @@ int run(const Args& a) {
     check(plane->fill_weights(*model, shard_targets[t], 0, policy, policy), "weights");
   for (Pair& p : pairs) {
     check(plane->copy(p.peer, policy, p.wire), "full refit");
-    p.digest = check(plane->delta_capture(p.trainer_side.routes, p.kept->data(), p.options), "capture").digest_delta;
+    p.digest =
+        check(plane->delta_capture(p.trainer_side.routes, p.kept->data(), p.options), "capture")
+            .digest_delta;
     // Warm the tables the timed steps use.
     check(plane->copy(p.pack, policy, p.wire), "pack");
     check(plane->copy(p.full_apply, p.wire, p.wire), "full apply");
@@ -216,14 +251,17 @@ int run(const Args& a) {
   verify(0);
   std::int64_t elements = 0, full = 0;
   for (const Pair& p : pairs) elements += p.elements, full += p.full_bytes;
-  std::printf("%s: %s, %s -> %s, %zu pairs, %lld elements, %.1f MB per full refit, update %s, chunks of 2^%d\n",
-              cfg.model.c_str(), std::string(device_name(cfg.device)).c_str(),
-              std::string(dtype_name(policy)).c_str(),
-              std::string(dtype_name(cfg.refit.target_precision)).c_str(), pairs.size(),
-              static_cast<long long>(elements),
-              static_cast<double>(full) / 1e6, a.update.c_str(), a.chunk_log2);
-  std::printf("%4s %9s %11s %9s %9s %9s %7s %9s %9s %7s %9s\n", "step", "changed%", "wire_bytes", "wire/full",
-              "pred/wire", "cast_ms", "enc_ms", "enc/cast", "apply_ms", "full_ms", "app/full");
+  std::printf(
+      "%s: %s, %s -> %s, %zu pairs, %lld elements, %.1f MB per full refit, update %s, chunks of "
+      "2^%d\n",
+      cfg.model.c_str(), std::string(device_name(cfg.device)).c_str(),
+      std::string(dtype_name(policy)).c_str(),
+      std::string(dtype_name(cfg.refit.target_precision)).c_str(), pairs.size(),
+      static_cast<long long>(elements), static_cast<double>(full) / 1e6, a.update.c_str(),
+      a.chunk_log2);
+  std::printf("%4s %9s %11s %9s %9s %9s %7s %9s %9s %7s %9s\n", "step", "changed%", "wire_bytes",
+              "wire/full", "pred/wire", "cast_ms", "enc_ms", "enc/cast", "apply_ms", "full_ms",
+              "app/full");
   std::vector<double> ratio_enc, ratio_app;
   for (int step = 1; step <= a.steps; ++step) {
     for (std::size_t t = 0; t < shards.size(); ++t)
@@ -243,29 +281,32 @@ int run(const Args& a) {
       check(plane->copy(p.pack, policy, p.wire), "pack");
       cast_s += tc.seconds();
       Timer te;
-      const DeltaResult e = check(plane->delta_encode(p.trainer_side.routes, p.kept->data(), p.stream->data(),
-                                                      p.capacity, p.digest, p.options),
-                                  "encode");
+      const DeltaResult e =
+          check(plane->delta_encode(p.trainer_side.routes, p.kept->data(), p.stream->data(),
+                                    p.capacity, p.digest, p.options),
+                "encode");
       enc_s += te.seconds();
       DeltaOptions eo = p.options;
       eo.describe = p.engine_side.describe();
       Timer ta;
-      const DeltaResult r = check(plane->delta_apply(p.engine_side.routes, p.stream->data(), e.stream_bytes,
-                                                     p.digest, eo),
-                                  "apply");
+      const DeltaResult r = check(
+          plane->delta_apply(p.engine_side.routes, p.stream->data(), e.stream_bytes, p.digest, eo),
+          "apply");
       app_s += ta.seconds();
       if (r.digest_delta != e.digest_delta || r.changed != e.changed)
-        die(fmt::format("step {}: pair {} -> {}: apply and encode disagree", step, p.trainer, p.engine));
+        die(fmt::format("step {}: pair {} -> {}: apply and encode disagree", step, p.trainer,
+                        p.engine));
       p.digest += e.digest_delta;
       Timer tf;
       check(plane->copy(p.full_apply, p.wire, p.wire), "full apply");
       full_s += tf.seconds();
       changed += e.changed;
       wire += static_cast<std::int64_t>(e.stream_bytes);
-      const double density = static_cast<double>(e.changed) / static_cast<double>(std::max<std::int64_t>(p.elements, 1));
+      const double density = static_cast<double>(e.changed) /
+                             static_cast<double>(std::max<std::int64_t>(p.elements, 1));
       predicted += predict_delta_bytes(p.elements, static_cast<int>(dtype_size(p.wire)),
-                                       static_cast<std::int64_t>(p.trainer_side.routes.size()), density, 0.05,
-                                       a.chunk_log2);
+                                       static_cast<std::int64_t>(p.trainer_side.routes.size()),
+                                       density, 0.05, a.chunk_log2);
     }
     if (!before.empty()) {
       double bits = 0;
@@ -291,25 +332,29 @@ int run(const Args& a) {
         }
         all_changed += n_changed;
         const double q = static_cast<double>(n_changed) / static_cast<double>(p.elements);
-        auto h = [](double x) { return x <= 0 || x >= 1 ? 0.0 : -x * std::log2(x) - (1 - x) * std::log2(1 - x); };
+        auto h = [](double x) {
+          return x <= 0 || x >= 1 ? 0.0 : -x * std::log2(x) - (1 - x) * std::log2(1 - x);
+        };
         bits += static_cast<double>(p.elements) * h(q);
         for (const auto& [d, c] : diffs)
-          bits -= static_cast<double>(c) * std::log2(static_cast<double>(c) / static_cast<double>(n_changed));
+          bits -= static_cast<double>(c) *
+                  std::log2(static_cast<double>(c) / static_cast<double>(n_changed));
       }
       std::printf("step 1: zero-order entropy of the changes %.0f bytes (%.4f of the full refit); ",
                   bits / 8, bits / 8 / static_cast<double>(full));
       std::printf("the stream takes %.2fx that; %.1f %% of the changes moved more than one step\n",
                   static_cast<double>(wire) / (bits / 8),
-                  100.0 * static_cast<double>(exceptions) / static_cast<double>(std::max<std::int64_t>(all_changed, 1)));
+                  100.0 * static_cast<double>(exceptions) /
+                      static_cast<double>(std::max<std::int64_t>(all_changed, 1)));
     }
     verify(step);
     ratio_enc.push_back(enc_s / cast_s);
     ratio_app.push_back(app_s / full_s);
     std::printf("%4d %9.3f %11lld %9.4f %9.3f %9.2f %7.2f %9.2f %9.2f %7.2f %9.3f\n", step,
-                100.0 * static_cast<double>(changed) / static_cast<double>(elements), static_cast<long long>(wire),
-                static_cast<double>(wire) / static_cast<double>(full),
-                static_cast<double>(predicted) / static_cast<double>(wire), cast_s * 1e3, enc_s * 1e3,
-                enc_s / cast_s, app_s * 1e3, full_s * 1e3, app_s / full_s);
+                100.0 * static_cast<double>(changed) / static_cast<double>(elements),
+                static_cast<long long>(wire), static_cast<double>(wire) / static_cast<double>(full),
+                static_cast<double>(predicted) / static_cast<double>(wire), cast_s * 1e3,
+                enc_s * 1e3, enc_s / cast_s, app_s * 1e3, full_s * 1e3, app_s / full_s);
     std::fflush(stdout);
   }
   std::printf("median encode/cast %.2f, apply/full %.3f%s\n", median(ratio_enc), median(ratio_app),

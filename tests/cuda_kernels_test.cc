@@ -317,8 +317,9 @@ TEST(CudaKernels, GenerateMatchesWeightSource) {
   // --update adam:LR (weights/weights.h): the same values on the GPU.
   WeightSource adam(e.spec, 1234, nullptr);
   adam.set_update(WeightUpdate{.kind = WeightUpdate::Kind::kAdam, .lr = 1e-5f});
-  for (const Case c : {Case{DType::kFloat32, DType::kBFloat16, 3}, Case{DType::kFloat32, DType::kFloat32, 7},
-                       Case{DType::kBFloat16, DType::kBFloat16, 2}}) {
+  for (const Case c :
+       {Case{DType::kFloat32, DType::kBFloat16, 3}, Case{DType::kFloat32, DType::kFloat32, 7},
+        Case{DType::kBFloat16, DType::kBFloat16, 2}}) {
     const auto want = cpu_generate(adam, e.runs, e.tags, c.step, c.via, c.out, e.elems);
     GpuBuffer gd(want.size());
     ASSERT_TRUE(fill_bytes_async(gd.data(), 0x77, want.size(), nullptr).ok());

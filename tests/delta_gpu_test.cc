@@ -34,17 +34,23 @@ class Twin {
     std::uint32_t tag = 7;
     for (const Shape& s : shapes) {
       DeltaRoute r;
-      r.block = {.src_offset = s.src_offset, .src_stride = s.src_stride, .dst_offset = s.dst_offset,
-                 .dst_stride = s.dst_stride, .rows = s.rows, .cols = s.cols};
+      r.block = {.src_offset = s.src_offset,
+                 .src_stride = s.src_stride,
+                 .dst_offset = s.dst_offset,
+                 .dst_stride = s.dst_stride,
+                 .rows = s.rows,
+                 .cols = s.cols};
       r.src_dtype = s.src;
       r.wire_dtype = s.wire;
       r.key = 5000 + routes_[0].size() * 77777;
       r.key_stride = s.dst_stride;
       r.tag = tag++;
       routes_[0].push_back(r);
-      src_bytes_.push_back(static_cast<std::size_t>(s.src_offset + std::max<std::int64_t>(s.rows, 1) * s.src_stride) *
+      src_bytes_.push_back(static_cast<std::size_t>(
+                               s.src_offset + std::max<std::int64_t>(s.rows, 1) * s.src_stride) *
                            dtype_size(s.src));
-      dst_bytes_.push_back(static_cast<std::size_t>(s.dst_offset + std::max<std::int64_t>(s.rows, 1) * s.dst_stride) *
+      dst_bytes_.push_back(static_cast<std::size_t>(
+                               s.dst_offset + std::max<std::int64_t>(s.rows, 1) * s.dst_stride) *
                            dtype_size(s.wire));
     }
     kept_bytes_ = static_cast<std::size_t>(assign_kept_offsets(routes_[0]));
@@ -98,7 +104,9 @@ class Twin {
   void expect_same_kept() {
     EXPECT_TRUE(read(0, *kept_[0], kept_bytes_) == read(1, *kept_[1], kept_bytes_));
   }
-  std::vector<std::byte> params(int p, std::size_t i) { return read(p, *dst_[p][i], dst_bytes_[i]); }
+  std::vector<std::byte> params(int p, std::size_t i) {
+    return read(p, *dst_[p][i], dst_bytes_[i]);
+  }
 
  private:
   DataPlane& cpu_;
@@ -121,8 +129,8 @@ std::unique_ptr<DataPlane> plane_of(Device d) {
   return p.ok() ? std::move(p).value() : nullptr;
 }
 
-#define REFIT_REQUIRE_GPU()                                                                   \
-  if (device_count() == 0)                                                                    \
+#define REFIT_REQUIRE_GPU() \
+  if (device_count() == 0)  \
   GTEST_SKIP() << (cuda_built() ? "no CUDA device is visible" : "built without CUDA")
 
 // Fills route i's source with values of its dtype: weights of magnitude ~0.02 (float32 / 16-bit),
@@ -135,8 +143,9 @@ void fill_source(Twin& t, std::size_t i, const Shape& s, std::mt19937_64& rng) {
     if (s.src == DType::kFloat8E4M3) {
       b[k] = static_cast<std::byte>(rng() & 0x7E);
     } else if (s.src == DType::kFloat32) {
-      const float v = s.wire == DType::kFloat32 ? std::ldexp(1.0f + static_cast<float>(rng() % 1000) / 1000, -10)
-                                                : w(rng);
+      const float v = s.wire == DType::kFloat32
+                          ? std::ldexp(1.0f + static_cast<float>(rng() % 1000) / 1000, -10)
+                          : w(rng);
       std::memcpy(b.data() + 4 * k, &v, 4);
     } else {
       const std::uint16_t v = f32_to_bf16(w(rng));
@@ -161,7 +170,8 @@ void move_source(Twin& t, std::size_t i, const Shape& s, double density, std::mt
       f *= (rng() & 1) ? 1.004f : 0.996f;
       std::memcpy(&v, &f, 4);
     } else {
-      const std::int64_t d = (big(rng) ? 2 + static_cast<std::int64_t>(rng() % 30) : 1) * ((rng() & 1) ? 1 : -1);
+      const std::int64_t d =
+          (big(rng) ? 2 + static_cast<std::int64_t>(rng() % 30) : 1) * ((rng() & 1) ? 1 : -1);
       v = df::add_ordered(v, d, static_cast<int>(8 * es));
       if (s.src == DType::kFloat8E4M3 && (v & 0x7F) == 0x7F) v ^= 1;  // keep codes finite
     }
@@ -170,20 +180,62 @@ void move_source(Twin& t, std::size_t i, const Shape& s, double density, std::mt
 }
 
 const std::vector<Shape> kShapes = {
-    {.rows = 300, .cols = 896, .src_stride = 896, .dst_stride = 896, .src_offset = 0, .dst_offset = 0,
-     .src = DType::kFloat32, .wire = DType::kBFloat16},
-    {.rows = 512, .cols = 448, .src_stride = 896, .dst_stride = 448, .src_offset = 448, .dst_offset = 0,
-     .src = DType::kFloat32, .wire = DType::kBFloat16},
-    {.rows = 0, .cols = 8, .src_stride = 8, .dst_stride = 8, .src_offset = 0, .dst_offset = 0,
-     .src = DType::kBFloat16, .wire = DType::kBFloat16},
-    {.rows = 77, .cols = 1000, .src_stride = 1003, .dst_stride = 1500, .src_offset = 2, .dst_offset = 5,
-     .src = DType::kBFloat16, .wire = DType::kBFloat16},
-    {.rows = 128, .cols = 512, .src_stride = 512, .dst_stride = 512, .src_offset = 0, .dst_offset = 0,
-     .src = DType::kFloat8E4M3, .wire = DType::kFloat8E4M3},
-    {.rows = 3, .cols = 1111, .src_stride = 1111, .dst_stride = 1111, .src_offset = 0, .dst_offset = 0,
-     .src = DType::kFloat32, .wire = DType::kFloat32},
-    {.rows = 1, .cols = 5, .src_stride = 5, .dst_stride = 5, .src_offset = 0, .dst_offset = 0,
-     .src = DType::kFloat32, .wire = DType::kBFloat16},
+    {.rows = 300,
+     .cols = 896,
+     .src_stride = 896,
+     .dst_stride = 896,
+     .src_offset = 0,
+     .dst_offset = 0,
+     .src = DType::kFloat32,
+     .wire = DType::kBFloat16},
+    {.rows = 512,
+     .cols = 448,
+     .src_stride = 896,
+     .dst_stride = 448,
+     .src_offset = 448,
+     .dst_offset = 0,
+     .src = DType::kFloat32,
+     .wire = DType::kBFloat16},
+    {.rows = 0,
+     .cols = 8,
+     .src_stride = 8,
+     .dst_stride = 8,
+     .src_offset = 0,
+     .dst_offset = 0,
+     .src = DType::kBFloat16,
+     .wire = DType::kBFloat16},
+    {.rows = 77,
+     .cols = 1000,
+     .src_stride = 1003,
+     .dst_stride = 1500,
+     .src_offset = 2,
+     .dst_offset = 5,
+     .src = DType::kBFloat16,
+     .wire = DType::kBFloat16},
+    {.rows = 128,
+     .cols = 512,
+     .src_stride = 512,
+     .dst_stride = 512,
+     .src_offset = 0,
+     .dst_offset = 0,
+     .src = DType::kFloat8E4M3,
+     .wire = DType::kFloat8E4M3},
+    {.rows = 3,
+     .cols = 1111,
+     .src_stride = 1111,
+     .dst_stride = 1111,
+     .src_offset = 0,
+     .dst_offset = 0,
+     .src = DType::kFloat32,
+     .wire = DType::kFloat32},
+    {.rows = 1,
+     .cols = 5,
+     .src_stride = 5,
+     .dst_stride = 5,
+     .src_offset = 0,
+     .dst_offset = 0,
+     .src = DType::kFloat32,
+     .wire = DType::kBFloat16},
 };
 
 TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
@@ -226,7 +278,7 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
       DeltaResult enc[2];
       for (int p = 0; p < 2; ++p) {
         auto e = t.plane(p).delta_encode(t.routes(p), t.kept(p), t.stream(p).data(), t.capacity(),
-                                          base[p], t.options());
+                                         base[p], t.options());
         ASSERT_TRUE(e.ok()) << e.status().to_string();
         enc[p] = *e;
       }
@@ -234,12 +286,13 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
       EXPECT_EQ(enc[0].changed, enc[1].changed);
       EXPECT_EQ(enc[0].digest_delta, enc[1].digest_delta);
       EXPECT_EQ(enc[0].routes_dense, enc[1].routes_dense);
-      EXPECT_TRUE(t.read(0, t.stream(0), enc[0].stream_bytes) == t.read(1, t.stream(1), enc[1].stream_bytes))
+      EXPECT_TRUE(t.read(0, t.stream(0), enc[0].stream_bytes) ==
+                  t.read(1, t.stream(1), enc[1].stream_bytes))
           << "the CUDA stream differs from the CPU's";
       t.expect_same_kept();
       for (int p = 0; p < 2; ++p) {
-        auto a = t.plane(p).delta_apply(t.routes(p), t.stream(p).data(), enc[p].stream_bytes, base[p],
-                                        t.options());
+        auto a = t.plane(p).delta_apply(t.routes(p), t.stream(p).data(), enc[p].stream_bytes,
+                                        base[p], t.options());
         ASSERT_TRUE(a.ok()) << a.status().to_string();
         EXPECT_EQ(a->changed, enc[p].changed);
         EXPECT_EQ(a->digest_delta, enc[p].digest_delta);
@@ -266,8 +319,8 @@ TEST(DeltaGpu, CorruptedStreamAndWrongBaseAreRefusedNamingTheTensor) {
   ASSERT_TRUE(cap.ok());
   for (std::size_t i = 0; i < kShapes.size(); ++i) move_source(t, i, kShapes[i], 0.02, rng);
   t.push_sources();
-  auto e = gpu->delta_encode(t.routes(1), t.kept(1), t.stream(1).data(), t.capacity(), cap->digest_delta,
-                             t.options());
+  auto e = gpu->delta_encode(t.routes(1), t.kept(1), t.stream(1).data(), t.capacity(),
+                             cap->digest_delta, t.options());
   ASSERT_TRUE(e.ok()) << e.status().to_string();
   const std::vector<std::byte> good = t.read(1, t.stream(1), e->stream_bytes);
   const std::vector<std::byte> before = t.params(1, 3);
@@ -275,22 +328,27 @@ TEST(DeltaGpu, CorruptedStreamAndWrongBaseAreRefusedNamingTheTensor) {
   std::memcpy(&r3, good.data() + df::kHeaderBytes + 3 * sizeof(df::RouteEntry), sizeof(r3));
   ASSERT_EQ(r3.mode, df::kSparse);
   ASSERT_TRUE(gpu->corrupt_byte(t.stream(1).data() + r3.offset + r3.bytes / 2).ok());
-  auto bad = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes, cap->digest_delta, t.options());
+  auto bad = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes, cap->digest_delta,
+                              t.options());
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("tensor-10"), std::string::npos) << bad.status().message();
-  EXPECT_NE(bad.status().message().find("nothing was applied"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("nothing was applied"), std::string::npos)
+      << bad.status().message();
   EXPECT_TRUE(t.params(1, 3) == before);
   ASSERT_TRUE(gpu->write(t.stream(1).data(), good.data(), good.size()).ok());
-  auto other = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes, cap->digest_delta + 1,
-                                t.options());
+  auto other = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes,
+                                cap->digest_delta + 1, t.options());
   ASSERT_FALSE(other.ok());
-  EXPECT_NE(other.status().message().find("exact base"), std::string::npos) << other.status().message();
+  EXPECT_NE(other.status().message().find("exact base"), std::string::npos)
+      << other.status().message();
   // The engine's bytes differ from the base where a change lands: detected after the apply.
-  auto ok = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes, cap->digest_delta, t.options());
+  auto ok = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes, cap->digest_delta,
+                             t.options());
   EXPECT_FALSE(ok.ok()) << "the parameters were never set to the base (all zero): every changed "
                            "element's old value differs";
   if (!ok.ok()) {
-    EXPECT_NE(ok.status().message().find("base differs"), std::string::npos) << ok.status().message();
+    EXPECT_NE(ok.status().message().find("base differs"), std::string::npos)
+        << ok.status().message();
   }
 }
 
@@ -299,23 +357,36 @@ TEST(DeltaGpu, LargeListSpreadsOverTheGrid) {
   auto cpu = plane_of(Device::kCpu);
   auto gpu = plane_of(Device::kCuda);
   ASSERT_TRUE(cpu && gpu);
-  const std::vector<Shape> big = {
-      {.rows = 151936 / 8, .cols = 896, .src_stride = 896, .dst_stride = 896, .src_offset = 0, .dst_offset = 0,
-       .src = DType::kFloat32, .wire = DType::kBFloat16},
-      {.rows = 4864, .cols = 896, .src_stride = 896, .dst_stride = 896, .src_offset = 0, .dst_offset = 0,
-       .src = DType::kFloat32, .wire = DType::kBFloat16}};
+  const std::vector<Shape> big = {{.rows = 151936 / 8,
+                                   .cols = 896,
+                                   .src_stride = 896,
+                                   .dst_stride = 896,
+                                   .src_offset = 0,
+                                   .dst_offset = 0,
+                                   .src = DType::kFloat32,
+                                   .wire = DType::kBFloat16},
+                                  {.rows = 4864,
+                                   .cols = 896,
+                                   .src_stride = 896,
+                                   .dst_stride = 896,
+                                   .src_offset = 0,
+                                   .dst_offset = 0,
+                                   .src = DType::kFloat32,
+                                   .wire = DType::kBFloat16}};
   Twin t(*cpu, *gpu, big, 13);
   std::mt19937_64 rng(8);
   for (std::size_t i = 0; i < big.size(); ++i) fill_source(t, i, big[i], rng);
   t.push_sources();
   std::uint64_t base[2];
-  for (int p = 0; p < 2; ++p) base[p] = t.plane(p).delta_capture(t.routes(p), t.kept(p), t.options())->digest_delta;
+  for (int p = 0; p < 2; ++p)
+    base[p] = t.plane(p).delta_capture(t.routes(p), t.kept(p), t.options())->digest_delta;
   ASSERT_EQ(base[0], base[1]);
   for (std::size_t i = 0; i < big.size(); ++i) move_source(t, i, big[i], 0.03, rng);
   t.push_sources();
   std::size_t bytes[2];
   for (int p = 0; p < 2; ++p) {
-    auto e = t.plane(p).delta_encode(t.routes(p), t.kept(p), t.stream(p).data(), t.capacity(), base[p], t.options());
+    auto e = t.plane(p).delta_encode(t.routes(p), t.kept(p), t.stream(p).data(), t.capacity(),
+                                     base[p], t.options());
     ASSERT_TRUE(e.ok()) << e.status().to_string();
     bytes[p] = e->stream_bytes;
   }

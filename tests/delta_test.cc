@@ -59,8 +59,9 @@ struct Tensor {
 };
 
 // The digest of rows x cols elements at `t` (row stride `stride`), keyed from `key`.
-std::uint64_t digest_of(const Tensor& t, std::int64_t offset, std::int64_t stride, std::int64_t rows,
-                        std::int64_t cols, std::uint64_t key, std::int64_t key_stride) {
+std::uint64_t digest_of(const Tensor& t, std::int64_t offset, std::int64_t stride,
+                        std::int64_t rows, std::int64_t cols, std::uint64_t key,
+                        std::int64_t key_stride) {
   std::uint64_t sum = 0;
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t c = 0; c < cols; ++c)
@@ -83,7 +84,8 @@ class Harness {
   explicit Harness(const std::vector<Case>& cases) : cases_(cases) {
     std::uint32_t tag = 100;
     for (const Case& c : cases) {
-      const int ss = static_cast<int>(dtype_size(c.src_dtype)), ws = static_cast<int>(dtype_size(c.wire));
+      const int ss = static_cast<int>(dtype_size(c.src_dtype)),
+                ws = static_cast<int>(dtype_size(c.wire));
       srcs_.emplace_back(c.src_offset + std::max<std::int64_t>(c.rows, 1) * c.src_stride, ss);
       params_.emplace_back(c.dst_offset + std::max<std::int64_t>(c.rows, 1) * c.dst_stride, ws);
       DeltaRoute r;
@@ -134,7 +136,8 @@ class Harness {
   std::uint64_t full_refit(const HostWorkers& w) {
     for (std::size_t i = 0; i < routes_.size(); ++i)
       for (std::int64_t r = 0; r < cases_[i].rows; ++r)
-        for (std::int64_t c = 0; c < cases_[i].cols; ++c) params_[i].set(at_dst(i, r, c), wire_of(i, r, c));
+        for (std::int64_t c = 0; c < cases_[i].cols; ++c)
+          params_[i].set(at_dst(i, r, c), wire_of(i, r, c));
     auto cap = delta_capture_host(routes_, kept_.data(), options_, w);
     EXPECT_TRUE(cap.ok()) << cap.status().to_string();
     EXPECT_EQ(cap->digest_delta, engine_digest());
@@ -154,7 +157,8 @@ class Harness {
   void expect_engine_holds_cast(std::uint32_t guard) const {
     for (std::size_t i = 0; i < routes_.size(); ++i) {
       const Case& c = cases_[i];
-      std::vector<bool> covered(params_[i].bytes.size() / static_cast<std::size_t>(params_[i].esize), false);
+      std::vector<bool> covered(
+          params_[i].bytes.size() / static_cast<std::size_t>(params_[i].esize), false);
       for (std::int64_t r = 0; r < c.rows; ++r)
         for (std::int64_t k = 0; k < c.cols; ++k) {
           covered[static_cast<std::size_t>(at_dst(i, r, k))] = true;
@@ -231,7 +235,8 @@ TEST(DeltaFormat, OrderedKeysAreABijectionAndDifferencesRoundTrip) {
   for (int width : {8, 16, 32})
     for (int i = 0; i < 20000; ++i) {
       const std::uint32_t mask = width == 32 ? 0xFFFFFFFFu : (1u << width) - 1;
-      const auto a = static_cast<std::uint32_t>(rng()) & mask, b = static_cast<std::uint32_t>(rng()) & mask;
+      const auto a = static_cast<std::uint32_t>(rng()) & mask,
+                 b = static_cast<std::uint32_t>(rng()) & mask;
       const std::int64_t d = df::ordered_difference(a, b, width);
       ASSERT_LE(std::llabs(d), std::int64_t{1} << (width - 1));
       ASSERT_EQ(df::add_ordered(a, d, width), b) << width << " " << a << " " << b;
@@ -284,7 +289,9 @@ TEST(DeltaHost, Bf16RoundTripsAtEveryDensity) {
       const std::uint32_t v = h.src(0).get(i);
       std::memcpy(want.data() + i * 2, &v, 2);
     }
-    EXPECT_EQ(std::memcmp(want.data(), h.kept().data(), static_cast<std::size_t>(c.rows * c.cols * 2)), 0);
+    EXPECT_EQ(
+        std::memcmp(want.data(), h.kept().data(), static_cast<std::size_t>(c.rows * c.cols * 2)),
+        0);
     // Sizes: nothing moved is the header and one directory entry; ±1-ulp changes at a few per
     // cent take a few per cent of the route's bytes; everything changed is no larger than dense.
     const std::size_t raw = static_cast<std::size_t>(c.rows * c.cols * 2);
@@ -328,7 +335,8 @@ TEST(DeltaHost, RandomChangesFallBackToDense) {
   auto enc = h.encode(w, base);
   ASSERT_TRUE(enc.ok());
   EXPECT_EQ(enc->routes_dense, 1);
-  EXPECT_EQ(enc->stream_bytes, df::align8(df::kHeaderBytes + sizeof(df::RouteEntry) + c.rows * c.cols * 2));
+  EXPECT_EQ(enc->stream_bytes,
+            df::align8(df::kHeaderBytes + sizeof(df::RouteEntry) + c.rows * c.cols * 2));
   auto app = h.apply(w, enc->stream_bytes, base);
   ASSERT_TRUE(app.ok()) << app.status().to_string();
   EXPECT_EQ(app->routes_dense, 1);
@@ -350,15 +358,22 @@ TEST(DeltaHost, RandomChangesFallBackToDense) {
 // The trainer's fp32 master through the cast: the kept copy and the stream speak bf16, and an
 // update smaller than half a bf16 ulp changes nothing.
 TEST(DeltaHost, Fp32MasterCastToBf16) {
-  const Case c{.rows = 300, .cols = 333, .src_dtype = DType::kFloat32, .wire = DType::kBFloat16,
-               .src_stride = 400, .dst_stride = 700, .src_offset = 5, .dst_offset = 9};
+  const Case c{.rows = 300,
+               .cols = 333,
+               .src_dtype = DType::kFloat32,
+               .wire = DType::kBFloat16,
+               .src_stride = 400,
+               .dst_stride = 700,
+               .src_offset = 5,
+               .dst_offset = 9};
   Harness h({c});
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<float> u(-0.1f, 0.1f);
   std::vector<float> master(h.src(0).bytes.size() / 4);
   for (float& x : master) x = u(rng);
   std::memcpy(h.src(0).data(), master.data(), master.size() * 4);
-  for (std::size_t i = 0; i < h.param(0).bytes.size() / 2; ++i) h.param(0).set(static_cast<std::int64_t>(i), 0xABCD);
+  for (std::size_t i = 0; i < h.param(0).bytes.size() / 2; ++i)
+    h.param(0).set(static_cast<std::int64_t>(i), 0xABCD);
   const HostWorkers w = HostWorkers::inline_only();
   std::uint64_t base = h.full_refit(w);
   // Re-guard the elements outside the route (full_refit wrote only the route).
@@ -389,10 +404,18 @@ TEST(DeltaHost, Fp32MasterCastToBf16) {
 // FP8: codes (1 byte, quantized elsewhere) change rarely, and nearly every float32 scale
 // changes by a few hundred ulps; both round-trip, and the scales still cost less than raw.
 TEST(DeltaHost, Fp8CodesAndScales) {
-  const Case codes{.rows = 256, .cols = 256, .src_dtype = DType::kFloat8E4M3,
-                   .wire = DType::kFloat8E4M3, .src_stride = 256, .dst_stride = 256};
-  const Case scales{.rows = 2, .cols = 2000, .src_dtype = DType::kFloat32, .wire = DType::kFloat32,
-                    .src_stride = 2000, .dst_stride = 2000};
+  const Case codes{.rows = 256,
+                   .cols = 256,
+                   .src_dtype = DType::kFloat8E4M3,
+                   .wire = DType::kFloat8E4M3,
+                   .src_stride = 256,
+                   .dst_stride = 256};
+  const Case scales{.rows = 2,
+                    .cols = 2000,
+                    .src_dtype = DType::kFloat32,
+                    .wire = DType::kFloat32,
+                    .src_stride = 2000,
+                    .dst_stride = 2000};
   Harness h({codes, scales});
   std::mt19937_64 rng(5);
   for (std::int64_t i = 0; i < codes.rows * codes.cols; ++i)
@@ -439,18 +462,25 @@ TEST(DeltaHost, StridedRoutesAndAnEmptyOneInOneStream) {
   const std::vector<Case> cases = {
       {.rows = 10, .cols = 7, .src_stride = 9, .dst_stride = 20, .src_offset = 3, .dst_offset = 1},
       {.rows = 0, .cols = 5, .src_stride = 5, .dst_stride = 5},
-      {.rows = 1, .cols = 5000, .src_dtype = DType::kFloat32, .src_stride = 5000, .dst_stride = 5000},
+      {.rows = 1,
+       .cols = 5000,
+       .src_dtype = DType::kFloat32,
+       .src_stride = 5000,
+       .dst_stride = 5000},
       {.rows = 129, .cols = 64, .src_stride = 128, .dst_stride = 64, .src_offset = 64}};
   Harness h(cases);
   h.options().chunk_log2 = 6;
   std::mt19937_64 rng(9);
   for (std::size_t i = 0; i < cases.size(); ++i)
-    for (std::size_t e = 0; e < h.src(i).bytes.size() / static_cast<std::size_t>(h.src(i).esize); ++e)
-      h.src(i).set(static_cast<std::int64_t>(e), cases[i].src_dtype == DType::kFloat32
-                                                     ? 0x3C000000u + static_cast<std::uint32_t>(rng() % 0x800000)
-                                                     : random_bf16(rng));
+    for (std::size_t e = 0; e < h.src(i).bytes.size() / static_cast<std::size_t>(h.src(i).esize);
+         ++e)
+      h.src(i).set(static_cast<std::int64_t>(e),
+                   cases[i].src_dtype == DType::kFloat32
+                       ? 0x3C000000u + static_cast<std::uint32_t>(rng() % 0x800000)
+                       : random_bf16(rng));
   for (std::size_t i = 0; i < cases.size(); ++i)
-    for (std::size_t e = 0; e < h.param(i).bytes.size() / 2; ++e) h.param(i).set(static_cast<std::int64_t>(e), 0x7777);
+    for (std::size_t e = 0; e < h.param(i).bytes.size() / 2; ++e)
+      h.param(i).set(static_cast<std::int64_t>(e), 0x7777);
   const HostWorkers w = HostWorkers::inline_only();
   std::uint64_t base = h.full_refit(w);
   h.expect_engine_holds_cast(0x7777);
@@ -472,8 +502,16 @@ TEST(DeltaHost, StridedRoutesAndAnEmptyOneInOneStream) {
 // thread, and the same engine afterwards.
 TEST(DeltaHost, WorkerPoolGivesTheSameStreamAsOneThread) {
   const std::vector<Case> cases = {
-      {.rows = 1531, .cols = 896, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 896},
-      {.rows = 896, .cols = 448, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 448},
+      {.rows = 1531,
+       .cols = 896,
+       .src_dtype = DType::kFloat32,
+       .src_stride = 896,
+       .dst_stride = 896},
+      {.rows = 896,
+       .cols = 448,
+       .src_dtype = DType::kFloat32,
+       .src_stride = 896,
+       .dst_stride = 448},
       {.rows = 1, .cols = 896, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 896}};
   std::vector<std::vector<std::byte>> streams;
   for (int workers : {1, 4}) {
@@ -509,9 +547,8 @@ TEST(DeltaHost, WorkerPoolGivesTheSameStreamAsOneThread) {
 // A corrupted byte anywhere is refused before anything is written, naming the route (the
 // tensor) or the header; a truncated stream too.
 TEST(DeltaHost, CorruptedStreamFailsNamingTheTensorAndWritesNothing) {
-  const std::vector<Case> cases = {
-      {.rows = 50, .cols = 100, .src_stride = 100, .dst_stride = 100},
-      {.rows = 50, .cols = 100, .src_stride = 100, .dst_stride = 100}};
+  const std::vector<Case> cases = {{.rows = 50, .cols = 100, .src_stride = 100, .dst_stride = 100},
+                                   {.rows = 50, .cols = 100, .src_stride = 100, .dst_stride = 100}};
   Harness h(cases);
   h.options().chunk_log2 = 8;
   std::mt19937_64 rng(1);
@@ -533,7 +570,8 @@ TEST(DeltaHost, CorruptedStreamFailsNamingTheTensorAndWritesNothing) {
     auto app = h.apply(w, enc->stream_bytes, base);
     ASSERT_FALSE(app.ok());
     EXPECT_EQ(app.status().code(), StatusCode::kCorruption);
-    EXPECT_NE(app.status().message().find("tensor-101"), std::string::npos) << app.status().message();
+    EXPECT_NE(app.status().message().find("tensor-101"), std::string::npos)
+        << app.status().message();
     EXPECT_NE(app.status().message().find("nothing was applied"), std::string::npos)
         << app.status().message();
     EXPECT_TRUE(h.param(1).bytes == before);
@@ -569,20 +607,23 @@ TEST(DeltaHost, WrongBaseIsDetected) {
   const std::vector<std::byte> before = h.param(0).bytes;
   auto other = h.apply(w, enc->stream_bytes, base ^ 1);
   ASSERT_FALSE(other.ok());
-  EXPECT_NE(other.status().message().find("exact base"), std::string::npos) << other.status().message();
+  EXPECT_NE(other.status().message().find("exact base"), std::string::npos)
+      << other.status().message();
   EXPECT_TRUE(h.param(0).bytes == before);
   // The engine's element 77 is not what the trainer sent last time.
   h.param(0).set(77, h.param(0).get(77) ^ 0x40);
   auto wrong = h.apply(w, enc->stream_bytes, base);
   ASSERT_FALSE(wrong.ok());
-  EXPECT_NE(wrong.status().message().find("tensor-100"), std::string::npos) << wrong.status().message();
-  EXPECT_NE(wrong.status().message().find("base differs"), std::string::npos) << wrong.status().message();
+  EXPECT_NE(wrong.status().message().find("tensor-100"), std::string::npos)
+      << wrong.status().message();
+  EXPECT_NE(wrong.status().message().find("base differs"), std::string::npos)
+      << wrong.status().message();
 }
 
 // Peer access: the trainer patches the engine's memory in place with what changed.
 TEST(DeltaHost, PatchWritesOnlyWhatChanged) {
-  const Case c{.rows = 100, .cols = 300, .src_dtype = DType::kFloat32, .src_stride = 300,
-               .dst_stride = 512};
+  const Case c{
+      .rows = 100, .cols = 300, .src_dtype = DType::kFloat32, .src_stride = 300, .dst_stride = 512};
   Harness h({c});
   std::mt19937_64 rng(4);
   std::uniform_real_distribution<float> u(-0.1f, 0.1f);
@@ -668,7 +709,8 @@ TEST(DeltaHost, BreakEvenDensitySwitchesChunksAndRoutesToRaw) {
         ((ce.info & df::kChunkDense) ? raw_chunks : coded_chunks) += df::info_count(ce.info) > 0;
       }
     }
-    EXPECT_LE(enc->stream_bytes, df::align8(df::kHeaderBytes + sizeof(df::RouteEntry) + c.rows * c.cols * 2));
+    EXPECT_LE(enc->stream_bytes,
+              df::align8(df::kHeaderBytes + sizeof(df::RouteEntry) + c.rows * c.cols * 2));
     auto app = h.apply(w, enc->stream_bytes, base);
     ASSERT_TRUE(app.ok()) << app.status().to_string();
     base += app->digest_delta;
@@ -684,9 +726,16 @@ TEST(DeltaHost, CpuPlaneMethodsRunOnItsWorkers) {
   Config cfg;
   auto plane = make_data_plane(cfg, 0);
   ASSERT_TRUE(plane.ok()) << plane.status().to_string();
-  const std::vector<Case> cases = {
-      {.rows = 700, .cols = 896, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 896},
-      {.rows = 300, .cols = 448, .src_dtype = DType::kFloat32, .src_stride = 896, .dst_stride = 448}};
+  const std::vector<Case> cases = {{.rows = 700,
+                                    .cols = 896,
+                                    .src_dtype = DType::kFloat32,
+                                    .src_stride = 896,
+                                    .dst_stride = 896},
+                                   {.rows = 300,
+                                    .cols = 448,
+                                    .src_dtype = DType::kFloat32,
+                                    .src_stride = 896,
+                                    .dst_stride = 448}};
   Harness h(cases);
   h.options().parallel_min_elements = 0;
   h.options().chunk_log2 = 8;
@@ -704,8 +753,8 @@ TEST(DeltaHost, CpuPlaneMethodsRunOnItsWorkers) {
       for (float& x : master[i]) x += (rng() & 1 ? 2e-5f : -2e-5f);
       std::memcpy(h.src(i).data(), master[i].data(), master[i].size() * 4);
     }
-    auto enc = (*plane)->delta_encode(h.routes(), h.kept().data(), h.stream(), delta_stream_capacity(h.routes()),
-                                      base, h.options());
+    auto enc = (*plane)->delta_encode(h.routes(), h.kept().data(), h.stream(),
+                                      delta_stream_capacity(h.routes()), base, h.options());
     ASSERT_TRUE(enc.ok()) << enc.status().to_string();
     EXPECT_GT(enc->changed, 0);
     auto app = (*plane)->delta_apply(h.routes(), h.stream(), enc->stream_bytes, base, h.options());

@@ -19,9 +19,10 @@ namespace {
 TEST(NetworkNamespaces, ShapedLinkCarriesThePlansBytes) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to create network namespaces";
   testing::TempDir dir;
-  const std::string cmd = std::string("bash ") + REFIT_SOURCE_DIR + "/bench/shaped_link.sh --rate 1gbit" +
-                          " --model tiny-qwen3 --steps 2 --verify --timeout 120 --refit " + REFIT_CLI_PATH +
-                          " --out " + dir.path() + "/run > " + dir.path() + "/out.log 2>&1";
+  const std::string cmd =
+      std::string("bash ") + REFIT_SOURCE_DIR + "/bench/shaped_link.sh --rate 1gbit" +
+      " --model tiny-qwen3 --steps 2 --verify --timeout 120 --refit " + REFIT_CLI_PATH + " --out " +
+      dir.path() + "/run > " + dir.path() + "/out.log 2>&1";
   const int status = std::system(("timeout -k 5 200 " + cmd).c_str());
   std::ifstream in(dir.path() + "/out.log");
   std::stringstream ss;
@@ -32,7 +33,8 @@ TEST(NetworkNamespaces, ShapedLinkCarriesThePlansBytes) {
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("verified: True"), std::string::npos) << out;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\(([0-9.]+) x bytes_per_refit x steps\))"))) << out;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\(([0-9.]+) x bytes_per_refit x steps\))")))
+      << out;
   const double ratio = std::stod(m[1]);
   EXPECT_GE(ratio, 1.0) << out;  // every route crossed the link
   EXPECT_LE(ratio, 1.5) << out;  // and little else: the control plane and TCP's framing

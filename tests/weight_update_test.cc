@@ -108,7 +108,8 @@ TEST(WeightUpdate, EngineWithAnotherUpdateIsRefused) {
   const std::string exe = REFIT_CLI_PATH;
   std::ostringstream sh;
   sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port << "; "
-     << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << cfg << " --steps 2 --verify --update adam:1e-5"
+     << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << cfg
+     << " --steps 2 --verify --update adam:1e-5"
      << " > t0.log 2>&1 & p0=$!; RANK=1 WORLD_SIZE=2 " << exe << " trainer " << cfg
      << " --steps 2 --verify --update adam:1e-5 > t1.log 2>&1 & p1=$!; ENGINE_RANK=0 " << exe
      << " engine " << cfg << " --update adam:1e-5 > e0.log 2>&1 & p2=$!; ENGINE_RANK=1 " << exe

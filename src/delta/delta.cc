@@ -59,14 +59,15 @@ Status check_delta_routes(const std::vector<DeltaRoute>& routes, const DeltaOpti
     };
     if (b.rows < 0 || b.cols < 0 || b.src_offset < 0 || b.dst_offset < 0 || b.src_stride < 0 ||
         b.dst_stride < 0 || r.key_stride < 0 || r.kept < 0)
-      return bad(fmt::format("negative shape, offset or stride (rows {}, cols {})", b.rows, b.cols));
+      return bad(
+          fmt::format("negative shape, offset or stride (rows {}, cols {})", b.rows, b.cols));
     if (r.kept % 16 != 0) return bad(fmt::format("kept offset {} is not 16-byte aligned", r.kept));
     if (b.numel() >= (std::int64_t{1} << 32))
       return bad(fmt::format("{} elements; a route holds fewer than 2^32", b.numel()));
     const std::size_t esize = dtype_size(r.wire_dtype);
     if (esize != 1 && esize != 2 && esize != 4)
-      return bad(fmt::format("wire dtype {} has {} bytes per element", dtype_name(r.wire_dtype),
-                             esize));
+      return bad(
+          fmt::format("wire dtype {} has {} bytes per element", dtype_name(r.wire_dtype), esize));
   }
   return Status::Ok();
 }
@@ -79,8 +80,8 @@ std::int64_t predict_delta_bytes(std::int64_t elements, int esize, std::int64_t 
   double bytes = static_cast<double>(df::kHeaderBytes) +
                  static_cast<double>(routes) * (sizeof(df::RouteEntry) + 4.0);
   if (elements <= 0 || density == 0) return static_cast<std::int64_t>(bytes);
-  const auto chunk = static_cast<std::uint32_t>(
-      std::min<std::int64_t>(std::int64_t{1} << chunk_log2, elements));
+  const auto chunk =
+      static_cast<std::uint32_t>(std::min<std::int64_t>(std::int64_t{1} << chunk_log2, elements));
   const auto n = static_cast<std::uint32_t>(std::max(1.0, std::round(density * chunk)));
   const auto m = static_cast<std::uint32_t>(std::round(exceptions * n));
   // Exceptions of a few steps: 4 bits of |d| - 2 each (docs/delta.md, "Size").
@@ -100,14 +101,14 @@ DeltaChoice choose_delta(std::int64_t elements, int esize, std::int64_t routes, 
   DeltaChoice c;
   c.full_bytes = elements * esize;
   c.delta_bytes = predict_delta_bytes(elements, esize, routes, density, exceptions, chunk_log2);
-  const double link = link_bytes_per_s > 0 ? link_bytes_per_s
-                                           : std::numeric_limits<double>::infinity();
+  const double link =
+      link_bytes_per_s > 0 ? link_bytes_per_s : std::numeric_limits<double>::infinity();
   c.full_seconds = static_cast<double>(c.full_bytes) / link;
   c.delta_seconds = static_cast<double>(c.delta_bytes) / link;
   if (encode_elems_per_s > 0) c.delta_seconds += static_cast<double>(elements) / encode_elems_per_s;
   if (apply_elems_per_s > 0)
-    c.delta_seconds += std::clamp(density, 0.0, 1.0) * static_cast<double>(elements) /
-                       apply_elems_per_s;
+    c.delta_seconds +=
+        std::clamp(density, 0.0, 1.0) * static_cast<double>(elements) / apply_elems_per_s;
   c.use_delta = c.delta_seconds < c.full_seconds;
   return c;
 }

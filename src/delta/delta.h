@@ -98,8 +98,7 @@ Status check_delta_routes(const std::vector<DeltaRoute>& routes, const DeltaOpti
 // one step in ordered space (docs/delta.md, "Size"). Dense fallbacks are included: a chunk never
 // costs more than its raw bytes.
 std::int64_t predict_delta_bytes(std::int64_t elements, int esize, std::int64_t routes,
-                                 double density, double exceptions = 0.05,
-                                 int chunk_log2 = 13);
+                                 double density, double exceptions = 0.05, int chunk_log2 = 13);
 
 // Delta or full for one list (a trainer/engine pair), from the measured link bandwidth (payload
 // bytes/s), the density measured on the last refit, and the rates at which this plane encodes and
@@ -113,14 +112,12 @@ struct DeltaChoice {
 };
 DeltaChoice choose_delta(std::int64_t elements, int esize, std::int64_t routes, double density,
                          double link_bytes_per_s, double encode_elems_per_s,
-                         double apply_elems_per_s, double exceptions = 0.05,
-                         int chunk_log2 = 13);
+                         double apply_elems_per_s, double exceptions = 0.05, int chunk_log2 = 13);
 // The density past which a list of bf16 (esize) routes is cheaper sent full on this link (by
 // bisection on choose_delta); 1 when delta always wins, 0 when it never does.
 double break_even_density(std::int64_t elements, int esize, std::int64_t routes,
                           double link_bytes_per_s, double encode_elems_per_s,
-                          double apply_elems_per_s, double exceptions = 0.05,
-                          int chunk_log2 = 13);
+                          double apply_elems_per_s, double exceptions = 0.05, int chunk_log2 = 13);
 
 // "route <tag>" or what options.describe says.
 std::string describe_route(const DeltaOptions& options, std::uint32_t tag);

@@ -33,8 +33,8 @@ Status check_delta_pointers(const std::vector<DeltaRoute>& routes, const DeltaOp
   for (const DeltaRoute& r : routes) {
     if (r.elements() == 0) continue;
     if (need_src && r.src == nullptr)
-      return Status::InvalidArgument(
-          fmt::format("delta: {}: no source to read the new values from", describe_route(options, r.tag)));
+      return Status::InvalidArgument(fmt::format("delta: {}: no source to read the new values from",
+                                                 describe_route(options, r.tag)));
     if (need_dst && r.dst == nullptr)
       return Status::InvalidArgument(
           fmt::format("delta: {}: no destination to apply to", describe_route(options, r.tag)));
@@ -119,7 +119,8 @@ std::int64_t total_elements(const std::vector<DeltaRoute>& routes) {
 
 // Runs body over [0, items) on the workers, or on this thread when the list is small.
 void run_items(const HostWorkers& workers, const DeltaOptions& o, std::int64_t elements,
-               std::int64_t items, const std::function<void(std::int64_t, std::int64_t, int)>& body) {
+               std::int64_t items,
+               const std::function<void(std::int64_t, std::int64_t, int)>& body) {
   if (items <= 0) return;
   if (workers.count <= 1 || !workers.run || elements < o.parallel_min_elements || items == 1) {
     body(0, items, 0);
@@ -138,9 +139,9 @@ void walk_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, Ro
   while (k < elems) {
     const std::int64_t len = std::min<std::int64_t>(cols - cc, elems - k);
     row(rr, cc, k, len);
-    const std::uint64_t key0 = r.key + static_cast<std::uint64_t>(rr) *
-                                           static_cast<std::uint64_t>(r.key_stride) +
-                               static_cast<std::uint64_t>(cc);
+    const std::uint64_t key0 =
+        r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
+        static_cast<std::uint64_t>(cc);
     for (std::int64_t i = 0; i < len; ++i) f(k + i, key0 + static_cast<std::uint64_t>(i));
     k += len;
     cc = 0;
@@ -171,7 +172,8 @@ void read_new(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, std:
 // Element e of route r: its digest key and its place at dst (in elements), with divisions only
 // for routes whose rows are not contiguous there.
 std::uint64_t key_at(const DeltaRoute& r, std::int64_t e) {
-  if (r.block.rows <= 1 || r.key_stride == r.block.cols) return r.key + static_cast<std::uint64_t>(e);
+  if (r.block.rows <= 1 || r.key_stride == r.block.cols)
+    return r.key + static_cast<std::uint64_t>(e);
   const std::int64_t rr = e / r.block.cols, cc = e % r.block.cols;
   return r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
          static_cast<std::uint64_t>(cc);
@@ -181,12 +183,14 @@ std::byte* dst_elem(const DeltaRoute& r, std::int64_t e) {
   if (r.block.rows <= 1 || r.block.dst_stride == r.block.cols)
     return r.dst + static_cast<std::size_t>(r.block.dst_offset + e) * esize;
   const std::int64_t rr = e / r.block.cols, cc = e % r.block.cols;
-  return r.dst + static_cast<std::size_t>(r.block.dst_offset + rr * r.block.dst_stride + cc) * esize;
+  return r.dst +
+         static_cast<std::size_t>(r.block.dst_offset + rr * r.block.dst_stride + cc) * esize;
 }
 
 std::byte* dst_at(const DeltaRoute& r, std::int64_t rr, std::int64_t cc) {
   const std::size_t esize = dtype_size(r.wire_dtype);
-  return r.dst + static_cast<std::size_t>(r.block.dst_offset + rr * r.block.dst_stride + cc) * esize;
+  return r.dst +
+         static_cast<std::size_t>(r.block.dst_offset + rr * r.block.dst_stride + cc) * esize;
 }
 
 template <class F>
@@ -216,8 +220,8 @@ struct ChunkOut {
 
 struct Change {
   std::uint32_t pos;
-  std::int32_t neg;      // 1: d < 0
-  std::uint32_t mag;     // |d|
+  std::int32_t neg;   // 1: d < 0
+  std::uint32_t mag;  // |d|
 };
 
 // Codes one chunk's changes (positions increasing) into the worker's arena.
@@ -280,9 +284,8 @@ struct ChangeSink {
     ++count;
     if (changes != nullptr) {
       const std::int64_t d = df::ordered_difference(ov, nv, width);
-      changes->push_back(Change{.pos = k,
-                                .neg = d < 0 ? 1 : 0,
-                                .mag = static_cast<std::uint32_t>(d < 0 ? -d : d)});
+      changes->push_back(Change{
+          .pos = k, .neg = d < 0 ? 1 : 0, .mag = static_cast<std::uint32_t>(d < 0 ? -d : d)});
     }
   }
 };
@@ -305,10 +308,10 @@ void compare_run(const T* fresh, std::uint32_t k0, std::uint32_t n, ChangeSink<T
 // Eight float32 bits to bfloat16 bits in 32-bit lanes (common/convert.h: nearest even, NaN quiet).
 __attribute__((target("avx2"))) inline __m256i round_bf16_avx2(__m256i u) {
   const __m256i hi = _mm256_srli_epi32(u, 16);
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                       _mm256_and_si256(hi, _mm256_set1_epi32(1))),
-      16);
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                         _mm256_and_si256(hi, _mm256_set1_epi32(1))),
+                        16);
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
                                          _mm256_set1_epi32(0x7F800000));
   return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
@@ -401,7 +404,8 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
   const ChunkIndex ix = index_chunks(routes, o.chunk_log2);
   const std::int64_t elements = total_elements(routes);
   std::vector<ChunkOut> chunks(static_cast<std::size_t>(ix.total()));
-  std::vector<std::vector<std::uint32_t>> arenas(static_cast<std::size_t>(std::max(1, workers.count)));
+  std::vector<std::vector<std::uint32_t>> arenas(
+      static_cast<std::size_t>(std::max(1, workers.count)));
   // Pass 1: compare, update the kept copy, code each chunk into its worker's arena.
   run_items(workers, o, elements, ix.total(), [&](std::int64_t g0, std::int64_t g1, int worker) {
     std::vector<std::byte> fresh(std::size_t{4} << ix.log2);
@@ -418,7 +422,8 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
       c.worker = worker;
       dispatch_esize(esize, [&](auto t) {
         using T = decltype(t);
-        ChangeSink<T> sink{.r = r, .first = s.first, .kept = reinterpret_cast<T*>(k), .changes = &changes};
+        ChangeSink<T> sink{
+            .r = r, .first = s.first, .kept = reinterpret_cast<T*>(k), .changes = &changes};
         compare_chunk(r, s.first, s.elems, fresh, sink);
         c.digest = sink.digest;
       });
@@ -440,7 +445,8 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
     e.chunk_log2 = static_cast<std::uint8_t>(ix.log2);
     e.elements = static_cast<std::uint64_t>(r.elements());
     std::uint64_t data = 0;
-    const auto c0 = static_cast<std::size_t>(ix.begin[i]), c1 = static_cast<std::size_t>(ix.begin[i + 1]);
+    const auto c0 = static_cast<std::size_t>(ix.begin[i]),
+               c1 = static_cast<std::size_t>(ix.begin[i + 1]);
     for (std::size_t g = c0; g < c1; ++g) {
       data_offset[g] = data;
       data += chunks[g].bytes;
@@ -470,9 +476,9 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
   }
   const std::uint64_t total = df::align8(at);
   if (total > capacity)
-    return Status::Internal(fmt::format(
-        "delta: the stream of {} routes takes {} bytes, more than the {} of its buffer", routes.size(),
-        total, capacity));
+    return Status::Internal(
+        fmt::format("delta: the stream of {} routes takes {} bytes, more than the {} of its buffer",
+                    routes.size(), total, capacity));
   // Pass 2: payloads and their checksums, chunk by chunk.
   std::vector<std::uint64_t> chunk_sum(chunks.size(), 0);
   run_items(workers, o, elements, ix.total(), [&](std::int64_t g0, std::int64_t g1, int) {
@@ -510,7 +516,8 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
     }
   });
   for (std::size_t i = 0; i < routes.size(); ++i) {
-    for (auto g = static_cast<std::size_t>(ix.begin[i]); g < static_cast<std::size_t>(ix.begin[i + 1]); ++g)
+    for (auto g = static_cast<std::size_t>(ix.begin[i]);
+         g < static_cast<std::size_t>(ix.begin[i + 1]); ++g)
       entries[i].payload_checksum += chunk_sum[g];
     // Padding to the next payload reads as zero, never as old bytes of the buffer.
     const std::uint64_t end = entries[i].offset + entries[i].bytes;
@@ -523,10 +530,10 @@ Result<DeltaResult> delta_encode_host(const std::vector<DeltaRoute>& routes, std
   h.base_digest = base_digest;
   std::memcpy(out + df::kHeaderBytes, entries.data(), sizeof(df::RouteEntry) * entries.size());
   std::memcpy(out, &h, sizeof(h));
-  h.header_checksum = delta_words_checksum(out, df::kHeaderChecksumWords * 4, 0) +
-                      delta_words_checksum(out + df::kHeaderBytes,
-                                           sizeof(df::RouteEntry) * entries.size(),
-                                           df::kDirectoryKey0);
+  h.header_checksum =
+      delta_words_checksum(out, df::kHeaderChecksumWords * 4, 0) +
+      delta_words_checksum(out + df::kHeaderBytes, sizeof(df::RouteEntry) * entries.size(),
+                           df::kDirectoryKey0);
   std::memcpy(out, &h, sizeof(h));
   res.stream_bytes = static_cast<std::size_t>(total);
   return res;
@@ -582,7 +589,8 @@ Result<DeltaResult> delta_patch_host(const std::vector<DeltaRoute>& routes, std:
       std::int64_t n = 0;
       dispatch_esize(esize, [&](auto t) {
         using T = decltype(t);
-        ChangeSink<T> sink{.r = r, .first = s.first, .kept = reinterpret_cast<T*>(k), .patch = true};
+        ChangeSink<T> sink{
+            .r = r, .first = s.first, .kept = reinterpret_cast<T*>(k), .patch = true};
         compare_chunk(r, s.first, s.elems, fresh, sink);
         sum = sink.digest;
         n = sink.count;
@@ -608,25 +616,28 @@ Result<std::vector<df::RouteEntry>> read_stream_directory(const std::vector<Delt
     return Status::Corruption("delta stream: " + what);
   };
   if (bytes < df::kHeaderBytes)
-    return corrupt(fmt::format("{} bytes is shorter than its {}-byte header", bytes, df::kHeaderBytes));
+    return corrupt(
+        fmt::format("{} bytes is shorter than its {}-byte header", bytes, df::kHeaderBytes));
   df::StreamHeader h;
   std::memcpy(&h, head, sizeof(h));
   if (h.magic != df::kMagic)
     return corrupt(fmt::format("bad magic 0x{:08x} (a delta stream starts with 0x{:08x})", h.magic,
                                df::kMagic));
   if (h.version != df::kVersion)
-    return corrupt(fmt::format("format version {}, this build reads version {}", h.version,
-                               df::kVersion));
+    return corrupt(
+        fmt::format("format version {}, this build reads version {}", h.version, df::kVersion));
   if (h.total_bytes != bytes)
     return corrupt(fmt::format("its header says {} bytes, {} arrived", h.total_bytes, bytes));
   if (h.routes != routes.size())
-    return corrupt(fmt::format("it holds {} routes, this receiver expects {}", h.routes,
-                               routes.size()));
+    return corrupt(
+        fmt::format("it holds {} routes, this receiver expects {}", h.routes, routes.size()));
   const std::uint64_t dir_bytes = sizeof(df::RouteEntry) * routes.size();
   if (bytes < df::kHeaderBytes + dir_bytes)
-    return corrupt(fmt::format("{} bytes cannot hold the directory of {} routes", bytes, routes.size()));
-  const std::uint64_t sum = delta_words_checksum(head, df::kHeaderChecksumWords * 4, 0) +
-                            delta_words_checksum(head + df::kHeaderBytes, dir_bytes, df::kDirectoryKey0);
+    return corrupt(
+        fmt::format("{} bytes cannot hold the directory of {} routes", bytes, routes.size()));
+  const std::uint64_t sum =
+      delta_words_checksum(head, df::kHeaderChecksumWords * 4, 0) +
+      delta_words_checksum(head + df::kHeaderBytes, dir_bytes, df::kDirectoryKey0);
   if (sum != h.header_checksum)
     return corrupt("its header and directory fail their checksum: the stream was corrupted");
   if (h.base_digest != base_digest)
@@ -660,20 +671,23 @@ Result<std::vector<df::RouteEntry>> read_stream_directory(const std::vector<Delt
           return bad("an unchanged route with a payload");
         continue;
       case df::kDense:
-        if (e.bytes != raw) return bad(fmt::format("a dense payload of {} bytes, not {}", e.bytes, raw));
+        if (e.bytes != raw)
+          return bad(fmt::format("a dense payload of {} bytes, not {}", e.bytes, raw));
         break;
       case df::kSparse:
         if (e.chunk_log2 < df::kMinChunkLog2 || e.chunk_log2 > df::kMaxChunkLog2)
           return bad(fmt::format("chunks of 2^{} elements", e.chunk_log2));
         if (e.bytes < sizeof(df::ChunkEntry) * df::chunk_count(e.elements, e.chunk_log2))
-          return bad(fmt::format("a sparse payload of {} bytes is shorter than its table", e.bytes));
+          return bad(
+              fmt::format("a sparse payload of {} bytes is shorter than its table", e.bytes));
         break;
       default:
         return bad(fmt::format("unknown payload mode {}", e.mode));
     }
     if (e.changed == 0 || e.changed > e.elements)
       return bad(fmt::format("{} changed elements of {}", e.changed, e.elements));
-    if (e.offset % 8 != 0 || e.offset < end || e.offset + e.bytes > bytes || e.offset + e.bytes < e.offset)
+    if (e.offset % 8 != 0 || e.offset < end || e.offset + e.bytes > bytes ||
+        e.offset + e.bytes < e.offset)
       return bad(fmt::format("its payload [{}, +{}) lies outside the stream's free bytes [{}, {})",
                              e.offset, e.bytes, end, bytes));
     end = e.offset + e.bytes;
@@ -737,13 +751,15 @@ void apply_sparse_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t e
     out.changed += held;
     held = 0;
   };
-  const bool ok = df::decode_chunk(words, v, elems, [&](std::uint32_t p, bool neg, std::uint32_t mag) {
-    const std::int64_t e = first + static_cast<std::int64_t>(p);
-    std::byte* at = dst_elem(r, e);
-    __builtin_prefetch(at, 1);
-    batch[held++] = Pending{at, e, neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag)};
-    if (held == kBatch) flush();
-  });
+  const bool ok =
+      df::decode_chunk(words, v, elems, [&](std::uint32_t p, bool neg, std::uint32_t mag) {
+        const std::int64_t e = first + static_cast<std::int64_t>(p);
+        std::byte* at = dst_elem(r, e);
+        __builtin_prefetch(at, 1);
+        batch[held++] =
+            Pending{at, e, neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag)};
+        if (held == kBatch) flush();
+      });
   flush();
   if (!ok) out.error = "malformed position or exception codes";
 }
@@ -796,8 +812,8 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
       pieces.push_back({i, w, std::min(kPieceWords, words - w)});
   }
   std::vector<std::uint64_t> piece_sum(pieces.size(), 0);
-  run_items(workers, o, static_cast<std::int64_t>(bytes / 2), static_cast<std::int64_t>(pieces.size()),
-            [&](std::int64_t p0, std::int64_t p1, int) {
+  run_items(workers, o, static_cast<std::int64_t>(bytes / 2),
+            static_cast<std::int64_t>(pieces.size()), [&](std::int64_t p0, std::int64_t p1, int) {
               for (std::int64_t p = p0; p < p1; ++p) {
                 const Piece& pc = pieces[static_cast<std::size_t>(p)];
                 const df::RouteEntry& e = entries[pc.route];
@@ -834,8 +850,8 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
     const int log2 = e.mode == df::kSparse ? e.chunk_log2 : o.chunk_log2;
     const std::uint64_t first = it.k << log2;
     return std::make_pair(static_cast<std::int64_t>(first),
-                          static_cast<std::uint32_t>(
-                              std::min<std::uint64_t>(std::uint64_t{1} << log2, e.elements - first)));
+                          static_cast<std::uint32_t>(std::min<std::uint64_t>(
+                              std::uint64_t{1} << log2, e.elements - first)));
   };
   std::vector<ApplyOut> outs(items.size());
   std::vector<df::ChunkView> views(items.size());
@@ -858,48 +874,48 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
     std::vector<std::uint64_t> counted(entries.size(), 0);
     for (std::size_t i = 0; i < items.size(); ++i) {
       if (!outs[i].error.empty())
-        return Status::Corruption(fmt::format("delta stream: {}: {}",
-                                              describe_route(o, routes[items[i].route].tag),
-                                              outs[i].error));
+        return Status::Corruption(fmt::format(
+            "delta stream: {}: {}", describe_route(o, routes[items[i].route].tag), outs[i].error));
       counted[items[i].route] += views[i].n;
     }
     for (std::size_t i = 0; i < entries.size(); ++i)
       if (entries[i].mode == df::kSparse && counted[i] != entries[i].changed)
-        return Status::Corruption(fmt::format(
-            "delta stream: {}: its chunks hold {} changes, its directory says {}",
-            describe_route(o, routes[i].tag), counted[i], entries[i].changed));
+        return Status::Corruption(
+            fmt::format("delta stream: {}: its chunks hold {} changes, its directory says {}",
+                        describe_route(o, routes[i].tag), counted[i], entries[i].changed));
   }
   // Pass 3: apply.
-  run_items(workers, o, elements, static_cast<std::int64_t>(items.size()),
-            [&](std::int64_t i0, std::int64_t i1, int) {
-              for (std::int64_t i = i0; i < i1; ++i) {
-                const Item& it = items[static_cast<std::size_t>(i)];
-                const df::RouteEntry& e = entries[it.route];
-                const DeltaRoute& r = routes[it.route];
-                const auto [first, elems] = item_span(it);
-                ApplyOut& out = outs[static_cast<std::size_t>(i)];
-                const df::ChunkView& v = views[static_cast<std::size_t>(i)];
-                const std::byte* data =
-                    stream + e.offset +
-                    (e.mode == df::kSparse
-                         ? df::chunk_count(e.elements, e.chunk_log2) * sizeof(df::ChunkEntry) + v.offset
-                         : 0);
-                dispatch_esize(e.esize, [&](auto t) {
-                  using T = decltype(t);
-                  if (e.mode == df::kDense) {
-                    apply_raw<T>(r, first, elems, data + static_cast<std::uint64_t>(first) * e.esize,
-                                 out);
-                  } else if (v.n == 0) {
-                    return;
-                  } else if (v.dense) {
-                    apply_raw<T>(r, first, elems, data, out);
-                  } else {
-                    apply_sparse_chunk<T>(r, first, elems,
-                                          reinterpret_cast<const std::uint32_t*>(data), v, out);
-                  }
-                });
-              }
-            });
+  run_items(
+      workers, o, elements, static_cast<std::int64_t>(items.size()),
+      [&](std::int64_t i0, std::int64_t i1, int) {
+        for (std::int64_t i = i0; i < i1; ++i) {
+          const Item& it = items[static_cast<std::size_t>(i)];
+          const df::RouteEntry& e = entries[it.route];
+          const DeltaRoute& r = routes[it.route];
+          const auto [first, elems] = item_span(it);
+          ApplyOut& out = outs[static_cast<std::size_t>(i)];
+          const df::ChunkView& v = views[static_cast<std::size_t>(i)];
+          const std::byte* data =
+              stream + e.offset +
+              (e.mode == df::kSparse
+                   ? df::chunk_count(e.elements, e.chunk_log2) * sizeof(df::ChunkEntry) + v.offset
+                   : 0);
+          dispatch_esize(e.esize, [&](auto t) {
+            using T = decltype(t);
+            if (e.mode == df::kDense) {
+              apply_raw<T>(r, first, elems, data + static_cast<std::uint64_t>(first) * e.esize,
+                           out);
+            } else if (v.n == 0) {
+              return;
+            } else if (v.dense) {
+              apply_raw<T>(r, first, elems, data, out);
+            } else {
+              apply_sparse_chunk<T>(r, first, elems, reinterpret_cast<const std::uint32_t*>(data),
+                                    v, out);
+            }
+          });
+        }
+      });
   DeltaResult res;
   res.elements = elements;
   res.stream_bytes = bytes;

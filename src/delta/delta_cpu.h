@@ -65,6 +65,7 @@ Result<std::vector<delta_format::RouteEntry>> read_stream_directory(
 // Sum of checksum_term(first_key + i, word i) over `words` 32-bit words at `p` (the payload and
 // header checksums of delta/format.h). The last word may be partial: `bytes` counts the real
 // bytes, the rest reads as zero.
-std::uint64_t delta_words_checksum(const std::byte* p, std::uint64_t bytes, std::uint64_t first_key);
+std::uint64_t delta_words_checksum(const std::byte* p, std::uint64_t bytes,
+                                   std::uint64_t first_key);
 
 }  // namespace refit

@@ -98,7 +98,7 @@ struct ChunkEntry {
 };
 static_assert(sizeof(ChunkEntry) == 8);
 inline constexpr std::uint32_t kCountMask = (1u << 17) - 1;
-inline constexpr int kLShift = 17;               // 4 bits
+inline constexpr int kLShift = 17;  // 4 bits
 inline constexpr std::uint32_t kChunkHasExceptions = 1u << 21;
 inline constexpr std::uint32_t kChunkDense = 1u << 22;
 
@@ -268,12 +268,12 @@ struct SetBits {
 // is the route's payload (8-byte aligned), `nchunks` its table's length, `elems` the chunk's.
 enum ChunkError : int {
   kChunkOk = 0,
-  kChunkBadOffset,       // data offset unaligned or past the next chunk's
-  kChunkBadCount,        // more changes than elements
-  kChunkBadFlags,        // unknown flags, or flags without changes
-  kChunkBadExceptions,   // a dense chunk with exceptions, or a bad exceptions word
-  kChunkBadLowBits,      // L or Le other than the counts imply
-  kChunkShort,           // its data runs past its extent
+  kChunkBadOffset,      // data offset unaligned or past the next chunk's
+  kChunkBadCount,       // more changes than elements
+  kChunkBadFlags,       // unknown flags, or flags without changes
+  kChunkBadExceptions,  // a dense chunk with exceptions, or a bad exceptions word
+  kChunkBadLowBits,     // L or Le other than the counts imply
+  kChunkShort,          // its data runs past its extent
 };
 struct ChunkView {
   int error = kChunkOk;
@@ -336,8 +336,8 @@ REFIT_DELTA_HD bool decode_chunk(const std::uint32_t* words, const ChunkView& v,
   exc.w = words;
   exc.start = f.exc_high;
   exc.len = v.m > 0 ? ef_bits(v.m, v.n, f.Le) - static_cast<std::uint64_t>(v.m) * f.Le : 0;
-  std::uint32_t e = 0;             // exceptions decoded
-  std::int64_t exc_j = -1;         // the next exception's change index (-1: none left)
+  std::uint32_t e = 0;      // exceptions decoded
+  std::int64_t exc_j = -1;  // the next exception's change index (-1: none left)
   std::uint32_t exc_mag = 0;
   auto next_exception = [&]() -> bool {
     if (e >= v.m) {
@@ -346,8 +346,8 @@ REFIT_DELTA_HD bool decode_chunk(const std::uint32_t* words, const ChunkView& v,
     }
     std::uint64_t bit = 0;
     if (!exc.next(bit)) return false;
-    const std::uint64_t j =
-        ((bit - e) << f.Le) | get_bits(words, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, f.Le);
+    const std::uint64_t j = ((bit - e) << f.Le) |
+                            get_bits(words, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, f.Le);
     if (static_cast<std::int64_t>(j) <= exc_j || j >= v.n) return false;
     exc_j = static_cast<std::int64_t>(j);
     exc_mag = 2 + get_bits(words, f.exc_mag + static_cast<std::uint64_t>(e) * f.W, f.W);

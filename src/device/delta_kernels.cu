@@ -146,13 +146,15 @@ __device__ __forceinline__ std::int64_t src_index(const DevRoute& r, std::uint64
   if (r.flags & kSrcLinear) return r.src_offset + static_cast<std::int64_t>(pe);
   std::uint64_t row, col;
   row_col(r, pe, row, col);
-  return r.src_offset + static_cast<std::int64_t>(row) * r.src_stride + static_cast<std::int64_t>(col);
+  return r.src_offset + static_cast<std::int64_t>(row) * r.src_stride +
+         static_cast<std::int64_t>(col);
 }
 __device__ __forceinline__ std::int64_t dst_index(const DevRoute& r, std::uint64_t pe) {
   if (r.flags & kDstLinear) return r.dst_offset + static_cast<std::int64_t>(pe);
   std::uint64_t row, col;
   row_col(r, pe, row, col);
-  return r.dst_offset + static_cast<std::int64_t>(row) * r.dst_stride + static_cast<std::int64_t>(col);
+  return r.dst_offset + static_cast<std::int64_t>(row) * r.dst_stride +
+         static_cast<std::int64_t>(col);
 }
 __device__ __forceinline__ std::uint64_t key_of(const DevRoute& r, std::uint64_t pe) {
   if (r.flags & kKeyLinear) return r.key + pe;
@@ -359,7 +361,8 @@ template <class S, class D>
 __global__ void __launch_bounds__(kBlockThreads)
     capture_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
                    const std::uint32_t* __restrict__ group_chunks, int log2,
-                   std::byte* __restrict__ kept_base, unsigned long long* __restrict__ chunk_digest) {
+                   std::byte* __restrict__ kept_base,
+                   unsigned long long* __restrict__ chunk_digest) {
   using ST = typename S::T;
   using DT = typename D::T;
   __shared__ unsigned long long scratch[kBlockThreads / 32];
@@ -400,7 +403,8 @@ __global__ void __launch_bounds__(1024)
 
 // Per route (one block): its chunks' data offsets, changes and digest, and its mode.
 __global__ void __launch_bounds__(kBlockThreads)
-    route_plan_kernel(const DevRoute* __restrict__ routes, const std::uint32_t* __restrict__ chunk_info,
+    route_plan_kernel(const DevRoute* __restrict__ routes,
+                      const std::uint32_t* __restrict__ chunk_info,
                       const std::uint32_t* __restrict__ chunk_bytes,
                       const unsigned long long* __restrict__ chunk_digest,
                       std::uint32_t* __restrict__ chunk_offset, double dense_ratio,
@@ -428,7 +432,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   RoutePlan p;
   p.changed = changed;
   p.digest = digest;
-  const std::uint64_t sparse = sizeof(df::ChunkEntry) * static_cast<std::uint64_t>(r.chunks) + running;
+  const std::uint64_t sparse =
+      sizeof(df::ChunkEntry) * static_cast<std::uint64_t>(r.chunks) + running;
   const std::uint64_t raw = r.elements * r.esize;
   if (changed == 0) {
     p.mode = df::kUnchanged;
@@ -563,7 +568,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     e.payload_checksum = p.checksum;
     std::uint32_t w[16];
     memcpy(w, &e, sizeof(e));
-    auto* dst = reinterpret_cast<std::uint32_t*>(out + df::kHeaderBytes + sizeof(df::RouteEntry) * i);
+    auto* dst =
+        reinterpret_cast<std::uint32_t*>(out + df::kHeaderBytes + sizeof(df::RouteEntry) * i);
     for (int k = 0; k < 16; ++k) {
       dst[k] = w[k];
       sum += checksum_term(df::kDirectoryKey0 + 16 * i + k, w[k]);
@@ -580,7 +586,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   h.base_digest = base_digest;
   std::uint32_t w[12];
   memcpy(w, &h, sizeof(h));
-  for (int k = 0; k < static_cast<int>(df::kHeaderChecksumWords); ++k) sum += checksum_term(k, w[k]);
+  for (int k = 0; k < static_cast<int>(df::kHeaderChecksumWords); ++k)
+    sum += checksum_term(k, w[k]);
   h.header_checksum = sum;
   memcpy(w, &h, sizeof(h));
   auto* dst = reinterpret_cast<std::uint32_t*>(out);
@@ -590,7 +597,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 // ---- apply ----
 
 __global__ void __launch_bounds__(kBlockThreads)
-    payload_checksum_kernel(const PayloadPiece* __restrict__ pieces, const std::byte* __restrict__ stream,
+    payload_checksum_kernel(const PayloadPiece* __restrict__ pieces,
+                            const std::byte* __restrict__ stream,
                             unsigned long long* __restrict__ route_sum) {
   __shared__ unsigned long long scratch[kBlockThreads / 32];
   const PayloadPiece pc = pieces[blockIdx.x];
@@ -612,7 +620,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (threadIdx.x == 0) atomicAdd(&route_sum[pc.route], sum);
 }
 
-__device__ __forceinline__ const df::RouteEntry& entry_of(const std::byte* stream, std::uint32_t route) {
+__device__ __forceinline__ const df::RouteEntry& entry_of(const std::byte* stream,
+                                                          std::uint32_t route) {
   return reinterpret_cast<const df::RouteEntry*>(stream + df::kHeaderBytes)[route];
 }
 
@@ -836,7 +845,9 @@ int dtype_code(DType d) {
 
 // The (source, wire) pairs the kernels are built for: every dtype as itself, and float32 to the
 // 16-bit types (a trainer's master cast). Others are refused at create.
-bool pair_supported(int src, int wire) { return src == wire || (src == 0 && (wire == 1 || wire == 2)); }
+bool pair_supported(int src, int wire) {
+  return src == wire || (src == 0 && (wire == 1 || wire == 2));
+}
 
 template <class F>
 Status with_pair(int src, int wire, F&& f) {
@@ -860,15 +871,17 @@ Status with_pair(int src, int wire, F&& f) {
 
 template <class T>
 Result<DeviceBuffer> upload_vector(const std::vector<T>& v, int device) {
-  REFIT_ASSIGN_OR_RETURN(DeviceBuffer b,
-                         DeviceBuffer::allocate(std::max<std::size_t>(v.size() * sizeof(T), 8), device));
+  REFIT_ASSIGN_OR_RETURN(
+      DeviceBuffer b,
+      DeviceBuffer::allocate(std::max<std::size_t>(v.size() * sizeof(T), 8), device));
   if (!v.empty()) REFIT_RETURN_IF_ERROR(copy_to_device(b.data(), v.data(), v.size() * sizeof(T)));
   return std::move(b);
 }
 
 Status check_grid(std::uint64_t blocks, const char* what) {
   if (blocks > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
-    return Status::InvalidArgument(fmt::format("{}: {} thread blocks exceed one launch", what, blocks));
+    return Status::InvalidArgument(
+        fmt::format("{}: {} thread blocks exceed one launch", what, blocks));
   return Status::Ok();
 }
 
@@ -890,7 +903,7 @@ struct DeviceDelta::Impl {
   DeviceBuffer chunk_info, chunk_bytes, chunk_offset, chunk_digest, plans, totals;
   DeviceBuffer route_sum, route_counted;
   DeviceBuffer dense_list, dense_count;  // apply: the chunks held raw
-  DeviceBuffer slots;  // encode only, allocated at the first encode
+  DeviceBuffer slots;                    // encode only, allocated at the first encode
   DeviceBuffer pieces;
 
   std::uint64_t slot_words() const { return ((std::uint64_t{1} << log2) * max_esize + 3) / 4; }
@@ -911,9 +924,9 @@ struct DeviceDelta::Impl {
 Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<DeltaRoute>& routes,
                                                          int chunk_log2, int device) {
   if (chunk_log2 < df::kMinChunkLog2 || chunk_log2 > kDeviceDeltaMaxChunkLog2)
-    return Status::Unsupported(fmt::format(
-        "delta: the CUDA plane codes chunks of 2^{}..2^{} elements, not 2^{}", df::kMinChunkLog2,
-        kDeviceDeltaMaxChunkLog2, chunk_log2));
+    return Status::Unsupported(
+        fmt::format("delta: the CUDA plane codes chunks of 2^{}..2^{} elements, not 2^{}",
+                    df::kMinChunkLog2, kDeviceDeltaMaxChunkLog2, chunk_log2));
   REFIT_RETURN_IF_ERROR(set_device(device));
   std::unique_ptr<DeviceDelta> d(new DeviceDelta());
   d->chunk_log2_ = chunk_log2;
@@ -957,25 +970,29 @@ Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<Delta
           r.tag, dtype_name(r.src_dtype), dtype_name(r.wire_dtype)));
     const int group = dtype_code(r.src_dtype) * 4 + dtype_code(r.wire_dtype);
     for (std::uint32_t k = 0; k < x.chunks; ++k) {
-      by_group[static_cast<std::size_t>(group)].push_back(static_cast<std::uint32_t>(chunks.size()));
+      by_group[static_cast<std::size_t>(group)].push_back(
+          static_cast<std::uint32_t>(chunks.size()));
       chunks.push_back(DevChunk{static_cast<std::uint32_t>(i), k});
     }
     dev.push_back(x);
   }
   if (chunks.size() >= (std::uint64_t{1} << 32))
-    return Status::InvalidArgument(fmt::format("delta: {} chunks in one list; at most 2^32 - 1", chunks.size()));
+    return Status::InvalidArgument(
+        fmt::format("delta: {} chunks in one list; at most 2^32 - 1", chunks.size()));
   m.n_chunks = chunks.size();
   std::vector<std::uint32_t> group_chunks;
   for (int gi = 0; gi < 16; ++gi) {
     if (by_group[static_cast<std::size_t>(gi)].empty()) continue;
-    m.groups.push_back(Impl::Group{gi / 4, gi % 4, group_chunks.size(), by_group[static_cast<std::size_t>(gi)].size()});
+    m.groups.push_back(Impl::Group{gi / 4, gi % 4, group_chunks.size(),
+                                   by_group[static_cast<std::size_t>(gi)].size()});
     group_chunks.insert(group_chunks.end(), by_group[static_cast<std::size_t>(gi)].begin(),
                         by_group[static_cast<std::size_t>(gi)].end());
   }
   REFIT_ASSIGN_OR_RETURN(m.routes, upload_vector(dev, device));
   REFIT_ASSIGN_OR_RETURN(m.chunks, upload_vector(chunks, device));
   REFIT_ASSIGN_OR_RETURN(m.group_chunks, upload_vector(group_chunks, device));
-  const std::size_t G = std::max<std::uint64_t>(m.n_chunks, 1), R = std::max<std::uint64_t>(m.n_routes, 1);
+  const std::size_t G = std::max<std::uint64_t>(m.n_chunks, 1),
+                    R = std::max<std::uint64_t>(m.n_routes, 1);
   REFIT_ASSIGN_OR_RETURN(m.chunk_info, DeviceBuffer::allocate(G * 4, device));
   REFIT_ASSIGN_OR_RETURN(m.chunk_bytes, DeviceBuffer::allocate(G * 4, device));
   REFIT_ASSIGN_OR_RETURN(m.chunk_offset, DeviceBuffer::allocate(G * 4, device));
@@ -992,15 +1009,17 @@ Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<Delta
 DeviceDelta::~DeviceDelta() = default;
 
 Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::size_t capacity,
-                                        std::uint64_t base_digest, double dense_ratio,
-                                        void* stream, std::chrono::milliseconds timeout) {
+                                        std::uint64_t base_digest, double dense_ratio, void* stream,
+                                        std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
   REFIT_RETURN_IF_ERROR(set_device(m.device));
   const auto s = static_cast<cudaStream_t>(stream);
   const std::uint64_t slot_words = m.slot_words();
   if (m.slots.size() < std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4) {
     m.slots = DeviceBuffer();
-    REFIT_ASSIGN_OR_RETURN(m.slots, DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4, m.device));
+    REFIT_ASSIGN_OR_RETURN(
+        m.slots,
+        DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4, m.device));
   }
   REFIT_RETURN_IF_ERROR(m.reset_totals(stream));
   const auto* routes = static_cast<const DevRoute*>(m.routes.data());
@@ -1043,9 +1062,9 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
   REFIT_CUDA_CHECK_LAUNCH("delta directory_kernel launch");
   REFIT_ASSIGN_OR_RETURN(const Totals t, m.read_totals(stream, timeout, "a delta encode"));
   if (t.bytes > capacity)
-    return Status::Internal(fmt::format(
-        "delta: the stream of {} routes took {} bytes, more than the {} of its buffer", m.n_routes,
-        t.bytes, capacity));
+    return Status::Internal(
+        fmt::format("delta: the stream of {} routes took {} bytes, more than the {} of its buffer",
+                    m.n_routes, t.bytes, capacity));
   DeltaResult r;
   r.stream_bytes = static_cast<std::size_t>(t.bytes);
   r.changed = static_cast<std::int64_t>(t.changed);
@@ -1076,7 +1095,8 @@ Result<DeltaResult> DeviceDelta::capture(std::byte* kept, void* stream,
       return Status::Ok();
     }));
   }
-  sum_chunks_kernel<<<1, 1024, 0, s>>>(nullptr, digest, m.n_chunks, static_cast<Totals*>(m.totals.data()));
+  sum_chunks_kernel<<<1, 1024, 0, s>>>(nullptr, digest, m.n_chunks,
+                                       static_cast<Totals*>(m.totals.data()));
   REFIT_CUDA_CHECK_LAUNCH("delta sum_chunks_kernel launch");
   REFIT_ASSIGN_OR_RETURN(const Totals t, m.read_totals(stream, timeout, "a delta capture"));
   DeltaResult r;
@@ -1100,13 +1120,14 @@ Result<DeltaResult> DeviceDelta::patch(std::byte* kept, void* stream,
       encode_kernel<S, D, true><<<static_cast<unsigned>(g.count), kEncThreads, 0, s>>>(
           static_cast<const DevRoute*>(m.routes.data()),
           static_cast<const DevChunk*>(m.chunks.data()),
-          static_cast<const std::uint32_t*>(m.group_chunks.data()) + g.begin, m.log2, kept,
-          nullptr, 0, info, nullptr, digest);
+          static_cast<const std::uint32_t*>(m.group_chunks.data()) + g.begin, m.log2, kept, nullptr,
+          0, info, nullptr, digest);
       REFIT_CUDA_CHECK_LAUNCH("delta patch kernel launch");
       return Status::Ok();
     }));
   }
-  sum_chunks_kernel<<<1, 1024, 0, s>>>(info, digest, m.n_chunks, static_cast<Totals*>(m.totals.data()));
+  sum_chunks_kernel<<<1, 1024, 0, s>>>(info, digest, m.n_chunks,
+                                       static_cast<Totals*>(m.totals.data()));
   REFIT_CUDA_CHECK_LAUNCH("delta sum_chunks_kernel launch");
   REFIT_ASSIGN_OR_RETURN(const Totals t, m.read_totals(stream, timeout, "a delta patch"));
   DeltaResult r;
@@ -1122,8 +1143,8 @@ Result<DeltaResult> DeviceDelta::apply(const std::vector<df::RouteEntry>& entrie
   Impl& m = *impl_;
   REFIT_RETURN_IF_ERROR(set_device(m.device));
   if (entries.size() != m.n_routes)
-    return Status::Internal(fmt::format("delta apply: {} directory entries for {} routes",
-                                        entries.size(), m.n_routes));
+    return Status::Internal(
+        fmt::format("delta apply: {} directory entries for {} routes", entries.size(), m.n_routes));
   for (const df::RouteEntry& e : entries)
     if (e.mode == df::kSparse && e.chunk_log2 != m.log2)
       return Status::Unsupported(fmt::format(
@@ -1137,20 +1158,25 @@ Result<DeltaResult> DeviceDelta::apply(const std::vector<df::RouteEntry>& entrie
       PayloadPiece p;
       p.begin = entries[i].offset + b;
       p.key0 = b / 4;
-      p.bytes = static_cast<std::uint32_t>(std::min<std::uint64_t>(kPieceWords * 4, entries[i].bytes - b));
+      p.bytes = static_cast<std::uint32_t>(
+          std::min<std::uint64_t>(kPieceWords * 4, entries[i].bytes - b));
       p.route = static_cast<std::uint32_t>(i);
       pieces.push_back(p);
     }
   if (m.pieces.size() < std::max<std::size_t>(pieces.size(), 1) * sizeof(PayloadPiece)) {
     m.pieces = DeviceBuffer();
-    REFIT_ASSIGN_OR_RETURN(m.pieces, DeviceBuffer::allocate(
-                                         std::max<std::size_t>(pieces.size(), 1) * 2 * sizeof(PayloadPiece), m.device));
+    REFIT_ASSIGN_OR_RETURN(
+        m.pieces,
+        DeviceBuffer::allocate(std::max<std::size_t>(pieces.size(), 1) * 2 * sizeof(PayloadPiece),
+                               m.device));
   }
   REFIT_RETURN_IF_ERROR(m.reset_totals(cuda_stream));
   if (!pieces.empty())
-    REFIT_CUDA_CHECK(cudaMemcpyAsync(m.pieces.data(), pieces.data(), pieces.size() * sizeof(PayloadPiece),
-                                     cudaMemcpyHostToDevice, s));
-  const std::size_t R = std::max<std::uint64_t>(m.n_routes, 1), G = std::max<std::uint64_t>(m.n_chunks, 1);
+    REFIT_CUDA_CHECK(cudaMemcpyAsync(m.pieces.data(), pieces.data(),
+                                     pieces.size() * sizeof(PayloadPiece), cudaMemcpyHostToDevice,
+                                     s));
+  const std::size_t R = std::max<std::uint64_t>(m.n_routes, 1),
+                    G = std::max<std::uint64_t>(m.n_chunks, 1);
   REFIT_CUDA_CHECK(cudaMemsetAsync(m.route_sum.data(), 0, R * 8, s));
   REFIT_CUDA_CHECK(cudaMemsetAsync(m.route_counted.data(), 0, R * 8, s));
   REFIT_CUDA_CHECK(cudaMemsetAsync(m.chunk_info.data(), 0, G * 4, s));
@@ -1172,14 +1198,14 @@ Result<DeltaResult> DeviceDelta::apply(const std::vector<df::RouteEntry>& entrie
   if (m.n_chunks > 0) {
     const std::uint64_t blocks = (m.n_chunks + kBlockThreads - 1) / kBlockThreads;
     table_check_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, s>>>(
-        routes, chunks, m.n_chunks, m.log2, stream, static_cast<unsigned long long*>(m.route_counted.data()),
+        routes, chunks, m.n_chunks, m.log2, stream,
+        static_cast<unsigned long long*>(m.route_counted.data()),
         static_cast<std::uint32_t*>(m.dense_list.data()), dense_count, totals);
     REFIT_CUDA_CHECK_LAUNCH("delta table_check_kernel launch");
   }
-  precheck_kernel<<<1, kBlockThreads, 0, s>>>(stream, m.n_routes,
-                                               static_cast<const unsigned long long*>(m.route_sum.data()),
-                                               static_cast<const unsigned long long*>(m.route_counted.data()),
-                                               totals);
+  precheck_kernel<<<1, kBlockThreads, 0, s>>>(
+      stream, m.n_routes, static_cast<const unsigned long long*>(m.route_sum.data()),
+      static_cast<const unsigned long long*>(m.route_counted.data()), totals);
   REFIT_CUDA_CHECK_LAUNCH("delta precheck_kernel launch");
   if (m.n_chunks > 0) {
     apply_sparse_kernel<<<static_cast<unsigned>((m.n_chunks + 127) / 128), 128, 0, s>>>(

@@ -37,8 +37,9 @@ Result<DeltaResult> DeviceDelta::capture(std::byte*, void*, std::chrono::millise
 Result<DeltaResult> DeviceDelta::patch(std::byte*, void*, std::chrono::milliseconds) {
   return no_cuda("DeviceDelta::patch");
 }
-Result<DeltaResult> DeviceDelta::apply(const std::vector<delta_format::RouteEntry>&, const std::byte*,
-                                       std::size_t, void*, std::chrono::milliseconds, ApplyFailure*) {
+Result<DeltaResult> DeviceDelta::apply(const std::vector<delta_format::RouteEntry>&,
+                                       const std::byte*, std::size_t, void*,
+                                       std::chrono::milliseconds, ApplyFailure*) {
   return no_cuda("DeviceDelta::apply");
 }
 

@@ -31,10 +31,11 @@ std::function<std::string(std::uint32_t)> PairDeltaRoutes::describe() const {
 
 PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int trainer, int engine,
                                      DeltaSource source, const std::vector<void*>* shards,
-                                     const std::byte* segment,
-                                     const std::vector<void*>* params, int round) {
+                                     const std::byte* segment, const std::vector<void*>* params,
+                                     int round) {
   PairDeltaRoutes out;
-  const EngineShardLayout& layout = setup.engines[static_cast<std::size_t>(engine) % setup.engines.size()];
+  const EngineShardLayout& layout =
+      setup.engines[static_cast<std::size_t>(engine) % setup.engines.size()];
   const std::vector<std::int64_t> base = key_bases(layout);
   const TrainerShardLayout& mine = setup.trainers[static_cast<std::size_t>(trainer)];
   const std::optional<Fp8Table>& f = setup.wire.fp8;
@@ -45,7 +46,8 @@ PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int 
       for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q, ++tag) {
         const Route& r = setup.plan.routes[q];
         const std::int64_t pcols = matrix_shape(layout.params[r.engine_param].shape).cols;
-        out.names.push_back(rectangle(setup.wire.spec.tensors()[r.hf_tensor].name, r, r.hf_row, r.hf_col));
+        out.names.push_back(
+            rectangle(setup.wire.spec.tensors()[r.hf_tensor].name, r, r.hf_row, r.hf_col));
         if (round >= 0 && r.round != round) continue;
         DeltaRoute d;
         d.wire_dtype = setup.plan.dtype_of(r);
@@ -53,7 +55,8 @@ PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int 
         d.block.cols = r.cols;
         if (source == DeltaSource::kShards) {
           const std::int64_t tcols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-          d.src = shards != nullptr ? static_cast<const std::byte*>((*shards)[r.trainer_tensor]) : nullptr;
+          d.src = shards != nullptr ? static_cast<const std::byte*>((*shards)[r.trainer_tensor])
+                                    : nullptr;
           d.src_dtype = f && f->is_scale(r.hf_tensor) ? DType::kFloat32 : policy;
           d.block.src_offset = r.trainer_row * tcols + r.trainer_col;
           d.block.src_stride = tcols;
@@ -66,7 +69,8 @@ PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int 
         if (params != nullptr) d.dst = static_cast<std::byte*>((*params)[r.engine_param]);
         d.block.dst_offset = r.engine_row * pcols + r.engine_col;
         d.block.dst_stride = pcols;
-        d.key = static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
+        d.key =
+            static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
         d.key_stride = pcols;
         d.tag = tag;
         out.routes.push_back(d);
@@ -102,7 +106,8 @@ PairDeltaRoutes engine_delta_routes(const IncomingRoutes& in, const EngineShardL
                    .dst_stride = pcols,
                    .rows = r.rows,
                    .cols = r.cols};
-        d.key = static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
+        d.key =
+            static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
         d.key_stride = pcols;
         d.tag = tag++;
         out.routes.push_back(d);

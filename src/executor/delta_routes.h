@@ -43,8 +43,8 @@ enum class DeltaSource {
 // patch), else null.
 PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int trainer, int engine,
                                      DeltaSource source, const std::vector<void*>* shards,
-                                     const std::byte* segment,
-                                     const std::vector<void*>* params, int round = -1);
+                                     const std::byte* segment, const std::vector<void*>* params,
+                                     int round = -1);
 
 // What engine rank `engine_rank` receives from trainer rank `trainer` (all rounds, or only
 // `round`), in the same order and with the same tags and keys, with dst = its parameters.
