@@ -15,6 +15,7 @@
 #include "device/device.h"
 #include "plane/data_plane.h"
 #include "refit/config.h"
+#include "test_util.h"
 
 namespace refit {
 namespace {
@@ -128,10 +129,6 @@ std::unique_ptr<DataPlane> plane_of(Device d) {
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   return p.ok() ? std::move(p).value() : nullptr;
 }
-
-#define REFIT_REQUIRE_GPU() \
-  if (device_count() == 0)  \
-  GTEST_SKIP() << (cuda_built() ? "no CUDA device is visible" : "built without CUDA")
 
 // Fills route i's source with values of its dtype: weights of magnitude ~0.02 (float32 / 16-bit),
 // finite codes (fp8), scales near 2^-10 (float32 sent as float32).
