@@ -49,6 +49,9 @@ TEST(Agreement, EachSharedKeyIsNamedWithBothValues) {
       {[](Config& c) { c.policy.dtype = DType::kBFloat16; }, "disagree on policy.dtype"},
       {[](Config& c) { c.seed = 9; }, "disagree on seed"},
       {[](Config& c) { c.device = Device::kCuda; }, "disagree on device"},
+      {[](Config& c) { c.refit.delta = DeltaMode::kAuto; },
+       "disagree on refit.delta: engine/0 has auto, trainer rank 0 has off"},
+      {[](Config& c) { c.refit.staged = true; }, "disagree on refit.staged"},
   };
   const Config ours = base();
   for (const Case& k : cases) {

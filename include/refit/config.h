@@ -41,6 +41,12 @@ enum class EngineLayout { kFused, kHf };
 //          (`weight_scale_inv`, DeepSeek-V3 / Qwen3-FP8 / vLLM and SGLang block-FP8 layers)
 //  tensor: one float32 multiplier per Hugging Face tensor (`weight_scale`)
 enum class Fp8Scheme { kBlock, kTensor };
+// Whether a refit sends only what changed since a pair's last refit (refit.delta; docs/delta.md).
+//  off:  every refit moves every route (the default)
+//  on:   every pair whose engine holds the base the trainer kept sends a delta stream
+//  auto: per pair, a delta where it is predicted to be faster (the link's bandwidth measured at
+//        setup, the pair's density on its last refit); full otherwise
+enum class DeltaMode { kOff, kOn, kAuto };
 
 std::string_view device_name(Device d);
 std::string_view policy_backend_name(PolicyBackend b);
@@ -49,6 +55,7 @@ std::string_view transfer_mode_name(TransferMode m);
 std::string_view executor_name(Executor e);
 std::string_view engine_layout_name(EngineLayout l);
 std::string_view fp8_scheme_name(Fp8Scheme s);
+std::string_view delta_mode_name(DeltaMode m);
 
 struct MegatronParallel {
   int tp = 1;  // tensor parallel
@@ -95,6 +102,11 @@ struct RefitConfig {
   // Engines keep a copy of their parameters during each refit and restore it when the refit
   // fails once bytes may have landed (costs one more copy of the rank's parameters in memory).
   bool keep_previous = false;
+  // Delta refits (docs/delta.md): see DeltaMode.
+  DeltaMode delta = DeltaMode::kOff;
+  // Engines keep serving while a refit's bytes land in a staging area; the pause hook runs only
+  // for the apply.
+  bool staged = false;
 
   // timeout_s as a duration.
   std::chrono::milliseconds timeout() const {

@@ -55,6 +55,18 @@ std::string_view transfer_mode_name(TransferMode m) {
   return "?";
 }
 
+std::string_view delta_mode_name(DeltaMode m) {
+  switch (m) {
+    case DeltaMode::kOff:
+      return "off";
+    case DeltaMode::kOn:
+      return "on";
+    case DeltaMode::kAuto:
+      return "auto";
+  }
+  return "?";
+}
+
 std::string_view executor_name(Executor e) {
   switch (e) {
     case Executor::kAuto:
@@ -155,6 +167,8 @@ std::string config_to_yaml(const Config& c) {
   out << YAML::Key << "executor" << YAML::Value << std::string(executor_name(r.executor));
   out << YAML::Key << "checksum" << YAML::Value << r.checksum;
   out << YAML::Key << "keep_previous" << YAML::Value << r.keep_previous;
+  out << YAML::Key << "delta" << YAML::Value << std::string(delta_mode_name(r.delta));
+  out << YAML::Key << "staged" << YAML::Value << r.staged;
   if (r.fp8.given) {  // written only when given: a model directory's quantization_config decides otherwise
     out << YAML::Key << "fp8" << YAML::Value << YAML::Flow << YAML::BeginMap;
     out << YAML::Key << "scheme" << YAML::Value << std::string(fp8_scheme_name(r.fp8.scheme));
@@ -196,6 +210,8 @@ std::string config_to_json(const Config& c) {
       {"executor", executor_name(c.refit.executor)},
       {"checksum", c.refit.checksum},
       {"keep_previous", c.refit.keep_previous},
+      {"delta", delta_mode_name(c.refit.delta)},
+      {"staged", c.refit.staged},
   };
   if (c.refit.fp8.given)
     j["refit"]["fp8"] = {{"scheme", fp8_scheme_name(c.refit.fp8.scheme)},

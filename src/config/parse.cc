@@ -315,7 +315,8 @@ Status parse_refit(const Section& top, RefitConfig& r) {
   REFIT_ASSIGN_OR_RETURN(Section s, open_section(top, "refit",
                                                  {"target_precision", "buffer_size_bytes",
                                                   "num_buffers", "timeout_s", "executor",
-                                                  "checksum", "keep_previous", "fp8"}));
+                                                  "checksum", "keep_previous", "delta", "staged",
+                                                  "fp8"}));
   if (auto v = s.get("target_precision")) {
     REFIT_ASSIGN_OR_RETURN(r.target_precision,
                            read_enum<DType>(s.key("target_precision"), *v,
@@ -345,6 +346,15 @@ Status parse_refit(const Section& top, RefitConfig& r) {
   }
   if (auto v = s.get("keep_previous")) {
     REFIT_ASSIGN_OR_RETURN(r.keep_previous, read_bool(s.key("keep_previous"), *v));
+  }
+  if (auto v = s.get("delta")) {
+    REFIT_ASSIGN_OR_RETURN(r.delta, read_enum<DeltaMode>(s.key("delta"), *v,
+                                                         {{"off", DeltaMode::kOff},
+                                                          {"on", DeltaMode::kOn},
+                                                          {"auto", DeltaMode::kAuto}}));
+  }
+  if (auto v = s.get("staged")) {
+    REFIT_ASSIGN_OR_RETURN(r.staged, read_bool(s.key("staged"), *v));
   }
   if (s.get("fp8")) {
     REFIT_ASSIGN_OR_RETURN(Section f, open_section(s, "fp8", {"scheme", "block"}));

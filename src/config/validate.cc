@@ -112,6 +112,32 @@ Status check_executor(const Config& c) {
   return Status::Ok();
 }
 
+// refit.delta and refit.staged move the transfer plan's routes: executor gather moves buckets.
+// Until the executors take delta streams and staging areas, a config that asks for them is
+// refused at setup (the wiring replaces the second check).
+Status check_delta(const Config& c) {
+  const bool delta = c.refit.delta != DeltaMode::kOff;
+  if (delta && c.refit.executor == Executor::kGather)
+    return invalid("refit.delta",
+                   "delta refits send the transfer plan's routes, and executor gather moves "
+                   "buckets instead",
+                   fmt::format("{} with refit.executor: gather", delta_mode_name(c.refit.delta)),
+                   "refit.executor auto, peer or p2p, or refit.delta: off");
+  if (c.refit.staged && c.refit.executor == Executor::kGather)
+    return invalid("refit.staged",
+                   "a staged apply lands the transfer plan's routes in a staging area, and "
+                   "executor gather moves buckets instead",
+                   "true with refit.executor: gather",
+                   "refit.executor auto, peer or p2p, or refit.staged: false");
+  if (delta)
+    return invalid("refit.delta", "this build's executors send every route in full",
+                   std::string(delta_mode_name(c.refit.delta)), "off");
+  if (c.refit.staged)
+    return invalid("refit.staged", "this build's engines apply every refit as its bytes land",
+                   "true", "false");
+  return Status::Ok();
+}
+
 Status check_matrix_cell(const Config& c) {
   const MatrixCell* cell =
       find_matrix_cell(c.policy.backend, c.generation.backend, c.generation.weight_transfer_mode);
@@ -358,6 +384,7 @@ Status validate_config(const Config& config, const ModelSpec& spec) {
   REFIT_RETURN_IF_ERROR(check_values(config));
   REFIT_RETURN_IF_ERROR(check_transfer_mode(config.generation));
   REFIT_RETURN_IF_ERROR(check_executor(config));
+  REFIT_RETURN_IF_ERROR(check_delta(config));
   REFIT_RETURN_IF_ERROR(check_matrix_cell(config));
   REFIT_RETURN_IF_ERROR(check_colocation(config));
   REFIT_RETURN_IF_ERROR(check_device(config));

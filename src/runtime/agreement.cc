@@ -50,6 +50,8 @@ std::map<std::string, std::string> agreed_settings(const Config& c, const ModelS
       {"refit.num_buffers", std::to_string(c.refit.num_buffers)},
       {"refit.executor", std::string(executor_name(c.refit.executor))},
       {"refit.checksum", c.refit.checksum ? "true" : "false"},
+      {"refit.delta", std::string(delta_mode_name(c.refit.delta))},
+      {"refit.staged", c.refit.staged ? "true" : "false"},
   };
 }
 

@@ -16,7 +16,8 @@ namespace refit {
 // By config key, in canonical text: the model's tensor table (a hash of every name and shape,
 // key "model"), device, seed, the policy's backend, world size, dtype and Megatron split, the
 // generation protocol, placement, transfer mode, engine count and TP size, and the refit's
-// target precision, buffer size and count and executor. (timeout_s may differ.)
+// target precision, buffer size and count, executor, checksum, delta and staged. (timeout_s may
+// differ.)
 std::map<std::string, std::string> agreed_settings(const Config& config, const ModelSpec& spec);
 
 // `theirs` (announced by `from`) against `ours` (of `self`): InvalidArgument naming the first key
