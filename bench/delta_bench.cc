@@ -216,9 +216,10 @@ int run(const Args& a) {
   auto verify = [&](int step) {
     if (!a.verify) return;
     for (int g = 0; g < engine_ranks; ++g) {
-      auto bad = check(plane->find_mismatch(*model, param_targets[static_cast<std::size_t>(g)],
-                                            step, policy, cfg.refit.target_precision),
-                       "verify");
+      auto bad = check(
+          plane->diagnostics()->find_mismatch(*model, param_targets[static_cast<std::size_t>(g)],
+                                              step, policy, cfg.refit.target_precision),
+          "verify");
       if (bad)
         die(fmt::format("step {}: engine rank {} parameter {} element {} differs from the weights",
                         step, g,
@@ -238,7 +239,8 @@ int run(const Args& a) {
   };
   // Step 0: the full refit, captured.
   for (std::size_t t = 0; t < shards.size(); ++t)
-    check(plane->fill_weights(*model, shard_targets[t], 0, policy, policy), "weights");
+    check(plane->diagnostics()->fill_weights(*model, shard_targets[t], 0, policy, policy),
+          "weights");
   for (Pair& p : pairs) {
     check(plane->copy(p.peer, policy, p.wire), "full refit");
     p.digest =
@@ -265,7 +267,8 @@ int run(const Args& a) {
   std::vector<double> ratio_enc, ratio_app;
   for (int step = 1; step <= a.steps; ++step) {
     for (std::size_t t = 0; t < shards.size(); ++t)
-      check(plane->fill_weights(*model, shard_targets[t], step, policy, policy), "weights");
+      check(plane->diagnostics()->fill_weights(*model, shard_targets[t], step, policy, policy),
+            "weights");
     double cast_s = 0, enc_s = 0, app_s = 0, full_s = 0;
     std::int64_t changed = 0, wire = 0, predicted = 0;
     // The entropy the stream aims at: per pair, whether each element changed (a Bernoulli of the

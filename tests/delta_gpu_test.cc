@@ -324,7 +324,7 @@ TEST(DeltaGpu, CorruptedStreamAndWrongBaseAreRefusedNamingTheTensor) {
   df::RouteEntry r3;
   std::memcpy(&r3, good.data() + df::kHeaderBytes + 3 * sizeof(df::RouteEntry), sizeof(r3));
   ASSERT_EQ(r3.mode, df::kSparse);
-  ASSERT_TRUE(gpu->corrupt_byte(t.stream(1).data() + r3.offset + r3.bytes / 2).ok());
+  ASSERT_TRUE(gpu->diagnostics()->corrupt_byte(t.stream(1).data() + r3.offset + r3.bytes / 2).ok());
   auto bad = gpu->delta_apply(t.routes(1), t.stream(1).data(), e->stream_bytes, cap->digest_delta,
                               t.options());
   ASSERT_FALSE(bad.ok());
