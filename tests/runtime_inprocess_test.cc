@@ -243,7 +243,9 @@ TEST(RuntimeInProcess, FailedVerificationRollsBackBytesAndLabel) {
   ASSERT_NE(st.origin(), nullptr);
   EXPECT_EQ(st.origin()->rank, RankId::engine(0, 1));
   EXPECT_NE(st.message().find("verify: step 2 is wrong"), std::string::npos) << st.message();
+  EXPECT_EQ(st.kind(), FailureKind::kVerification) << failure_kind_name(st.kind());
   ASSERT_FALSE(served.ok());
+  EXPECT_EQ(served.status().kind(), FailureKind::kVerification);
   EXPECT_TRUE(p.trainer->session_ok());
   EXPECT_TRUE(p.engine->session_ok());
   // Rolled back: step 1's bytes and label, generation resumed.
@@ -325,6 +327,102 @@ TEST(RuntimeInProcess, RefitThatFailsInFlightMovesBothToTheNextEpoch) {
   ASSERT_TRUE(served3.ok()) << served3.status().to_string();
   EXPECT_EQ(p.engine->weight_version(), "3");
   EXPECT_TRUE(p.holds(3));
+  p.shutdown();
+}
+
+// Storage of one tensor that reaches into another's is refused on both sides, naming both; the
+// refused registration leaves nothing behind.
+TEST(RuntimeInProcess, OverlappingRegistrationsAreRefusedNamingBoth) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  const std::vector<TensorSlot>& params = p.engine->params();
+  ASSERT_GE(params.size(), 2u);
+  const TensorSlot &a = params[0], &b = params[1];
+  ASSERT_EQ(a.dtype, b.dtype);
+  std::vector<std::uint16_t> backing(static_cast<std::size_t>(a.numel() + b.numel()));
+  ASSERT_TRUE(p.engine->register_param(a.name, backing.data(), a.dtype, a.shape).ok());
+  // b starts on a's last element.
+  Status st = p.engine->register_param(b.name, backing.data() + a.numel() - 1, b.dtype, b.shape);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.kind(), FailureKind::kSetup);
+  EXPECT_NE(st.message().find("tensor " + b.name), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("overlaps tensor " + a.name), std::string::npos) << st.message();
+  // Right after a's end it fits; so does registering a itself again over its own bytes.
+  EXPECT_TRUE(p.engine->register_param(b.name, backing.data() + a.numel(), b.dtype, b.shape).ok());
+  EXPECT_TRUE(p.engine->register_param(a.name, backing.data(), a.dtype, a.shape).ok());
+
+  const std::vector<TensorSlot>& tensors = p.trainer->tensors();
+  ASSERT_GE(tensors.size(), 2u);
+  const TensorSlot &x = tensors[0], &y = tensors[1];
+  Status tr = p.trainer->register_tensor(y.name, p.shards[0].data(), y.dtype, y.shape);
+  ASSERT_FALSE(tr.ok());
+  EXPECT_NE(tr.message().find("overlaps tensor " + x.name), std::string::npos) << tr.message();
+  EXPECT_NE(tr.message().find("trainer rank 0"), std::string::npos) << tr.message();
+
+  // Back to the pair's own storage: a refit is bit-exact.
+  ASSERT_TRUE(p.engine->register_param(a.name, p.params[0].data(), a.dtype, a.shape).ok());
+  ASSERT_TRUE(p.engine->register_param(b.name, p.params[1].data(), b.dtype, b.shape).ok());
+  p.train(1);
+  auto [ok, served] = p.refit(1, false);
+  ASSERT_TRUE(ok.ok()) << ok.to_string();
+  EXPECT_TRUE(p.holds(1));
+  p.shutdown();
+}
+
+// A version a refit already published is refused before any message, and the session goes on; a
+// failed refit published nothing, so its retry may reuse its version.
+TEST(RuntimeInProcess, AVersionAlreadyPublishedIsRefusedAndARetryMayReuseAFailedOne) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  int fail_once = 1;
+  p.engine->on_verify([&](int step, const std::string&) {
+    return step == 2 && fail_once-- > 0 ? Status::Corruption("step 2 fails once") : Status::Ok();
+  });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, false).first.ok());
+  p.trainer_sent.reset();
+  Status again = p.trainer->refit(5, "1", false);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.kind(), FailureKind::kSetup);
+  EXPECT_NE(again.message().find("weight version '1', which refit step 1 already published"),
+            std::string::npos)
+      << again.message();
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kBegin), 0) << "refused before any message";
+  EXPECT_TRUE(p.trainer->session_ok());
+  // Step 2 fails its verification once; its retry reuses version "2".
+  p.train(2);
+  auto [failed, served] = p.refit(2, true);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.kind(), FailureKind::kVerification);
+  auto [retried, served2] = p.refit(2, true);
+  ASSERT_TRUE(retried.ok()) << retried.to_string();
+  EXPECT_EQ(p.engine->weight_version(), "2");
+  p.shutdown();
+}
+
+// serve_one with a bound: past it with no refit begun, a timeout and nothing changed.
+TEST(RuntimeInProcess, ServeOneWithABoundTimesOutAndChangesNothing) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  Result<bool> waited = p.engine->serve_one(std::chrono::milliseconds(200));
+  ASSERT_FALSE(waited.ok());
+  EXPECT_EQ(waited.status().code(), StatusCode::kTimeout);
+  EXPECT_EQ(waited.status().kind(), FailureKind::kTimeout);
+  EXPECT_NE(waited.status().message().find("no refit began"), std::string::npos)
+      << waited.status().message();
+  EXPECT_TRUE(p.engine->session_ok());
+  EXPECT_EQ(p.engine->weight_version(), "0");
+  EXPECT_TRUE(p.engine->is_valid());
+  // A refit begun while the engine waits with a bound is served.
+  p.train(1);
+  auto served = std::async(std::launch::async,
+                           [&] { return p.engine->serve_one(std::chrono::milliseconds(30000)); });
+  Status st = p.trainer->refit(1, "1", false);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  Result<bool> got = served.get();
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  EXPECT_TRUE(*got);
+  EXPECT_TRUE(p.holds(1));
   p.shutdown();
 }
 

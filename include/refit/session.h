@@ -41,6 +41,7 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -258,6 +259,13 @@ class Engine {
   // mismatch, failed verification), was refused before any byte moved, or failed in flight with
   // every rank alive is returned as its error with session_ok() still true: serve the next one.
   virtual Result<bool> serve_one() = 0;
+  // The same, waiting at most `wait` for a refit to begin: past it, an error of code kTimeout
+  // (FailureKind::kTimeout) with nothing changed — the weights, their version and the session
+  // (session_ok() stays true). An inference server calls it from its own loop between batches.
+  // A refit that began runs to its end, each of its steps bounded by refit.timeout_s. A refit
+  // that begins after the trainer's own wait for it ran out (refit.timeout_s) is refused by the
+  // trainer, and this rank keeps its weights and version.
+  virtual Result<bool> serve_one(std::chrono::milliseconds wait) = 0;
   // Serves refits until shutdown, past refits that failed at their end (serve_one() in a loop, on
   // the calling thread). Returns ok after the trainer's shutdown, or the failure that ended the
   // session.

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cassert>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -30,12 +32,31 @@ enum class StatusCode {
 
 const char* status_code_name(StatusCode code);
 
+// What the caller does about a failure, whatever its code: the Python exception classes
+// (refit.SetupError, PeerLostError, TimeoutError, VerificationError, ProtocolError) follow it.
+// A failure that travelled from another rank has the kind of its root cause (its origin).
+enum class FailureKind : std::uint8_t {
+  kOther = 0,     // none below: a hook's own error, an I/O error, a bug in refit
+  kSetup,         // refused: a config value, an input, a registration, a version label; fix it
+  kPeerLost,      // a rank this one depends on exited, stopped or was cut off: rebuild the session
+  kTimeout,       // a bounded wait ran out while its peers were alive
+  kVerification,  // the bytes arrived but failed the verification hook or refit.checksum
+  kProtocol,      // a peer sent what this rank cannot accept (a message out of order, malformed)
+};
+
+// "other" | "setup" | "peer_lost" | "timeout" | "verification" | "protocol".
+const char* failure_kind_name(FailureKind kind);
+// The kind a code implies when nothing more specific was said: setup for invalid_argument,
+// not_found and unsupported, timeout for timeout, other for the rest.
+FailureKind default_failure_kind(StatusCode code);
+
 // Where a failure that travelled between ranks started: the process it is blamed on (its root
 // cause) and that process's own error as it recorded it. The runtime attaches it to every failure
 // it returns on behalf of another rank; a failure without one started on the rank returning it.
 struct FailureOrigin {
   RankId rank;
   StatusCode code = StatusCode::kInternal;
+  FailureKind kind = FailureKind::kOther;
   // That process's error as it reported it, without its name: a failure that ended its session as
   // "<code name>: <message>" (Status::to_string), a refit's own failure as its message.
   std::string error;
@@ -74,8 +95,14 @@ class [[nodiscard]] Status {
   const FailureOrigin* origin() const { return origin_.get(); }
   Status with_origin(FailureOrigin origin) const;
 
+  // What the caller does about it: the origin's kind when there is one, else the kind set with
+  // with_kind(), else the code's default (default_failure_kind).
+  FailureKind kind() const;
+  Status with_kind(FailureKind kind) const;
+
  private:
   StatusCode code_ = StatusCode::kOk;
+  std::optional<FailureKind> kind_;
   std::string message_;
   std::shared_ptr<const FailureOrigin> origin_;
 };

@@ -19,7 +19,15 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._cli import cli_path
-from ._common import Error, SetupError, TensorSlot
+from ._common import (
+    Error,
+    PeerLostError,
+    ProtocolError,
+    SetupError,
+    TensorSlot,
+    TimeoutError,
+    VerificationError,
+)
 from ._refit import (
     Config,
     Engine,
@@ -42,9 +50,13 @@ __all__ = [
     "Engine",
     "Error",
     "ModelSpec",
+    "PeerLostError",
+    "ProtocolError",
     "SetupError",
     "TensorSlot",
+    "TimeoutError",
     "Trainer",
+    "VerificationError",
     "__version__",
     "__wire_version__",
     "accepts_device_memory",

@@ -6,41 +6,136 @@ import the extension itself.
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import re
 from typing import Any, Mapping, NamedTuple, Tuple
 
-__all__ = ["Error", "SetupError", "TensorSlot", "dict_to_yaml", "merge_dicts", "replace_config_dict", "setup_error"]
+__all__ = [
+    "ERROR_CLASSES",
+    "Error",
+    "PeerLostError",
+    "ProtocolError",
+    "SetupError",
+    "TimeoutError",
+    "VerificationError",
+    "TensorSlot",
+    "dict_to_yaml",
+    "merge_dicts",
+    "replace_config_dict",
+    "setup_error",
+]
 
 
 class Error(RuntimeError):
     """A refit call failed.
 
     ``str(error)`` is the text the ``refit`` CLI prints after ``refit: error:`` — the status code
-    name, then a message naming what failed and where (rank, peer, bucket, tensor, key).
+    name, then a message naming what failed and where (rank, peer, bucket, tensor, key). A failure
+    that started on another rank names that rank and its own error (the root cause).
+
+    The class says what to do next (``kind``):
+
+    * ``SetupError`` — refused: a config value, an input, a registration or a version label. Fix
+      it; the session, if one exists, is unchanged.
+    * ``PeerLostError`` — a rank this one depends on exited, stopped or was cut off. Close every
+      rank and build the session anew (docs/rl-loop.md, "Recovering from a dead rank").
+    * ``TimeoutError`` — a bounded wait ran out while the peers were alive (also a
+      ``builtins.TimeoutError``).
+    * ``VerificationError`` — the bytes arrived but failed the verification hook or
+      ``refit.checksum``; the engines did not publish the version.
+    * ``ProtocolError`` — a peer sent what this rank cannot accept (a message out of order or
+      malformed: mixed refit versions, or a bug).
+    * ``Error`` itself — anything else (a hook's own error, an I/O error, a bug in refit).
 
     Attributes:
         code: the status code as an identifier: ``"invalid_argument"``, ``"not_found"``,
             ``"corruption"``, ``"io_error"``, ``"timeout"``, ``"aborted"``, ``"unsupported"``
             or ``"internal"``.
         message: the message without the code name.
+        kind: ``"setup"``, ``"peer_lost"``, ``"timeout"``, ``"verification"``, ``"protocol"``
+            or ``"other"`` (the class, as a string).
+        rank: the rank the failure started on (the root cause): a trainer rank, or the engine rank
+            *g* = engine index × tp_size + TP rank; ``None`` when no rank was involved (a config
+            error before any rank existed).
+        role: ``"trainer"``, ``"engine"`` or ``None``, with ``rank``.
+        process: that rank's name (``"engine 0 tp rank 1"``), or ``None``.
+        recoverable: whether the object that raised can go on (its ``session_ok`` still holds:
+            the next ``refit()`` / ``serve_one()`` runs normally).
     """
 
-    def __init__(self, text: str, code: str = "internal", message: str | None = None) -> None:
+    kind_name = "other"
+
+    def __init__(
+        self,
+        text: str,
+        code: str = "internal",
+        message: str | None = None,
+        rank: int | None = None,
+        role: str | None = None,
+        process: str | None = None,
+        recoverable: bool = False,
+    ) -> None:
         super().__init__(text)
         self.code = code
         self.message = text if message is None else message
+        self.kind = self.kind_name
+        self.rank = rank
+        self.role = role
+        self.process = process
+        self.recoverable = recoverable
 
-    def __reduce__(self):  # keeps code and message across pickling (multiprocessing)
-        return (type(self), (str(self), self.code, self.message))
+    def __reduce__(self):  # keeps every attribute across pickling (multiprocessing)
+        return (
+            type(self),
+            (str(self), self.code, self.message, self.rank, self.role, self.process, self.recoverable),
+        )
 
 
 class SetupError(Error):
-    """A setup error: bad config value, unknown model or tensor, unsupported combination.
+    """Refused: a bad config value, an unknown model or tensor, an unsupported combination, a bad
+    registration (shape, dtype, device, storage that overlaps another tensor's) or a version label
+    already published.
 
-    The CLI exits 2 on these (``invalid_argument``, ``not_found``, ``unsupported``).
+    The CLI exits 2 on these at setup (``invalid_argument``, ``not_found``, ``unsupported``).
     """
+
+    kind_name = "setup"
+
+
+class PeerLostError(Error):
+    """A rank this one depends on exited, stopped or was cut off; ``rank`` / ``role`` name it.
+    The session is over: close every rank and build it anew."""
+
+    kind_name = "peer_lost"
+
+
+class TimeoutError(Error, builtins.TimeoutError):  # noqa: A001 - refit.TimeoutError on purpose
+    """A bounded wait ran out while the peers were alive (``refit.timeout_s``, or the ``timeout``
+    of ``Engine.serve_one``). Also a ``builtins.TimeoutError``."""
+
+    kind_name = "timeout"
+
+
+class VerificationError(Error):
+    """The bytes arrived but failed the verification hook or ``refit.checksum`` on the rank
+    named; the engines did not publish the version (with ``refit.keep_previous`` they rolled
+    back). The session goes on."""
+
+    kind_name = "verification"
+
+
+class ProtocolError(Error):
+    """A peer sent what this rank cannot accept: a message out of order or malformed (mixed refit
+    versions, or a bug in refit)."""
+
+    kind_name = "protocol"
+
+
+ERROR_CLASSES = {
+    cls.kind_name: cls for cls in (Error, SetupError, PeerLostError, TimeoutError, VerificationError, ProtocolError)
+}
 
 
 _CODE_NAMES = {

@@ -45,10 +45,35 @@ bool is_setup_error(StatusCode code) {
   return false;
 }
 
+namespace {
+thread_local const ErrorScope* innermost = nullptr;
+}  // namespace
+
+ErrorScope::ErrorScope(RankId self, std::function<bool()> session_ok)
+    : self_(self), session_ok_(std::move(session_ok)), outer_(innermost) {
+  innermost = this;
+}
+
+ErrorScope::~ErrorScope() { innermost = outer_; }
+
+const ErrorScope* ErrorScope::current() { return innermost; }
+
 py::object make_exception(const Status& status) {
   py::module_ common = py::module_::import("refit._common");
-  py::object cls = common.attr(is_setup_error(status.code()) ? "SetupError" : "Error");
-  return cls(status.to_string(), status_code_id(status.code()), status.message());
+  py::object cls = common.attr("ERROR_CLASSES")[py::str(failure_kind_name(status.kind()))];
+  const ErrorScope* scope = ErrorScope::current();
+  const RankId* origin = status.origin() != nullptr ? &status.origin()->rank
+                         : scope != nullptr         ? &scope->self()
+                                                    : nullptr;
+  py::object rank = py::none(), role = py::none(), process = py::none();
+  if (origin != nullptr) {
+    rank = py::int_(origin->rank);
+    role = py::str(role_name(origin->role));
+    process = py::str(origin->name());
+  }
+  const bool recoverable = scope != nullptr && scope->session_ok();
+  return cls(status.to_string(), status_code_id(status.code()), status.message(), rank, role,
+             process, recoverable);
 }
 
 void raise_status(const Status& status) {

@@ -1,18 +1,41 @@
 // Status -> Python exception at the module boundary (the library itself never throws).
 //
-// Every non-ok Status becomes refit.Error (a RuntimeError) or, for the codes the CLI treats as
-// setup errors (exit 2: invalid argument, not found, unsupported), refit.SetupError. The text is
-// Status::to_string(), the message the CLI prints after "refit: error: "; `.code` names the code
-// ("invalid_argument", "timeout", ...) and `.message` is the bare message.
+// Every non-ok Status becomes an instance of the refit.Error class its FailureKind names
+// (refit.SetupError, PeerLostError, TimeoutError, VerificationError, ProtocolError, or Error
+// itself). The text is Status::to_string(), the message the CLI prints after "refit: error: ";
+// `.code` names the code ("invalid_argument", "timeout", ...), `.message` is the bare message,
+// `.rank` / `.role` / `.process` the rank the failure started on (its origin, else the rank of the
+// ErrorScope the call runs in), and `.recoverable` whether that scope's session goes on.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include <functional>
 #include <string>
 
 #include "refit/status.h"
 
 namespace refit::python {
+
+// While alive, the exceptions this thread raises are attributed to `self` (unless their Status
+// names another origin) and carry `session_ok()` as `.recoverable`. Scopes nest; the innermost
+// one counts. Outside every scope, `.rank` is None and `.recoverable` False.
+class ErrorScope {
+ public:
+  ErrorScope(RankId self, std::function<bool()> session_ok);
+  ~ErrorScope();
+  ErrorScope(const ErrorScope&) = delete;
+  ErrorScope& operator=(const ErrorScope&) = delete;
+
+  const RankId& self() const { return self_; }
+  bool session_ok() const { return session_ok_ && session_ok_(); }
+  static const ErrorScope* current();
+
+ private:
+  RankId self_;
+  std::function<bool()> session_ok_;
+  const ErrorScope* outer_;
+};
 
 // "invalid_argument", "not_found", ... ("ok" for kOk).
 const char* status_code_id(StatusCode code);

@@ -8,7 +8,10 @@
 // so destroying it never touches Python objects.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -71,7 +74,10 @@ std::string describe(py::error_already_set& e) {
 // A Trainer or Engine is driven by one thread; a second concurrent call is refused.
 class CallGuard {
  public:
-  CallGuard(std::atomic<bool>& busy, const std::string& who, const char* call) : busy_(busy) {
+  // `self` and `session_ok` attribute the exceptions the call raises (errors.h, ErrorScope).
+  CallGuard(std::atomic<bool>& busy, const std::string& who, const char* call, RankId self,
+            std::function<bool()> session_ok)
+      : busy_(busy), scope_(self, std::move(session_ok)) {
     if (busy_.exchange(true))
       throw std::runtime_error(who + ": " + call +
                                "() called while another call on this object is running on "
@@ -83,6 +89,7 @@ class CallGuard {
 
  private:
   std::atomic<bool>& busy_;
+  ErrorScope scope_;
 };
 
 // What the caller registered for one slot.
@@ -190,12 +197,28 @@ class Registry {
   bool device_memory_ = false;
 };
 
+// A refit's RefitStats as the `last_stats` dict of Trainer and Engine.
+py::dict stats_dict(const RefitStats& s) {
+  py::dict d;
+  d["seconds"] = s.seconds;
+  d["unshard_s"] = s.unshard_s;
+  d["cast_pack_s"] = s.cast_pack_s;
+  d["transfer_s"] = s.transfer_s;
+  d["apply_s"] = s.apply_s;
+  d["bytes"] = s.bytes;
+  d["buckets"] = s.buckets;
+  d["checksums_matched"] = s.checksums_matched;
+  d["gbps"] = s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0.0;
+  return d;
+}
+
 class PyTrainer {
  public:
   PyTrainer(const PyConfig& cfg, int rank, const std::string& master_addr, int master_port,
             const std::string& host)
-      : config_(cfg.config), rank_(rank), who_("trainer rank " + std::to_string(rank)) {
+      : config_(cfg.config), rank_(rank), self_(RankId::trainer(rank)), who_(self_.name()) {
     const Endpoint ep{master_addr, master_port, host};
+    const ErrorScope scope(self_, [] { return false; });
     Status st;
     {
       py::gil_scoped_release nogil;
@@ -222,7 +245,7 @@ class PyTrainer {
   py::list tensors() const { return slot_list(registry_.slots()); }
 
   void register_tensor(const std::string& name, const py::object& tensor) {
-    CallGuard guard(busy_, who_, "register");
+    CallGuard guard(busy_, who_, "register", self_, [this] { return session_ok(); });
     Trainer& t = open("register");
     registry_.add(
         who_, /*writes=*/false, name, tensor,
@@ -232,7 +255,7 @@ class PyTrainer {
   }
 
   void refit(int step, const std::optional<std::string>& version, bool verify) {
-    CallGuard guard(busy_, who_, "refit");
+    CallGuard guard(busy_, who_, "refit", self_, [this] { return session_ok(); });
     Trainer& t = open("refit");
     const std::string v = version ? *version : default_version(config_, step);
     Status st;
@@ -243,22 +266,10 @@ class PyTrainer {
     raise_if_error(st);
   }
 
-  py::dict last_stats() {
-    const RefitStats& s = open("last_stats").last_stats();
-    py::dict d;
-    d["seconds"] = s.seconds;
-    d["unshard_s"] = s.unshard_s;
-    d["cast_pack_s"] = s.cast_pack_s;
-    d["transfer_s"] = s.transfer_s;
-    d["apply_s"] = s.apply_s;
-    d["bytes"] = s.bytes;
-    d["buckets"] = s.buckets;
-    d["gbps"] = s.seconds > 0 ? static_cast<double>(s.bytes) / s.seconds / 1e9 : 0.0;
-    return d;
-  }
+  py::dict last_stats() { return stats_dict(open("last_stats").last_stats()); }
 
   py::list traffic() {
-    CallGuard guard(busy_, who_, "traffic");
+    CallGuard guard(busy_, who_, "traffic", self_, [this] { return session_ok(); });
     Trainer& t = open("traffic");
     Result<std::vector<RankTraffic>> r = std::vector<RankTraffic>{};
     {
@@ -281,7 +292,7 @@ class PyTrainer {
   }
 
   void shutdown() {
-    CallGuard guard(busy_, who_, "shutdown");
+    CallGuard guard(busy_, who_, "shutdown", self_, [this] { return session_ok(); });
     Trainer& t = open("shutdown");
     Status st;
     {
@@ -293,7 +304,7 @@ class PyTrainer {
   }
 
   void close() {
-    CallGuard guard(busy_, who_, "close");
+    CallGuard guard(busy_, who_, "close", self_, [this] { return session_ok(); });
     {
       py::gil_scoped_release nogil;  // the C++ trainer holds no Python objects
       trainer_.reset();
@@ -325,6 +336,7 @@ class PyTrainer {
  private:
   const Config config_;
   const int rank_;
+  const RankId self_;
   const std::string who_;
   Registry registry_;
   std::unique_ptr<Trainer> trainer_;
@@ -338,9 +350,10 @@ class PyEngine {
            const std::string& host)
       : config_(cfg.config),
         engine_rank_(engine_rank),
-        who_(cat("engine ", engine_rank / std::max(1, cfg.config.generation.tp_size), " tp rank ",
-                 engine_rank % std::max(1, cfg.config.generation.tp_size))) {
+        self_(RankId::engine(engine_rank, std::max(1, cfg.config.generation.tp_size))),
+        who_(self_.name()) {
     const Endpoint ep{master_addr, master_port, host};
+    const ErrorScope scope(self_, [] { return false; });
     Status st;
     {
       py::gil_scoped_release nogil;
@@ -378,7 +391,7 @@ class PyEngine {
   py::list params() const { return slot_list(registry_.slots()); }
 
   void register_param(const std::string& name, const py::object& tensor) {
-    CallGuard guard(busy_, who_, "register");
+    CallGuard guard(busy_, who_, "register", self_, [this] { return session_ok(); });
     Engine& e = open("register");
     registry_.add(
         who_, /*writes=*/true, name, tensor,
@@ -388,7 +401,7 @@ class PyEngine {
   }
 
   void set_pause(const py::object& fn) {
-    CallGuard guard(busy_, who_, "on_pause");
+    CallGuard guard(busy_, who_, "on_pause", self_, [this] { return session_ok(); });
     Engine& e = open("on_pause");
     pause_ = fn;
     if (fn.is_none())
@@ -398,13 +411,13 @@ class PyEngine {
   }
 
   void set_resume(const py::object& fn) {
-    CallGuard guard(busy_, who_, "on_resume");
+    CallGuard guard(busy_, who_, "on_resume", self_, [this] { return session_ok(); });
     open("on_resume");
     resume_ = fn;  // called by the resume hook installed at construction
   }
 
   void set_verify(const py::object& fn) {
-    CallGuard guard(busy_, who_, "on_verify");
+    CallGuard guard(busy_, who_, "on_verify", self_, [this] { return session_ok(); });
     Engine& e = open("on_verify");
     verify_ = fn;
     if (fn.is_none())
@@ -415,7 +428,7 @@ class PyEngine {
   }
 
   void set_load_weights(const py::object& fn) {
-    CallGuard guard(busy_, who_, "on_load_weights");
+    CallGuard guard(busy_, who_, "on_load_weights", self_, [this] { return session_ok(); });
     Engine& e = open("on_load_weights");
     load_ = fn;
     if (fn.is_none())
@@ -424,13 +437,18 @@ class PyEngine {
       e.on_load_weights([this](const std::vector<ParamView>& batch) { return run_load(batch); });
   }
 
-  bool serve_one() {
-    CallGuard guard(busy_, who_, "serve_one");
-    return serve_one_unguarded(open("serve_one"));
+  bool serve_one(std::optional<double> timeout) {
+    CallGuard guard(busy_, who_, "serve_one", self_, [this] { return session_ok(); });
+    if (timeout && !(*timeout >= 0))
+      raise_status(Status::InvalidArgument(
+          cat(who_, ": serve_one(timeout=", *timeout, "): the timeout is seconds, >= 0")));
+    return serve_one_unguarded(open("serve_one"), timeout);
   }
 
+  py::dict last_stats() { return stats_dict(open("last_stats").last_stats()); }
+
   int serve() {
-    CallGuard guard(busy_, who_, "serve");
+    CallGuard guard(busy_, who_, "serve", self_, [this] { return session_ok(); });
     Engine& e = open("serve");
     int served = 0;
     while (true) {
@@ -459,7 +477,7 @@ class PyEngine {
   bool session_ok() { return engine_ && engine_->session_ok(); }
 
   void close() {
-    CallGuard guard(busy_, who_, "close");
+    CallGuard guard(busy_, who_, "close", self_, [this] { return session_ok(); });
     {
       py::gil_scoped_release nogil;  // the C++ engine holds no Python objects
       engine_.reset();
@@ -474,14 +492,16 @@ class PyEngine {
   Registry& registry() { return registry_; }
 
  private:
-  bool serve_one_unguarded(Engine& e) {
+  bool serve_one_unguarded(Engine& e, std::optional<double> timeout = std::nullopt) {
     pending_ = py::object();
     refit_failed_ = false;
     Status st;
     bool committed = false;
     {
       py::gil_scoped_release nogil;
-      auto r = e.serve_one();
+      auto r = timeout ? e.serve_one(std::chrono::milliseconds(
+                             static_cast<std::int64_t>(std::min(*timeout, 1e9) * 1000.0)))
+                       : e.serve_one();
       if (r.ok())
         committed = *r;
       else
@@ -578,6 +598,7 @@ class PyEngine {
 
   const Config config_;
   const int engine_rank_;
+  const RankId self_;
   const std::string who_;
   Registry registry_;
   std::unique_ptr<Engine> engine_;
@@ -745,10 +766,17 @@ refit.buffer_size_bytes unless one layer is larger. Called again with the restor
 rollback (refit.keep_previous). If it raises, the session ends (the engine's weights are torn) and
 serve_one() raises refit.Error with the exception as its __cause__. None removes it.
 )doc")
-      .def("serve_one", &PyEngine::serve_one, R"doc(
-Serves one refit (GIL released; waits for it to start as long as the trainer lives, and
-config.timeout_s for each step of it). Returns True
-after a committed refit, False when the trainer shut the engines down.
+      .def("serve_one", &PyEngine::serve_one, py::arg("timeout") = py::none(), R"doc(
+Serves one refit (GIL released; waits for it to start as long as the trainer lives, or at most
+`timeout` seconds, and config.timeout_s for each step of it). Returns True after a committed
+refit, False when the trainer shut the engines down. Past `timeout` with no refit begun it raises
+refit.TimeoutError and nothing changed (recoverable: call it again later); an inference server
+calls it from its own loop between batches. A refit that began runs to its end.
+)doc")
+      .def_property_readonly("last_stats", &PyEngine::last_stats, R"doc(
+This rank's side of the last refit it served: {"seconds", "apply_s", "bytes" (what reached this
+rank), "checksums_matched" (feeders whose bytes passed refit.checksum), ...}, the keys of
+Trainer.last_stats.
 )doc")
       .def("serve", &PyEngine::serve, R"doc(
 Serves refits until the trainer shuts down; returns how many committed. Ctrl-C is honoured between

@@ -26,6 +26,55 @@ const char* status_code_name(StatusCode code) {
   return "unknown";
 }
 
+const char* failure_kind_name(FailureKind kind) {
+  switch (kind) {
+    case FailureKind::kOther:
+      return "other";
+    case FailureKind::kSetup:
+      return "setup";
+    case FailureKind::kPeerLost:
+      return "peer_lost";
+    case FailureKind::kTimeout:
+      return "timeout";
+    case FailureKind::kVerification:
+      return "verification";
+    case FailureKind::kProtocol:
+      return "protocol";
+  }
+  return "other";
+}
+
+FailureKind default_failure_kind(StatusCode code) {
+  switch (code) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kUnsupported:
+      return FailureKind::kSetup;
+    case StatusCode::kTimeout:
+      return FailureKind::kTimeout;
+    case StatusCode::kOk:
+    case StatusCode::kCorruption:
+    case StatusCode::kIOError:
+    case StatusCode::kAborted:
+    case StatusCode::kInternal:
+      return FailureKind::kOther;
+  }
+  return FailureKind::kOther;
+}
+
+FailureKind Status::kind() const {
+  if (origin_) return origin_->kind;
+  if (kind_) return *kind_;
+  return default_failure_kind(code_);
+}
+
+Status Status::with_kind(FailureKind kind) const {
+  if (ok()) return *this;
+  Status out = *this;
+  out.kind_ = kind;
+  return out;
+}
+
 std::string Status::to_string() const {
   if (ok()) return "ok";
   return std::string(status_code_name(code_)) + ": " + message_;
@@ -35,6 +84,7 @@ Status Status::with_context(const std::string& context) const {
   if (ok()) return *this;
   Status out(code_, context + ": " + message_);
   out.origin_ = origin_;
+  out.kind_ = kind_;
   return out;
 }
 

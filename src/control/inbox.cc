@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
+
+#include "refit/rank.h"
 
 namespace refit {
 namespace {
@@ -26,7 +29,7 @@ Result<Message> expect_message(Mailbox& mailbox, MessageType type,
     return msg.status().with_context(fmt::format("{} waiting for {}", mailbox.id(), waiting_for));
   if (msg->type == type) return msg;
   return Status::Internal(fmt::format("{} waiting for {}: got {} from {}", mailbox.id(),
-                                      waiting_for, message_type_name(msg->type), msg->from));
+                                      waiting_for, message_type_name(msg->type), msg->from)).with_kind(FailureKind::kProtocol);
 }
 
 bool Inbox::take_kept(MessageType type, const std::string& sender, Message& out) {
@@ -53,7 +56,7 @@ Result<Message> Inbox::next(std::initializer_list<MessageType> types,
     if (!listed(later, r->type))
       return Status::Internal(fmt::format("{} waiting for {}: unexpected {} from {}",
                                           mailbox_.id(), what, message_type_name(r->type),
-                                          r->from));
+                                          r->from)).with_kind(FailureKind::kProtocol);
     kept_.push_back(std::move(r).value());
   }
 }
@@ -72,7 +75,7 @@ Result<std::vector<Message>> Inbox::collect(MessageType type, const std::vector<
     if (it == from.end() || seen[i])
       return Status::Internal(fmt::format("{} waiting for {}: unexpected {} from {}{}",
                                           mailbox_.id(), what, message_type_name(m.type), m.from,
-                                          it == from.end() ? "" : " (a second one)"));
+                                          it == from.end() ? "" : " (a second one)")).with_kind(FailureKind::kProtocol);
     if (check) REFIT_RETURN_IF_ERROR(check(m));
     seen[i] = true;
     got[i] = std::move(m);
@@ -89,7 +92,11 @@ Result<std::vector<Message>> Inbox::collect(MessageType type, const std::vector<
       std::string missing;
       int named = 0;
       for (std::size_t i = 0; i < from.size(); ++i)
-        if (!seen[i] && named++ < 4) missing += (missing.empty() ? "" : ", ") + from[i];
+        if (!seen[i] && named++ < 4) {
+          const std::optional<RankId> id =
+              tp_size_ > 0 ? RankId::from_mailbox(from[i], tp_size_) : std::nullopt;
+          missing += (missing.empty() ? "" : ", ") + (id ? id->name() : from[i]);
+        }
       if (from.size() - count > 4) missing += ", ...";
       return r.status().with_context(fmt::format("{} waiting for {} from {} ({} of {} arrived)",
                                                  mailbox_.id(), what, missing, count,
@@ -102,7 +109,7 @@ Result<std::vector<Message>> Inbox::collect(MessageType type, const std::vector<
     } else {
       return Status::Internal(fmt::format("{} waiting for {}: unexpected {} from {}",
                                           mailbox_.id(), what, message_type_name(r->type),
-                                          r->from));
+                                          r->from)).with_kind(FailureKind::kProtocol);
     }
   }
   return got;
@@ -114,7 +121,7 @@ Status Inbox::expect_none_kept(std::string_view when) const {
                                       "the first {} from {}",
                                       mailbox_.id(), when, kept_.size(),
                                       message_type_name(kept_.front().type),
-                                      kept_.front().from));
+                                      kept_.front().from)).with_kind(FailureKind::kProtocol);
 }
 
 }  // namespace refit

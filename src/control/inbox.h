@@ -32,7 +32,9 @@ Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, Messag
 
 class Inbox {
  public:
-  explicit Inbox(Mailbox& mailbox) : mailbox_(mailbox) {}
+  // `tp_size` (generation.tp_size) lets errors name the senders that did not answer as ranks
+  // ("engine 1 tp rank 0"); 0 names them by mailbox id.
+  explicit Inbox(Mailbox& mailbox, int tp_size = 0) : mailbox_(mailbox), tp_size_(tp_size) {}
   Inbox(const Inbox&) = delete;
   Inbox& operator=(const Inbox&) = delete;
 
@@ -61,6 +63,7 @@ class Inbox {
   bool take_kept(MessageType type, const std::string& sender, Message& out);
 
   Mailbox& mailbox_;
+  const int tp_size_;
   std::deque<Message> kept_;
 };
 

@@ -7,6 +7,13 @@
 namespace refit {
 namespace {
 
+// A message this rank cannot accept: malformed, of another wire version, or saying what its
+// sender cannot mean. The peer is at fault, not this rank's input (FailureKind::kProtocol).
+Status protocol_error(std::string message) {
+  return Status::Corruption(std::move(message)).with_kind(FailureKind::kProtocol);
+}
+
+
 using Json = nlohmann::json;
 
 std::string dump(Json j) {
@@ -96,7 +103,7 @@ class Reader {
   }
   void fail(const std::string& what) {
     if (error_.ok())
-      error_ = Status::Corruption(fmt::format("{} message from {} {}", message_, from_, what));
+      error_ = protocol_error(fmt::format("{} message from {} {}", message_, from_, what));
   }
 
   Json j_;
@@ -109,6 +116,7 @@ Json failure_json(const FailureOrigin& f) {
   return {{"rank", f.rank.mailbox()},
           {"tp_size", f.rank.tp_size},
           {"code", static_cast<int>(f.code)},
+          {"kind", static_cast<int>(f.kind)},
           {"error", f.error}};
 }
 Json failure_json(const std::optional<FailureOrigin>& f) {
@@ -120,22 +128,27 @@ Result<FailureOrigin> decode_failure_json(const Json& j, const char* message,
   const std::string what = std::string(message) + " failure";
   Reader r(Reader::Nested{}, j, what.c_str(), from);
   std::string rank;
-  int code = 0, tp_size = 0;
+  int code = 0, tp_size = 0, kind = 0;
   FailureOrigin f;
   r.get("rank", rank);
   r.get("tp_size", tp_size);
   r.get("code", code);
+  r.get("kind", kind);
   r.get("error", f.error);
   if (!r.status().ok()) return r.status();
   const std::optional<RankId> id = RankId::from_mailbox(rank, tp_size);
   if (!id)
-    return Status::Corruption(fmt::format("{} message from {}: failure of '{}', which is no rank",
+    return protocol_error(fmt::format("{} message from {}: failure of '{}', which is no rank",
                                           message, from, rank));
   if (code <= static_cast<int>(StatusCode::kOk) || code > static_cast<int>(StatusCode::kInternal))
-    return Status::Corruption(fmt::format("{} message from {}: failure with unknown code {}",
+    return protocol_error(fmt::format("{} message from {}: failure with unknown code {}",
                                           message, from, code));
+  if (kind < 0 || kind > static_cast<int>(FailureKind::kProtocol))
+    return protocol_error(fmt::format("{} message from {}: failure with unknown kind {}",
+                                          message, from, kind));
   f.rank = *id;
   f.code = static_cast<StatusCode>(code);
+  f.kind = static_cast<FailureKind>(kind);
   return f;
 }
 
@@ -263,14 +276,14 @@ Result<RoutesMessage> decode_routes(const std::string& payload, const std::strin
   if (!r.status().ok()) return r.status();
   auto it = r.json().find("routes");
   if (it == r.json().end() || !it->is_array())
-    return Status::Corruption(fmt::format("routes message from {} has no array 'routes'", from));
+    return protocol_error(fmt::format("routes message from {} has no array 'routes'", from));
   RoutesMessage m;
   for (std::size_t i = 0; i < it->size(); ++i) {
     const Json& e = (*it)[i];
     bool ok = e.is_array() && e.size() == 7 && e[0].is_number_integer() && e[1].is_string();
     for (std::size_t k = 2; ok && k < 7; ++k) ok = e[k].is_number_integer() && e[k].get<std::int64_t>() >= 0;
     if (!ok || e[0].get<std::int64_t>() < 0)
-      return Status::Corruption(fmt::format(
+      return protocol_error(fmt::format(
           "routes message from {}: route {} is not [round, param, row, col, rows, cols, offset] "
           "with non-negative integers",
           from, i));
@@ -325,11 +338,11 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
   r.get("step", m.step);
   r.get_failure("refused", m.refused);
   if (r.status().ok() && !r.json().contains("direct"))
-    return Status::Corruption(fmt::format("paused message from {} has no field 'direct'", from));
+    return protocol_error(fmt::format("paused message from {} has no field 'direct'", from));
   if (r.status().ok() && r.has("direct")) {
     const Json& direct = r.json()["direct"];
     if (!direct.is_object())
-      return Status::Corruption(
+      return protocol_error(
           fmt::format("paused message from {}: field 'direct' is not an object", from));
     Reader d(Reader::Nested{}, direct, "paused.direct", from);
     ExportedParams e;

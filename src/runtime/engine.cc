@@ -72,10 +72,13 @@ class EngineImpl final : public Engine {
   // A refit whose bytes all landed but did not arrive intact or failed verification is a failed
   // refit, not a failed session: it is returned without going through the latch. So is one that
   // failed in flight with every rank alive, and one refused before any byte moved.
-  Result<bool> serve_one() override {
+  Result<bool> serve_one() override { return serve_next(std::nullopt); }
+  Result<bool> serve_one(std::chrono::milliseconds wait) override { return serve_next(wait); }
+
+  Result<bool> serve_next(std::optional<std::chrono::milliseconds> wait) {
     EngineRefitProtocol::Served served;
     Status st = core_.guarded([&]() -> Status {
-      REFIT_ASSIGN_OR_RETURN(served, protocol_->serve_one());
+      REFIT_ASSIGN_OR_RETURN(served, protocol_->serve_one(wait));
       return Status::Ok();
     });
     if (!st.ok()) {

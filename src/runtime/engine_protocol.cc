@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 
 #include "common/log.h"
@@ -18,7 +20,7 @@ EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executo
     : core_(core),
       executor_(executor),
       weights_(weights),
-      inbox_(core.mailbox()),
+      inbox_(core.mailbox(), core.config().generation.tp_size),
       feeders_(mailbox_ids(executor.feeders())) {
   for (int r = 0; r < core.config().policy.world_size; ++r)
     trainers_.push_back(RankId::trainer(r).mailbox());
@@ -30,6 +32,7 @@ FailureOrigin EngineRefitProtocol::mine(const Status& st) const {
   const std::string& m = st.message();
   return FailureOrigin{.rank = core_.self(),
                        .code = st.code(),
+                       .kind = st.kind(),
                        .error = m.rfind(own, 0) == 0 ? m.substr(own.size()) : m};
 }
 
@@ -52,10 +55,24 @@ Status EngineRefitProtocol::announce(HelloMessage hello) {
 // (every 500 ms) ends it when the store's host is gone or any rank recorded a failure.
 // refit.timeout_s bounds each step of a refit in flight, not the gap between refits, which lasts
 // a rollout and a training step.
-Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one() {
-  Result<Message> msg = inbox_.next({kBegin, kShutdown}, core_.timeout(), "the next refit");
+Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one(
+    std::optional<std::chrono::milliseconds> wait) {
+  using Clock = std::chrono::steady_clock;
+  const bool bounded = wait.has_value();
+  const Clock::time_point until = bounded ? Clock::now() + *wait : Clock::time_point::max();
+  // One wait of at most refit.timeout_s, or what is left of the caller's bound.
+  auto next_wait = [&]() -> std::chrono::milliseconds {
+    if (!bounded) return core_.timeout();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+    return std::clamp(left, std::chrono::milliseconds(0), core_.timeout());
+  };
+  Result<Message> msg = inbox_.next({kBegin, kShutdown}, next_wait(), "the next refit");
   while (!msg.ok()) {
     if (msg.status().code() == StatusCode::kTimeout) {
+      if (bounded && Clock::now() >= until)
+        return Served{.refit = Status::Timeout(fmt::format("{}: no refit began within {:.3f} s (serve_one's "
+                                           "timeout); the weights and the session are unchanged",
+                                           core_.id(), wait->count() / 1000.0))};
       log::debug("{}: no refit for {} s; the trainer is alive, waiting on", core_.id(),
                  core_.config().refit.timeout_s);
     } else if (executor_.can_recover() && core_.behind()) {
@@ -63,7 +80,7 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one() {
     } else {
       break;
     }
-    msg = inbox_.next({kBegin, kShutdown}, core_.timeout(), "the next refit");
+    msg = inbox_.next({kBegin, kShutdown}, next_wait(), "the next refit");
   }
   if (!msg.ok())
     return msg.status().with_context(
@@ -272,6 +289,9 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   if (begin_.verify) {
     v = weights_.verify(step, begin_.version);
     VerifiedMessage verdict{.step = step};
+    // A verify hook that is missing is a setup problem (kSetup); any other failure is the
+    // verification's own.
+    if (!v.ok() && v.kind() != FailureKind::kSetup) v = v.with_kind(FailureKind::kVerification);
     if (!v.ok()) verdict.failed = mine(v);
     REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), feeders_, kVerified, encode(verdict)));
   }
@@ -317,7 +337,12 @@ std::optional<Status> EngineRefitProtocol::failed_in_flight(const Status& failur
   if (!cause) return std::nullopt;
   phase_ = Phase::kIdle;
   const Status failed = refit::failed_in_flight(begin_.step, begin_.version, *cause);
-  if (!weights_.version().valid() && was != Phase::kIdle) {
+  if (!weights_.version().valid() && (was == Phase::kBegun || was == Phase::kPaused)) {
+    // No feeder proceeded, so no byte landed: the weights are the previous version's, and
+    // generation resumes on them (a late serve_one, a generation that outlasted the trainer's
+    // wait for the pause).
+    weights_.abandon(begin_.step, /*paused=*/was == Phase::kPaused, failed.message());
+  } else if (!weights_.version().valid() && was != Phase::kIdle) {
     // Bytes may have landed. A feeder that writes in place may still be writing (stalled, it has
     // not seen the failure yet): no rollback then, the weights stay invalid and generation paused
     // until a refit succeeds, which that feeder takes part in only after it stopped.

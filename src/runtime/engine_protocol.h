@@ -9,6 +9,7 @@
 // the bytes and the weights (runtime/engine_weights.h) take them.
 #pragma once
 
+#include <chrono>
 #include <optional>
 #include <vector>
 
@@ -43,11 +44,14 @@ class EngineRefitProtocol {
   struct Served {
     bool shutdown = false;  // the trainer shut the engines down; no refit follows
     // The refit's own failure when the session goes on: refused before any byte moved, failed at
-    // its end, or failed in flight with every rank alive. Ok after a committed refit.
+    // its end, or failed in flight with every rank alive; or the caller's wait ran out before
+    // any refit began (code kTimeout). Ok after a committed refit.
     Status refit;
   };
   // Serves the next refit (or the shutdown). An error ends the session.
-  Result<Served> serve_one();
+  // `wait`: how long to wait for a refit to begin (none: as long as the trainer lives); past it,
+  // Served::refit is a timeout and nothing changed.
+  Result<Served> serve_one(std::optional<std::chrono::milliseconds> wait = std::nullopt);
   // The session ended during a refit (a dead or stopped rank, a bug): with refit.keep_previous
   // the parameters go back to the kept complete version — unless a feeder wrote in place in this
   // refit: one that is still alive may still be writing.

@@ -33,7 +33,8 @@ FailureOrigin read_record(const std::string& encoded) {
 
 FailureOrigin failure_of(const RankId& who, const Status& status) {
   if (const FailureOrigin* o = status.origin(); o != nullptr && !(o->rank == who)) return *o;
-  return FailureOrigin{.rank = who, .code = status.code(), .error = status.to_string()};
+  return FailureOrigin{
+      .rank = who, .code = status.code(), .kind = status.kind(), .error = status.to_string()};
 }
 
 void announce_failure(Store* store, const FailureOrigin& failure) {
@@ -197,6 +198,7 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
       const FailureOrigin o{
           .rank = store_host,
           .code = StatusCode::kAborted,
+          .kind = FailureKind::kPeerLost,
           .error = fmt::format("the store it hosts did not answer for {:.1f} s (stopped, hung or "
                                "cut off; seen by {}): {}",
                                kPeerSilence.count() / 1000.0, who.name(), why.to_string())};
@@ -206,8 +208,10 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
     // kPeerSilence without an answer; else this round is skipped).
     const auto failed = [&](const Status& why) {
       if (why.code() != StatusCode::kTimeout)
-        return Status::Aborted(fmt::format(
-            "lost the control plane (the store of trainer rank 0): {}", why.to_string()));
+        return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank "
+                                           "0): {}",
+                                           why.to_string()))
+            .with_kind(FailureKind::kPeerLost);
       if (Clock::now() - *answered >= kPeerSilence) return silent(why);
       return Status::Ok();
     };
@@ -245,8 +249,10 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
       const std::string stopped = fmt::format(
           "stopped: no heartbeat for {:.1f} s (seen by {}; the process is stopped, hung or cut off)",
           std::chrono::duration<double>(now - it->second.since).count(), who.name());
-      const FailureOrigin gone{
-          .rank = peer, .code = StatusCode::kAborted, .error = "aborted: " + stopped};
+      const FailureOrigin gone{.rank = peer,
+                               .code = StatusCode::kAborted,
+                               .kind = FailureKind::kPeerLost,
+                               .error = "aborted: " + stopped};
       announce_failure(&store, gone);
       return Status::Aborted("aborted because " + peer.name() + ": " + stopped).with_origin(gone);
     }

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+
 #include <nlohmann/json.hpp>
 
 namespace refit {
@@ -22,6 +24,35 @@ std::size_t Registry::bytes(std::size_t i) const {
   return static_cast<std::size_t>(slots_[i].numel()) * dtype_size(slots_[i].dtype);
 }
 
+// Takes [data, data + bytes(i)) for slot i, releasing what slot i held before (a slot may be
+// registered again, for example after the caller reallocated it).
+Status Registry::claim(std::size_t i, void* data) {
+  const std::size_t n = bytes(i);
+  const auto start = reinterpret_cast<std::uintptr_t>(data);
+  std::optional<std::size_t> other;
+  if (data != nullptr && n > 0) {
+    // Ranges never overlap each other, so only the last one starting before `start + n` can
+    // reach into [start, start + n); slot i's own earlier registration does not count.
+    for (auto it = ranges_.lower_bound(start + n); it != ranges_.begin() && !other;) {
+      --it;
+      if (it->second == i) continue;
+      if (it->first + bytes(it->second) > start) other = it->second;
+      break;
+    }
+  }
+  if (other)
+    return Status::InvalidArgument(fmt::format(
+        "{}: tensor {} ({} bytes at {:#x}) overlaps tensor {} ({} bytes at {:#x}) in memory; "
+        "every tensor needs storage of its own (a refit would write one over the other)",
+        who_, slots_[i].name, n, start, slots_[*other].name, bytes(*other),
+        reinterpret_cast<std::uintptr_t>(ptrs_[*other])));
+  if (auto mine = ranges_.find(reinterpret_cast<std::uintptr_t>(ptrs_[i]));
+      mine != ranges_.end() && mine->second == i)
+    ranges_.erase(mine);
+  if (data != nullptr && n > 0) ranges_.emplace(start, i);
+  return Status::Ok();
+}
+
 Status Registry::add(const std::string& name, void* data, DType dtype,
                      const std::vector<std::int64_t>& shape) {
   for (std::size_t i = 0; i < slots_.size(); ++i) {
@@ -34,6 +65,7 @@ Status Registry::add(const std::string& name, void* data, DType dtype,
     if (data == nullptr && slots_[i].numel() > 0)
       return Status::InvalidArgument(
           fmt::format("{}: tensor {} registered with no storage", who_, name));
+    REFIT_RETURN_IF_ERROR(claim(i, data));
     ptrs_[i] = data;
     return Status::Ok();
   }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,18 +25,27 @@ class Registry {
   std::size_t bytes(std::size_t i) const;
 
   // Registers `data` for slot `name`; errors name the rank, the tensor and the expected
-  // shape/dtype.
+  // shape/dtype. Storage that overlaps another slot's registered bytes is refused, naming both
+  // tensors: a refit would write one over the other (or send one's bytes as the other's).
   Status add(const std::string& name, void* data, DType dtype,
              const std::vector<std::int64_t>& shape);
-  // Points every slot at `ptrs` (storage refit allocated itself).
-  void place(std::vector<void*> ptrs) { ptrs_ = std::move(ptrs); }
+  // Points every slot at `ptrs` (storage refit allocated itself, one slot after another).
+  void place(std::vector<void*> ptrs) {
+    ranges_.clear();
+    ptrs_ = std::move(ptrs);
+  }
   // Every slot registered? Otherwise names the first missing ones.
   Status check() const;
 
  private:
+  Status claim(std::size_t i, void* data);
+
   std::vector<TensorSlot> slots_;
   std::vector<void*> ptrs_;
   std::string who_;
+  // Registered byte ranges by start address: start -> slot index (slots of zero bytes are not
+  // kept; they occupy nothing).
+  std::map<std::uintptr_t, std::size_t> ranges_;
 };
 
 // One region holding every slot, as Engine::allocate_params() lays it out: the slots back to

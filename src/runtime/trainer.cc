@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -55,6 +56,14 @@ class TrainerImpl final : public Trainer {
   // every rank alive (docs/runtime.md, "A refit that fails in flight"): every rank returns the
   // cause recorded first, and forms its groups anew.
   Status refit(int step, const std::string& version, bool verify) override {
+    // The same on every trainer rank (each saw the same refits succeed): refused before any
+    // message, and the session goes on.
+    if (auto it = published_.find(version); it != published_.end())
+      return Status::InvalidArgument(fmt::format(
+          "{}: refit step {} would publish weight version '{}', which refit step {} already "
+          "published for other weights; every refit that succeeds needs a version of its own (a "
+          "retry of a failed refit may reuse its step)",
+          core_.id(), step, version, it->second));
     Status failed;
     Status st = core_.guarded([&]() -> Status {
       REFIT_RETURN_IF_ERROR(shards_.check());
@@ -68,6 +77,7 @@ class TrainerImpl final : public Trainer {
       return Status::Ok();
     });
     if (!st.ok()) return st;
+    if (failed.ok()) published_.emplace(version, step);
     return failed;
   }
 
@@ -237,6 +247,7 @@ class TrainerImpl final : public Trainer {
   RankCore core_;
   std::unique_ptr<RankModel> model_;
   Registry shards_;
+  std::map<std::string, int> published_;  // every version a refit of this rank published -> step
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
   std::unique_ptr<TrainerExecutor> executor_;
   std::unique_ptr<TrainerRefitProtocol> protocol_;

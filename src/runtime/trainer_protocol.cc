@@ -16,7 +16,7 @@ using enum MessageType;
 TrainerRefitProtocol::TrainerRefitProtocol(RankCore& core, TrainerExecutor& executor)
     : core_(core),
       executor_(executor),
-      inbox_(core.mailbox()),
+      inbox_(core.mailbox(), core.config().generation.tp_size),
       targets_(mailbox_ids(executor.targets())),
       answers_from_(mailbox_ids(executor.answers_from())) {}
 
@@ -194,6 +194,7 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
       failure = FailureOrigin{
           .rank = executor_.targets()[i],
           .code = StatusCode::kCorruption,
+          .kind = FailureKind::kVerification,
           .error = fmt::format("checksum mismatch in refit step {}: the bytes {} sent (checksum "
                                "{}) arrived as checksum {} (refit.checksum)",
                                step, core_.id(), sent[i],
@@ -215,6 +216,7 @@ Result<std::optional<FailureOrigin>> TrainerRefitProtocol::collect_verdicts(int 
       if (!verdict)
         verdict = FailureOrigin{.rank = *RankId::from_mailbox(m.from, tp),
                                 .code = StatusCode::kCorruption,
+                                .kind = FailureKind::kProtocol,
                                 .error = v.status().message()};
       continue;
     }

@@ -51,12 +51,16 @@ def test_a_replaced_engine_rank_re_creates_the_session():
         doomed.kill()
         doomed.join()
         train(2)
-        with pytest.raises(refit.Error) as info:
+        with pytest.raises(refit.PeerLostError) as info:
             trainer.refit(2, verify=True)
         assert "engine 0 tp rank 1" in str(info.value)
+        assert (info.value.role, info.value.rank, info.value.process) == (
+            "engine", 1, "engine 0 tp rank 1"), str(info.value)
+        assert info.value.recoverable is False
         assert not trainer.session_ok
         role, rank, status, message = out.get(timeout=60)
         assert (role, rank, status) == ("engine", 0, "error"), message
+        assert message.startswith("PeerLostError: "), message
         assert "engine 0 tp rank 1" in message
         trainer.close()
 
@@ -69,8 +73,7 @@ def test_a_replaced_engine_rank_re_creates_the_session():
         trainer = refit.Trainer(cfg, 0, master_port=port)
         for name, a in shards.items():
             trainer.register(name, a)
-        train(3)
-        trainer.refit(3, verify=True)  # every element of both engine ranks, bit-exact
+        trainer.refit(2, verify=True)  # the failed step again: every element, bit-exact
         train(4)
         trainer.refit(4, verify=True)
         trainer.shutdown()
