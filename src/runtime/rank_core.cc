@@ -47,10 +47,15 @@ RankCore::~RankCore() {
 }
 
 Status RankCore::guarded(const std::function<Status()>& body) {
+  if (!latch_.status().ok()) return latch_.status();
+  const Status st = body();
+  if (st.ok()) return st;
   // Failures are recorded over the probe connection, whose requests end within seconds even when
-  // the store's host is stopped (store_ waits up to refit.timeout_s).
+  // the store's host is stopped (store_ would wait up to refit.timeout_s: never used here).
+  // Chosen once the body ran:
+  // a setup that failed after connecting (a disagreement) has a store to record it in.
   return latch_.guard(
-      body, probe_store_ ? probe_store_.get() : store_.get(), self_,
+      [&] { return st; }, probe_store_.get(), self_,
       [this] { abort_collectives(); },
       [this] {
         // Before the heartbeat exists (early setup) there is no watch to wait for.
