@@ -254,7 +254,8 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
                                .kind = FailureKind::kPeerLost,
                                .error = "aborted: " + stopped};
       announce_failure(&store, gone);
-      return Status::Aborted("aborted because " + peer.name() + ": " + stopped).with_origin(gone);
+      // The same words as every rank that reads the record: one line to grep for, whoever saw it.
+      return Status::Aborted("aborted because " + gone.describe()).with_origin(gone);
     }
     return Status::Ok();
   };
