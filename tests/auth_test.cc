@@ -22,6 +22,13 @@ namespace {
 
 using namespace std::chrono_literals;
 
+MailboxOptions box_options(const std::string& id, std::shared_ptr<const ControlAuth> auth) {
+  return MailboxOptions{.id = id,
+                        .timeout = 5s,
+                        .auth = std::move(auth),
+                        .settings = {.lanes = true, .host_identity = "auth-test-host"}};
+}
+
 std::shared_ptr<const ControlAuth> auth_of(const std::string& secret) {
   auto a = ControlAuth::from_secret(secret);
   EXPECT_TRUE(a.ok()) << a.status().to_string();
@@ -95,15 +102,15 @@ TEST(ControlAuth, StoreNeedsTheSecretAndKeepsAuthKeysOnce) {
 
 TEST(ControlAuth, MailboxesTalkAndAnIdIsTakenOnce) {
   AuthedStore s;
-  auto a = Mailbox::open(*s.store, "trainer/0", "127.0.0.1", 5s, s.auth);
-  auto b = Mailbox::open(*s.store, "engine/0", "127.0.0.1", 5s, s.auth);
+  auto a = Mailbox::open(*s.store, box_options("trainer/0", s.auth));
+  auto b = Mailbox::open(*s.store, box_options("engine/0", s.auth));
   ASSERT_TRUE(a.ok() && b.ok());
   ASSERT_TRUE((*a)->send("engine/0", MessageType::kBegin, "hello").ok());
   auto m = (*b)->receive(5s);
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   EXPECT_EQ(m->from, "trainer/0");
   EXPECT_EQ(m->payload, "hello");
-  auto twin = Mailbox::open(*s.store, "engine/0", "127.0.0.1", 5s, s.auth);
+  auto twin = Mailbox::open(*s.store, box_options("engine/0", s.auth));
   ASSERT_FALSE(twin.ok());
   EXPECT_NE(twin.status().message().find("is another process running as 'engine/0'?"),
             std::string::npos)
@@ -117,8 +124,8 @@ TEST(ControlAuth, MalformedMessagesAreDroppedNotFatal) {
   ASSERT_TRUE(server.ok());
   auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
   ASSERT_TRUE(store.ok());
-  auto box = Mailbox::open(**store, "engine/0", "127.0.0.1", 5s, nullptr);
-  auto peer = Mailbox::open(**store, "trainer/0", "127.0.0.1", 5s, nullptr);
+  auto box = Mailbox::open(**store, box_options("engine/0", nullptr));
+  auto peer = Mailbox::open(**store, box_options("trainer/0", nullptr));
   ASSERT_TRUE(box.ok() && peer.ok());
   auto address = (*store)->get("mailbox/engine/0", 1s);
   ASSERT_TRUE(address.ok());

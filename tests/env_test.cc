@@ -72,6 +72,26 @@ TEST(EnvParse, UnsetOrEmptyGivesTheDefault) {
   }
 }
 
+// refit's store port: REFIT_PORT, else torch.distributed's MASTER_PORT + 1 (never MASTER_PORT
+// itself), else 29501.
+TEST(EnvParse, TheStorePortNeverTakesTorchsPort) {
+  EXPECT_EQ(*env::parse_store_port(env::Text(), env::Text()), 29501);
+  EXPECT_EQ(*env::parse_store_port(env::Text(""), env::Text("")), 29501);
+  EXPECT_EQ(*env::parse_store_port(env::Text(), env::Text("29500")), 29501);
+  EXPECT_EQ(*env::parse_store_port(env::Text(), env::Text("12000")), 12001);
+  EXPECT_EQ(*env::parse_store_port(env::Text("40000"), env::Text("12000")), 40000);
+  EXPECT_EQ(*env::parse_store_port(env::Text("0"), env::Text()), 0);
+  const Status too_big = env::parse_store_port(env::Text("70000"), env::Text()).status();
+  EXPECT_NE(too_big.message().find("REFIT_PORT='70000' is not valid"), std::string::npos)
+      << too_big.to_string();
+  const Status last = env::parse_store_port(env::Text(), env::Text("65535")).status();
+  EXPECT_NE(last.message().find("MASTER_PORT=65535 leaves no port above it"), std::string::npos)
+      << last.to_string();
+  const Status torch = env::parse_store_port(env::Text(), env::Text("x")).status();
+  EXPECT_NE(torch.message().find("MASTER_PORT='x' is not valid"), std::string::npos)
+      << torch.to_string();
+}
+
 struct Bad {
   std::string name;
   std::string value;

@@ -63,7 +63,7 @@ TEST(NetworkNamespaces, PeerWithinAHostAndP2pAcrossTheLink) {
   const std::string secret = dir.write("secret", "netns-test-secret-0123456789abcdef\n");
   ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
   const std::string env =
-      fmt::format("MASTER_ADDR={} MASTER_PORT=29633 REFIT_SECRET_FILE={}", ip_a, secret);
+      fmt::format("MASTER_ADDR={} REFIT_PORT=29633 REFIT_SECRET_FILE={}", ip_a, secret);
   const std::string host_a = fmt::format(
       "cd {d}; export {env} REFIT_HOST={ipa}; "
       "RANK=0 WORLD_SIZE=2 {exe} trainer {cfg} --steps 2 --verify > t0.log 2>&1 & "
@@ -84,7 +84,7 @@ TEST(NetworkNamespaces, PeerWithinAHostAndP2pAcrossTheLink) {
   const int rc = std::system(run.c_str());
   // Without the secret, on host A's address: refused at setup (exit 2), naming the variable.
   const int refused = std::system(
-      fmt::format("cd {d}; timeout -k 5 60 ip netns exec {a} env MASTER_ADDR={ipa} MASTER_PORT=29634 "
+      fmt::format("cd {d}; timeout -k 5 60 ip netns exec {a} env MASTER_ADDR={ipa} REFIT_PORT=29634 "
                   "REFIT_HOST={ipa} RANK=0 WORLD_SIZE=1 {exe} trainer {cfg1} > bare.log 2>&1; "
                   "echo $? > bare-code",
                   fmt::arg("d", dir.path()), fmt::arg("a", a), fmt::arg("ipa", ip_a),

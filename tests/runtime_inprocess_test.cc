@@ -90,9 +90,9 @@ RankServices counted(SentCounts& counts, std::shared_ptr<RefitProbe> probe = nul
   EXPECT_TRUE(services.ok()) << services.status().to_string();
   RankServices s = std::move(services).value();
   auto open = s.open_mailbox;
-  s.open_mailbox = [open, &counts](Store& store, const std::string& id, const std::string& host,
-                                   std::chrono::milliseconds timeout) -> Result<std::unique_ptr<Mailbox>> {
-    REFIT_ASSIGN_OR_RETURN(auto inner, open(store, id, host, timeout));
+  s.open_mailbox = [open, &counts](Store& store,
+                                   MailboxOptions options) -> Result<std::unique_ptr<Mailbox>> {
+    REFIT_ASSIGN_OR_RETURN(auto inner, open(store, std::move(options)));
     return std::unique_ptr<Mailbox>(std::make_unique<CountingMailbox>(std::move(inner), counts));
   };
   s.probe = std::move(probe);

@@ -50,7 +50,7 @@ std::vector<int> launch_separately(const std::string& trainer_cfg, const std::st
   const int port = separate_launch_port();
   const std::string exe = REFIT_CLI_PATH;
   std::ostringstream sh;
-  sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port << "; "
+  sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 REFIT_PORT=" << port << "; "
      << host(0) << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << trainer_cfg << " --steps "
      << steps << " --verify > t0.log 2>&1 & p0=$!; " << host(1) << "RANK=1 WORLD_SIZE=2 " << exe
      << " trainer " << trainer_cfg << " --steps " << steps << " --verify > t1.log 2>&1 & p1=$!; "

@@ -8,6 +8,15 @@
 #include <thread>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "control/auth.h"
+#include "control/fd_limit.h"
 #include "control/store.h"
 #include "test_util.h"
 
@@ -334,6 +343,146 @@ TEST(Store, DeadServerFailsPendingAndLaterCallsPromptly) {
       << later.to_string();
   EXPECT_LT(seconds_since(t1), 3.0);
   EXPECT_NE(later.message().find(std::to_string(port)), std::string::npos) << later.message();
+}
+
+// A TCP server that is not ZeroMQ's (torch.distributed's store, say) on a free port: it accepts,
+// then says nothing (`close_at_once`: closes what it accepted).
+class ForeignServer {
+ public:
+  explicit ForeignServer(bool close_at_once) : close_(close_at_once) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::listen(fd_, 64), 0);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      while (!stop_.load()) {
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, 50) != 1) continue;
+        const int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) continue;
+        if (close_)
+          ::close(c);
+        else
+          held_.push_back(c);
+      }
+    });
+  }
+  ~ForeignServer() {
+    stop_.store(true);
+    thread_.join();
+    for (int c : held_) ::close(c);
+    ::close(fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  const bool close_;
+  int fd_ = -1, port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::vector<int> held_;
+  std::thread thread_;
+};
+
+std::shared_ptr<const ControlAuth> auth_of(const std::string& secret) {
+  auto a = ControlAuth::from_secret(secret);
+  EXPECT_TRUE(a.ok());
+  return std::make_shared<const ControlAuth>(*a);
+}
+
+// The store's port held by another server: refused, saying which kind holds it.
+TEST(Store, APortTakenIsRefusedNamingWhatHoldsIt) {
+  ForeignServer torch(/*close_at_once=*/false);
+  auto taken = StoreServer::start("127.0.0.1", torch.port(), nullptr);
+  ASSERT_FALSE(taken.ok());
+  EXPECT_NE(taken.status().message().find("port " + std::to_string(torch.port()) +
+                                          " on 127.0.0.1 is taken by another server that is not "
+                                          "ZeroMQ"),
+            std::string::npos)
+      << taken.status().to_string();
+  EXPECT_NE(taken.status().message().find("REFIT_PORT"), std::string::npos);
+  auto store = start_server();
+  ASSERT_TRUE(store);
+  auto twice = StoreServer::start("127.0.0.1", store->port(), nullptr);
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.status().message().find("is taken by another ZeroMQ server"), std::string::npos)
+      << twice.status().to_string();
+}
+
+// A rank that connects to a port where another server answers is told so; the run secret is not
+// blamed, whether or not the rank holds one, and whether the server stays silent or hangs up.
+TEST(Store, AServerThatIsNotAStoreIsNamedAndTheSecretIsNotBlamed) {
+  for (const bool close_at_once : {false, true}) {
+    ForeignServer torch(close_at_once);
+    for (const auto& auth :
+         {std::shared_ptr<const ControlAuth>(), auth_of("a-secret-0123456789abcdef")}) {
+      auto client = connect_store("127.0.0.1", torch.port(), 2s, auth);
+      ASSERT_FALSE(client.ok());
+      const std::string m = client.status().message();
+      EXPECT_NE(m.find("is not a refit store"), std::string::npos) << m;
+      EXPECT_EQ(m.find("run secret"), std::string::npos) << m;
+    }
+  }
+}
+
+// Authentication is blamed only when authentication failed: a store that went away is reported
+// as unreachable, while a store of another secret, or one a rank without a secret meets, refuses
+// the handshake and says so.
+TEST(Store, TheSecretIsBlamedOnlyForAFailedAuthentication) {
+  const auto mine = auth_of("the-run-secret-0123456789abcdef");
+  int port = 0;
+  {
+    auto server = StoreServer::start("127.0.0.1", 0, mine);
+    ASSERT_TRUE(server.ok());
+    port = (*server)->port();
+    auto other = connect_store("127.0.0.1", port, 3s, auth_of("another-secret-0123456789abcdef"));
+    ASSERT_FALSE(other.ok());
+    EXPECT_NE(other.status().message().find("refused this process's handshake"), std::string::npos)
+        << other.status().to_string();
+    EXPECT_NE(other.status().message().find("Every rank must hold the same run secret"),
+              std::string::npos);
+    auto none = connect_store("127.0.0.1", port, 3s, nullptr);
+    ASSERT_FALSE(none.ok());
+    EXPECT_NE(none.status().message().find("another security mechanism"), std::string::npos)
+        << none.status().to_string();
+    EXPECT_NE(none.status().message().find("this process has none"), std::string::npos);
+  }
+  // The store's process is gone.
+  auto gone = connect_store("127.0.0.1", port, 1s, mine);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().message().find("run secret"), std::string::npos)
+      << gone.status().to_string();
+  EXPECT_NE(gone.status().message().find("cannot reach the store server"), std::string::npos)
+      << gone.status().to_string();
+}
+
+// The store's host checks that it may hold a descriptor per connection of every rank: it raises
+// its soft limit as far as the hard one allows, and refuses past that, naming both.
+TEST(Store, TheStoresHostCheckItsDescriptorLimit) {
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  const FdLimit now = fd_limit();
+  auto huge = StoreServer::start(StoreServerOptions{.ranks = 1 << 28});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("RLIMIT_NOFILE is " + std::to_string(now.soft) +
+                                         " (hard limit " + std::to_string(now.hard) + ")"),
+            std::string::npos)
+      << huge.status().to_string();
+  const int ranks = static_cast<int>(std::min<std::int64_t>(now.hard, 1 << 20) - 256) / 4;
+  if (ranks > 0 && now.soft < now.hard) {
+    rlimit low = before;
+    low.rlim_cur = std::min<rlim_t>(before.rlim_cur, 512);
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+    auto fits = StoreServer::start(StoreServerOptions{.ranks = ranks});
+    EXPECT_TRUE(fits.ok()) << fits.status().to_string();
+    EXPECT_GE(fd_limit().soft, 4 * ranks + 256);
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
 }
 
 }  // namespace

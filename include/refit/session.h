@@ -58,14 +58,15 @@ namespace refit {
 // Where a rank finds the control plane.
 struct Endpoint {
   std::string master_addr = "127.0.0.1";  // trainer rank 0's address (MASTER_ADDR)
-  int master_port = 29500;                // its store port (MASTER_PORT)
+  int master_port = 29501;                // its store port (REFIT_PORT; 0 on trainer rank 0: any)
   std::string host = "127.0.0.1";         // the address this process listens on for its peers
 };
 
 // torchrun's environment, read now (not cached), for callers that leave these out:
-//  - the endpoint: MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), and the address
-//    to listen on: REFIT_HOST, else the local address this host uses to reach MASTER_ADDR
-//    (127.0.0.1 when MASTER_ADDR is a loopback address);
+//  - the endpoint: MASTER_ADDR (default 127.0.0.1); the store's port: REFIT_PORT, else
+//    MASTER_PORT + 1 (never torch.distributed's own port), else 29501; and the address to listen
+//    on: REFIT_HOST, else the local address this host uses to reach MASTER_ADDR (127.0.0.1 when
+//    MASTER_ADDR is a loopback address);
 //  - a trainer rank: RANK; an engine rank: ENGINE_RANK, else RANK.
 // Arguments given win over the environment. A bad or missing value is an InvalidArgument naming
 // the variable.
@@ -171,6 +172,9 @@ class Trainer {
   virtual std::int64_t bytes_per_refit() const = 0;
   virtual int buckets_per_refit() const = 0;
   virtual std::string plan_hash() const = 0;
+  // The port of the run's store: on trainer rank 0, the one it bound (the system's choice when
+  // the endpoint's port was 0); elsewhere the endpoint's.
+  virtual int store_port() const = 0;
   // Every rank's traffic in the last refit (trainer ranks, then engine ranks), as each rank
   // reported it on the control plane after the refit. Call after refit(); it reads the store
   // (blocking, bounded by refit.timeout_s). Not collective.

@@ -631,12 +631,14 @@ void bind_session(py::module_& m) {
 One trainer rank of a refit (refit/session.h).
 
 Trainer(config, rank=None, *, master_addr=None, master_port=None, host=None) joins the control
-plane (rank 0 hosts the store on master_addr:master_port), forms the trainer group and waits for
-its engines: it is collective with every rank of the refit and blocks (GIL released) for at most
-config.timeout_s per wait. `host` is the address this process listens on for its peers. Arguments
-left out come from torchrun's environment: rank from RANK, master_addr from MASTER_ADDR (default
-127.0.0.1), master_port from MASTER_PORT (default 29500), host from REFIT_HOST, else the local
-address this host uses to reach master_addr (docs/python.md).
+plane (rank 0 hosts the store on master_addr:master_port; a master_port of 0 on rank 0 binds any
+free port, see store_port), forms the trainer group and waits for its engines: it is collective
+with every rank of the refit and blocks (GIL released) for at most config.timeout_s per wait.
+`host` is the address this process listens on for its peers. Arguments left out come from
+torchrun's environment: rank from RANK, master_addr from MASTER_ADDR (default 127.0.0.1),
+master_port from REFIT_PORT, else MASTER_PORT + 1 (never torch.distributed's own port), else
+29501, host from REFIT_HOST, else the local address this host uses to reach master_addr
+(docs/python.md).
 
 Then register every local tensor once (zero-copy: refit reads the registered storage in place at
 each refit), and call refit(step) after every training step.
@@ -684,6 +686,10 @@ each rank recorded it on the control plane. The GIL is released while it reads t
           [](PyTrainer& t) { return t.open("buckets_per_refit").buckets_per_refit(); })
       .def_property_readonly("plan_hash",
                              [](PyTrainer& t) { return t.open("plan_hash").plan_hash(); })
+      .def_property_readonly(
+          "store_port", [](PyTrainer& t) { return t.open("store_port").store_port(); },
+          R"doc(The port of the run's store: on trainer rank 0 the one it bound (the system's choice
+with master_port=0), elsewhere the one it connected to.)doc")
       .def_property_readonly("rank", &PyTrainer::rank)
       .def_property_readonly("closed", &PyTrainer::closed)
       .def_property_readonly("session_ok", &PyTrainer::session_ok, R"doc(

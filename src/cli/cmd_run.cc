@@ -20,14 +20,15 @@
 #include "common/env.h"
 #include "common/host_buffer.h"
 #include "control/auth.h"
+#include "control/fd_limit.h"
 #include "control/store.h"
+#include "harness/launcher.h"
+#include "harness/rank.h"
 #include "io/safetensors.h"
 #include "runtime/failure.h"
-#include "harness/launcher.h"
-#include "weights/materialize.h"
-#include "harness/rank.h"
-#include "weights/setup.h"
 #include "trainer/trainer_layout.h"
+#include "weights/materialize.h"
+#include "weights/setup.h"
 
 namespace refit::cli {
 namespace {
@@ -103,7 +104,7 @@ RankOptions rank_options(const RunFlags& f, const Config& cfg) {
   }
   o.fault = *fault;
   o.endpoint.master_addr = env::master_addr();
-  o.endpoint.master_port = setup_env(env::master_port());
+  o.endpoint.master_port = setup_env(env::store_port());
   o.endpoint.host = !f.host.empty() ? f.host : env::host().value_or(o.endpoint.master_addr);
   return o;
 }
@@ -159,6 +160,17 @@ void report_trainer_failure(const std::string& json_path, const RankOptions& o, 
   if (!written.ok()) std::fprintf(stderr, "refit: %s\n", written.to_string().c_str());
 }
 
+// A rank of `cfg`'s run may hold a lane or a ZeroMQ connection to each peer and, in Gloo's full
+// meshes, a pair to each member of its groups: its soft RLIMIT_NOFILE is raised to cover them, or
+// the rank refuses at setup naming the limit (the store's host checks its own share,
+// control/store.h).
+void ensure_rank_descriptors(const Config& cfg, const std::string& who) {
+  const int ranks = cfg.policy.world_size + cfg.engine_ranks();
+  exit_if_error(ensure_fd_limit(256 + std::int64_t{8} * ranks, who,
+                                fmt::format("a rank of a run of {} ranks", ranks)),
+                kExitSetup);
+}
+
 void run_trainer(const RunFlags& f) {
   exit_if_error(env::check(), kExitSetup);
   const Config cfg = load_checked_config(f.config_path);
@@ -173,6 +185,7 @@ void run_trainer(const RunFlags& f) {
   if (rank == 0) prepare_report(f.json_path);
   RankOptions o;
   try {
+    ensure_rank_descriptors(cfg, RankId::trainer(rank).name());
     o = rank_options(f, cfg);
   } catch (const CliExit& e) {
     if (rank == 0) report_setup_error(f, &cfg, e);
@@ -203,16 +216,37 @@ void run_engine(const RunFlags& f) {
     throw CliExit(kExitSetup, fmt::format("engine rank {} is outside 0..{} (set --engine-rank or "
                                           "ENGINE_RANK = engine index * tp_size + tp rank)",
                                           rank, cfg.engine_ranks() - 1));
+  ensure_rank_descriptors(cfg, RankId::engine(rank, cfg.generation.tp_size).name());
   Status st = run_engine_rank(rank_options(f, cfg), rank);
   if (!st.ok())
     throw CliExit(exit_code_for(st), fmt::format("engine rank {}: {}", rank, st.to_string()));
 }
+
+// The private directory of a `refit run`, removed with its contents when it goes out of scope
+// (an error thrown as CliExit included) or at remove().
+class RunDirectory {
+ public:
+  explicit RunDirectory(std::string path) : path_(std::move(path)) {}
+  ~RunDirectory() { remove(); }
+  RunDirectory(const RunDirectory&) = delete;
+  RunDirectory& operator=(const RunDirectory&) = delete;
+  void remove() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+    path_.clear();
+  }
+
+ private:
+  std::string path_;
+};
 
 // `refit run` / `refit bench`: every rank as a process of this machine.
 void run_local(const RunFlags& f) {
   prepare_report(f.json_path);  // first: every setup error below is reported in it
   std::optional<Config> loaded;
   RankOptions checked;
+  std::shared_ptr<const ControlAuth> auth;
   try {
     exit_if_error(env::check(), kExitSetup);  // every rank inherits this environment
     loaded = load_checked_config(f.config_path);
@@ -220,23 +254,31 @@ void run_local(const RunFlags& f) {
     if (checked.fault.step > f.steps)
       throw CliExit(kExitSetup, fmt::format("--fault {}: step {} is past the run's --steps {}",
                                             f.fault, checked.fault.step, f.steps));
+    exit_if_error(ensure_process_limit(loaded->policy.world_size + loaded->engine_ranks()),
+                  kExitSetup);
+    // The user's run secret, checked before anything is made (a bad one is a setup error).
+    auth = setup_env(process_control_auth());
   } catch (const CliExit& e) {
     report_setup_error(f, loaded ? &*loaded : nullptr, e);
   }
   const Config& cfg = *loaded;
   const RankOptions& options = checked;
   // Children read the resolved config from a private file.
-  // Under $TMPDIR (default /tmp), removed when the run ends, however it ends.
+  // Under $TMPDIR (default /tmp), removed when the run ends, however it ends: on every return and
+  // every error from here on (RunDirectory's destructor), and before dying of a signal.
   const char* tmp = std::getenv("TMPDIR");
   std::string dir_template =
       std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/refit-run-XXXXXX";
   if (mkdtemp(dir_template.data()) == nullptr)
     throw CliExit(kExitRuntime, fmt::format("cannot create a directory {}: {}", dir_template,
                                             std::strerror(errno)));
+  RunDirectory run_dir(dir_template);
   const std::string dir = dir_template;
   const std::string cfg_path = dir + "/config.yaml";
   std::ofstream(cfg_path) << config_to_yaml(cfg);
-  auto port = pick_free_port();
+  // REFIT_PORT when the user chose one, else a free port.
+  const std::optional<int> chosen = setup_env(env::refit_port());
+  auto port = chosen && *chosen != 0 ? Result<int>(*chosen) : pick_free_port();
   exit_if_error(port.status(), kExitRuntime);
 
   std::vector<std::string> common = {cfg_path};
@@ -250,11 +292,11 @@ void run_local(const RunFlags& f) {
   // rank killed before it unlinked them, an interrupted run) is removed below.
   const std::string run_id = setup_env(env::run_id())
                                  .value_or(fmt::format("{}-{}", getpid(), time(nullptr)));
-  std::vector<std::pair<std::string, std::string>> master = {
-      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(*port)}, {"REFIT_RUN_ID", run_id}};
+  std::vector<std::pair<std::string, std::string>> master = {{"MASTER_ADDR", "127.0.0.1"},
+                                                             {"REFIT_PORT", std::to_string(*port)},
+                                                             {"REFIT_RUN_ID", run_id}};
   // The control plane is authenticated with the user's secret, or else with a new one, which the
   // ranks read from a file of the run's private directory (docs/security.md).
-  std::shared_ptr<const ControlAuth> auth = setup_env(process_control_auth());
   if (!auth) {
     const std::string secret = ControlAuth::generate_secret();
     const std::string secret_path = dir + "/secret";
@@ -297,8 +339,7 @@ void run_local(const RunFlags& f) {
   };
   auto result = launch_and_wait(self_executable(), children, cfg.refit.timeout_s, on_failure,
                                 run_deadline(f, cfg));
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
+  run_dir.remove();
   if (const int swept = remove_run_segments(run_id); swept > 0)
     std::fprintf(stderr, "refit: removed %d shared-memory segment(s) /dev/shm/refit-%s-* the run left\n",
                  swept, run_id.c_str());
@@ -413,7 +454,7 @@ void add_run_commands(CLI::App& app) {
   });
 
   auto* trainer = app.add_subcommand(
-      "trainer", "Run one trainer rank (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
+      "trainer", "Run one trainer rank (env RANK, WORLD_SIZE, MASTER_ADDR, REFIT_PORT)");
   trainer->add_option("CONFIG", f->config_path, "config YAML")->required();
   trainer->add_option("--steps", f->steps, "refits to run")->check(CLI::PositiveNumber);
   trainer->add_flag("--verify", f->verify, "engines check every element after each refit");
@@ -429,8 +470,7 @@ void add_run_commands(CLI::App& app) {
   });
 
   auto* engine = app.add_subcommand(
-      "engine",
-      "Run one engine rank (env ENGINE_RANK, MASTER_ADDR, MASTER_PORT of trainer rank 0)");
+      "engine", "Run one engine rank (env ENGINE_RANK, MASTER_ADDR, REFIT_PORT of trainer rank 0)");
   engine->add_option("CONFIG", f->config_path, "config YAML")->required();
   engine->add_option("--engine-rank", f->engine_rank, "engine index * tp_size + tp rank");
   engine->add_flag("--verify", f->verify, "verify every element when the trainer asks");

@@ -229,6 +229,7 @@ Status check() {
   REFIT_RETURN_IF_ERROR(control_spin_us().status());
   REFIT_RETURN_IF_ERROR(control_lanes().status());
   REFIT_RETURN_IF_ERROR(run_id().status());
+  REFIT_RETURN_IF_ERROR(refit_port().status());
   return Status::Ok();
 }
 
@@ -246,6 +247,41 @@ Result<int> parse_master_port(Text text) {
 
 Result<int> master_port() {
   static const Result<int> v = load("MASTER_PORT", &parse_master_port);
+  return v;
+}
+
+Result<std::optional<int>> parse_refit_port(Text text) {
+  return parse_int("REFIT_PORT", text, 0, 65535);
+}
+
+Result<std::optional<int>> refit_port() {
+  static const Result<std::optional<int>> v =
+      load("REFIT_PORT", &parse_refit_port, "MASTER_PORT + 1, else 29501");
+  return v;
+}
+
+Result<int> parse_store_port(Text refit_port, Text master_port) {
+  REFIT_ASSIGN_OR_RETURN(const std::optional<int> given, parse_refit_port(refit_port));
+  if (given) return *given;
+  if (!master_port) return kDefaultStorePort;
+  REFIT_ASSIGN_OR_RETURN(const int torch_port, parse_master_port(master_port));
+  if (torch_port == 65535)
+    return Status::InvalidArgument(
+        "MASTER_PORT=65535 leaves no port above it for refit's store (MASTER_PORT + 1 by "
+        "default): set REFIT_PORT");
+  return torch_port + 1;
+}
+
+Result<int> store_port() {
+  static const Result<int> v = []() -> Result<int> {
+    const std::optional<std::string> master = read("MASTER_PORT");
+    REFIT_ASSIGN_OR_RETURN(const std::optional<int> given, refit_port());
+    if (given) return Result<int>(*given);
+    Result<int> p = parse_store_port(Text(), master ? Text(*master) : Text());
+    if (p.ok())
+      log::debug("refit's store port: {} ({})", *p, master ? "MASTER_PORT + 1" : "default");
+    return p;
+  }();
   return v;
 }
 

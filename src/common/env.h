@@ -100,9 +100,21 @@ Status check();
 
 // MASTER_ADDR: trainer rank 0's address (default 127.0.0.1).
 std::string master_addr();
-// MASTER_PORT: its store port, 1..65535 (default 29500).
+// MASTER_PORT: torch.distributed's port, 1..65535 (default 29500). refit's store never takes it
+// (store_port).
 Result<int> parse_master_port(Text text);
 Result<int> master_port();
+// REFIT_PORT: the port of the run's store (trainer rank 0 hosts it on MASTER_ADDR), 0..65535; 0:
+// trainer rank 0 binds a free port the system picks and reports it (its log, Trainer::store_port).
+// nullopt when unset.
+Result<std::optional<int>> parse_refit_port(Text text);
+Result<std::optional<int>> refit_port();
+// The store's port: REFIT_PORT when set; else MASTER_PORT + 1 when MASTER_PORT is set, so that
+// it is never torch.distributed's own port (MASTER_PORT=65535 leaves none: an error asking for
+// REFIT_PORT); else kDefaultStorePort.
+inline constexpr int kDefaultStorePort = 29501;
+Result<int> parse_store_port(Text refit_port, Text master_port);
+Result<int> store_port();
 // RANK: trainer rank (non-negative; unset: nullopt). refit engine falls back to it when
 // ENGINE_RANK is unset.
 Result<std::optional<int>> parse_rank(Text text);

@@ -1,11 +1,13 @@
 #include "common/log.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <mutex>
 
 #include "common/env.h"
+#include "common/log_throttle.h"
 
 namespace refit::log {
 namespace {
@@ -44,6 +46,49 @@ Level threshold() {
 }
 
 }  // namespace
+
+std::string escape(std::string_view text, std::size_t max_bytes) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  const std::size_t n = std::min(text.size(), max_bytes);
+  out.reserve(n + 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c >= 0x20 && c < 0x7f) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  if (text.size() > max_bytes) out += "...";
+  return out;
+}
+
+bool Throttle::allow() {
+  std::lock_guard lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (now - window_ >= period_) {
+    window_ = now;
+    used_ = 0;
+  }
+  if (used_ < burst_) {
+    ++used_;
+    return true;
+  }
+  ++suppressed_;
+  return false;
+}
+
+std::int64_t Throttle::suppressed() {
+  std::lock_guard lock(mu_);
+  const std::int64_t n = suppressed_;
+  suppressed_ = 0;
+  return n;
+}
 
 void set_prefix(std::string p) {
   std::lock_guard lock(mu());

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <string>
+#include <string_view>
 
 namespace refit::log {
 
@@ -30,5 +31,11 @@ template <typename... Args>
 void error(fmt::format_string<Args...> f, Args&&... args) {
   write(Level::kError, fmt::format(f, std::forward<Args>(args)...));
 }
+
+// `text` as it may appear in a log line when a peer supplied it (an id, a name, a message from a
+// peer that has not authenticated): printable ASCII is kept, a backslash is doubled, every other
+// byte is written as \xNN, and more than `max_bytes` input bytes are cut, ending in "...". So no
+// peer can start a line of its own, or shape a terminal, through the log.
+std::string escape(std::string_view text, std::size_t max_bytes = 256);
 
 }  // namespace refit::log

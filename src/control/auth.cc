@@ -16,6 +16,7 @@
 
 #include "common/file_io.h"
 #include "common/log.h"
+#include "common/log_throttle.h"
 
 namespace refit {
 namespace {
@@ -133,7 +134,8 @@ class ZmqZapHandler final : public ZapHandler {
       const std::string mechanism = req[5].to_string();
       if (mechanism != "CURVE" || req.size() != 7 || req[6].size() != 32) {
         text = "CURVE required";
-        log::warn("{}: refused a {} connection from {} (not CURVE)", who_, mechanism, address);
+        log::warn_throttled(throttle_, "{}: refused a {} connection from {} (not CURVE)", who_,
+                            log::escape(mechanism), log::escape(address));
       } else {
         const std::string key = z85(req[6].data<unsigned char>());
         if (accept_(key)) {
@@ -142,7 +144,10 @@ class ZmqZapHandler final : public ZapHandler {
           user = key;
         } else {
           text = "unknown key";
-          log::warn("{}: refused a connection from {}: its key is not a member's", who_, address);
+          log::warn_throttled(throttle_,
+                              "{}: refused a connection from {}: its key is not a "
+                              "member's",
+                              who_, log::escape(address));
         }
       }
     }
@@ -156,6 +161,7 @@ class ZmqZapHandler final : public ZapHandler {
   zmq::socket_ref socket_;
   std::function<bool(const std::string&)> accept_;
   std::string who_;
+  log::Throttle throttle_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

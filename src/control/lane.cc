@@ -10,16 +10,19 @@
 
 #include <zmq.h>
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
 
-#include "common/env.h"
+#include "control/fd_limit.h"
 
 namespace refit::lane {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+constexpr char kProofLabel[] = "refit-lane-2";
 
 std::string hex(const unsigned char* b, std::size_t n) {
   std::string s(2 * n + 1, '\0');
@@ -28,10 +31,16 @@ std::string hex(const unsigned char* b, std::size_t n) {
   return s;
 }
 
-std::string errno_text() { return std::strerror(errno); }
-
-std::string proof_text(const std::string& receiver, const std::string& sender) {
-  return "refit-lane:" + receiver + ":" + sender;
+// [label][u8 n][receiver][u8 n][sender][challenge]: what a proof's box holds before the lane key.
+std::string proof_head(const std::string& receiver, const std::string& sender,
+                       std::string_view challenge) {
+  std::string s = kProofLabel;
+  s.push_back(static_cast<char>(receiver.size()));
+  s += receiver;
+  s.push_back(static_cast<char>(sender.size()));
+  s += sender;
+  s += challenge;
+  return s;
 }
 
 void put_u32(std::string& s, std::uint32_t v) {
@@ -43,6 +52,63 @@ std::uint32_t get_u32(const char* p) {
   for (int i = 0; i < 4; ++i)
     v |= static_cast<std::uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
+}
+
+int millis_left(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::max<std::int64_t>(left.count(), 0));
+}
+
+// Writes every part, all of it, by `deadline`.
+Status write_all(int fd, std::array<iovec, 3> parts, Clock::time_point deadline) {
+  std::size_t left = 0;
+  for (const iovec& p : parts) left += p.iov_len;
+  std::size_t first = 0;
+  while (left > 0) {
+    while (first < parts.size() && parts[first].iov_len == 0) ++first;
+    msghdr m{};
+    m.msg_iov = parts.data() + first;
+    m.msg_iovlen = parts.size() - first;
+    const ssize_t n = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return Status::IOError(errno_text(errno));
+    if (n < 0) {
+      const int wait = millis_left(deadline);
+      if (wait <= 0) return Status::Timeout("the peer did not take it");
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, wait);
+      continue;
+    }
+    auto done = static_cast<std::size_t>(n);
+    left -= done;
+    while (first < parts.size() && done >= parts[first].iov_len) done -= parts[first++].iov_len;
+    if (first < parts.size()) {
+      parts[first].iov_base = static_cast<char*>(parts[first].iov_base) + done;
+      parts[first].iov_len -= done;
+    }
+  }
+  return Status::Ok();
+}
+
+// Reads exactly `n` bytes by `deadline`.
+Status read_exactly(int fd, char* out, std::size_t n, Clock::time_point deadline) {
+  std::size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::recv(fd, out + got, n - got, MSG_DONTWAIT);
+    if (r > 0) {
+      got += static_cast<std::size_t>(r);
+      continue;
+    }
+    if (r == 0) return Status::IOError("the receiver closed the lane");
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return Status::IOError(errno_text(errno));
+    const int wait = millis_left(deadline);
+    if (wait <= 0)
+      return Status::Timeout("no challenge from the receiver in time (its gate is full or busy)");
+    pollfd p{fd, POLLIN, 0};
+    ::poll(&p, 1, wait);
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -68,152 +134,189 @@ socklen_t abstract_address(const std::string& name, sockaddr_un& addr) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
 }
 
-Result<Listener> Listener::open(const std::string& who) {
-  if (sodium_init() < 0) return Status::Internal("libsodium failed to initialise");
-  Listener l;
-  unsigned char id[12];
-  randombytes_buf(id, sizeof id);
-  l.name_ = "refit-lane-" + hex(id, sizeof id);
-  sockaddr_un addr;
-  const socklen_t len = abstract_address(l.name_, addr);
-  l.fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (l.fd_ < 0) return Status::IOError(fmt::format("{}: lane socket: {}", who, errno_text()));
-  if (::bind(l.fd_, reinterpret_cast<const sockaddr*>(&addr), len) != 0 ||
-      ::listen(l.fd_, 128) != 0)
-    return Status::IOError(
-        fmt::format("{}: cannot listen on lane @{}: {}", who, l.name_, errno_text()));
-  crypto_box_keypair(l.pk_, l.sk_);
-  return l;
+std::string publish_address(const std::string& host_identity, const std::string& name,
+                            const unsigned char* key) {
+  return host_identity + "\n@" + name + "\n" + hex(key, kKeyBytes);
 }
 
-Listener::Listener(Listener&& o) noexcept : fd_(o.fd_), name_(std::move(o.name_)) {
-  std::memcpy(pk_, o.pk_, sizeof pk_);
-  std::memcpy(sk_, o.sk_, sizeof sk_);
-  o.fd_ = -1;
-}
-
-Listener::~Listener() {
-  if (fd_ >= 0) ::close(fd_);
-  sodium_memzero(sk_, sizeof sk_);
-}
-
-std::string Listener::address() const {
-  return env::host_identity() + "\n@" + name_ + "\n" + hex(pk_, sizeof pk_);
-}
-
-Fd Listener::accept(std::string& refused) {
-  Fd c(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-  if (!c) return c;  // EAGAIN: none pending (errors: tried again at the next poll)
-  ucred cred{};
-  socklen_t len = sizeof cred;
-  if (::getsockopt(c.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.uid == ::getuid())
-    return c;
-  refused = fmt::format("uid {} (pid {})", cred.uid, cred.pid);
-  return Fd();
-}
-
-std::optional<Address> parse_address(const std::string& published) {
+std::optional<Address> parse_address(const std::string& published,
+                                     const std::string& host_identity) {
   const std::size_t a = published.find('\n');
   const std::size_t b = a == std::string::npos ? a : published.find('\n', a + 1);
-  if (b == std::string::npos || published.substr(0, a) != env::host_identity()) return std::nullopt;
+  if (b == std::string::npos || host_identity.empty() || published.substr(0, a) != host_identity)
+    return std::nullopt;
   if (published.compare(a + 1, 1, "@") != 0) return std::nullopt;
   Address out;
   out.name = published.substr(a + 2, b - a - 2);
-  out.key.resize(32);
+  out.key.resize(kKeyBytes);
   std::size_t n = 0;
   const std::string key_hex = published.substr(b + 1);
-  if (sodium_hex2bin(reinterpret_cast<unsigned char*>(out.key.data()), 32, key_hex.data(),
+  if (sodium_hex2bin(reinterpret_cast<unsigned char*>(out.key.data()), kKeyBytes, key_hex.data(),
                      key_hex.size(), nullptr, &n, nullptr) != 0 ||
-      n != 32)
+      n != kKeyBytes)
     return std::nullopt;
   return out;
 }
 
-Result<Fd> connect(const Address& a, const std::string& sender, const std::string& proof,
-                   std::chrono::milliseconds timeout) {
-  if (sender.size() > 255) return Status::InvalidArgument("lane: sender id too long");
-  sockaddr_un addr;
-  const socklen_t len = abstract_address(a.name, addr);
-  Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) return Status::IOError("lane socket: " + errno_text());
-  // A full backlog makes a blocking connect wait: at most the timeout.
-  timeval tv{static_cast<time_t>(timeout.count() / 1000),
-             static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  // Room for a refit's messages while the receiver is busy (the kernel caps it at wmem_max).
-  const int sndbuf = 4 << 20;
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
-  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0)
-    return Status::IOError(fmt::format("lane @{}: {}", a.name, errno_text()));
-  std::string hello;
-  hello.push_back(static_cast<char>(sender.size()));
-  hello += sender;
-  hello += proof;
-  REFIT_RETURN_IF_ERROR(write_frame(fd.get(), kHelloFrame, 0, hello, timeout));
-  return fd;
+FrameSeal::FrameSeal(const unsigned char* key) : keyed_(true) { std::memcpy(key_, key, kKeyBytes); }
+
+FrameSeal::FrameSeal(FrameSeal&& o) noexcept : seq_(o.seq_), keyed_(o.keyed_) {
+  std::memcpy(key_, o.key_, kKeyBytes);
+  sodium_memzero(o.key_, kKeyBytes);
+  o.keyed_ = false;
+}
+
+FrameSeal& FrameSeal::operator=(FrameSeal&& o) noexcept {
+  if (this != &o) {
+    std::memcpy(key_, o.key_, kKeyBytes);
+    seq_ = o.seq_;
+    keyed_ = o.keyed_;
+    sodium_memzero(o.key_, kKeyBytes);
+    o.keyed_ = false;
+  }
+  return *this;
+}
+
+FrameSeal::~FrameSeal() { sodium_memzero(key_, kKeyBytes); }
+
+void FrameSeal::tag(std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+                    unsigned char* out) {
+  unsigned char head[13];
+  for (int i = 0; i < 8; ++i) head[i] = static_cast<unsigned char>(seq_ >> (8 * i));
+  head[8] = type;
+  for (int i = 0; i < 4; ++i) head[9 + i] = static_cast<unsigned char>(epoch >> (8 * i));
+  ++seq_;
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, key_, kKeyBytes, kTagBytes);
+  crypto_generichash_update(&st, head, sizeof head);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(payload.data()),
+                            payload.size());
+  crypto_generichash_final(&st, out, kTagBytes);
+}
+
+bool FrameSeal::check(std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+                      const unsigned char* got) {
+  unsigned char want[kTagBytes];
+  tag(type, epoch, payload, want);
+  return sodium_memcmp(want, got, kTagBytes) == 0;
 }
 
 std::string make_proof(const std::string& sender, const std::string& receiver,
-                       const std::string& lane_key, const unsigned char* sender_secret) {
-  const std::string msg = proof_text(receiver, sender);
+                       std::string_view challenge, const std::string& lane_public,
+                       const unsigned char* sender_secret, unsigned char* lane_key) {
+  randombytes_buf(lane_key, kKeyBytes);
+  std::string msg = proof_head(receiver, sender, challenge);
+  msg.append(reinterpret_cast<const char*>(lane_key), kKeyBytes);
   std::string out(crypto_box_NONCEBYTES + crypto_box_MACBYTES + msg.size(), '\0');
   auto* o = reinterpret_cast<unsigned char*>(out.data());
   randombytes_buf(o, crypto_box_NONCEBYTES);
-  if (crypto_box_easy(o + crypto_box_NONCEBYTES, reinterpret_cast<const unsigned char*>(msg.data()),
-                      msg.size(), o, reinterpret_cast<const unsigned char*>(lane_key.data()),
-                      sender_secret) != 0)
-    return {};
+  const int rc = crypto_box_easy(
+      o + crypto_box_NONCEBYTES, reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), o,
+      reinterpret_cast<const unsigned char*>(lane_public.data()), sender_secret);
+  sodium_memzero(msg.data(), msg.size());
+  return rc == 0 ? out : std::string();
+}
+
+ProofCheck open_proof(std::string_view proof, const std::string& sender,
+                      const std::string& receiver, std::string_view challenge,
+                      const unsigned char* sender_public, const unsigned char* lane_secret,
+                      unsigned char* lane_key) {
+  const std::string want = proof_head(receiver, sender, challenge);
+  if (proof.size() != crypto_box_NONCEBYTES + crypto_box_MACBYTES + want.size() + kKeyBytes)
+    return ProofCheck::kForged;
+  const auto* p = reinterpret_cast<const unsigned char*>(proof.data());
+  std::string got(want.size() + kKeyBytes, '\0');
+  auto* g = reinterpret_cast<unsigned char*>(got.data());
+  ProofCheck out = ProofCheck::kForged;
+  if (crypto_box_open_easy(g, p + crypto_box_NONCEBYTES, proof.size() - crypto_box_NONCEBYTES, p,
+                           sender_public, lane_secret) == 0) {
+    const std::size_t ids = want.size() - challenge.size();
+    if (sodium_memcmp(got.data(), want.data(), ids) != 0)
+      out = ProofCheck::kForged;
+    else if (sodium_memcmp(got.data() + ids, want.data() + ids, challenge.size()) != 0)
+      out = ProofCheck::kStale;
+    else
+      out = ProofCheck::kValid;
+  }
+  if (out == ProofCheck::kValid) std::memcpy(lane_key, g + want.size(), kKeyBytes);
+  sodium_memzero(got.data(), got.size());
   return out;
 }
 
-bool check_proof(std::string_view proof, const std::string& sender, const std::string& receiver,
-                 const unsigned char* sender_public, const unsigned char* lane_secret) {
-  const std::string want = proof_text(receiver, sender);
-  if (proof.size() != crypto_box_NONCEBYTES + crypto_box_MACBYTES + want.size()) return false;
-  const auto* p = reinterpret_cast<const unsigned char*>(proof.data());
-  std::string got(want.size(), '\0');
-  if (crypto_box_open_easy(reinterpret_cast<unsigned char*>(got.data()), p + crypto_box_NONCEBYTES,
-                           proof.size() - crypto_box_NONCEBYTES, p, sender_public,
-                           lane_secret) != 0)
-    return false;
-  return sodium_memcmp(got.data(), want.data(), want.size()) == 0;
+std::optional<Hello> parse_hello(std::string_view payload) {
+  if (payload.empty()) return std::nullopt;
+  const auto n = static_cast<std::size_t>(static_cast<unsigned char>(payload[0]));
+  if (n == 0 || payload.size() < 1 + n) return std::nullopt;
+  return Hello{std::string(payload.substr(1, n)), payload.substr(1 + n)};
 }
 
-Status write_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
-                   std::chrono::milliseconds timeout) {
+Result<Outgoing> connect(const Address& a, const std::string& sender, const std::string& receiver,
+                         const unsigned char* sender_secret, std::chrono::milliseconds timeout) {
+  if (sender.empty() || sender.size() > kMaxIdBytes || receiver.size() > kMaxIdBytes)
+    return Status::InvalidArgument("lane: a mailbox id must have 1 to 255 bytes");
+  const auto deadline = Clock::now() + timeout;
+  sockaddr_un addr;
+  const socklen_t len = abstract_address(a.name, addr);
+  Outgoing out;
+  out.fd = Fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!out.fd) return Status::IOError("lane socket: " + errno_text(errno));
+  // A full listen queue makes a blocking connect wait: at most the timeout.
+  timeval tv{static_cast<time_t>(timeout.count() / 1000),
+             static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+  ::setsockopt(out.fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  // Room for a refit's messages while the receiver is busy (the kernel caps it at wmem_max).
+  const int sndbuf = 4 << 20;
+  ::setsockopt(out.fd.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
+  if (::connect(out.fd.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0)
+    return Status::IOError(fmt::format("lane @{}: {}", a.name, errno_text(errno)));
+  std::array<char, 4 + 5 + kChallengeBytes> challenge{};
+  REFIT_RETURN_IF_ERROR(read_exactly(out.fd.get(), challenge.data(), challenge.size(), deadline)
+                            .with_context(fmt::format("lane @{}", a.name)));
+  if (get_u32(challenge.data()) != 5 + kChallengeBytes ||
+      static_cast<std::uint8_t>(challenge[4]) != kChallengeFrame)
+    return Status::IOError(fmt::format("lane @{}: the receiver sent no challenge", a.name));
+  const std::string_view nonce(challenge.data() + 9, kChallengeBytes);
+  std::string hello;
+  hello.push_back(static_cast<char>(sender.size()));
+  hello += sender;
+  unsigned char key[kKeyBytes];
+  if (sender_secret != nullptr) {
+    const std::string proof = make_proof(sender, receiver, nonce, a.key, sender_secret, key);
+    if (proof.empty()) return Status::Internal("lane: crypto_box failed");
+    hello += proof;
+  }
+  REFIT_RETURN_IF_ERROR(write_raw_frame(out.fd.get(), kHelloFrame, 0, hello, timeout));
+  if (sender_secret != nullptr) out.seal = FrameSeal(key);
+  sodium_memzero(key, sizeof key);
+  return out;
+}
+
+Status write_raw_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+                       std::chrono::milliseconds timeout) {
   std::string head;
   put_u32(head, static_cast<std::uint32_t>(5 + payload.size()));
   head.push_back(static_cast<char>(type));
   put_u32(head, epoch);
-  const auto deadline = Clock::now() + timeout;
-  iovec parts[2] = {{head.data(), head.size()},
-                    {const_cast<char*>(payload.data()), payload.size()}};
-  std::size_t left = head.size() + payload.size();
-  int first = 0;
-  while (left > 0) {
-    msghdr m{};
-    m.msg_iov = parts + first;
-    m.msg_iovlen = static_cast<std::size_t>(2 - first);
-    const ssize_t n = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-      return Status::IOError(errno_text());
-    if (n < 0) {
-      const auto wait =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (wait.count() <= 0) return Status::Timeout("the peer did not take it");
-      pollfd p{fd, POLLOUT, 0};
-      ::poll(&p, 1, static_cast<int>(wait.count()));
-      continue;
-    }
-    auto done = static_cast<std::size_t>(n);
-    left -= done;
-    while (first < 2 && done >= parts[first].iov_len) done -= parts[first++].iov_len;
-    if (first < 2) {
-      parts[first].iov_base = static_cast<char*>(parts[first].iov_base) + done;
-      parts[first].iov_len -= done;
-    }
-  }
-  return Status::Ok();
+  return write_all(fd,
+                   {iovec{head.data(), head.size()},
+                    iovec{const_cast<char*>(payload.data()), payload.size()}, iovec{nullptr, 0}},
+                   Clock::now() + timeout);
+}
+
+Status write_frame(Outgoing& lane, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+                   std::chrono::milliseconds timeout) {
+  if (!lane.seal.keyed()) return write_raw_frame(lane.fd.get(), type, epoch, payload, timeout);
+  std::string head;
+  put_u32(head, static_cast<std::uint32_t>(5 + payload.size() + kTagBytes));
+  head.push_back(static_cast<char>(type));
+  put_u32(head, epoch);
+  unsigned char tag[kTagBytes];
+  lane.seal.tag(type, epoch, payload, tag);
+  return write_all(
+      lane.fd.get(),
+      {iovec{head.data(), head.size()}, iovec{const_cast<char*>(payload.data()), payload.size()},
+       iovec{tag, kTagBytes}},
+      Clock::now() + timeout);
 }
 
 bool Reader::fill() {
@@ -234,14 +337,22 @@ bool Reader::fill() {
 Result<std::optional<Frame>> Reader::next(std::int64_t max_bytes) {
   if (buf_.size() - at_ < 4) return std::optional<Frame>();
   const std::uint32_t len = get_u32(buf_.data() + at_);
-  if (len < 5 || static_cast<std::int64_t>(len) > max_bytes + 5)
+  const std::size_t tag = seal_.keyed() ? kTagBytes : 0;
+  if (len < 5 + tag ||
+      static_cast<std::int64_t>(len) > max_bytes + 5 + static_cast<std::int64_t>(tag))
     return Status::Corruption(fmt::format("a frame of {} bytes", len));
   if (buf_.size() - at_ - 4 < len) return std::optional<Frame>();
   Frame f;
   const char* p = buf_.data() + at_ + 4;
   f.type = static_cast<std::uint8_t>(p[0]);
   f.epoch = get_u32(p + 1);
-  f.payload.assign(p + 5, len - 5);
+  const std::string_view payload(p + 5, len - 5 - tag);
+  if (seal_.keyed() &&
+      !seal_.check(f.type, f.epoch, payload, reinterpret_cast<const unsigned char*>(p + len - tag)))
+    return Status::Corruption(
+        "a frame whose tag does not match the lane's key (not written by the lane's sender on "
+        "this connection, or out of order)");
+  f.payload.assign(payload);
   at_ += 4 + len;
   if (at_ == buf_.size()) {
     buf_.clear();

@@ -8,15 +8,20 @@
 //
 // A mailbox listens on an abstract Unix socket with a random name (no file: nothing is left
 // behind when a rank is killed) and publishes "<host identity>\n@<name>\n<key>" under
-// "lane/<id>", where key is the hex of a key pair it made for the lane. A sender on the same host
-// (and network namespace) connects and sends a hello naming itself. The receiver takes a
-// connection only from its own user (SO_PEERCRED) and, with an authenticated control plane, only
-// with a hello that proves the sender holds the secret key it registered under
-// "auth/key/<sender>" (a crypto_box from that key to the lane's key, which only the receiving
-// process knows). Every frame after the hello comes from that sender.
+// "lane/<id>", where key is the hex of a key pair it made for the lane. Its gate (lane_gate.h)
+// takes each connection from its own user (SO_PEERCRED) and sends it a random challenge; the
+// sender answers with a hello naming itself. With an authenticated control plane the hello
+// carries a crypto_box, from the key the sender registered under "auth/key/<sender>" to the lane's
+// key, of the challenge and a fresh lane key. The box opens only with the lane's secret half
+// (which never leaves the receiving process) and can be made only with the sender's secret key;
+// the challenge makes it good for this one connection. Every later frame carries a tag keyed
+// with the lane key over its sequence number, so a frame that was not written by that sender on
+// that connection, in that order, is refused.
 //
-// Frames: [u32 length of the rest, little-endian][u8 type][u32 epoch, little-endian][payload].
-// The hello's type is kHelloFrame and its payload [u8 id length][sender id][proof].
+// Frames: [u32 length of the rest, little-endian][u8 type][u32 epoch, little-endian][payload]
+// [tag: 16 bytes, only on an authenticated lane after the hello]. The challenge's type is
+// kChallengeFrame and its payload 32 random bytes; the hello's type is kHelloFrame and its
+// payload [u8 id length][sender id][proof].
 #pragma once
 
 #include <sys/socket.h>
@@ -32,7 +37,26 @@
 
 namespace refit::lane {
 
+inline constexpr std::uint8_t kChallengeFrame = 0xFE;
 inline constexpr std::uint8_t kHelloFrame = 0xFF;
+inline constexpr std::size_t kChallengeBytes = 32;
+inline constexpr std::size_t kKeyBytes = 32;
+inline constexpr std::size_t kTagBytes = 16;
+// The longest first frame a gate reads (the length field's value): a hello is at most 5 + 1 +
+// 255 + 24 + 16 + 13 + 2 * 256 + 64 = 890 bytes. A longer one is refused from its length field,
+// before its bytes arrive.
+inline constexpr std::uint32_t kMaxHelloBytes = 1024;
+// Mailbox ids are at most this long (they travel in a hello's one-byte length).
+inline constexpr std::size_t kMaxIdBytes = 255;
+
+// What a gate holds for connections that have not yet proved who sends on them.
+struct Limits {
+  // From accept to a complete hello; a connection still without one is closed.
+  std::chrono::milliseconds hello_deadline{2000};
+  // Connections accepted and waiting for their hello; while this many wait, new ones stay in the
+  // kernel's listen queue (a sender's connect then waits up to its own timeout).
+  int max_pending = 64;
+};
 
 // A socket descriptor, closed with its owner.
 class Fd {
@@ -51,59 +75,90 @@ class Fd {
   int fd_ = -1;
 };
 
-// A listening lane: the socket and its key pair.
-class Listener {
- public:
-  static Result<Listener> open(const std::string& who);
-  Listener(Listener&& o) noexcept;
-  Listener& operator=(Listener&&) = delete;
-  Listener(const Listener&) = delete;
-  ~Listener();
-  int fd() const { return fd_; }
-  // The value published under "lane/<id>".
-  std::string address() const;
-  // A pending connection from this process's user, non-blocking; an empty Fd when none is pending
-  // (or one from another user was refused: `refused` says whose).
-  Fd accept(std::string& refused);
-  const unsigned char* secret_key() const { return sk_; }
-
- private:
-  Listener() = default;
-  int fd_ = -1;
-  std::string name_;
-  unsigned char pk_[32] = {}, sk_[32] = {};
-};
-
 // Where a published lane is: its socket's abstract name and its key, when it is on this host.
 struct Address {
   std::string name;
   std::string key;  // 32 bytes
 };
-std::optional<Address> parse_address(const std::string& published);
+// The published value of a lane listening on `name` with public key `key` (32 bytes).
+std::string publish_address(const std::string& host_identity, const std::string& name,
+                            const unsigned char* key);
+// nullopt when `published` is malformed or names another host identity.
+std::optional<Address> parse_address(const std::string& published,
+                                     const std::string& host_identity);
 // The socket address of the abstract name `name` (no file: nothing is left behind when a rank is
 // killed, and only this network namespace reaches it); returns its length.
 socklen_t abstract_address(const std::string& name, sockaddr_un& addr);
 
-// Connects (blocking, local) to the lane at `a` and sends the hello: `proof` with an
-// authenticated control plane (make_proof), else empty. The socket is returned in blocking mode.
-Result<Fd> connect(const Address& a, const std::string& sender, const std::string& proof,
-                   std::chrono::milliseconds timeout);
+// The tag of every frame after the hello on an authenticated lane: BLAKE2b-128 keyed with the
+// lane key over [u64 sequence number][u8 type][u32 epoch][payload]. Each side counts the frames
+// itself, so a frame replayed, dropped or reordered fails its tag. Unkeyed (no run secret):
+// frames carry no tag.
+class FrameSeal {
+ public:
+  FrameSeal() = default;
+  explicit FrameSeal(const unsigned char* key);
+  FrameSeal(FrameSeal&& o) noexcept;
+  FrameSeal& operator=(FrameSeal&& o) noexcept;
+  ~FrameSeal();
+  bool keyed() const { return keyed_; }
+  // The tag of the next frame (advances the sequence number).
+  void tag(std::uint8_t type, std::uint32_t epoch, std::string_view payload, unsigned char* out);
+  // Whether `got` is the next frame's tag (advances the sequence number either way).
+  bool check(std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+             const unsigned char* got);
 
-// The hello's proof that `sender` holds `sender_secret` (32 bytes; its registered key pair's),
-// addressed to the lane key `lane_key`: a nonce and a crypto_box of
-// "refit-lane:<receiver>:<sender>".
-std::string make_proof(const std::string& sender, const std::string& receiver,
-                       const std::string& lane_key, const unsigned char* sender_secret);
-// Whether `proof` is such a box from the holder of `sender_public` (32 bytes) to the listener.
-bool check_proof(std::string_view proof, const std::string& sender, const std::string& receiver,
-                 const unsigned char* sender_public, const unsigned char* lane_secret);
+ private:
+  unsigned char key_[kKeyBytes] = {};
+  std::uint64_t seq_ = 0;
+  bool keyed_ = false;
+};
+
+// The sending end of a lane.
+struct Outgoing {
+  Fd fd;
+  FrameSeal seal;
+};
+
+// Connects (blocking, local) to the lane at `a` as `sender`, reads the gate's challenge and
+// answers with the hello. With `sender_secret` (32 bytes: the secret half of the key pair
+// `sender` registered; nullptr without a run secret) the hello proves it and the lane's frames are
+// sealed with a fresh key. Every step is bounded by `timeout`.
+Result<Outgoing> connect(const Address& a, const std::string& sender, const std::string& receiver,
+                         const unsigned char* sender_secret, std::chrono::milliseconds timeout);
 
 // Writes one frame, all of it, within `timeout` (MSG_NOSIGNAL: a closed peer is an error, not a
-// signal).
-Status write_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+// signal); sealed when the lane is keyed.
+Status write_frame(Outgoing& lane, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
                    std::chrono::milliseconds timeout);
+// The same on a bare socket, never sealed (the gate's challenge; tests).
+Status write_raw_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
+                       std::chrono::milliseconds timeout);
 
-// The frames arriving on one accepted connection.
+// The hello's proof: a nonce and a crypto_box, from the sender's registered key pair to the lane
+// key `lane_public`, of [label][receiver][sender][challenge][lane key] (ids length-prefixed).
+// `lane_key` receives the fresh lane key it carries.
+std::string make_proof(const std::string& sender, const std::string& receiver,
+                       std::string_view challenge, const std::string& lane_public,
+                       const unsigned char* sender_secret, unsigned char* lane_key);
+// Whether `proof` is such a box from the holder of `sender_public` (32 bytes) to the lane whose
+// secret half is `lane_secret`, for `challenge`: kValid (then `lane_key` holds the lane key);
+// kForged when the box does not open or names other mailboxes; kStale when it is the sender's own
+// box for another challenge (a hello replayed from another connection).
+enum class ProofCheck { kValid, kForged, kStale };
+ProofCheck open_proof(std::string_view proof, const std::string& sender,
+                      const std::string& receiver, std::string_view challenge,
+                      const unsigned char* sender_public, const unsigned char* lane_secret,
+                      unsigned char* lane_key);
+
+// A hello's parts: nullopt when `payload` is no hello naming a sender.
+struct Hello {
+  std::string from;
+  std::string_view proof;
+};
+std::optional<Hello> parse_hello(std::string_view payload);
+
+// The frames arriving on one authenticated connection.
 struct Frame {
   std::uint8_t type = 0;
   std::uint32_t epoch = 0;
@@ -111,15 +166,19 @@ struct Frame {
 };
 class Reader {
  public:
-  explicit Reader(Fd fd) : fd_(std::move(fd)) {}
+  Reader(Fd fd, FrameSeal seal) : fd_(std::move(fd)), seal_(std::move(seal)) {}
   int fd() const { return fd_.get(); }
   // Reads what the socket holds without blocking. False at end of stream or on an error.
   bool fill();
-  // The next whole frame, nullopt when incomplete; an error for a frame longer than `max_bytes`.
+  // The next whole frame, nullopt when incomplete; an error for a frame longer than `max_bytes`
+  // or whose tag does not match.
   Result<std::optional<Frame>> next(std::int64_t max_bytes);
+  // Bytes of an incomplete frame it holds (a lane that ends with some was cut mid-frame).
+  std::size_t buffered() const { return buf_.size() - at_; }
 
  private:
   Fd fd_;
+  FrameSeal seal_;
   std::string buf_;
   std::size_t at_ = 0;
 };

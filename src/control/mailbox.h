@@ -4,9 +4,11 @@
 // Every process owns one Mailbox: a socket bound to an ephemeral port on `host`, whose address
 // it publishes in the store under "mailbox/<id>". send() connects lazily to a peer's published
 // address, or, for a peer on the same host, to its same-host lane ("lane/<id>", control/lane.h;
-// REFIT_CONTROL_LANES=0 turns lanes off). Messages from one sender to one receiver arrive in order.
-// receive() waits at most `timeout`. A Mailbox is driven by one thread at a time; send() and
-// receive() may be used from two different threads concurrently.
+// ControlSettings::lanes false turns lanes off). Messages from one sender to one receiver arrive
+// in order. receive() waits at most `timeout`. A Mailbox is driven by one thread at a time; send()
+// and receive() may be used from two different threads concurrently. Its settings come in through
+// MailboxOptions: a mailbox reads no environment variable, so one process can hold mailboxes of
+// several ranks with different settings (tests run whole sessions on threads this way).
 #pragma once
 
 #include <chrono>
@@ -15,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "control/lane.h"
 #include "control/message_types.h"
 #include "refit/status.h"
 
@@ -22,6 +25,35 @@ namespace refit {
 
 class ControlAuth;
 class Store;
+
+// How a rank's mailbox talks to the others, read once at the edge (the CLI, Trainer::create,
+// Engine::create: control_settings_from_environment) and passed in.
+struct ControlSettings {
+  // REFIT_CONTROL_LANES: same-host lanes to and from mailboxes of the same host identity.
+  bool lanes = true;
+  // REFIT_CONTROL_SPIN_US: how long receive() polls without blocking after the mailbox's last
+  // message (0: it blocks at once).
+  std::chrono::microseconds spin{0};
+  // REFIT_HOST_ID, else the kernel's boot id and the IPC namespace (env::host_identity()): lanes
+  // join mailboxes whose identities are equal. Empty: no lanes.
+  std::string host_identity;
+};
+// The process's REFIT_CONTROL_LANES, REFIT_CONTROL_SPIN_US and host identity (bad values are an
+// InvalidArgument naming the variable).
+Result<ControlSettings> control_settings_from_environment();
+
+struct MailboxOptions {
+  std::string id;                            // "trainer/0", "engine/3": 1 to 255 bytes
+  std::string host = "127.0.0.1";            // the address its ZeroMQ socket binds
+  std::chrono::milliseconds timeout{60000};  // waits for peers and the store (refit.timeout_s)
+  // With auth (control/auth.h) every connection is CURVE-authenticated, this mailbox registers
+  // its sending key under "auth/key/<id>" (once per run: a second mailbox of the same id is
+  // refused), and it accepts only messages and lanes their claimed sender's key proves.
+  // nullptr: unauthenticated, loopback addresses only.
+  std::shared_ptr<const ControlAuth> auth;
+  ControlSettings settings;
+  lane::Limits lane_limits;  // what its lane holds before a hello proves the sender
+};
 
 struct Message {
   MessageType type = MessageType::kHello;
@@ -33,16 +65,12 @@ struct Message {
 class Mailbox {
  public:
   // Binds, and publishes the address under "mailbox/<id>" in `store` (which must outlive it).
-  // With `auth` (control/auth.h) every connection is CURVE-authenticated, this mailbox registers
-  // its sending key under "auth/key/<id>" (once per run: a second mailbox of the same id is
-  // refused), and receive() drops every message whose claimed sender registered another key.
-  // Malformed messages are dropped and logged with their origin, never returned.
-  static Result<std::unique_ptr<Mailbox>> open(Store& store, const std::string& id,
-                                               const std::string& host,
-                                               std::chrono::milliseconds timeout,
-                                               std::shared_ptr<const ControlAuth> auth);
-  // Messages received so far that were dropped (malformed, or not from their claimed sender), and
-  // refused same-host lane connections (another user's, or a hello without the sender's key).
+  // Malformed messages, and messages or lanes their claimed sender did not send, are dropped and
+  // logged with their origin, never returned.
+  static Result<std::unique_ptr<Mailbox>> open(Store& store, MailboxOptions options);
+  // Messages dropped so far (malformed, not from their claimed sender) and connections refused or
+  // closed (a same-host lane of another user, without a valid hello, cut mid-frame, or with a
+  // frame that fails its tag; a ZeroMQ connection whose handshake failed).
   virtual std::int64_t dropped() const = 0;
   // Messages received so far over same-host lanes (control/lane.h) rather than ZeroMQ.
   virtual std::int64_t lane_messages() const = 0;

@@ -82,23 +82,66 @@ class ControlAuth;
 
 // Requests and values are bounded: a frame over kMaxControlFrameBytes is dropped by ZeroMQ.
 inline constexpr std::int64_t kMaxControlFrameBytes = std::int64_t{64} << 20;
+// A ZeroMQ connection that has not completed its handshake (CURVE with the run's keys) within this
+// long is closed, on every socket of the control plane (ZMQ_HANDSHAKE_IVL).
+inline constexpr std::chrono::milliseconds kZmqHandshakeIvl{10000};
+// The listen queue of the store's and the mailboxes' TCP sockets (ZMQ_BACKLOG; the kernel caps it
+// at net.core.somaxconn): a burst of ranks starting at once waits there instead of having its
+// connection attempts dropped and retried seconds later.
+inline constexpr int kZmqBacklog = 4096;
+
+// How many connections one rank may hold to the store: its main client (a connection per thread
+// that uses it at once), the liveness probe and the heartbeat.
+inline constexpr int kStoreConnectionsPerRank = 4;
+
+struct StoreServerOptions {
+  std::string host = "127.0.0.1";  // the address it binds; off loopback only with `auth`
+  int port = 0;                    // 0: a free port the system picks (port() says which)
+  // With auth (control/auth.h) only clients holding the run secret can connect; keys under
+  // "auth/" can be set only once. nullptr: `host` must be a loopback address.
+  std::shared_ptr<const ControlAuth> auth;
+  // The ranks that will connect: the server makes sure its process may hold their connections
+  // (kStoreConnectionsPerRank each, RLIMIT_NOFILE; control/fd_limit.h) or refuses naming the
+  // limit. 0: no check.
+  int ranks = 0;
+};
 
 class StoreServer {
  public:
-  // Binds tcp://host:port (port 0 = an ephemeral port) and serves on a background thread until
-  // destruction. With `auth` (control/auth.h) only clients holding the run secret can connect; keys
-  // under "auth/" can be set only once. Without it, `host` must be a loopback address.
+  // Binds tcp://host:port and serves on a background thread until destruction. A port another
+  // server holds is refused, saying whether it is a ZeroMQ server (another run's store?) or not
+  // (torch.distributed's store on MASTER_PORT?).
+  static Result<std::unique_ptr<StoreServer>> start(const StoreServerOptions& options);
   static Result<std::unique_ptr<StoreServer>> start(const std::string& host, int port,
-                                                    std::shared_ptr<const ControlAuth> auth);
+                                                    std::shared_ptr<const ControlAuth> auth) {
+    return start(StoreServerOptions{.host = host, .port = port, .auth = std::move(auth)});
+  }
   virtual ~StoreServer() = default;
   virtual int port() const = 0;
+  // Connections refused so far: handshakes that failed (no run secret, another one, not
+  // ZeroMQ), accepts that failed (out of file descriptors).
+  virtual std::int64_t refused() const = 0;
 };
 
-// Connects to a StoreServer. Retries the connection until `connect_timeout` runs out (the server
-// may start after the client), then fails naming the address.
-// With `auth`, the connection is CURVE-authenticated both ways with the run's keys.
+struct StoreClientOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;
+  // How long the first contact may take, retried meanwhile: the server may start after the
+  // client, and under a burst of ranks starting at once it answers late (refit.timeout_s).
+  std::chrono::milliseconds connect_timeout{60000};
+  // Each later request that does not wait for keys (set, try_get, add); at least 1 s.
+  std::chrono::milliseconds request_timeout{60000};
+  // With auth, the connection is CURVE-authenticated both ways with the run's keys.
+  std::shared_ptr<const ControlAuth> auth;
+};
+
+// Connects to a StoreServer, then fails naming the address and what was found there: nothing
+// listening, another server (not a refit store), a refit store that refused this process's keys
+// (another run secret, or none), or one that did not answer in time.
+Result<std::unique_ptr<Store>> connect_store(const StoreClientOptions& options);
+// connect_timeout = request_timeout = `timeout` (at least 1 s for requests).
 Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
-                                             std::chrono::milliseconds connect_timeout,
+                                             std::chrono::milliseconds timeout,
                                              std::shared_ptr<const ControlAuth> auth);
 
 }  // namespace refit

@@ -4,7 +4,9 @@
 // never share a socket and a blocking get() on one thread does not hold up a set() on another.
 // Every connection has a socket monitor: once a connection to the server is lost (the server
 // process exited), every pending and later call fails at once with kIOError naming the store,
-// instead of waiting out its timeout.
+// instead of waiting out its timeout. Authentication is blamed only when a handshake failed for
+// it (zmq_monitor.h): a connection cut during its handshake may be a server that exited, so the
+// client looks at what listens on the port before it says which.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -17,9 +19,12 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "common/log.h"
 #include "control/auth.h"
+#include "control/fd_limit.h"
 #include "control/store.h"
 #include "control/store_wire.h"
+#include "control/zmq_monitor.h"
 
 namespace refit {
 namespace {
@@ -33,7 +38,9 @@ constexpr std::chrono::milliseconds kReplyGrace{500};
 // Requests that do not wait for keys (set, try_get, add) are answered at once by a live server.
 constexpr std::chrono::milliseconds kMinRequestTimeout{1000};
 
-std::atomic<std::uint64_t> g_monitor_counter{0};
+// Handshakes cut without a reason, in a row and never one that succeeded, after which the client
+// looks at what listens on the port (a refit store holding another secret cuts every one).
+constexpr int kSilentHandshakeFailures = 3;
 
 std::string quote_keys(const std::vector<std::string>& keys) {
   std::string s;
@@ -51,9 +58,13 @@ struct Connection {
 
 class StoreClient final : public Store {
  public:
-  StoreClient(std::string address, std::chrono::milliseconds request_timeout,
+  StoreClient(std::string host, int port, std::chrono::milliseconds request_timeout,
               std::shared_ptr<const ControlAuth> auth)
-      : address_(std::move(address)), request_timeout_(request_timeout), auth_(std::move(auth)) {}
+      : host_(std::move(host)),
+        port_(port),
+        address_(fmt::format("tcp://{}:{}", host_, port_)),
+        request_timeout_(request_timeout),
+        auth_(std::move(auth)) {}
   ~StoreClient() override {
     // Sockets before the context.
     idle_.clear();
@@ -77,11 +88,12 @@ class StoreClient final : public Store {
       if (reply.status().code() == StatusCode::kTimeout) {
         // A server that does not answer a ping is stopped or hung: later calls fail at once
         // instead of each waiting out its own timeout (a failing rank's last words).
-        if (pinged_.load()) stalled_.store(true);
-        return Status::Timeout(fmt::format(
-            "cannot reach the store server at {} within {} ms: is the process that hosts it "
-            "(trainer rank 0) running, and are the host and port right?",
-            address_, timeout.count()));
+        if (pinged_.load()) {
+          stalled_.store(true);
+          return Status::Timeout(fmt::format("the store server at {} did not answer within {} ms",
+                                             address_, timeout.count()));
+        }
+        return unreachable(timeout);
       }
       return reply.status();
     }
@@ -243,7 +255,7 @@ class StoreClient final : public Store {
 
   // Requests fail at once: the connection was lost, refused, found stalled, or aborted.
   bool dead() const {
-    return lost_.load() || refused_.load() || stalled_.load() || aborted_.load();
+    return lost_.load() || refused_.load() || foreign_.load() || stalled_.load() || aborted_.load();
   }
 
   Status lost_status(const std::string& what) {
@@ -259,28 +271,98 @@ class StoreClient final : public Store {
           address_, what));
     if (refused_.load())
       return Status::InvalidArgument(fmt::format(
-          "store {}: the store server refused this process's handshake; {} failed. Every rank "
-          "must hold the same run secret (REFIT_SECRET or REFIT_SECRET_FILE; this process has {})",
-          address_, what, auth_ ? "one" : "none"));
+          "store {}: the store server refused this process's handshake ({}); {} failed. Every "
+          "rank must hold the same run secret (REFIT_SECRET or REFIT_SECRET_FILE; this process "
+          "has {})",
+          address_, refused_why(), what, auth_ ? "one" : "none"));
+    if (foreign_.load()) return foreign_status(what);
     return Status::IOError(fmt::format(
         "store {}: the connection to the store server was lost (its process exited?); {} failed",
         address_, what));
   }
 
-  // Reads the monitor's pending events; a disconnect marks the whole client as lost.
+  // Reads the monitor's pending events: a connection lost after its handshake marks the whole
+  // client as lost; a handshake refused for its keys as refused; one that broke the protocol as
+  // foreign (not a refit store). Handshakes cut without a reason, again and again, are looked into
+  // (why_handshakes_fail).
   void drain_events(Connection& conn) {
-    for (;;) {
-      std::vector<zmq::message_t> frames;
-      if (!zmq::recv_multipart(conn.monitor, std::back_inserter(frames), zmq::recv_flags::dontwait))
-        return;
-      if (frames.empty() || frames[0].size() < sizeof(std::uint16_t)) continue;
-      std::uint16_t event = 0;
-      std::memcpy(&event, frames[0].data(), sizeof event);
-      if (event == ZMQ_EVENT_DISCONNECTED) lost_.store(true);
-      if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||
-          event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
-        refused_.store(true);
+    for (const ConnectionEvent& e : read_connection_events(conn.monitor)) {
+      switch (e.event) {
+        case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
+          established_.store(true);
+          silent_failures_.store(0);
+          break;
+        case ZMQ_EVENT_DISCONNECTED:
+          if (established_.load()) lost_.store(true);
+          break;
+        case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+          if (!established_.load() && ++silent_failures_ >= kSilentHandshakeFailures)
+            why_handshakes_fail();
+          break;
+        case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
+          if (e.authentication_failed()) {
+            set_refused(e.describe());
+          } else {
+            foreign_.store(true);
+          }
+          break;
+        default:
+          break;
+      }
     }
+  }
+
+  // Every handshake was cut: a refit store of another secret does that (it cannot open this
+  // process's hello), and so does a server that is not ZeroMQ's and closes what it cannot parse.
+  // A ZeroMQ greeting on the port tells them apart; nothing listening means the server exited.
+  void why_handshakes_fail() {
+    const Status probe = probe_zmtp(host_, port_, 500);
+    if (probe.ok())
+      set_refused("it closed every handshake: it does not hold this process's keys");
+    else if (probe.code() == StatusCode::kUnsupported)
+      foreign_.store(true);
+  }
+
+  void set_refused(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (refused_.load()) return;
+      refused_why_ = why;
+    }
+    refused_.store(true);
+  }
+  std::string refused_why() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return refused_why_;
+  }
+
+  Status foreign_status(const std::string& what) const {
+    return Status::InvalidArgument(fmt::format(
+        "store {}: the server on port {} is not a refit store (it does not speak ZeroMQ's "
+        "protocol: another server, such as torch.distributed's store on MASTER_PORT, holds the "
+        "port); {} failed. Give refit's store a port of its own on every rank: REFIT_PORT, or "
+        "master_port= in Python (docs/python.md, \"Ports\")",
+        address_, port_, what));
+  }
+
+  // Why the first contact failed, from what listens on the port.
+  Status unreachable(std::chrono::milliseconds waited) {
+    if (refused_.load() || foreign_.load()) return lost_status("connect");
+    const Status probe = probe_zmtp(host_, port_, 500);
+    if (probe.code() == StatusCode::kUnsupported) {
+      foreign_.store(true);
+      return foreign_status("connect");
+    }
+    if (probe.ok())
+      return Status::Timeout(fmt::format(
+          "a ZeroMQ server listens at {} but did not complete a handshake with this process "
+          "within {} ms: it is busy (raise refit.timeout_s), or it is another run's store",
+          address_, waited.count()));
+    return Status::Timeout(fmt::format(
+        "cannot reach the store server at {} within {} ms ({}): is the process that hosts it "
+        "(trainer rank 0) running, and are the host and port right (REFIT_PORT on every rank)?",
+        address_, waited.count(), probe.message()));
   }
 
   std::unique_ptr<Connection> acquire() {
@@ -296,21 +378,15 @@ class StoreClient final : public Store {
     c->dealer = zmq::socket_t(ctx_, zmq::socket_type::dealer);
     c->dealer.set(zmq::sockopt::linger, 0);
     c->dealer.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
+    c->dealer.set(zmq::sockopt::handshake_ivl, static_cast<int>(kZmqHandshakeIvl.count()));
     if (auth_) {
       c->dealer.set(zmq::sockopt::curve_serverkey, auth_->server_public());
       c->dealer.set(zmq::sockopt::curve_publickey, auth_->member_public());
       c->dealer.set(zmq::sockopt::curve_secretkey, auth_->member_secret());
     }
-    const std::string monitor_address =
-        fmt::format("inproc://refit-store-monitor-{}", g_monitor_counter.fetch_add(1));
-    constexpr int kEvents = ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
-                            ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
-    if (zmq_socket_monitor(c->dealer.handle(), monitor_address.c_str(), kEvents) != 0) {
-      throw zmq::error_t();
-    }
-    c->monitor = zmq::socket_t(ctx_, zmq::socket_type::pair);
-    c->monitor.set(zmq::sockopt::linger, 0);
-    c->monitor.connect(monitor_address);
+    Result<zmq::socket_t> monitor = watch_connections(ctx_, c->dealer);
+    if (!monitor.ok()) throw zmq::error_t();
+    c->monitor = std::move(monitor).value();
     c->dealer.connect(address_);
     return c;
   }
@@ -320,40 +396,59 @@ class StoreClient final : public Store {
     idle_.push_back(std::move(conn));
   }
 
+  const std::string host_;
+  const int port_;
   const std::string address_;
   const std::chrono::milliseconds request_timeout_;
   const std::shared_ptr<const ControlAuth> auth_;
   zmq::context_t ctx_{1};
   std::atomic<std::uint64_t> next_id_{0};
   std::atomic<bool> lost_{false};
-  std::atomic<bool> refused_{false};  // a CURVE handshake failed: not the run's secret
+  std::atomic<bool> refused_{false};      // a handshake failed for its keys: not the run's secret
+  std::atomic<bool> foreign_{false};      // the server does not speak ZeroMQ: not a refit store
+  std::atomic<bool> established_{false};  // a handshake succeeded once
+  std::atomic<int> silent_failures_{0};   // handshakes cut without a reason since then
   std::atomic<bool> pinged_{false};   // a ping was answered once (the server was up)
   std::atomic<bool> stalled_{false};  // then a ping was not: the server is stopped or hung
   std::atomic<bool> aborted_{false};  // abort(): aborted_why_ says why
   std::mutex mu_;
-  Status aborted_why_;  // guarded by mu_
+  Status aborted_why_;       // guarded by mu_
+  std::string refused_why_;  // guarded by mu_
   std::vector<std::unique_ptr<Connection>> idle_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
-                                             std::chrono::milliseconds connect_timeout,
-                                             std::shared_ptr<const ControlAuth> auth) {
-  if (port <= 0 || port > 65535) {
+Result<std::unique_ptr<Store>> connect_store(const StoreClientOptions& o) {
+  if (o.port == 0)
     return Status::InvalidArgument(
-        fmt::format("store client: port {} is out of range (1..65535)", port));
+        "store client: port 0 (any free port) is for trainer rank 0, which hosts the store; the "
+        "other ranks need the port it chose (REFIT_PORT; its log says 'control plane: store on "
+        "HOST:PORT')");
+  if (o.port < 0 || o.port > 65535) {
+    return Status::InvalidArgument(
+        fmt::format("store client: port {} is out of range (1..65535)", o.port));
   }
-  const std::string address = fmt::format("tcp://{}:{}", host, port);
   std::unique_ptr<StoreClient> client;
   try {
-    client = std::make_unique<StoreClient>(address, std::max(connect_timeout, kMinRequestTimeout),
-                                           std::move(auth));
+    client = std::make_unique<StoreClient>(o.host, o.port,
+                                           std::max(o.request_timeout, kMinRequestTimeout), o.auth);
   } catch (const zmq::error_t& e) {
-    return Status::IOError(fmt::format("store client for {}: {}", address, e.what()));
+    return Status::IOError(
+        fmt::format("store client for tcp://{}:{}: {}", o.host, o.port, e.what()));
   }
-  REFIT_RETURN_IF_ERROR(client->ping(connect_timeout));
+  REFIT_RETURN_IF_ERROR(client->ping(o.connect_timeout));
   return std::unique_ptr<Store>(std::move(client));
+}
+
+Result<std::unique_ptr<Store>> connect_store(const std::string& host, int port,
+                                             std::chrono::milliseconds timeout,
+                                             std::shared_ptr<const ControlAuth> auth) {
+  return connect_store(StoreClientOptions{.host = host,
+                                          .port = port,
+                                          .connect_timeout = timeout,
+                                          .request_timeout = timeout,
+                                          .auth = std::move(auth)});
 }
 
 }  // namespace refit

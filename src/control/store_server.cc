@@ -18,9 +18,12 @@
 #include <zmq_addon.hpp>
 
 #include "common/log.h"
+#include "common/log_throttle.h"
 #include "control/auth.h"
+#include "control/fd_limit.h"
 #include "control/store.h"
 #include "control/store_wire.h"
+#include "control/zmq_monitor.h"
 
 namespace refit {
 namespace {
@@ -28,6 +31,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using store_wire::Op;
 using store_wire::Reply;
+
+// Descriptors a rank holds besides its store connections (its own sockets, files, Gloo pairs of a
+// small group): what the store's host needs on top of the ranks' connections.
+constexpr std::int64_t kBaseDescriptors = 256;
 
 // How often the serving thread checks whether it should stop.
 constexpr std::chrono::milliseconds kStopPollInterval{50};
@@ -39,6 +46,12 @@ class ZmqStoreServer final : public StoreServer {
   ~ZmqStoreServer() override {
     stop_.store(true);
     if (thread_.joinable()) thread_.join();
+    if (const std::int64_t held = throttle_.suppressed(); held > 0)
+      log::warn(
+          "store server: {} more line(s) about refused connections were held back by the "
+          "log's rate limit",
+          held);
+    monitor_.close();
     router_.close();
     zap_.reset();
   }
@@ -59,15 +72,19 @@ class ZmqStoreServer final : public StoreServer {
     try {
       router_.set(zmq::sockopt::linger, 0);
       router_.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
+      router_.set(zmq::sockopt::handshake_ivl, static_cast<int>(kZmqHandshakeIvl.count()));
+      router_.set(zmq::sockopt::backlog, kZmqBacklog);
       if (auth_) {
         router_.set(zmq::sockopt::curve_server, 1);
         router_.set(zmq::sockopt::curve_secretkey, auth_->server_secret());
       }
+      REFIT_ASSIGN_OR_RETURN(monitor_, watch_connections(ctx_, router_));
       router_.bind(requested);
       endpoint_ = router_.get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
-      return Status::IOError(fmt::format("store server: cannot bind {}: {} (is the port in use?)",
-                                         requested, e.what()));
+      if (e.num() == EADDRINUSE) return port_taken(host, port);
+      return Status::IOError(
+          fmt::format("store server: cannot bind {}: {}", requested, errno_text(e.num())));
     }
     const auto colon = endpoint_.rfind(':');
     int bound = 0;
@@ -86,6 +103,7 @@ class ZmqStoreServer final : public StoreServer {
   }
 
   int port() const override { return port_; }
+  std::int64_t refused() const override { return refused_.load(); }
 
  private:
   struct Waiter {
@@ -104,15 +122,36 @@ class ZmqStoreServer final : public StoreServer {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - now);
         timeout = std::max(std::chrono::milliseconds(0), std::min(timeout, left));
       }
-      zmq_pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
-      const int rc = zmq_poll(&item, 1, static_cast<long>(timeout.count()));
+      std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{router_.handle(), 0, ZMQ_POLLIN, 0},
+                                          zmq_pollitem_t{monitor_.handle(), 0, ZMQ_POLLIN, 0}};
+      const int rc = zmq_poll(items.data(), 2, static_cast<long>(timeout.count()));
       if (rc < 0 && zmq_errno() != EINTR) {
         std::fprintf(stderr, "refit store server %s: poll failed: %s\n", endpoint_.c_str(),
                      zmq_strerror(zmq_errno()));
         std::this_thread::sleep_for(kStopPollInterval);
       }
-      if (rc > 0) drain_requests();
+      if (rc > 0 && (items[0].revents & ZMQ_POLLIN) != 0) drain_requests();
+      watch_connections_once();
       expire_waiters(Clock::now());
+    }
+  }
+
+  // Counts and logs (at most 10 lines per 10 s) the connections refused before they were
+  // authenticated; running out of descriptors is an error naming the limit.
+  void watch_connections_once() {
+    for (const ConnectionEvent& e : read_connection_events(monitor_)) {
+      if (!e.refused()) continue;
+      ++refused_;
+      if (e.event == ZMQ_EVENT_ACCEPT_FAILED) {
+        if (throttle_.allow())
+          log::error(
+              "store server {}: cannot take a connection: {}: a rank that connects now "
+              "cannot reach the store",
+              endpoint_, e.describe());
+      } else {
+        log::warn_throttled(throttle_, "store server {}: refused a connection: {}", endpoint_,
+                            e.describe());
+      }
     }
   }
 
@@ -168,7 +207,10 @@ class ZmqStoreServer final : public StoreServer {
       case Op::kSet: {
         if (nargs != 2) return malformed("set");
         if (auth_ && is_set_once_key(arg(0)) && data_.count(arg(0))) {
-          log::warn("store server: refused to overwrite '{}' (it can be set once)", arg(0));
+          log::warn_throttled(throttle_,
+                              "store server: refused to overwrite '{}' (it can be set "
+                              "once)",
+                              log::escape(arg(0)));
           return reply(identity, request_id, Reply::kError,
                        fmt::format("'{}' is already set and can be set only once", arg(0)));
         }
@@ -274,11 +316,28 @@ class ZmqStoreServer final : public StoreServer {
     }
   }
 
+  // Another server holds `port`: a ZeroMQ one (another run's store?) or not (torch.distributed's).
+  static Status port_taken(const std::string& host, int port) {
+    const Status probe = probe_zmtp(host, port, 500);
+    const std::string holder =
+        probe.ok() ? "another ZeroMQ server (the store of another refit run?)"
+                   : "another server that is not ZeroMQ (torch.distributed's store, on "
+                     "MASTER_PORT?)";
+    return Status::IOError(fmt::format(
+        "store server: port {} on {} is taken by {}; give refit's store a port of its own on "
+        "every rank: REFIT_PORT (or master_port= in Python), or 0 for any free port "
+        "(docs/python.md, \"Ports\")",
+        port, host, holder));
+  }
+
   std::shared_ptr<const ControlAuth> auth_;
   // Declared first: destroyed after the socket and the ZAP handler.
   zmq::context_t ctx_{1};
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t router_;
+  zmq::socket_t monitor_;  // router_'s connection events
+  std::atomic<std::int64_t> refused_{0};
+  log::Throttle throttle_;
   std::string endpoint_;
   int port_ = 0;
   std::atomic<bool> stop_{false};
@@ -290,19 +349,25 @@ class ZmqStoreServer final : public StoreServer {
 
 }  // namespace
 
-Result<std::unique_ptr<StoreServer>> StoreServer::start(const std::string& host, int port,
-                                                        std::shared_ptr<const ControlAuth> auth) {
+Result<std::unique_ptr<StoreServer>> StoreServer::start(const StoreServerOptions& o) {
+  const std::string& host = o.host;
+  const int port = o.port;
   if (port < 0 || port > 65535) {
     return Status::InvalidArgument(
         fmt::format("store server: port {} is out of range (0 = any free port, 1..65535)", port));
   }
   std::unique_ptr<ZmqStoreServer> server;
   try {
-    server = std::make_unique<ZmqStoreServer>(std::move(auth));
+    server = std::make_unique<ZmqStoreServer>(o.auth);
   } catch (const zmq::error_t& e) {
     return Status::IOError(
         fmt::format("store server: cannot create a ZeroMQ socket: {}", e.what()));
   }
+  if (o.ranks > 0)
+    REFIT_RETURN_IF_ERROR(ensure_fd_limit(
+        std::int64_t{kStoreConnectionsPerRank} * o.ranks + kBaseDescriptors, "store server",
+        fmt::format("a store for {} ranks ({} connections each)", o.ranks,
+                    kStoreConnectionsPerRank)));
   REFIT_RETURN_IF_ERROR(server->bind(host, port));
   server->start_serving();
   return std::unique_ptr<StoreServer>(std::move(server));

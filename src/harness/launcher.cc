@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -40,6 +41,24 @@ std::string self_executable() {
   if (n <= 0) return "refit";
   buf[n] = '\0';
   return buf;
+}
+
+Status ensure_process_limit(int ranks) {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NPROC, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return Status::Ok();
+  const auto needed = static_cast<rlim_t>(ranks) * kThreadsPerRank + 64;
+  if (r.rlim_cur >= needed) return Status::Ok();
+  if (r.rlim_max != RLIM_INFINITY && r.rlim_max < needed)
+    return Status::InvalidArgument(fmt::format(
+        "refit run: {} ranks need about {} processes and threads, but RLIMIT_NPROC is {} (hard "
+        "limit {}); raise it (ulimit -u) or run fewer ranks on one machine (docs/runtime.md, "
+        "\"Limits\")",
+        ranks, needed, r.rlim_cur, r.rlim_max));
+  r.rlim_cur = needed;
+  if (setrlimit(RLIMIT_NPROC, &r) != 0)
+    return Status::IOError(fmt::format("refit run: raising RLIMIT_NPROC to {} failed: {}", needed,
+                                       std::strerror(errno)));
+  return Status::Ok();
 }
 
 Result<int> pick_free_port() {

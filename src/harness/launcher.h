@@ -57,6 +57,11 @@ Result<LaunchResult> launch_and_wait(
     const std::function<void(const std::string&, const std::string&)>& on_failure = {},
     double deadline_s = 0);
 
+// Makes sure this user may run `ranks` more processes with their threads (RLIMIT_NPROC, about
+// kThreadsPerRank each): raises the soft limit up to the hard one, or refuses naming both.
+inline constexpr int kThreadsPerRank = 32;
+Status ensure_process_limit(int ranks);
+
 // A TCP port on 127.0.0.1 that was free a moment ago.
 Result<int> pick_free_port();
 

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/env.h"
@@ -67,14 +68,19 @@ Result<Endpoint> endpoint_from_environment(std::optional<std::string> master_add
   if (master_port) {
     ep.master_port = *master_port;
   } else {
-    REFIT_ASSIGN_OR_RETURN(ep.master_port, env::parse_master_port(env::read("MASTER_PORT")));
+    const std::optional<std::string> refit = env::read("REFIT_PORT");
+    const std::optional<std::string> torch = env::read("MASTER_PORT");
+    REFIT_ASSIGN_OR_RETURN(ep.master_port,
+                           env::parse_store_port(refit ? env::Text(*refit) : env::Text(),
+                                                 torch ? env::Text(*torch) : env::Text()));
   }
   if (host) {
     ep.host = *host;
   } else if (auto from_env = env::read("REFIT_HOST")) {
     ep.host = *from_env;
   } else {
-    REFIT_ASSIGN_OR_RETURN(ep.host, local_address_towards(ep.master_addr, ep.master_port));
+    REFIT_ASSIGN_OR_RETURN(ep.host,
+                           local_address_towards(ep.master_addr, std::max(ep.master_port, 1)));
   }
   return ep;
 }

@@ -159,11 +159,16 @@ Status Heartbeat::verdict() const {
 }
 
 Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
-                                             const std::string& host, int port,
-                                             const RankId& who) {
+                                             const std::string& host, int port, const RankId& who,
+                                             std::chrono::milliseconds connect_timeout) {
   LivenessConnections c;
-  REFIT_ASSIGN_OR_RETURN(c.probe, connect(host, port, kBeatRequestTimeout));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats, connect(host, port, kBeatRequestTimeout));
+  const StoreClientOptions o{.host = host,
+                             .port = port,
+                             .connect_timeout = connect_timeout,
+                             .request_timeout = kBeatRequestTimeout,
+                             .auth = nullptr};
+  REFIT_ASSIGN_OR_RETURN(c.probe, connect(o));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats, connect(o));
   c.heartbeat = std::make_unique<Heartbeat>(std::move(beats), who);
   return c;
 }

@@ -25,6 +25,7 @@ namespace refit {
 
 class ControlAuth;
 class Store;
+struct StoreClientOptions;
 struct Config;
 
 // Records `failure` as the run's first failure, unless another process did first.
@@ -103,16 +104,18 @@ class Heartbeat {
 
 // The connections a rank's liveness needs besides its main store connection, both with requests
 // bounded by kBeatRequestTimeout so that a stopped store host cannot hold the rank: `probe` for
-// liveness checks and failure records, and the heartbeat of rank `who`, which has its own.
+// liveness checks and failure records, and the heartbeat of rank `who`, which has its own. Their
+// first contact waits up to `connect_timeout` (refit.timeout_s): under a burst of ranks starting at
+// once the store answers late, and a busy store is not a dead one.
 struct LivenessConnections {
   std::unique_ptr<Store> probe;
   std::unique_ptr<Heartbeat> heartbeat;
 };
-using ConnectStoreFn = std::function<Result<std::unique_ptr<Store>>(
-    const std::string& host, int port, std::chrono::milliseconds timeout)>;
+// Connects a store client (the run's keys are the connector's to add).
+using ConnectStoreFn = std::function<Result<std::unique_ptr<Store>>(const StoreClientOptions&)>;
 Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
-                                             const std::string& host, int port,
-                                             const RankId& who);
+                                             const std::string& host, int port, const RankId& who,
+                                             std::chrono::milliseconds connect_timeout);
 
 // Every rank of the run `config` describes: trainer ranks, then engine ranks.
 std::vector<RankId> rank_ids(const Config& config);

@@ -17,15 +17,20 @@ Result<RankServices> default_services() {
   REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
   RankServices s;
   s.authenticated = auth != nullptr;
-  s.start_store = [auth](const std::string& host, int port) {
-    return StoreServer::start(host, port, auth);
+  s.start_store = [auth](const std::string& host, int port, int ranks) {
+    return StoreServer::start(
+        StoreServerOptions{.host = host, .port = port, .auth = auth, .ranks = ranks});
   };
-  s.connect_store = [auth](const std::string& host, int port, std::chrono::milliseconds timeout) {
-    return connect_store(host, port, timeout, auth);
+  s.connect_store = [auth](const StoreClientOptions& options) {
+    StoreClientOptions o = options;
+    o.auth = auth;
+    return connect_store(o);
   };
-  s.open_mailbox = [auth](Store& store, const std::string& id, const std::string& host,
-                          std::chrono::milliseconds timeout) {
-    return Mailbox::open(store, id, host, timeout, auth);
+  REFIT_ASSIGN_OR_RETURN(const ControlSettings control, control_settings_from_environment());
+  s.open_mailbox = [auth, control](Store& store, MailboxOptions options) {
+    options.auth = auth;
+    options.settings = control;
+    return Mailbox::open(store, std::move(options));
   };
   REFIT_ASSIGN_OR_RETURN(s.plane_settings, PlaneSettings::from_environment());
   s.host_identity = env::host_identity();
@@ -69,17 +74,28 @@ Status RankCore::connect() {
   REFIT_ASSIGN_OR_RETURN(plane_, services_.make_plane(cfg_, device));
   const bool hosts_store = self_ == RankId::trainer(0);
   if (hosts_store) {
-    REFIT_ASSIGN_OR_RETURN(server_, services_.start_store(ep_.master_addr, ep_.master_port));
-    log::info("control plane: store on {}:{}, {}", ep_.master_addr, ep_.master_port,
+    REFIT_ASSIGN_OR_RETURN(server_,
+                           services_.start_store(ep_.master_addr, ep_.master_port,
+                                                 cfg_.policy.world_size + cfg_.engine_ranks()));
+    log::info("control plane: store on {}:{}{}, {}", ep_.master_addr, server_->port(),
+              ep_.master_port == 0 ? " (port 0: the system chose it; give the other ranks "
+                                     "REFIT_PORT=" +
+                                         std::to_string(server_->port()) + ")"
+                                   : std::string(),
               services_.authenticated
                   ? "authenticated (CURVE, keys from the run secret)"
                   : "unauthenticated (loopback only; set REFIT_SECRET to authenticate)");
   }
-  REFIT_ASSIGN_OR_RETURN(store_,
-                         services_.connect_store(ep_.master_addr, ep_.master_port, timeout()));
-  REFIT_ASSIGN_OR_RETURN(LivenessConnections live,
-                         connect_liveness(services_.connect_store, ep_.master_addr,
-                                          ep_.master_port, self_));
+  const int port = store_port();
+  REFIT_ASSIGN_OR_RETURN(store_, services_.connect_store(StoreClientOptions{
+                                     .host = ep_.master_addr,
+                                     .port = port,
+                                     .connect_timeout = timeout(),
+                                     .request_timeout = timeout(),
+                                     .auth = nullptr}));
+  REFIT_ASSIGN_OR_RETURN(
+      LivenessConnections live,
+      connect_liveness(services_.connect_store, ep_.master_addr, port, self_, timeout()));
   probe_store_ = std::move(live.probe);
   heartbeat_ = std::move(live.heartbeat);
   // From now on a stopped store host or a silent peer ends this rank's store requests, on which
@@ -91,8 +107,13 @@ Status RankCore::connect() {
         store_->set("run_id", given.value_or(fmt::format("{}-{}", getpid(), time(nullptr)))));
   }
   REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
-  REFIT_ASSIGN_OR_RETURN(mailbox_,
-                         services_.open_mailbox(*store_, self_.mailbox(), ep_.host, timeout()));
+  REFIT_ASSIGN_OR_RETURN(mailbox_, services_.open_mailbox(*store_, MailboxOptions{
+                                                            .id = self_.mailbox(),
+                                                            .host = ep_.host,
+                                                            .timeout = timeout(),
+                                                            .auth = nullptr,
+                                                            .settings = {},
+                                                            .lane_limits = {}}));
   mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
   probe().at_setup();
   return Status::Ok();

@@ -36,12 +36,12 @@ namespace refit {
 // run secret, the mailbox's lanes and spin, the CPU plane's threads) are read once, by
 // default_services(), and captured here.
 struct RankServices {
-  std::function<Result<std::unique_ptr<StoreServer>>(const std::string& host, int port)>
+  // (host, port, ranks): binds the store for `ranks` ranks (0 = any port, the server says which).
+  std::function<Result<std::unique_ptr<StoreServer>>(const std::string& host, int port, int ranks)>
       start_store;
-  ConnectStoreFn connect_store;  // (host, port, request timeout)
-  std::function<Result<std::unique_ptr<Mailbox>>(Store& store, const std::string& id,
-                                                 const std::string& host,
-                                                 std::chrono::milliseconds timeout)>
+  ConnectStoreFn connect_store;  // adds the run's keys to the options
+  // Adds the run's keys and the control settings (lanes, spin, host identity) to the options.
+  std::function<Result<std::unique_ptr<Mailbox>>(Store& store, MailboxOptions options)>
       open_mailbox;
   std::function<Result<std::unique_ptr<DataPlane>>(const Config& config, int device)> make_plane;
   // The plane's settings (REFIT_CPU_THREADS, REFIT_COPY_ENGINE, REFIT_DEVICE) that make_plane
@@ -95,6 +95,9 @@ class RankCore {
   Store& store() { return *store_; }
   Mailbox& mailbox() { return *mailbox_; }
   const std::string& run_id() const { return run_id_; }
+  // The store's port: on trainer rank 0 the one it bound (the system's choice when the endpoint's
+  // port was 0), elsewhere the endpoint's.
+  int store_port() const { return server_ ? server_->port() : ep_.master_port; }
   // The check every wait of this rank runs: the heartbeat watch's verdict and the refit epoch.
   std::function<Status()> alive() const;
 

@@ -105,6 +105,7 @@ class TrainerImpl final : public Trainer {
   }
   int buckets_per_refit() const override { return executor_->rounds(); }
   std::string plan_hash() const override { return executor_->plan_hash(); }
+  int store_port() const override { return core_.store_port(); }
   Result<std::vector<RankTraffic>> traffic() override {
     return read_traffic(core_.store(), core_.config(), core_.timeout());
   }

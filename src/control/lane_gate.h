@@ -1,0 +1,58 @@
+// The gate of a mailbox's same-host lane (control/lane.h; docs/security.md, "Same-host lanes"):
+// a thread of its own that listens, takes each connection through its handshake — the peer's
+// uid, the challenge, the hello — and hands the receiving thread only lanes whose sender proved
+// who it is. Everything before that is bounded: at most Limits::max_pending connections wait for
+// their hello, each at most Limits::hello_deadline, reading at most kMaxHelloBytes; a first frame
+// announced longer is refused from its length field. Every connection it refuses or closes is
+// counted (refused()) and logged once, at most 10 lines per 10 s.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "control/lane.h"
+#include "refit/status.h"
+
+namespace refit::lane {
+
+// The public key `sender` registered (32 bytes), or nullopt when it registered none.
+using KeyLookup = std::function<std::optional<std::array<unsigned char, 32>>(const std::string&)>;
+
+struct GateOptions {
+  std::string who;            // names the mailbox in log lines: "mailbox 'engine/0'"
+  std::string receiver;       // its id: the hellos must be addressed to it
+  std::string host_identity;  // published with the address (ControlSettings::host_identity)
+  Limits limits;
+  // With a run secret: the senders' registered keys, which the hellos must prove. Empty: any
+  // connection of this process's user that names a sender is accepted.
+  KeyLookup keys;
+};
+
+// A lane whose sender is proved: its socket and the seal of its frames.
+struct Accepted {
+  Fd fd;
+  std::string from;
+  FrameSeal seal;
+};
+
+class Gate {
+ public:
+  static Result<std::unique_ptr<Gate>> open(GateOptions options);
+  virtual ~Gate() = default;
+  // The value published under "lane/<id>".
+  virtual const std::string& address() const = 0;
+  // Readable while take() has lanes to hand over (the receiving thread polls it).
+  virtual int ready_fd() const = 0;
+  virtual std::vector<Accepted> take() = 0;
+  // Connections refused or closed before their hello was accepted.
+  virtual std::int64_t refused() const = 0;
+  // The most connections it held waiting for their hello at one time.
+  virtual int pending_high_water() const = 0;
+};
+
+}  // namespace refit::lane

@@ -1,0 +1,142 @@
+// The sending side of a mailbox (control/mailbox_parts.h).
+#include <fmt/format.h>
+#include <sodium.h>
+
+#include <algorithm>
+#include <array>
+#include <zmq_addon.hpp>
+
+#include "common/log.h"
+#include "control/auth.h"
+#include "control/mailbox_parts.h"
+#include "control/store.h"
+
+namespace refit::mailbox_parts {
+namespace {
+
+constexpr std::chrono::milliseconds kSendLinger{2000};
+
+std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
+
+}  // namespace
+
+Outbox::Outbox(Store& store, const MailboxOptions& options, zmq::context_t& ctx,
+               std::string send_public, std::string send_secret, bool lanes)
+    : store_(store),
+      options_(options),
+      ctx_(ctx),
+      send_public_(std::move(send_public)),
+      send_secret_(std::move(send_secret)),
+      lanes_(lanes) {}
+
+Outbox::~Outbox() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peers_.clear();  // sockets before the context (whose destruction waits for their linger)
+}
+
+std::chrono::milliseconds Outbox::send_timeout() const {
+  return std::min(options_.timeout, std::chrono::milliseconds(3000));
+}
+
+Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch,
+                    const std::string& payload) {
+  const std::string what =
+      fmt::format("mailbox '{}': send {} to '{}'", options_.id, message_type_name(type), to);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(to);
+  if (it == peers_.end()) {
+    auto address = store_.get(mailbox_key(to), options_.timeout);
+    if (!address.ok()) {
+      return address.status().with_context(
+          fmt::format("{}: the peer did not publish its mailbox within {} ms (has it started?)",
+                      what, options_.timeout.count()));
+    }
+    Peer peer;
+    peer.address = *address;
+    if (lanes_) peer.lane = open_lane(to);
+    if (!peer.lane) REFIT_RETURN_IF_ERROR(open_zmq(peer, what));
+    it = peers_.emplace(to, std::move(peer)).first;
+  }
+  Status status;
+  if (it->second.lane) {
+    // A dead peer's lane fails at once (the kernel closed it); a live peer that reads nothing
+    // while its socket buffer is full is waited for up to the whole timeout.
+    const Status sent = lane::write_frame(*it->second.lane, static_cast<std::uint8_t>(type), epoch,
+                                          payload, options_.timeout);
+    if (!sent.ok())
+      status = Status(sent.code(), fmt::format("{} over its same-host lane: {}; the peer closed "
+                                               "it (exited?)",
+                                               what, sent.message()));
+  } else {
+    const std::array<std::uint8_t, 5> head{
+        static_cast<std::uint8_t>(type), static_cast<std::uint8_t>(epoch),
+        static_cast<std::uint8_t>(epoch >> 8), static_cast<std::uint8_t>(epoch >> 16),
+        static_cast<std::uint8_t>(epoch >> 24)};
+    std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(head.data(), head.size()),
+                                           zmq::buffer(options_.id), zmq::buffer(payload)};
+    try {
+      // Multipart delivery is atomic: the first frame is the one that may time out.
+      if (!zmq::send_multipart(it->second.socket, parts))
+        status = Status::Timeout(
+            fmt::format("{} at {}: not delivered within {} ms; the peer is not connected (exited?)",
+                        what, it->second.address, send_timeout().count()));
+    } catch (const zmq::error_t& e) {
+      status = Status::IOError(fmt::format("{} at {}: {}", what, it->second.address, e.what()));
+    }
+  }
+  // Look the peer up again next time: it may have restarted under a new address.
+  if (!status.ok()) peers_.erase(it);
+  return status;
+}
+
+Status Outbox::open_zmq(Peer& peer, const std::string& what) {
+  try {
+    peer.socket = zmq::socket_t(ctx_, zmq::socket_type::push);
+    peer.socket.set(zmq::sockopt::linger, static_cast<int>(kSendLinger.count()));
+    peer.socket.set(zmq::sockopt::immediate, 1);
+    peer.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
+    peer.socket.set(zmq::sockopt::handshake_ivl, static_cast<int>(kZmqHandshakeIvl.count()));
+    if (options_.auth) {
+      peer.socket.set(zmq::sockopt::curve_serverkey, options_.auth->server_public());
+      peer.socket.set(zmq::sockopt::curve_publickey, send_public_);
+      peer.socket.set(zmq::sockopt::curve_secretkey, send_secret_);
+    }
+    peer.socket.connect(peer.address);
+  } catch (const zmq::error_t& e) {
+    return Status::IOError(
+        fmt::format("{}: cannot connect to {}: {}", what, peer.address, e.what()));
+  }
+  return Status::Ok();
+}
+
+// A lane to `to` when it published one for this host identity, else nullopt (ZeroMQ carries the
+// messages).
+std::optional<lane::Outgoing> Outbox::open_lane(const std::string& to) {
+  Result<std::optional<std::string>> published = store_.try_get("lane/" + to);
+  if (!published.ok() || !published->has_value()) return std::nullopt;
+  const std::optional<lane::Address> a =
+      lane::parse_address(**published, options_.settings.host_identity);
+  if (!a) return std::nullopt;  // another host
+  unsigned char sk[32];
+  const bool keyed = options_.auth != nullptr;
+  if (keyed && !lane::z85_key(send_secret_, sk)) return std::nullopt;
+  Result<lane::Outgoing> out =
+      lane::connect(*a, options_.id, to, keyed ? sk : nullptr, send_timeout());
+  sodium_memzero(sk, sizeof sk);
+  if (!out.ok()) {
+    // A peer in another network namespace refuses at once (debug); one whose gate does not answer
+    // in time (flooded, busy) is worth a line.
+    const std::string line =
+        fmt::format("mailbox '{}': no same-host lane to '{}' ({}); ZeroMQ carries its messages",
+                    options_.id, to, out.status().message());
+    if (out.status().code() == StatusCode::kTimeout)
+      log::info("{}", line);
+    else
+      log::debug("{}", line);
+    return std::nullopt;
+  }
+  log::debug("mailbox '{}': sends to '{}' over its same-host lane", options_.id, to);
+  return std::move(out).value();
+}
+
+}  // namespace refit::mailbox_parts

@@ -1,0 +1,116 @@
+// The parts a mailbox (control/mailbox.cc) is made of, each with one job: the senders' registered
+// keys, the sending side, and the receiving side of its same-host lanes. Internal to src/control.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/log_throttle.h"
+#include "control/lane.h"
+#include "control/lane_gate.h"
+#include "control/mailbox.h"
+
+namespace refit::mailbox_parts {
+
+bool is_known_type(std::uint8_t type);
+
+// The sending keys mailboxes registered under "auth/key/<id>" (Z85), each read from the store
+// once and kept. Thread-safe: the lane gate's thread and the receiving thread both ask.
+class SenderKeys {
+ public:
+  explicit SenderKeys(Store& store) : store_(store) {}
+  // nullopt while `id` has registered none.
+  std::optional<std::string> z85_of(const std::string& id);
+
+ private:
+  Store& store_;
+  std::mutex mu_;
+  std::unordered_map<std::string, std::string> keys_;  // guarded by mu_
+};
+
+// The sending side: one path per peer, chosen at the first message to it and kept, so one peer's
+// messages stay in order — its same-host lane when it published one for this host identity,
+// else a ZeroMQ PUSH socket (ZMQ_IMMEDIATE: a message is queued only on a live connection).
+// Thread-safe (one lock: sends to one mailbox are serialised).
+class Outbox {
+ public:
+  // `send_public` / `send_secret`: the mailbox's sending key pair (Z85; empty without auth).
+  Outbox(Store& store, const MailboxOptions& options, zmq::context_t& ctx, std::string send_public,
+         std::string send_secret, bool lanes);
+  ~Outbox();
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
+  Status send(const std::string& to, MessageType type, std::uint32_t epoch,
+              const std::string& payload);
+  // Once a peer's address is known, a live peer takes a message at once; one that has not after
+  // a few seconds is gone, so a process whose peer died does not sit out the whole timeout.
+  std::chrono::milliseconds send_timeout() const;
+
+ private:
+  struct Peer {
+    std::string address;
+    zmq::socket_t socket;
+    std::optional<lane::Outgoing> lane;  // set: messages go over the peer's lane
+  };
+  std::optional<lane::Outgoing> open_lane(const std::string& to);
+  Status open_zmq(Peer& peer, const std::string& what);
+
+  Store& store_;
+  const MailboxOptions options_;
+  zmq::context_t& ctx_;
+  const std::string send_public_, send_secret_;
+  const bool lanes_;
+  std::mutex mu_;
+  std::unordered_map<std::string, Peer> peers_;  // guarded by mu_
+};
+
+// The receiving side of the mailbox's same-host lane: its gate (the handshake, on a thread of
+// its own) and the lanes the gate proved, one per sender, read by the receiving thread.
+class LaneInbox {
+ public:
+  static Result<std::unique_ptr<LaneInbox>> open(const MailboxOptions& options, SenderKeys* keys);
+  const std::string& address() const { return gate_->address(); }
+  // Takes proved lanes from the gate and every whole frame the lanes hold into `out`. A lane that
+  // ends, breaks the framing or fails a tag is closed (the latter two, and a lane cut mid-frame,
+  // logged and counted).
+  void pump(std::deque<Message>& out);
+  // What receive() polls: the gate's ready descriptor, then every lane.
+  void poll_fds(std::vector<int>& fds) const;
+  // Whether the lane set changed since mark_polled().
+  bool changed() const { return changed_; }
+  void mark_polled() { changed_ = false; }
+  // Connections refused or closed: by the gate, or after their hello.
+  std::int64_t dropped() const { return gate_->refused() + closed_.load(); }
+  std::int64_t messages() const { return messages_.load(); }
+  int pending_high_water() const { return gate_->pending_high_water(); }
+
+ private:
+  struct Lane {
+    lane::Reader reader;
+    std::string from;
+  };
+  LaneInbox(std::string who, std::unique_ptr<lane::Gate> gate)
+      : who_(std::move(who)), gate_(std::move(gate)) {}
+  // Reads `lane`'s frames into `out`; false when it is to be closed.
+  bool read(Lane& lane, std::deque<Message>& out);
+  bool close_lane(const Lane& lane, const std::string& why);
+
+  const std::string who_;
+  std::unique_ptr<lane::Gate> gate_;
+  std::vector<Lane> lanes_;  // receive thread
+  bool changed_ = true;
+  std::atomic<std::int64_t> closed_{0};
+  std::atomic<std::int64_t> messages_{0};
+  log::Throttle throttle_;
+};
+
+}  // namespace refit::mailbox_parts

@@ -1,0 +1,157 @@
+// Connection events of ZeroMQ sockets (control/zmq_monitor.h).
+#include "control/zmq_monitor.h"
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <zmq_addon.hpp>
+
+#include "control/fd_limit.h"
+
+namespace refit {
+namespace {
+
+std::atomic<std::uint64_t> g_monitors{0};
+
+std::string protocol_error(std::uint32_t code) {
+  switch (code) {
+    case ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+      return "the CURVE handshake failed (the peer does not hold this run's keys)";
+    case ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+      return "the peer uses another security mechanism (one side holds a run secret, the other "
+             "none)";
+    default:
+      break;
+  }
+  if ((code & 0xF0000000u) == 0x20000000u)
+    return fmt::format("the authentication handler's answer was malformed (0x{:x})", code);
+  return fmt::format("the peer broke the ZeroMQ protocol (0x{:x}; not a refit process?)", code);
+}
+
+}  // namespace
+
+bool ConnectionEvent::refused() const {
+  return event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||
+         event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ||
+         event == ZMQ_EVENT_ACCEPT_FAILED;
+}
+
+bool ConnectionEvent::authentication_failed() const {
+  if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) return true;
+  return event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL &&
+         (value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC ||
+          value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH);
+}
+
+std::string ConnectionEvent::describe() const {
+  switch (event) {
+    case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+      return fmt::format(
+          "the connection ended during its handshake ({}; a peer without this "
+          "run's keys, or one that exited)",
+          value != 0 ? errno_text(static_cast<int>(value)) : "closed");
+    case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
+      return "the handshake failed: " + protocol_error(value);
+    case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
+      return fmt::format("the authentication handler refused its key (status {})", value);
+    case ZMQ_EVENT_ACCEPT_FAILED:
+      return "accept failed: " + errno_text(static_cast<int>(value));
+    default:
+      return fmt::format("event 0x{:x}", event);
+  }
+}
+
+Result<zmq::socket_t> watch_connections(zmq::context_t& ctx, zmq::socket_t& socket) {
+  const std::string address = fmt::format("inproc://refit-connections-{}", g_monitors.fetch_add(1));
+  if (zmq_socket_monitor(socket.handle(), address.c_str(), kConnectionEvents) != 0)
+    return Status::IOError(
+        fmt::format("cannot monitor a ZeroMQ socket: {}", zmq_strerror(zmq_errno())));
+  try {
+    zmq::socket_t monitor(ctx, zmq::socket_type::pair);
+    monitor.set(zmq::sockopt::linger, 0);
+    monitor.connect(address);
+    return monitor;
+  } catch (const zmq::error_t& e) {
+    return Status::IOError(fmt::format("cannot monitor a ZeroMQ socket: {}", e.what()));
+  }
+}
+
+std::vector<ConnectionEvent> read_connection_events(zmq::socket_t& monitor) {
+  std::vector<ConnectionEvent> out;
+  for (int k = 0; k < 1000; ++k) {
+    std::vector<zmq::message_t> frames;
+    if (!zmq::recv_multipart(monitor, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+    if (frames.empty() || frames[0].size() < 6) continue;
+    ConnectionEvent e;
+    std::memcpy(&e.event, frames[0].data(), sizeof e.event);
+    std::memcpy(&e.value, static_cast<const char*>(frames[0].data()) + 2, sizeof e.value);
+    if (frames.size() > 1) e.address = frames[1].to_string();
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+Status probe_zmtp(const std::string& host, int port, int wait_ms) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string h =
+      host.size() > 2 && host.front() == '[' ? host.substr(1, host.size() - 2) : host;
+  if (getaddrinfo(h.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || res == nullptr)
+    return Status::IOError(fmt::format("{} does not resolve", host));
+  const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    freeaddrinfo(res);
+    return Status::IOError(errno_text(errno));
+  }
+  int rc = ::connect(fd, res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+  const auto left = [&] {
+    return static_cast<int>(std::max<long long>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                 std::chrono::steady_clock::now())
+               .count()));
+  };
+  Status out = Status::Unsupported("no ZeroMQ greeting");
+  if (rc != 0 && errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    rc = ::poll(&p, 1, left()) == 1 ? 0 : -1;
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (rc == 0 && (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0)) {
+      errno = err;
+      rc = -1;
+    } else if (rc != 0) {
+      errno = ETIMEDOUT;
+    }
+  }
+  if (rc != 0) {
+    out = errno == ECONNREFUSED ? Status::NotFound("nothing listens there")
+                                : Status::IOError(errno_text(errno));
+  } else {
+    // A ZeroMQ socket's greeting starts with 0xFF, 8 bytes, 0x7F, sent as soon as it connects.
+    unsigned char sig[10];
+    std::size_t got = 0;
+    while (got < sizeof sig) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, left()) != 1) break;
+      const ssize_t n = ::recv(fd, sig + got, sizeof sig - got, 0);
+      if (n <= 0) break;
+      got += static_cast<std::size_t>(n);
+    }
+    if (got == sizeof sig && sig[0] == 0xFF && sig[9] == 0x7F) out = Status::Ok();
+  }
+  ::close(fd);
+  return out;
+}
+
+}  // namespace refit
