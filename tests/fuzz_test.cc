@@ -142,9 +142,10 @@ TEST(Fuzz, ControlMessageDecoders) {
   expect_both("hello", fuzz(101, encode(hello), true, [&](const std::string& p) {
                 return decode_hello(p, from).ok() && check_peer_versions(p, from, "me").ok();
               }));
-  expect_both("begin", fuzz(102, encode(BeginMessage{.step = 2, .version = "v2", .verify = true,
-                                                     .buckets = 3, .export_held = "0123456789abcdef"}),
-                            true, [&](const std::string& p) { return decode_begin(p, from).ok(); }));
+  expect_both(
+      "begin",
+      fuzz(102, encode(BeginMessage{.step = 2, .version = "v2", .verify = true, .buckets = 3}),
+           true, [&](const std::string& p) { return decode_begin(p, from).ok(); }));
   PausedMessage paused;
   paused.step = 2;
   paused.direct = ExportedParams{.handle = "h", .bytes = 4096, .offsets = {0, 256, 1024}};
@@ -152,9 +153,11 @@ TEST(Fuzz, ControlMessageDecoders) {
                              [&](const std::string& p) { return decode_paused(p, from).ok(); }));
   expect_both("commit", fuzz(104, encode(CommitMessage{.step = 7}), true,
                              [&](const std::string& p) { return decode_commit(p, from).ok(); }));
-  expect_both("committed",
-              fuzz(105, encode(CommittedMessage{.step = 2, .apply_s = 0.5, .checksum = "ab"}),
-                   true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
+  expect_both(
+      "committed",
+      fuzz(105,
+           encode(CommittedMessage{.step = 2, .apply_s = 0.5, .checksums = {{"trainer/0", "ab"}}}),
+           true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
   const FailureOrigin failed{
       .rank = RankId::engine(3, 2), .code = StatusCode::kCorruption, .error = "x"};
   expect_both("verified", fuzz(106, encode(VerifiedMessage{.step = 2, .failed = failed}), true,

@@ -13,12 +13,7 @@ namespace refit {
 namespace {
 
 TEST(Messages, RoundTrip) {
-  const BeginMessage b{.step = 7,
-                       .version = "v7",
-                       .verify = true,
-                       .raw = false,
-                       .buckets = 3,
-                       .export_held = "00ff00ff00ff00ff"};
+  const BeginMessage b{.step = 7, .version = "v7", .verify = true, .raw = false, .buckets = 3};
   auto b2 = decode_begin(encode(b), "trainer/0");
   ASSERT_TRUE(b2.ok()) << b2.status().to_string();
   EXPECT_EQ(b2->step, 7);
@@ -26,7 +21,6 @@ TEST(Messages, RoundTrip) {
   EXPECT_TRUE(b2->verify);
   EXPECT_FALSE(b2->raw);
   EXPECT_EQ(b2->buckets, 3);
-  EXPECT_EQ(b2->export_held, "00ff00ff00ff00ff");
 
   PausedMessage p{.direct = ExportedParams{.handle = "abc", .bytes = 1ull << 40, .offsets = {0, 256}}};
   auto p2 = decode_paused(encode(p), "engine/1");
@@ -105,12 +99,43 @@ TEST(Messages, RoundTrip) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->step, 2);
   auto cd = decode_committed(
-      encode(CommittedMessage{.step = 2, .apply_s = 0.25, .checksum = "00000000000000ff"}),
+      encode(CommittedMessage{
+          .step = 2, .apply_s = 0.25, .checksums = {{"trainer/1", "00000000000000ff"}}}),
       "engine/0");
   ASSERT_TRUE(cd.ok());
   EXPECT_EQ(cd->step, 2);
   EXPECT_DOUBLE_EQ(cd->apply_s, 0.25);
-  EXPECT_EQ(cd->checksum, "00000000000000ff");
+  EXPECT_EQ(cd->checksums, (std::map<std::string, std::string>{{"trainer/1", "00000000000000ff"}}));
+
+  // Between trainer ranks (transfer plan).
+  const FailureOrigin refused{
+      .rank = RankId::engine(3, 2), .code = StatusCode::kAborted, .error = "the hook failed"};
+  auto ep = decode_engines_paused(
+      encode(EnginesPausedMessage{.step = 4,
+                                  .refused = refused,
+                                  .exports = {std::string("0123456789abcdef"), std::nullopt}}),
+      "trainer/0");
+  ASSERT_TRUE(ep.ok()) << ep.status().to_string();
+  EXPECT_EQ(ep->step, 4);
+  ASSERT_TRUE(ep->refused.has_value());
+  EXPECT_EQ(ep->refused->rank, refused.rank);
+  ASSERT_EQ(ep->exports.size(), 2u);
+  EXPECT_EQ(ep->exports[0], std::optional<std::string>("0123456789abcdef"));
+  EXPECT_FALSE(ep->exports[1].has_value());
+  auto bad_exports = decode_engines_paused(R"({"v":)" + std::to_string(kMessageWireVersion) +
+                                               R"(,"step":1,"refused":null,"exports":[3]})",
+                                           "trainer/0");
+  ASSERT_FALSE(bad_exports.ok());
+  EXPECT_NE(bad_exports.status().message().find("exports"), std::string::npos);
+  auto sent =
+      decode_sent(encode(SentMessage{.step = 4, .checksums = {{"engine/1", "ff"}}}), "trainer/2");
+  ASSERT_TRUE(sent.ok()) << sent.status().to_string();
+  EXPECT_EQ(sent->checksums.at("engine/1"), "ff");
+  auto done = decode_refit_done(
+      encode(RefitDoneMessage{.step = 4, .failed = std::nullopt, .apply_s = 0.5}), "trainer/0");
+  ASSERT_TRUE(done.ok()) << done.status().to_string();
+  EXPECT_FALSE(done->failed.has_value());
+  EXPECT_DOUBLE_EQ(done->apply_s, 0.5);
   const FailureOrigin bad{.rank = RankId::engine(0, 2), .code = StatusCode::kCorruption, .error = "bad"};
   auto v = decode_verified(encode(VerifiedMessage{.step = 3, .failed = bad}), "engine/0");
   ASSERT_TRUE(v.ok());
@@ -163,8 +188,11 @@ TEST(Messages, TableNamesEveryTypeAndItsSender) {
   EXPECT_EQ(message_info(MessageType::kLeaving).sender, Role::kEngine);
   EXPECT_EQ(message_info(MessageType::kHello).phase, Phase::kSetup);
   EXPECT_FALSE(is_message_type(0));
-  EXPECT_TRUE(is_message_type(static_cast<std::uint8_t>(MessageType::kLeaving)));
-  EXPECT_FALSE(is_message_type(static_cast<std::uint8_t>(MessageType::kLeaving) + 1));
+  EXPECT_EQ(message_info(MessageType::kEnginesPaused).sender, Role::kTrainer);
+  EXPECT_EQ(message_info(MessageType::kSent).sender, Role::kTrainer);
+  EXPECT_STREQ(message_type_name(MessageType::kRefitDone), "refit-done");
+  EXPECT_TRUE(is_message_type(static_cast<std::uint8_t>(MessageType::kRefitDone)));
+  EXPECT_FALSE(is_message_type(static_cast<std::uint8_t>(MessageType::kRefitDone) + 1));
 }
 
 TEST(Messages, RoutesRoundTripAndRefusal) {

@@ -44,6 +44,7 @@ class CountingMailbox final : public Mailbox {
       : inner_(std::move(inner)), counts_(counts) {}
   std::int64_t dropped() const override { return inner_->dropped(); }
   std::int64_t lane_messages() const override { return inner_->lane_messages(); }
+  std::int64_t sent() const override { return inner_->sent(); }
   const std::string& id() const override { return inner_->id(); }
   Status send(const std::string& to, MessageType type, const std::string& payload) override {
     {

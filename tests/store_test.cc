@@ -1,6 +1,7 @@
 // The rendezvous store: a server in-process, clients on threads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <optional>
@@ -109,6 +110,46 @@ TEST(Store, TryGetManyReadsEveryKeyInOneRequest) {
   auto g = group.try_get_many({"engine 0 tp rank 1", "trainer rank 0"});
   ASSERT_TRUE(g.ok()) << g.status().to_string();
   EXPECT_EQ(*g, (std::vector<std::optional<std::string>>{"7", std::nullopt}));
+}
+
+// The liveness read: keys' values and the keys under a prefix that stood still, in one request
+// answered from the server's record of when each key last changed. A silence of 0 makes every
+// such key stale, one of an hour none: the answer depends on the record, not on the test's timing.
+TEST(Store, WatchNamesTheKeysThatStoodStill) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto a = connect(server->port());
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(a->set("error/first", "boom").ok());
+  ASSERT_TRUE(a->add("heartbeat/trainer/1", 1).ok());
+  ASSERT_TRUE(a->add("heartbeat/engine/0", 3).ok());
+  ASSERT_TRUE(a->set("heartbeat/engine/1", "left").ok());
+  ASSERT_TRUE(a->set("other/engine/2", "1").ok());
+  const std::int64_t before = a->requests();
+  auto w = a->watch({"error/first", "refit/failed/0"}, "heartbeat/", 0ms);
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  EXPECT_EQ(a->requests(), before + 1);
+  EXPECT_EQ(w->values, (std::vector<std::optional<std::string>>{"boom", std::nullopt}));
+  std::vector<std::string> stale;
+  for (const Store::Stale& k : w->stale) {
+    stale.push_back(k.key);
+    EXPECT_GE(k.age.count(), 0);
+  }
+  std::sort(stale.begin(), stale.end());
+  // Not the rank that left, not a key outside the prefix.
+  EXPECT_EQ(stale, (std::vector<std::string>{"heartbeat/engine/0", "heartbeat/trainer/1"}));
+  auto none = a->watch({}, "heartbeat/", std::chrono::hours(1));
+  ASSERT_TRUE(none.ok()) << none.status().to_string();
+  EXPECT_TRUE(none->values.empty());
+  EXPECT_TRUE(none->stale.empty());
+  // Through a prefix store, keys and names are the group's own.
+  PrefixStore group("run", *a);
+  ASSERT_TRUE(group.add("heartbeat/engine/3", 1).ok());
+  auto g = group.watch({"heartbeat/engine/3"}, "heartbeat/", 0ms);
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_EQ(g->values, (std::vector<std::optional<std::string>>{"1"}));
+  ASSERT_EQ(g->stale.size(), 1u);
+  EXPECT_EQ(g->stale[0].key, "heartbeat/engine/3");
 }
 
 TEST(Store, GetBlocksUntilAnotherClientSets) {

@@ -351,9 +351,14 @@ class ZmqMailbox final : public Mailbox {
 
   Status send(const std::string& to, MessageType type, const std::string& payload) override {
     Status status = out_->send(to, type, epoch_.load(), payload);
-    if (status.ok()) spin_.touch();
+    if (status.ok()) {
+      spin_.touch();
+      sent_.fetch_add(1, std::memory_order_relaxed);
+    }
     return status;
   }
+
+  std::int64_t sent() const override { return sent_.load(); }
 
   Result<Message> receive(std::chrono::milliseconds timeout) override {
     const auto deadline = Clock::now() + timeout;
@@ -467,6 +472,7 @@ class ZmqMailbox final : public Mailbox {
   const MailboxOptions o_;
   SenderKeys keys_;  // with auth: the senders' registered keys
   std::atomic<std::uint32_t> epoch_{0};
+  std::atomic<std::int64_t> sent_{0};  // messages sent (sent())
   Spin spin_;
   std::optional<Message> kept_;  // of a later refit epoch (receive thread)
   std::function<Status()> liveness_;

@@ -74,6 +74,8 @@ class Mailbox {
   virtual std::int64_t dropped() const = 0;
   // Messages received so far over same-host lanes (control/lane.h) rather than ZeroMQ.
   virtual std::int64_t lane_messages() const = 0;
+  // Messages this mailbox sent so far (each send() that returned ok).
+  virtual std::int64_t sent() const = 0;
   virtual ~Mailbox() = default;
   virtual const std::string& id() const = 0;
   // Sends to the mailbox published as "mailbox/<to>" (waiting for it up to the timeout).

@@ -7,7 +7,7 @@ namespace {
 
 using enum MessageType;
 
-constexpr std::array<MessageInfo, 15> kMessages{{
+constexpr std::array<MessageInfo, 18> kMessages{{
     {kHello, "hello", Role::kEngine, Phase::kSetup},
     {kRoutes, "routes", Role::kTrainer, Phase::kSetup},
     {kBegin, "begin", Role::kTrainer, Phase::kRefit},
@@ -23,6 +23,9 @@ constexpr std::array<MessageInfo, 15> kMessages{{
     {kOutcomeHeard, "outcome-heard", Role::kEngine, Phase::kRefit},
     {kShutdown, "shutdown", Role::kTrainer, Phase::kShutdown},
     {kLeaving, "leaving", Role::kEngine, Phase::kShutdown},
+    {kEnginesPaused, "engines-paused", Role::kTrainer, Phase::kRefit},
+    {kSent, "sent", Role::kTrainer, Phase::kRefit},
+    {kRefitDone, "refit-done", Role::kTrainer, Phase::kRefit},
 }};
 
 constexpr bool table_in_order() {

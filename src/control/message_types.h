@@ -11,23 +11,27 @@ namespace refit {
 
 enum class MessageType : std::uint8_t {
   // Setup.
-  kHello = 1,   // engine -> each feeder: joined, with its versions, settings and plan hash
-  kRoutes,      // trainer -> engine (SGLang protocol, transfer plan): the routes it will send
+  kHello = 1,  // engine -> each feeder: joined, with its versions, settings and plan hash
+  kRoutes,     // trainer -> engine (SGLang protocol, transfer plan): the routes it will send
   // One refit.
-  kBegin,       // trainer -> engine: a refit starts
-  kPaused,      // engine -> every trainer rank (transfer plan): paused (or refused), its export
-  kProceed,     // trainer -> engine (transfer plan): write, or abort (every trainer rank alike)
-  kAbortHeard,  // engine -> feeder: the abort was heard; nothing was written
-  kBucket,      // trainer -> engine (gather): a bucket's header (the gather data path)
-  kBucketDone,  // engine -> trainer (gather, ipc): a bucket was applied; its slot is free again
-  kCommit,      // trainer -> engine: every byte of this rank for the refit moved
-  kCommitted,   // engine -> feeder: every byte of the refit landed (apply time, checksum)
-  kVerified,    // engine -> feeder: the verification hook's verdict
-  kOutcome,     // trainer -> engine: publish, or not (agreed by every trainer rank)
+  kBegin,         // trainer -> engine: a refit starts
+  kPaused,        // engine -> trainer 0 (transfer plan): paused (or refused), its export's digest
+  kProceed,       // trainer 0 -> engine (transfer plan): write, or abort
+  kAbortHeard,    // engine -> feeder: the abort was heard; nothing was written
+  kBucket,        // trainer -> engine (gather): a bucket's header (the gather data path)
+  kBucketDone,    // engine -> trainer (gather, ipc): a bucket was applied; its slot is free again
+  kCommit,        // trainer -> engine: every byte of this rank for the refit moved
+  kCommitted,     // engine -> feeder: every byte of the refit landed (apply time, checksum)
+  kVerified,      // engine -> feeder: the verification hook's verdict
+  kOutcome,       // trainer -> engine: publish, or not (transfer plan: trainer 0 decides)
   kOutcomeHeard,  // engine -> feeder: the outcome was applied (valid, weight version)
   // The end.
   kShutdown,  // trainer -> engine: no refit follows
   kLeaving,   // engine -> feeder: the shutdown was heard; the engine leaves
+  // Between trainer ranks (transfer plan: trainer rank 0 coordinates every engine rank).
+  kEnginesPaused,  // trainer 0 -> trainer: every engine rank's answer; proceed or abort
+  kSent,           // trainer -> trainer 0: every byte of this rank moved (its checksums)
+  kRefitDone,      // trainer 0 -> trainer: the refit is over on every engine (its failure)
 };
 
 // When in a session a message travels.

@@ -201,8 +201,7 @@ std::string encode(const BeginMessage& m) {
                {"version", m.version},
                {"verify", m.verify},
                {"raw", m.raw},
-               {"buckets", m.buckets},
-               {"export_held", m.export_held}});
+               {"buckets", m.buckets}});
 }
 
 std::string encode(const PausedMessage& m) {
@@ -234,8 +233,24 @@ std::string export_digest(const ExportedParams& e) {
   return fmt::format("{:016x}", h);
 }
 
+std::string export_key(const std::string& mailbox, const std::string& digest) {
+  return fmt::format("export/{}/{}", mailbox, digest);
+}
+
 std::string encode(const ProceedMessage& m) {
   return dump({{"step", m.step}, {"refused", failure_json(m.refused)}});
+}
+std::string encode(const EnginesPausedMessage& m) {
+  Json exports = Json::array();
+  for (const std::optional<std::string>& e : m.exports) exports.push_back(e ? Json(*e) : Json());
+  return dump(
+      {{"step", m.step}, {"refused", failure_json(m.refused)}, {"exports", std::move(exports)}});
+}
+std::string encode(const SentMessage& m) {
+  return dump({{"step", m.step}, {"checksums", m.checksums}});
+}
+std::string encode(const RefitDoneMessage& m) {
+  return dump({{"step", m.step}, {"failed", failure_json(m.failed)}, {"apply_s", m.apply_s}});
 }
 std::string encode(const AbortHeardMessage& m) { return dump({{"step", m.step}}); }
 std::string encode(const BucketMessage& m) {
@@ -250,7 +265,7 @@ std::string encode(const BucketDoneMessage& m) {
 }
 std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
 std::string encode(const CommittedMessage& m) {
-  return dump({{"step", m.step}, {"apply_s", m.apply_s}, {"checksum", m.checksum}});
+  return dump({{"step", m.step}, {"apply_s", m.apply_s}, {"checksums", m.checksums}});
 }
 std::string encode(const VerifiedMessage& m) {
   return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
@@ -327,7 +342,6 @@ Result<BeginMessage> decode_begin(const std::string& payload, const std::string&
   r.get("verify", m.verify);
   r.get("raw", m.raw);
   r.get("buckets", m.buckets);
-  r.get("export_held", m.export_held);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -366,6 +380,47 @@ Result<ProceedMessage> decode_proceed(const std::string& payload, const std::str
   ProceedMessage m;
   r.get("step", m.step);
   r.get_failure("refused", m.refused);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
+                                                   const std::string& from) {
+  Reader r(payload, "engines-paused", from);
+  EnginesPausedMessage m;
+  r.get("step", m.step);
+  r.get_failure("refused", m.refused);
+  if (!r.status().ok()) return r.status();
+  const auto it = r.json().find("exports");
+  if (it == r.json().end() || !it->is_array())
+    return Status::Corruption(
+        fmt::format("engines-paused message from {} has no array 'exports'", from));
+  for (const Json& e : *it) {
+    if (!e.is_null() && !e.is_string())
+      return Status::Corruption(fmt::format(
+          "engines-paused message from {}: an entry of 'exports' is neither a digest nor null",
+          from));
+    m.exports.push_back(e.is_null() ? std::nullopt
+                                    : std::optional<std::string>(e.get<std::string>()));
+  }
+  return m;
+}
+
+Result<SentMessage> decode_sent(const std::string& payload, const std::string& from) {
+  Reader r(payload, "sent", from);
+  SentMessage m;
+  r.get("step", m.step);
+  r.get("checksums", m.checksums);
+  if (!r.status().ok()) return r.status();
+  return m;
+}
+
+Result<RefitDoneMessage> decode_refit_done(const std::string& payload, const std::string& from) {
+  Reader r(payload, "refit-done", from);
+  RefitDoneMessage m;
+  r.get("step", m.step);
+  r.get_failure("failed", m.failed);
+  r.get("apply_s", m.apply_s);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -413,7 +468,7 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
   CommittedMessage m;
   r.get("step", m.step);
   r.get("apply_s", m.apply_s);
-  r.get("checksum", m.checksum);
+  r.get("checksums", m.checksums);
   if (!r.status().ok()) return r.status();
   return m;
 }

@@ -68,16 +68,13 @@ struct BeginMessage {
   bool verify = false;  // run the verification hook after the commit
   bool raw = false;     // bench: bare transport pass, nothing is applied or published
   int buckets = 0;      // gather executor: buckets that follow (0 with the transfer plan)
-  // Transfer plan: the digest of this engine rank's exported parameters that the trainer rank
-  // already holds ("" for none); an engine whose export has that digest answers without it.
-  std::string export_held;
 };
 
 // Parameters an engine exported for peer access, either as one region — `handle` maps `bytes`
 // of memory and parameter i starts `offsets[i]` bytes into it (Engine::allocate_params) — or, for
 // registered CUDA storage, one handle per parameter in `handles` (each maps that parameter).
-// `digest` names the export (export_digest); `elided`: the fields are left out because the
-// trainer rank said it holds that digest (BeginMessage::export_held), or does not use them.
+// `digest` names the export (export_digest); `elided`: the fields are left out — a paused message
+// carries the digest alone, and the full export lies in the store under export_key().
 struct ExportedParams {
   std::string handle;
   std::uint64_t bytes = 0;
@@ -88,10 +85,13 @@ struct ExportedParams {
 };
 // A digest of the export's handles and offsets (16 hex digits).
 std::string export_digest(const ExportedParams& e);
+// The store key of engine `mailbox`'s export of digest `digest`: the engine sets it (an encoded
+// PausedMessage carrying the full export) before it answers with that digest, once per digest.
+std::string export_key(const std::string& mailbox, const std::string& digest);
 
-// engine -> every trainer rank (transfer plan): the answer to step `step`'s begin. Generation is
-// paused and parameters may be written once every feeder said to proceed — or, with `refused` set
-// (the pause hook failed, or took longer than refit.timeout_s), this engine rank refuses the
+// engine -> trainer rank 0 (transfer plan): the answer to step `step`'s begin. Generation is
+// paused and parameters may be written once trainer rank 0 said to proceed — or, with `refused`
+// set (the pause hook failed, or took longer than refit.timeout_s), this engine rank refuses the
 // refit and nothing may be written.
 struct PausedMessage {
   int step = 0;
@@ -99,12 +99,38 @@ struct PausedMessage {
   std::optional<FailureOrigin> refused;   // this engine rank's refusal
 };
 
-// trainer -> engine (transfer plan), after every engine rank answered the begin of step `step`:
-// write this refit, or abort it before any byte is written because of `refused` (the lowest
-// engine rank's refusal). Every trainer rank decides from the same answers, so all say the same.
+// trainer rank 0 -> engine (transfer plan), after every engine rank answered the begin of step
+// `step`: write this refit, or abort it before any byte is written because of `refused` (the
+// lowest engine rank's refusal).
 struct ProceedMessage {
   int step = 0;
   std::optional<FailureOrigin> refused;  // unset: go
+};
+
+// trainer rank 0 -> every other trainer rank (transfer plan), with the proceed: what every engine
+// rank answered the begin of step `step`. `exports`: per engine rank, in engine rank order, the
+// digest of its exported parameters (nullopt: not exported); `refused`: as in ProceedMessage.
+struct EnginesPausedMessage {
+  int step = 0;
+  std::optional<FailureOrigin> refused;
+  std::vector<std::optional<std::string>> exports;
+};
+
+// trainer rank -> trainer rank 0 (transfer plan): every byte this rank sends in refit `step`
+// moved. With refit.checksum, `checksums` holds its checksum (16 hex digits) of what it sent each
+// target, by the target's mailbox id.
+struct SentMessage {
+  int step = 0;
+  std::map<std::string, std::string> checksums;
+};
+
+// trainer rank 0 -> every other trainer rank (transfer plan): refit `step` is over on every
+// engine rank: published, or failed with `failed` (the first checksum mismatch or failed
+// verification; the engines did not publish). `apply_s`: the slowest engine rank's apply time.
+struct RefitDoneMessage {
+  int step = 0;
+  std::optional<FailureOrigin> failed;
+  double apply_s = 0;
 };
 
 // engine -> feeder: an aborted refit's proceed was heard; nothing was written.
@@ -128,19 +154,21 @@ struct BucketDoneMessage {
   int bucket = 0;
 };
 
-// trainer -> engine: every byte this trainer rank sends for refit `step` moved.
+// trainer -> engine: every byte of refit `step` moved (gather: every byte of the sending rank;
+// transfer plan, from trainer rank 0: every byte of every trainer rank).
 struct CommitMessage {
   int step = 0;
 };
 
-// engine -> feeder: every byte of refit `step` landed.
+// engine -> its control peer (gather: each feeder; transfer plan: trainer rank 0): every byte of
+// refit `step` landed.
 struct CommittedMessage {
   int step = 0;
   double apply_s = 0;  // seconds the engine spent applying
-  // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte the receiving
-  // trainer rank sent it in this refit, as 16 hex digits; empty when checksums are off. The
-  // trainer rank compares it with its own.
-  std::string checksum;
+  // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte each feeder sent
+  // it in this refit, as 16 hex digits, by the feeder's mailbox id; empty when checksums are off.
+  // Trainer rank 0 compares each with the feeder's own (SentMessage).
+  std::map<std::string, std::string> checksums;
 };
 
 // engine -> feeder: the verification verdict of refit `step`.
@@ -175,6 +203,9 @@ std::string encode(const RoutesMessage& m);
 std::string encode(const BeginMessage& m);
 std::string encode(const PausedMessage& m);
 std::string encode(const ProceedMessage& m);
+std::string encode(const EnginesPausedMessage& m);
+std::string encode(const SentMessage& m);
+std::string encode(const RefitDoneMessage& m);
 std::string encode(const AbortHeardMessage& m);
 std::string encode(const BucketMessage& m);
 std::string encode(const BucketDoneMessage& m);
@@ -192,6 +223,10 @@ Result<RoutesMessage> decode_routes(const std::string& payload, const std::strin
 Result<BeginMessage> decode_begin(const std::string& payload, const std::string& from);
 Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from);
 Result<ProceedMessage> decode_proceed(const std::string& payload, const std::string& from);
+Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
+                                                   const std::string& from);
+Result<SentMessage> decode_sent(const std::string& payload, const std::string& from);
+Result<RefitDoneMessage> decode_refit_done(const std::string& payload, const std::string& from);
 Result<AbortHeardMessage> decode_abort_heard(const std::string& payload, const std::string& from);
 Result<BucketMessage> decode_bucket(const std::string& payload, const std::string& from);
 Result<BucketDoneMessage> decode_bucket_done(const std::string& payload, const std::string& from);

@@ -37,6 +37,16 @@ Result<std::int64_t> PrefixStore::add(const std::string& key, std::int64_t delta
   return base_.add(prefix_ + key, delta);
 }
 
+Result<Store::Watched> PrefixStore::watch(const std::vector<std::string>& keys,
+                                          const std::string& prefix,
+                                          std::chrono::milliseconds silence) {
+  std::vector<std::string> full;
+  for (const std::string& k : keys) full.push_back(prefix_ + k);
+  REFIT_ASSIGN_OR_RETURN(Watched w, base_.watch(full, prefix_ + prefix, silence));
+  for (Stale& s : w.stale) s.key = s.key.substr(prefix_.size());
+  return w;
+}
+
 Result<std::string> get_while_alive(Store& store, const std::string& key,
                                     std::chrono::milliseconds timeout,
                                     const std::function<Status()>& alive) {

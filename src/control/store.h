@@ -45,6 +45,26 @@ class Store {
   }
   // Atomically adds `delta` to the integer stored at `key` (absent = 0); returns the new value.
   virtual Result<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
+  // The liveness read, in one request: try_get_many(keys), and every key under `prefix` that
+  // exists, does not hold "left", and was last set or added to at least `silence` ago by the
+  // server's clock (a heartbeat that stood still), with how long ago. The server answers from its
+  // own record of when each key changed, so the cost of the request does not grow with the
+  // number of ranks that are alive.
+  struct Stale {
+    std::string key;
+    std::chrono::milliseconds age{0};
+  };
+  struct Watched {
+    std::vector<std::optional<std::string>> values;
+    std::vector<Stale> stale;
+  };
+  virtual Result<Watched> watch(const std::vector<std::string>& /*keys*/,
+                                const std::string& /*prefix*/,
+                                std::chrono::milliseconds /*silence*/) {
+    return Status::Unsupported("this store cannot report stale keys");
+  }
+  // Requests this client sent so far (0 where a store does not count).
+  virtual std::int64_t requests() const { return 0; }
   // Whether the server answers within `timeout` (kTimeout when it does not: stopped or hung).
   virtual Status ping(std::chrono::milliseconds /*timeout*/) { return Status::Ok(); }
   // Ends every request in flight (within 100 ms) and every later one with `why` (safe from any
@@ -70,6 +90,9 @@ class PrefixStore : public Store {
       const std::vector<std::string>& keys) override;
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
   Result<std::int64_t> add(const std::string& key, std::int64_t delta) override;
+  Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
+                        std::chrono::milliseconds silence) override;
+  std::int64_t requests() const override { return base_.requests(); }
   Status ping(std::chrono::milliseconds timeout) override { return base_.ping(timeout); }
   void abort(const Status& why) override { base_.abort(why); }
 

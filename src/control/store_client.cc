@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -134,6 +135,46 @@ class StoreClient final : public Store {
     return out;
   }
 
+  Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
+                        std::chrono::milliseconds silence) override {
+    std::vector<std::string> args{store_wire::encode_i64(silence.count()), prefix};
+    args.insert(args.end(), keys.begin(), keys.end());
+    Result<std::string> reply =
+        request(Op::kWatch, args, request_timeout_,
+                fmt::format("watch '{}' and {} key(s)", prefix, keys.size()));
+    if (!reply.ok()) return reply.status();
+    const std::string payload = std::move(reply).value();
+    std::int64_t stale = 0;
+    std::vector<std::optional<std::string>> values;
+    const std::size_t size = payload.size();
+    const auto malformed = [this, n = keys.size(), size] {
+      return Status::Corruption(
+          fmt::format("store {}: a watch of {} keys got a malformed reply "
+                      "({} bytes)",
+                      address_, n, size));
+    };
+    if (size < sizeof stale) return malformed();
+    std::memcpy(&stale, payload.data(), sizeof stale);
+    const std::string rest(payload.data() + sizeof stale, size - sizeof stale);
+    if (stale < 0 || static_cast<std::uint64_t>(stale) > size ||
+        !store_wire::decode_values(rest, keys.size() + 2 * static_cast<std::size_t>(stale),
+                                   &values))
+      return malformed();
+    Watched w;
+    w.values.assign(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(keys.size()));
+    for (std::size_t i = keys.size(); i + 1 < values.size(); i += 2) {
+      if (!values[i] || !values[i + 1]) return malformed();
+      std::int64_t age = 0;
+      const std::string& a = *values[i + 1];
+      const auto [end, ec] = std::from_chars(a.data(), a.data() + a.size(), age);
+      if (ec != std::errc() || end != a.data() + a.size()) return malformed();
+      w.stale.push_back(Stale{.key = *values[i], .age = std::chrono::milliseconds(age)});
+    }
+    return w;
+  }
+
+  std::int64_t requests() const override { return requests_.load(); }
+
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
     if (keys.empty()) return Status::Ok();
     std::vector<std::string> args{store_wire::encode_i64(timeout.count())};
@@ -162,6 +203,7 @@ class StoreClient final : public Store {
                               std::chrono::milliseconds wait, const std::string& what,
                               bool* absent = nullptr) {
     if (dead()) return lost_status(what);
+    requests_.fetch_add(1, std::memory_order_relaxed);
     std::unique_ptr<Connection> conn;
     try {
       conn = acquire();
@@ -401,6 +443,7 @@ class StoreClient final : public Store {
   const std::string address_;
   const std::chrono::milliseconds request_timeout_;
   const std::shared_ptr<const ControlAuth> auth_;
+  std::atomic<std::int64_t> requests_{0};  // requests sent (requests())
   zmq::context_t ctx_{1};
   std::atomic<std::uint64_t> next_id_{0};
   std::atomic<bool> lost_{false};

@@ -215,6 +215,7 @@ class ZmqStoreServer final : public StoreServer {
                        fmt::format("'{}' is already set and can be set only once", arg(0)));
         }
         data_[arg(0)] = arg(1);
+        changed_[arg(0)] = Clock::now();
         reply(identity, request_id, Reply::kOk, {});
         wake_waiters();
         return;
@@ -234,6 +235,31 @@ class ZmqStoreServer final : public StoreServer {
                                              : std::optional<std::string>(it->second));
         }
         return reply(identity, request_id, Reply::kOk, store_wire::encode_values(values));
+      }
+      case Op::kWatch: {
+        std::int64_t silence_ms = 0;
+        if (nargs < 2 || !store_wire::decode_i64(arg(0), &silence_ms)) return malformed("watch");
+        std::vector<std::optional<std::string>> values;
+        for (std::size_t i = 2; i < nargs; ++i) {
+          auto it = data_.find(arg(i));
+          values.push_back(it == data_.end() ? std::nullopt
+                                             : std::optional<std::string>(it->second));
+        }
+        const std::string prefix = arg(1);
+        const auto now = Clock::now();
+        std::int64_t stale = 0;
+        for (const auto& [key, when] : changed_) {
+          if (key.compare(0, prefix.size(), prefix) != 0) continue;
+          const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
+          if (age.count() < silence_ms) continue;
+          const auto v = data_.find(key);
+          if (v == data_.end() || v->second == "left") continue;
+          values.emplace_back(key);
+          values.emplace_back(std::to_string(age.count()));
+          ++stale;
+        }
+        return reply(identity, request_id, Reply::kOk,
+                     store_wire::encode_i64(stale) + store_wire::encode_values(values));
       }
       case Op::kGet:
       case Op::kWait: {
@@ -269,6 +295,7 @@ class ZmqStoreServer final : public StoreServer {
         }
         current += delta;
         data_[key] = std::to_string(current);
+        changed_[key] = Clock::now();
         reply(identity, request_id, Reply::kOk, store_wire::encode_i64(current));
         wake_waiters();
         return;
@@ -344,6 +371,8 @@ class ZmqStoreServer final : public StoreServer {
   std::thread thread_;
   // Owned by the serving thread.
   std::unordered_map<std::string, std::string> data_;
+  // When each key was last set or added to (kWatch: heartbeats that stood still).
+  std::unordered_map<std::string, Clock::time_point> changed_;
   std::list<Waiter> waiters_;
 };
 

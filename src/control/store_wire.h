@@ -17,6 +17,10 @@
 //   kTryGetMany key, key, ...                        per key: 1 byte (1: present, 0: absent),
 //                                                    then when present its length (int64) and
 //                                                    value (encode_values)
+//   kWatch    silence ms (int64), prefix, key, ...   encode_values of the keys' values, then
+//                                                    the number of stale keys (int64) and
+//                                                    encode_values of [key, age ms (int64)]
+//                                                    for each
 // Integers are 8 bytes, little-endian (host order: the control plane runs on x86/arm64 hosts).
 #pragma once
 
@@ -36,6 +40,7 @@ enum class Op : std::uint8_t {
   kWait,
   kAdd,
   kTryGetMany,
+  kWatch,
 };
 
 enum class Reply : std::uint8_t {

@@ -46,9 +46,9 @@ class TrainerExecutor {
   // The engine ranks this rank begins and commits each refit with; may be empty (a gather rank
   // that only takes part in the unshard).
   virtual const std::vector<RankId>& targets() const = 0;
-  // The engine ranks whose pause answer this rank waits for before any byte moves: every engine
-  // rank with the transfer plan (so that every trainer rank decides alike whether to proceed);
-  // none with gather, whose engines pause on the begin and cannot refuse.
+  // The engine ranks that answer each begin before any byte moves: every engine rank with the
+  // transfer plan (trainer rank 0 collects the answers and decides for every trainer rank); none
+  // with gather, whose engines pause on the begin and cannot refuse.
   virtual const std::vector<RankId>& answers_from() const = 0;
   // The hash of the plan both sides derive (the vLLM manifest), and its rounds (or buckets).
   virtual std::string plan_hash() const = 0;
@@ -58,16 +58,19 @@ class TrainerExecutor {
   virtual std::optional<RoutesMessage> routes_for(std::size_t /*i*/) const { return std::nullopt; }
   // Every target said hello (setup is complete on their side): setup-time names may go.
   virtual void targets_attached() {}
-  // What the executor adds to target `i`'s begin: gather, the bucket count; the transfer plan,
-  // the digest of the target's export this rank holds.
+  // What the executor adds to target `i`'s begin: gather, the bucket count.
   virtual void prepare_begin(std::size_t /*i*/, BeginMessage& /*begin*/) const {}
+  // The transfer plan: the digest of target `i`'s export this rank holds ("" for none); an answer
+  // with another digest makes the runtime read that export from the store (export_key).
+  virtual std::string export_held(std::size_t /*i*/) const { return {}; }
   // Work before any engine pauses (FP8 scales): a failure refuses the refit on this rank before
   // the engines stop generating.
   virtual Status before_begin(const BeginMessage& /*begin*/, const std::vector<void*>& /*shards*/,
                               TransferTimes& /*times*/) {
     return Status::Ok();
   }
-  // Every engine rank of answers_from() answered (in that order): keep what the targets exported.
+  // Every engine rank of answers_from() answered (in that order; exports in full for the targets
+  // whose digest changed): keep what the targets exported.
   virtual Status take_answers(std::vector<PausedMessage>& /*answers*/) { return Status::Ok(); }
   // Moves every byte of this rank for refit `begin.step` from `shards` (the registered local
   // tensors); returns when every byte left this rank.
@@ -107,8 +110,9 @@ class EngineExecutor {
   virtual ~EngineExecutor() = default;
   // The trainer ranks that begin and commit each refit with this rank.
   virtual const std::vector<RankId>& feeders() const = 0;
-  // Whether this rank answers each begin with paused (to every trainer rank) and writes only
-  // after every feeder said to proceed (the transfer plan; gather writes once it paused).
+  // Whether this rank answers each begin with paused and writes only after it was told to
+  // proceed (the transfer plan, where trainer rank 0 coordinates every engine rank; gather writes
+  // once it paused).
   virtual bool pause_handshake() const = 0;
   virtual std::string plan_hash() const = 0;
   // Setup: whether the feeders send their route metadata (SGLang protocol on the transfer plan),

@@ -22,8 +22,9 @@ Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOption
   return std::unique_ptr<RouteSender>(new RouteSender(o));
 }
 
-// Keeps a target's export as held_[i]: a full one is moved there; one left out (the target had
-// the digest this rank said it holds) must be the one held (a protocol violation otherwise).
+// Keeps a target's export as held_[i]: a full one is moved there; one left out (the runtime read
+// in full only the exports whose digest differs from export_held) must be the one held (a
+// protocol violation otherwise).
 // held_[i] is then what the answer exports, or nothing.
 Status RouteSender::resolve_export(std::size_t i, PausedMessage& answer) {
   if (!answer.direct) {
@@ -184,8 +185,8 @@ std::optional<RoutesMessage> RouteSender::routes_for(std::size_t i) const {
   return routes_metadata(o_.setup->plan, lay, o_.rank, g);
 }
 
-void RouteSender::prepare_begin(std::size_t i, BeginMessage& begin) const {
-  begin.export_held = i < held_.size() && held_[i] ? held_[i]->digest : std::string();
+std::string RouteSender::export_held(std::size_t i) const {
+  return i < held_.size() && held_[i] ? held_[i]->digest : std::string();
 }
 
 Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<void*>& shards) {

@@ -43,7 +43,7 @@ class RouteSender final : public TrainerExecutor {
   // SGLang protocol: the metadata of every route travels to its engine rank (once).
   std::optional<RoutesMessage> routes_for(std::size_t i) const override;
   // The digest of target i's export this rank holds, so that the target answers without it.
-  void prepare_begin(std::size_t i, BeginMessage& begin) const override;
+  std::string export_held(std::size_t i) const override;
   // FP8: every scale, before any engine pauses (a non-finite block refuses the refit here, on
   // every trainer rank alike, and nothing moves).
   Status before_begin(const BeginMessage& begin, const std::vector<void*>& shards,

@@ -237,6 +237,9 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     REFIT_ASSIGN_OR_RETURN(rep.ranks, trainer->traffic());
   }
   REFIT_RETURN_IF_ERROR(trainer->shutdown());
+  if (rank == 0) {
+    REFIT_ASSIGN_OR_RETURN(rep.control, control_traffic(*trainer));
+  }
   // The floor's bandwidths are measured after the shutdown: the other ranks must not wait on this
   // rank (bounded by refit.timeout_s) while it copies gigabytes.
   if (o.raw_passes > 0 && rank == 0) {

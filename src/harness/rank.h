@@ -6,10 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "harness/fault_probe.h"
+#include "plane/data_plane.h"
 #include "refit/config.h"
 #include "refit/session.h"
 #include "refit/status.h"
 #include "runtime/failure.h"
+#include "runtime/traffic.h"
 #include "harness/fault_probe.h"
 #include "plane/data_plane.h"
 #include "weights/weights.h"
@@ -57,6 +60,7 @@ struct RefitReport {
   std::string plan_hash;
   std::string executor;                 // refit.executor as resolved
   std::vector<RankTraffic> ranks;       // per rank, of the last refit
+  ControlTraffic control;               // the control plane over the whole run, every rank
 
   // Transfer plan bench: the floor with local traffic and the link overlapping, and what bounds
   // the floor (the busiest device).

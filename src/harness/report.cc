@@ -137,6 +137,10 @@ Status write_report_json(const std::string& path, const RankOptions& options,
     ranks.push_back(std::move(e));
   }
   j["ranks"] = std::move(ranks);
+  j["control"] = {{"store_requests", r.control.store_requests},
+                  {"mailbox_messages", r.control.mailbox_messages},
+                  {"refit_store_requests", r.control.refit_store_requests},
+                  {"refit_mailbox_messages", r.control.refit_mailbox_messages}};
   j["plan_hash"] = r.plan_hash;
   j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
   return write_report_file(path, j);
@@ -231,6 +235,14 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
     s += fmt::format("  sent by trainer rank: {}; received by engine rank: {}\n", sent, received);
     if (routes) s += fmt::format("  pairs by executor: peer {}, p2p {}\n", peer, p2p);
   }
+  const int ranks = c.policy.world_size + c.engine_ranks();
+  if (r.steps > 0 && r.control.mailbox_messages > 0)
+    s += fmt::format(
+        "  control plane: {} store request(s), {} mailbox message(s); per rank per refit: {:.2f} "
+        "store request(s), {:.2f} message(s)\n",
+        r.control.store_requests, r.control.mailbox_messages,
+        static_cast<double>(r.control.refit_store_requests) / ranks / r.steps,
+        static_cast<double>(r.control.refit_mailbox_messages) / ranks / r.steps);
   s += fmt::format("  refits: {}  median {:.3f} s  ->  {:.2f} GB/s{}{}\n", r.steps, med,
                    med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0,
                    r.verified ? "  (every element verified bit-exact)" : "",

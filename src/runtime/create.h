@@ -21,4 +21,9 @@ Result<std::unique_ptr<Engine>> create_engine(const Config& config, int engine_r
 // over the trainer ranks, like refit().
 Result<double> raw_transport_pass(Trainer& trainer);
 
+// Trainer rank 0, after shutdown(): the session's control-plane work (ControlTraffic), every
+// rank's as it reported it just before its last message (one store request). kUnsupported on
+// other ranks or before the shutdown.
+Result<ControlTraffic> control_traffic(Trainer& trainer);
+
 }  // namespace refit

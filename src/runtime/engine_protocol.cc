@@ -22,8 +22,8 @@ EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executo
       weights_(weights),
       inbox_(core.mailbox(), core.config().generation.tp_size),
       feeders_(mailbox_ids(executor.feeders())) {
-  for (int r = 0; r < core.config().policy.world_size; ++r)
-    trainers_.push_back(RankId::trainer(r).mailbox());
+  control_ = executor.pause_handshake() ? std::vector<std::string>{RankId::trainer(0).mailbox()}
+                                        : feeders_;
 }
 
 // This rank's own failure as it travels: its error without its name, which the record carries.
@@ -40,9 +40,10 @@ Status EngineRefitProtocol::announce(HelloMessage hello) {
   core_.probe().before_hello(hello);
   REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), feeders_, kHello, encode(hello)));
   if (!executor_.wants_routes()) return Status::Ok();
-  REFIT_ASSIGN_OR_RETURN(const std::vector<Message> got,
-                         inbox_.collect(kRoutes, feeders_, core_.timeout(),
-                                        "the feeders' route metadata"));
+  // Trainer rank 0's first begin may overtake another feeder's routes: it is kept.
+  REFIT_ASSIGN_OR_RETURN(
+      const std::vector<Message> got,
+      inbox_.collect(kRoutes, feeders_, core_.timeout(), "the feeders' route metadata", {kBegin}));
   std::vector<RoutesMessage> routes;
   for (const Message& m : got) {
     REFIT_ASSIGN_OR_RETURN(RoutesMessage r, decode_routes(m.payload, m.from));
@@ -84,7 +85,7 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one(
   }
   if (!msg.ok())
     return msg.status().with_context(
-        fmt::format("{} waiting for the next refit from {}", core_.id(), feeders_.front()));
+        fmt::format("{} waiting for the next refit from {}", core_.id(), control_.front()));
   if (msg->type == kShutdown) {
     REFIT_RETURN_IF_ERROR(shutdown(*msg));
     return Served{.shutdown = true};
@@ -92,14 +93,16 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one(
   return serve_refit(*msg);
 }
 
-// Every feeder sends a shutdown and waits for this rank's answer before it leaves.
+// Every control peer sends a shutdown and waits for this rank's answer before it leaves.
 Status EngineRefitProtocol::shutdown(const Message& first) {
   REFIT_RETURN_IF_ERROR(decode_shutdown(first.payload, first.from).status());
   std::vector<std::string> others;
-  for (const std::string& f : feeders_)
+  for (const std::string& f : control_)
     if (f != first.from) others.push_back(f);
-  if (others.size() == feeders_.size())
+  if (others.size() == control_.size())
     return Status::Internal(fmt::format("{}: unexpected shutdown from {}", core_.id(), first.from));
+  // Before the first leaving: trainer rank 0 reads the record once every engine rank left.
+  REFIT_RETURN_IF_ERROR(core_.publish_control_traffic());
   REFIT_RETURN_IF_ERROR(core_.mailbox().send(first.from, kLeaving, encode(LeavingMessage{})));
   // The other feeders' shutdowns arrive in any order; every feeder sent its own before waiting
   // for any answer, so collecting them all first cannot stall one.
@@ -114,10 +117,12 @@ Status EngineRefitProtocol::shutdown(const Message& first) {
 }
 
 Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_refit(const Message& first) {
+  const RankCore::RefitScope counted = core_.refit_scope();
   REFIT_ASSIGN_OR_RETURN(begin_, decode_begin(first.payload, first.from));
-  if (std::find(feeders_.begin(), feeders_.end(), first.from) == feeders_.end())
-    return Status::Internal(fmt::format("{}: begin of refit step {} from {}, which does not feed it",
-                                        core_.id(), begin_.step, first.from));
+  if (std::find(control_.begin(), control_.end(), first.from) == control_.end())
+    return Status::Internal(
+        fmt::format("{}: begin of refit step {} from {}, which does not lead it", core_.id(),
+                    begin_.step, first.from));
   Timer t;
   Status refit_failure;
   Status st = run_refit(first.from, refit_failure);
@@ -141,10 +146,8 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
   const int step = begin_.step;
   const bool raw = begin_.raw;
   const auto timeout = core_.timeout();
-  // Per feeder: the digest of our export it holds (BeginMessage::export_held).
-  std::map<std::string, std::string> held{{first_from, begin_.export_held}};
   std::vector<std::string> others;
-  for (const std::string& f : feeders_)
+  for (const std::string& f : control_)
     if (f != first_from) others.push_back(f);
   REFIT_RETURN_IF_ERROR(
       inbox_
@@ -155,12 +158,11 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                        return Status::Corruption(fmt::format(
                            "{}: {} began step {}{}, {} began step {}{}", core_.id(), first_from,
                            step, raw ? " (raw)" : "", m.from, b.step, b.raw ? " (raw)" : ""));
-                     held[m.from] = b.export_held;
                      return Status::Ok();
                    })
           .status());
   phase_ = Phase::kBegun;
-  log::debug("{}: every feeder began refit step {}", core_.id(), step);
+  log::debug("{}: refit step {} began", core_.id(), step);
 
   if (executor_.pause_handshake()) {
     // Pause (the hook may refuse), answer, and write nothing before every feeder said to
@@ -171,33 +173,30 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
       exported = weights_.exported();
       REFIT_RETURN_IF_ERROR(executor_.prepare(exported != nullptr));
     }
-    // To every trainer rank, not only the feeders: each decides from every engine rank's answer.
-    // The export travels only to a feeder that does not hold it already (the handles of a large
-    // model are tens of kilobytes of JSON); the others get its digest.
+    // To trainer rank 0, which decides for every trainer rank. The export itself goes to the
+    // store, once per digest; the answer carries the digest, and each feeder that does not hold
+    // that export reads it from there.
     PausedMessage answer{.step = step};
     if (!paused.ok()) answer.refused = mine(paused);
-    if (exported) answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
-    const std::string elided = encode(answer);
-    std::string full;  // encoded for the first feeder that needs it
-    for (const std::string& t : trainers_) {
-      const auto h = held.find(t);
-      const bool send_full = exported && h != held.end() && h->second != exported->digest;
-      if (send_full && full.empty()) {
-        answer.direct = *exported;
-        full = encode(answer);
+    if (exported) {
+      if (exported->digest != published_export_) {
+        REFIT_RETURN_IF_ERROR(core_.store().set(
+            export_key(core_.self().mailbox(), exported->digest),
+            encode(PausedMessage{.step = step, .direct = *exported, .refused = std::nullopt})));
+        published_export_ = exported->digest;
       }
-      REFIT_RETURN_IF_ERROR(core_.mailbox().send(t, kPaused, send_full ? full : elided));
+      answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
     }
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kPaused, encode(answer)));
     phase_ = Phase::kPaused;
     log::debug("{}: paused for refit step {} and answered", core_.id(), step);
-    // A feeder that writes in place may commit before a slower feeder's proceed arrived: its
-    // commit is kept for the commit phase. The wait is bounded by 3 x the timeout + 5 s: longer
-    // than the feeders wait for every engine rank's answer (2 x the timeout + 5 s).
+    // The wait is bounded by 3 x the timeout + 5 s: longer than trainer rank 0 waits for every
+    // engine rank's answer (2 x the timeout + 5 s).
     std::optional<FailureOrigin> refused;
     REFIT_RETURN_IF_ERROR(
         inbox_
-            .collect(kProceed, feeders_, timeout * 3 + std::chrono::seconds(5),
-                     fmt::format("the feeders' proceed of refit step {}", step), {kCommit},
+            .collect(kProceed, control_, timeout * 3 + std::chrono::seconds(5),
+                     fmt::format("the proceed of refit step {}", step), {},
                      [&](const Message& m) -> Status {
                        REFIT_ASSIGN_OR_RETURN(
                            ProceedMessage p,
@@ -216,22 +215,23 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                                                   "landed: {}: {}",
                                                   step, refused->rank.name(), refused->error))
                           .with_origin(*refused);
-      return send_to_each(core_.mailbox(), feeders_, kAbortHeard,
-                       encode(AbortHeardMessage{.step = step}));
+      return send_to_each(core_.mailbox(), control_, kAbortHeard,
+                          encode(AbortHeardMessage{.step = step}));
     }
     if (!paused.ok())
-      return Status::Internal(fmt::format("{}: the feeders proceeded with refit step {} although "
-                                          "this rank refused it: {}",
-                                          core_.id(), step, paused.message()));
+      return Status::Internal(
+          fmt::format("{}: refit step {} proceeded although "
+                      "this rank refused it: {}",
+                      core_.id(), step, paused.message()));
   } else if (!raw) {
     // Gather: no answer to wait for; a pause that fails ends the session.
     REFIT_RETURN_IF_ERROR(weights_.pause(step));
   }
   phase_ = Phase::kProceeding;
-  log::debug("{}: every feeder proceeds with refit step {}", core_.id(), step);
+  log::debug("{}: refit step {} proceeds", core_.id(), step);
   REFIT_RETURN_IF_ERROR(executor_.receive(begin_, weights_.params().ptrs()));
   REFIT_RETURN_IF_ERROR(inbox_
-                            .collect(kCommit, feeders_, timeout, "the commit", {},
+                            .collect(kCommit, control_, timeout, "the commit", {},
                                      [&](const Message& m) -> Status {
                                        REFIT_ASSIGN_OR_RETURN(CommitMessage c,
                                                               decode_commit(m.payload, m.from));
@@ -242,7 +242,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                                      })
                             .status());
   phase_ = Phase::kLanded;
-  log::debug("{}: every feeder committed refit step {}", core_.id(), step);
+  log::debug("{}: refit step {} committed", core_.id(), step);
   if (!raw) core_.probe().before_commit(step);
   traffic_ = executor_.traffic();
   // Every peer feeder has mapped the exported memory by now: its name may go.
@@ -262,12 +262,12 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   const bool raw = begin_.raw;
   const bool checksums = !raw && cfg.refit.checksum && executor_.checksums();
   const bool agreed = !raw && (begin_.verify || checksums);
-  std::vector<std::string> landed(feeders_.size());
+  std::map<std::string, std::string> landed;  // per feeder
   if (checksums)
     for (std::size_t i = 0; i < feeders_.size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum,
                              executor_.checksum_from(i, weights_.params().ptrs()));
-      landed[i] = fmt::format("{:016x}", sum);
+      landed[feeders_[i]] = fmt::format("{:016x}", sum);
     }
   // Every byte landed: the engine's load_weights takes them before anything is published or
   // verified. Its failure ends the session (the engine's weights are torn).
@@ -277,11 +277,9 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   stats_.apply_s = executor_.apply_seconds();
   stats_.bytes = traffic_.bytes_received;
   stats_.checksums_matched = 0;
-  for (std::size_t i = 0; i < feeders_.size(); ++i)
-    REFIT_RETURN_IF_ERROR(core_.mailbox().send(
-        feeders_[i], kCommitted,
-        encode(CommittedMessage{
-            .step = step, .apply_s = stats_.apply_s, .checksum = landed[i]})));
+  REFIT_RETURN_IF_ERROR(send_to_each(
+      core_.mailbox(), control_, kCommitted,
+      encode(CommittedMessage{.step = step, .apply_s = stats_.apply_s, .checksums = landed})));
   phase_ = Phase::kCommitted;
   log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);
   if (!agreed) return Status::Ok();
@@ -293,20 +291,19 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
     // verification's own.
     if (!v.ok() && v.kind() != FailureKind::kSetup) v = v.with_kind(FailureKind::kVerification);
     if (!v.ok()) verdict.failed = mine(v);
-    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), feeders_, kVerified, encode(verdict)));
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kVerified, encode(verdict)));
   }
-  // Every feeder sends the same agreed outcome; it waits for every engine's verification.
+  // Every control peer sends the same outcome; it waits for every engine's verification.
   std::optional<FailureOrigin> failed;
-  REFIT_RETURN_IF_ERROR(
-      inbox_
-          .collect(kOutcome, feeders_, core_.timeout() * 5, "the outcome", {},
-                   [&](const Message& m) -> Status {
-                     REFIT_ASSIGN_OR_RETURN(
-                         OutcomeMessage o, decode_outcome(m.payload, m.from));
-                     if (o.failed && !failed) failed = o.failed;
-                     return Status::Ok();
-                   })
-          .status());
+  REFIT_RETURN_IF_ERROR(inbox_
+                            .collect(kOutcome, control_, core_.timeout() * 5, "the outcome", {},
+                                     [&](const Message& m) -> Status {
+                                       REFIT_ASSIGN_OR_RETURN(OutcomeMessage o,
+                                                              decode_outcome(m.payload, m.from));
+                                       if (o.failed && !failed) failed = o.failed;
+                                       return Status::Ok();
+                                     })
+                            .status());
   if (!failed && v.ok()) {
     if (checksums) {
       stats_.checksums_matched = static_cast<int>(feeders_.size());
@@ -322,12 +319,12 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
                       .with_origin(*failed);
     refit_failure = weights_.fail(step, why);
   }
-  // Acknowledged to every feeder, which waits for it before its next message: a feeder that ran
-  // ahead (its next begin, or the shutdown) cannot overtake another feeder's outcome.
-  return send_to_each(core_.mailbox(), feeders_, kOutcomeHeard,
-                   encode(OutcomeHeardMessage{.step = step,
-                                              .valid = weights_.version().valid(),
-                                              .weight_version = weights_.version().label()}));
+  // Acknowledged to every control peer, which waits for it before its next message: one that ran
+  // ahead (its next begin, or the shutdown) cannot overtake another one's outcome.
+  return send_to_each(core_.mailbox(), control_, kOutcomeHeard,
+                      encode(OutcomeHeardMessage{.step = step,
+                                                 .valid = weights_.version().valid(),
+                                                 .weight_version = weights_.version().label()}));
 }
 
 std::optional<Status> EngineRefitProtocol::failed_in_flight(const Status& failure) {

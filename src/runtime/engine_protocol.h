@@ -1,6 +1,6 @@
 // The engine rank's side of the refit protocol (docs/protocol.md): its one state machine. Between
 // refits it waits for a begin or the shutdown; during a refit it moves through the phases
-//   begun -> paused (answered every trainer rank) -> proceeding -> landed (the executor received
+//   begun -> paused (answered trainer rank 0) -> proceeding -> landed (the executor received
 //   every byte) -> committed -> verified -> outcome applied
 // (gather has no pause answer: it writes once paused), and the abort paths: a refit the trainer
 // ranks aborted before any byte landed, one that failed at its end (the weights roll back or stay
@@ -28,7 +28,7 @@ class EngineRefitProtocol {
   enum class Phase : std::uint8_t {
     kIdle,        // between refits
     kBegun,       // every feeder began
-    kPaused,      // paused and answered every trainer rank; waiting for the feeders' proceed
+    kPaused,      // paused and answered; waiting for the proceed
     kProceeding,  // bytes may land
     kLanded,      // every byte landed; committing
     kCommitted,   // acknowledged; verifying, waiting for the outcome
@@ -37,7 +37,7 @@ class EngineRefitProtocol {
   EngineRefitProtocol(RankCore& core, EngineExecutor& executor, EngineWeights& weights);
 
   // Setup, once the executor exists: the hello to every feeder, then (SGLang protocol, transfer
-  // plan) the feeders' route metadata.
+  // plan) the feeders' route metadata. Setup messages travel only between the ranks of a pair.
   Status announce(HelloMessage hello);
 
   // What serving one message between refits came to.
@@ -77,8 +77,11 @@ class EngineRefitProtocol {
   EngineExecutor& executor_;
   EngineWeights& weights_;
   Inbox inbox_;
-  std::vector<std::string> feeders_;   // mailbox ids of executor_.feeders()
-  std::vector<std::string> trainers_;  // every trainer rank: each hears every paused
+  std::vector<std::string> feeders_;  // mailbox ids of executor_.feeders(): bytes, hello, routes
+  // Who begins, commits and ends each refit with this rank: trainer rank 0 with the transfer
+  // plan, every feeder with gather.
+  std::vector<std::string> control_;
+  std::string published_export_;  // the digest of the export this rank put in the store
   Phase phase_ = Phase::kIdle;
   BeginMessage begin_;  // of the refit in flight
   RankTraffic traffic_;

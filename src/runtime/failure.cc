@@ -185,19 +185,16 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
                                        std::vector<RankId> peers, RefitEpochs* epochs,
                                        std::function<void(std::uint32_t)> on_refit_failed) {
   using Clock = std::chrono::steady_clock;
-  struct Seen {
-    std::string value;
-    Clock::time_point since;
-  };
-  auto seen = std::make_shared<std::map<std::string, Seen>>();
   // When the store last answered: a request that times out (a busy host) is fatal only once the
   // store has not answered for kPeerSilence.
   auto answered = std::make_shared<Clock::time_point>(Clock::now());
   std::erase(peers, who);
+  // The peers by heartbeat key: the store names the stale keys, this check names their ranks.
+  std::map<std::string, RankId> by_key;
+  for (const RankId& peer : peers) by_key.emplace(heartbeat_key(peer), peer);
   std::vector<std::string> keys{kFirstFailure};
-  for (const RankId& peer : peers) keys.push_back(heartbeat_key(peer));
-  return [&store, who, peers = std::move(peers), keys = std::move(keys), seen, answered,
-          epochs, on_refit_failed = std::move(on_refit_failed)]() mutable -> Status {
+  return [&store, who, by_key = std::move(by_key), keys = std::move(keys), answered, epochs,
+          on_refit_failed = std::move(on_refit_failed)]() mutable -> Status {
     const RankId store_host = RankId::trainer(0);
     const auto silent = [&](const Status& why) {
       const FailureOrigin o{
@@ -224,36 +221,32 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
     if (!reachable.ok() && reachable.code() != StatusCode::kTimeout) return failed(reachable);
     if (!reachable.ok()) return silent(reachable);
     *answered = Clock::now();
-    // The run's first failure, every peer's heartbeat and the current refit epoch's failure, in
-    // one request.
+    // The run's first failure, the current refit epoch's failure and every heartbeat that stood
+    // still for kPeerSilence, in one request whose answer does not grow with the live ranks.
     const std::uint32_t epoch = epochs != nullptr ? epochs->current() : 0;
     if (epochs != nullptr) keys.push_back(RefitEpochs::key(epoch));
-    auto values = store.try_get_many(keys);
+    auto watched = store.watch(keys, "heartbeat/", kPeerSilence);
     if (epochs != nullptr) keys.pop_back();
-    if (!values.ok()) return failed(values.status());
+    if (!watched.ok()) return failed(watched.status());
+    const std::vector<std::optional<std::string>>& values = watched->values;
     if (epochs != nullptr) {
-      const std::optional<std::string>& refit = values->back();
+      const std::optional<std::string>& refit = values.back();
       if (refit.has_value() && epochs->seen(epoch, *refit) && on_refit_failed)
         on_refit_failed(epoch);
     }
-    if (const std::optional<std::string>& first = (*values)[0]; first.has_value()) {
+    if (const std::optional<std::string>& first = values[0]; first.has_value()) {
       const FailureOrigin o = read_record(*first);
-      if (!(o.rank == who)) return Status::Aborted("aborted because " + o.describe()).with_origin(o);
+      if (!(o.rank == who))
+        return Status::Aborted("aborted because " + o.describe()).with_origin(o);
     }
-    const auto now = Clock::now();
-    for (std::size_t i = 0; i < peers.size(); ++i) {
-      const RankId& peer = peers[i];
-      const std::optional<std::string>& beat = (*values)[i + 1];
-      if (!beat.has_value() || *beat == "left") continue;
-      auto [it, fresh] = seen->try_emplace(peer.mailbox(), Seen{*beat, now});
-      if (fresh || it->second.value != *beat) {
-        it->second = Seen{*beat, now};
-        continue;
-      }
-      if (now - it->second.since < kPeerSilence) continue;
+    for (const Store::Stale& s : watched->stale) {
+      const auto it = by_key.find(s.key);
+      if (it == by_key.end()) continue;  // this rank, or no rank of this run
+      const RankId& peer = it->second;
       const std::string stopped = fmt::format(
-          "stopped: no heartbeat for {:.1f} s (seen by {}; the process is stopped, hung or cut off)",
-          std::chrono::duration<double>(now - it->second.since).count(), who.name());
+          "stopped: no heartbeat for {:.1f} s (seen by {}; the process is stopped, hung or cut "
+          "off)",
+          std::chrono::duration<double>(s.age).count(), who.name());
       const FailureOrigin gone{.rank = peer,
                                .code = StatusCode::kAborted,
                                .kind = FailureKind::kPeerLost,

@@ -127,9 +127,10 @@ std::vector<RankId> rank_ids(const Config& config);
 //    blamed on trainer rank 0;
 //  - one of `peers` beat at least once and then not for kPeerSilence. This is recorded as that
 //    peer's failure ("<peer>: stopped: no heartbeat for 5.0 s (seen by <who>)").
-// Each returned check keeps its own record of the peers' beats; call it every few hundred ms. A
-// check costs two store requests (a ping, and one read of the first failure and every peer's
-// heartbeat), however many peers there are.
+// Call it every few hundred ms. A check costs two store requests (a ping, and one Store::watch
+// that reads the first failure and asks the store for every heartbeat that stood still), and
+// neither request nor answer grows with the number of live ranks: the store keeps when each
+// heartbeat last changed.
 // With `epochs`, the same request reads the current refit epoch's failure key (RefitEpochs), and
 // `on_refit_failed(epoch)` runs once when it appears.
 std::function<Status()> liveness_check(Store& store, const RankId& who,

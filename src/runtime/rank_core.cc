@@ -3,7 +3,11 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <ctime>
+#include <thread>
 
 #include "common/env.h"
 #include "common/log.h"
@@ -47,9 +51,57 @@ RankCore::RankCore(const Config& config, RankId self, const Endpoint& endpoint,
       ep_(endpoint),
       services_(std::move(services)) {}
 
+namespace {
+void linger_after_failure(const RankServices& services, const std::string& host, int port,
+                          const Config& cfg, const RankId& self);
+}  // namespace
+
 RankCore::~RankCore() {
   heartbeat_.reset();  // its thread may abort the groups: gone before them
+  if (server_ && !latch_.status().ok())
+    linger_after_failure(services_, ep_.master_addr, server_->port(), cfg_, self_);
 }
+
+namespace {
+
+// Trainer rank 0 hosts the store. When its session failed, the others still have to read the
+// run's root cause there (error/first, which their next liveness check reads within 0.5 s); a
+// store gone with its host would leave them only "lost the control plane". So the store stays up
+// until every other rank left or fell silent for a second (it exited or stopped), at most
+// kPeerSilence.
+void linger_after_failure(const RankServices& services, const std::string& host, int port,
+                          const Config& cfg, const RankId& self) {
+  if (!services.connect_store) return;
+  const auto until = std::chrono::steady_clock::now() + kPeerSilence;
+  Result<std::unique_ptr<Store>> own = services.connect_store(
+      StoreClientOptions{.host = host,
+                         .port = port,
+                         .connect_timeout = std::chrono::seconds(1),
+                         .request_timeout = std::chrono::seconds(1),
+                         .auth = nullptr});
+  if (!own.ok()) return;
+  std::vector<std::string> keys;  // every other rank's heartbeat (runtime/failure.cc)
+  for (const RankId& r : rank_ids(cfg))
+    if (r != self) keys.push_back("heartbeat/" + r.mailbox());
+  int rounds = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    Result<Store::Watched> w = (*own)->watch(keys, "heartbeat/", std::chrono::seconds(1));
+    if (!w.ok()) return;
+    std::size_t gone = 0;
+    for (const std::optional<std::string>& v : w->values)
+      if (!v || *v == "left") ++gone;  // never joined, or left
+    for (const Store::Stale& k : w->stale)  // exited or stopped (not this rank's own)
+      if (std::find(keys.begin(), keys.end(), k.key) != keys.end()) ++gone;
+    if (gone >= keys.size()) break;
+    ++rounds;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  if (rounds > 0)
+    log::debug("{}: kept the store up {} round(s) after the failure, until the others were gone",
+               self.name(), rounds);
+}
+
+}  // namespace
 
 Status RankCore::guarded(const std::function<Status()>& body) {
   if (!latch_.status().ok()) return latch_.status();
@@ -131,6 +183,61 @@ void RankCore::watch_peers() {
 
 void RankCore::leave() {
   if (heartbeat_) heartbeat_->leave();
+}
+
+namespace {
+std::string control_key(const RankId& rank) { return "control/" + rank.mailbox(); }
+}  // namespace
+
+ControlTraffic RankCore::control_traffic() const {
+  return ControlTraffic{.store_requests = store_ ? store_->requests() : 0,
+                        .mailbox_messages = mailbox_ ? mailbox_->sent() : 0,
+                        .refit_store_requests = refit_store_requests_,
+                        .refit_mailbox_messages = refit_mailbox_messages_};
+}
+
+RankCore::RefitScope::RefitScope(RankCore& core)
+    : core_(core),
+      store0_(core.store_ ? core.store_->requests() : 0),
+      mailbox0_(core.mailbox_ ? core.mailbox_->sent() : 0) {}
+
+RankCore::RefitScope::~RefitScope() {
+  if (core_.store_) core_.refit_store_requests_ += core_.store_->requests() - store0_;
+  if (core_.mailbox_) core_.refit_mailbox_messages_ += core_.mailbox_->sent() - mailbox0_;
+}
+
+Status RankCore::publish_control_traffic() {
+  // The set itself is counted: it is this rank's last store request of the session.
+  ControlTraffic t = control_traffic();
+  ++t.store_requests;
+  return store_->set(control_key(self_),
+                     fmt::format("{} {} {} {}", t.store_requests, t.mailbox_messages,
+                                 t.refit_store_requests, t.refit_mailbox_messages));
+}
+
+Result<ControlTraffic> RankCore::read_control_traffic() {
+  std::vector<RankId> others = rank_ids(cfg_);
+  std::erase(others, self_);
+  std::vector<std::string> keys;
+  for (const RankId& r : others) keys.push_back(control_key(r));
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::optional<std::string>> values,
+                         store_->try_get_many(keys));
+  ControlTraffic sum = control_traffic();
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    ControlTraffic t;
+    if (!values[i] ||
+        std::sscanf(values[i]->c_str(), "%" SCNd64 " %" SCNd64 " %" SCNd64 " %" SCNd64,
+                    &t.store_requests, &t.mailbox_messages, &t.refit_store_requests,
+                    &t.refit_mailbox_messages) != 4)
+      return Status::NotFound(fmt::format(
+          "{}: {} published no control-plane record ({}); it did not leave the session cleanly",
+          id(), others[i].name(), keys[i]));
+    sum.store_requests += t.store_requests;
+    sum.mailbox_messages += t.mailbox_messages;
+    sum.refit_store_requests += t.refit_store_requests;
+    sum.refit_mailbox_messages += t.refit_mailbox_messages;
+  }
+  return sum;
 }
 
 std::function<Status()> RankCore::alive() const { return rank_liveness(*heartbeat_, epochs_); }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -29,6 +30,7 @@
 #include "refit/rank.h"
 #include "refit/session.h"
 #include "runtime/failure.h"
+#include "runtime/traffic.h"
 
 namespace refit {
 
@@ -87,6 +89,27 @@ class RankCore {
   void watch_peers();
   // Leaves on purpose: peers see "left", not a silent heartbeat.
   void leave();
+  // Publishes this rank's control-plane work (control_traffic()) for trainer rank 0's report:
+  // each rank but trainer rank 0 does just before its last message or barrier of the session.
+  Status publish_control_traffic();
+  // This rank's control-plane work so far: requests on its main store connection, messages its
+  // mailbox sent, and the part of each made inside refit_scope()s.
+  ControlTraffic control_traffic() const;
+  // Counts what the control plane does until the returned object is destroyed as refit work.
+  class RefitScope {
+   public:
+    explicit RefitScope(RankCore& core);
+    ~RefitScope();
+    RefitScope(const RefitScope&) = delete;
+    RefitScope& operator=(const RefitScope&) = delete;
+
+   private:
+    RankCore& core_;
+    std::int64_t store0_, mailbox0_;
+  };
+  RefitScope refit_scope() { return RefitScope(*this); }
+  // Every rank's published control-plane work, summed (trainer rank 0, once every rank left).
+  Result<ControlTraffic> read_control_traffic();
   // Stops the heartbeat and its watch: the owner calls this first when it is destroyed, so that
   // the watch cannot abort an executor being torn down.
   void stop_watching() { heartbeat_.reset(); }
@@ -152,6 +175,7 @@ class RankCore {
   std::unique_ptr<Store> probe_store_;
   std::unique_ptr<Mailbox> mailbox_;
   std::string run_id_;
+  std::int64_t refit_store_requests_ = 0, refit_mailbox_messages_ = 0;  // RefitScope
   FailureLatch latch_;
   RefitEpochs epochs_;
   mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread

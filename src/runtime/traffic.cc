@@ -25,23 +25,27 @@ Status TrafficPublisher::publish(Store& store, const RankTraffic& traffic) {
 
 Result<std::vector<RankTraffic>> read_traffic(Store& store, const Config& config,
                                               std::chrono::milliseconds timeout) {
+  std::vector<std::pair<const char*, int>> ranks;
+  for (int r = 0; r < config.policy.world_size; ++r) ranks.emplace_back("trainer", r);
+  for (int g = 0; g < config.engine_ranks(); ++g) ranks.emplace_back("engine", g);
+  std::vector<std::string> keys;
+  for (const auto& [role, rank] : ranks) keys.push_back(fmt::format("traffic/{}/{}", role, rank));
+  // Two requests, whatever the number of ranks: wait for every record, then read them all.
+  REFIT_RETURN_IF_ERROR(store.wait(keys, timeout));
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::optional<std::string>> values,
+                         store.try_get_many(keys));
   std::vector<RankTraffic> out;
-  auto read = [&](const char* role, int rank) -> Status {
-    const std::string key = fmt::format("traffic/{}/{}", role, rank);
-    REFIT_ASSIGN_OR_RETURN(std::string v, store.get(key, timeout));
-    auto j = nlohmann::json::parse(v, nullptr, false);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    auto j = values[i] ? nlohmann::json::parse(*values[i], nullptr, false) : nlohmann::json();
     if (j.is_discarded() || !j.is_object())
-      return Status::Corruption(fmt::format("store key {} holds no traffic record", key));
-    RankTraffic t{.role = role, .rank = rank};
+      return Status::Corruption(fmt::format("store key {} holds no traffic record", keys[i]));
+    RankTraffic t{.role = ranks[i].first, .rank = ranks[i].second};
     t.bytes_sent = j.value("sent", std::int64_t{0});
     t.bytes_received = j.value("received", std::int64_t{0});
     t.peer_pairs = j.value("peer", 0);
     t.p2p_pairs = j.value("p2p", 0);
     out.push_back(std::move(t));
-    return Status::Ok();
-  };
-  for (int r = 0; r < config.policy.world_size; ++r) REFIT_RETURN_IF_ERROR(read("trainer", r));
-  for (int g = 0; g < config.engine_ranks(); ++g) REFIT_RETURN_IF_ERROR(read("engine", g));
+  }
   return out;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -11,6 +12,19 @@
 #include "refit/status.h"
 
 namespace refit {
+
+// The control plane's work over a whole session, summed over every rank: requests on the ranks'
+// main store connections (setup, group rendezvous, mailbox addresses, exports, traffic records;
+// not the heartbeat's and liveness checks' own connections, whose requests follow the clock: two
+// per rank every 0.5 s) and mailbox messages sent. refit_*: of those, the ones made while a refit
+// was in flight on that rank.
+struct ControlTraffic {
+  std::int64_t store_requests = 0;
+  std::int64_t mailbox_messages = 0;
+  std::int64_t refit_store_requests = 0;
+  std::int64_t refit_mailbox_messages = 0;
+  bool operator==(const ControlTraffic&) const = default;
+};
 
 class Store;
 

@@ -113,11 +113,22 @@ class TrainerImpl final : public Trainer {
   Status shutdown() override {
     return core_.guarded([&]() -> Status {
       REFIT_RETURN_IF_ERROR(protocol_->shutdown());
+      // Before the barrier, after which trainer rank 0 reads every rank's record.
+      if (core_.self().rank != 0) REFIT_RETURN_IF_ERROR(core_.publish_control_traffic());
       if (Communicator* g = core_.group(RankCore::Group::kTrainer))
         REFIT_RETURN_IF_ERROR(g->barrier());
       core_.leave();
+      shut_down_ = true;
       return Status::Ok();
     });
+  }
+
+  Result<ControlTraffic> control_traffic() {
+    if (core_.self().rank != 0 || !shut_down_)
+      return Status::Unsupported(fmt::format(
+          "{}: the session's control-plane traffic is trainer rank 0's to read, after shutdown()",
+          core_.id()));
+    return core_.read_control_traffic();
   }
 
  private:
@@ -126,6 +137,7 @@ class TrainerImpl final : public Trainer {
   // see.
   Status pass(const BeginMessage& begin, Status& failed) {
     Communicator* group = core_.group(RankCore::Group::kTrainer);
+    const RankCore::RefitScope counted = core_.refit_scope();
     in_flight_ = true;
     if (group) REFIT_RETURN_IF_ERROR(group->barrier());
     Timer t;
@@ -255,6 +267,7 @@ class TrainerImpl final : public Trainer {
   TrafficPublisher traffic_publisher_;
   RefitStats stats_;
   int raw_passes_ = 0;
+  bool shut_down_ = false;
   bool in_flight_ = false;  // a refit() before its last barrier
 };
 
@@ -279,6 +292,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Config& config, int rank,
 
 Result<double> raw_transport_pass(Trainer& trainer) {
   return static_cast<TrainerImpl&>(trainer).raw_pass();
+}
+
+Result<ControlTraffic> control_traffic(Trainer& trainer) {
+  return static_cast<TrainerImpl&>(trainer).control_traffic();
 }
 
 }  // namespace refit

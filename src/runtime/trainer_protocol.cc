@@ -18,7 +18,13 @@ TrainerRefitProtocol::TrainerRefitProtocol(RankCore& core, TrainerExecutor& exec
       executor_(executor),
       inbox_(core.mailbox(), core.config().generation.tp_size),
       targets_(mailbox_ids(executor.targets())),
-      answers_from_(mailbox_ids(executor.answers_from())) {}
+      answers_from_(mailbox_ids(executor.answers_from())),
+      coordinated_(!answers_from_.empty()),
+      leader_(RankId::trainer(0).mailbox()) {
+  if (coordinated_ && core.self().rank == 0)
+    for (int r = 1; r < core.config().policy.world_size; ++r)
+      followers_.push_back(RankId::trainer(r).mailbox());
+}
 
 Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& settings,
                                std::int64_t total_parameters) {
@@ -60,8 +66,20 @@ Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& se
   return Status::Ok();
 }
 
-Status TrainerRefitProtocol::run(const BeginMessage& begin_in, const std::vector<void*>& shards,
-                            TransferTimes& times, double& apply_s, Status& refit_failure) {
+Status TrainerRefitProtocol::run(const BeginMessage& begin, const std::vector<void*>& shards,
+                                 TransferTimes& times, double& apply_s, Status& refit_failure) {
+  apply_s = 0;
+  Status st = !coordinated_            ? run_fed(begin, shards, times, apply_s, refit_failure)
+              : core_.self().rank == 0 ? lead(begin, shards, times, apply_s, refit_failure)
+                                       : follow(begin, shards, times, apply_s, refit_failure);
+  REFIT_RETURN_IF_ERROR(st);
+  REFIT_RETURN_IF_ERROR(inbox_.expect_none_kept(fmt::format("after refit step {}", begin.step)));
+  phase_ = Phase::kIdle;
+  return Status::Ok();
+}
+
+Status TrainerRefitProtocol::run_fed(const BeginMessage& begin_in, const std::vector<void*>& shards,
+                                     TransferTimes& times, double& apply_s, Status& refit_failure) {
   const int step = begin_in.step;
   REFIT_RETURN_IF_ERROR(executor_.before_begin(begin_in, shards, times));
   for (std::size_t i = 0; i < targets_.size(); ++i) {
@@ -71,57 +89,250 @@ Status TrainerRefitProtocol::run(const BeginMessage& begin_in, const std::vector
   }
   phase_ = Phase::kBegun;
   log::debug("{}: sent the begin of step {}", core_.id(), step);
-  if (!answers_from_.empty()) {
-    // Every engine rank pauses and tells every trainer rank whether its parameters are
-    // exported, or refuses: every trainer rank decides alike whether to proceed, before any
-    // byte moves.
-    REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> refused, collect_paused(step));
-    ProceedMessage proceed{.step = step, .refused = refused};
-    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), targets_, kProceed, encode(proceed)));
-    if (refused) {
-      REFIT_RETURN_IF_ERROR(abort(step, *refused));
-      refit_failure = failed_refit(StatusCode::kAborted, step, begin_in.version, *refused);
-      phase_ = Phase::kIdle;
-      return Status::Ok();
-    }
-    log::debug("{}: told its engine ranks to proceed with step {}", core_.id(), step);
-  }
   phase_ = Phase::kProceeding;
   REFIT_RETURN_IF_ERROR(executor_.send(begin_in, shards, times));
   phase_ = Phase::kSent;
-  apply_s = 0;
   std::optional<FailureOrigin> failure;
   if (!targets_.empty()) REFIT_RETURN_IF_ERROR(commit(step, begin_in.raw, shards, apply_s, failure));
   phase_ = Phase::kCommitted;
   if (begin_in.verify) {
-    REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> verdict, collect_verdicts(step));
+    REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> verdict,
+                           collect_verdicts(step, targets_));
     if (!failure) failure = verdict;
   }
-  const bool checksums = core_.config().refit.checksum && executor_.checksums() && !begin_in.raw;
-  if (begin_in.verify || checksums) {
+  if (begin_in.verify) {
     // Every engine rank publishes, or none does: the ranks of one engine never hold two
     // versions, whichever rank's bytes failed.
     if (core_.group(RankCore::Group::kTrainer) != nullptr) {
       REFIT_ASSIGN_OR_RETURN(failure, agree(failure));
     }
     REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), targets_, kOutcome,
-                                    encode(OutcomeMessage{.step = step, .failed = failure})));
+                                       encode(OutcomeMessage{.step = step, .failed = failure})));
     // Each engine acknowledges once it heard every feeder, so nothing this rank sends next can
     // reach an engine before another rank's outcome.
     REFIT_ASSIGN_OR_RETURN(const std::vector<Message> heard,
                            inbox_.collect(kOutcomeHeard, targets_, core_.timeout(),
                                           "outcome acknowledgements"));
+    for (const Message& m : heard)
+      REFIT_RETURN_IF_ERROR(decode_outcome_heard(m.payload, m.from).status());
+  }
+  if (failure)
+    refit_failure = failed_refit(StatusCode::kCorruption, step, begin_in.version, *failure);
+  return Status::Ok();
+}
+
+// Trainer rank 0 with the transfer plan: begins every engine rank, decides from every answer,
+// tells the other trainer ranks, moves its own bytes, waits until every trainer rank's bytes
+// moved, commits every engine rank, compares checksums, collects verdicts, sends the outcome and
+// tells the other trainer ranks how the refit ended.
+Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<void*>& shards,
+                                  TransferTimes& times, double& apply_s, Status& refit_failure) {
+  const int step = begin.step;
+  const std::vector<std::string>& engines = answers_from_;
+  REFIT_RETURN_IF_ERROR(executor_.before_begin(begin, shards, times));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kBegin, encode(begin)));
+  phase_ = Phase::kBegun;
+  log::debug("{}: sent the begin of step {} to {} engine rank(s)", core_.id(), step,
+             engines.size());
+  REFIT_ASSIGN_OR_RETURN(std::vector<PausedMessage> answers, collect_paused(step));
+  EnginesPausedMessage all{.step = step};
+  for (const PausedMessage& p : answers) {
+    if (p.refused && !all.refused) all.refused = p.refused;  // the lowest engine rank's
+    all.exports.push_back(p.direct ? std::optional<std::string>(p.direct->digest) : std::nullopt);
+  }
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kProceed,
+                                     encode(ProceedMessage{.step = step, .refused = all.refused})));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), followers_, kEnginesPaused, encode(all)));
+  if (all.refused) {
+    REFIT_RETURN_IF_ERROR(abort(step, *all.refused));
+    refit_failure = failed_refit(StatusCode::kAborted, step, begin.version, *all.refused);
+    return Status::Ok();
+  }
+  log::debug("{}: told every engine rank to proceed with step {}", core_.id(), step);
+  REFIT_RETURN_IF_ERROR(take_answers(step, answers));
+  phase_ = Phase::kProceeding;
+  REFIT_RETURN_IF_ERROR(executor_.send(begin, shards, times));
+  phase_ = Phase::kSent;
+  const bool checksums = core_.config().refit.checksum && executor_.checksums() && !begin.raw;
+  // What every trainer rank sent, by trainer mailbox id, then target mailbox id.
+  std::map<std::string, std::map<std::string, std::string>> sent;
+  REFIT_RETURN_IF_ERROR(
+      inbox_
+          .collect(kSent, followers_, core_.timeout(),
+                   fmt::format("the other trainer ranks' bytes of refit step {}", step), {},
+                   [&](const Message& m) -> Status {
+                     REFIT_ASSIGN_OR_RETURN(SentMessage s, decode_sent(m.payload, m.from));
+                     if (s.step != step)
+                       return Status::Corruption(
+                           fmt::format("{}: {} sent the bytes of refit step {} in step {}",
+                                       core_.id(), m.from, s.step, step));
+                     sent[m.from] = std::move(s.checksums);
+                     return Status::Ok();
+                   })
+          .status());
+  if (!begin.raw) core_.probe().before_commit(step);
+  if (checksums) {
+    REFIT_ASSIGN_OR_RETURN(sent[core_.self().mailbox()], sent_checksums(shards));
+  }
+  REFIT_RETURN_IF_ERROR(
+      send_to_each(core_.mailbox(), engines, kCommit, encode(CommitMessage{.step = step})));
+  log::debug("{}: committed refit step {}", core_.id(), step);
+  // Each engine verifies right after its own commit, so its verdict can overtake another
+  // engine's acknowledgement: it is kept for the verdicts.
+  REFIT_ASSIGN_OR_RETURN(
+      const std::vector<Message> acks,
+      inbox_.collect(kCommitted, engines, core_.timeout(), "commit acknowledgements", {kVerified}));
+  const int tp = core_.config().generation.tp_size;
+  std::optional<FailureOrigin> failure;
+  for (const Message& ack : acks) {
+    REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(ack.payload, ack.from));
+    apply_s = std::max(apply_s, c.apply_s);
+    if (!checksums || failure) continue;
+    for (const auto& [feeder, landed] : c.checksums) {
+      const auto by_feeder = sent.find(feeder);
+      const std::string* mine = nullptr;
+      if (by_feeder != sent.end()) {
+        const auto it = by_feeder->second.find(ack.from);
+        if (it != by_feeder->second.end()) mine = &it->second;
+      }
+      if (mine != nullptr && *mine == landed) continue;
+      const std::optional<RankId> f = RankId::from_mailbox(feeder, 1);
+      failure = FailureOrigin{
+          .rank = *RankId::from_mailbox(ack.from, tp),
+          .code = StatusCode::kCorruption,
+          .error = fmt::format("checksum mismatch in refit step {}: the bytes {} sent (checksum "
+                               "{}) arrived as checksum {} (refit.checksum)",
+                               step, f ? f->name() : feeder, mine ? *mine : "(none)",
+                               landed.empty() ? "(none)" : landed)};
+      break;
+    }
+  }
+  log::debug("{}: every engine rank acknowledged the commit of refit step {}", core_.id(), step);
+  phase_ = Phase::kCommitted;
+  if (begin.verify) {
+    REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> verdict,
+                           collect_verdicts(step, engines));
+    if (!failure) failure = verdict;
+  }
+  if (begin.verify || checksums) {
+    // Every engine rank publishes, or none does: the ranks of one engine never hold two
+    // versions, whichever rank's bytes failed.
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kOutcome,
+                                       encode(OutcomeMessage{.step = step, .failed = failure})));
+    REFIT_ASSIGN_OR_RETURN(
+        const std::vector<Message> heard,
+        inbox_.collect(kOutcomeHeard, engines, core_.timeout(), "outcome acknowledgements"));
     for (const Message& m : heard) {
       REFIT_ASSIGN_OR_RETURN(const OutcomeHeardMessage h, decode_outcome_heard(m.payload, m.from));
       log::debug("{}: {} holds weight version '{}' after refit step {}{}", core_.id(), m.from,
                  h.weight_version, h.step, h.valid ? "" : " (invalid)");
     }
   }
-  if (failure)
-    refit_failure = failed_refit(StatusCode::kCorruption, step, begin_in.version, *failure);
-  REFIT_RETURN_IF_ERROR(inbox_.expect_none_kept(fmt::format("after refit step {}", step)));
-  phase_ = Phase::kIdle;
+  REFIT_RETURN_IF_ERROR(
+      send_to_each(core_.mailbox(), followers_, kRefitDone,
+                   encode(RefitDoneMessage{.step = step, .failed = failure, .apply_s = apply_s})));
+  if (failure) refit_failure = failed_refit(StatusCode::kCorruption, step, begin.version, *failure);
   return Status::Ok();
+}
+
+// Every trainer rank but 0 with the transfer plan: hears every engine rank's answer from trainer
+// rank 0, moves its bytes, says so, and hears how the refit ended.
+Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector<void*>& shards,
+                                    TransferTimes& times, double& apply_s, Status& refit_failure) {
+  const int step = begin.step;
+  REFIT_RETURN_IF_ERROR(executor_.before_begin(begin, shards, times));
+  phase_ = Phase::kBegun;
+  // Longer than trainer rank 0 waits for the engines' answers (2 x refit.timeout_s + 5 s).
+  REFIT_ASSIGN_OR_RETURN(
+      const std::vector<Message> got,
+      inbox_.collect(kEnginesPaused, {leader_}, core_.timeout() * 3 + std::chrono::seconds(5),
+                     fmt::format("the engines' answers to refit step {}", step)));
+  REFIT_ASSIGN_OR_RETURN(const EnginesPausedMessage all,
+                         decode_engines_paused(got[0].payload, got[0].from));
+  if (all.step != step || all.exports.size() != answers_from_.size())
+    return Status::Corruption(fmt::format(
+        "{}: {} sent the engines' answers of refit step {} ({} engine rank(s)) in step {} ({})",
+        core_.id(), leader_, all.step, all.exports.size(), step, answers_from_.size()));
+  if (all.refused) {
+    log::warn("{}: refit step {} aborted before any byte moved: {}: {}", core_.id(), step,
+              all.refused->rank.name(), all.refused->error);
+    refit_failure = failed_refit(StatusCode::kAborted, step, begin.version, *all.refused);
+    return Status::Ok();
+  }
+  std::vector<PausedMessage> answers;
+  for (const std::optional<std::string>& digest : all.exports) {
+    PausedMessage p{.step = step};
+    if (digest) p.direct = ExportedParams{.digest = *digest, .elided = true};
+    answers.push_back(std::move(p));
+  }
+  REFIT_RETURN_IF_ERROR(take_answers(step, answers));
+  phase_ = Phase::kProceeding;
+  REFIT_RETURN_IF_ERROR(executor_.send(begin, shards, times));
+  phase_ = Phase::kSent;
+  if (!begin.raw) core_.probe().before_commit(step);
+  SentMessage sent{.step = step};
+  if (core_.config().refit.checksum && executor_.checksums() && !begin.raw) {
+    REFIT_ASSIGN_OR_RETURN(sent.checksums, sent_checksums(shards));
+  }
+  REFIT_RETURN_IF_ERROR(core_.mailbox().send(leader_, kSent, encode(sent)));
+  // Trainer rank 0 waits for every trainer rank's bytes, then each engine rank's commit, verdict
+  // and outcome, each wait bounded by refit.timeout_s (the verdicts: 4 x): longer than that.
+  REFIT_ASSIGN_OR_RETURN(
+      const std::vector<Message> done,
+      inbox_.collect(kRefitDone, {leader_}, core_.timeout() * 8 + std::chrono::seconds(5),
+                     fmt::format("the end of refit step {}", step)));
+  REFIT_ASSIGN_OR_RETURN(const RefitDoneMessage d,
+                         decode_refit_done(done[0].payload, done[0].from));
+  if (d.step != step)
+    return Status::Corruption(
+        fmt::format("{}: {} ended refit step {} in step {}", core_.id(), leader_, d.step, step));
+  phase_ = Phase::kCommitted;
+  apply_s = d.apply_s;
+  if (d.failed)
+    refit_failure = failed_refit(StatusCode::kCorruption, step, begin.version, *d.failed);
+  return Status::Ok();
+}
+
+Status TrainerRefitProtocol::take_answers(int step, std::vector<PausedMessage>& answers) {
+  // The exports of this rank's targets whose digest it does not hold, in one store request.
+  const std::vector<RankId>& targets = executor_.targets();
+  std::vector<std::string> keys;
+  std::vector<std::size_t> which;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    const auto g = static_cast<std::size_t>(targets[i].rank);
+    if (g >= answers.size()) continue;
+    const std::optional<ExportedParams>& d = answers[g].direct;
+    if (!d || !d->elided || d->digest == executor_.export_held(i)) continue;
+    keys.push_back(export_key(targets[i].mailbox(), d->digest));
+    which.push_back(g);
+  }
+  if (!keys.empty()) {
+    REFIT_ASSIGN_OR_RETURN(const std::vector<std::optional<std::string>> full,
+                           core_.store().try_get_many(keys));
+    for (std::size_t k = 0; k < keys.size(); ++k) {
+      if (!full[k])
+        return Status::Corruption(fmt::format(
+            "{}: refit step {}: the store holds no export under {} (its engine rank answered "
+            "with that digest)",
+            core_.id(), step, keys[k]));
+      REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(*full[k], keys[k]));
+      if (!p.direct || p.direct->elided || p.direct->digest != answers[which[k]].direct->digest)
+        return Status::Corruption(
+            fmt::format("{}: store key {} holds another export", core_.id(), keys[k]));
+      answers[which[k]].direct = std::move(p.direct);
+    }
+  }
+  return executor_.take_answers(answers);
+}
+
+Result<std::map<std::string, std::string>> TrainerRefitProtocol::sent_checksums(
+    const std::vector<void*>& shards) {
+  std::map<std::string, std::string> out;
+  for (std::size_t i = 0; i < targets_.size(); ++i) {
+    REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_.checksum_to(i, shards));
+    out[targets_[i]] = fmt::format("{:016x}", sum);
+  }
+  return out;
 }
 
 void TrainerRefitProtocol::abandon() {
@@ -130,38 +341,35 @@ void TrainerRefitProtocol::abandon() {
   outcomes_ = 0;
 }
 
-Result<std::optional<FailureOrigin>> TrainerRefitProtocol::collect_paused(int step) {
-  // A trainer rank waits 2 x refit.timeout_s + 5 s for every answer (every rank alive) before
-  // the session ends: engine ranks decide about their own slow hooks within refit.timeout_s.
+Result<std::vector<PausedMessage>> TrainerRefitProtocol::collect_paused(int step) {
+  // Trainer rank 0 waits 2 x refit.timeout_s + 5 s for every answer (every rank alive) before the
+  // session ends: engine ranks decide about their own slow hooks within refit.timeout_s.
   REFIT_ASSIGN_OR_RETURN(
       const std::vector<Message> got,
       inbox_.collect(kPaused, answers_from_, core_.timeout() * 2 + std::chrono::seconds(5),
                      "the engines' pause"));
   std::vector<PausedMessage> answers;
-  std::optional<FailureOrigin> refused;
   for (const Message& m : got) {
     REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m.payload, m.from));
     // Each engine rank answers each begin once, before the refit goes on or is aborted; answers
     // of a refit that failed in flight are dropped by their epoch (Mailbox::set_epoch).
     if (p.step != step)
-      return Status::Corruption(fmt::format("{}: {} paused for refit step {} while refit step {} "
-                                            "is in flight",
-                                            core_.id(), m.from, p.step, step));
-    if (p.refused && !refused) refused = p.refused;  // the lowest engine rank's
+      return Status::Corruption(
+          fmt::format("{}: {} paused for refit step {} while refit step {} "
+                      "is in flight",
+                      core_.id(), m.from, p.step, step));
     answers.push_back(std::move(p));
   }
   log::debug("{}: every engine rank answered the begin of step {}", core_.id(), step);
-  REFIT_RETURN_IF_ERROR(executor_.take_answers(answers));
-  return refused;
+  return answers;
 }
 
-// Every trainer rank decided to abort this refit: every target was told, and acknowledges once it
-// heard every feeder (so that this rank's next begin cannot overtake another feeder's abort).
+// Trainer rank 0 decided to abort this refit: every engine rank was told, and acknowledges.
 Status TrainerRefitProtocol::abort(int step, const FailureOrigin& refused) {
   log::warn("{}: refit step {} aborted before any byte moved: {}: {}", core_.id(), step,
             refused.rank.name(), refused.error);
   return inbox_
-      .collect(kAbortHeard, targets_, core_.timeout(),
+      .collect(kAbortHeard, answers_from_, core_.timeout(),
                fmt::format("the engines to abort refit step {}", step))
       .status();
 }
@@ -190,25 +398,27 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
   for (std::size_t i = 0; i < acks.size(); ++i) {
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(acks[i].payload, acks[i].from));
     apply_s = std::max(apply_s, c.apply_s);
-    if (!failure && checksums && sent[i] != c.checksum)
+    const auto landed = c.checksums.find(core_.self().mailbox());
+    const std::string got = landed == c.checksums.end() ? std::string() : landed->second;
+    if (!failure && checksums && sent[i] != got)
       failure = FailureOrigin{
           .rank = executor_.targets()[i],
           .code = StatusCode::kCorruption,
           .kind = FailureKind::kVerification,
           .error = fmt::format("checksum mismatch in refit step {}: the bytes {} sent (checksum "
                                "{}) arrived as checksum {} (refit.checksum)",
-                               step, core_.id(), sent[i],
-                               c.checksum.empty() ? "(none)" : c.checksum)};
+                               step, core_.id(), sent[i], got.empty() ? "(none)" : got)};
   }
   log::debug("{}: every engine acknowledged the commit of refit step {}", core_.id(), step);
   return Status::Ok();
 }
 
-Result<std::optional<FailureOrigin>> TrainerRefitProtocol::collect_verdicts(int step) {
+Result<std::optional<FailureOrigin>> TrainerRefitProtocol::collect_verdicts(
+    int step, const std::vector<std::string>& from) {
   const int tp = core_.config().generation.tp_size;
-  REFIT_ASSIGN_OR_RETURN(const std::vector<Message> got,
-                         inbox_.collect(kVerified, targets_, core_.timeout() * 4,
-                                        "verification results"));
+  REFIT_ASSIGN_OR_RETURN(
+      const std::vector<Message> got,
+      inbox_.collect(kVerified, from, core_.timeout() * 4, "verification results"));
   std::optional<FailureOrigin> verdict;
   for (const Message& m : got) {
     Result<VerifiedMessage> v = decode_verified(m.payload, m.from);
@@ -254,9 +464,14 @@ Result<std::optional<FailureOrigin>> TrainerRefitProtocol::agree(
 // Engines acknowledge the shutdown before their feeder leaves, and trainer rank 0 (which hosts
 // the store) leaves last, so no process loses the control plane while it still needs it.
 Status TrainerRefitProtocol::shutdown() {
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), targets_, kShutdown, encode(ShutdownMessage{})));
+  // The transfer plan: trainer rank 0 alone shuts the engine ranks down.
+  const std::vector<std::string> none;
+  const std::vector<std::string>& to = !coordinated_            ? targets_
+                                       : core_.self().rank == 0 ? answers_from_
+                                                                : none;
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), to, kShutdown, encode(ShutdownMessage{})));
   REFIT_ASSIGN_OR_RETURN(const std::vector<Message> left,
-                         inbox_.collect(kLeaving, targets_, core_.timeout(), "engine exits"));
+                         inbox_.collect(kLeaving, to, core_.timeout(), "engine exits"));
   for (const Message& m : left) REFIT_RETURN_IF_ERROR(decode_leaving(m.payload, m.from).status());
   return Status::Ok();
 }

@@ -1,11 +1,17 @@
 // The trainer rank's side of the refit protocol (docs/protocol.md): its one state machine. A refit
 // moves through the phases
 //   begun -> (transfer plan: every engine rank answered; proceed or abort) -> sent (the executor
-//   moved every byte) -> committed (every target acknowledged) -> verified -> outcome sent
+//   moved every byte) -> committed (every engine rank acknowledged) -> verified -> outcome sent
 // and the abort paths: a refit an engine rank refused before any byte moved, and one whose bytes
-// failed their checksum or verification (every trainer rank agrees on the first failure, and
-// every engine rank publishes or none). It sends and receives every message of those phases; the
-// executor moves the bytes.
+// failed their checksum or verification (the engines publish on every rank or none). It sends
+// and receives every message of those phases; the executor moves the bytes.
+//
+// With the transfer plan, trainer rank 0 coordinates: it alone sends each engine rank its begin,
+// proceed, commit and outcome and collects each one's answers; every other trainer rank hears the
+// engines' answers and the refit's end from trainer rank 0 (one message each) and tells it when
+// its bytes moved. A refit's control messages grow with the number of ranks, not with trainer x
+// engine pairs; the bytes still move per pair. With gather each engine rank has one feeder, which
+// talks to it directly.
 #pragma once
 
 #include <map>
@@ -53,23 +59,41 @@ class TrainerRefitProtocol {
   Phase phase() const { return phase_; }
 
  private:
-  // Every engine rank's answer to the begin of `step`: the lowest engine rank's refusal, if any.
-  Result<std::optional<FailureOrigin>> collect_paused(int step);
+  // Gather: this rank begins and commits with its own targets.
+  Status run_fed(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times,
+                 double& apply_s, Status& refit_failure);
+  // The transfer plan, on trainer rank 0 (lead) and on every other trainer rank (follow).
+  Status lead(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times,
+              double& apply_s, Status& refit_failure);
+  Status follow(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times,
+                double& apply_s, Status& refit_failure);
+  // Every engine rank's answer to the begin of `step` (trainer rank 0), in engine rank order.
+  Result<std::vector<PausedMessage>> collect_paused(int step);
+  // Hands the executor every engine rank's answer, the exports it does not hold read in full
+  // from the store (one request).
+  Status take_answers(int step, std::vector<PausedMessage>& answers);
   Status abort(int step, const FailureOrigin& refused);
   // Every target commits; with refit.checksum the first checksum mismatch is `failure`.
   Status commit(int step, bool raw, const std::vector<void*>& shards, double& apply_s,
                 std::optional<FailureOrigin>& failure);
-  // The first failing verdict of the targets.
-  Result<std::optional<FailureOrigin>> collect_verdicts(int step);
-  // Every trainer rank's failure of this refit through the store, so that every trainer rank
-  // fails with the same cause: the lowest rank's failure wins.
+  // This rank's checksum of what it sends each target (refit.checksum), by mailbox id.
+  Result<std::map<std::string, std::string>> sent_checksums(const std::vector<void*>& shards);
+  // The first failing verdict of `from`.
+  Result<std::optional<FailureOrigin>> collect_verdicts(int step,
+                                                        const std::vector<std::string>& from);
+  // Gather: every trainer rank's failure of this refit through the store, so that every trainer
+  // rank fails with the same cause: the lowest rank's failure wins.
   Result<std::optional<FailureOrigin>> agree(const std::optional<FailureOrigin>& mine);
 
   RankCore& core_;
   TrainerExecutor& executor_;
   Inbox inbox_;
-  std::vector<std::string> targets_;      // mailbox ids of executor_.targets()
+  std::vector<std::string> targets_;       // mailbox ids of executor_.targets()
   std::vector<std::string> answers_from_;  // of executor_.answers_from()
+  // The transfer plan: trainer rank 0 coordinates (answers_from_ is every engine rank).
+  bool coordinated_ = false;
+  std::string leader_;                  // "trainer/0"
+  std::vector<std::string> followers_;  // on trainer rank 0: every other trainer rank
   Phase phase_ = Phase::kIdle;
   int outcomes_ = 0;  // refits of this epoch whose outcome the ranks shared: namespaces their keys
   std::uint32_t outcomes_epoch_ = 0;

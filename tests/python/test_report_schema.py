@@ -82,6 +82,12 @@ def test_successful_run_report_validates(tmp_path, validator, executor):
     assert [(r["role"], r["rank"]) for r in report["ranks"]] == [
         ("trainer", 0), ("trainer", 1), ("engine", 0), ("engine", 1)]
     assert report["executor"] == executor and report["config"]["model"] == "tiny-qwen3"
+    # Every rank's control-plane work: at least each engine's begin and committed per refit, each
+    # of them inside a refit, and setup's store requests besides.
+    control = report["control"]
+    assert control["refit_mailbox_messages"] >= 2 * 2 * 2, control
+    assert control["mailbox_messages"] > control["refit_mailbox_messages"], control
+    assert control["store_requests"] > control["refit_store_requests"] > 0, control
     assert no_leftovers(tmp_path) == []
 
 
