@@ -13,8 +13,6 @@
 #include "refit/status.h"
 #include "runtime/failure.h"
 #include "runtime/traffic.h"
-#include "harness/fault_probe.h"
-#include "plane/data_plane.h"
 #include "weights/weights.h"
 
 namespace refit {
