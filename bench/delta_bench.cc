@@ -112,16 +112,25 @@ int run(const Args& a) {
         "docs/delta.md)");
   auto model = check(load_rank_model(cfg), "model");
   model->weights->set_update(check(parse_weight_update(a.update), "--update"));
-  const RouteSetup setup = check(make_route_setup(cfg, model->spec), "transfer plan");
+  // Every rank's view of the plan, as each derives it at setup.
+  const auto inputs = check(PlanInputs::create(cfg, model->spec), "transfer plan");
+  std::vector<RouteSetup> trainer_setups, engine_setups;
+  for (int t = 0; t < cfg.policy.world_size; ++t)
+    trainer_setups.push_back(check(make_trainer_route_setup(inputs, t), "transfer plan"));
+  for (int g = 0; g < cfg.engine_ranks(); ++g)
+    engine_setups.push_back(check(make_engine_route_setup(inputs, g), "transfer plan"));
+  const auto layout_of = [&](int g) -> const EngineShardLayout& {
+    return engine_setups[static_cast<std::size_t>(g)].engine_layout(g);
+  };
   auto plane = check(make_data_plane(cfg, 0), "data plane");
   const DType policy = cfg.policy.dtype;
   // Storage: every trainer rank's shards, every engine rank's parameters.
-  std::vector<std::vector<std::unique_ptr<PlaneBuffer>>> shard_mem(setup.trainers.size());
-  std::vector<std::vector<void*>> shards(setup.trainers.size());
-  std::vector<std::vector<PieceTarget>> shard_targets(setup.trainers.size());
-  for (std::size_t t = 0; t < setup.trainers.size(); ++t)
-    for (std::size_t l = 0; l < setup.user_tensors; ++l) {
-      const LocalTensor& lt = setup.trainers[t].tensors[l];
+  std::vector<std::vector<std::unique_ptr<PlaneBuffer>>> shard_mem(trainer_setups.size());
+  std::vector<std::vector<void*>> shards(trainer_setups.size());
+  std::vector<std::vector<PieceTarget>> shard_targets(trainer_setups.size());
+  for (std::size_t t = 0; t < trainer_setups.size(); ++t)
+    for (std::size_t l = 0; l < trainer_setups[t].user_tensors; ++l) {
+      const LocalTensor& lt = trainer_setups[t].trainer.tensors[l];
       const auto bytes =
           static_cast<std::size_t>(matrix_shape(lt.shape).numel()) * dtype_size(policy);
       shard_mem[t].push_back(check(plane->allocate(std::max<std::size_t>(bytes, 1)), "shards"));
@@ -134,8 +143,7 @@ int run(const Args& a) {
   std::vector<std::vector<void*>> params(static_cast<std::size_t>(engine_ranks));
   std::vector<std::vector<PieceTarget>> param_targets(static_cast<std::size_t>(engine_ranks));
   for (int g = 0; g < engine_ranks; ++g) {
-    const EngineShardLayout& lay =
-        setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)];
+    const EngineShardLayout& lay = layout_of(g);
     for (const EngineParam& p : lay.params) {
       param_mem[static_cast<std::size_t>(g)].push_back(
           check(plane->allocate(std::max<std::int64_t>(p.bytes(), 1)), "parameters"));
@@ -148,16 +156,17 @@ int run(const Args& a) {
   // Pairs.
   std::vector<Pair> pairs;
   for (int t = 0; t < cfg.policy.world_size; ++t)
-    for (int g : setup.plan.targets_of(t)) {
+    for (const PairPlan& plan_pair : trainer_setups[static_cast<std::size_t>(t)].view.pairs) {
+      const int g = plan_pair.engine;
       Pair p;
       p.trainer = t;
       p.engine = g;
-      p.trainer_side = trainer_delta_routes(setup, policy, t, g, DeltaSource::kShards,
+      p.trainer_side = trainer_delta_routes(trainer_setups[static_cast<std::size_t>(t)], policy,
+                                            t, g, DeltaSource::kShards,
                                             &shards[static_cast<std::size_t>(t)], nullptr, nullptr);
-      const IncomingRoutes in = incoming_from_plan(setup.plan, g);
-      p.engine_side = engine_delta_routes(
-          in, setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)], t,
-          params[static_cast<std::size_t>(g)]);
+      const IncomingRoutes in =
+          incoming_from_view(engine_setups[static_cast<std::size_t>(g)].view);
+      p.engine_side = engine_delta_routes(in, layout_of(g), t, params[static_cast<std::size_t>(g)]);
       const std::int64_t kept_bytes = assign_kept_offsets(p.trainer_side.routes);
       p.kept =
           check(plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(kept_bytes, 16))),
@@ -223,9 +232,7 @@ int run(const Args& a) {
       if (bad)
         die(fmt::format("step {}: engine rank {} parameter {} element {} differs from the weights",
                         step, g,
-                        setup.engines[static_cast<std::size_t>(g % cfg.generation.tp_size)]
-                            .params[bad->first]
-                            .name,
+                        layout_of(g).params[bad->first].name,
                         bad->second));
     }
     for (Pair& p : pairs) {

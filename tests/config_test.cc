@@ -514,6 +514,49 @@ TEST(ConfigCli, CheckDefaultConfigExitsZeroAndPrintsTheCell) {
   EXPECT_CONTAINS(r.output, "(0.50");
 }
 
+// One rank's view: what that rank derives at setup — its pairs, routes (compact over the experts
+// and the layers) and rounds — and the errors naming a rank that does not exist.
+TEST(ConfigCli, CheckOneRankPrintsItsView) {
+  testing::TempDir dir;
+  const std::string cfg = dir.write(
+      "c.yaml",
+      "model: tiny-moe\npolicy: {world_size: 3}\ngeneration: {num_engines: 2, tp_size: 2}\n"
+      "refit: {buffer_size_bytes: 8192}\n");
+  auto all = testing::run_cli({"check", cfg}, 60);
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  EXPECT_CONTAINS(all.output, "every pair's routes agree on both sides");
+  EXPECT_CONTAINS(all.output, "trainer rank 2 sends ");
+  EXPECT_CONTAINS(all.output, "engine rank 3 receives ");
+  auto t = testing::run_cli({"check", cfg, "--rank", "trainer:1"}, 60);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_CONTAINS(t.output, "trainer rank 1: transfer plan ");
+  EXPECT_CONTAINS(t.output, "sends ");
+  EXPECT_CONTAINS(t.output, "to 4 engine rank(s)");
+  EXPECT_CONTAINS(t.output, "-> engine rank 3 (engine 1 tp rank 1): ");
+  // All 8 experts of a layer in one route, stacked in w13_weight one expert apart.
+  EXPECT_CONTAINS(t.output, "to model.layers.0.mlp.experts.w13_weight");
+  EXPECT_CONTAINS(t.output, ", x 8 (step: tensor +3");
+  auto e = testing::run_cli({"check", cfg, "--rank", "engine:2"}, 60);
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_CONTAINS(e.output, "engine rank 2 (engine 1 tp rank 0): transfer plan ");
+  EXPECT_CONTAINS(e.output, "from 3 trainer rank(s)");
+  EXPECT_CONTAINS(e.output, "<- trainer rank 2: ");
+  // Both sides of a pair print the same digest.
+  const auto digest = [](const std::string& out, const std::string& line) {
+    const auto at = out.find(line);
+    if (at == std::string::npos) return std::string("none");
+    const auto d = out.find("routes digest ", at);
+    return out.substr(d + 14, 16);
+  };
+  auto t2 = testing::run_cli({"check", cfg, "--rank", "trainer:2"}, 60);
+  EXPECT_EQ(digest(t2.output, "-> engine rank 2 "), digest(e.output, "<- trainer rank 2:"));
+  for (const char* bad : {"trainer:3", "engine:4", "engine", "model:0", "trainer:1x"}) {
+    auto r = testing::run_cli({"check", cfg, "--rank", bad}, 60);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_CONTAINS(r.output, std::string("--rank ") + bad);
+  }
+}
+
 TEST(ConfigCli, CheckWithTheGatherExecutorPrintsTheFullBucketPath) {
   testing::TempDir dir;
   auto r = testing::run_cli(

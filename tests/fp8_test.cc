@@ -617,12 +617,14 @@ void expect_fp8_verified(const Fp8Cell& c) {
 
 TEST(Fp8Cells, Fsdp2VllmNonColocatedChunksCutBlocks) { expect_fp8_verified({}); }
 // One trainer rank: blocks that every route holds whole are scaled in the quantizing pass, those
-// that rounds of 768 bytes split (12 rows of 64) are scaled before the refit; no collective.
+// that rounds of 768 bytes per pair split (12 rows of 64; a buffer of 1536 bytes over 2 engine
+// ranks) are scaled before the refit; no collective.
 TEST(Fp8Cells, OneTrainerRankScalesWholeBlocksInThePass) {
   TempDir dir;
   const std::string cfg = dir.write(
-      "c.yaml", "model: tiny-qwen3\npolicy: {world_size: 1}\ngeneration: {backend: vllm, tp_size: 2}\n"
-                "refit: {target_precision: fp8, buffer_size_bytes: 768, fp8: {block: [16, 16]}}\n");
+      "c.yaml",
+      "model: tiny-qwen3\npolicy: {world_size: 1}\ngeneration: {backend: vllm, tp_size: 2}\n"
+      "refit: {target_precision: fp8, buffer_size_bytes: 1536, fp8: {block: [16, 16]}}\n");
   auto r = run_cli({"run", cfg, "--steps", "2", "--verify"}, 180);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verified bit-exact against the FP8 reference quantizer (step 2)"),

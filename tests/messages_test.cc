@@ -88,11 +88,13 @@ TEST(Messages, RoundTrip) {
 
   auto h = decode_hello(encode(HelloMessage{.engine_rank = 3,
                                             .plan_hash = "0123456789abcdef",
+                                            .routes_digest = "fedcba9876543210",
                                             .total_parameters = 8190735360}),
                         "engine/3");
   ASSERT_TRUE(h.ok()) << h.status().to_string();
   EXPECT_EQ(h->engine_rank, 3);
   EXPECT_EQ(h->plan_hash, "0123456789abcdef");
+  EXPECT_EQ(h->routes_digest, "fedcba9876543210");
   EXPECT_EQ(h->total_parameters, 8190735360);
 
   auto c = decode_commit(encode(CommitMessage{.step = 2}), "trainer/1");
@@ -197,8 +199,17 @@ TEST(Messages, TableNamesEveryTypeAndItsSender) {
 
 TEST(Messages, RoutesRoundTripAndRefusal) {
   RoutesMessage m;
-  m.routes.push_back(RouteMetadata{.round = 3, .param = "model.layers.0.self_attn.qkv_proj.weight",
-                                   .row = 1, .col = 2, .rows = 3, .cols = 4, .offset = 5});
+  m.routes.push_back(RouteMetadata{.round = 3,
+                                   .param = "model.layers.0.self_attn.qkv_proj.weight",
+                                   .row = 1,
+                                   .col = 2,
+                                   .rows = 3,
+                                   .cols = 4,
+                                   .offset = 5,
+                                   .count = 128,
+                                   .param_step = 0,
+                                   .row_step = 6,
+                                   .col_step = -1});
   auto r = decode_routes(encode(m), "trainer/1");
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   ASSERT_EQ(r->routes.size(), 1u);
@@ -206,6 +217,9 @@ TEST(Messages, RoutesRoundTripAndRefusal) {
   EXPECT_EQ(r->routes[0].param, "model.layers.0.self_attn.qkv_proj.weight");
   EXPECT_EQ(r->routes[0].row, 1);
   EXPECT_EQ(r->routes[0].offset, 5);
+  EXPECT_EQ(r->routes[0].count, 128);
+  EXPECT_EQ(r->routes[0].row_step, 6);
+  EXPECT_EQ(r->routes[0].col_step, -1);
   auto j = nlohmann::json::parse(encode(m));
   j["routes"][0][4] = -3;
   auto bad = decode_routes(j.dump(), "trainer/1");

@@ -25,13 +25,13 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
   cfg.refit.timeout_s = 10;
   auto spec = load_model_spec(cfg.model);
   ASSERT_TRUE(spec.ok()) << spec.status().to_string();
-  auto setup = make_route_setup(cfg, *spec);
+  auto setup = make_trainer_route_setup(cfg, *spec, 0);
   ASSERT_TRUE(setup.ok()) << setup.status().to_string();
   auto plane = make_data_plane(cfg);
   ASSERT_TRUE(plane.ok());
 
   // The engine's region, as allocate_params lays it out, and the trainer's shards.
-  const EngineShardLayout& lay = setup->engines[0];
+  const EngineShardLayout& lay = setup->engine_layout(0);
   std::vector<TensorSlot> slots;
   for (const EngineParam& p : lay.params) slots.push_back(TensorSlot{p.name, p.shape, p.dtype});
   std::size_t total = 0;
@@ -41,7 +41,7 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
   ASSERT_TRUE(region.ok()) << region.status().to_string();
   std::vector<std::vector<float>> shard_memory;
   std::vector<void*> shards;
-  for (const LocalTensor& t : setup->trainers[0].tensors) {
+  for (const LocalTensor& t : setup->trainer.tensors) {
     shard_memory.emplace_back(static_cast<std::size_t>(matrix_shape(t.shape).numel()), 1.0f);
     shards.push_back(shard_memory.back().data());
   }
@@ -53,7 +53,7 @@ TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
   o.rank = 0;
   o.setup = &*setup;
   o.plane = plane->get();
-  o.targets = control_targets(setup->plan, 0);
+  o.targets = control_targets(*setup);
   o.target_same_host.assign(o.targets.size(), true);
   ASSERT_EQ(o.targets, std::vector<int>{0});
   auto sender = RouteSender::create(o);

@@ -3,6 +3,7 @@
 // executor (peer, p2p, gather) named by the pairs it served.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -135,6 +136,43 @@ TEST(RuntimeP2p, EmptyChunksSevenRanks) {
   auto r = run_cell({.world_size = 7, .tp = 1, .timeout_s = 30, .executor = "p2p"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
+}
+
+// Compact routes (one route for a run of experts or layers that sit one step apart on both sides):
+// verified bit-exact over peer access and point-to-point, with rounds that cut runs of experts,
+// and with the HF-name layout, whose experts are separate parameters. The trainer's log line
+// says how many blocks its routes stand for: more than the routes themselves.
+void expect_compact(const Cell& c, const std::string& pairs) {
+  auto r = run_cell(c);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pairs by executor: " + pairs), std::string::npos) << r.output;
+  const auto at = r.output.find("this rank sends ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  long long routes = 0, blocks = 0;
+  ASSERT_EQ(std::sscanf(r.output.c_str() + at, "this rank sends %lld routes (%lld blocks)", &routes,
+                        &blocks),
+            2)
+      << r.output.substr(at, 120);
+  EXPECT_GT(blocks, 2 * routes) << r.output.substr(at, 120);
+}
+TEST(RuntimeCompactRoutes, MoeP2pRoundsCutRunsOfExperts) {
+  expect_compact({.model = "tiny-moe", .world_size = 3, .num_engines = 2, .tp = 2,
+                  .buffer = 4096, .executor = "p2p"},
+                 "peer 0, p2p 12");
+}
+TEST(RuntimeCompactRoutes, MoePeerVllm) {
+  expect_compact({.model = "tiny-moe", .engine = "vllm", .world_size = 3, .tp = 2},
+                 "peer 6, p2p 0");
+}
+TEST(RuntimeCompactRoutes, MoeHfLayoutP2p) {
+  expect_compact({.model = "tiny-moe", .world_size = 2, .tp = 2, .buffer = 4096,
+                  .executor = "p2p", .layout = "hf"},
+                 "peer 0, p2p 4");
+}
+TEST(RuntimeCompactRoutes, MoeHfLayoutPeerChecksummed) {
+  expect_compact({.model = "tiny-moe", .world_size = 2, .tp = 2, .checksum = true, .layout = "hf"},
+                 "peer 4, p2p 0");
 }
 
 // Peer access: trainer ranks write every engine rank's exported parameters in place.

@@ -93,6 +93,9 @@ TEST(RuntimeReport, RanksArrayShowsShardSizedReceives) {
       sent += rank.at("bytes_sent").get<long long>();
       received += rank.at("bytes_received").get<long long>();
       const int pairs = rank.at("peer_pairs").get<int>() + rank.at("p2p_pairs").get<int>();
+      // Every rank derived its own view of the plan at setup, and says what it holds.
+      EXPECT_GT(rank.at("setup_seconds").get<double>(), 0) << rank.dump();
+      EXPECT_GT(rank.at("plan_bytes").get<long long>(), 0) << rank.dump();
       if (trainer) {
         ++trainers;
         pairs_t += pairs;

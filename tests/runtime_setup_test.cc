@@ -1,5 +1,5 @@
-// Setup-time refusals of `refit run`, before any refit: a vLLM plan-hash mismatch, ranks of two
-// refit versions, an invalid config, and faults the run could never reach.
+// Setup-time refusals of `refit run`, before any refit: a vLLM plan-hash mismatch, a pair whose
+// two ranks derive different routes, ranks of two refit versions, an invalid config, and faults the run could never reach.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -27,6 +27,23 @@ TEST(RuntimeSetup, VllmPlanHashMismatchIsRefused) {
       run_cell({.engine = "vllm", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("manifest mismatch"), std::string::npos) << r.output;
+}
+
+// The transfer plan with SGLang engines (which compare no plan hash): each engine rank announces
+// a wrong digest of every pair's routes, and every pair refuses at setup, naming both ranks.
+TEST(RuntimeSetup, RoutesDigestMismatchIsRefusedNamingBothRanks) {
+  auto r =
+      run_cell({.engine = "sglang", .timeout_s = 5}, {"--steps", "1", "--fault", "plan-mismatch"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("setup: transfer plan mismatch: trainer rank "), std::string::npos)
+      << r.output;
+  EXPECT_TRUE(r.output.find("and engine rank 0 (engine 0 tp rank 0) derived different routes") !=
+                  std::string::npos ||
+              r.output.find("and engine rank 1 (engine 0 tp rank 1) derived different routes") !=
+                  std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("0000000000000000 on engine rank"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 1/1"), std::string::npos) << "no refit may run: " << r.output;
 }
 
 // Two ranks of different refit versions: the engine announces "<version>+mismatch" in its hello

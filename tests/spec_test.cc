@@ -31,6 +31,8 @@ INSTANTIATE_TEST_SUITE_P(Presets, PresetTotals,
                                            Published{"llama-3.2-1b", 1'235'814'400, 146},
                                            Published{"mistral-7b", 7'241'732'096, 291},
                                            Published{"qwen3-30b-a3b", 30'532'122'624, 18'867},
+                                           // Model card: 235B total, 234B non-embedding.
+                                           Published{"qwen3-235b-a22b", 235'094'634'560, 36'945},
                                            Published{"gemma-2-2b", 2'614'341'888, 288},
                                            Published{"gemma-3-1b", 999'885'952, 340},
                                            Published{"phi-3-mini", 3'821'079'552, 195},
@@ -169,6 +171,29 @@ TEST(Spec, DeepseekConfigsTheEnginesDoNotServeAreRefused) {
     ASSERT_FALSE(r.ok()) << c.extra;
     EXPECT_NE(r.status().message().find(c.words), std::string::npos) << r.status().message();
   }
+}
+
+// Qwen/Qwen3-235B-A22B's model card: 235B parameters, 234B of them non-embedding, 22B activated
+// (8 of 128 experts per token), 94 layers, 64 query and 4 key/value heads, 128 experts.
+TEST(Spec, Qwen3_235bMatchesItsModelCard) {
+  auto spec = load_model_spec("qwen3-235b-a22b");
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  const ModelConfig& c = spec->config();
+  EXPECT_EQ(c.num_layers, 94);
+  EXPECT_EQ(c.num_heads, 64);
+  EXPECT_EQ(c.num_kv_heads, 4);
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  std::int64_t embedding = 0, experts = 0;
+  for (const TensorSpec& t : spec->tensors()) {
+    if (t.role == ParamRole::kEmbedding || t.role == ParamRole::kLmHead) embedding += t.numel();
+    if (t.expert >= 0) experts += t.numel();
+  }
+  const double total = static_cast<double>(spec->total_parameters());
+  const double active = total - static_cast<double>(experts) * (1.0 - 8.0 / 128.0);
+  EXPECT_NEAR(total / 1e9, 235, 0.5);
+  EXPECT_NEAR((total - static_cast<double>(embedding)) / 1e9, 234, 0.5);
+  EXPECT_NEAR(active / 1e9, 22, 0.5);
 }
 
 TEST(Spec, Qwen2HasBiasAndDerivedHeadDim) {

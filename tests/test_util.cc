@@ -119,7 +119,7 @@ std::string config_yaml(const RunConfig& c) {
       << ", ep: " << c.megatron_ep << "}\n";
   y << "generation:\n  backend: " << c.engine
     << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
-    << "\n  tp_size: " << c.tp << "\n"
+    << "\n  tp_size: " << c.tp << "\n  layout: " << c.layout << "\n"
     << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
     << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s
     << "\n  executor: " << c.executor << "\n  checksum: " << (c.checksum ? "true" : "false")

@@ -73,6 +73,7 @@ struct RunConfig {
   std::uint64_t seed = 7;
   std::string backend = "fsdp2";  // policy.backend; megatron writes policy.megatron below
   int megatron_tp = 1, megatron_pp = 1, megatron_ep = 1;
+  std::string layout = "fused";  // generation.layout
 };
 // The config file's text: every key of `c` (docs/config.md).
 std::string config_yaml(const RunConfig& c);

@@ -111,6 +111,10 @@ struct RankTraffic {
   // by point-to-point.
   int peer_pairs = 0;
   int p2p_pairs = 0;
+  // Seconds the rank spent in setup (Trainer::create / Engine::create), and the heap its view of
+  // the transfer plan holds (0 with executor gather).
+  double setup_seconds = 0;
+  std::int64_t plan_bytes = 0;
   bool operator==(const RankTraffic&) const = default;
 };
 

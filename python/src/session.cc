@@ -286,6 +286,8 @@ class PyTrainer {
       d["bytes_received"] = x.bytes_received;
       d["peer_pairs"] = x.peer_pairs;
       d["p2p_pairs"] = x.p2p_pairs;
+      d["setup_seconds"] = x.setup_seconds;
+      d["plan_bytes"] = x.plan_bytes;
       out.append(std::move(d));
     }
     return out;
@@ -675,8 +677,8 @@ The last refit: {"seconds", "unshard_s", "cast_pack_s", "transfer_s", "apply_s" 
 )doc")
       .def("traffic", &PyTrainer::traffic, R"doc(
 Every rank's traffic in the last refit, trainer ranks then engine ranks: a list of {"role"
-("trainer" | "engine"), "rank", "bytes_sent", "bytes_received", "peer_pairs", "p2p_pairs"}, as
-each rank recorded it on the control plane. The GIL is released while it reads them.
+("trainer" | "engine"), "rank", "bytes_sent", "bytes_received", "peer_pairs", "p2p_pairs",
+"setup_seconds", "plan_bytes"}, as each rank recorded it on the control plane. The GIL is released while it reads them.
 )doc")
       .def_property_readonly(
           "bytes_per_refit",

@@ -27,7 +27,32 @@ std::string cell_label(const MatrixCell& cell) {
 
 std::string mb(std::int64_t bytes) { return fmt::format("{:.3f} MB", static_cast<double>(bytes) / 1e6); }
 
-// The transfer plan: per trainer/engine pair, the executor and the bytes; per rank, the totals.
+std::string pair_executor_text(const Config& c) {
+  switch (c.refit.executor) {
+    case Executor::kAuto:
+      return needs_p2p_group(c) ? "peer on one host (refit run: every pair), p2p across hosts"
+                                : "peer (CUDA IPC; colocated ranks share GPUs)";
+    case Executor::kPeer:
+      return "peer";
+    case Executor::kP2p:
+      return "p2p";
+    case Executor::kGather:
+      break;
+  }
+  return "";
+}
+
+std::string engine_name(const Config& c, int g) {
+  return fmt::format("engine rank {} (engine {} tp rank {})", g, g / c.generation.tp_size,
+                     g % c.generation.tp_size);
+}
+
+// Plans of at most this many pairs print every pair's bytes; larger ones print per-rank totals.
+constexpr std::size_t kPairLinesUpTo = 256;
+
+// The transfer plan, streamed: every trainer rank's view in turn (each pair lives in exactly one),
+// with per-rank totals; then every engine rank's own view, whose pair digests must equal the
+// trainer side's — what every pair checks at setup.
 void print_transfer_plan(const Config& c, const ModelSpec& spec) {
   if (!uses_transfer_plan(c)) {
     print(fmt::format(
@@ -38,48 +63,183 @@ void print_transfer_plan(const Config& c, const ModelSpec& spec) {
             : "handed over through the colocated trainer rank's ipc slots"));
     return;
   }
-  auto routes = make_route_setup(c, spec);
-  exit_if_error(routes.status(), kExitSetup);
-  const TransferPlan& plan = routes->plan;
-  std::string pair_executor;
-  switch (c.refit.executor) {
-    case Executor::kAuto:
-      pair_executor = needs_p2p_group(c)
-                          ? "peer on one host (refit run: every pair), p2p across hosts"
-                          : "peer (CUDA IPC; colocated ranks share GPUs)";
-      break;
-    case Executor::kPeer:
-      pair_executor = "peer";
-      break;
-    case Executor::kP2p:
-      pair_executor = "p2p";
-      break;
-    case Executor::kGather:
-      break;
+  auto inputs = PlanInputs::create(c, spec);
+  exit_if_error(inputs.status(), kExitSetup);
+  PlanInputs& in = **inputs;
+  print(fmt::format(
+      "transfer plan {:016x}: at most {} bytes per pair and round "
+      "(refit.buffer_size_bytes / max(trainer ranks, engine ranks)); executor {}: "
+      "{}\n",
+      in.identity(), in.pair_budget(), executor_name(c.refit.executor), pair_executor_text(c)));
+  const auto E = static_cast<std::size_t>(in.engine_ranks());
+  struct EngineTotals {
+    std::int64_t bytes = 0;
+    std::size_t sources = 0, routes = 0;
+    int rounds = 0;
+  };
+  std::vector<EngineTotals> engines(E);
+  std::vector<std::vector<std::pair<int, std::uint64_t>>> digests(E);  // per engine: (trainer, d)
+  std::size_t pairs = 0, routes = 0, heaviest_routes = 0;
+  int rounds = 0, heaviest = 0;
+  std::int64_t fp8_in_pass = 0, fp8_before = 0;
+  struct TrainerTotals {
+    std::int64_t bytes = 0;
+    std::size_t targets = 0, routes = 0, heap = 0;
+    int rounds = 0;
+  };
+  std::vector<TrainerTotals> trainers(static_cast<std::size_t>(in.trainer_ranks()));
+  std::vector<std::string> pair_lines;
+  for (int r = 0; r < in.trainer_ranks(); ++r) {
+    // FP8 marks need the rank's own layout (what the rank derives at setup); the rest its view.
+    Result<RouteSetup> setup =
+        in.wire().fp8 ? make_trainer_route_setup(*inputs, r) : Result<RouteSetup>(RouteSetup{});
+    exit_if_error(setup.status(), kExitSetup);
+    if (!in.wire().fp8) {
+      auto view = trainer_view(in, r);
+      exit_if_error(view.status(), kExitSetup);
+      setup->view = std::move(view).value();
+    }
+    const PlanView& v = setup->view;
+    fp8_in_pass += setup->fp8_blocks_in_pass;
+    fp8_before += setup->fp8_blocks_before;
+    for (const PairPlan& p : v.pairs) {
+      EngineTotals& e = engines[static_cast<std::size_t>(p.engine)];
+      e.bytes += p.bytes;
+      e.sources += 1;
+      e.routes += p.routes.size();
+      e.rounds = std::max(e.rounds, p.rounds());
+      digests[static_cast<std::size_t>(p.engine)].emplace_back(r, p.digest);
+      if (pair_lines.size() <= kPairLinesUpTo)
+        pair_lines.push_back(
+            fmt::format("  trainer rank {} -> {}: {}\n", r, engine_name(c, p.engine), mb(p.bytes)));
+    }
+    trainers[static_cast<std::size_t>(r)] = TrainerTotals{.bytes = v.bytes,
+                                                          .targets = v.pairs.size(),
+                                                          .routes = v.routes(),
+                                                          .heap = v.heap_bytes(),
+                                                          .rounds = v.rounds};
+    pairs += v.pairs.size();
+    routes += v.routes();
+    rounds = std::max(rounds, v.rounds);
+    if (v.routes() > heaviest_routes) heaviest_routes = v.routes(), heaviest = r;
   }
-  print(fmt::format("transfer plan {}: {} routes in {} round(s) of <= {} bytes per rank; "
-                    "executor {}: {}\n",
-                    plan.hash_hex(), plan.routes.size(), plan.rounds, plan.buffer_bytes,
-                    executor_name(c.refit.executor), pair_executor));
-  for (int r = 0; r < plan.trainer_ranks; ++r)
-    for (int g : plan.targets_of(r))
-      print(fmt::format("  trainer rank {} -> engine rank {} (engine {} tp rank {}): {}\n", r, g,
-                        g / c.generation.tp_size, g % c.generation.tp_size,
-                        mb(plan.pair_bytes(r, g))));
-  for (int r = 0; r < plan.trainer_ranks; ++r)
-    print(fmt::format("  trainer rank {} sends {}\n", r,
-                      mb(plan.trainer_bytes[static_cast<std::size_t>(r)])));
-  if (routes->wire.fp8) print("  " + fp8_plan_summary(*routes) + "\n");
-  const std::int64_t model_bytes = routes->wire.payload_bytes();
-  for (int g = 0; g < plan.engine_ranks; ++g) {
-    const std::int64_t b = plan.engine_bytes[static_cast<std::size_t>(g)];
-    print(fmt::format("  engine rank {} receives {} ({:.3f} of the model)\n", g, mb(b),
-                      model_bytes > 0 ? static_cast<double>(b) / static_cast<double>(model_bytes)
-                                      : 0.0));
+  if (pairs <= kPairLinesUpTo)
+    for (const std::string& l : pair_lines) print(l);
+  else
+    print(fmt::format("  {} pairs (per pair: refit check --rank trainer:R or engine:G)\n", pairs));
+  for (int r = 0; r < in.trainer_ranks(); ++r) {
+    const TrainerTotals& t = trainers[static_cast<std::size_t>(r)];
+    print(fmt::format(
+        "  trainer rank {} sends {} to {} engine rank(s): {} routes in {} round(s), "
+        "plan view {}\n",
+        r, mb(t.bytes), t.targets, t.routes, t.rounds, mb(static_cast<std::int64_t>(t.heap))));
+  }
+  if (const auto& f = in.wire().fp8)
+    print("  " + fp8_plan_summary(*f, fp8_in_pass, fp8_before) + "\n");
+  const std::int64_t model_bytes = in.wire().payload_bytes();
+  std::size_t heaviest_engine_routes = 0;
+  int heaviest_engine = 0;
+  for (int g = 0; g < in.engine_ranks(); ++g) {
+    auto v = engine_view(in, g);
+    exit_if_error(v.status(), kExitSetup);
+    const EngineTotals& t = engines[static_cast<std::size_t>(g)];
+    const auto& want = digests[static_cast<std::size_t>(g)];
+    bool same = v->pairs.size() == want.size() && v->bytes == t.bytes;
+    for (std::size_t i = 0; same && i < want.size(); ++i)
+      same = v->pairs[i].trainer == want[i].first && v->pairs[i].digest == want[i].second;
+    if (!same)
+      throw CliExit(kExitSetup,
+                    fmt::format("internal: {}'s view of its pairs differs from its trainer ranks' "
+                                "views (a bug in the plan; please report it)",
+                                engine_name(c, g)));
+    if (v->routes() > heaviest_engine_routes)
+      heaviest_engine_routes = v->routes(), heaviest_engine = g;
+    print(fmt::format(
+        "  engine rank {} receives {} ({:.3f} of the model) from {} trainer rank(s): "
+        "{} routes in {} round(s), plan view {}\n",
+        g, mb(t.bytes),
+        model_bytes > 0 ? static_cast<double>(t.bytes) / static_cast<double>(model_bytes) : 0.0,
+        t.sources, t.routes, t.rounds, mb(static_cast<std::int64_t>(v->heap_bytes()))));
+  }
+  print(fmt::format(
+      "plan: {} routes over {} pairs, at most {} round(s); the most routes: trainer "
+      "rank {} ({}), engine rank {} ({}); every pair's routes agree on both sides\n",
+      routes, pairs, rounds, heaviest, heaviest_routes, heaviest_engine, heaviest_engine_routes));
+}
+
+// One rank's view, as that rank derives it at setup: its pairs, its routes, its rounds.
+void print_rank_view(const Config& c, const ModelSpec& spec, const std::string& which) {
+  const auto colon = which.find(':');
+  const std::string role = which.substr(0, colon);
+  int rank = -1;
+  if (colon != std::string::npos) {
+    try {
+      std::size_t used = 0;
+      rank = std::stoi(which.substr(colon + 1), &used);
+      if (used != which.size() - colon - 1) rank = -1;
+    } catch (const std::exception&) {
+      rank = -1;
+    }
+  }
+  if ((role != "trainer" && role != "engine") || rank < 0)
+    throw CliExit(kExitSetup, fmt::format("--rank {}: expected trainer:R or engine:G", which));
+  if (!uses_transfer_plan(c))
+    throw CliExit(kExitSetup, fmt::format("--rank {}: refit.executor gather has no transfer plan "
+                                          "(every engine rank receives the whole model)",
+                                          which));
+  const bool trainer = role == "trainer";
+  const int limit = trainer ? c.policy.world_size : c.engine_ranks();
+  if (rank >= limit)
+    throw CliExit(
+        kExitSetup,
+        fmt::format("--rank {}: there is no {} rank {} ({} is {})", which, role, rank,
+                    trainer ? "policy.world_size" : "generation.num_engines x tp_size", limit));
+  auto setup =
+      trainer ? make_trainer_route_setup(c, spec, rank) : make_engine_route_setup(c, spec, rank);
+  exit_if_error(setup.status(), kExitSetup);
+  const PlanView& v = setup->view;
+  const std::string self = trainer ? fmt::format("trainer rank {}", rank) : engine_name(c, rank);
+  print(
+      fmt::format("{}: transfer plan {}, at most {} bytes per pair and round; derived in {:.3f} "
+                  "s, the view holds {} bytes\n",
+                  self, v.identity_hex(), v.pair_budget, setup->seconds, v.heap_bytes()));
+  print(fmt::format(
+      "  {} {} per refit {} {} {} rank(s): {} routes in {} round(s), the largest "
+      "round staging {} bytes\n",
+      trainer ? "sends" : "receives", mb(v.bytes), trainer ? "to" : "from", v.pairs.size(),
+      trainer ? "engine" : "trainer", v.routes(), v.rounds, v.max_stage_bytes));
+  if (trainer && setup->wire().fp8) print("  " + fp8_plan_summary(*setup) + "\n");
+  for (const PairPlan& p : v.pairs)
+    print(fmt::format(
+        "  {} {}: {}, {} routes in {} round(s), routes digest {}\n", trainer ? "->" : "<-",
+        trainer ? engine_name(c, p.engine) : fmt::format("trainer rank {}", p.trainer), mb(p.bytes),
+        p.routes.size(), p.rounds(), p.digest_hex()));
+  const auto& tensors = setup->wire().spec.tensors();
+  print("  routes (member 0; a count above 1 repeats it with the step):\n");
+  for (const PairPlan& p : v.pairs) {
+    const EngineShardLayout& lay = setup->engine_layout(p.engine);
+    for (const Route& r : p.routes) {
+      std::string line = fmt::format(
+          "    trainer rank {} -> engine rank {}: round {} offset {}: {} [{}, {}] {} x {}, from "
+          "{} [{}, {}] to {} [{}, {}]",
+          p.trainer, p.engine, r.round, r.segment_offset, tensors[r.hf_tensor].name, r.hf_row,
+          r.hf_col, r.rows, r.cols,
+          trainer ? setup->trainer.tensors[r.trainer_tensor].name
+                  : fmt::format("local tensor {}", r.trainer_tensor),
+          r.trainer_row, r.trainer_col, lay.params[r.engine_param].name, r.engine_row,
+          r.engine_col);
+      if (r.count > 1)
+        line += fmt::format(
+            ", x {} (step: tensor +{}, local tensor +{} at +[{}, {}], parameter "
+            "+{} at +[{}, {}])",
+            r.count, r.step.hf_tensor, r.step.trainer_tensor, r.step.trainer_row,
+            r.step.trainer_col, r.step.engine_param, r.step.engine_row, r.step.engine_col);
+      print(line + "\n");
+    }
   }
 }
 
-void run_check(const std::string& path, bool print_config) {
+void run_check(const std::string& path, bool print_config, const std::string& rank) {
   auto config = load_config_file(path);
   exit_if_error(config.status(), kExitSetup);
   // Errors after parsing carry the config path too, so every setup error names its file.
@@ -126,7 +286,10 @@ void run_check(const std::string& path, bool print_config) {
                     dtype_name(c.refit.target_precision), device_name(c.device),
                     params * static_cast<std::int64_t>(dtype_size(c.refit.target_precision)),
                     c.refit.num_buffers, c.refit.buffer_size_bytes, c.refit.timeout_s));
-  print_transfer_plan(c, *spec);
+  if (rank.empty())
+    print_transfer_plan(c, *spec);
+  else
+    print_rank_view(c, *spec, rank);
   if (c.device == Device::kCuda)
     print(
         "note: this build has CUDA; whether enough GPUs are present is checked when ranks start\n");
@@ -226,7 +389,11 @@ void add_check_commands(CLI::App& app) {
   check->add_option("CONFIG", *path, "YAML config file (docs/config.md)")->required();
   check->add_flag("--print-config", *print_config,
                   "also print the resolved config (every key, defaults filled in)");
-  check->callback([path, print_config] { run_check(*path, *print_config); });
+  auto rank = std::make_shared<std::string>();
+  check->add_option("--rank", *rank,
+                    "print one rank's view of the transfer plan, as it derives it at setup: "
+                    "trainer:R or engine:G");
+  check->callback([path, print_config, rank] { run_check(*path, *print_config, *rank); });
 
   auto as_json = std::make_shared<bool>(false);
   auto* matrix = app.add_subcommand("matrix", "Print the support matrix as this build knows it");

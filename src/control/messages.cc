@@ -192,6 +192,7 @@ std::string encode(const HelloMessage& m) {
   return dump({{"refit_version", m.refit_version},
                {"engine_rank", m.engine_rank},
                {"plan_hash", m.plan_hash},
+               {"routes_digest", m.routes_digest},
                {"total_parameters", m.total_parameters},
                {"settings", m.settings}});
 }
@@ -282,7 +283,8 @@ std::string encode(const LeavingMessage&) { return dump(Json::object()); }
 std::string encode(const RoutesMessage& m) {
   Json routes = Json::array();
   for (const RouteMetadata& r : m.routes)
-    routes.push_back(Json::array({r.round, r.param, r.row, r.col, r.rows, r.cols, r.offset}));
+    routes.push_back(Json::array({r.round, r.param, r.row, r.col, r.rows, r.cols, r.offset, r.count,
+                                  r.param_step, r.row_step, r.col_step}));
   return dump({{"routes", std::move(routes)}});
 }
 
@@ -295,12 +297,13 @@ Result<RoutesMessage> decode_routes(const std::string& payload, const std::strin
   RoutesMessage m;
   for (std::size_t i = 0; i < it->size(); ++i) {
     const Json& e = (*it)[i];
-    bool ok = e.is_array() && e.size() == 7 && e[0].is_number_integer() && e[1].is_string();
-    for (std::size_t k = 2; ok && k < 7; ++k) ok = e[k].is_number_integer() && e[k].get<std::int64_t>() >= 0;
+    bool ok = e.is_array() && e.size() == 11 && e[0].is_number_integer() && e[1].is_string();
+    for (std::size_t k = 2; ok && k < 11; ++k)
+      ok = e[k].is_number_integer() && (k >= 8 || e[k].get<std::int64_t>() >= 0);
     if (!ok || e[0].get<std::int64_t>() < 0)
       return protocol_error(fmt::format(
-          "routes message from {}: route {} is not [round, param, row, col, rows, cols, offset] "
-          "with non-negative integers",
+          "routes message from {}: route {} is not [round, param, row, col, rows, cols, offset, "
+          "count, param_step, row_step, col_step] with integers (non-negative up to count)",
           from, i));
     m.routes.push_back(RouteMetadata{.round = e[0].get<int>(),
                                      .param = e[1].get<std::string>(),
@@ -308,7 +311,11 @@ Result<RoutesMessage> decode_routes(const std::string& payload, const std::strin
                                      .col = e[3].get<std::int64_t>(),
                                      .rows = e[4].get<std::int64_t>(),
                                      .cols = e[5].get<std::int64_t>(),
-                                     .offset = e[6].get<std::int64_t>()});
+                                     .offset = e[6].get<std::int64_t>(),
+                                     .count = e[7].get<std::int64_t>(),
+                                     .param_step = e[8].get<std::int64_t>(),
+                                     .row_step = e[9].get<std::int64_t>(),
+                                     .col_step = e[10].get<std::int64_t>()});
   }
   return m;
 }
@@ -319,6 +326,7 @@ Result<HelloMessage> decode_hello(const std::string& payload, const std::string&
   r.get("refit_version", m.refit_version);
   r.get("engine_rank", m.engine_rank);
   r.get("plan_hash", m.plan_hash);
+  r.get("routes_digest", m.routes_digest);
   r.get("total_parameters", m.total_parameters);
   r.get("settings", m.settings);
   if (!r.status().ok()) return r.status();

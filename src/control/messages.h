@@ -31,6 +31,9 @@ struct HelloMessage {
   std::string refit_version = version();  // the sender's refit (REFIT_VERSION_STRING)
   int engine_rank = 0;
   std::string plan_hash;              // the plan the engine derived (vLLM: must equal the trainer's)
+  // Transfer plan: the digest of the routes of the pair this hello goes to, as the engine derived
+  // them (the trainer rank compares its own).
+  std::string routes_digest;
   std::int64_t total_parameters = 0;  // of the model the engine loaded
   // Every setting both sides must agree on, by config key (runtime/agreement.h).
   std::map<std::string, std::string> settings;
@@ -56,6 +59,10 @@ struct RouteMetadata {
   std::int64_t row = 0, col = 0;  // top-left in the parameter
   std::int64_t rows = 0, cols = 0;
   std::int64_t offset = 0;  // bytes from the start of its segment
+  // Members of a compact route: member j writes parameter (param's index + j * param_step) at
+  // (row + j * row_step, col + j * col_step), right after member j - 1.
+  std::int64_t count = 1;
+  std::int64_t param_step = 0, row_step = 0, col_step = 0;
 };
 struct RoutesMessage {
   std::vector<RouteMetadata> routes;

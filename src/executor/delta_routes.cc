@@ -34,48 +34,54 @@ PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int 
                                      const std::byte* segment, const std::vector<void*>* params,
                                      int round) {
   PairDeltaRoutes out;
-  const EngineShardLayout& layout =
-      setup.engines[static_cast<std::size_t>(engine) % setup.engines.size()];
+  const PlanView& view = setup.view;
+  const PairPlan* pair = view.pair_with(engine);
+  if (!view.trainer_side || view.rank != trainer || pair == nullptr) return out;
+  const EngineShardLayout& layout = setup.engine_layout(engine);
   const std::vector<std::int64_t> base = key_bases(layout);
-  const TrainerShardLayout& mine = setup.trainers[static_cast<std::size_t>(trainer)];
-  const std::optional<Fp8Table>& f = setup.wire.fp8;
+  const TrainerShardLayout& mine = setup.trainer;
+  const WireModel& wire = setup.wire();
+  const std::optional<Fp8Table>& f = wire.fp8;
   std::uint32_t tag = 0;
-  for (const auto& segments : setup.plan.segments)
-    for (const Segment& s : segments) {
-      if (s.trainer != trainer || s.engine != engine) continue;
-      for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q, ++tag) {
-        const Route& r = setup.plan.routes[q];
-        const std::int64_t pcols = matrix_shape(layout.params[r.engine_param].shape).cols;
-        out.names.push_back(
-            rectangle(setup.wire.spec.tensors()[r.hf_tensor].name, r, r.hf_row, r.hf_col));
-        if (round >= 0 && r.round != round) continue;
-        DeltaRoute d;
-        d.wire_dtype = setup.plan.dtype_of(r);
-        d.block.rows = r.rows;
-        d.block.cols = r.cols;
-        if (source == DeltaSource::kShards) {
-          const std::int64_t tcols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-          d.src = shards != nullptr ? static_cast<const std::byte*>((*shards)[r.trainer_tensor])
-                                    : nullptr;
-          d.src_dtype = f && f->is_scale(r.hf_tensor) ? DType::kFloat32 : policy;
-          d.block.src_offset = r.trainer_row * tcols + r.trainer_col;
-          d.block.src_stride = tcols;
-        } else {
-          d.src = segment != nullptr ? segment + r.segment_offset : nullptr;
-          d.src_dtype = d.wire_dtype;
-          d.block.src_offset = 0;
-          d.block.src_stride = r.cols;
-        }
-        if (params != nullptr) d.dst = static_cast<std::byte*>((*params)[r.engine_param]);
-        d.block.dst_offset = r.engine_row * pcols + r.engine_col;
-        d.block.dst_stride = pcols;
-        d.key =
-            static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
-        d.key_stride = pcols;
-        d.tag = tag;
-        out.routes.push_back(d);
+  // Slice by slice in the pair's order (the order of the engine's IncomingRoutes), each compact
+  // slice member by member, where the p2p sender packs them.
+  for_each_slice(view, *pair, [&](const Route& slice) {
+    const DType wire_dtype = view.dtype_of(slice);
+    const auto esize = static_cast<std::int64_t>(dtype_size(wire_dtype));
+    std::int64_t at = slice.segment_offset;
+    for (std::int32_t j = 0; j < slice.count; ++j, ++tag) {
+      const Route r = slice.member(j);
+      const std::int64_t here = at;
+      at += r.numel() * esize;
+      const std::int64_t pcols = matrix_shape(layout.params[r.engine_param].shape).cols;
+      out.names.push_back(rectangle(wire.spec.tensors()[r.hf_tensor].name, r, r.hf_row, r.hf_col));
+      if (round >= 0 && slice.round != round) continue;
+      DeltaRoute d;
+      d.wire_dtype = wire_dtype;
+      d.block.rows = r.rows;
+      d.block.cols = r.cols;
+      if (source == DeltaSource::kShards) {
+        const std::int64_t tcols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+        d.src =
+            shards != nullptr ? static_cast<const std::byte*>((*shards)[r.trainer_tensor]) : nullptr;
+        d.src_dtype = f && f->is_scale(r.hf_tensor) ? DType::kFloat32 : policy;
+        d.block.src_offset = r.trainer_row * tcols + r.trainer_col;
+        d.block.src_stride = tcols;
+      } else {
+        d.src = segment != nullptr ? segment + here : nullptr;
+        d.src_dtype = d.wire_dtype;
+        d.block.src_offset = 0;
+        d.block.src_stride = r.cols;
       }
+      if (params != nullptr) d.dst = static_cast<std::byte*>((*params)[r.engine_param]);
+      d.block.dst_offset = r.engine_row * pcols + r.engine_col;
+      d.block.dst_stride = pcols;
+      d.key = static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
+      d.key_stride = pcols;
+      d.tag = tag;
+      out.routes.push_back(d);
     }
+  });
   assign_kept_offsets(out.routes);
   return out;
 }
@@ -85,17 +91,15 @@ PairDeltaRoutes engine_delta_routes(const IncomingRoutes& in, const EngineShardL
   PairDeltaRoutes out;
   const std::vector<std::int64_t> base = key_bases(layout);
   std::uint32_t tag = 0;
-  for (std::size_t k = 0; k < in.rounds.size(); ++k)
-    for (const IncomingSegment& seg : in.rounds[k]) {
-      if (seg.trainer != trainer) continue;
-      for (const Route& r : seg.routes) {
+  for (const IncomingPair& pair : in.pairs) {
+    if (pair.trainer != trainer) continue;
+    for_each_incoming_slice(pair, in.pair_budget, layout, [&](const Route& slice) {
+      for (std::int32_t j = 0; j < slice.count; ++j, ++tag) {
+        const Route r = slice.member(j);
         const EngineParam& p = layout.params[r.engine_param];
         const std::int64_t pcols = matrix_shape(p.shape).cols;
         out.names.push_back(rectangle(p.name, r, r.engine_row, r.engine_col));
-        if (round >= 0 && static_cast<int>(k) != round) {
-          ++tag;
-          continue;
-        }
+        if (round >= 0 && slice.round != round) continue;
         DeltaRoute d;
         d.wire_dtype = p.dtype;
         d.src_dtype = p.dtype;
@@ -109,10 +113,11 @@ PairDeltaRoutes engine_delta_routes(const IncomingRoutes& in, const EngineShardL
         d.key =
             static_cast<std::uint64_t>(base[r.engine_param] + r.engine_row * pcols + r.engine_col);
         d.key_stride = pcols;
-        d.tag = tag++;
+        d.tag = tag;
         out.routes.push_back(d);
       }
-    }
+    });
+  }
   return out;
 }
 

@@ -3,9 +3,9 @@
 // keys, so that a stream one side encodes is the list the other side applies (docs/delta.md,
 // "Wiring").
 //
-// Order: round by round, the pair's segment routes in plan order (the order of the engine's
-// IncomingRoutes). Tag: the route's index in that order over every round, so that a list of one
-// round's routes keeps the tags of the pair's list. Keys: the route's elements' positions in the
+// Order: the pair's slices in its order (for_each_slice: round by round, the order of the
+// engine's IncomingRoutes), a compact slice member by member. Tag: the member's index in that
+// order over every round, so that a list of one round's routes keeps the tags of the pair's list. Keys: the route's elements' positions in the
 // engine rank's parameters (every parameter numbered from the first's, in layout order): the keys
 // of refit.checksum (executor/routes.h), so a list's digest is the refit checksum of its elements.
 #pragma once
@@ -38,7 +38,8 @@ enum class DeltaSource {
   kSegment,
 };
 
-// Trainer rank `trainer`'s routes to engine rank `engine` (all rounds, or only `round` >= 0).
+// Trainer rank `trainer`'s routes to engine rank `engine` (all rounds, or only `round` >= 0), from
+// that trainer rank's setup (`setup`; empty for another rank's, or an engine it does not feed).
 // src as `source` says; dst = engine rank `engine`'s parameters `params` when given (peer access:
 // patch), else null.
 PairDeltaRoutes trainer_delta_routes(const RouteSetup& setup, DType policy, int trainer, int engine,

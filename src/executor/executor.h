@@ -56,6 +56,11 @@ class TrainerExecutor {
   // Setup: what target `i` must know before the first refit (SGLang protocol on the transfer
   // plan: every route this rank sends it); nullopt for nothing.
   virtual std::optional<RoutesMessage> routes_for(std::size_t /*i*/) const { return std::nullopt; }
+  // Setup: what the executor checks of target `i`'s hello (the transfer plan: the target's
+  // digest of the pair's routes equals this rank's).
+  virtual Status check_hello(std::size_t /*i*/, const HelloMessage& /*hello*/) const {
+    return Status::Ok();
+  }
   // Every target said hello (setup is complete on their side): setup-time names may go.
   virtual void targets_attached() {}
   // What the executor adds to target `i`'s begin: gather, the bucket count.
@@ -99,9 +104,13 @@ class TrainerExecutor {
     return Status::Unsupported("a refit that failed in flight ends the session with this executor");
   }
   void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
+  // The seconds this rank's setup took (Trainer::create / Engine::create), which traffic()
+  // reports.
+  void set_setup_seconds(double seconds) { setup_seconds_ = seconds; }
 
  protected:
   RefitProbe* probe_ = &RefitProbe::none();
+  double setup_seconds_ = 0;
 };
 
 // One engine rank's side.
@@ -115,6 +124,9 @@ class EngineExecutor {
   // once it paused).
   virtual bool pause_handshake() const = 0;
   virtual std::string plan_hash() const = 0;
+  // Transfer plan: this rank's digest of the routes feeders()[i] sends it ("" with gather), for
+  // the hello to that feeder.
+  virtual std::string routes_digest(std::size_t /*i*/) const { return {}; }
   // Setup: whether the feeders send their route metadata (SGLang protocol on the transfer plan),
   // and what they sent, one per feeder in feeders() order.
   virtual bool wants_routes() const { return false; }
@@ -145,9 +157,13 @@ class EngineExecutor {
     return Status::Unsupported("a refit that failed in flight ends the session with this executor");
   }
   void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
+  // The seconds this rank's setup took (Trainer::create / Engine::create), which traffic()
+  // reports.
+  void set_setup_seconds(double seconds) { setup_seconds_ = seconds; }
 
  protected:
   RefitProbe* probe_ = &RefitProbe::none();
+  double setup_seconds_ = 0;
 };
 
 // Forms a group of the run (name, this process's rank, size) on the rank's data plane.

@@ -51,7 +51,8 @@ class GatherReceiver final : public EngineExecutor {
   RankTraffic traffic() const override {
     return RankTraffic{.role = "engine",
                        .rank = o_.engine_rank,
-                       .bytes_received = o_.model->plan.payload_bytes};
+                       .bytes_received = o_.model->plan.payload_bytes,
+                       .setup_seconds = setup_seconds_};
   }
   double apply_seconds() const override { return apply_seconds_; }
   void abort() override;

@@ -46,7 +46,11 @@ class GatherSender final : public TrainerExecutor {
   Status send(const BeginMessage& begin, const std::vector<void*>& shards,
               TransferTimes& times) override;
   void invalidate() override { bucket_runs_.clear(); }
-  RankTraffic traffic() const override { return traffic_; }
+  RankTraffic traffic() const override {
+    RankTraffic t = traffic_;
+    t.setup_seconds = setup_seconds_;
+    return t;
+  }
   void abort() override;
 
  private:

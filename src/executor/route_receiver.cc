@@ -38,12 +38,11 @@ Status RouteReceiver::prepare(bool params_exported) {
 }
 
 // Per round with point-to-point segments: one receive per source into the round's slot (laid out
-// by source) and the scatter of those segments into the parameters.
+// by source, each aligned) and the scatter of those segments into the parameters.
 Status RouteReceiver::build(const std::vector<void*>& params) {
   const IncomingRoutes& in = o_.incoming;
   const int g = o_.engine_rank;
-  const EngineShardLayout& lay =
-      o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
+  const EngineShardLayout& lay = o_.setup->engine_layout(g);
   const auto nslots = static_cast<std::size_t>(o_.config->refit.num_buffers);
   if (slots_.empty())
     for (std::size_t s = 0; s < nslots; ++s) {
@@ -51,49 +50,72 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
                                            std::max<std::int64_t>(in.max_slot_bytes, 1))));
       slots_.push_back(std::move(buf));
     }
-  runs_.assign(in.rounds.size(), {});
-  recv_ops_.assign(in.rounds.size(), {});
-  std::size_t used = 0;  // rounds with segments so far: slots rotate over them
-  for (std::size_t k = 0; k < in.rounds.size(); ++k) {
-    std::byte* slot = slots_[used % nslots]->data();
-    std::int64_t base = 0;
-    for (const IncomingSegment& s : in.rounds[k]) {
-      const auto it = std::find(o_.sources.begin(), o_.sources.end(), s.trainer);
-      if (it == o_.sources.end())
-        return Status::Corruption(fmt::format("engine rank {}: routes from trainer rank {}, which "
-                                              "does not feed it",
-                                              g, s.trainer));
-      if (modes_[static_cast<std::size_t>(it - o_.sources.begin())] == PairExecutor::kP2p) {
-        recv_ops_[k].push_back(P2POp{.kind = P2POp::Kind::kRecv,
-                                     .peer = p2p_rank_of_trainer(s.trainer),
-                                     .buf = slot + base,
-                                     .bytes = static_cast<std::size_t>(s.bytes)});
-        for (const Route& r : s.routes) {
-          const EngineParam& p = lay.params[r.engine_param];
-          const std::int64_t dst_cols = matrix_shape(p.shape).cols;
-          const std::size_t esize = dtype_size(p.dtype);
-          runs_[k].push_back(byte_run(slot, static_cast<std::byte*>(params[r.engine_param]),
-                                      {.src_offset = (base + r.segment_offset) /
-                                                     static_cast<std::int64_t>(esize),
-                                       .src_stride = r.cols,
-                                       .dst_offset = r.engine_row * dst_cols + r.engine_col,
-                                       .dst_stride = dst_cols,
-                                       .rows = r.rows,
-                                       .cols = r.cols},
-                                      esize));
-        }
-      }
-      base += aligned_segment_bytes(s.bytes);
+  const auto rounds = static_cast<std::size_t>(in.rounds);
+  runs_.assign(rounds, {});
+  recv_ops_.assign(rounds, {});
+  // Where each source's segment of each round starts in the round's slot, and which rounds
+  // receive point-to-point.
+  std::vector<std::int64_t> next(rounds, 0);
+  std::vector<std::vector<std::int64_t>> base(in.pairs.size());
+  std::vector<bool> p2p(in.pairs.size(), false), receives(rounds, false);
+  for (std::size_t q = 0; q < in.pairs.size(); ++q) {
+    const IncomingPair& pair = in.pairs[q];
+    const auto it = std::find(o_.sources.begin(), o_.sources.end(), pair.trainer);
+    if (it == o_.sources.end())
+      return Status::Corruption(
+          fmt::format("engine rank {}: routes from trainer rank {}, which "
+                      "does not feed it",
+                      g, pair.trainer));
+    p2p[q] = modes_[static_cast<std::size_t>(it - o_.sources.begin())] == PairExecutor::kP2p;
+    for (std::size_t k = 0; k < pair.round_bytes.size(); ++k) {
+      base[q].push_back(next[k]);
+      next[k] += aligned_segment_bytes(pair.round_bytes[k]);
+      if (p2p[q]) receives[k] = true;
     }
-    if (!recv_ops_[k].empty()) ++used;
+  }
+  std::vector<std::byte*> slot(rounds, nullptr);
+  std::size_t used = 0;  // rounds with segments so far: slots rotate over them
+  for (std::size_t k = 0; k < rounds; ++k)
+    if (receives[k]) slot[k] = slots_[used++ % nslots]->data();
+  for (std::size_t q = 0; q < in.pairs.size(); ++q) {
+    if (!p2p[q]) continue;
+    const IncomingPair& pair = in.pairs[q];
+    for (std::size_t k = 0; k < pair.round_bytes.size(); ++k)
+      recv_ops_[k].push_back(P2POp{.kind = P2POp::Kind::kRecv,
+                                   .peer = p2p_rank_of_trainer(pair.trainer),
+                                   .buf = slot[k] + base[q][k],
+                                   .bytes = static_cast<std::size_t>(pair.round_bytes[k])});
+    for_each_incoming_slice(pair, in.pair_budget, lay, [&](const Route& s) {
+      const auto k = static_cast<std::size_t>(s.round);
+      std::int64_t at = base[q][k] + s.segment_offset;
+      for (std::int32_t j = 0; j < s.count; ++j) {
+        const Route r = s.member(j);
+        const EngineParam& p = lay.params[r.engine_param];
+        const std::int64_t dst_cols = matrix_shape(p.shape).cols;
+        const std::size_t esize = dtype_size(p.dtype);
+        runs_[k].push_back(byte_run(slot[k], static_cast<std::byte*>(params[r.engine_param]),
+                                    {.src_offset = at / static_cast<std::int64_t>(esize),
+                                     .src_stride = r.cols,
+                                     .dst_offset = r.engine_row * dst_cols + r.engine_col,
+                                     .dst_stride = dst_cols,
+                                     .rows = r.rows,
+                                     .cols = r.cols},
+                                    esize));
+        at += r.numel() * static_cast<std::int64_t>(esize);
+      }
+    });
   }
   return Status::Ok();
 }
 
+std::string RouteReceiver::routes_digest(std::size_t i) const {
+  return pair_routes_digest(*o_.setup, o_.sources[i]);
+}
+
 Status RouteReceiver::take_routes(const std::vector<RoutesMessage>& per_feeder) {
-  const EngineShardLayout& lay =
-      o_.setup->engines[static_cast<std::size_t>(o_.engine_rank % o_.config->generation.tp_size)];
+  const EngineShardLayout& lay = o_.setup->engine_layout(o_.engine_rank);
   IncomingRoutes in;
+  in.pair_budget = o_.setup->view.pair_budget;
   for (std::size_t i = 0; i < per_feeder.size() && i < o_.sources.size(); ++i)
     REFIT_RETURN_IF_ERROR(add_routes_metadata(in, per_feeder[i], o_.sources[i], lay));
   finish_incoming(in);
@@ -105,8 +127,7 @@ Status RouteReceiver::take_routes(const std::vector<RoutesMessage>& per_feeder) 
 
 Result<std::uint64_t> RouteReceiver::checksum_from(std::size_t i,
                                                    const std::vector<void*>& params) {
-  const EngineShardLayout& lay = o_.setup->engines[static_cast<std::size_t>(
-      o_.engine_rank % o_.config->generation.tp_size)];
+  const EngineShardLayout& lay = o_.setup->engine_layout(o_.engine_rank);
   if (checksum_runs_.empty()) {
     checksum_runs_ = engine_checksum_runs(o_.incoming, lay, params);
     checksum_runs_.try_emplace(-1);  // built, even when nothing arrives

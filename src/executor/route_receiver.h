@@ -25,9 +25,9 @@ struct RouteReceiverOptions {
   const RouteSetup* setup = nullptr;
   DataPlane* plane = nullptr;
   Communicator* p2p = nullptr;         // null when no point-to-point group exists
-  std::vector<int> sources;            // control_sources(plan, engine_rank)
+  std::vector<int> sources;            // control_sources(setup)
   std::vector<bool> source_same_host;  // per entry of sources
-  IncomingRoutes incoming;             // what arrives point-to-point (incoming_from_plan)
+  IncomingRoutes incoming;             // what arrives point-to-point (incoming_from_view)
 };
 
 class RouteReceiver final : public EngineExecutor {
@@ -36,7 +36,8 @@ class RouteReceiver final : public EngineExecutor {
 
   const std::vector<RankId>& feeders() const override { return feeders_; }
   bool pause_handshake() const override { return true; }
-  std::string plan_hash() const override { return o_.setup->plan.hash_hex(); }
+  std::string plan_hash() const override { return o_.setup->view.identity_hex(); }
+  std::string routes_digest(std::size_t i) const override;
   // SGLang protocol: each feeder says which routes it will send here, and those are what this
   // rank receives and places (its own derivation of the plan only names the feeders).
   bool wants_routes() const override {
@@ -68,7 +69,9 @@ class RouteReceiver final : public EngineExecutor {
                        .rank = o_.engine_rank,
                        .bytes_received = bytes_received_,
                        .peer_pairs = peer_sources_,
-                       .p2p_pairs = p2p_sources_};
+                       .p2p_pairs = p2p_sources_,
+                       .setup_seconds = setup_seconds_,
+                       .plan_bytes = static_cast<std::int64_t>(o_.setup->view.heap_bytes())};
   }
   double apply_seconds() const override { return apply_seconds_; }
 

@@ -50,8 +50,7 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
   Mapped& m = mapped_[i];
   if (!m.params.empty() && m.key == key) return Status::Ok();
   const int g = o_.targets[i];
-  const EngineShardLayout& lay =
-      o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
+  const EngineShardLayout& lay = o_.setup->engine_layout(g);
   const bool per_param = !direct.handles.empty();
   const std::size_t n = per_param ? direct.handles.size() : direct.offsets.size();
   if (n != lay.params.size())
@@ -102,87 +101,106 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
 // local writes and writes over the link to other devices in flight at the same time.
 void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   peer_runs_.clear();
-  const TransferPlan& plan = o_.setup->plan;
-  const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
-  const int tp = o_.config->generation.tp_size;
-  std::vector<std::pair<const Route*, std::size_t>> routes;  // route, target index
+  const PlanView& view = o_.setup->view;
+  const TrainerShardLayout& mine = o_.setup->trainer;
+  std::vector<std::pair<Route, std::size_t>> routes;  // one member each, target index
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
     if (modes_[i] != PairExecutor::kPeer) continue;
-    for (const auto& segs : plan.segments)
-      for (const Segment& s : segs)
-        if (s.trainer == o_.rank && s.engine == o_.targets[i])
-          for (std::size_t k = s.first_route; k < s.first_route + s.num_routes; ++k)
-            routes.emplace_back(&plan.routes[k], i);
+    const PairPlan* pair = view.pair_with(o_.targets[i]);
+    if (pair == nullptr) continue;
+    for (const Route& r : pair->routes)
+      for (std::int32_t j = 0; j < r.count; ++j) routes.emplace_back(r.member(j), i);
   }
   std::stable_sort(routes.begin(), routes.end(), [](const auto& a, const auto& b) {
-    return a.first->hf_tensor < b.first->hf_tensor;
+    return a.first.hf_tensor < b.first.hf_tensor;
   });
   for (const auto& [r, i] : routes) {
     const Mapped& m = mapped_.at(i);
-    const EngineShardLayout& lay =
-        o_.setup->engines[static_cast<std::size_t>(o_.targets[i] % tp)];
-    const std::int64_t src_cols = matrix_shape(mine.tensors[r->trainer_tensor].shape).cols;
-    const std::int64_t dst_cols = matrix_shape(lay.params[r->engine_param].shape).cols;
-    peer_runs_.add(*o_.setup, *r, static_cast<const std::byte*>(shards[r->trainer_tensor]),
-                   m.params[r->engine_param],
-                   {.src_offset = r->trainer_row * src_cols + r->trainer_col,
+    const EngineShardLayout& lay = o_.setup->engine_layout(o_.targets[i]);
+    const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+    const std::int64_t dst_cols = matrix_shape(lay.params[r.engine_param].shape).cols;
+    peer_runs_.add(*o_.setup, r, static_cast<const std::byte*>(shards[r.trainer_tensor]),
+                   m.params[r.engine_param],
+                   {.src_offset = r.trainer_row * src_cols + r.trainer_col,
                     .src_stride = src_cols,
-                    .dst_offset = r->engine_row * dst_cols + r->engine_col,
+                    .dst_offset = r.engine_row * dst_cols + r.engine_col,
                     .dst_stride = dst_cols,
-                    .rows = r->rows,
-                    .cols = r->cols},
+                    .rows = r.rows,
+                    .cols = r.cols},
                    scales_.get());
   }
 }
 
 // Per round: this rank's routes to p2p targets, cast into their segments of the round's staging
-// slot, and one send per segment. Rounds this rank sends in take the slots in turn.
+// slot (by engine rank, each aligned), and one send per segment. Rounds this rank sends in take
+// the slots in turn.
 void RouteSender::build_pack_runs(const std::vector<void*>& shards) {
-  const TransferPlan& plan = o_.setup->plan;
-  const TrainerShardLayout& mine = o_.setup->trainers[static_cast<std::size_t>(o_.rank)];
-  pack_runs_.assign(static_cast<std::size_t>(plan.rounds), {});
-  send_ops_.assign(static_cast<std::size_t>(plan.rounds), {});
-  std::size_t used = 0;  // rounds with sends so far
-  for (int k = 0; k < plan.rounds; ++k) {
-    const auto kk = static_cast<std::size_t>(k);
-    std::byte* slot = staging_[used % staging_.size()]->data();
-    std::int64_t base = 0;  // bytes into the slot
-    for (const Segment& s : plan.segments[kk]) {
-      if (s.trainer != o_.rank) continue;
-      const auto it = std::find(o_.targets.begin(), o_.targets.end(), s.engine);
-      const auto i = static_cast<std::size_t>(it - o_.targets.begin());
-      if (modes_[i] == PairExecutor::kP2p) {
-        for (std::size_t q = s.first_route; q < s.first_route + s.num_routes; ++q) {
-          const Route& r = plan.routes[q];
-          const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-          const auto esize = static_cast<std::int64_t>(dtype_size(plan.dtype_of(r)));
-          pack_runs_[kk].add(*o_.setup, r, static_cast<const std::byte*>(shards[r.trainer_tensor]),
-                             slot,
-                             {.src_offset = r.trainer_row * src_cols + r.trainer_col,
-                              .src_stride = src_cols,
-                              .dst_offset = (base + r.segment_offset) / esize,
-                              .dst_stride = r.cols,
-                              .rows = r.rows,
-                              .cols = r.cols},
-                             scales_.get());
-        }
-        send_ops_[kk].push_back(P2POp{.kind = P2POp::Kind::kSend,
-                                      .peer = p2p_rank_of_engine(*o_.config, s.engine),
-                                      .buf = slot + base,
-                                      .bytes = static_cast<std::size_t>(s.bytes)});
-      }
-      base += aligned_segment_bytes(s.bytes);
+  const PlanView& view = o_.setup->view;
+  const TrainerShardLayout& mine = o_.setup->trainer;
+  const auto rounds = static_cast<std::size_t>(view.rounds);
+  pack_runs_.assign(rounds, {});
+  send_ops_.assign(rounds, {});
+  // Where each pair's segment of each round starts in the round's slot, and which rounds send.
+  std::vector<std::int64_t> next(rounds, 0);
+  std::vector<std::vector<std::int64_t>> base(view.pairs.size());
+  std::vector<bool> sends(rounds, false);
+  std::vector<std::size_t> target_of(view.pairs.size());
+  for (std::size_t q = 0; q < view.pairs.size(); ++q) {
+    const PairPlan& pair = view.pairs[q];
+    const auto it = std::find(o_.targets.begin(), o_.targets.end(), pair.engine);
+    target_of[q] = static_cast<std::size_t>(it - o_.targets.begin());
+    const bool p2p = modes_[target_of[q]] == PairExecutor::kP2p;
+    for (std::size_t k = 0; k < pair.round_bytes.size(); ++k) {
+      base[q].push_back(next[k]);
+      next[k] += aligned_segment_bytes(pair.round_bytes[k]);
+      if (p2p) sends[k] = true;
     }
-    if (!send_ops_[kk].empty()) ++used;
+  }
+  std::vector<std::byte*> slot(rounds, nullptr);
+  std::size_t used = 0;  // rounds with sends so far
+  for (std::size_t k = 0; k < rounds; ++k)
+    if (sends[k]) slot[k] = staging_[used++ % staging_.size()]->data();
+  for (std::size_t q = 0; q < view.pairs.size(); ++q) {
+    const PairPlan& pair = view.pairs[q];
+    if (modes_[target_of[q]] != PairExecutor::kP2p) continue;
+    for (std::size_t k = 0; k < pair.round_bytes.size(); ++k)
+      send_ops_[k].push_back(P2POp{.kind = P2POp::Kind::kSend,
+                                   .peer = p2p_rank_of_engine(*o_.config, pair.engine),
+                                   .buf = slot[k] + base[q][k],
+                                   .bytes = static_cast<std::size_t>(pair.round_bytes[k])});
+    for_each_slice(view, pair, [&](const Route& s) {
+      const auto k = static_cast<std::size_t>(s.round);
+      const auto esize = static_cast<std::int64_t>(dtype_size(view.dtype_of(s)));
+      std::int64_t at = base[q][k] + s.segment_offset;
+      for (std::int32_t j = 0; j < s.count; ++j) {
+        const Route r = s.member(j);
+        const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+        pack_runs_[k].add(*o_.setup, r, static_cast<const std::byte*>(shards[r.trainer_tensor]),
+                          slot[k],
+                          {.src_offset = r.trainer_row * src_cols + r.trainer_col,
+                           .src_stride = src_cols,
+                           .dst_offset = at / esize,
+                           .dst_stride = r.cols,
+                           .rows = r.rows,
+                           .cols = r.cols},
+                          scales_.get());
+        at += r.numel() * esize;
+      }
+    });
   }
 }
 
 std::optional<RoutesMessage> RouteSender::routes_for(std::size_t i) const {
   if (o_.config->generation.backend != EngineProtocol::kSglang) return std::nullopt;
   const int g = o_.targets[i];
-  const EngineShardLayout& lay =
-      o_.setup->engines[static_cast<std::size_t>(g % o_.config->generation.tp_size)];
-  return routes_metadata(o_.setup->plan, lay, o_.rank, g);
+  const PairPlan* pair = o_.setup->view.pair_with(g);
+  return pair ? routes_metadata(*pair, o_.setup->engine_layout(g)) : RoutesMessage{};
+}
+
+Status RouteSender::check_hello(std::size_t i, const HelloMessage& hello) const {
+  const std::string ours = pair_routes_digest(*o_.setup, o_.targets[i]);
+  if (hello.routes_digest == ours) return Status::Ok();
+  return routes_digest_mismatch(o_.rank, targets_[i], ours, hello.routes_digest);
 }
 
 std::string RouteSender::export_held(std::size_t i) const {
@@ -192,16 +210,14 @@ std::string RouteSender::export_held(std::size_t i) const {
 Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<void*>& shards) {
   auto it = checksum_runs_.find(i);
   if (it == checksum_runs_.end())
-    it = checksum_runs_
-             .emplace(i, trainer_checksum_runs(*o_.setup, o_.rank, o_.targets[i], shards))
-             .first;
+    it = checksum_runs_.emplace(i, trainer_checksum_runs(*o_.setup, o_.targets[i], shards)).first;
   return checksum_groups(*o_.plane, it->second, o_.config->policy.dtype);
 }
 
 Status RouteSender::before_begin(const BeginMessage& begin, const std::vector<void*>& user_shards,
                                  TransferTimes& times) {
   all_shards_ = user_shards;
-  if (!o_.setup->wire.fp8) return Status::Ok();
+  if (!o_.setup->wire().fp8) return Status::Ok();
   if (!scales_) {
     REFIT_ASSIGN_OR_RETURN(scales_, TrainerScales::create(*o_.setup, o_.rank, *o_.plane));
   }
@@ -259,7 +275,8 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
                t.seconds() * 1e3);
     for (std::size_t i = 0; i < targets_.size(); ++i)
       if (modes_[i] == PairExecutor::kPeer)
-        bytes_sent_ += o_.setup->plan.pair_bytes(o_.rank, o_.targets[i]);
+        if (const PairPlan* pair = o_.setup->view.pair_with(o_.targets[i]))
+          bytes_sent_ += pair->bytes;
     if (!begin.raw) {
       const auto [written, dtype] = peer_runs_.written();
       REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, RefitProbe::kEveryRound, *o_.plane,
@@ -273,11 +290,11 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
 Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>& shards,
                             TransferTimes& times) {
   const Config& cfg = *o_.config;
-  const TransferPlan& plan = o_.setup->plan;
+  const PlanView& view = o_.setup->view;
   if (staging_.empty())
     for (int s = 0; s < cfg.refit.num_buffers; ++s) {
       REFIT_ASSIGN_OR_RETURN(auto buf, o_.plane->allocate(static_cast<std::size_t>(
-                                           std::max<std::int64_t>(plan.max_send_bytes, 1))));
+                                           std::max<std::int64_t>(view.max_stage_bytes, 1))));
       staging_.push_back(std::move(buf));
     }
   if (send_ops_.empty()) build_pack_runs(shards);
@@ -286,7 +303,7 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
   const std::int64_t base = sender_.completed();
   std::int64_t posted = 0;
   send_seconds_ = 0;
-  for (int k = 0; k < plan.rounds; ++k) {
+  for (int k = 0; k < view.rounds; ++k) {
     const auto& ops = send_ops_[static_cast<std::size_t>(k)];
     if (ops.empty()) continue;
     if (!begin.raw) probe_->before_round(begin.step, k);

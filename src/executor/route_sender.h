@@ -28,7 +28,7 @@ struct RouteSenderOptions {
   DataPlane* plane = nullptr;
   Communicator* p2p = nullptr;           // null when no point-to-point group exists
   Communicator* trainer_group = nullptr;  // FP8 scales are combined over it (null: one rank)
-  std::vector<int> targets;              // control_targets(plan, rank)
+  std::vector<int> targets;               // control_targets(setup)
   std::vector<bool> target_same_host;    // per entry of targets
 };
 
@@ -38,10 +38,13 @@ class RouteSender final : public TrainerExecutor {
 
   const std::vector<RankId>& targets() const override { return targets_; }
   const std::vector<RankId>& answers_from() const override { return all_engines_; }
-  std::string plan_hash() const override { return o_.setup->plan.hash_hex(); }
-  int rounds() const override { return o_.setup->plan.rounds; }
+  std::string plan_hash() const override { return o_.setup->view.identity_hex(); }
+  int rounds() const override { return o_.setup->view.rounds; }
   // SGLang protocol: the metadata of every route travels to its engine rank (once).
   std::optional<RoutesMessage> routes_for(std::size_t i) const override;
+  // The target's digest of the pair's routes must equal this rank's (setup: transfer plan
+  // mismatch, naming both ranks).
+  Status check_hello(std::size_t i, const HelloMessage& hello) const override;
   // The digest of target i's export this rank holds, so that the target answers without it.
   std::string export_held(std::size_t i) const override;
   // FP8: every scale, before any engine pauses (a non-finite block refuses the refit here, on
@@ -74,7 +77,9 @@ class RouteSender final : public TrainerExecutor {
                        .rank = o_.rank,
                        .bytes_sent = bytes_sent_,
                        .peer_pairs = peer_targets_,
-                       .p2p_pairs = p2p_targets_};
+                       .p2p_pairs = p2p_targets_,
+                       .setup_seconds = setup_seconds_,
+                       .plan_bytes = static_cast<std::int64_t>(o_.setup->view.heap_bytes())};
   }
 
  private:

@@ -28,6 +28,7 @@
 #include "plane/data_plane.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
+#include "refit/rank.h"
 #include "refit/status.h"
 #include "trainer/trainer_layout.h"
 
@@ -35,32 +36,58 @@ namespace refit {
 
 class Store;
 
-// Everything of the transfer plan every rank derives from the config alone.
+// What one rank of the transfer plan derives at setup (plan/transfer_plan.h): its view of the plan
+// and, on a trainer rank, its own layout.
 struct RouteSetup {
-  WireModel wire;                            // the model as the engines hold it (spec/fp8.h)
-  // index = trainer rank; local tensors [0, user_tensors) are the caller's shards, the rest are
-  // FP8 scale tensors the trainer computes (every rank holds all of them)
-  std::vector<TrainerShardLayout> trainers;
+  // The wire model, the trainer index and the engine layouts the view was derived from (shared
+  // between the views of `refit check`).
+  std::shared_ptr<PlanInputs> inputs;
+  PlanView view;
+  // Trainer rank: its local tensors; [0, user_tensors) are the caller's shards, the rest are FP8
+  // scale tensors the trainer computes (every rank holds all of them).
+  TrainerShardLayout trainer;
   std::size_t user_tensors = 0;
-  std::vector<EngineShardLayout> engines;    // index = TP rank
-  TransferPlan plan;
-  // FP8, per wire tensor (empty for all but quantized weights): per block of its grid, 1 when the
-  // block's scale is computed before the refit (amax over the trainer ranks' pieces, combined
-  // over the trainer group) because a trainer rank's piece or a route holds only part of it, or
-  // the tensor has data-parallel replicas, or its blocks exceed kFp8FusedBlockElems; 0 when every
-  // route that moves it holds it whole, so the quantizing copy computes its scale in the same pass
-  // (docs/fp8.md, "Where the quantization happens").
+  // FP8, trainer rank, per wire tensor (empty for all but the quantized weights it holds): per
+  // block of its grid, 1 when the block's scale is computed before the refit (amax over the
+  // trainer ranks' pieces, combined over the trainer group) because a trainer rank's piece or a
+  // route holds only part of it, or the tensor has data-parallel replicas, or its blocks exceed
+  // kFp8FusedBlockElems; 0 when every route that moves it holds it whole, so the quantizing copy
+  // computes its scale in the same pass (docs/fp8.md, "Where the quantization happens"). A block
+  // this rank holds no part of is not marked.
   std::vector<std::vector<std::uint8_t>> fp8_from_grid;
-  bool fp8_any_from_grid = false;  // some block of some weight needs the pass before the refit
+  // Some block this rank holds needs the pass before the refit (TrainerScales combines it over the
+  // trainer group: the pass is collective).
+  bool fp8_any_from_grid = false;
+  // Of the blocks whose scale this rank sends (those that start in its owned pieces): how many are
+  // scaled in the quantizing pass, and how many before the refit.
+  std::int64_t fp8_blocks_in_pass = 0, fp8_blocks_before = 0;
+  double seconds = 0;  // to derive all of it
+
+  const WireModel& wire() const { return inputs->wire(); }
+  // The layout of engine rank `engine_rank`'s TP rank (one this rank talks to).
+  const EngineShardLayout& engine_layout(int engine_rank) const {
+    return inputs->engine(engine_rank % inputs->tp_size());
+  }
 };
+
+// Trainer rank `rank`'s setup: its layout (checked against the index the plan uses), its view,
+// and the FP8 marks of its blocks.
+Result<RouteSetup> make_trainer_route_setup(std::shared_ptr<PlanInputs> inputs, int rank);
+// Engine rank `engine_rank`'s setup: its view.
+Result<RouteSetup> make_engine_route_setup(std::shared_ptr<PlanInputs> inputs, int engine_rank);
+// The same from the config (PlanInputs::create first).
+Result<RouteSetup> make_trainer_route_setup(const Config& config, const ModelSpec& spec, int rank);
+Result<RouteSetup> make_engine_route_setup(const Config& config, const ModelSpec& spec,
+                                           int engine_rank);
 
 // "fp8 (blocks 128x128 from <source>): N weights quantized at the sender; of B blocks, X scaled in
 // the quantizing pass, Y before the refit" (`refit check`, the trainer's log); "" without fp8.
+// Counts the blocks whose scale the trainer rank sends.
 std::string fp8_plan_summary(const RouteSetup& setup);
+std::string fp8_plan_summary(const Fp8Table& fp8, std::int64_t in_pass, std::int64_t before);
 
 // The largest block the quantizing copy takes whole in one pass (a CUDA thread block's registers).
 inline constexpr std::int64_t kFp8FusedBlockElems = 16384;
-Result<RouteSetup> make_route_setup(const Config& config, const ModelSpec& spec);
 
 class TrainerScales;
 
@@ -110,28 +137,37 @@ Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std:
                                             std::chrono::milliseconds timeout,
                                             const std::function<Status()>& alive);
 
-// What one engine rank receives point-to-point, round by round: its segments in trainer-rank order
-// (the layout of its staging slot), each with its routes (engine side: parameter, position,
-// rows x cols, offset in the segment). Derived from its own transfer plan (vLLM protocol), or built
-// from the route metadata the trainer ranks send at setup (SGLang protocol).
-struct IncomingSegment {
+// What one engine rank receives point-to-point: per feeder, its routes in the pair's order, from
+// the engine's own view (vLLM protocol) or from the metadata each feeder sends at setup (SGLang
+// protocol). The rounds and segment offsets follow from the routes and the pair budget
+// (for_each_slice); a slot of the staging buffer holds one round's segments, by trainer rank, each
+// aligned.
+struct IncomingPair {
   int trainer = 0;
-  std::int64_t bytes = 0;
   std::vector<Route> routes;
+  std::vector<std::int64_t> round_bytes;  // per round: the segment's bytes
+  std::int64_t bytes = 0;
 };
 struct IncomingRoutes {
-  std::vector<std::vector<IncomingSegment>> rounds;
+  std::int64_t pair_budget = 0;
+  std::vector<IncomingPair> pairs;  // ascending by trainer rank (finish_incoming)
+  int rounds = 0;
   std::int64_t max_slot_bytes = 0;  // the largest round's segments, each aligned
   std::int64_t bytes_from(int trainer) const;
 };
-IncomingRoutes incoming_from_plan(const TransferPlan& plan, int engine_rank);
-// The metadata trainer rank `trainer` sends engine rank `engine_rank`: its routes there, in plan
-// order, with the parameters named as the engine names them.
-RoutesMessage routes_metadata(const TransferPlan& plan, const EngineShardLayout& layout, int trainer,
-                              int engine_rank);
+IncomingRoutes incoming_from_view(const PlanView& view);
+// The slices of one pair of `in` (for_each_slice), each route's element size taken from the
+// engine parameter it writes.
+void for_each_incoming_slice(const IncomingPair& pair, std::int64_t budget,
+                             const EngineShardLayout& layout,
+                             const std::function<void(const Route&)>& f);
+// The metadata trainer rank `pair.trainer` sends engine rank `pair.engine`: its routes there, in
+// the pair's order, with the parameters named as the engine names them.
+RoutesMessage routes_metadata(const PairPlan& pair, const EngineShardLayout& layout);
 // Adds trainer rank `trainer`'s metadata to `in`, checking every route against the engine's
-// layout (known parameter, inside its shape, segments laid end to end); errors name the trainer,
-// the route and the parameter. Call finish_incoming after the last source.
+// layout (known parameters, every member inside its parameter, the placement the pair budget
+// gives); errors name the trainer, the route and the parameter. Call finish_incoming after the
+// last source.
 Status add_routes_metadata(IncomingRoutes& in, const RoutesMessage& m, int trainer,
                            const EngineShardLayout& layout);
 void finish_incoming(IncomingRoutes& in);
@@ -148,7 +184,7 @@ struct ChecksumGroup {
   DType dtype = DType::kBFloat16;
   std::vector<CopyRun> runs;
 };
-std::vector<ChecksumGroup> trainer_checksum_runs(const RouteSetup& setup, int trainer, int engine,
+std::vector<ChecksumGroup> trainer_checksum_runs(const RouteSetup& setup, int engine,
                                                  const std::vector<void*>& shards);
 std::map<int, std::vector<ChecksumGroup>> engine_checksum_runs(const IncomingRoutes& in,
                                                                const EngineShardLayout& layout,
@@ -158,11 +194,19 @@ std::map<int, std::vector<ChecksumGroup>> engine_checksum_runs(const IncomingRou
 Result<std::uint64_t> checksum_groups(DataPlane& plane, const std::vector<ChecksumGroup>& groups,
                                       std::optional<DType> src);
 
-// Engine ranks that trainer rank `rank` talks to: its plan targets, and, on trainer rank 0, every
-// engine rank that receives from no one (it still needs a begin and a commit).
-std::vector<int> control_targets(const TransferPlan& plan, int rank);
-// Trainer ranks that engine rank `g` hears from (the mirror of control_targets).
-std::vector<int> control_sources(const TransferPlan& plan, int engine_rank);
+// Engine ranks that a trainer rank talks to: its view's, and, on trainer rank 0, every engine rank
+// that receives from no one (it still needs a begin and a commit).
+std::vector<int> control_targets(const RouteSetup& setup);
+// Trainer ranks that an engine rank hears from (the mirror of control_targets).
+std::vector<int> control_sources(const RouteSetup& setup);
+
+// The digest of this rank's routes with `peer` (an engine rank on a trainer rank, a trainer rank
+// on an engine rank), as the hello carries it: 16 hex digits, "none" for a peer without routes.
+std::string pair_routes_digest(const RouteSetup& setup, int peer);
+// Setup: trainer rank `trainer` and engine rank `engine` derived different routes for their pair
+// (`ours` the trainer's digest, `theirs` the engine's hello's).
+Status routes_digest_mismatch(int trainer, const RankId& engine, const std::string& ours,
+                              const std::string& theirs);
 
 // At setup, what can be known then: with executor peer, both ranks of the pair share a host
 // (whether the engine's parameters can be mapped is known only at the first refit).

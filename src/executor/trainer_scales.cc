@@ -13,8 +13,8 @@ namespace refit {
 Result<std::unique_ptr<TrainerScales>> TrainerScales::create(const RouteSetup& setup, int rank,
                                                              DataPlane& plane) {
   std::unique_ptr<TrainerScales> s(new TrainerScales(setup, rank, plane));
-  const ModelSpec& wire = setup.wire.spec;
-  const std::size_t first = setup.wire.fp8->model_tensors;
+  const ModelSpec& wire = setup.wire().spec;
+  const std::size_t first = setup.wire().fp8->model_tensors;
   for (std::size_t t = first; t < wire.tensors().size(); ++t) {
     s->offset_.push_back(s->total_);
     s->total_ += matrix_shape(wire.tensors()[t].shape).numel();
@@ -33,16 +33,16 @@ std::vector<void*> TrainerScales::local_tensors() const {
 }
 
 std::byte* TrainerScales::grid(std::uint32_t weight) const {
-  const Fp8Table& f = *setup_.wire.fp8;
+  const Fp8Table& f = *setup_.wire().fp8;
   const auto i = static_cast<std::size_t>(f.scale_of[weight]) - f.model_tensors;
   return scales_->data() + offset_[i] * 4;
 }
 
 Status TrainerScales::compute(const std::vector<void*>& shards, DType dtype,
                               Communicator* trainer_group) {
-  const Fp8Table& f = *setup_.wire.fp8;
-  const ModelSpec& wire = setup_.wire.spec;
-  const TrainerShardLayout& mine = setup_.trainers[static_cast<std::size_t>(rank_)];
+  const Fp8Table& f = *setup_.wire().fp8;
+  const ModelSpec& wire = setup_.wire().spec;
+  const TrainerShardLayout& mine = setup_.trainer;
   if (runs_for_ != shards) {
     runs_.clear();
     for (std::uint32_t t = 0; t < f.model_tensors; ++t) {
@@ -94,8 +94,28 @@ Status TrainerScales::compute(const std::vector<void*>& shards, DType dtype,
   const std::uint64_t clean[2] = {0, ~std::uint64_t{0}};
   REFIT_RETURN_IF_ERROR(plane_.write(bad_->data(), clean, sizeof(clean)));
   log_once(trainer_group);
+  // Whether any rank has a block to scale before the refit: the pass below is collective, and each
+  // rank knows only the blocks it holds (RouteSetup::fp8_any_from_grid), so the ranks agree once.
+  if (!any_from_grid_) {
+    std::uint8_t mine = setup_.fp8_any_from_grid ? 1 : 0;
+    if (trainer_group != nullptr && trainer_group->size() > 1) {
+      // On the plane's memory: the trainer group may be NCCL.
+      const auto world = static_cast<std::size_t>(trainer_group->size());
+      REFIT_ASSIGN_OR_RETURN(auto flag, plane_.allocate(1));
+      REFIT_ASSIGN_OR_RETURN(auto flags, plane_.allocate(world));
+      REFIT_RETURN_IF_ERROR(plane_.write(flag->data(), &mine, 1));
+      REFIT_RETURN_IF_ERROR(
+          trainer_group
+              ->all_gather_v(flag->data(), flags->data(), std::vector<std::size_t>(world, 1))
+              .with_context(fmt::format("trainer rank {}: agreeing on the FP8 scale pass", rank_)));
+      std::vector<std::uint8_t> all(world, 0);
+      REFIT_RETURN_IF_ERROR(plane_.read(all.data(), flags->data(), world));
+      mine = *std::max_element(all.begin(), all.end());
+    }
+    any_from_grid_ = mine != 0;
+  }
   // Every block is quantized in one pass by the copy that sends it: nothing to do before.
-  if (!setup_.fp8_any_from_grid) return Status::Ok();
+  if (!*any_from_grid_) return Status::Ok();
   const auto bytes = static_cast<std::size_t>(total_) * 4;
   std::vector<std::uint32_t> amax(static_cast<std::size_t>(total_), 0);
   Timer timer;
@@ -155,8 +175,8 @@ Status TrainerScales::check_in_pass() {
   std::uint64_t bad[2] = {0, 0};
   REFIT_RETURN_IF_ERROR(plane_.read(bad, bad_->data(), sizeof(bad)));
   if (bad[0] == 0) return Status::Ok();
-  const Fp8Table& f = *setup_.wire.fp8;
-  const ModelSpec& wire = setup_.wire.spec;
+  const Fp8Table& f = *setup_.wire().fp8;
+  const ModelSpec& wire = setup_.wire().spec;
   const auto weight = static_cast<std::uint32_t>(bad[1] >> 32);
   const auto k = static_cast<std::int64_t>(bad[1] & 0xFFFFFFFFu);
   const std::int64_t cols =

@@ -6,10 +6,11 @@
 // or with replicas) get theirs before the refit: each rank folds max |x| of the pieces it owns
 // into an amax grid per weight, the trainer group combines the grids (an all-gather and a max),
 // and scale = amax / 448 (1 for an all-zero block). The scale tensors are local tensors of every
-// rank (RouteSetup::trainers, after the caller's shards); a rank sends the blocks that start in
+// rank (RouteSetup::trainer, after the caller's shards); a rank sends the blocks that start in
 // its pieces.
 #pragma once
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -51,6 +52,7 @@ class TrainerScales {
   std::vector<QuantRun> runs_;        // this rank's owned pieces of every quantized weight
   std::vector<void*> runs_for_;       // the shards runs_ were built for
   bool logged_ = false;
+  std::optional<bool> any_from_grid_;  // some rank's blocks need the pass before (agreed once)
 };
 
 }  // namespace refit

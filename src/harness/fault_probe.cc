@@ -21,7 +21,11 @@ class FaultProbe final : public RefitProbe {
   void before_hello(HelloMessage& hello) override {
     if (trainer_) return;
     if (f_.kind == Fault::Kind::kVersionMismatch) hello.refit_version += "+mismatch";
-    if (f_.kind == Fault::Kind::kPlanMismatch) hello.plan_hash = "0000000000000000";
+    if (f_.kind == Fault::Kind::kPlanMismatch) {
+      hello.plan_hash = "0000000000000000";
+      // The transfer plan: a wrong digest of every pair's routes too.
+      if (!hello.routes_digest.empty()) hello.routes_digest = "0000000000000000";
+    }
   }
 
   void at_setup() override {

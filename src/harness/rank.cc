@@ -165,8 +165,8 @@ Status check_fault_fits(const Fault& f, const Config& config) {
   int rounds = static_cast<int>(model->plan.buckets.size());
   const char* unit = "bucket";
   if (uses_transfer_plan(config)) {
-    REFIT_ASSIGN_OR_RETURN(RouteSetup routes, make_route_setup(config, model->spec));
-    rounds = routes.plan.rounds;
+    REFIT_ASSIGN_OR_RETURN(auto inputs, PlanInputs::create(config, model->spec));
+    REFIT_ASSIGN_OR_RETURN(rounds, plan_rounds(*inputs));
     unit = "round";
   }
   if (f.bucket >= rounds)
@@ -245,7 +245,7 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   if (o.raw_passes > 0 && rank == 0) {
     REFIT_ASSIGN_OR_RETURN(rep.copy_bandwidth, plane->diagnostics()->measure_copy_bandwidth());
     if (uses_transfer_plan(o.config)) {
-      REFIT_ASSIGN_OR_RETURN(RouteSetup routes, make_route_setup(o.config, model->spec));
+      REFIT_ASSIGN_OR_RETURN(auto inputs, PlanInputs::create(o.config, model->spec));
       // The link: from this rank's device to the first engine rank on another device.
       int peer = plane->ordinal();
       for (int g = 0; g < o.config.engine_ranks() && peer == plane->ordinal(); ++g) {
@@ -254,7 +254,7 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
       REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->diagnostics()->measure_peer_bandwidth(peer));
       REFIT_ASSIGN_OR_RETURN(
           const PlanFloor f,
-          transfer_plan_floor(o.config, routes, rep.copy_bandwidth, rep.peer_bandwidth,
+          transfer_plan_floor(o.config, *inputs, rep.copy_bandwidth, rep.peer_bandwidth,
                               plane_settings));
       rep.floor_seconds = f.seconds;
       rep.floor_overlap_seconds = f.overlap_seconds;
@@ -291,30 +291,37 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
   return Status::Ok();
 }
 
-Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
+Result<PlanFloor> transfer_plan_floor(const Config& config, PlanInputs& inputs,
                                       double copy_bandwidth, double peer_bandwidth,
                                       const PlaneSettings& settings) {
   std::map<int, double> local, out, in;  // per device: bytes read+written there, sent, received
   std::set<int> devices;
-  for (const Route& r : routes.plan.routes) {
-    const int dt = device_ordinal(config, true, r.trainer, settings);
-    const int de = device_ordinal(config, false, r.engine, settings);
-    const auto n = static_cast<double>(r.numel());
-    const bool scale = routes.wire.fp8 && routes.wire.fp8->is_scale(r.hf_tensor);
-    // FP8 scales are read as float32 (the trainer computed them); everything else in the policy
-    // dtype. Written in the route's wire dtype.
-    const auto ssize = static_cast<double>(dtype_size(scale ? DType::kFloat32 : config.policy.dtype));
-    const auto tsize = static_cast<double>(dtype_size(routes.plan.dtype_of(r)));
-    devices.insert(dt);
-    devices.insert(de);
-    local[dt] += n * ssize;  // the source is read where it lives
-    if (dt == de) {
-      local[dt] += n * tsize;
-    } else {
-      out[dt] += n * tsize;
-      in[de] += n * tsize;
+  const WireModel& wire = inputs.wire();
+  REFIT_RETURN_IF_ERROR(for_each_trainer_view(inputs, [&](const PlanView& view) -> Status {
+    for (const PairPlan& pair : view.pairs) {
+      const int dt = device_ordinal(config, true, pair.trainer, settings);
+      const int de = device_ordinal(config, false, pair.engine, settings);
+      devices.insert(dt);
+      devices.insert(de);
+      for (const Route& r : pair.routes) {
+        const auto n = static_cast<double>(r.numel());
+        const bool scale = wire.fp8 && wire.fp8->is_scale(r.hf_tensor);
+        // FP8 scales are read as float32 (the trainer computed them); everything else in the
+        // policy dtype. Written in the route's wire dtype.
+        const auto ssize =
+            static_cast<double>(dtype_size(scale ? DType::kFloat32 : config.policy.dtype));
+        const auto tsize = static_cast<double>(dtype_size(view.dtype_of(r)));
+        local[dt] += n * ssize;  // the source is read where it lives
+        if (dt == de) {
+          local[dt] += n * tsize;
+        } else {
+          out[dt] += n * tsize;
+          in[de] += n * tsize;
+        }
+      }
     }
-  }
+    return Status::Ok();
+  }));
   PlanFloor f;
   for (int d : devices) {
     const double link = std::max(out[d], in[d]);

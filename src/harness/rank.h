@@ -17,7 +17,7 @@
 
 namespace refit {
 
-struct RouteSetup;
+class PlanInputs;
 
 struct RankOptions {
   Config config;
@@ -77,7 +77,7 @@ struct PlanFloor {
   double overlap_seconds = 0;
   std::string basis;  // the busiest device and its bytes
 };
-Result<PlanFloor> transfer_plan_floor(const Config& config, const RouteSetup& routes,
+Result<PlanFloor> transfer_plan_floor(const Config& config, PlanInputs& inputs,
                                       double copy_bandwidth, double peer_bandwidth,
                                       const PlaneSettings& settings);
 

@@ -134,6 +134,8 @@ Status write_report_json(const std::string& path, const RankOptions& options,
       e["peer_pairs"] = t.peer_pairs;
       e["p2p_pairs"] = t.p2p_pairs;
     }
+    e["setup_seconds"] = t.setup_seconds;
+    e["plan_bytes"] = t.plan_bytes;
     ranks.push_back(std::move(e));
   }
   j["ranks"] = std::move(ranks);

@@ -9,6 +9,8 @@
 #include <optional>
 
 #include "common/env.h"
+#include "common/log.h"
+#include "common/timer.h"
 #include "control/messages.h"
 #include "engine/engine_layout.h"
 #include "executor/gather_receiver.h"
@@ -32,7 +34,9 @@ class EngineImpl final : public Engine {
   ~EngineImpl() override { core_.stop_watching(); }
 
   Status init() {
+    Timer setup_timer;
     Status st = core_.guarded([&] { return setup(); });
+    if (executor_) executor_->set_setup_seconds(setup_timer.seconds());
     if (st.ok()) core_.watch_peers();
     return st;
   }
@@ -155,20 +159,25 @@ class EngineImpl final : public Engine {
   Status setup_routes() {
     const Config& cfg = core_.config();
     const int rank = core_.self().rank;
-    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg, model_->spec));
+    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_engine_route_setup(cfg, model_->spec, rank));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
+    log::debug(
+        "{}: transfer plan view: {} routes from {} trainer rank(s) in {} round(s), {} bytes held, "
+        "derived in {:.3f} s",
+        core_.id(), routes_->view.routes(), routes_->view.pairs.size(), routes_->view.rounds,
+        routes_->view.heap_bytes(), routes_->seconds);
     RouteReceiverOptions o;
     o.config = &cfg;
     o.engine_rank = rank;
     o.who = core_.id();
     o.setup = routes_.get();
     o.plane = &core_.plane();
-    o.sources = control_sources(routes_->plan, rank);
+    o.sources = control_sources(*routes_);
     std::vector<RankId> feeders;
     for (int r : o.sources) feeders.push_back(RankId::trainer(r));
     REFIT_ASSIGN_OR_RETURN(o.source_same_host, core_.same_host(feeders));
     REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p());
-    o.incoming = incoming_from_plan(routes_->plan, rank);
+    o.incoming = incoming_from_view(routes_->view);
     REFIT_ASSIGN_OR_RETURN(executor_, RouteReceiver::create(o));
     return Status::Ok();
   }

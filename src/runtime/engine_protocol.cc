@@ -37,8 +37,13 @@ FailureOrigin EngineRefitProtocol::mine(const Status& st) const {
 }
 
 Status EngineRefitProtocol::announce(HelloMessage hello) {
-  core_.probe().before_hello(hello);
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), feeders_, kHello, encode(hello)));
+  // Each feeder's hello carries this rank's digest of that pair's routes (transfer plan).
+  for (std::size_t i = 0; i < feeders_.size(); ++i) {
+    HelloMessage h = hello;
+    h.routes_digest = executor_.routes_digest(i);
+    core_.probe().before_hello(h);
+    REFIT_RETURN_IF_ERROR(core_.mailbox().send(feeders_[i], kHello, encode(h)));
+  }
   if (!executor_.wants_routes()) return Status::Ok();
   // Trainer rank 0's first begin may overtake another feeder's routes: it is kept.
   REFIT_ASSIGN_OR_RETURN(

@@ -9,10 +9,9 @@
 namespace refit {
 
 Status publish_traffic(Store& store, const RankTraffic& t) {
-  nlohmann::json j = {{"sent", t.bytes_sent},
-                      {"received", t.bytes_received},
-                      {"peer", t.peer_pairs},
-                      {"p2p", t.p2p_pairs}};
+  nlohmann::json j = {{"sent", t.bytes_sent},       {"received", t.bytes_received},
+                      {"peer", t.peer_pairs},       {"p2p", t.p2p_pairs},
+                      {"setup_s", t.setup_seconds}, {"plan_bytes", t.plan_bytes}};
   return store.set(fmt::format("traffic/{}/{}", t.role, t.rank), j.dump());
 }
 
@@ -44,6 +43,8 @@ Result<std::vector<RankTraffic>> read_traffic(Store& store, const Config& config
     t.bytes_received = j.value("received", std::int64_t{0});
     t.peer_pairs = j.value("peer", 0);
     t.p2p_pairs = j.value("p2p", 0);
+    t.setup_seconds = j.value("setup_s", 0.0);
+    t.plan_bytes = j.value("plan_bytes", std::int64_t{0});
     out.push_back(std::move(t));
   }
   return out;

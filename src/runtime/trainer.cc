@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "common/env.h"
+#include "common/log.h"
 #include "common/timer.h"
 #include "control/messages.h"
 #include "executor/gather_sender.h"
@@ -34,7 +35,9 @@ class TrainerImpl final : public Trainer {
   ~TrainerImpl() override { core_.stop_watching(); }
 
   Status init() {
+    Timer setup_timer;
     Status st = core_.guarded([&] { return setup(); });
+    if (executor_) executor_->set_setup_seconds(setup_timer.seconds());
     if (st.ok()) core_.watch_peers();
     return st;
   }
@@ -101,7 +104,7 @@ class TrainerImpl final : public Trainer {
   // One copy of the model on the wire (target dtypes, FP8 scales included): the wire model, the
   // one source of a refit's bytes (RefitStats::bytes, the report, the step line).
   std::int64_t bytes_per_refit() const override {
-    return routes_ ? routes_->wire.payload_bytes() : model_->plan.payload_bytes;
+    return routes_ ? routes_->wire().payload_bytes() : model_->plan.payload_bytes;
   }
   int buckets_per_refit() const override { return executor_->rounds(); }
   std::string plan_hash() const override { return executor_->plan_hash(); }
@@ -221,15 +224,30 @@ class TrainerImpl final : public Trainer {
   Status setup_routes() {
     const Config& cfg = core_.config();
     const int rank = core_.self().rank;
-    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_route_setup(cfg, model_->spec));
+    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_trainer_route_setup(cfg, model_->spec, rank));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
+    {
+      const PlanView& v = routes_->view;
+      std::size_t blocks = 0;  // the rectangles the routes stand for (a compact route: its count)
+      for (const PairPlan& p : v.pairs)
+        for (const Route& r : p.routes) blocks += static_cast<std::size_t>(r.count);
+      const std::string line = fmt::format(
+          "transfer plan {}: this rank sends {} routes ({} blocks) to {} engine rank(s) in {} "
+          "round(s); its view holds {} bytes, derived in {:.3f} s",
+          v.identity_hex(), v.routes(), blocks, v.pairs.size(), v.rounds, v.heap_bytes(),
+          routes_->seconds);
+      if (rank == 0)
+        log::info("{}", line);
+      else
+        log::debug("{}: {}", core_.id(), line);
+    }
     RouteSenderOptions o;
     o.config = &cfg;
     o.rank = rank;
     o.setup = routes_.get();
     o.plane = &core_.plane();
     o.trainer_group = core_.group(RankCore::Group::kTrainer);
-    o.targets = control_targets(routes_->plan, rank);
+    o.targets = control_targets(*routes_);
     std::vector<RankId> targets;
     for (int g : o.targets) targets.push_back(RankId::engine(g, cfg.generation.tp_size));
     REFIT_ASSIGN_OR_RETURN(o.target_same_host, core_.same_host(targets));

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "common/log.h"
 #include "control/store.h"
 #include "runtime/agreement.h"
@@ -56,6 +58,10 @@ Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& se
                            hello.from, executor_.answers_from().empty() ? "bucket plan"
                                                                         : "transfer plan",
                            h.plan_hash, ours));
+                     const auto at = std::find(targets_.begin(), targets_.end(), hello.from);
+                     if (at != targets_.end())
+                       REFIT_RETURN_IF_ERROR(executor_.check_hello(
+                           static_cast<std::size_t>(at - targets_.begin()), h));
                      return Status::Ok();
                    })
           .status());

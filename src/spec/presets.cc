@@ -71,6 +71,16 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
   "attention_bias": false, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
   "rope_theta": 1000000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})"},
+      // Qwen/Qwen3-235B-A22B — 235,094,634,560 parameters in 36,945 tensors (published: 235B
+      // total, 234B non-embedding, 22B activated).
+      {"qwen3-235b-a22b", R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+  "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 94,
+  "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1536,
+  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
+  "attention_bias": false, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})"},
       // google/gemma-2-2b — 2,614,341,888 parameters (tied; head_dim 256, so nq*d != H).
       {"gemma-2-2b", R"({
   "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",

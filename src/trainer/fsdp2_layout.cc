@@ -33,6 +33,33 @@ RowRange fsdp2_rows(std::int64_t rows, int world_size, int rank) {
   return {begin, end};
 }
 
+Piece fsdp2_piece(const std::vector<std::int64_t>& hf_shape, std::uint32_t t, int world_size,
+                  int rank) {
+  // A 0-d tensor is treated as one row: rank 0 holds it whole.
+  const std::vector<std::int64_t> shape =
+      hf_shape.empty() ? std::vector<std::int64_t>{1} : hf_shape;
+  const RowRange r = fsdp2_rows(shape[0], world_size, rank);
+  Piece piece;
+  piece.hf_tensor = t;
+  if (shape.size() == 1) {
+    // Matrix view [1, n]: a dim-0 chunk is a column range of the single row.
+    piece.src_row = 0;
+    piece.rows = 1;
+    piece.src_col = r.begin;
+    piece.cols = r.size();
+  } else {
+    // Matrix view [shape[0] * inner, last]: one dim-0 row spans `inner` matrix rows.
+    std::int64_t inner = 1;
+    for (std::size_t k = 1; k + 1 < shape.size(); ++k) inner *= shape[k];
+    piece.src_row = r.begin * inner;
+    piece.rows = r.size() * inner;
+    piece.src_col = 0;
+    piece.cols = shape.back();
+  }
+  if (piece.rows <= 0 || piece.cols <= 0) piece.rows = piece.cols = 0;
+  return piece;
+}
+
 TrainerShardLayout fsdp2_layout(const ModelSpec& spec, int world_size, int rank) {
   TrainerShardLayout layout;
   layout.rank = rank;
@@ -43,32 +70,14 @@ TrainerShardLayout fsdp2_layout(const ModelSpec& spec, int world_size, int rank)
     const TensorSpec& t = hf[i];
     LocalTensor local;
     local.name = t.name;
-    // A 0-d tensor is treated as one row: rank 0 holds it whole.
     const std::vector<std::int64_t> shape =
         t.shape.empty() ? std::vector<std::int64_t>{1} : t.shape;
     const RowRange r = fsdp2_rows(shape[0], world_size, rank);
     local.shape = shape;
     local.shape[0] = r.size();
     if (t.shape.empty() && r.size() == 1) local.shape.clear();
-
-    Piece piece;
-    piece.hf_tensor = i;
-    if (shape.size() == 1) {
-      // Matrix view [1, n]: a dim-0 chunk is a column range of the single row.
-      piece.src_row = 0;
-      piece.rows = 1;
-      piece.src_col = r.begin;
-      piece.cols = r.size();
-    } else {
-      // Matrix view [shape[0] * inner, last]: one dim-0 row spans `inner` matrix rows.
-      std::int64_t inner = 1;
-      for (std::size_t k = 1; k + 1 < shape.size(); ++k) inner *= shape[k];
-      piece.src_row = r.begin * inner;
-      piece.rows = r.size() * inner;
-      piece.src_col = 0;
-      piece.cols = shape.back();
-    }
-    if (piece.rows > 0 && piece.cols > 0) {
+    const Piece piece = fsdp2_piece(t.shape, i, world_size, rank);
+    if (piece.rows > 0) {
       local.pieces.push_back(piece);
       local.owned.push_back(0);
     }

@@ -46,6 +46,10 @@ struct RowRange {
   std::int64_t size() const { return end - begin; }
 };
 RowRange fsdp2_rows(std::int64_t rows, int world_size, int rank);
+// The one piece of HF tensor `t` (of `shape`) that FSDP2 rank `rank` of `world_size` holds, placed
+// at (0, 0) of its local tensor; rows == 0 when the rank's chunk is empty.
+Piece fsdp2_piece(const std::vector<std::int64_t>& shape, std::uint32_t t, int world_size,
+                  int rank);
 TrainerShardLayout fsdp2_layout(const ModelSpec& spec, int world_size, int rank);
 
 // Megatron-Core GPT layout (docs/design.md §6.3) of trainer rank `rank`; errors name the parallel size

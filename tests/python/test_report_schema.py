@@ -88,6 +88,9 @@ def test_successful_run_report_validates(tmp_path, validator, executor):
     assert control["refit_mailbox_messages"] >= 2 * 2 * 2, control
     assert control["mailbox_messages"] > control["refit_mailbox_messages"], control
     assert control["store_requests"] > control["refit_store_requests"] > 0, control
+    assert all(r["setup_seconds"] > 0 for r in report["ranks"])
+    # Each rank holds its own view of the transfer plan (none with gather).
+    assert all((r["plan_bytes"] > 0) == (executor != "gather") for r in report["ranks"])
     assert no_leftovers(tmp_path) == []
 
 
