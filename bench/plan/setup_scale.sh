@@ -5,7 +5,8 @@
 #
 #   bash bench/plan/setup_scale.sh [./build/src/refit]
 #
-# Prints one row per (config, what): seconds and peak resident MB. The configs are written to a
+# Prints one row per (config, what): wall seconds, CPU seconds (user + system: on a machine shared
+# with other work the wall time also counts waiting for a core) and peak resident MB. The configs are written to a
 # temporary directory; the 1T-class model is bench/plan/kimi-k2-dims (a Qwen3-MoE table at
 # Kimi-K2's dimensions: 61 layers, 384 experts, hidden 7168, 69,674 tensors).
 set -euo pipefail
@@ -33,17 +34,17 @@ cfg default qwen2.5-0.5b 2 1 2
 measure() {  # label args...
   local label=$1
   shift
-  /usr/bin/time -f "%e %M" -o "$TMP/time" "$REFIT" check "$@" > "$TMP/out" 2>&1 || {
+  /usr/bin/time -f "%e %U %S %M" -o "$TMP/time" "$REFIT" check "$@" > "$TMP/out" 2>&1 || {
     echo "$label: refit check failed:" >&2
     tail -5 "$TMP/out" >&2
     return 1
   }
-  read -r secs kb < "$TMP/time"
-  printf "| %-44s | %8.2f | %9.0f |\n" "$label" "$secs" "$((kb / 1024))"
+  read -r secs user sys kb < "$TMP/time"
+  printf "| %-44s | %8.2f | %8.2f | %9d |\n" "$label" "$secs" "$(awk "BEGIN{print $user + $sys}")" "$((kb / 1024))"
 }
 
-printf "| %-44s | %8s | %9s |\n" "what" "seconds" "peak MB"
-printf "|%s|%s|%s|\n" "----------------------------------------------" "----------" "-----------"
+printf "| %-44s | %8s | %8s | %9s |\n" "what" "wall s" "CPU s" "peak MB"
+printf "|%s|%s|%s|%s|\n" "----------------------------------------------" "----------" "----------" "-----------"
 measure "default config, whole plan" "$TMP/default.yaml"
 measure "qwen3-30b-a3b 8 -> 8 x TP 1, whole plan" "$TMP/q30-8.yaml"
 measure "qwen3-30b-a3b 64 -> 8 x TP 8, whole plan" "$TMP/q30-64.yaml"

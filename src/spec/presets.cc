@@ -71,7 +71,7 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
   "attention_bias": false, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
   "rope_theta": 1000000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})"},
-      // Qwen/Qwen3-235B-A22B — 235,094,634,560 parameters in 36,945 tensors (published: 235B
+      // Qwen/Qwen3-235B-A22B — 235,093,634,560 parameters in 36,945 tensors (published: 235B
       // total, 234B non-embedding, 22B activated).
       {"qwen3-235b-a22b", R"({
   "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
