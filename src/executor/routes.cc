@@ -452,8 +452,8 @@ std::vector<ChecksumGroup> trainer_checksum_runs(const RouteSetup& setup, int en
       if (r.numel() == 0) continue;
       const std::int64_t tcols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
       group_of(groups, layout.params[r.engine_param].dtype)
-          .push_back(checksum_run(r, shards[r.trainer_tensor], r.trainer_row, r.trainer_col,
-                                  tcols, layout, key_base));
+          .push_back(checksum_run(r, shards[r.trainer_tensor], r.trainer_row, r.trainer_col, tcols,
+                                  layout, key_base));
     }
   return groups;
 }

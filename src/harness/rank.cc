@@ -252,10 +252,9 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
         peer = device_ordinal(o.config, false, g, plane_settings);
       }
       REFIT_ASSIGN_OR_RETURN(rep.peer_bandwidth, plane->diagnostics()->measure_peer_bandwidth(peer));
-      REFIT_ASSIGN_OR_RETURN(
-          const PlanFloor f,
-          transfer_plan_floor(o.config, *inputs, rep.copy_bandwidth, rep.peer_bandwidth,
-                              plane_settings));
+      REFIT_ASSIGN_OR_RETURN(const PlanFloor f,
+                             transfer_plan_floor(o.config, *inputs, rep.copy_bandwidth,
+                                                 rep.peer_bandwidth, plane_settings));
       rep.floor_seconds = f.seconds;
       rep.floor_overlap_seconds = f.overlap_seconds;
       rep.floor_basis = f.basis;
