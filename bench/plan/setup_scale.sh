@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Setup cost of the transfer plan at frontier scale, on the CPU that runs it (no GPU needed):
-# per-rank views (`refit check CONFIG --rank R`, what that rank derives at setup) and the whole
-# plan streamed rank by rank (`refit check CONFIG`), wall time and peak memory (GNU time -v).
+# the whole plan streamed rank by rank (`refit check CONFIG`, every rank's view in turn), then the
+# per-rank views (`refit check CONFIG --rank R`: what that rank derives at setup) of trainer rank 0,
+# engine rank 0 and the trainer and engine ranks with the most routes. Wall and CPU seconds and
+# peak resident memory from GNU time.
 #
 #   bash bench/plan/setup_scale.sh [./build/src/refit]
 #
-# Prints one row per (config, what): wall seconds, CPU seconds (user + system: on a machine shared
-# with other work the wall time also counts waiting for a core) and peak resident MB. The configs are written to a
-# temporary directory; the 1T-class model is bench/plan/kimi-k2-dims (a Qwen3-MoE table at
-# Kimi-K2's dimensions: 61 layers, 384 experts, hidden 7168, 69,674 tensors).
+# Prints one row per (config, what) and, last, each budget with whether it held:
+#   a heaviest rank's view <= 1 s and <= 256 MB (Qwen3-235B-A22B 256 -> 8 x TP 8, Kimi-K2
+#   1,024 -> 32 x TP 8), <= 0.3 s for Qwen3-235B-A22B 64 -> 8 x TP 8; every rank of a config
+#   (the whole plan) <= 30 s and <= 2 GB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REFIT=${1:-./build/src/refit}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-KIMI=$PWD/bench/plan/kimi-k2-dims
 
 cfg() {  # name model world engines tp
   cat > "$TMP/$1.yaml" <<YAML
@@ -26,30 +27,58 @@ YAML
 }
 cfg q235-64 qwen3-235b-a22b 64 8 8
 cfg q235-256 qwen3-235b-a22b 256 8 8
-cfg k1t-1024 "$KIMI" 1024 32 8
-cfg q30-8 qwen3-30b-a3b 8 8 1
+cfg k2-1024 kimi-k2 1024 32 8
 cfg q30-64 qwen3-30b-a3b 64 8 8
 cfg default qwen2.5-0.5b 2 1 2
 
-measure() {  # label args...
-  local label=$1
-  shift
+FAILS=0
+BUDGETS=()
+# measure LABEL MAX_S MAX_MB ARGS...: one row; a budget of 0 is none.
+measure() {
+  local label=$1 max_s=$2 max_mb=$3
+  shift 3
   /usr/bin/time -f "%e %U %S %M" -o "$TMP/time" "$REFIT" check "$@" > "$TMP/out" 2>&1 || {
     echo "$label: refit check failed:" >&2
     tail -5 "$TMP/out" >&2
     return 1
   }
+  local secs user sys kb
   read -r secs user sys kb < "$TMP/time"
-  printf "| %-44s | %8.2f | %8.2f | %9d |\n" "$label" "$secs" "$(awk "BEGIN{print $user + $sys}")" "$((kb / 1024))"
+  local cpu mb
+  cpu=$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.2f", u + s }')
+  mb=$((kb / 1024))
+  printf "| %-46s | %8.2f | %8s | %8d |\n" "$label" "$secs" "$cpu" "$mb"
+  if [[ $max_s != 0 ]]; then
+    local ok=yes
+    awk -v c="$secs" -v m="$max_s" 'BEGIN { exit !(c <= m) }' || ok=no
+    [[ $mb -le $max_mb ]] || ok=no
+    [[ $ok == yes ]] || FAILS=$((FAILS + 1))
+    BUDGETS+=("$(printf "| %-46s | <= %5s s, <= %5s MB | %-4s |" "$label" "$max_s" "$max_mb" "$ok")")
+  fi
 }
 
-printf "| %-44s | %8s | %8s | %9s |\n" "what" "wall s" "CPU s" "peak MB"
-printf "|%s|%s|%s|%s|\n" "----------------------------------------------" "----------" "----------" "-----------"
-measure "default config, whole plan" "$TMP/default.yaml"
-measure "qwen3-30b-a3b 8 -> 8 x TP 1, whole plan" "$TMP/q30-8.yaml"
-measure "qwen3-30b-a3b 64 -> 8 x TP 8, whole plan" "$TMP/q30-64.yaml"
-for c in q235-64 q235-256 k1t-1024; do
-  measure "$c: trainer rank 0" "$TMP/$c.yaml" --rank trainer:0
-  measure "$c: engine rank 0" "$TMP/$c.yaml" --rank engine:0
-  measure "$c: whole plan, every rank" "$TMP/$c.yaml"
+printf "| %-46s | %8s | %8s | %8s |\n" "what" "wall s" "CPU s" "peak MB"
+printf "|%s|%s|%s|%s|\n" "------------------------------------------------" "----------" \
+  "----------" "----------"
+measure "default config, every rank" 0 0 "$TMP/default.yaml"
+measure "qwen3-30b-a3b 64 -> 8 x TP 8, every rank" 0 0 "$TMP/q30-64.yaml"
+for c in q235-64 q235-256 k2-1024; do
+  case $c in
+    q235-64) view_s=0.3 ;;
+    *) view_s=1 ;;
+  esac
+  measure "$c: every rank" 30 2048 "$TMP/$c.yaml"
+  # The ranks with the most routes, as the whole plan names them.
+  most=$(grep -o "the most routes: trainer rank [0-9]* ([0-9]*), engine rank [0-9]*" "$TMP/out")
+  t=$(sed -E 's/.*trainer rank ([0-9]+).*/\1/' <<< "$most")
+  g=$(sed -E 's/.*engine rank ([0-9]+)$/\1/' <<< "$most")
+  measure "$c: trainer rank 0" "$view_s" 256 "$TMP/$c.yaml" --rank trainer:0
+  [[ $t == 0 ]] || measure "$c: trainer rank $t (most routes)" "$view_s" 256 "$TMP/$c.yaml" --rank "trainer:$t"
+  measure "$c: engine rank 0" "$view_s" 256 "$TMP/$c.yaml" --rank engine:0
+  [[ $g == 0 ]] || measure "$c: engine rank $g (most routes)" "$view_s" 256 "$TMP/$c.yaml" --rank "engine:$g"
 done
+echo
+printf "| %-46s | %-22s | %-4s |\n" "budget" "limit" "held"
+printf "|%s|%s|%s|\n" "------------------------------------------------" "------------------------" "------"
+printf "%s\n" "${BUDGETS[@]}"
+exit $((FAILS > 0))

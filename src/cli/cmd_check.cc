@@ -2,10 +2,12 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cli/commands.h"
@@ -17,6 +19,22 @@
 
 namespace refit::cli {
 namespace {
+
+// f(rank) for every rank in [0, n), on up to one worker thread per core (at most 32): each worker
+// derives one view at a time. f must not throw.
+template <class F>
+void for_each_rank_in_parallel(int n, F&& f) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int workers = std::max(1, std::min({n, cores, 32}));
+  std::atomic<int> next{0};
+  auto work = [&] {
+    for (int r = next.fetch_add(1); r < n; r = next.fetch_add(1)) f(r);
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < workers; ++i) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
 
 void print(const std::string& text) { std::fputs(text.c_str(), stdout); }
 
@@ -89,40 +107,80 @@ void print_transfer_plan(const Config& c, const ModelSpec& spec) {
   };
   std::vector<TrainerTotals> trainers(static_cast<std::size_t>(in.trainer_ranks()));
   std::vector<std::string> pair_lines;
-  for (int r = 0; r < in.trainer_ranks(); ++r) {
+  // Every trainer rank's view, derived on worker threads from the shared inputs (every engine
+  // layout is prepared first; the inputs are read-only from there on), then summed in rank order.
+  for (int k = 0; k < in.tp_size(); ++k) exit_if_error(in.prepare_engine(k), kExitSetup);
+  struct PairSummary {
+    int engine = 0;
+    std::int64_t bytes = 0;
+    std::size_t routes = 0;
+    int rounds = 0;
+    std::uint64_t digest = 0;
+  };
+  struct TrainerResult {
+    Status status;
+    TrainerTotals totals;
+    std::vector<PairSummary> pairs;
+    std::int64_t fp8_in_pass = 0, fp8_before = 0;
+  };
+  std::vector<TrainerResult> results(static_cast<std::size_t>(in.trainer_ranks()));
+  for_each_rank_in_parallel(in.trainer_ranks(), [&](int r) {
+    TrainerResult& out = results[static_cast<std::size_t>(r)];
     // FP8 marks need the rank's own layout (what the rank derives at setup); the rest its view.
     Result<RouteSetup> setup =
         in.wire().fp8 ? make_trainer_route_setup(*inputs, r) : Result<RouteSetup>(RouteSetup{});
-    exit_if_error(setup.status(), kExitSetup);
+    if (!setup.ok()) {
+      out.status = setup.status();
+      return;
+    }
     if (!in.wire().fp8) {
       auto view = trainer_view(in, r);
-      exit_if_error(view.status(), kExitSetup);
+      if (!view.ok()) {
+        out.status = view.status();
+        return;
+      }
       setup->view = std::move(view).value();
     }
     const PlanView& v = setup->view;
-    fp8_in_pass += setup->fp8_blocks_in_pass;
-    fp8_before += setup->fp8_blocks_before;
-    for (const PairPlan& p : v.pairs) {
+    out.fp8_in_pass = setup->fp8_blocks_in_pass;
+    out.fp8_before = setup->fp8_blocks_before;
+    for (const PairPlan& p : v.pairs)
+      out.pairs.push_back(PairSummary{.engine = p.engine,
+                                      .bytes = p.bytes,
+                                      .routes = p.routes.size(),
+                                      .rounds = p.rounds(),
+                                      .digest = p.digest});
+    out.totals = TrainerTotals{.bytes = v.bytes,
+                               .targets = v.pairs.size(),
+                               .routes = v.routes(),
+                               .heap = v.heap_bytes(),
+                               .rounds = v.rounds};
+  });
+  for (int r = 0; r < in.trainer_ranks(); ++r) {
+    const TrainerResult& res = results[static_cast<std::size_t>(r)];
+    exit_if_error(res.status, kExitSetup);
+    fp8_in_pass += res.fp8_in_pass;
+    fp8_before += res.fp8_before;
+    for (const PairSummary& p : res.pairs) {
       EngineTotals& e = engines[static_cast<std::size_t>(p.engine)];
       e.bytes += p.bytes;
       e.sources += 1;
-      e.routes += p.routes.size();
-      e.rounds = std::max(e.rounds, p.rounds());
+      e.routes += p.routes;
+      e.rounds = std::max(e.rounds, p.rounds);
       digests[static_cast<std::size_t>(p.engine)].emplace_back(r, p.digest);
       if (pair_lines.size() <= kPairLinesUpTo)
         pair_lines.push_back(
             fmt::format("  trainer rank {} -> {}: {}\n", r, engine_name(c, p.engine), mb(p.bytes)));
     }
-    trainers[static_cast<std::size_t>(r)] = TrainerTotals{.bytes = v.bytes,
-                                                          .targets = v.pairs.size(),
-                                                          .routes = v.routes(),
-                                                          .heap = v.heap_bytes(),
-                                                          .rounds = v.rounds};
-    pairs += v.pairs.size();
-    routes += v.routes();
-    rounds = std::max(rounds, v.rounds);
-    if (v.routes() > heaviest_routes) heaviest_routes = v.routes(), heaviest = r;
+    const TrainerTotals& t = res.totals;
+    trainers[static_cast<std::size_t>(r)] = t;
+    pairs += t.targets;
+    routes += t.routes;
+    rounds = std::max(rounds, t.rounds);
+    if (t.routes > heaviest_routes) heaviest_routes = t.routes, heaviest = r;
   }
+  results.clear();
+  results.shrink_to_fit();
   if (pairs <= kPairLinesUpTo)
     for (const std::string& l : pair_lines) print(l);
   else
@@ -139,27 +197,45 @@ void print_transfer_plan(const Config& c, const ModelSpec& spec) {
   const std::int64_t model_bytes = in.wire().payload_bytes();
   std::size_t heaviest_engine_routes = 0;
   int heaviest_engine = 0;
-  for (int g = 0; g < in.engine_ranks(); ++g) {
+  // Every engine rank's view, on worker threads too, each checked against its trainer ranks'.
+  struct EngineResult {
+    Status status;
+    bool same = false;
+    std::size_t routes = 0, heap = 0;
+  };
+  std::vector<EngineResult> checked(E);
+  for_each_rank_in_parallel(in.engine_ranks(), [&](int g) {
+    EngineResult& out = checked[static_cast<std::size_t>(g)];
     auto v = engine_view(in, g);
-    exit_if_error(v.status(), kExitSetup);
+    if (!v.ok()) {
+      out.status = v.status();
+      return;
+    }
     const EngineTotals& t = engines[static_cast<std::size_t>(g)];
     const auto& want = digests[static_cast<std::size_t>(g)];
     bool same = v->pairs.size() == want.size() && v->bytes == t.bytes;
     for (std::size_t i = 0; same && i < want.size(); ++i)
       same = v->pairs[i].trainer == want[i].first && v->pairs[i].digest == want[i].second;
-    if (!same)
+    out.same = same;
+    out.routes = v->routes();
+    out.heap = v->heap_bytes();
+  });
+  for (int g = 0; g < in.engine_ranks(); ++g) {
+    const EngineResult& v = checked[static_cast<std::size_t>(g)];
+    exit_if_error(v.status, kExitSetup);
+    const EngineTotals& t = engines[static_cast<std::size_t>(g)];
+    if (!v.same)
       throw CliExit(kExitSetup,
                     fmt::format("internal: {}'s view of its pairs differs from its trainer ranks' "
                                 "views (a bug in the plan; please report it)",
                                 engine_name(c, g)));
-    if (v->routes() > heaviest_engine_routes)
-      heaviest_engine_routes = v->routes(), heaviest_engine = g;
+    if (v.routes > heaviest_engine_routes) heaviest_engine_routes = v.routes, heaviest_engine = g;
     print(fmt::format(
         "  engine rank {} receives {} ({:.3f} of the model) from {} trainer rank(s): "
         "{} routes in {} round(s), plan view {}\n",
         g, mb(t.bytes),
         model_bytes > 0 ? static_cast<double>(t.bytes) / static_cast<double>(model_bytes) : 0.0,
-        t.sources, t.routes, t.rounds, mb(static_cast<std::int64_t>(v->heap_bytes()))));
+        t.sources, t.routes, t.rounds, mb(static_cast<std::int64_t>(v.heap))));
   }
   print(fmt::format(
       "plan: {} routes over {} pairs, at most {} round(s); the most routes: trainer "
