@@ -142,8 +142,7 @@ TEST(RuntimeP2p, EmptyChunksSevenRanks) {
 // verified bit-exact over peer access and point-to-point, with rounds that cut runs of experts,
 // and with the HF-name layout, whose experts are separate parameters. The trainer's log line
 // says how many blocks its routes stand for: more than the routes themselves.
-void expect_compact(const Cell& c, const std::string& pairs) {
-  auto r = run_cell(c);
+void expect_compact_run(const testing::CliResult& r, const std::string& pairs) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("pairs by executor: " + pairs), std::string::npos) << r.output;
@@ -156,9 +155,16 @@ void expect_compact(const Cell& c, const std::string& pairs) {
       << r.output.substr(at, 120);
   EXPECT_GT(blocks, 2 * routes) << r.output.substr(at, 120);
 }
+void expect_compact(const Cell& c, const std::string& pairs) {
+  expect_compact_run(run_cell(c), pairs);
+}
 TEST(RuntimeCompactRoutes, MoeP2pRoundsCutRunsOfExperts) {
-  expect_compact({.model = "tiny-moe", .world_size = 3, .num_engines = 2, .tp = 2,
-                  .buffer = 4096, .executor = "p2p"},
+  expect_compact({.model = "tiny-moe",
+                  .world_size = 3,
+                  .num_engines = 2,
+                  .tp = 2,
+                  .buffer = 4096,
+                  .executor = "p2p"},
                  "peer 0, p2p 12");
 }
 TEST(RuntimeCompactRoutes, MoePeerVllm) {
@@ -166,13 +172,104 @@ TEST(RuntimeCompactRoutes, MoePeerVllm) {
                  "peer 6, p2p 0");
 }
 TEST(RuntimeCompactRoutes, MoeHfLayoutP2p) {
-  expect_compact({.model = "tiny-moe", .world_size = 2, .tp = 2, .buffer = 4096,
-                  .executor = "p2p", .layout = "hf"},
+  expect_compact({.model = "tiny-moe",
+                  .world_size = 2,
+                  .tp = 2,
+                  .buffer = 4096,
+                  .executor = "p2p",
+                  .layout = "hf"},
                  "peer 0, p2p 4");
 }
 TEST(RuntimeCompactRoutes, MoeHfLayoutPeerChecksummed) {
   expect_compact({.model = "tiny-moe", .world_size = 2, .tp = 2, .checksum = true, .layout = "hf"},
                  "peer 4, p2p 0");
+}
+
+// The same in the DeepSeek-V3 / GLM-4.5 shapes (multi-head latent attention, shared experts, dense
+// first layers, the float32 router bias): each executor and layout, and FP8 blocks.
+TEST(RuntimeCompactRoutes, FrontierMoePresetsOverEveryExecutorAndLayout) {
+  struct Case {
+    Cell cell;
+    const char* pairs;
+  };
+  const std::vector<Case> cases = {
+      {{.model = "tiny-deepseek",
+        .world_size = 3,
+        .num_engines = 2,
+        .tp = 2,
+        .buffer = 4096,
+        .executor = "p2p"},
+       "peer 0, p2p 12"},
+      {{.model = "tiny-deepseek-lite",
+        .engine = "vllm",
+        .world_size = 3,
+        .tp = 2,
+        .executor = "peer"},
+       "peer 6, p2p 0"},
+      {{.model = "tiny-glm4-moe",
+        .engine = "vllm",
+        .world_size = 3,
+        .num_engines = 2,
+        .tp = 2,
+        .buffer = 4096,
+        .executor = "p2p"},
+       "peer 0, p2p 12"},
+      {{.model = "tiny-glm4-moe", .world_size = 2, .tp = 2, .checksum = true, .layout = "hf"},
+       "peer 4, p2p 0"},
+      {{.model = "tiny-deepseek-lite",
+        .world_size = 2,
+        .tp = 2,
+        .buffer = 4096,
+        .executor = "p2p",
+        .layout = "hf"},
+       "peer 0, p2p 4"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(config_yaml(c.cell));
+    expect_compact(c.cell, c.pairs);
+  }
+}
+TEST(RuntimeCompactRoutes, FrontierMoeFp8BlocksOverP2p) {
+  TempDir dir;
+  for (const char* engine : {"vllm", "sglang"}) {
+    SCOPED_TRACE(engine);
+    const std::string path = dir.write(
+        "fp8.yaml",
+        std::string("model: tiny-deepseek\npolicy: {world_size: 3}\ngeneration: {backend: ") +
+            engine +
+            ", num_engines: 2, tp_size: 2}\nrefit: {target_precision: fp8, fp8: {block: [8, 8]}, "
+            "buffer_size_bytes: 4096, executor: p2p, timeout_s: 30}\n");
+    auto r = run_cli({"run", path, "--steps", "2", "--verify"}, 180);
+    EXPECT_NE(r.output.find("against the FP8 reference quantizer"), std::string::npos) << r.output;
+    expect_compact_run(r, "peer 0, p2p 12");
+  }
+}
+// Megatron's TP, PP and EP shards into engine TP: runs of experts end at an EP boundary.
+TEST(RuntimeCompactRoutes, MegatronTpPpEpOverP2p) {
+  const std::vector<Cell> cells = {
+      {.model = "tiny-moe",
+       .world_size = 4,
+       .tp = 2,
+       .buffer = 4096,
+       .executor = "p2p",
+       .backend = "megatron",
+       .megatron_tp = 2,
+       .megatron_ep = 2},
+      {.model = "tiny-moe",
+       .engine = "vllm",
+       .world_size = 4,
+       .num_engines = 2,
+       .tp = 2,
+       .buffer = 4096,
+       .executor = "p2p",
+       .backend = "megatron",
+       .megatron_tp = 2,
+       .megatron_pp = 2},
+  };
+  for (const Cell& c : cells) {
+    SCOPED_TRACE(config_yaml(c));
+    expect_compact(c, "peer 0, p2p ");
+  }
 }
 
 // Peer access: trainer ranks write every engine rank's exported parameters in place.
