@@ -3,7 +3,9 @@
 # the whole plan streamed rank by rank (`refit check CONFIG`, every rank's view in turn), then the
 # per-rank views (`refit check CONFIG --rank R`: what that rank derives at setup) of trainer rank 0,
 # engine rank 0 and the trainer and engine ranks with the most routes. Wall and CPU seconds and
-# peak resident memory from GNU time.
+# peak resident memory of the command from GNU time; for a rank's view also the CPU seconds of its
+# derivation alone (what the rank spends at setup; `refit check --rank` prints them), which the
+# view budgets are checked on. The whole plan's budget is checked on its wall time.
 #
 #   bash bench/plan/setup_scale.sh [./build/src/refit]
 #
@@ -44,22 +46,24 @@ measure() {
   }
   local secs user sys kb
   read -r secs user sys kb < "$TMP/time"
-  local cpu mb
+  local cpu mb derive checked
   cpu=$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.2f", u + s }')
   mb=$((kb / 1024))
-  printf "| %-46s | %8.2f | %8s | %8d |\n" "$label" "$secs" "$cpu" "$mb"
+  derive=$(grep -o "([0-9.]* s of CPU)" "$TMP/out" | head -1 | tr -dc '0-9.' || true)
+  checked=${derive:-$secs}
+  printf "| %-46s | %8.2f | %8s | %8s | %8d |\n" "$label" "$secs" "$cpu" "${derive:--}" "$mb"
   if [[ $max_s != 0 ]]; then
     local ok=yes
-    awk -v c="$secs" -v m="$max_s" 'BEGIN { exit !(c <= m) }' || ok=no
+    awk -v c="$checked" -v m="$max_s" 'BEGIN { exit !(c <= m) }' || ok=no
     [[ $mb -le $max_mb ]] || ok=no
     [[ $ok == yes ]] || FAILS=$((FAILS + 1))
     BUDGETS+=("$(printf "| %-46s | <= %5s s, <= %5s MB | %-4s |" "$label" "$max_s" "$max_mb" "$ok")")
   fi
 }
 
-printf "| %-46s | %8s | %8s | %8s |\n" "what" "wall s" "CPU s" "peak MB"
-printf "|%s|%s|%s|%s|\n" "------------------------------------------------" "----------" \
-  "----------" "----------"
+printf "| %-46s | %8s | %8s | %8s | %8s |\n" "what" "wall s" "CPU s" "derive s" "peak MB"
+printf "|%s|%s|%s|%s|%s|\n" "------------------------------------------------" "----------" \
+  "----------" "----------" "----------"
 measure "default config, every rank" 0 0 "$TMP/default.yaml"
 measure "qwen3-30b-a3b 64 -> 8 x TP 8, every rank" 0 0 "$TMP/q30-64.yaml"
 for c in q235-64 q235-256 k2-1024; do

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <ctime>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -270,15 +271,19 @@ void print_rank_view(const Config& c, const ModelSpec& spec, const std::string& 
         kExitSetup,
         fmt::format("--rank {}: there is no {} rank {} ({} is {})", which, role, rank,
                     trainer ? "policy.world_size" : "generation.num_engines x tp_size", limit));
+  // CPU seconds too: what the derivation costs, however busy the machine is.
+  const std::clock_t cpu = std::clock();
   auto setup =
       trainer ? make_trainer_route_setup(c, spec, rank) : make_engine_route_setup(c, spec, rank);
+  const double cpu_seconds = static_cast<double>(std::clock() - cpu) / CLOCKS_PER_SEC;
   exit_if_error(setup.status(), kExitSetup);
   const PlanView& v = setup->view;
   const std::string self = trainer ? fmt::format("trainer rank {}", rank) : engine_name(c, rank);
   print(
       fmt::format("{}: transfer plan {}, at most {} bytes per pair and round; derived in {:.3f} "
-                  "s, the view holds {} bytes\n",
-                  self, v.identity_hex(), v.pair_budget, setup->seconds, v.heap_bytes()));
+                  "s ({:.3f} s of CPU), the view holds {} bytes\n",
+                  self, v.identity_hex(), v.pair_budget, setup->seconds, cpu_seconds,
+                  v.heap_bytes()));
   print(fmt::format(
       "  {} {} per refit {} {} {} rank(s): {} routes in {} round(s), the largest "
       "round staging {} bytes\n",
