@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -150,6 +151,44 @@ TEST(Store, WatchNamesTheKeysThatStoodStill) {
   EXPECT_EQ(g->values, (std::vector<std::optional<std::string>>{"1"}));
   ASSERT_EQ(g->stale.size(), 1u);
   EXPECT_EQ(g->stale[0].key, "heartbeat/engine/3");
+}
+
+// A counter whose connection closes without the key holding "left" (its process exited or was
+// killed: the kernel closes the connection at once) is reported closed by the next watch, however
+// long the silence asked for; one that left, or whose connection is open, is not.
+TEST(Store, WatchNamesTheCountersWhoseConnectionClosedWithoutLeaving) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto watcher = connect(server->port());
+  auto alive = connect(server->port());
+  auto gone = connect(server->port());
+  auto leaver = connect(server->port());
+  ASSERT_TRUE(watcher && alive && gone && leaver);
+  ASSERT_TRUE(alive->add("heartbeat/engine/0", 1).ok());
+  ASSERT_TRUE(gone->add("heartbeat/engine/1", 1).ok());
+  ASSERT_TRUE(leaver->add("heartbeat/engine/2", 1).ok());
+  ASSERT_TRUE(leaver->set("heartbeat/engine/2", "left").ok());
+  gone.reset();
+  leaver.reset();
+  std::vector<Store::Stale> stale;
+  // The close reaches the server as a connection event: bounded wait for it, in rounds.
+  for (int round = 0; round < 100 && stale.empty(); ++round) {
+    auto w = watcher->watch({}, "heartbeat/", std::chrono::hours(1));
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    stale = w->stale;
+    if (stale.empty()) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_EQ(stale.size(), 1u);
+  EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
+  EXPECT_TRUE(stale[0].closed);
+  EXPECT_GE(stale[0].age.count(), 0);
+  // A silence of 0 adds the open connection's counter, as standing still, not closed.
+  auto all = watcher->watch({}, "heartbeat/", 0ms);
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  std::map<std::string, bool> closed;
+  for (const Store::Stale& k : all->stale) closed[k.key] = k.closed;
+  EXPECT_EQ(closed, (std::map<std::string, bool>{{"heartbeat/engine/0", false},
+                                                 {"heartbeat/engine/1", true}}));
 }
 
 TEST(Store, GetBlocksUntilAnotherClientSets) {

@@ -49,10 +49,13 @@ class Store {
   // exists, does not hold "left", and was last set or added to at least `silence` ago by the
   // server's clock (a heartbeat that stood still), with how long ago. The server answers from its
   // own record of when each key changed, so the cost of the request does not grow with the
-  // number of ranks that are alive.
+  // number of ranks that are alive. A key added to by a connection that then closed without the
+  // key holding "left" is reported at once, `closed`, with the time since the close as `age`: its
+  // process exited or was killed.
   struct Stale {
     std::string key;
     std::chrono::milliseconds age{0};
+    bool closed = false;
   };
   struct Watched {
     std::vector<std::optional<std::string>> values;

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <string_view>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -165,10 +166,13 @@ class StoreClient final : public Store {
     for (std::size_t i = keys.size(); i + 1 < values.size(); i += 2) {
       if (!values[i] || !values[i + 1]) return malformed();
       std::int64_t age = 0;
-      const std::string& a = *values[i + 1];
+      std::string_view a = *values[i + 1];
+      const bool closed = a.starts_with(store_wire::kClosedMark);
+      if (closed) a.remove_prefix(std::strlen(store_wire::kClosedMark));
       const auto [end, ec] = std::from_chars(a.data(), a.data() + a.size(), age);
       if (ec != std::errc() || end != a.data() + a.size()) return malformed();
-      w.stale.push_back(Stale{.key = *values[i], .age = std::chrono::milliseconds(age)});
+      w.stale.push_back(
+          Stale{.key = *values[i], .age = std::chrono::milliseconds(age), .closed = closed});
     }
     return w;
   }

@@ -140,6 +140,7 @@ class ZmqStoreServer final : public StoreServer {
   // authenticated; running out of descriptors is an error naming the limit.
   void watch_connections_once() {
     for (const ConnectionEvent& e : read_connection_events(monitor_)) {
+      if (e.event == ZMQ_EVENT_DISCONNECTED) note_closed(static_cast<int>(e.value));
       if (!e.refused()) continue;
       ++refused_;
       if (e.event == ZMQ_EVENT_ACCEPT_FAILED) {
@@ -153,6 +154,28 @@ class ZmqStoreServer final : public StoreServer {
                             e.describe());
       }
     }
+  }
+
+  // A counter (a heartbeat) remembers the connection that last added to it (the descriptor the
+  // request came in on). When that connection closes and the key does not hold "left", the
+  // process closed it without leaving: it exited or was killed, which the kernel tells at once,
+  // on this host or another; kWatch reports the key as closed from then on.
+  void note_counter(zmq::message_t& frame, const std::string& key) {
+    const int fd = zmq_msg_get(frame.handle(), ZMQ_SRCFD);
+    if (fd < 0) return;
+    counter_of_fd_[fd] = key;
+    closed_.erase(key);
+  }
+  void note_closed(int fd) {
+    const auto it = counter_of_fd_.find(fd);
+    if (it == counter_of_fd_.end()) return;
+    const std::string key = std::move(it->second);
+    counter_of_fd_.erase(it);
+    const auto v = data_.find(key);
+    if (v != data_.end() && v->second == "left") return;
+    closed_[key] = Clock::now();
+    log::debug("store server {}: the connection that counts '{}' closed without leaving",
+               endpoint_, log::escape(key));
   }
 
   void drain_requests() {
@@ -248,8 +271,18 @@ class ZmqStoreServer final : public StoreServer {
         const std::string prefix = arg(1);
         const auto now = Clock::now();
         std::int64_t stale = 0;
-        for (const auto& [key, when] : changed_) {
+        // Closed without leaving: reported at once, whatever `silence` is (store_wire.h).
+        for (const auto& [key, when] : closed_) {
           if (key.compare(0, prefix.size(), prefix) != 0) continue;
+          const auto v = data_.find(key);
+          if (v != data_.end() && v->second == "left") continue;
+          const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
+          values.emplace_back(key);
+          values.emplace_back(std::string(store_wire::kClosedMark) + std::to_string(age.count()));
+          ++stale;
+        }
+        for (const auto& [key, when] : changed_) {
+          if (key.compare(0, prefix.size(), prefix) != 0 || closed_.count(key) != 0) continue;
           const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
           if (age.count() < silence_ms) continue;
           const auto v = data_.find(key);
@@ -296,6 +329,7 @@ class ZmqStoreServer final : public StoreServer {
         current += delta;
         data_[key] = std::to_string(current);
         changed_[key] = Clock::now();
+        note_counter(frames.back(), key);
         reply(identity, request_id, Reply::kOk, store_wire::encode_i64(current));
         wake_waiters();
         return;
@@ -373,6 +407,10 @@ class ZmqStoreServer final : public StoreServer {
   std::unordered_map<std::string, std::string> data_;
   // When each key was last set or added to (kWatch: heartbeats that stood still).
   std::unordered_map<std::string, Clock::time_point> changed_;
+  // The counter each connection last added to, by descriptor, and the counters whose connection
+  // closed without leaving, since when (note_counter, note_closed).
+  std::unordered_map<int, std::string> counter_of_fd_;
+  std::unordered_map<std::string, Clock::time_point> closed_;
   std::list<Waiter> waiters_;
 };
 

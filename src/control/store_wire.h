@@ -17,10 +17,13 @@
 //   kTryGetMany key, key, ...                        per key: 1 byte (1: present, 0: absent),
 //                                                    then when present its length (int64) and
 //                                                    value (encode_values)
-//   kWatch    silence ms (int64), prefix, key, ...   encode_values of the keys' values, then
-//                                                    the number of stale keys (int64) and
-//                                                    encode_values of [key, age ms (int64)]
-//                                                    for each
+//   kWatch    silence ms (int64), prefix, key, ...   the number of stale keys (int64), then
+//                                                    encode_values of the keys' values and of
+//                                                    [key, age] for each stale key: age is the
+//                                                    decimal ms since it last changed, or
+//                                                    kClosedMark and the ms since the
+//                                                    connection that counted it closed without
+//                                                    leaving (reported whatever the silence)
 // Integers are 8 bytes, little-endian (host order: the control plane runs on x86/arm64 hosts).
 #pragma once
 
@@ -31,6 +34,9 @@
 #include <vector>
 
 namespace refit::store_wire {
+
+// In a kWatch reply, in front of the age of a key whose counting connection closed.
+inline constexpr char kClosedMark[] = "closed:";
 
 enum class Op : std::uint8_t {
   kPing = 1,

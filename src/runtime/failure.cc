@@ -243,14 +243,19 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
       const auto it = by_key.find(s.key);
       if (it == by_key.end()) continue;  // this rank, or no rank of this run
       const RankId& peer = it->second;
-      const std::string stopped = fmt::format(
-          "stopped: no heartbeat for {:.1f} s (seen by {}; the process is stopped, hung or cut "
-          "off)",
-          std::chrono::duration<double>(s.age).count(), who.name());
+      // Closed: the kernel closed its connections (it exited or was killed), told at once.
+      // Otherwise its heartbeat stood still with the connection open.
+      const std::string how =
+          s.closed ? fmt::format("exited: its connection to the control plane closed without "
+                                 "leaving (seen by {}; the process exited or was killed)",
+                                 who.name())
+                   : fmt::format("stopped: no heartbeat for {:.1f} s (seen by {}; the process is "
+                                 "stopped, hung or cut off)",
+                                 std::chrono::duration<double>(s.age).count(), who.name());
       const FailureOrigin gone{.rank = peer,
                                .code = StatusCode::kAborted,
                                .kind = FailureKind::kPeerLost,
-                               .error = "aborted: " + stopped};
+                               .error = "aborted: " + how};
       announce_failure(&store, gone);
       // The same words as every rank that reads the record: one line to grep for, whoever saw it.
       return Status::Aborted("aborted because " + gone.describe()).with_origin(gone);

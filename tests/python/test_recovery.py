@@ -54,6 +54,9 @@ def test_a_replaced_engine_rank_re_creates_the_session():
         with pytest.raises(refit.PeerLostError) as info:
             trainer.refit(2, verify=True)
         assert "engine 0 tp rank 1" in str(info.value)
+        # Named as a process that is gone (its connections closed), not as a silent one.
+        exited = "engine 0 tp rank 1: aborted: exited: its connection to the control plane closed"
+        assert exited in str(info.value), str(info.value)
         assert (info.value.role, info.value.rank, info.value.process) == (
             "engine", 1, "engine 0 tp rank 1"), str(info.value)
         assert info.value.recoverable is False
@@ -61,7 +64,7 @@ def test_a_replaced_engine_rank_re_creates_the_session():
         role, rank, status, message = out.get(timeout=60)
         assert (role, rank, status) == ("engine", 0, "error"), message
         assert message.startswith("PeerLostError: "), message
-        assert "engine 0 tp rank 1" in message
+        assert exited in message, message
         trainer.close()
 
         # The new session: a fresh store (new port), the surviving process with its storage, a
