@@ -245,7 +245,8 @@ class ThreadGroup {
 std::vector<Result<std::vector<float>>> run_engine(const ModelSpec& spec,
                                                    const std::vector<EngineShardLayout>& layouts,
                                                    const std::vector<std::vector<Bits>>& params,
-                                                   const std::vector<std::int32_t>& tokens) {
+                                                   const std::vector<std::int32_t>& tokens,
+                                                   const ForwardConfig* fc = nullptr) {
   const int t = static_cast<int>(layouts.size());
   ThreadGroup group(t);
   std::vector<Result<std::vector<float>>> out(
@@ -257,7 +258,10 @@ std::vector<Result<std::vector<float>>> run_engine(const ModelSpec& spec,
       std::vector<const std::uint16_t*> p;
       for (const Bits& b : params[static_cast<std::size_t>(r)]) p.push_back(b.data());
       out[static_cast<std::size_t>(r)] =
-          engine_forward(spec, layouts[static_cast<std::size_t>(r)], p, tokens, comm.get());
+          fc != nullptr
+              ? engine_forward(spec, *fc, layouts[static_cast<std::size_t>(r)], p, tokens,
+                               comm.get())
+              : engine_forward(spec, layouts[static_cast<std::size_t>(r)], p, tokens, comm.get());
       if (!out[static_cast<std::size_t>(r)].ok()) group.abort();
     });
   for (auto& th : threads) th.join();
@@ -297,10 +301,10 @@ struct Engine {
   std::vector<std::vector<Bits>> params;
 };
 
-Engine make_engine(const Model& m, int tp) {
+Engine make_engine(const Model& m, int tp, EngineProtocol protocol = EngineProtocol::kVllm) {
   Engine e;
   for (int r = 0; r < tp; ++r) {
-    auto L = engine_layout(m.spec, tp, r, EngineLayout::kFused, EngineProtocol::kVllm);
+    auto L = engine_layout(m.spec, tp, r, EngineLayout::kFused, protocol);
     EXPECT_TRUE(L.ok()) << L.status().to_string();
     if (!L.ok()) return {};
     e.params.push_back(apply_layout(m.spec, *L, m.hf_bits));
@@ -310,7 +314,8 @@ Engine make_engine(const Model& m, int tp) {
 }
 
 constexpr double kTolerance = 1e-4;
-const char* const kTinyPresets[] = {"tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-moe"};
+const char* const kTinyPresets[] = {"tiny-qwen3",  "tiny-qwen2",  "tiny-llama", "tiny-moe",
+                                    "tiny-gemma2", "tiny-gemma3", "tiny-phi3",  "tiny-qwen2-moe"};
 
 // --- reference_forward against hand computation ------------------------------------------------
 
@@ -326,11 +331,21 @@ V2 rope(const V2& v, double pos) {
   return {v[0] * std::cos(pos) - v[1] * std::sin(pos), v[1] * std::cos(pos) + v[0] * std::sin(pos)};
 }
 double silu(double x) { return x / (1 + std::exp(-x)); }
+// transformers' gelu_pytorch_tanh.
+double gelu_tanh(double x) {
+  return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+}
+double cap(double x, double c) { return c > 0 ? c * std::tanh(x / c) : x; }
 
-// One layer, H = 2, one head of d = 2; each tensor is read by HF name from `w`.
+// One layer, H = 2, one head of d = 2; each tensor is read by HF name from `w`. The forward
+// config's features (Gemma's scaled embeddings, (1 + w) norms, normalized attention and MLP
+// outputs, GELU, score scale, soft-capping, window; Phi-3's fused tensors; Qwen2-MoE's shared
+// expert) are written out here as transformers' modeling files describe them.
 class HandModel {
  public:
-  HandModel(const ModelSpec& spec, const std::vector<std::vector<float>>& w) : spec_(spec), w_(w) {}
+  HandModel(const ModelSpec& spec, const std::vector<std::vector<float>>& w,
+            const ForwardConfig& fc)
+      : spec_(spec), w_(w), fc_(fc) {}
 
   double at(const std::string& name, std::size_t i) const {
     auto idx = spec_.find(name);
@@ -340,23 +355,39 @@ class HandModel {
   V2 vec(const std::string& name, std::size_t row = 0) const {
     return {at(name, 2 * row), at(name, 2 * row + 1)};
   }
-  // [2, 2] matrix (rows are output features) times v.
-  V2 mat(const std::string& name, const V2& v) const {
-    return {dot(vec(name, 0), v), dot(vec(name, 1), v)};
+  // Rows [row0, row0 + 2) of a [*, 2] matrix (rows are output features) times v.
+  V2 mat(const std::string& name, const V2& v, std::size_t row0 = 0) const {
+    return {dot(vec(name, row0), v), dot(vec(name, row0 + 1), v)};
+  }
+  V2 norm(const V2& v, const std::string& name) const {
+    V2 w = vec(name);
+    if (fc_.offset_norms) w = {1 + w[0], 1 + w[1]};
+    return rms(v, w, spec_.config().rms_norm_eps);
+  }
+  double act(double x) const {
+    return fc_.activation == Activation::kGeluTanh ? gelu_tanh(x) : silu(x);
   }
 
   std::vector<double> logits(const std::vector<std::int32_t>& tokens) const {
     const ModelConfig& c = spec_.config();
-    const double eps = c.rms_norm_eps;
     const std::string L = "model.layers.0.";
     const std::size_t T = tokens.size();
     std::vector<V2> x(T), q(T), k(T), v(T);
-    for (std::size_t t = 0; t < T; ++t) x[t] = vec("model.embed_tokens.weight", tokens[t]);
     for (std::size_t t = 0; t < T; ++t) {
-      const V2 h = rms(x[t], vec(L + "input_layernorm.weight"), eps);
-      q[t] = mat(L + "self_attn.q_proj.weight", h);
-      k[t] = mat(L + "self_attn.k_proj.weight", h);
-      v[t] = mat(L + "self_attn.v_proj.weight", h);
+      x[t] = vec("model.embed_tokens.weight", tokens[t]);
+      x[t] = {x[t][0] * fc_.embed_scale, x[t][1] * fc_.embed_scale};
+    }
+    for (std::size_t t = 0; t < T; ++t) {
+      const V2 h = norm(x[t], L + "input_layernorm.weight");
+      if (c.fused_in_checkpoint) {  // [q; k; v] rows of one tensor
+        q[t] = mat(L + "self_attn.qkv_proj.weight", h, 0);
+        k[t] = mat(L + "self_attn.qkv_proj.weight", h, 2);
+        v[t] = mat(L + "self_attn.qkv_proj.weight", h, 4);
+      } else {
+        q[t] = mat(L + "self_attn.q_proj.weight", h);
+        k[t] = mat(L + "self_attn.k_proj.weight", h);
+        v[t] = mat(L + "self_attn.v_proj.weight", h);
+      }
       if (c.attention_bias)
         for (int j = 0; j < 2; ++j) {
           q[t][j] += at(L + "self_attn.q_proj.bias", j);
@@ -364,40 +395,56 @@ class HandModel {
           v[t][j] += at(L + "self_attn.v_proj.bias", j);
         }
       if (c.qk_norm) {
-        q[t] = rms(q[t], vec(L + "self_attn.q_norm.weight"), eps);
-        k[t] = rms(k[t], vec(L + "self_attn.k_norm.weight"), eps);
+        q[t] = norm(q[t], L + "self_attn.q_norm.weight");
+        k[t] = norm(k[t], L + "self_attn.k_norm.weight");
       }
-      q[t] = rope(q[t], static_cast<double>(t));
-      k[t] = rope(k[t], static_cast<double>(t));
+      q[t] = rope(q[t], static_cast<double>(t) / fc_.rope_factor[0]);
+      k[t] = rope(k[t], static_cast<double>(t) / fc_.rope_factor[0]);
     }
+    const double scale = fc_.attn_scale > 0 ? fc_.attn_scale : 1 / std::sqrt(2.0);
+    const auto window = static_cast<std::size_t>(fc_.window[0]);
     std::vector<double> out;
     for (std::size_t t = 0; t < T; ++t) {
       double z = 0;
       V2 o{0, 0};
       for (std::size_t s = 0; s <= t; ++s) {
-        const double p = std::exp(dot(q[t], k[s]) / std::sqrt(2.0));
+        if (window > 0 && t - s >= window) continue;  // attends to (t - window, t]
+        const double p = std::exp(cap(dot(q[t], k[s]) * scale, fc_.attn_softcap));
         z += p;
         o = {o[0] + p * v[s][0], o[1] + p * v[s][1]};
       }
       o = {o[0] / z, o[1] / z};
-      const V2 a = mat(L + "self_attn.o_proj.weight", o);
-      V2 y{x[t][0] + a[0], x[t][1] + a[1]};
-      const V2 h = rms(y, vec(L + "post_attention_layernorm.weight"), eps);
-      const V2 m = c.num_experts > 0 ? moe(h) : dense(h, L + "mlp.");
+      V2 a = mat(L + "self_attn.o_proj.weight", o);
+      V2 h;
+      V2 y;
+      if (fc_.sandwich_norms) {
+        a = norm(a, L + "post_attention_layernorm.weight");
+        y = {x[t][0] + a[0], x[t][1] + a[1]};
+        h = norm(y, L + "pre_feedforward_layernorm.weight");
+      } else {
+        y = {x[t][0] + a[0], x[t][1] + a[1]};
+        h = norm(y, L + "post_attention_layernorm.weight");
+      }
+      V2 m = c.num_experts > 0 ? moe(h) : dense(h, L + "mlp.");
+      if (fc_.sandwich_norms) m = norm(m, L + "post_feedforward_layernorm.weight");
       y = {y[0] + m[0], y[1] + m[1]};
-      const V2 f = rms(y, vec("model.norm.weight"), eps);
+      const V2 f = norm(y, "model.norm.weight");
       const std::string head =
           c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
-      for (std::int64_t id = 0; id < c.vocab_size; ++id) out.push_back(dot(vec(head, id), f));
+      for (std::int64_t id = 0; id < c.vocab_size; ++id)
+        out.push_back(cap(dot(vec(head, id), f), fc_.final_softcap));
     }
     return out;
   }
 
  private:
-  // gate/up [1, 2] (I = 1), down [2, 1].
-  V2 dense(const V2& h, const std::string& p) const {
-    const double g = dot(vec(p + "gate_proj.weight"), h), u = dot(vec(p + "up_proj.weight"), h);
-    const double a = silu(g) * u;
+  // gate/up [1, 2] (I = 1), down [2, 1]; Phi-3's gate_up [2, 2] holds gate in row 0, up in row 1.
+  V2 dense(const V2& h, const std::string& p, bool fused_gate_up = false) const {
+    const bool fused = fused_gate_up || spec_.config().fused_in_checkpoint;
+    const double g = dot(vec(p + (fused ? "gate_up_proj.weight" : "gate_proj.weight"), 0), h);
+    const double u =
+        dot(vec(p + (fused ? "gate_up_proj.weight" : "up_proj.weight"), fused ? 1 : 0), h);
+    const double a = act(g) * u;
     return {at(p + "down_proj.weight", 0) * a, at(p + "down_proj.weight", 1) * a};
   }
   V2 moe(const V2& h) const {
@@ -424,11 +471,18 @@ class HandModel {
     for (auto [e, w] : {std::pair{a, wa}, std::pair{b, wb}})
       out = {out[0] + w * dense(h, "model.layers.0.mlp.experts." + std::to_string(e) + ".")[0],
              out[1] + w * dense(h, "model.layers.0.mlp.experts." + std::to_string(e) + ".")[1]};
+    if (c.shared_expert_intermediate_size > 0) {  // sigmoid(shared_expert_gate . h) * shared MLP
+      const V2 s = dense(h, "model.layers.0.mlp.shared_expert.");
+      const double g =
+          1 / (1 + std::exp(-dot(vec("model.layers.0.mlp.shared_expert_gate.weight"), h)));
+      out = {out[0] + g * s[0], out[1] + g * s[1]};
+    }
     return out;
   }
 
   const ModelSpec& spec_;
   const std::vector<std::vector<float>>& w_;
+  const ForwardConfig& fc_;
 };
 
 ModelConfig hand_config() {
@@ -445,13 +499,18 @@ ModelConfig hand_config() {
   return c;
 }
 
-void expect_hand_match(const ModelConfig& c, std::uint64_t seed) {
+// `fc` null: the defaults (forward_config(spec, "{}")).
+void expect_hand_match(const ModelConfig& c, std::uint64_t seed,
+                       const ForwardConfig* fc = nullptr) {
   const ModelSpec spec(c, "hand");
   const std::vector<std::vector<float>> w = random_hf(spec, seed);
   const std::vector<std::int32_t> tokens = {3, 0, 4, 3};
-  auto got = reference_forward(spec, pointers(w), tokens);
+  auto defaults = forward_config(spec, "{}");
+  ASSERT_TRUE(defaults.ok()) << defaults.status().to_string();
+  const ForwardConfig& f = fc != nullptr ? *fc : *defaults;
+  auto got = reference_forward(spec, f, pointers(w), tokens);
   ASSERT_TRUE(got.ok()) << got.status().to_string();
-  const std::vector<double> want = HandModel(spec, w).logits(tokens);
+  const std::vector<double> want = HandModel(spec, w, f).logits(tokens);
   ASSERT_EQ(got->size(), want.size());
   for (std::size_t i = 0; i < want.size(); ++i)
     EXPECT_NEAR((*got)[i], want[i], 1e-5 * (1 + std::fabs(want[i])))
@@ -488,6 +547,129 @@ TEST(ForwardReference, MatchesHandComputedMoeLayer) {
   }
 }
 
+// Gemma 2 and 3 as transformers computes them: embeddings times sqrt(H), (1 + w) norms, the
+// attention and MLP outputs normalized before their residual adds, GELU (tanh), scores scaled by
+// query_pre_attn_scalar^-1/2 and soft-capped, a window of 2 over 4 tokens, soft-capped logits.
+TEST(ForwardReference, MatchesHandComputedGemmaLayer) {
+  for (const Architecture arch : {Architecture::kGemma2, Architecture::kGemma3}) {
+    SCOPED_TRACE(arch == Architecture::kGemma2 ? "gemma2" : "gemma3");
+    ModelConfig c = hand_config();
+    c.arch = arch;
+    c.feedforward_norms = true;
+    c.tie_word_embeddings = true;
+    c.qk_norm = arch == Architecture::kGemma3;
+    const ModelSpec spec(c, "hand");
+    // The defaults: transformers' for the class (Gemma 2 soft-caps at 50 and 30, windows of
+    // 4096 on layer 0; Gemma 3 neither).
+    auto fc = forward_config(spec, "{}");
+    ASSERT_TRUE(fc.ok()) << fc.status().to_string();
+    EXPECT_EQ(fc->attn_scale, 1 / 16.0);  // query_pre_attn_scalar 256
+    EXPECT_EQ(fc->embed_scale, std::sqrt(2.0));
+    EXPECT_EQ(fc->activation, Activation::kGeluTanh);
+    EXPECT_TRUE(fc->offset_norms && fc->sandwich_norms);
+    EXPECT_EQ(fc->attn_softcap, arch == Architecture::kGemma2 ? 50.0 : 0.0);
+    EXPECT_EQ(fc->final_softcap, arch == Architecture::kGemma2 ? 30.0 : 0.0);
+    EXPECT_EQ(fc->window, std::vector<std::int64_t>{4096});  // layer 0 slides in both
+    expect_hand_match(c, 31, &*fc);
+    // Caps and a window small enough to change every position past the second.
+    auto small = forward_config(spec, R"({"query_pre_attn_scalar": 3, "attn_logit_softcapping": 0.5,
+                                          "final_logit_softcapping": 0.75, "sliding_window": 2})");
+    ASSERT_TRUE(small.ok()) << small.status().to_string();
+    EXPECT_EQ(small->window, std::vector<std::int64_t>{2});
+    expect_hand_match(c, 32, &*small);
+  }
+}
+
+// Phi-3: q/k/v and gate/up as row ranges of the checkpoint's fused tensors.
+TEST(ForwardReference, MatchesHandComputedPhi3Layer) {
+  ModelConfig c = hand_config();
+  c.arch = Architecture::kPhi3;
+  c.fused_in_checkpoint = true;
+  expect_hand_match(c, 41);
+  const ModelSpec spec(c, "hand");
+  auto fc = forward_config(spec, R"({"sliding_window": 2})");
+  ASSERT_TRUE(fc.ok()) << fc.status().to_string();
+  expect_hand_match(c, 42, &*fc);
+}
+
+// Qwen2-MoE: q/k/v bias, softmax top-2 of 4 experts plus sigmoid(gate . h) times the shared MLP.
+TEST(ForwardReference, MatchesHandComputedQwen2MoeLayer) {
+  ModelConfig c = hand_config();
+  c.arch = Architecture::kQwen2Moe;
+  c.attention_bias = true;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 1;
+  c.shared_expert_intermediate_size = 1;
+  for (bool norm : {false, true}) {
+    SCOPED_TRACE(norm ? "norm_topk_prob" : "raw top-k weights");
+    c.norm_topk_prob = norm;
+    expect_hand_match(c, 51);
+  }
+}
+
+TEST(ForwardConfig, ReadsEveryArchitecturesFactsFromConfigJson) {
+  // Gemma 3's layer pattern and its two RoPE bases; linear scaling on the global layers only.
+  ModelConfig g3 = hand_config();
+  g3.arch = Architecture::kGemma3;
+  g3.num_layers = 7;
+  g3.feedforward_norms = true;
+  g3.qk_norm = true;
+  g3.tie_word_embeddings = true;
+  const ModelSpec s3(g3, "hand");
+  auto f3 = forward_config(s3, R"({"sliding_window": 5, "rope_theta": 1000000,
+      "rope_local_base_freq": 10000, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})");
+  ASSERT_TRUE(f3.ok()) << f3.status().to_string();
+  EXPECT_EQ(f3->window, (std::vector<std::int64_t>{5, 5, 5, 5, 5, 0, 5}));
+  EXPECT_EQ(f3->rope_theta[0], 10000.0);
+  EXPECT_EQ(f3->rope_theta[5], 1e6);
+  EXPECT_EQ(f3->rope_factor[0], 1.0);
+  EXPECT_EQ(f3->rope_factor[5], 8.0);
+  // transformers 5's per-layer-type rope_parameters and explicit layer_types.
+  auto f5 = forward_config(s3, R"({"layer_types": ["full_attention", "sliding_attention",
+      "full_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+      "full_attention"], "rope_parameters": {"full_attention": {"rope_type": "default",
+      "rope_theta": 500000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 777.0}}})");
+  ASSERT_TRUE(f5.ok()) << f5.status().to_string();
+  EXPECT_EQ(f5->window, (std::vector<std::int64_t>{0, 4096, 0, 4096, 4096, 4096, 0}));
+  EXPECT_EQ(f5->rope_theta[0], 500000.0);
+  EXPECT_EQ(f5->rope_theta[1], 777.0);
+  // Gemma 2 slides on even layers; null soft-capping turns it off.
+  ModelConfig g2 = g3;
+  g2.arch = Architecture::kGemma2;
+  g2.qk_norm = false;
+  const ModelSpec s2(g2, "hand");
+  auto f2 = forward_config(s2, R"({"attn_logit_softcapping": null, "sliding_window": 9})");
+  ASSERT_TRUE(f2.ok()) << f2.status().to_string();
+  EXPECT_EQ(f2->window, (std::vector<std::int64_t>{9, 0, 9, 0, 9, 0, 9}));
+  EXPECT_EQ(f2->attn_softcap, 0.0);
+  EXPECT_EQ(f2->final_softcap, 30.0);
+  // Mistral slides everywhere; Qwen2 only with use_sliding_window, from max_window_layers on.
+  ModelConfig q = hand_config();
+  q.num_layers = 4;
+  q.arch = Architecture::kMistral;
+  auto fm = forward_config(ModelSpec(q, "hand"), "{}");
+  ASSERT_TRUE(fm.ok());
+  EXPECT_EQ(fm->window, (std::vector<std::int64_t>{4096, 4096, 4096, 4096}));
+  q.arch = Architecture::kQwen2;
+  q.attention_bias = true;
+  auto fq = forward_config(
+      ModelSpec(q, "hand"),
+      R"({"use_sliding_window": true, "max_window_layers": 2, "sliding_window": 7})");
+  ASSERT_TRUE(fq.ok());
+  EXPECT_EQ(fq->window, (std::vector<std::int64_t>{0, 0, 7, 7}));
+  auto fq0 = forward_config(ModelSpec(q, "hand"), R"({"sliding_window": 7})");
+  ASSERT_TRUE(fq0.ok());
+  EXPECT_EQ(fq0->window, (std::vector<std::int64_t>{0, 0, 0, 0}));
+  // Errors name the key.
+  auto bad = forward_config(ModelSpec(q, "hand"), R"({"hidden_act": "relu"})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("\"relu\""), std::string::npos) << bad.status().message();
+  auto bad_types = forward_config(s3, R"({"layer_types": ["full_attention"]})");
+  ASSERT_FALSE(bad_types.ok());
+  EXPECT_NE(bad_types.status().message().find("layer_types"), std::string::npos);
+}
+
 TEST(ForwardReference, RejectsBadInputs) {
   const Model m = make_model("tiny-llama", 1);
   auto bad_token = reference_forward(m.spec, pointers(m.hf), {1, 777});
@@ -501,31 +683,78 @@ TEST(ForwardReference, RejectsBadInputs) {
 
 // --- engine_forward against reference_forward -------------------------------------------------
 
+// The forward config of a preset, from its config.json; with `tight`, every sliding window cut
+// to 3 tokens and soft-capping made strong, so that both change the logits of 8 tokens.
+ForwardConfig preset_forward_config(const ModelSpec& spec, const std::string& preset, bool tight) {
+  auto json = model_config_json(preset);
+  EXPECT_TRUE(json.ok()) << json.status().to_string();
+  auto fc = forward_config(spec, json.ok() ? *json : "{}");
+  EXPECT_TRUE(fc.ok()) << fc.status().to_string();
+  ForwardConfig f = fc.ok() ? *fc : ForwardConfig{};
+  if (tight) {
+    for (auto& w : f.window) w = w > 0 ? 3 : 0;
+    if (f.attn_softcap > 0) f.attn_softcap = 0.7;
+    if (f.final_softcap > 0) f.final_softcap = 1.5;
+  }
+  return f;
+}
+
 TEST(ForwardEngine, MatchesReferenceForEveryTpSizeOfTinyPresets) {
   int cases = 0;
   for (const char* preset : kTinyPresets) {
     const Model m = make_model(preset, 7);
     const std::vector<std::int32_t> tokens = logit_check_tokens(m.spec, 8);
-    auto want = reference_forward(m.spec, pointers(m.hf), tokens);
-    ASSERT_TRUE(want.ok()) << preset << ": " << want.status().to_string();
-    for (int tp : {1, 2, 4}) {
-      if (!check_engine_tp(m.spec, tp).ok()) continue;
-      SCOPED_TRACE(std::string(preset) + " tp=" + std::to_string(tp));
-      ++cases;
-      const Engine e = make_engine(m, tp);
-      ASSERT_EQ(e.layouts.size(), static_cast<std::size_t>(tp));
-      auto got = run_engine(m.spec, e.layouts, e.params, tokens);
-      for (int r = 0; r < tp; ++r) {
-        ASSERT_TRUE(got[r].ok()) << "rank " << r << ": " << got[r].status().to_string();
-        const Status s = compare_logits(*got[r], *want, m.spec.config().vocab_size, kTolerance);
-        EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s.to_string();
-        // Partials are summed in rank order on every rank: identical bits everywhere.
-        EXPECT_EQ(*got[r], *got[0]) << "rank " << r;
+    const bool gemma = m.spec.config().feedforward_norms;
+    for (const bool tight : {false, true}) {
+      if (tight && !gemma) continue;
+      const ForwardConfig fc = preset_forward_config(m.spec, preset, tight);
+      auto want = reference_forward(m.spec, fc, pointers(m.hf), tokens);
+      ASSERT_TRUE(want.ok()) << preset << ": " << want.status().to_string();
+      for (const EngineProtocol protocol : {EngineProtocol::kVllm, EngineProtocol::kSglang}) {
+        // The engines' layouts differ for Gemma 3 only (SGLang's whole embedding).
+        if (protocol == EngineProtocol::kSglang && m.spec.config().arch != Architecture::kGemma3)
+          continue;
+        for (int tp : {1, 2, 4}) {
+          if (!check_engine_tp(m.spec, tp).ok()) continue;
+          SCOPED_TRACE(std::string(preset) + " tp=" + std::to_string(tp) + (tight ? " tight" : "") +
+                       (protocol == EngineProtocol::kSglang ? " sglang" : " vllm"));
+          ++cases;
+          const Engine e = make_engine(m, tp, protocol);
+          ASSERT_EQ(e.layouts.size(), static_cast<std::size_t>(tp));
+          auto got = run_engine(m.spec, e.layouts, e.params, tokens, &fc);
+          for (int r = 0; r < tp; ++r) {
+            ASSERT_TRUE(got[r].ok()) << "rank " << r << ": " << got[r].status().to_string();
+            const Status s = compare_logits(*got[r], *want, m.spec.config().vocab_size, kTolerance);
+            EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s.to_string();
+            // Partials are summed in rank order on every rank: identical bits everywhere.
+            EXPECT_EQ(*got[r], *got[0]) << "rank " << r;
+          }
+        }
       }
     }
   }
-  // qwen3 1,2,4 (4 replicates kv heads); qwen2 1,2; llama 1,2,4; moe 1,2,4.
-  EXPECT_EQ(cases, 11);
+  // qwen3 1,2,4 (4 replicates kv heads); qwen2 1,2; llama 1,2,4; moe 1,2,4; gemma2 1,2,4 twice;
+  // gemma3 1,2,4 twice for each engine; phi3 1,2; qwen2-moe 1,2,4.
+  EXPECT_EQ(cases, 11 + 6 + 12 + 2 + 3);
+}
+
+// The window and the soft-capping change the logits: the tight config differs from the preset's.
+TEST(ForwardEngine, WindowsAndSoftCappingChangeTheLogits) {
+  for (const char* preset : {"tiny-gemma2", "tiny-gemma3"}) {
+    SCOPED_TRACE(preset);
+    const Model m = make_model(preset, 9);
+    const auto tokens = logit_check_tokens(m.spec, 8);
+    auto loose = reference_forward(m.spec, preset_forward_config(m.spec, preset, false),
+                                   pointers(m.hf), tokens);
+    ForwardConfig windowed = preset_forward_config(m.spec, preset, false);
+    for (auto& w : windowed.window) w = w > 0 ? 3 : 0;
+    auto tight = reference_forward(m.spec, windowed, pointers(m.hf), tokens);
+    ASSERT_TRUE(loose.ok() && tight.ok());
+    const std::int64_t V = m.spec.config().vocab_size;
+    // Positions 0..2 see at most 3 tokens either way; position 3 on do not.
+    for (std::int64_t i = 0; i < 3 * V; ++i) EXPECT_EQ((*loose)[i], (*tight)[i]) << i;
+    EXPECT_FALSE(compare_logits(*tight, *loose, V, kTolerance).ok());
+  }
 }
 
 // Swaps the destination rows of pieces `a` and `b` of parameter `name` on every rank (their row

@@ -24,6 +24,10 @@ struct HfLayer {
   std::int64_t input_norm = kNoTensor, post_attn_norm = kNoTensor;
   std::int64_t gate = kNoTensor, up = kNoTensor, down = kNoTensor, router = kNoTensor;
   std::vector<std::int64_t> expert_gate, expert_up, expert_down;
+  std::int64_t pre_ffn_norm = kNoTensor, post_ffn_norm = kNoTensor;  // Gemma
+  std::int64_t qkv = kNoTensor, gate_up = kNoTensor;                 // Phi-3
+  std::int64_t shared_gate = kNoTensor, shared_up = kNoTensor, shared_down = kNoTensor;
+  std::int64_t shared_expert_gate = kNoTensor;  // Qwen2-MoE
 };
 
 struct HfIndex {
@@ -113,21 +117,30 @@ HfIndex index_hf(const ModelSpec& spec) {
         if (L) expert_slot(L->expert_down);
         break;
       case ParamRole::kPreFfnNorm:
+        if (L) L->pre_ffn_norm = n;
+        break;
       case ParamRole::kPostFfnNorm:
+        if (L) L->post_ffn_norm = n;
+        break;
       case ParamRole::kQkvProj:
+        if (L) L->qkv = n;
+        break;
       case ParamRole::kGateUpProj:
+        if (L) L->gate_up = n;
+        break;
       case ParamRole::kSharedGate:
+        if (L) L->shared_gate = n;
+        break;
       case ParamRole::kSharedUp:
+        if (L) L->shared_up = n;
+        break;
       case ParamRole::kSharedDown:
+        if (L) L->shared_down = n;
+        break;
       case ParamRole::kSharedExpertGate:
-      case ParamRole::kRouterBias:
-      case ParamRole::kQAProj:
-      case ParamRole::kQALayerNorm:
-      case ParamRole::kQBProj:
-      case ParamRole::kKvAProj:
-      case ParamRole::kKvALayerNorm:
-      case ParamRole::kKvBProj:
-      case ParamRole::kOther:  // architectures without a forward here: refused before (forward.h)
+        if (L) L->shared_expert_gate = n;
+        break;
+      default:  // kOther: tables read from headers have no forward (refused before, forward.h)
         break;
     }
   }
@@ -203,9 +216,17 @@ Status check_forward_inputs(const ModelConfig& c, const std::vector<std::int32_t
 Result<std::vector<float>> reference_forward(const ModelSpec& spec,
                                              const std::vector<const float*>& hf,
                                              const std::vector<std::int32_t>& tokens) {
+  REFIT_ASSIGN_OR_RETURN(const ForwardConfig fc, forward_config(spec, "{}"));
+  return reference_forward(spec, fc, hf, tokens);
+}
+
+Result<std::vector<float>> reference_forward(const ModelSpec& spec, const ForwardConfig& fc,
+                                             const std::vector<const float*>& hf,
+                                             const std::vector<std::int32_t>& tokens) {
   constexpr const char* kWho = "reference forward";
   const ModelConfig& c = spec.config();
   REFIT_RETURN_IF_ERROR(fwd::check_forward_inputs(c, tokens, kWho));
+  REFIT_RETURN_IF_ERROR(fwd::check_forward_config(c, fc, kWho));
   if (hf.size() != spec.tensors().size())
     return Status::InvalidArgument(fmt::format("{}: got {} tensors, the spec of {} lists {}", kWho,
                                                hf.size(), spec.source(), spec.tensors().size()));
@@ -219,11 +240,16 @@ Result<std::vector<float>> reference_forward(const ModelSpec& spec,
   const auto T = static_cast<std::int64_t>(tokens.size());
   const std::int64_t H = c.hidden_size, d = c.head_dim, nq = c.num_heads, nkv = c.num_kv_heads;
   const auto uz = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  const bool off = fc.offset_norms;
+  const double eps = c.rms_norm_eps;
 
   REFIT_ASSIGN_OR_RETURN(const WeightView embed, w.get(ix.embed, "embed_tokens", -1));
   std::vector<float> x(uz(T * H));
+  const auto escale = static_cast<float>(fc.embed_scale);
   for (std::int64_t t = 0; t < T; ++t)
-    for (std::int64_t j = 0; j < H; ++j) x[uz(t * H + j)] = embed.at(tokens[uz(t)], j);
+    for (std::int64_t j = 0; j < H; ++j)
+      x[uz(t * H + j)] =
+          fc.embed_scale == 1.0 ? embed.at(tokens[uz(t)], j) : embed.at(tokens[uz(t)], j) * escale;
 
   std::vector<std::int64_t> kv_of_head(uz(nq));
   for (std::int64_t h = 0; h < nq; ++h) kv_of_head[uz(h)] = h / (nq / nkv);
@@ -233,30 +259,47 @@ Result<std::vector<float>> reference_forward(const ModelSpec& spec,
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
     const HfLayer& L = ix.layers[uz(layer)];
     REFIT_ASSIGN_OR_RETURN(const WeightView in_norm, w.get(L.input_norm, "input_layernorm", layer));
-    REFIT_ASSIGN_OR_RETURN(const WeightView wq, w.get(L.q, "q_proj", layer));
-    REFIT_ASSIGN_OR_RETURN(const WeightView wk, w.get(L.k, "k_proj", layer));
-    REFIT_ASSIGN_OR_RETURN(const WeightView wv, w.get(L.v, "v_proj", layer));
+    WeightView wq, wk, wv;
+    if (c.fused_in_checkpoint) {  // Phi-3: [q; k; v] rows of one tensor
+      REFIT_ASSIGN_OR_RETURN(const WeightView wqkv, w.get(L.qkv, "qkv_proj", layer));
+      wq = wqkv.row_block(0, nq * d);
+      wk = wqkv.row_block(nq * d, nkv * d);
+      wv = wqkv.row_block(nq * d + nkv * d, nkv * d);
+    } else {
+      REFIT_ASSIGN_OR_RETURN(wq, w.get(L.q, "q_proj", layer));
+      REFIT_ASSIGN_OR_RETURN(wk, w.get(L.k, "k_proj", layer));
+      REFIT_ASSIGN_OR_RETURN(wv, w.get(L.v, "v_proj", layer));
+    }
     REFIT_ASSIGN_OR_RETURN(const WeightView wo, w.get(L.o, "o_proj", layer));
     WeightView q_norm, k_norm;
     if (c.qk_norm) {
       REFIT_ASSIGN_OR_RETURN(q_norm, w.get(L.q_norm, "q_norm", layer));
       REFIT_ASSIGN_OR_RETURN(k_norm, w.get(L.k_norm, "k_norm", layer));
     }
+    const fwd::Rope rope = fwd::layer_rope(fc, layer);
 
-    fwd::rms_norm(x.data(), H, T, H, in_norm, c.rms_norm_eps, h_norm.data(), H);
+    fwd::rms_norm(x.data(), H, T, H, in_norm, eps, h_norm.data(), H, off);
     fwd::linear(h_norm.data(), T, wq, w.optional(L.q_bias), q.data());
     fwd::linear(h_norm.data(), T, wk, w.optional(L.k_bias), k.data());
     fwd::linear(h_norm.data(), T, wv, w.optional(L.v_bias), v.data());
-    fwd::prepare_heads(q.data(), nq * d, T, nq, d, q_norm, c.rms_norm_eps, c.rope_theta);
-    fwd::prepare_heads(k.data(), nkv * d, T, nkv, d, k_norm, c.rms_norm_eps, c.rope_theta);
+    fwd::prepare_heads(q.data(), nq * d, T, nq, d, q_norm, eps, rope, off);
+    fwd::prepare_heads(k.data(), nkv * d, T, nkv, d, k_norm, eps, rope, off);
     fwd::causal_attention(q.data(), nq * d, k.data(), v.data(), nkv * d, T, nq, d, kv_of_head,
-                          attn.data());
+                          fwd::layer_attention(fc, c, layer), attn.data());
     fwd::linear(attn.data(), T, wo, {}, delta.data());
-    for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
 
     REFIT_ASSIGN_OR_RETURN(const WeightView post_norm,
                            w.get(L.post_attn_norm, "post_attention_layernorm", layer));
-    fwd::rms_norm(x.data(), H, T, H, post_norm, c.rms_norm_eps, h_norm.data(), H);
+    if (fc.sandwich_norms) {  // Gemma: the attention output is normalized, then added
+      REFIT_ASSIGN_OR_RETURN(const WeightView pre_ffn,
+                             w.get(L.pre_ffn_norm, "pre_feedforward_layernorm", layer));
+      fwd::rms_norm(delta.data(), H, T, H, post_norm, eps, delta.data(), H, off);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+      fwd::rms_norm(x.data(), H, T, H, pre_ffn, eps, h_norm.data(), H, off);
+    } else {
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+      fwd::rms_norm(x.data(), H, T, H, post_norm, eps, h_norm.data(), H, off);
+    }
     if (c.is_moe_layer(layer)) {
       const std::int64_t E = c.num_experts, I = c.moe_intermediate_size;
       REFIT_ASSIGN_OR_RETURN(const WeightView router, w.get(L.router, "mlp.gate (router)", layer));
@@ -278,33 +321,66 @@ Result<std::vector<float>> reference_forward(const ModelSpec& spec,
           REFIT_ASSIGN_OR_RETURN(const WeightView wd, w.get(L.expert_down[uz(e)], name, layer));
           fwd::linear(ht, 1, wg, {}, gate.data());
           fwd::linear(ht, 1, wu, {}, up.data());
-          for (std::int64_t i = 0; i < I; ++i) gate[uz(i)] = fwd::silu(gate[uz(i)]) * up[uz(i)];
+          fwd::gated(gate.data(), up.data(), I, fc.activation);
           fwd::linear(gate.data(), 1, wd, {}, out.data());
           for (std::int64_t j = 0; j < H; ++j) delta[uz(t * H + j)] += weight * out[uz(j)];
         }
       }
+      if (c.shared_expert_intermediate_size > 0) {  // Qwen2-MoE: sigmoid(gate . h) * shared MLP
+        const std::int64_t S = c.shared_expert_intermediate_size;
+        REFIT_ASSIGN_OR_RETURN(const WeightView sg,
+                               w.get(L.shared_gate, "shared_expert.gate_proj", layer));
+        REFIT_ASSIGN_OR_RETURN(const WeightView su,
+                               w.get(L.shared_up, "shared_expert.up_proj", layer));
+        REFIT_ASSIGN_OR_RETURN(const WeightView sd,
+                               w.get(L.shared_down, "shared_expert.down_proj", layer));
+        REFIT_ASSIGN_OR_RETURN(const WeightView sgate,
+                               w.get(L.shared_expert_gate, "shared_expert_gate", layer));
+        std::vector<float> g(uz(T * S)), u(uz(T * S)), shared(uz(T * H)), scale(uz(T));
+        fwd::linear(h_norm.data(), T, sg, {}, g.data());
+        fwd::linear(h_norm.data(), T, su, {}, u.data());
+        fwd::gated(g.data(), u.data(), T * S, fc.activation);
+        fwd::linear(g.data(), T, sd, {}, shared.data());
+        fwd::linear(h_norm.data(), T, sgate, {}, scale.data());
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t j = 0; j < H; ++j)
+            delta[uz(t * H + j)] += fwd::sigmoid(scale[uz(t)]) * shared[uz(t * H + j)];
+      }
     } else {
       const std::int64_t I = c.intermediate_size;
-      REFIT_ASSIGN_OR_RETURN(const WeightView wg, w.get(L.gate, "gate_proj", layer));
-      REFIT_ASSIGN_OR_RETURN(const WeightView wu, w.get(L.up, "up_proj", layer));
+      WeightView wg, wu;
+      if (c.fused_in_checkpoint) {  // Phi-3: [gate; up] rows of one tensor
+        REFIT_ASSIGN_OR_RETURN(const WeightView wgu, w.get(L.gate_up, "gate_up_proj", layer));
+        wg = wgu.row_block(0, I);
+        wu = wgu.row_block(I, I);
+      } else {
+        REFIT_ASSIGN_OR_RETURN(wg, w.get(L.gate, "gate_proj", layer));
+        REFIT_ASSIGN_OR_RETURN(wu, w.get(L.up, "up_proj", layer));
+      }
       REFIT_ASSIGN_OR_RETURN(const WeightView wd, w.get(L.down, "down_proj", layer));
       std::vector<float> gate(uz(T * I)), up(uz(T * I));
       fwd::linear(h_norm.data(), T, wg, {}, gate.data());
       fwd::linear(h_norm.data(), T, wu, {}, up.data());
-      for (std::size_t i = 0; i < gate.size(); ++i) gate[i] = fwd::silu(gate[i]) * up[i];
+      fwd::gated(gate.data(), up.data(), T * I, fc.activation);
       fwd::linear(gate.data(), T, wd, {}, delta.data());
+    }
+    if (fc.sandwich_norms) {
+      REFIT_ASSIGN_OR_RETURN(const WeightView post_ffn,
+                             w.get(L.post_ffn_norm, "post_feedforward_layernorm", layer));
+      fwd::rms_norm(delta.data(), H, T, H, post_ffn, eps, delta.data(), H, off);
     }
     for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
   }
 
   REFIT_ASSIGN_OR_RETURN(const WeightView final_norm, w.get(ix.final_norm, "model.norm", -1));
-  fwd::rms_norm(x.data(), H, T, H, final_norm, c.rms_norm_eps, h_norm.data(), H);
+  fwd::rms_norm(x.data(), H, T, H, final_norm, eps, h_norm.data(), H, off);
   WeightView head = embed;
   if (!c.tie_word_embeddings) {
     REFIT_ASSIGN_OR_RETURN(head, w.get(ix.lm_head, "lm_head", -1));
   }
   std::vector<float> logits(uz(T * c.vocab_size));
   fwd::linear(h_norm.data(), T, head, {}, logits.data());
+  for (float& l : logits) l = fwd::softcap(l, fc.final_softcap);
   return logits;
 }
 
@@ -328,6 +404,17 @@ std::vector<std::int32_t> logit_check_tokens(const ModelSpec& spec, int n) {
     tokens.push_back(static_cast<std::int32_t>(id));
   }
   return tokens;
+}
+
+double logit_error(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return std::nan("");
+  double max_want = 0.0, worst = 0.0;
+  for (float w : want) max_want = std::max(max_want, std::fabs(static_cast<double>(w)));
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
+    worst = std::max(worst, std::isfinite(diff) ? diff : HUGE_VAL);
+  }
+  return worst / (max_want + 1e-6);
 }
 
 Status compare_logits(const std::vector<float>& got, const std::vector<float>& want,

@@ -20,6 +20,9 @@ using fwd::WeightView;
 constexpr const char* kWho = "engine forward";
 
 std::size_t uz(std::int64_t n) { return static_cast<std::size_t>(n); }
+std::int64_t fwd_shape_rows(const std::vector<std::int64_t>& shape) {
+  return shape.empty() ? -1 : shape[0];
+}
 
 // Sums and gathers over the TP group with all_gather_v only. A null group is a group of one.
 class TpCombiner {
@@ -72,6 +75,12 @@ class EngineParams {
       by_name_.emplace(layout.params[i].name, i);
   }
 
+  // The shape of parameter `name`, or empty when the layout has none.
+  std::vector<std::int64_t> shape_of(const std::string& name) const {
+    auto it = by_name_.find(name);
+    return it == by_name_.end() ? std::vector<std::int64_t>{} : layout_.params[it->second].shape;
+  }
+
   Result<WeightView> get(const std::string& name, const std::vector<std::int64_t>& shape) const {
     auto it = by_name_.find(name);
     if (it == by_name_.end())
@@ -103,8 +112,18 @@ Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineSha
                                           const std::vector<const std::uint16_t*>& params,
                                           const std::vector<std::int32_t>& tokens,
                                           Communicator* tp_group) {
+  REFIT_ASSIGN_OR_RETURN(const ForwardConfig fc, forward_config(spec, "{}"));
+  return engine_forward(spec, fc, layout, params, tokens, tp_group);
+}
+
+Result<std::vector<float>> engine_forward(const ModelSpec& spec, const ForwardConfig& fc,
+                                          const EngineShardLayout& layout,
+                                          const std::vector<const std::uint16_t*>& params,
+                                          const std::vector<std::int32_t>& tokens,
+                                          Communicator* tp_group) {
   const ModelConfig& c = spec.config();
   REFIT_RETURN_IF_ERROR(fwd::check_forward_inputs(c, tokens, kWho));
+  REFIT_RETURN_IF_ERROR(fwd::check_forward_config(c, fc, kWho));
   const std::int64_t t = layout.tp_size, r = layout.tp_rank;
   const std::string where = fmt::format("{}: tp rank {}/{}", kWho, r, t);
   if (t < 1 || r < 0 || r >= t)
@@ -149,16 +168,23 @@ Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineSha
   TpCombiner tp(tp_group, static_cast<int>(t), static_cast<int>(r));
   const auto T = static_cast<std::int64_t>(tokens.size());
 
-  // Vocabulary-parallel embedding: rows of tokens outside this rank's range stay zero.
+  // Vocabulary-parallel embedding: rows of tokens outside this rank's range stay zero. SGLang's
+  // Gemma 3 keeps the whole table on every rank instead (engine/engine_layout.h).
+  const bool whole_embed =
+      vocab_per_rank != V && fwd_shape_rows(w.shape_of("model.embed_tokens.weight")) == V;
   REFIT_ASSIGN_OR_RETURN(const WeightView embed,
-                         w.get("model.embed_tokens.weight", {vocab_per_rank, H}));
+                         w.get("model.embed_tokens.weight", {whole_embed ? V : vocab_per_rank, H}));
   std::vector<float> x(uz(T * H), 0.0f);
+  const auto escale = static_cast<float>(fc.embed_scale);
   for (std::int64_t i = 0; i < T; ++i) {
-    const std::int64_t row = tokens[uz(i)] - vocab_lo;
-    if (row < 0 || row >= vocab_per_rank) continue;
-    for (std::int64_t j = 0; j < H; ++j) x[uz(i * H + j)] = embed.at(row, j);
+    const std::int64_t row = whole_embed ? tokens[uz(i)] : tokens[uz(i)] - vocab_lo;
+    if (row < 0 || row >= embed.rows()) continue;
+    for (std::int64_t j = 0; j < H; ++j)
+      x[uz(i * H + j)] = fc.embed_scale == 1.0 ? embed.at(row, j) : embed.at(row, j) * escale;
   }
-  REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(x, "embed_tokens"));
+  if (!whole_embed) REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(x, "embed_tokens"));
+  const bool off = fc.offset_norms;
+  const double eps = c.rms_norm_eps;
 
   std::vector<float> h_norm(uz(T * H)), qkv(uz(T * qkv_rows)), attn(uz(T * q_rows));
   std::vector<float> delta(uz(T * H));
@@ -176,22 +202,32 @@ Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineSha
       REFIT_ASSIGN_OR_RETURN(k_norm, w.get(p + "self_attn.k_norm.weight", {d}));
     }
     REFIT_ASSIGN_OR_RETURN(const WeightView w_o, w.get(p + "self_attn.o_proj.weight", {H, q_rows}));
+    const fwd::Rope rope = fwd::layer_rope(fc, layer);
 
-    fwd::rms_norm(x.data(), H, T, H, in_norm, c.rms_norm_eps, h_norm.data(), H);
+    fwd::rms_norm(x.data(), H, T, H, in_norm, eps, h_norm.data(), H, off);
     fwd::linear(h_norm.data(), T, w_qkv, b_qkv, qkv.data());
     float* q = qkv.data();
     float* k = q + q_rows;
     float* v = k + kv_rows;
-    fwd::prepare_heads(q, qkv_rows, T, nq_local, d, q_norm, c.rms_norm_eps, c.rope_theta);
-    fwd::prepare_heads(k, qkv_rows, T, nkv_local, d, k_norm, c.rms_norm_eps, c.rope_theta);
-    fwd::causal_attention(q, qkv_rows, k, v, qkv_rows, T, nq_local, d, kv_of_head, attn.data());
+    fwd::prepare_heads(q, qkv_rows, T, nq_local, d, q_norm, eps, rope, off);
+    fwd::prepare_heads(k, qkv_rows, T, nkv_local, d, k_norm, eps, rope, off);
+    fwd::causal_attention(q, qkv_rows, k, v, qkv_rows, T, nq_local, d, kv_of_head,
+                          fwd::layer_attention(fc, c, layer), attn.data());
     fwd::linear(attn.data(), T, w_o, {}, delta.data());
     REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(delta, p + "self_attn.o_proj"));
-    for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
 
     REFIT_ASSIGN_OR_RETURN(const WeightView post_norm,
                            w.get(p + "post_attention_layernorm.weight", {H}));
-    fwd::rms_norm(x.data(), H, T, H, post_norm, c.rms_norm_eps, h_norm.data(), H);
+    if (fc.sandwich_norms) {  // Gemma: the combined attention output is normalized, then added
+      REFIT_ASSIGN_OR_RETURN(const WeightView pre_ffn,
+                             w.get(p + "pre_feedforward_layernorm.weight", {H}));
+      fwd::rms_norm(delta.data(), H, T, H, post_norm, eps, delta.data(), H, off);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+      fwd::rms_norm(x.data(), H, T, H, pre_ffn, eps, h_norm.data(), H, off);
+    } else {
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+      fwd::rms_norm(x.data(), H, T, H, post_norm, eps, h_norm.data(), H, off);
+    }
     if (c.is_moe_layer(layer)) {
       const std::int64_t E = c.num_experts, I = c.moe_intermediate_size / t;
       if (c.moe_intermediate_size % t != 0)
@@ -213,10 +249,33 @@ Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineSha
           // w13 rows of expert e: [gate slice ; up slice]; w2 rows of e: [H, I] column slice.
           fwd::linear(hi, 1, w13.row_block(e * 2 * I, I), {}, gate.data());
           fwd::linear(hi, 1, w13.row_block(e * 2 * I + I, I), {}, up.data());
-          for (std::int64_t j = 0; j < I; ++j) gate[uz(j)] = fwd::silu(gate[uz(j)]) * up[uz(j)];
+          fwd::gated(gate.data(), up.data(), I, fc.activation);
           fwd::linear(gate.data(), 1, w2.row_block(e * H, H), {}, out.data());
           for (std::int64_t j = 0; j < H; ++j) delta[uz(i * H + j)] += weight * out[uz(j)];
         }
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        // Qwen2-MoE: this rank's columns of the shared MLP, scaled by the replicated gate.
+        const std::int64_t S = c.shared_expert_intermediate_size / t;
+        if (c.shared_expert_intermediate_size % t != 0)
+          return Status::InvalidArgument(
+              fmt::format("{}: shared_expert_intermediate_size {} is not divisible by the TP size",
+                          where, c.shared_expert_intermediate_size));
+        REFIT_ASSIGN_OR_RETURN(const WeightView s_gu,
+                               w.get(p + "mlp.shared_expert.gate_up_proj.weight", {2 * S, H}));
+        REFIT_ASSIGN_OR_RETURN(const WeightView s_down,
+                               w.get(p + "mlp.shared_expert.down_proj.weight", {H, S}));
+        REFIT_ASSIGN_OR_RETURN(const WeightView s_gate,
+                               w.get(p + "mlp.shared_expert_gate.weight", {1, H}));
+        std::vector<float> g(uz(T * S)), u(uz(T * S)), shared(uz(T * H)), scale(uz(T));
+        fwd::linear(h_norm.data(), T, s_gu.row_block(0, S), {}, g.data());
+        fwd::linear(h_norm.data(), T, s_gu.row_block(S, S), {}, u.data());
+        fwd::gated(g.data(), u.data(), T * S, fc.activation);
+        fwd::linear(g.data(), T, s_down, {}, shared.data());
+        fwd::linear(h_norm.data(), T, s_gate, {}, scale.data());
+        for (std::int64_t i = 0; i < T; ++i)
+          for (std::int64_t j = 0; j < H; ++j)
+            delta[uz(i * H + j)] += fwd::sigmoid(scale[uz(i)]) * shared[uz(i * H + j)];
       }
       REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(delta, p + "mlp.experts"));
     } else {
@@ -228,35 +287,46 @@ Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineSha
       REFIT_ASSIGN_OR_RETURN(const WeightView w_gu,
                              w.get(p + "mlp.gate_up_proj.weight", {2 * I, H}));
       REFIT_ASSIGN_OR_RETURN(const WeightView w_down, w.get(p + "mlp.down_proj.weight", {H, I}));
-      std::vector<float> gate_up(uz(T * 2 * I)), act(uz(T * I));
+      std::vector<float> gate_up(uz(T * 2 * I)), act(uz(T * I)), up(uz(T * I));
       fwd::linear(h_norm.data(), T, w_gu, {}, gate_up.data());
       for (std::int64_t i = 0; i < T; ++i)
-        for (std::int64_t j = 0; j < I; ++j)
-          act[uz(i * I + j)] =
-              fwd::silu(gate_up[uz(i * 2 * I + j)]) * gate_up[uz(i * 2 * I + I + j)];
+        for (std::int64_t j = 0; j < I; ++j) {
+          act[uz(i * I + j)] = gate_up[uz(i * 2 * I + j)];
+          up[uz(i * I + j)] = gate_up[uz(i * 2 * I + I + j)];
+        }
+      fwd::gated(act.data(), up.data(), T * I, fc.activation);
       fwd::linear(act.data(), T, w_down, {}, delta.data());
       REFIT_RETURN_IF_ERROR(tp.all_reduce_sum(delta, p + "mlp.down_proj"));
+    }
+    if (fc.sandwich_norms) {
+      REFIT_ASSIGN_OR_RETURN(const WeightView post_ffn,
+                             w.get(p + "post_feedforward_layernorm.weight", {H}));
+      fwd::rms_norm(delta.data(), H, T, H, post_ffn, eps, delta.data(), H, off);
     }
     for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
   }
 
   REFIT_ASSIGN_OR_RETURN(const WeightView final_norm, w.get("model.norm.weight", {H}));
-  fwd::rms_norm(x.data(), H, T, H, final_norm, c.rms_norm_eps, h_norm.data(), H);
-  WeightView head = embed;
-  if (!c.tie_word_embeddings) {
-    REFIT_ASSIGN_OR_RETURN(head, w.get("lm_head.weight", {vocab_per_rank, H}));
-  }
-  std::vector<float> local_logits(uz(T * vocab_per_rank)), gathered;
-  fwd::linear(h_norm.data(), T, head, {}, local_logits.data());
-  REFIT_RETURN_IF_ERROR(tp.all_gather(local_logits, gathered, "lm_head"));
-
-  // gathered is [rank][T][vocab_per_rank]; the full vocabulary drops the padding ids >= V.
+  fwd::rms_norm(x.data(), H, T, H, final_norm, eps, h_norm.data(), H, off);
   std::vector<float> logits(uz(T * V));
-  for (std::int64_t i = 0; i < T; ++i)
-    for (std::int64_t id = 0; id < V; ++id) {
-      const std::int64_t owner = id / vocab_per_rank, local = id % vocab_per_rank;
-      logits[uz(i * V + id)] = gathered[uz((owner * T + i) * vocab_per_rank + local)];
+  if (whole_embed && c.tie_word_embeddings) {  // every rank holds the whole head
+    fwd::linear(h_norm.data(), T, embed, {}, logits.data());
+  } else {
+    WeightView head = embed;
+    if (!c.tie_word_embeddings) {
+      REFIT_ASSIGN_OR_RETURN(head, w.get("lm_head.weight", {vocab_per_rank, H}));
     }
+    std::vector<float> local_logits(uz(T * vocab_per_rank)), gathered;
+    fwd::linear(h_norm.data(), T, head, {}, local_logits.data());
+    REFIT_RETURN_IF_ERROR(tp.all_gather(local_logits, gathered, "lm_head"));
+    // gathered is [rank][T][vocab_per_rank]; the full vocabulary drops the padding ids >= V.
+    for (std::int64_t i = 0; i < T; ++i)
+      for (std::int64_t id = 0; id < V; ++id) {
+        const std::int64_t owner = id / vocab_per_rank, local = id % vocab_per_rank;
+        logits[uz(i * V + id)] = gathered[uz((owner * T + i) * vocab_per_rank + local)];
+      }
+  }
+  for (float& l : logits) l = fwd::softcap(l, fc.final_softcap);
   return logits;
 }
 

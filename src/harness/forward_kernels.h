@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "harness/forward.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
 
@@ -74,28 +75,79 @@ void linear(const float* x, std::int64_t T, const WeightView& w, const WeightVie
             std::int64_t y_stride = 0);
 
 // out[t, :] = x[t, :] * rsqrt(mean(x[t, :]^2) + eps) * w[0, :] for `n_rows` rows of `dim`
-// elements, with row strides `x_stride` / `out_stride`. In place when out == x.
+// elements, with row strides `x_stride` / `out_stride`; with `offset` (Gemma) the factor is
+// 1 + w instead of w. In place when out == x.
 void rms_norm(const float* x, std::int64_t x_stride, std::int64_t n_rows, std::int64_t dim,
-              const WeightView& w, double eps, float* out, std::int64_t out_stride);
+              const WeightView& w, double eps, float* out, std::int64_t out_stride,
+              bool offset = false);
 
-// Rotates one head vector of `d` elements (d even) at position `pos`, HF "rotate_half"
-// convention: pairs (i, i + d/2) with inverse frequency theta^(-2i/d).
-void apply_rope(float* head, std::int64_t d, std::int64_t pos, double theta);
+// Rotary position embedding of one head, HF "rotate_half" convention: the first `rotary_dim`
+// elements (even) rotate in pairs (i, i + rotary_dim/2) by angle pos * theta^(-2i/rotary_dim) /
+// factor (linear position scaling; factor 1 without); the rest pass unchanged.
+struct Rope {
+  double theta = 10000.0;
+  double factor = 1.0;
+  std::int64_t rotary_dim = 0;  // 0: the whole head
+};
+void apply_rope(float* head, std::int64_t d, std::int64_t pos, const Rope& rope);
+// The same with the pairs interleaved (2i, 2i + 1), as DeepSeek's checkpoints order their rope
+// dimensions (transformers converts them to the rotate_half order first, which gives the same
+// dot products between q and k).
+void apply_rope_interleaved(float* head, std::int64_t d, std::int64_t pos, const Rope& rope);
 
 // Per-head preparation of q or k inside a [T, *] buffer: for each row t and each of `n_heads`
 // heads of `d` elements starting at base + t * stride + h * d: optional RMSNorm over the head
-// (`norm` non-empty), then RoPE at position t.
+// (`norm` non-empty; `offset` as rms_norm's), then RoPE at position t.
 void prepare_heads(float* base, std::int64_t stride, std::int64_t T, std::int64_t n_heads,
-                   std::int64_t d, const WeightView& norm, double eps, double theta);
+                   std::int64_t d, const WeightView& norm, double eps, const Rope& rope,
+                   bool offset = false);
 
-// Causal softmax attention with scale 1/sqrt(d). Query head h (of `n_q` local heads) reads
-// q + t * q_stride + h * d and attends to kv head kv_of_head[h] at k / v + s * kv_stride +
-// kv_of_head[h] * d for s <= t. Writes out[t, h * d + j] (row stride n_q * d).
+// How attention scores are formed: score = softcap * tanh(scale * q.k / softcap) when softcap
+// > 0, else scale * q.k; position t attends to s in (t - window, t] (window 0: every s <= t).
+struct AttentionMath {
+  double scale = 1.0;
+  double softcap = 0.0;
+  std::int64_t window = 0;
+};
+
+// Causal softmax attention. Query head h (of `n_q` local heads) reads qk_dim elements at
+// q + t * q_stride + h * q_head_stride and attends to kv head kv_of_head[h]: keys of qk_dim
+// elements at k + s * k_stride + kv * k_head_stride, values of v_dim elements at v + s * v_stride
+// + kv * v_head_stride. Writes out[t, h * v_dim + j] (row stride n_q * v_dim).
+struct AttentionShape {
+  std::int64_t T = 0, n_q = 0, qk_dim = 0, v_dim = 0;
+  std::int64_t q_stride = 0, q_head_stride = 0;
+  std::int64_t k_stride = 0, k_head_stride = 0;
+  std::int64_t v_stride = 0, v_head_stride = 0;
+};
+void causal_attention(const float* q, const float* k, const float* v, const AttentionShape& shape,
+                      const std::vector<std::int64_t>& kv_of_head, const AttentionMath& math,
+                      float* out);
+// The common case: q, k and v heads of d elements, k and v sharing a row stride.
 void causal_attention(const float* q, std::int64_t q_stride, const float* k, const float* v,
                       std::int64_t kv_stride, std::int64_t T, std::int64_t n_q, std::int64_t d,
-                      const std::vector<std::int64_t>& kv_of_head, float* out);
+                      const std::vector<std::int64_t>& kv_of_head, const AttentionMath& math,
+                      float* out);
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in double.
+float gelu_tanh(float x);
+inline float sigmoid(float x) {
+  return static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x))));
+}
+// tanh soft-capping: cap * tanh(x / cap); x unchanged when cap <= 0.
+inline float softcap(float x, double cap) {
+  return cap > 0 ? static_cast<float>(cap * std::tanh(static_cast<double>(x) / cap)) : x;
+}
+
+// gate[i] := act(gate[i]) * up[i] for i < n.
+void gated(float* gate, const float* up, std::int64_t n, Activation act);
+
+// The RoPE and the attention math of decoder layer `layer`.
+Rope layer_rope(const ForwardConfig& fc, std::int64_t layer);
+AttentionMath layer_attention(const ForwardConfig& fc, const ModelConfig& c, std::int64_t layer);
+// Checks that `fc` fits the model: one entry per layer, rotary part within the head.
+Status check_forward_config(const ModelConfig& c, const ForwardConfig& fc, const char* who);
 
 // Router decision for one token: softmax over `E` logits, the top `k` (ties: lower expert index
 // first), renormalised to sum 1 when `normalize`. Returns (expert, weight) pairs, best first.

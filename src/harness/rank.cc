@@ -340,34 +340,48 @@ Result<PlanFloor> transfer_plan_floor(const Config& config, PlanInputs& inputs,
 namespace {
 
 // FP8 (docs/fp8.md): every parameter against the reference quantizer over whole HF tensors, on
-// the host.
+// the engine rank's GPU with device: cuda, else on the host.
 Status verify_fp8_params(DataPlane& plane, const RankModel& model, const WireModel& wire,
                          const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
                          const Config& cfg, int step, const std::string& who) {
   Fp8Reference ref(model, wire, cfg.policy.dtype, step);
-  std::vector<std::byte> got;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const EngineParam& p = layout.params[i];
-    REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte> want, ref.param(p));
-    got.resize(want.size());
-    REFIT_RETURN_IF_ERROR(plane.read(got.data(), params[i].data, got.size()));
-    if (got == want) continue;
+  std::optional<Fp8Mismatch> found;
+  const bool on_gpu = plane.device() == Device::kCuda;
+  if (on_gpu) {
+    REFIT_ASSIGN_OR_RETURN(
+        found, find_fp8_mismatch_on_device(plane, model, wire, layout, params, cfg.policy.dtype,
+                                           cfg.seed, step, cfg.refit.timeout()));
+  } else {
+    std::vector<std::byte> got;
+    for (std::size_t i = 0; i < params.size() && !found; ++i) {
+      const EngineParam& p = layout.params[i];
+      REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte> want, ref.param(p));
+      got.resize(want.size());
+      REFIT_RETURN_IF_ERROR(plane.read(got.data(), params[i].data, got.size()));
+      if (got == want) continue;
+      const std::size_t esize = dtype_size(p.dtype);
+      std::size_t b = 0;
+      while (got[b] == want[b]) ++b;
+      Fp8Mismatch mm{.param = i, .element = static_cast<std::int64_t>(b / esize)};
+      const auto at = static_cast<std::size_t>(mm.element) * esize;
+      std::memcpy(&mm.got, got.data() + at, esize);
+      std::memcpy(&mm.want, want.data() + at, esize);
+      found = mm;
+    }
+  }
+  if (found) {
+    const EngineParam& p = layout.params[found->param];
     const std::size_t esize = dtype_size(p.dtype);
-    std::size_t b = 0;
-    while (got[b] == want[b]) ++b;
-    const std::int64_t k = static_cast<std::int64_t>(b / esize);
+    const std::int64_t k = found->element;
     const std::int64_t cols = matrix_shape(p.shape).cols;
-    std::uint32_t g = 0, w = 0;
-    std::memcpy(&g, got.data() + k * static_cast<std::int64_t>(esize), esize);
-    std::memcpy(&w, want.data() + k * static_cast<std::int64_t>(esize), esize);
     return Status::Corruption(fmt::format(
         "verify: {}: tensor {} ({}) element {} (row {}, col {}; from {}) is 0x{:0{}x}, expected "
-        "0x{:0{}x} (step {}, the reference quantizer of docs/fp8.md)",
+        "0x{:0{}x} (step {}, the reference quantizer of docs/fp8.md{})",
         who, p.name, dtype_name(p.dtype), k, k / cols, k % cols, ref.source(p, k / cols, k % cols),
-        g, esize * 2, w, esize * 2, step));
+        found->got, esize * 2, found->want, esize * 2, step, on_gpu ? ", on the GPU" : ""));
   }
-  log::info("{}: {} parameters verified bit-exact against the FP8 reference quantizer (step {})",
-            who, params.size(), step);
+  log::info("{}: {} parameters verified bit-exact against the FP8 reference quantizer{} (step {})",
+            who, params.size(), on_gpu ? " on the GPU" : "", step);
   return Status::Ok();
 }
 
@@ -430,7 +444,7 @@ Status verify_params(DataPlane& plane, const RankModel& model, const WireModel& 
 }  // namespace
 
 Status check_logit_check_fits(const Config& cfg, const ModelSpec& spec) {
-  if (!llama_family(spec.config().arch))
+  if (!has_reference_forward(spec.config().arch))
     return Status::Unsupported(fmt::format(
         "--check-logits: refit has no reference forward for {} ({}); --verify still checks "
         "every byte the engines hold",
@@ -439,6 +453,10 @@ Status check_logit_check_fits(const Config& cfg, const ModelSpec& spec) {
     return Status::InvalidArgument(fmt::format(
         "--check-logits: {} has {} parameters; the CPU reference forward is limited to {}",
         cfg.model, spec.total_parameters(), kLogitCheckMaxParams));
+  // The forward's facts from config.json (activation, soft-capping, windows, RoPE).
+  REFIT_ASSIGN_OR_RETURN(const std::string json, model_config_json(cfg.model));
+  const Result<ForwardConfig> fc = forward_config(spec, json);
+  if (!fc.ok()) return fc.status().with_context("--check-logits");
   return Status::Ok();
 }
 
@@ -525,6 +543,8 @@ class LogitCheck {
       REFIT_ASSIGN_OR_RETURN(lc->tp_group_, make_gloo_communicator(*lc->store_, g));
     }
     lc->tokens_ = logit_check_tokens(model.spec, kLogitCheckTokens);
+    REFIT_ASSIGN_OR_RETURN(const std::string json, model_config_json(o.config.model));
+    REFIT_ASSIGN_OR_RETURN(lc->fc_, forward_config(model.spec, json));
     return lc;
   }
 
@@ -565,7 +585,7 @@ class LogitCheck {
       convert(bf16.data(), DType::kBFloat16, hf[t].data(), DType::kFloat32, bf16.size());
       hf_ptrs.push_back(hf[t].data());
     }
-    REFIT_ASSIGN_OR_RETURN(auto want, reference_forward(model.spec, hf_ptrs, tokens_));
+    REFIT_ASSIGN_OR_RETURN(auto want, reference_forward(model.spec, fc_, hf_ptrs, tokens_));
     // The engine's shards as bf16 (fp8 weights dequantized with the scales the engine holds),
     // in the model's engine layout (no scale parameters).
     REFIT_ASSIGN_OR_RETURN(const EngineShardLayout base,
@@ -587,12 +607,19 @@ class LogitCheck {
         convert(p16[i], DType::kBFloat16, held[i].data(), DType::kFloat32, held[i].size());
         held_ptrs.push_back(held[i].data());
       }
-      REFIT_ASSIGN_OR_RETURN(got, reference_forward(model.spec, held_ptrs, tokens_));
+      REFIT_ASSIGN_OR_RETURN(got, reference_forward(model.spec, fc_, held_ptrs, tokens_));
     } else {
-      REFIT_ASSIGN_OR_RETURN(got, engine_forward(model.spec, base, p16, tokens_, tp_group_.get()));
+      REFIT_ASSIGN_OR_RETURN(got,
+                             engine_forward(model.spec, fc_, base, p16, tokens_, tp_group_.get()));
     }
     Status st = compare_logits(got, want, model.spec.config().vocab_size, kLogitTolerance);
     if (!st.ok()) return st.with_context(fmt::format("check-logits: {} (step {})", who, step));
+    log::info(
+        "{}: logits of {} tokens from the engine's {} match the reference forward of {} "
+        "(error {:.2g} relative to the largest logit; tolerance {:.0e}; step {})",
+        who, tokens_.size(),
+        cfg.generation.layout == EngineLayout::kHf ? "whole tensors" : "TP shards",
+        architecture_name(model.spec.config().arch), logit_error(got, want), kLogitTolerance, step);
     return Status::Ok();
   }
 
@@ -601,6 +628,7 @@ class LogitCheck {
   std::unique_ptr<Store> store_;
   std::unique_ptr<Communicator> tp_group_;
   std::vector<std::int32_t> tokens_;
+  ForwardConfig fc_;
 };
 
 // After a rollback to `version`: the parameters hold it again, bit for bit — the weights of
