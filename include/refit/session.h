@@ -20,9 +20,9 @@
 //  - refit runs threads of its own inside each rank (a heartbeat, data-plane workers, a sender or
 //    an applier, the store server on trainer rank 0: docs/design.md §5b). None of them calls the
 //    caller's code.
-//  - Every Engine hook (on_pause, on_resume, on_verify, on_load_weights) runs on the thread that
-//    called serve_one() or serve(), inside that call. A hook may call weight_version(),
-//    is_valid() and session_ok() of its Engine, and no other of its methods.
+//  - Every Engine hook (on_pause, on_resume, on_verify, on_load_weights, on_weights_changed)
+//    runs on the thread that called serve_one() or serve(), inside that call. A hook may call
+//    weight_version(), is_valid() and session_ok() of its Engine, and no other of its methods.
 //  - Nothing stops serve() from another thread. serve() returns when the trainer shuts the
 //    engines down (Trainer::shutdown() on every trainer rank), or with the failure that ended the
 //    session. To end an engine rank earlier, end its process: its peers then fail within the
@@ -220,9 +220,9 @@ class Engine {
   // the Engine. Local; at most once, before the first serve_one().
   virtual Result<std::vector<void*>> allocate_params() = 0;
 
-  // The hooks (on_pause, on_resume, on_verify, on_load_weights) are set from the driving thread
-  // before the first serve_one() or between serve_one() calls, never from a hook; each runs on
-  // the thread that called serve_one() / serve(), inside that call.
+  // The hooks (on_pause, on_resume, on_verify, on_load_weights, on_weights_changed) are set from
+  // the driving thread before the first serve_one() or between serve_one() calls, never from a
+  // hook; each runs on the thread that called serve_one() / serve(), inside that call.
   //
   // Called around every refit: generation must pause before any parameter changes and may
   // resume after the commit (SGLang's pause/resume; vLLM's sleep/wake). The resume hook also runs
@@ -259,6 +259,16 @@ class Engine {
   // then torn), as any rank's failure does; an empty hook removes it.
   virtual void on_load_weights(
       std::function<Status(const std::vector<ParamView>& batch)> hook) = 0;
+  // Tells the engine which parameters a refit rewrote in place, so that it derives again what it
+  // computes from them after loading (vLLM's process_weights_after_loading, SGLang's
+  // post_load_weights: MLA's matrices from kv_b_proj, docs/engines.md). Called once per refit
+  // after every byte landed and after the load_weights hook, before the verification hook and
+  // before the version is published, with the names of every parameter of this rank in layout
+  // order (a refit rewrites them all); called again after a rollback (refit.keep_previous)
+  // restored the kept bytes. A hook that returns an error ends the session, as the load_weights
+  // hook's does; an empty hook removes it. Works with either layout.
+  virtual void on_weights_changed(
+      std::function<Status(const std::vector<std::string>& names)> hook) = 0;
 
   // Serves one refit (blocking; the hooks run inside it). Waits for it to start as long as the
   // trainer lives (a failure of any rank, or the loss of the store, ends the wait; no other thread

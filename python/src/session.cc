@@ -439,6 +439,17 @@ class PyEngine {
       e.on_load_weights([this](const std::vector<ParamView>& batch) { return run_load(batch); });
   }
 
+  void set_weights_changed(const py::object& fn) {
+    CallGuard guard(busy_, who_, "on_weights_changed", self_, [this] { return session_ok(); });
+    Engine& e = open("on_weights_changed");
+    changed_ = fn;
+    if (fn.is_none())
+      e.on_weights_changed(nullptr);
+    else
+      e.on_weights_changed(
+          [this](const std::vector<std::string>& names) { return run_changed(names); });
+  }
+
   bool serve_one(std::optional<double> timeout) {
     CallGuard guard(busy_, who_, "serve_one", self_, [this] { return session_ok(); });
     if (timeout && !(*timeout >= 0))
@@ -598,6 +609,24 @@ class PyEngine {
     }
   }
 
+  // The weights_changed hook: the names as a list of str. An exception ends the session, as the
+  // load_weights hook's does, and is re-raised as the __cause__ of its error.
+  Status run_changed(const std::vector<std::string>& names) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list items;
+      for (const std::string& n : names) items.append(n);
+      changed_(items);
+      return Status::Ok();
+    } catch (py::error_already_set& err) {
+      const std::string text = describe(err);
+      if (!pending_) pending_ = exception_object(err);
+      return Status::Internal(who_ + ": the weights_changed hook raised " + text);
+    } catch (const std::exception& err) {
+      return Status::Internal(who_ + ": the weights_changed hook failed: " + err.what());
+    }
+  }
+
   const Config config_;
   const int engine_rank_;
   const RankId self_;
@@ -605,7 +634,7 @@ class PyEngine {
   Registry registry_;
   std::unique_ptr<Engine> engine_;
   std::atomic<bool> busy_{false};
-  py::object pause_, resume_, verify_, load_;
+  py::object pause_, resume_, verify_, load_, changed_;
   py::object pending_;  // the first exception a hook raised during the current serve_one
   bool refit_failed_ = false;  // the last serve_one's refit failed, the session did not
   std::mutex version_mu_;
@@ -773,6 +802,15 @@ Whole tensors only; a decoder layer is never split across two calls; a batch hol
 refit.buffer_size_bytes unless one layer is larger. Called again with the restored bytes after a
 rollback (refit.keep_previous). If it raises, the session ends (the engine's weights are torn) and
 serve_one() raises refit.Error with the exception as its __cause__. None removes it.
+)doc")
+      .def("on_weights_changed", &PyEngine::set_weights_changed, py::arg("hook"), R"doc(
+hook(names) tells the engine which parameters a refit rewrote in place, so that it derives again
+what it computes from them after loading (MLA's W_UK_T / W_UV in vLLM, w_kc / w_vc in SGLang:
+docs/engines.md). Called once per refit after every byte landed and after on_load_weights, before
+on_verify and before the version is published, with the names (list of str) of every parameter
+of this rank in layout order; called again after a rollback (refit.keep_previous). If it raises,
+the session ends and serve_one() raises refit.Error with the exception as its __cause__. None
+removes it.
 )doc")
       .def("serve_one", &PyEngine::serve_one, py::arg("timeout") = py::none(), R"doc(
 Serves one refit (GIL released; waits for it to start as long as the trainer lives, or at most

@@ -68,6 +68,9 @@ class EngineImpl final : public Engine {
   void on_load_weights(std::function<Status(const std::vector<ParamView>&)> hook) override {
     weights_->loader().set_hook(std::move(hook));
   }
+  void on_weights_changed(std::function<Status(const std::vector<std::string>&)> hook) override {
+    weights_->hooks().weights_changed = std::move(hook);
+  }
   std::string weight_version() const override { return weights_->version().label(); }
   bool is_valid() const override { return weights_->version().valid(); }
   bool session_ok() const override { return core_.session_ok(); }

@@ -72,10 +72,22 @@ void EngineWeights::abandon(int step, bool paused, const std::string& why) {
   if (paused && hooks_.resume) hooks_.resume();
 }
 
-Status EngineWeights::landed(int step) {
+Status EngineWeights::landed(int step) { return rewritten(step, "the refit"); }
+
+Status EngineWeights::rewritten(int step, const char* what) {
   const int device = plane_.device() == Device::kCuda ? plane_.ordinal() : -1;
-  return loader_.load(params_, device, cfg_.refit.buffer_size_bytes, self_.name(), "the refit",
-                      step);
+  REFIT_RETURN_IF_ERROR(
+      loader_.load(params_, device, cfg_.refit.buffer_size_bytes, self_.name(), what, step));
+  if (!hooks_.weights_changed) return Status::Ok();
+  std::vector<std::string> names;
+  names.reserve(params_.slots().size());
+  for (const TensorSlot& s : params_.slots()) names.push_back(s.name);
+  const Status st = hooks_.weights_changed(names);
+  if (!st.ok())
+    return st.with_context(
+        fmt::format("{}: the weights_changed hook ({}, step {})", self_.name(), what, step));
+  log::debug("{}: weights_changed hook: {} parameters ({})", self_.name(), names.size(), what);
+  return Status::Ok();
 }
 
 void EngineWeights::publish(const std::string& version) {
@@ -87,11 +99,9 @@ void EngineWeights::publish(const std::string& version) {
 Status EngineWeights::fail(int step, const Status& why) {
   if (const std::optional<std::string>& kept = rollback_.kept()) {
     Status restored = rollback_.restore(plane_);
-    // The engine's own weights took the failed refit's bytes: hand it the restored ones.
-    const int device = plane_.device() == Device::kCuda ? plane_.ordinal() : -1;
-    if (restored.ok())
-      restored = loader_.load(params_, device, cfg_.refit.buffer_size_bytes, self_.name(),
-                              "after the rollback", step);
+    // The engine's own weights took the failed refit's bytes: hand it the restored ones, and
+    // tell it they changed again.
+    if (restored.ok()) restored = rewritten(step, "after the rollback");
     if (restored.ok()) {
       version_.set(*kept);
       log::warn("{}: refit step {} failed; rolled back to weight version '{}' "

@@ -1,8 +1,8 @@
 // The parameters of one engine rank and what a refit does to them: their registration (or
 // allocation), the version they hold, the caller's hooks around a refit (pause, resume, verify,
-// load_weights), the export that trainer ranks map for peer access, and the copy kept for
-// rollback (refit.keep_previous). The engine's protocol (runtime/engine_protocol.h) drives it,
-// phase by phase; nothing here sends or receives a message.
+// load_weights, weights_changed), the export that trainer ranks map for peer access, and the copy
+// kept for rollback (refit.keep_previous). The engine's protocol (runtime/engine_protocol.h) drives
+// it, phase by phase; nothing here sends or receives a message.
 #pragma once
 
 #include <functional>
@@ -39,6 +39,12 @@ struct EngineHooks {
   std::function<Status()> pause;
   std::function<void()> resume;
   std::function<Status(int step, const std::string& version)> verify;
+  // Engine::on_weights_changed: the names of the parameters whose bytes were rewritten (every
+  // parameter of the rank, in layout order), after the load_weights hook of a refit and after a
+  // rollback restored the kept bytes, so that the engine derives again what it computes from
+  // them (MLA's matrices from kv_b_proj, docs/engines.md). An error ends the session, as the
+  // load_weights hook's does.
+  std::function<Status(const std::vector<std::string>& changed)> weights_changed;
 };
 
 class EngineWeights {
@@ -62,7 +68,8 @@ class EngineWeights {
   //  - the feeders aborted it before any byte landed: the version before pause() again, and
   //    generation resumes when this rank had paused.
   void abandon(int step, bool paused, const std::string& why);
-  //  - every byte landed: the load_weights hook takes them.
+  //  - every byte landed: the load_weights hook takes them, then the weights_changed hook hears
+  //    which parameters changed.
   Status landed(int step);
   //  - complete (and verified when asked): publish `version` and resume generation.
   void publish(const std::string& version);
@@ -90,6 +97,9 @@ class EngineWeights {
   std::optional<std::string> prior_;  // the version before the refit in flight
   ExportCache exports_;
   Rollback rollback_;
+
+  // The bytes of every parameter were rewritten: the load_weights hook, then weights_changed.
+  Status rewritten(int step, const char* what);
 };
 
 }  // namespace refit

@@ -250,6 +250,13 @@ def _engine_main(cfg_yaml: str, engine_rank: int, port: int, out) -> None:
             events: List[str] = []
             engine.on_pause(lambda: events.append(f"pause@{engine.weight_version}"))
             engine.on_resume(lambda: events.append(f"resume@{engine.weight_version}"))
+            names = [p.name for p in engine.params]
+
+            def changed(got: List[str]) -> None:
+                # Every parameter of the rank, in layout order, once per refit.
+                events.append("changed all" if got == names else f"changed {len(got)}: {got[:3]}")
+
+            engine.on_weights_changed(changed)
 
             check = _verifier(spec, params, tp, r)
 

@@ -75,13 +75,15 @@ def test_refit_from_python_matches_the_engine_layout(overrides):
     for rank, result in engines.items():
         assert result["served"] == steps
         assert result["version"] == f"{prefix}{steps}"
-        # Hooks in order: verified every step, and only then the version published and
-        # generation resumed.
+        # Hooks in order: told which parameters changed (all of them), verified every step, and
+        # only then the version published and generation resumed.
         assert result["events"] == [
             "pause@0",
+            "changed all",
             f"verify 1 {prefix}1",
             f"resume@{prefix}1",
             f"pause@{prefix}1",
+            "changed all",
             f"verify 2 {prefix}2",
             f"resume@{prefix}2",
         ]
