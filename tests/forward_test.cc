@@ -15,7 +15,10 @@
 #include "comm/communicator.h"
 #include "engine/engine_layout.h"
 #include "harness/forward.h"
+#include "harness/forward_kernels.h"
+#include "refit/config.h"
 #include "refit/model_spec.h"
+#include "spec/fp8.h"
 
 // engine_layout() calls check_engine_tp(), whose definition (src/engine/tp_check.cc) arrives with
 // the config branch. Until that file exists in this tree, the test links a stand-in with the same
@@ -242,11 +245,31 @@ class ThreadGroup {
 
 // Runs engine_forward on every TP rank of `layouts` (one thread each) and returns every rank's
 // logits; a failing rank aborts the group so its peers return promptly.
-std::vector<Result<std::vector<float>>> run_engine(const ModelSpec& spec,
-                                                   const std::vector<EngineShardLayout>& layouts,
-                                                   const std::vector<std::vector<Bits>>& params,
-                                                   const std::vector<std::int32_t>& tokens,
-                                                   const ForwardConfig* fc = nullptr) {
+// Parameters the layout keeps in float32 (DeepSeek's correction bias, GLM's router in vLLM) as
+// float32 values of their bf16 bits (two halves per element); the others as they are.
+std::vector<Bits> in_layout_dtype(const EngineShardLayout& layout, const std::vector<Bits>& bits) {
+  std::vector<Bits> out;
+  for (std::size_t i = 0; i < bits.size(); ++i) {
+    if (layout.params[i].dtype != DType::kFloat32) {
+      out.push_back(bits[i]);
+      continue;
+    }
+    Bits wide(bits[i].size() * 2);
+    for (std::size_t j = 0; j < bits[i].size(); ++j) {
+      const float f = from_bf16(bits[i][j]);
+      std::memcpy(&wide[2 * j], &f, sizeof f);
+    }
+    out.push_back(std::move(wide));
+  }
+  return out;
+}
+
+// `absorbed`, when given, holds every rank's MLA matrices (else engine_forward derives them).
+std::vector<Result<std::vector<float>>> run_engine(
+    const ModelSpec& spec, const std::vector<EngineShardLayout>& layouts,
+    const std::vector<std::vector<Bits>>& params, const std::vector<std::int32_t>& tokens,
+    const ForwardConfig* fc = nullptr,
+    const std::vector<std::vector<MlaAbsorbed>>* absorbed = nullptr) {
   const int t = static_cast<int>(layouts.size());
   ThreadGroup group(t);
   std::vector<Result<std::vector<float>>> out(
@@ -254,15 +277,19 @@ std::vector<Result<std::vector<float>>> run_engine(const ModelSpec& spec,
   std::vector<std::thread> threads;
   for (int r = 0; r < t; ++r)
     threads.emplace_back([&, r] {
+      const auto u = static_cast<std::size_t>(r);
       auto comm = t > 1 ? group.member(r) : nullptr;
-      std::vector<const std::uint16_t*> p;
-      for (const Bits& b : params[static_cast<std::size_t>(r)]) p.push_back(b.data());
-      out[static_cast<std::size_t>(r)] =
-          fc != nullptr
-              ? engine_forward(spec, *fc, layouts[static_cast<std::size_t>(r)], p, tokens,
-                               comm.get())
-              : engine_forward(spec, layouts[static_cast<std::size_t>(r)], p, tokens, comm.get());
-      if (!out[static_cast<std::size_t>(r)].ok()) group.abort();
+      const std::vector<Bits> typed = in_layout_dtype(layouts[u], params[u]);
+      std::vector<const void*> p;
+      for (const Bits& b : typed) p.push_back(b.data());
+      auto defaults = forward_config(spec, "{}");
+      if (fc == nullptr && !defaults.ok()) {
+        out[u] = defaults.status();
+      } else {
+        out[u] = engine_forward(spec, fc != nullptr ? *fc : *defaults, layouts[u], p, tokens,
+                                comm.get(), absorbed != nullptr ? &(*absorbed)[u] : nullptr);
+      }
+      if (!out[u].ok()) group.abort();
     });
   for (auto& th : threads) th.join();
   return out;
@@ -303,10 +330,18 @@ struct Engine {
 
 Engine make_engine(const Model& m, int tp, EngineProtocol protocol = EngineProtocol::kVllm) {
   Engine e;
+  Config cfg;
+  cfg.generation.backend = protocol;
+  cfg.generation.layout = EngineLayout::kFused;
   for (int r = 0; r < tp; ++r) {
     auto L = engine_layout(m.spec, tp, r, EngineLayout::kFused, protocol);
     EXPECT_TRUE(L.ok()) << L.status().to_string();
     if (!L.ok()) return {};
+    // The engines' dtypes: float32 for the correction bias (and GLM's router in vLLM).
+    for (EngineParam& p : L->params)
+      if (!p.pieces.empty())
+        p.dtype = engine_dtype(cfg, m.spec, m.spec.tensors()[p.pieces.front().hf_tensor],
+                               DType::kBFloat16);
     e.params.push_back(apply_layout(m.spec, *L, m.hf_bits));
     e.layouts.push_back(std::move(L).value());
   }
@@ -824,6 +859,153 @@ TEST(ForwardEngine, DetectsSwappedTpRanks) {
     const Status s = check_engine(m, e, tokens);
     EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.to_string();
   }
+}
+
+// DeepSeek-V3 (q_lora_rank set and null) and GLM-4.5: every engine TP size and both protocols
+// (the fused a-projection's name and GLM's float32 router differ) against the reference. The
+// engine pass runs MLA absorbed (W_UK_T / W_UV), the reference expands keys and values through
+// kv_b_proj as transformers does.
+TEST(ForwardEngine, MatchesReferenceForMlaAndGlm) {
+  int cases = 0;
+  for (const char* preset : {"tiny-deepseek", "tiny-deepseek-lite", "tiny-glm4-moe"}) {
+    const Model m = make_model(preset, 21);
+    const std::vector<std::int32_t> tokens = logit_check_tokens(m.spec, 8);
+    const ForwardConfig fc = preset_forward_config(m.spec, preset, false);
+    auto want = reference_forward(m.spec, fc, pointers(m.hf), tokens);
+    ASSERT_TRUE(want.ok()) << preset << ": " << want.status().to_string();
+    for (const EngineProtocol protocol : {EngineProtocol::kVllm, EngineProtocol::kSglang})
+      for (int tp : {1, 2, 4}) {
+        SCOPED_TRACE(std::string(preset) + " tp=" + std::to_string(tp) +
+                     (protocol == EngineProtocol::kSglang ? " sglang" : " vllm"));
+        ASSERT_TRUE(check_engine_tp(m.spec, tp).ok());
+        ++cases;
+        const Engine e = make_engine(m, tp, protocol);
+        ASSERT_EQ(e.layouts.size(), static_cast<std::size_t>(tp));
+        auto got = run_engine(m.spec, e.layouts, e.params, tokens, &fc);
+        for (int r = 0; r < tp; ++r) {
+          ASSERT_TRUE(got[r].ok()) << "rank " << r << ": " << got[r].status().to_string();
+          const Status s = compare_logits(*got[r], *want, m.spec.config().vocab_size, kTolerance);
+          EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s.to_string();
+          EXPECT_EQ(*got[r], *got[0]) << "rank " << r;
+        }
+      }
+  }
+  EXPECT_EQ(cases, 3 * 2 * 3);
+}
+
+// The rank's kv_b_proj of `params` (layout `layout`) turned into the absorbed matrices, per layer.
+std::vector<MlaAbsorbed> absorb(const Model& m, const EngineShardLayout& layout,
+                                const std::vector<Bits>& params, int tp) {
+  std::vector<MlaAbsorbed> out;
+  for (std::int64_t l = 0; l < m.spec.config().num_layers; ++l) {
+    const std::string name = "model.layers." + std::to_string(l) + ".self_attn.kv_b_proj.weight";
+    for (std::size_t i = 0; i < layout.params.size(); ++i)
+      if (layout.params[i].name == name)
+        out.push_back(derive_mla(m.spec.config(), tp, params[i].data()));
+  }
+  return out;
+}
+
+// The absorbed matrices must come from the weights of this refit: derived from the rank's own
+// kv_b_proj the logits are those engine_forward derives itself (bit for bit); derived from the
+// previous step's kv_b_proj (an engine nobody told that the weights changed) they fail the check.
+TEST(ForwardEngine, StaleMlaMatricesFailTheCheck) {
+  for (const char* preset : {"tiny-deepseek", "tiny-deepseek-lite"}) {
+    SCOPED_TRACE(preset);
+    const Model now = make_model(preset, 31), before = make_model(preset, 32);
+    const auto tokens = logit_check_tokens(now.spec, 8);
+    const ForwardConfig fc = preset_forward_config(now.spec, preset, false);
+    auto want = reference_forward(now.spec, fc, pointers(now.hf), tokens);
+    ASSERT_TRUE(want.ok()) << want.status().to_string();
+    const int tp = 2;
+    const Engine e = make_engine(now, tp, EngineProtocol::kSglang);
+    const Engine old = make_engine(before, tp, EngineProtocol::kSglang);
+    std::vector<std::vector<MlaAbsorbed>> fresh, stale;
+    for (int r = 0; r < tp; ++r) {
+      fresh.push_back(absorb(now, e.layouts[r], e.params[r], tp));
+      stale.push_back(absorb(before, old.layouts[r], old.params[r], tp));
+      ASSERT_EQ(fresh.back().size(), static_cast<std::size_t>(now.spec.config().num_layers));
+      // w_uk_t[n, p, l] = kv_b[n (P + V) + p, l]; w_uv[n, l, v] = kv_b[n (P + V) + P + v, l].
+      const ModelConfig& c = now.spec.config();
+      const std::int64_t P = c.qk_nope_head_dim, Vd = c.v_head_dim, L = c.kv_lora_rank;
+      std::size_t kv_b = 0;
+      for (std::size_t i = 0; i < e.layouts[r].params.size(); ++i)
+        if (e.layouts[r].params[i].name == "model.layers.0.self_attn.kv_b_proj.weight") kv_b = i;
+      const Bits& w = e.params[r][kv_b];
+      const MlaAbsorbed& a = fresh.back()[0];
+      EXPECT_EQ(a.w_uk_t[(1 * P + 2) * L + 3], w[(1 * (P + Vd) + 2) * L + 3]);
+      EXPECT_EQ(a.w_uv[(1 * L + 3) * Vd + 4], w[(1 * (P + Vd) + P + 4) * L + 3]);
+    }
+    auto derived = run_engine(now.spec, e.layouts, e.params, tokens, &fc);
+    auto given = run_engine(now.spec, e.layouts, e.params, tokens, &fc, &fresh);
+    auto old_state = run_engine(now.spec, e.layouts, e.params, tokens, &fc, &stale);
+    for (int r = 0; r < tp; ++r) {
+      ASSERT_TRUE(derived[r].ok() && given[r].ok() && old_state[r].ok());
+      EXPECT_EQ(*given[r], *derived[r]);
+      EXPECT_TRUE(compare_logits(*given[r], *want, now.spec.config().vocab_size, kTolerance).ok());
+      const Status s =
+          compare_logits(*old_state[r], *want, now.spec.config().vocab_size, kTolerance);
+      EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.to_string();
+    }
+  }
+}
+
+// DeepSeek-V3's router: sigmoid scores, the bias choosing, two of four groups eligible.
+TEST(ForwardHelpers, SigmoidRouterLimitsGroupsAndScales) {
+  ForwardConfig fc;
+  fc.sigmoid_router = true;
+  fc.n_group = 4;
+  fc.topk_group = 2;
+  fc.routed_scaling = 2.5;
+  // logit 0 -> score 0.5. Groups {0,1} {2,3} {4,5} {6,7}; the bias lifts expert 7's choice, so
+  // group 3 ranks first (0.5 + 0.9 + 0.5), then group 1 (expert 2's logit 2).
+  const float logits[8] = {0, 0, 2, 0, -3, -3, 0, 0};
+  const float bias[8] = {0, 0, 0, 0, 0, 0, 0, 0.4f};
+  auto r = fwd::route_token_sigmoid(logits, bias, 8, 2, true, fc);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].first, 7);  // choice 0.9
+  EXPECT_EQ(r[1].first, 2);  // choice sigmoid(2) = 0.881
+  const double s2 = 1 / (1 + std::exp(-2.0));
+  // Weights are the scores (not the choices), renormalised, times the scaling.
+  EXPECT_NEAR(r[0].second, 0.5 / (0.5 + s2) * 2.5, 1e-6);
+  EXPECT_NEAR(r[1].second, s2 / (0.5 + s2) * 2.5, 1e-6);
+  // One eligible group (group 3) leaves experts 7 and 6; unnormalised weights are the scores.
+  fc.topk_group = 1;
+  auto one = fwd::route_token_sigmoid(logits, bias, 8, 2, false, fc);
+  ASSERT_EQ(one.size(), 2u);
+  EXPECT_EQ(one[0].first, 7);
+  EXPECT_EQ(one[1].first, 6);
+  EXPECT_NEAR(one[1].second, 0.5 * 2.5, 1e-6);
+}
+
+TEST(ForwardConfig, ReadsDeepseekAndGlmFacts) {
+  const ModelSpec ds = load("tiny-deepseek"), glm = load("tiny-glm4-moe");
+  auto d = forward_config(ds, R"({"n_routed_experts": 8})");
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_TRUE(d->rope_interleaved);
+  EXPECT_TRUE(d->sigmoid_router);
+  EXPECT_EQ(d->n_group, 8);  // DeepseekV3Config's defaults
+  EXPECT_EQ(d->topk_group, 4);
+  EXPECT_EQ(d->routed_scaling, 2.5);
+  auto d2 = forward_config(ds, R"({"rope_interleave": false, "n_group": 2, "topk_group": 1,
+      "routed_scaling_factor": 1.5})");
+  ASSERT_TRUE(d2.ok());
+  EXPECT_FALSE(d2->rope_interleaved);
+  EXPECT_EQ(d2->n_group, 2);
+  EXPECT_EQ(d2->routed_scaling, 1.5);
+  auto g = forward_config(glm, "{}");
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_FALSE(g->rope_interleaved);
+  EXPECT_EQ(g->rotary_dim, 6);  // partial_rotary_factor 0.5 of head_dim 12
+  EXPECT_EQ(g->n_group, 1);
+  EXPECT_EQ(g->routed_scaling, 1.0);
+  auto bad = forward_config(ds, R"({"n_group": 3})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("\"n_group\""), std::string::npos)
+      << bad.status().message();
+  EXPECT_TRUE(has_reference_forward(Architecture::kDeepseekV3));
+  EXPECT_TRUE(has_reference_forward(Architecture::kGlm4Moe));
+  EXPECT_FALSE(has_reference_forward(Architecture::kOther));
 }
 
 TEST(ForwardEngine, RejectsInconsistentInputs) {

@@ -28,6 +28,10 @@ struct HfLayer {
   std::int64_t qkv = kNoTensor, gate_up = kNoTensor;                 // Phi-3
   std::int64_t shared_gate = kNoTensor, shared_up = kNoTensor, shared_down = kNoTensor;
   std::int64_t shared_expert_gate = kNoTensor;  // Qwen2-MoE
+  std::int64_t router_bias = kNoTensor;         // DeepSeek-V3, GLM-4.5
+  // MLA (DeepSeek-V3); q_proj (q_lora_rank null) is `q`.
+  std::int64_t q_a = kNoTensor, q_a_norm = kNoTensor, q_b = kNoTensor;
+  std::int64_t kv_a = kNoTensor, kv_a_norm = kNoTensor, kv_b = kNoTensor;
 };
 
 struct HfIndex {
@@ -140,6 +144,27 @@ HfIndex index_hf(const ModelSpec& spec) {
       case ParamRole::kSharedExpertGate:
         if (L) L->shared_expert_gate = n;
         break;
+      case ParamRole::kRouterBias:
+        if (L) L->router_bias = n;
+        break;
+      case ParamRole::kQAProj:
+        if (L) L->q_a = n;
+        break;
+      case ParamRole::kQALayerNorm:
+        if (L) L->q_a_norm = n;
+        break;
+      case ParamRole::kQBProj:
+        if (L) L->q_b = n;
+        break;
+      case ParamRole::kKvAProj:
+        if (L) L->kv_a = n;
+        break;
+      case ParamRole::kKvALayerNorm:
+        if (L) L->kv_a_norm = n;
+        break;
+      case ParamRole::kKvBProj:
+        if (L) L->kv_b = n;
+        break;
       default:  // kOther: tables read from headers have no forward (refused before, forward.h)
         break;
     }
@@ -202,6 +227,122 @@ Status check_tokens(const std::vector<std::int32_t>& tokens, std::int64_t vocab,
   return Status::Ok();
 }
 
+// Multi-head latent attention of one layer as transformers' DeepseekV3Attention computes it:
+// keys and values of every head expanded from the latent through kv_b_proj. Writes the o_proj
+// output [T, H] to `delta`.
+Status mla_reference(const ModelConfig& c, const ForwardConfig& fc, const HfTensors& w,
+                     const HfLayer& L, std::int64_t layer, const float* h, std::int64_t T,
+                     float* delta) {
+  const auto uz = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  const std::int64_t N = c.num_heads, P = c.qk_nope_head_dim, R = c.qk_rope_head_dim;
+  const std::int64_t Vd = c.v_head_dim, Lr = c.kv_lora_rank, Lq = c.q_lora_rank, QK = P + R;
+  const double eps = c.rms_norm_eps;
+  std::vector<float> q(uz(T * N * QK)), kva(uz(T * (Lr + R))), latent(uz(T * Lr));
+  std::vector<float> kvb(uz(T * N * (P + Vd))), k(uz(T * N * QK)), v(uz(T * N * Vd));
+  std::vector<float> out(uz(T * N * Vd));
+  if (Lq > 0) {
+    REFIT_ASSIGN_OR_RETURN(const WeightView qa, w.get(L.q_a, "q_a_proj", layer));
+    REFIT_ASSIGN_OR_RETURN(const WeightView qa_norm, w.get(L.q_a_norm, "q_a_layernorm", layer));
+    REFIT_ASSIGN_OR_RETURN(const WeightView qb, w.get(L.q_b, "q_b_proj", layer));
+    std::vector<float> qc(uz(T * Lq));
+    fwd::linear(h, T, qa, {}, qc.data());
+    fwd::rms_norm(qc.data(), Lq, T, Lq, qa_norm, eps, qc.data(), Lq);
+    fwd::linear(qc.data(), T, qb, {}, q.data());
+  } else {
+    REFIT_ASSIGN_OR_RETURN(const WeightView wq, w.get(L.q, "q_proj", layer));
+    fwd::linear(h, T, wq, {}, q.data());
+  }
+  REFIT_ASSIGN_OR_RETURN(const WeightView kv_a, w.get(L.kv_a, "kv_a_proj_with_mqa", layer));
+  REFIT_ASSIGN_OR_RETURN(const WeightView kv_norm, w.get(L.kv_a_norm, "kv_a_layernorm", layer));
+  REFIT_ASSIGN_OR_RETURN(const WeightView kv_b, w.get(L.kv_b, "kv_b_proj", layer));
+  REFIT_ASSIGN_OR_RETURN(const WeightView wo, w.get(L.o, "o_proj", layer));
+  fwd::linear(h, T, kv_a, {}, kva.data());
+  fwd::rms_norm(kva.data(), Lr + R, T, Lr, kv_norm, eps, latent.data(), Lr);
+  fwd::linear(latent.data(), T, kv_b, {}, kvb.data());
+  fwd::Rope rope = fwd::layer_rope(fc, layer);
+  rope.rotary_dim = 0;  // the whole rope part
+  for (std::int64_t t = 0; t < T; ++t) {
+    float* k_pe = kva.data() + t * (Lr + R) + Lr;
+    fwd::rope_head(k_pe, R, t, rope, fc);
+    for (std::int64_t n = 0; n < N; ++n) {
+      float* qh = q.data() + (t * N + n) * QK;
+      fwd::rope_head(qh + P, R, t, rope, fc);
+      const float* kv = kvb.data() + (t * N + n) * (P + Vd);
+      float* kh = k.data() + (t * N + n) * QK;
+      std::copy(kv, kv + P, kh);
+      std::copy(k_pe, k_pe + R, kh + P);
+      std::copy(kv + P, kv + P + Vd, v.data() + (t * N + n) * Vd);
+    }
+  }
+  std::vector<std::int64_t> self(uz(N));
+  for (std::int64_t n = 0; n < N; ++n) self[uz(n)] = n;
+  const fwd::AttentionShape sh{.T = T,
+                               .n_q = N,
+                               .qk_dim = QK,
+                               .v_dim = Vd,
+                               .q_stride = N * QK,
+                               .q_head_stride = QK,
+                               .k_stride = N * QK,
+                               .k_head_stride = QK,
+                               .v_stride = N * Vd,
+                               .v_head_stride = Vd};
+  fwd::causal_attention(q.data(), k.data(), v.data(), sh, self, fwd::layer_attention(fc, c, layer),
+                        out.data());
+  fwd::linear(out.data(), T, wo, {}, delta);
+  return Status::Ok();
+}
+
+// DeepSeek-V3 / GLM-4.5 MoE of one layer (transformers' DeepseekV3MoE): the routed experts by
+// route_token_sigmoid plus the shared experts' MLP. Writes [T, H] to `delta`.
+Status deepseek_moe_reference(const ModelConfig& c, const ForwardConfig& fc, const HfTensors& w,
+                              const HfLayer& L, std::int64_t layer, const float* h, std::int64_t T,
+                              float* delta) {
+  const auto uz = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  const std::int64_t E = c.num_experts, I = c.moe_intermediate_size, H = c.hidden_size;
+  REFIT_ASSIGN_OR_RETURN(const WeightView router, w.get(L.router, "mlp.gate (router)", layer));
+  REFIT_ASSIGN_OR_RETURN(const WeightView bias,
+                         w.get(L.router_bias, "mlp.gate.e_score_correction_bias", layer));
+  if (static_cast<std::int64_t>(L.expert_gate.size()) != E ||
+      static_cast<std::int64_t>(L.expert_up.size()) != E ||
+      static_cast<std::int64_t>(L.expert_down.size()) != E)
+    return Status::InvalidArgument(
+        fmt::format("reference forward: layer {} does not list all {} experts", layer, E));
+  std::vector<float> logits(uz(T * E)), gate(uz(I)), up(uz(I)), out(uz(H)), scratch;
+  fwd::linear(h, T, router, {}, logits.data());
+  const float* b = bias.row(0, scratch);
+  std::fill(delta, delta + T * H, 0.0f);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const float* ht = h + t * H;
+    for (const auto& [e, weight] : fwd::route_token_sigmoid(
+             logits.data() + t * E, b, E, c.num_experts_per_tok, c.norm_topk_prob, fc)) {
+      REFIT_ASSIGN_OR_RETURN(const WeightView wg, w.get(L.expert_gate[uz(e)], "expert", layer));
+      REFIT_ASSIGN_OR_RETURN(const WeightView wu, w.get(L.expert_up[uz(e)], "expert", layer));
+      REFIT_ASSIGN_OR_RETURN(const WeightView wd, w.get(L.expert_down[uz(e)], "expert", layer));
+      fwd::linear(ht, 1, wg, {}, gate.data());
+      fwd::linear(ht, 1, wu, {}, up.data());
+      fwd::gated(gate.data(), up.data(), I, fc.activation);
+      fwd::linear(gate.data(), 1, wd, {}, out.data());
+      for (std::int64_t j = 0; j < H; ++j) delta[t * H + j] += weight * out[uz(j)];
+    }
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    const std::int64_t S = c.shared_expert_intermediate_size;
+    REFIT_ASSIGN_OR_RETURN(const WeightView sg,
+                           w.get(L.shared_gate, "shared_experts.gate_proj", layer));
+    REFIT_ASSIGN_OR_RETURN(const WeightView su,
+                           w.get(L.shared_up, "shared_experts.up_proj", layer));
+    REFIT_ASSIGN_OR_RETURN(const WeightView sd,
+                           w.get(L.shared_down, "shared_experts.down_proj", layer));
+    std::vector<float> g(uz(T * S)), u(uz(T * S)), shared(uz(T * H));
+    fwd::linear(h, T, sg, {}, g.data());
+    fwd::linear(h, T, su, {}, u.data());
+    fwd::gated(g.data(), u.data(), T * S, fc.activation);
+    fwd::linear(g.data(), T, sd, {}, shared.data());
+    for (std::int64_t i = 0; i < T * H; ++i) delta[i] += shared[uz(i)];
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 namespace fwd {
@@ -259,34 +400,39 @@ Result<std::vector<float>> reference_forward(const ModelSpec& spec, const Forwar
   for (std::int64_t layer = 0; layer < c.num_layers; ++layer) {
     const HfLayer& L = ix.layers[uz(layer)];
     REFIT_ASSIGN_OR_RETURN(const WeightView in_norm, w.get(L.input_norm, "input_layernorm", layer));
-    WeightView wq, wk, wv;
-    if (c.fused_in_checkpoint) {  // Phi-3: [q; k; v] rows of one tensor
-      REFIT_ASSIGN_OR_RETURN(const WeightView wqkv, w.get(L.qkv, "qkv_proj", layer));
-      wq = wqkv.row_block(0, nq * d);
-      wk = wqkv.row_block(nq * d, nkv * d);
-      wv = wqkv.row_block(nq * d + nkv * d, nkv * d);
+    if (c.mla) {
+      fwd::rms_norm(x.data(), H, T, H, in_norm, eps, h_norm.data(), H, off);
+      REFIT_RETURN_IF_ERROR(mla_reference(c, fc, w, L, layer, h_norm.data(), T, delta.data()));
     } else {
-      REFIT_ASSIGN_OR_RETURN(wq, w.get(L.q, "q_proj", layer));
-      REFIT_ASSIGN_OR_RETURN(wk, w.get(L.k, "k_proj", layer));
-      REFIT_ASSIGN_OR_RETURN(wv, w.get(L.v, "v_proj", layer));
-    }
-    REFIT_ASSIGN_OR_RETURN(const WeightView wo, w.get(L.o, "o_proj", layer));
-    WeightView q_norm, k_norm;
-    if (c.qk_norm) {
-      REFIT_ASSIGN_OR_RETURN(q_norm, w.get(L.q_norm, "q_norm", layer));
-      REFIT_ASSIGN_OR_RETURN(k_norm, w.get(L.k_norm, "k_norm", layer));
-    }
-    const fwd::Rope rope = fwd::layer_rope(fc, layer);
+      WeightView wq, wk, wv;
+      if (c.fused_in_checkpoint) {  // Phi-3: [q; k; v] rows of one tensor
+        REFIT_ASSIGN_OR_RETURN(const WeightView wqkv, w.get(L.qkv, "qkv_proj", layer));
+        wq = wqkv.row_block(0, nq * d);
+        wk = wqkv.row_block(nq * d, nkv * d);
+        wv = wqkv.row_block(nq * d + nkv * d, nkv * d);
+      } else {
+        REFIT_ASSIGN_OR_RETURN(wq, w.get(L.q, "q_proj", layer));
+        REFIT_ASSIGN_OR_RETURN(wk, w.get(L.k, "k_proj", layer));
+        REFIT_ASSIGN_OR_RETURN(wv, w.get(L.v, "v_proj", layer));
+      }
+      REFIT_ASSIGN_OR_RETURN(const WeightView wo, w.get(L.o, "o_proj", layer));
+      WeightView q_norm, k_norm;
+      if (c.qk_norm) {
+        REFIT_ASSIGN_OR_RETURN(q_norm, w.get(L.q_norm, "q_norm", layer));
+        REFIT_ASSIGN_OR_RETURN(k_norm, w.get(L.k_norm, "k_norm", layer));
+      }
+      const fwd::Rope rope = fwd::layer_rope(fc, layer);
 
-    fwd::rms_norm(x.data(), H, T, H, in_norm, eps, h_norm.data(), H, off);
-    fwd::linear(h_norm.data(), T, wq, w.optional(L.q_bias), q.data());
-    fwd::linear(h_norm.data(), T, wk, w.optional(L.k_bias), k.data());
-    fwd::linear(h_norm.data(), T, wv, w.optional(L.v_bias), v.data());
-    fwd::prepare_heads(q.data(), nq * d, T, nq, d, q_norm, eps, rope, off);
-    fwd::prepare_heads(k.data(), nkv * d, T, nkv, d, k_norm, eps, rope, off);
-    fwd::causal_attention(q.data(), nq * d, k.data(), v.data(), nkv * d, T, nq, d, kv_of_head,
-                          fwd::layer_attention(fc, c, layer), attn.data());
-    fwd::linear(attn.data(), T, wo, {}, delta.data());
+      fwd::rms_norm(x.data(), H, T, H, in_norm, eps, h_norm.data(), H, off);
+      fwd::linear(h_norm.data(), T, wq, w.optional(L.q_bias), q.data());
+      fwd::linear(h_norm.data(), T, wk, w.optional(L.k_bias), k.data());
+      fwd::linear(h_norm.data(), T, wv, w.optional(L.v_bias), v.data());
+      fwd::prepare_heads(q.data(), nq * d, T, nq, d, q_norm, eps, rope, off);
+      fwd::prepare_heads(k.data(), nkv * d, T, nkv, d, k_norm, eps, rope, off);
+      fwd::causal_attention(q.data(), nq * d, k.data(), v.data(), nkv * d, T, nq, d, kv_of_head,
+                            fwd::layer_attention(fc, c, layer), attn.data());
+      fwd::linear(attn.data(), T, wo, {}, delta.data());
+    }
 
     REFIT_ASSIGN_OR_RETURN(const WeightView post_norm,
                            w.get(L.post_attn_norm, "post_attention_layernorm", layer));
@@ -300,7 +446,10 @@ Result<std::vector<float>> reference_forward(const ModelSpec& spec, const Forwar
       for (std::size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
       fwd::rms_norm(x.data(), H, T, H, post_norm, eps, h_norm.data(), H, off);
     }
-    if (c.is_moe_layer(layer)) {
+    if (c.is_moe_layer(layer) && fc.sigmoid_router) {
+      REFIT_RETURN_IF_ERROR(
+          deepseek_moe_reference(c, fc, w, L, layer, h_norm.data(), T, delta.data()));
+    } else if (c.is_moe_layer(layer)) {
       const std::int64_t E = c.num_experts, I = c.moe_intermediate_size;
       REFIT_ASSIGN_OR_RETURN(const WeightView router, w.get(L.router, "mlp.gate (router)", layer));
       if (static_cast<std::int64_t>(L.expert_gate.size()) != E ||

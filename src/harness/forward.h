@@ -17,6 +17,19 @@
 //    partial rotary;
 //  - Qwen2-MoE: Qwen2's attention, softmax top-k experts plus a shared expert scaled by
 //    sigmoid(shared_expert_gate), dense layers where mlp_only_layers says.
+//  - DeepSeek-V3 (Kimi-K2, Moonlight): multi-head latent attention — q through q_a_proj,
+//    q_a_layernorm and q_b_proj (or one q_proj), the latent and the shared rope key from
+//    kv_a_proj_with_mqa, kv_a_layernorm on the latent, keys and values of every head from
+//    kv_b_proj, interleaved RoPE on the rope part (rope_interleave) — and DeepSeek's MoE: dense
+//    layers before first_k_dense_replace, sigmoid router scores whose choice adds the float32
+//    correction bias, group-limited top-k (n_group, topk_group), weights renormalised
+//    (norm_topk_prob) and scaled (routed_scaling_factor), plus the ungated shared experts. The
+//    engine pass runs MLA in the absorbed form both engines decode with: q_nope through W_UK_T
+//    into the latent space, scores against the latent and the rope key, the attention output back
+//    through W_UV (derive_mla below), as vLLM's process_weights_after_loading and SGLang's
+//    post_load_weights derive them from kv_b_proj;
+//  - GLM-4.5: Llama-style GQA with q/k/v bias and per-head q/k RMSNorm (use_qk_norm), RoPE on the
+//    first partial_rotary_factor of each head (rotate_half), and DeepSeek-V3's MoE.
 // Not modelled: rope_scaling other than linear (e.g. Llama 3.1's, Phi-3's longrope); without it
 // the logits differ from transformers' for such models, but both passes share the math, so the
 // layout comparison stays exact.
@@ -54,7 +67,27 @@ struct ForwardConfig {
   bool sandwich_norms = false;  // attention / MLP outputs normalized before the residual (Gemma)
   double embed_scale = 1.0;     // embeddings multiplied by this (Gemma: sqrt(hidden_size))
   Activation activation = Activation::kSilu;
+  // DeepSeek-V3 / GLM-4.5: RoPE pairs (2i, 2i + 1) instead of (i, i + d/2) (rope_interleave),
+  // and the router: sigmoid scores, the correction bias choosing, experts in n_group groups of
+  // which the topk_group best (by the sum of their two best choices) are eligible, the chosen
+  // scores scaled by routed_scaling_factor.
+  bool rope_interleaved = false;
+  bool sigmoid_router = false;
+  std::int64_t n_group = 1, topk_group = 1;
+  double routed_scaling = 1.0;
 };
+
+// MLA's absorbed matrices of one layer, derived from a rank's kv_b_proj W [N (P + V), L] (N the
+// rank's heads, P qk_nope_head_dim, V v_head_dim, L kv_lora_rank) as bf16 bit patterns:
+// w_uk_t [N, P, L] with w_uk_t[n, p, l] = W[n (P + V) + p, l] (vLLM's W_UK_T, SGLang's w_kc), and
+// w_uv [N, L, V] with w_uv[n, l, v] = W[n (P + V) + P + v, l] (vLLM's W_UV, SGLang's w_vc as
+// kept after its transpose).
+struct MlaAbsorbed {
+  std::vector<std::uint16_t> w_uk_t, w_uv;
+};
+// From the rank's kv_b_proj (bf16 bit patterns, row-major) of a model with config `c` at TP size
+// `tp_size`.
+MlaAbsorbed derive_mla(const ModelConfig& c, std::int64_t tp_size, const std::uint16_t* kv_b);
 
 // The forward config of `spec` from its config.json text (`config_json`; "{}" gives the
 // defaults). Errors name the key.
@@ -64,7 +97,8 @@ Result<std::string> model_config_json(const std::string& model);
 
 // Single-process forward on the full HF tensors: hf[i] holds spec.tensors()[i] row-major (fp32;
 // for a refit check, the values after the cast to the target precision). Causal attention over
-// `tokens` at positions 0..T-1. Returns the logits [T, V], row-major. The pointers must stay
+// `tokens` at positions 0..T-1 (hf[i] of a tensor the engines keep in float32 holds that value).
+// Returns the logits [T, V], row-major. The pointers must stay
 // valid for the call; nothing is retained. Every architecture with a fused layout has a forward
 // (has_reference_forward); --check-logits refuses the others at setup (tables read from headers).
 Result<std::vector<float>> reference_forward(const ModelSpec& spec, const ForwardConfig& fc,
@@ -90,6 +124,16 @@ Result<std::vector<float>> engine_forward(const ModelSpec& spec, const ForwardCo
                                           const std::vector<const std::uint16_t*>& params,
                                           const std::vector<std::int32_t>& tokens,
                                           Communicator* tp_group);
+// The same with parameters in their layout dtype (layout.params[i].dtype: bf16, or float32 for
+// the parameters the engines keep in float32, docs/models.md "Engine dtypes"). For MLA models,
+// `absorbed` holds each decoder layer's matrices as the engine derived them after the refit
+// (indexed by layer); null derives them here from the rank's kv_b_proj.
+Result<std::vector<float>> engine_forward(const ModelSpec& spec, const ForwardConfig& fc,
+                                          const EngineShardLayout& layout,
+                                          const std::vector<const void*>& params,
+                                          const std::vector<std::int32_t>& tokens,
+                                          Communicator* tp_group,
+                                          const std::vector<MlaAbsorbed>* absorbed);
 // With the defaults of forward_config(spec, "{}").
 Result<std::vector<float>> engine_forward(const ModelSpec& spec, const EngineShardLayout& layout,
                                           const std::vector<const std::uint16_t*>& params,

@@ -8,7 +8,9 @@
 //    rope_local_base_freq 10000 on sliding ones, rope_scaling on full layers only;
 //  - MistralConfig: sliding_window 4096 on every layer; Phi3Config: sliding_window none,
 //    partial_rotary_factor 1; Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE: sliding windows only with
-//    use_sliding_window, on layers from max_window_layers on.
+//    use_sliding_window, on layers from max_window_layers on;
+//  - DeepseekV3Config: rope_interleave true, n_group 8, topk_group 4, routed_scaling_factor 2.5;
+//    Glm4MoeConfig: partial_rotary_factor 0.5, n_group 1, topk_group 1, routed_scaling_factor 1.
 // layer_types, when config.json lists them, decide which layers slide. transformers 5's
 // rope_parameters are read beside the older rope_theta / rope_scaling.
 #include <fmt/format.h>
@@ -139,10 +141,7 @@ Result<Activation> activation(const json& j, const char* fallback) {
 
 }  // namespace
 
-bool has_reference_forward(Architecture arch) {
-  return arch != Architecture::kOther && arch != Architecture::kDeepseekV3 &&
-         arch != Architecture::kGlm4Moe;
-}
+bool has_reference_forward(Architecture arch) { return arch != Architecture::kOther; }
 
 Result<ForwardConfig> forward_config(const ModelSpec& spec, std::string_view config_json) {
   const ModelConfig& c = spec.config();
@@ -204,6 +203,31 @@ Result<ForwardConfig> forward_config(const ModelSpec& spec, std::string_view con
     REFIT_ASSIGN_OR_RETURN(sliding, sliding_layers(j, layers, [&](std::int64_t i) {
                              return on && static_cast<double>(i) >= from;
                            }));
+  } else if (arch == Architecture::kDeepseekV3 || arch == Architecture::kGlm4Moe) {
+    const bool ds = arch == Architecture::kDeepseekV3;
+    if (ds) {
+      auto it = j.find("rope_interleave");
+      f.rope_interleaved = it == j.end() || it->is_null() || (it->is_boolean() && it->get<bool>());
+    } else {
+      REFIT_ASSIGN_OR_RETURN(const double partial, number(j, "partial_rotary_factor", 0.5));
+      if (!(partial > 0 && partial <= 1))
+        return Status::InvalidArgument("config.json: \"partial_rotary_factor\" must be in (0, 1]");
+      f.rotary_dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * partial);
+    }
+    f.sigmoid_router = true;
+    REFIT_ASSIGN_OR_RETURN(const double groups, number(j, "n_group", ds ? 8 : 1));
+    REFIT_ASSIGN_OR_RETURN(const double keep, number(j, "topk_group", ds ? 4 : 1));
+    REFIT_ASSIGN_OR_RETURN(f.routed_scaling, number(j, "routed_scaling_factor", ds ? 2.5 : 1.0));
+    f.n_group = static_cast<std::int64_t>(groups);
+    f.topk_group = static_cast<std::int64_t>(keep);
+    if (f.n_group < 1 || c.num_experts % f.n_group != 0)
+      return Status::InvalidArgument(
+          fmt::format("config.json: \"n_group\" ({}) must divide n_routed_experts ({})", f.n_group,
+                      c.num_experts));
+    if (f.topk_group < 1 || f.topk_group > f.n_group)
+      return Status::InvalidArgument(
+          fmt::format("config.json: \"topk_group\" ({}) must be in [1, n_group = {}]", f.topk_group,
+                      f.n_group));
   }
   REFIT_ASSIGN_OR_RETURN(f.activation, activation(j, act));
   REFIT_ASSIGN_OR_RETURN(

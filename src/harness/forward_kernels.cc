@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 namespace refit::fwd {
@@ -197,6 +198,51 @@ std::vector<std::pair<std::int64_t, float>> route_token(const float* logits, std
   for (std::int64_t i = 0; i < k; ++i) {
     const double w = prob[static_cast<std::size_t>(order[i])] / sum;
     out.emplace_back(order[i], static_cast<float>(normalize ? w / top_sum : w));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::int64_t, float>> route_token_sigmoid(const float* logits,
+                                                                const float* bias, std::int64_t E,
+                                                                std::int64_t k, bool normalize,
+                                                                const ForwardConfig& fc) {
+  const auto u = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  std::vector<double> score(u(E)), choice(u(E));
+  for (std::int64_t e = 0; e < E; ++e) {
+    score[u(e)] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
+    choice[u(e)] = score[u(e)] + (bias != nullptr ? static_cast<double>(bias[e]) : 0.0);
+  }
+  const std::int64_t groups = std::max<std::int64_t>(fc.n_group, 1), per = E / groups;
+  if (groups > 1 && fc.topk_group < groups) {
+    std::vector<double> rank(u(groups));
+    for (std::int64_t g = 0; g < groups; ++g) {
+      std::vector<double> c(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+      std::sort(c.begin(), c.end(), std::greater<>());
+      rank[u(g)] = c[0] + (per > 1 ? c[1] : 0.0);
+    }
+    std::vector<std::int64_t> order(u(groups));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int64_t a, std::int64_t b) { return rank[u(a)] > rank[u(b)]; });
+    std::vector<bool> keep(u(groups), false);
+    for (std::int64_t i = 0; i < std::max<std::int64_t>(fc.topk_group, 0); ++i)
+      keep[u(order[u(i)])] = true;
+    for (std::int64_t e = 0; e < E; ++e)
+      if (!keep[u(e / per)]) choice[u(e)] = 0.0;
+  }
+  std::vector<std::int64_t> order(u(E));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::int64_t a, std::int64_t b) { return choice[u(a)] > choice[u(b)]; });
+  k = std::min(k, E);
+  double sum = 0.0;
+  for (std::int64_t i = 0; i < k; ++i) sum += score[u(order[u(i)])];
+  std::vector<std::pair<std::int64_t, float>> out;
+  out.reserve(u(k));
+  for (std::int64_t i = 0; i < k; ++i) {
+    const double w = score[u(order[u(i)])];
+    out.emplace_back(order[u(i)],
+                     static_cast<float>((normalize ? w / (sum + 1e-20) : w) * fc.routed_scaling));
   }
   return out;
 }

@@ -154,6 +154,25 @@ Status check_forward_config(const ModelConfig& c, const ForwardConfig& fc, const
 std::vector<std::pair<std::int64_t, float>> route_token(const float* logits, std::int64_t E,
                                                         std::int64_t k, bool normalize);
 
+// DeepSeek-V3 / GLM-4.5 router decision for one token (transformers' DeepseekV3TopkRouter and
+// route_tokens_to_experts): scores sigmoid(logits); choices scores + bias (the float32 correction
+// bias); the E experts in fc.n_group groups, each ranked by the sum of its two best choices (its
+// one, for groups of one), the best fc.topk_group kept and the other choices taken as 0; the top
+// `k` choices (ties: lower index first), weighted by their scores, renormalised (plus 1e-20) when
+// `normalize`, times fc.routed_scaling.
+std::vector<std::pair<std::int64_t, float>> route_token_sigmoid(const float* logits,
+                                                                const float* bias, std::int64_t E,
+                                                                std::int64_t k, bool normalize,
+                                                                const ForwardConfig& fc);
+// RoPE of one head as fc says: interleaved pairs (DeepSeek) or rotate_half.
+inline void rope_head(float* head, std::int64_t d, std::int64_t pos, const Rope& rope,
+                      const ForwardConfig& fc) {
+  if (fc.rope_interleaved)
+    apply_rope_interleaved(head, d, pos, rope);
+  else
+    apply_rope(head, d, pos, rope);
+}
+
 // Checks what both passes assume of the config (positive sizes, nq a multiple of nkv, even
 // head_dim, a valid top-k) and that every token is inside the vocabulary. Messages start with
 // `who`.

@@ -468,60 +468,142 @@ std::uint16_t dequantized_bf16(std::uint8_t code, float scale) {
   return f32_to_bf16(fp8e4m3_to_f32(code) * scale);
 }
 
-// Every parameter of `layout` but the FP8 scales, as bf16 on the host: bf16 parameters as they
-// are, fp8 weights dequantized with the scale parameter after them (each element's scale found
-// through the layouts' pieces: the block of its HF element).
-Result<std::vector<std::vector<std::uint16_t>>> engine_bf16(DataPlane& plane, const WireModel& wire,
-                                                            const EngineShardLayout& layout,
-                                                            const std::vector<PieceTarget>& params) {
+// Parameter `i` of `layout` on the host: bf16 and float32 as they are (float32 elements as two
+// halves each), an fp8 weight dequantized to bf16 with the scale parameter after it (each
+// element's scale found through the layouts' pieces: the block of its HF element). Sets `*used`
+// to the number of parameters read (2 for an fp8 weight and its scale).
+Result<std::vector<std::uint16_t>> param_value(DataPlane& plane, const WireModel& wire,
+                                               const EngineShardLayout& layout,
+                                               const std::vector<PieceTarget>& params,
+                                               std::size_t i, std::size_t* used) {
+  const EngineParam& p = layout.params[i];
+  const MatrixShape m = matrix_shape(p.shape);
+  *used = 1;
+  if (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat32) {
+    const std::size_t halves = p.dtype == DType::kFloat32 ? 2 : 1;
+    std::vector<std::uint16_t> out(static_cast<std::size_t>(m.numel()) * halves);
+    REFIT_RETURN_IF_ERROR(plane.read(out.data(), params[i].data, out.size() * 2));
+    return out;
+  }
+  if (p.dtype != DType::kFloat8E4M3 || i + 1 >= params.size())
+    return Status::Unsupported(
+        fmt::format("--check-logits: parameter {} is {}", p.name, dtype_name(p.dtype)));
+  *used = 2;
+  const EngineParam& sp = layout.params[i + 1];
+  const MatrixShape sm = matrix_shape(sp.shape);
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(m.numel()));
+  std::vector<float> scales(static_cast<std::size_t>(sm.numel()));
+  REFIT_RETURN_IF_ERROR(plane.read(codes.data(), params[i].data, codes.size()));
+  REFIT_RETURN_IF_ERROR(plane.read(scales.data(), params[i + 1].data, scales.size() * 4));
+  std::vector<std::uint16_t> v(codes.size(), 0);
+  const Fp8Table& f = *wire.fp8;
+  for (const Piece& pc : p.pieces) {
+    const auto st = static_cast<std::uint32_t>(f.scale_of[pc.hf_tensor]);
+    const MatrixShape b = f.block(wire.spec, pc.hf_tensor);
+    // The scale piece derived from this weight piece: it covers every block of it.
+    const std::int64_t hr0 = pc.src_row / b.rows, hc0 = pc.src_col / b.cols;
+    const Piece* s = nullptr;
+    for (const Piece& q : sp.pieces)
+      if (q.hf_tensor == st && hr0 >= q.src_row && hr0 < q.src_row + q.rows && hc0 >= q.src_col &&
+          hc0 < q.src_col + q.cols)
+        s = &q;
+    if (s == nullptr)
+      return Status::Internal(
+          fmt::format("--check-logits: no scale of {} covers block ({}, {})", p.name, hr0, hc0));
+    for (std::int64_t r = 0; r < pc.rows; ++r)
+      for (std::int64_t c = 0; c < pc.cols; ++c) {
+        const std::int64_t hr = (pc.src_row + r) / b.rows, hc = (pc.src_col + c) / b.cols;
+        const std::int64_t k = (pc.dst_row + r) * m.cols + pc.dst_col + c;
+        const float scale = scales[static_cast<std::size_t>(
+            (s->dst_row + hr - s->src_row) * sm.cols + s->dst_col + hc - s->src_col)];
+        v[static_cast<std::size_t>(k)] =
+            dequantized_bf16(codes[static_cast<std::size_t>(k)], scale);
+      }
+  }
+  return v;
+}
+
+// Every parameter of `layout` but the FP8 scales, on the host (param_value).
+Result<std::vector<std::vector<std::uint16_t>>> engine_values(
+    DataPlane& plane, const WireModel& wire, const EngineShardLayout& layout,
+    const std::vector<PieceTarget>& params) {
   std::vector<std::vector<std::uint16_t>> out;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const EngineParam& p = layout.params[i];
-    const MatrixShape m = matrix_shape(p.shape);
-    if (p.dtype == DType::kBFloat16) {
-      out.emplace_back(static_cast<std::size_t>(m.numel()));
-      REFIT_RETURN_IF_ERROR(plane.read(out.back().data(), params[i].data, out.back().size() * 2));
-      continue;
-    }
-    if (p.dtype != DType::kFloat8E4M3 || i + 1 >= params.size())
-      return Status::Unsupported(fmt::format("--check-logits: parameter {} is {}", p.name,
-                                             dtype_name(p.dtype)));
-    const EngineParam& sp = layout.params[i + 1];
-    const MatrixShape sm = matrix_shape(sp.shape);
-    std::vector<std::uint8_t> codes(static_cast<std::size_t>(m.numel()));
-    std::vector<float> scales(static_cast<std::size_t>(sm.numel()));
-    REFIT_RETURN_IF_ERROR(plane.read(codes.data(), params[i].data, codes.size()));
-    REFIT_RETURN_IF_ERROR(plane.read(scales.data(), params[i + 1].data, scales.size() * 4));
-    std::vector<std::uint16_t> v(codes.size(), 0);
-    const Fp8Table& f = *wire.fp8;
-    for (const Piece& pc : p.pieces) {
-      const auto st = static_cast<std::uint32_t>(f.scale_of[pc.hf_tensor]);
-      const MatrixShape b = f.block(wire.spec, pc.hf_tensor);
-      // The scale piece derived from this weight piece: it covers every block of it.
-      const std::int64_t hr0 = pc.src_row / b.rows, hc0 = pc.src_col / b.cols;
-      const Piece* s = nullptr;
-      for (const Piece& q : sp.pieces)
-        if (q.hf_tensor == st && hr0 >= q.src_row && hr0 < q.src_row + q.rows &&
-            hc0 >= q.src_col && hc0 < q.src_col + q.cols)
-          s = &q;
-      if (s == nullptr)
-        return Status::Internal(
-            fmt::format("--check-logits: no scale of {} covers block ({}, {})", p.name, hr0, hc0));
-      for (std::int64_t r = 0; r < pc.rows; ++r)
-        for (std::int64_t c = 0; c < pc.cols; ++c) {
-          const std::int64_t hr = (pc.src_row + r) / b.rows, hc = (pc.src_col + c) / b.cols;
-          const std::int64_t k = (pc.dst_row + r) * m.cols + pc.dst_col + c;
-          const float scale =
-              scales[static_cast<std::size_t>((s->dst_row + hr - s->src_row) * sm.cols + s->dst_col +
-                                              hc - s->src_col)];
-          v[static_cast<std::size_t>(k)] = dequantized_bf16(codes[static_cast<std::size_t>(k)], scale);
-        }
-    }
+  for (std::size_t i = 0; i < params.size();) {
+    std::size_t used = 1;
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::uint16_t> v,
+                           param_value(plane, wire, layout, params, i, &used));
     out.push_back(std::move(v));
-    ++i;  // its scale parameter
+    i += used;
   }
   return out;
 }
+
+// What an MLA engine derives from kv_b_proj after loading (vLLM's W_UK_T / W_UV in
+// process_weights_after_loading, SGLang's w_kc / w_vc in post_load_weights): derived again by
+// this engine's weights_changed hook for every layer whose kv_b_proj a refit rewrote, and read
+// by the logit check's absorbed forward (stale matrices would fail it).
+class MlaDerivedState {
+ public:
+  // `derive`: whether the matrices are derived (refit run --verify / --check-logits); without,
+  // the hook's names are checked only.
+  MlaDerivedState(const Config& cfg, const ModelSpec& spec, bool derive, std::string who)
+      : cfg_(cfg),
+        spec_(spec),
+        derive_(derive),
+        who_(std::move(who)),
+        absorbed_(static_cast<std::size_t>(spec.config().num_layers)) {}
+
+  // The weights_changed hook: `changed` must name every parameter of the rank, in layout order.
+  Status derive(DataPlane& plane, const WireModel& wire, const EngineShardLayout& layout,
+                const std::vector<PieceTarget>& params, const std::vector<std::string>& changed) {
+    if (changed.size() != layout.params.size())
+      return Status::Internal(
+          fmt::format("{}: the weights_changed hook named {} parameters; the rank holds {}", who_,
+                      changed.size(), layout.params.size()));
+    for (std::size_t i = 0; i < changed.size(); ++i)
+      if (changed[i] != layout.params[i].name)
+        return Status::Internal(fmt::format(
+            "{}: the weights_changed hook named {} where the layout's parameter {} ({}) was due",
+            who_, changed[i], i, layout.params[i].name));
+    ++epoch_;
+    if (!derive_ || !spec_.config().mla || cfg_.generation.layout != EngineLayout::kFused)
+      return Status::Ok();
+    // Every parameter changed: each layer's kv_b_proj (dequantized with FP8) gives its matrices.
+    int layers = 0;
+    for (std::size_t i = 0; i < changed.size(); ++i) {
+      const std::string& name = changed[i];
+      if (!name.ends_with(".self_attn.kv_b_proj.weight")) continue;
+      const std::int64_t layer = layer_of_name(name);
+      if (layer < 0 || layer >= spec_.config().num_layers)
+        return Status::Internal(fmt::format("{}: {} is outside the decoder layers", who_, name));
+      std::size_t used = 1;
+      REFIT_ASSIGN_OR_RETURN(const std::vector<std::uint16_t> kv_b,
+                             param_value(plane, wire, layout, params, i, &used));
+      absorbed_[static_cast<std::size_t>(layer)] =
+          derive_mla(spec_.config(), cfg_.generation.tp_size, kv_b.data());
+      ++layers;
+    }
+    log::info(
+        "{}: weights_changed hook: {} parameters; {} derived again from kv_b_proj for {} "
+        "layers",
+        who_, changed.size(),
+        cfg_.generation.backend == EngineProtocol::kSglang ? "w_kc / w_vc" : "W_UK_T / W_UV",
+        layers);
+    return Status::Ok();
+  }
+
+  const std::vector<MlaAbsorbed>& absorbed() const { return absorbed_; }
+  // Calls of derive() so far.
+  int epoch() const { return epoch_; }
+
+ private:
+  const Config& cfg_;
+  const ModelSpec& spec_;
+  const bool derive_;
+  const std::string who_;
+  std::vector<MlaAbsorbed> absorbed_;
+  int epoch_ = 0;
+};
 
 // The engine's TP forward pass against a single-process forward on the trainer's weights.
 class LogitCheck {
@@ -550,7 +632,7 @@ class LogitCheck {
 
   Status check(DataPlane& plane, const RankModel& model, const WireModel& wire,
                const EngineShardLayout& layout, const std::vector<PieceTarget>& params,
-               const Config& cfg, int step, const std::string& who) {
+               const Config& cfg, int step, const std::string& who, const MlaDerivedState* mla) {
     // Reference: full HF tensors as the trainer holds them after the cast (bf16 → fp32); with
     // fp8 the quantized weights dequantized (docs/fp8.md, "--check-logits").
     const auto& tensors = model.spec.tensors();
@@ -562,6 +644,15 @@ class LogitCheck {
     for (std::size_t t = 0; t < tensors.size(); ++t) {
       const MatrixShape m = matrix_shape(tensors[t].shape);
       bf16.assign(static_cast<std::size_t>(m.numel()), 0);
+      if (wire.dtype[t] == DType::kFloat32) {  // kept in float32 by the engines (engine_dtype)
+        const Piece whole{static_cast<std::uint32_t>(t), 0, 0, m.rows, m.cols, 0, 0};
+        hf[t].resize(bf16.size());
+        materialize_pieces(model.spec, {whole}, tensors[t].shape, *model.weights, step,
+                           cfg.policy.dtype, DType::kFloat32,
+                           reinterpret_cast<std::byte*>(hf[t].data()));
+        hf_ptrs.push_back(hf[t].data());
+        continue;
+      }
       if (ref && wire.fp8->quantized(static_cast<std::uint32_t>(t))) {
         const auto s = static_cast<std::uint32_t>(wire.fp8->scale_of[t]);
         REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte>* codes, ref->tensor(static_cast<std::uint32_t>(t)));
@@ -588,29 +679,47 @@ class LogitCheck {
     REFIT_ASSIGN_OR_RETURN(auto want, reference_forward(model.spec, fc_, hf_ptrs, tokens_));
     // The engine's shards as bf16 (fp8 weights dequantized with the scales the engine holds),
     // in the model's engine layout (no scale parameters).
-    REFIT_ASSIGN_OR_RETURN(const EngineShardLayout base,
+    REFIT_ASSIGN_OR_RETURN(EngineShardLayout base,
                            engine_layout(model.spec, cfg.generation.tp_size, layout.tp_rank,
                                          cfg.generation.layout, cfg.generation.backend));
     REFIT_ASSIGN_OR_RETURN(std::vector<std::vector<std::uint16_t>> host,
-                           engine_bf16(plane, wire, layout, params));
+                           engine_values(plane, wire, layout, params));
     if (host.size() != base.params.size())
       return Status::Internal("check-logits: the engine layout without scales differs");
-    std::vector<const std::uint16_t*> p16;
-    for (const auto& h : host) p16.push_back(h.data());
+    // The parameters the engines keep in float32 stay float32 (engine_values read them so); fp8
+    // weights arrive dequantized to bf16, their scales left out.
+    for (std::size_t i = 0, k = 0; i < layout.params.size() && k < base.params.size(); ++k) {
+      if (layout.params[i].dtype == DType::kFloat32) base.params[k].dtype = DType::kFloat32;
+      i += layout.params[i].dtype == DType::kFloat8E4M3 ? 2 : 1;
+    }
+    std::vector<const void*> values;
+    for (const auto& h : host) values.push_back(h.data());
     std::vector<float> got;
     if (cfg.generation.layout == EngineLayout::kHf) {
       // Whole HF tensors, one per parameter in the spec's order: the same forward on them.
-      std::vector<std::vector<float>> held(p16.size());
+      std::vector<std::vector<float>> held(values.size());
       std::vector<const float*> held_ptrs;
-      for (std::size_t i = 0; i < p16.size(); ++i) {
-        held[i].resize(host[i].size());
-        convert(p16[i], DType::kBFloat16, held[i].data(), DType::kFloat32, held[i].size());
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        const DType dt = base.params[i].dtype;
+        held[i].resize(static_cast<std::size_t>(matrix_shape(base.params[i].shape).numel()));
+        convert(values[i], dt, held[i].data(), DType::kFloat32, held[i].size());
         held_ptrs.push_back(held[i].data());
       }
       REFIT_ASSIGN_OR_RETURN(got, reference_forward(model.spec, fc_, held_ptrs, tokens_));
     } else {
+      // MLA: the absorbed matrices as the engine's weights_changed hook derived them after this
+      // refit (stale ones would fail here).
+      if (model.spec.config().mla) {
+        if (mla == nullptr || mla->epoch() == checked_epoch_)
+          return Status::Internal(fmt::format(
+              "check-logits: {} (step {}): the weights_changed hook did not run after this "
+              "refit, so the MLA matrices were not derived again",
+              who, step));
+        checked_epoch_ = mla->epoch();
+      }
       REFIT_ASSIGN_OR_RETURN(got,
-                             engine_forward(model.spec, fc_, base, p16, tokens_, tp_group_.get()));
+                             engine_forward(model.spec, fc_, base, values, tokens_, tp_group_.get(),
+                                            mla ? &mla->absorbed() : nullptr));
     }
     Status st = compare_logits(got, want, model.spec.config().vocab_size, kLogitTolerance);
     if (!st.ok()) return st.with_context(fmt::format("check-logits: {} (step {})", who, step));
@@ -629,6 +738,7 @@ class LogitCheck {
   std::unique_ptr<Communicator> tp_group_;
   std::vector<std::int32_t> tokens_;
   ForwardConfig fc_;
+  int checked_epoch_ = 0;  // the MLA derivation the last check used
 };
 
 // After a rollback to `version`: the parameters hold it again, bit for bit — the weights of
@@ -801,6 +911,12 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
   if (o.check_logits) {
     REFIT_ASSIGN_OR_RETURN(logits, LogitCheck::create(o, *model, engine_rank));
   }
+  // The weights_changed hook: checks that it names every parameter, and derives MLA's absorbed
+  // matrices again from the refit's kv_b_proj, as the engines must.
+  MlaDerivedState mla(cfg, model->spec, o.verify || o.check_logits, who);
+  engine->on_weights_changed([&](const std::vector<std::string>& names) {
+    return mla.derive(*plane, wire, layout, params, names);
+  });
   // The step of the refit in flight, and of the version the engine published last (0: the
   // zero-filled storage): a refit whose verification passed here is published only when every
   // engine rank's passed, so the two differ after a refit that failed elsewhere.
@@ -838,7 +954,8 @@ Status run_engine_rank(const RankOptions& o, int engine_rank) {
     if (o.verify || !logits)
       REFIT_RETURN_IF_ERROR(verify_params(*plane, *model, wire, layout, params, cfg, step, who));
     if (logits)
-      REFIT_RETURN_IF_ERROR(logits->check(*plane, *model, wire, layout, params, cfg, step, who));
+      REFIT_RETURN_IF_ERROR(
+          logits->check(*plane, *model, wire, layout, params, cfg, step, who, &mla));
     return Status::Ok();
   });
   // Serve until the shutdown, past refits that failed at their end (the session goes on). After

@@ -201,15 +201,15 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "shared_expert_intermediate_size": 36, "decoder_sparse_step": 1, "mlp_only_layers": [1],
   "norm_topk_prob": false, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
       // DeepSeek-V3 shapes: MLA with q_lora_rank, two dense layers, then MoE layers with 8
-      // experts (top-2) and two shared experts; an MTP layer (not part of the table). Every TP
-      // size up to 8 shards it.
+      // experts (top-2 of the 2 best of 4 groups) and two shared experts; an MTP layer (not part
+      // of the table). Every TP size up to 8 shards it.
       {"tiny-deepseek", R"({
   "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 48, "intermediate_size": 48,
   "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 8,
   "num_key_value_heads": 8, "q_lora_rank": 24, "kv_lora_rank": 20, "qk_nope_head_dim": 12,
   "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "n_shared_experts": 2,
   "num_experts_per_tok": 2, "first_k_dense_replace": 2, "moe_layer_freq": 1,
-  "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1,
+  "topk_method": "noaux_tc", "n_group": 4, "topk_group": 2, "num_nextn_predict_layers": 1,
   "vocab_size": 299, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
       // DeepSeek-V2-Lite / Moonlight style: MLA with q_lora_rank null (one q_proj), one dense
       // layer, 5 experts (top-2) and one shared expert.
@@ -219,7 +219,7 @@ const std::map<std::string, const char*, std::less<>>& presets() {
   "num_key_value_heads": 4, "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
   "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 5, "n_shared_experts": 1,
   "num_experts_per_tok": 2, "first_k_dense_replace": 1, "topk_method": "noaux_tc",
-  "vocab_size": 257, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
+  "n_group": 1, "topk_group": 1, "vocab_size": 257, "rms_norm_eps": 1e-06, "tie_word_embeddings": false})"},
       // GLM-4.5 shapes: GQA 4 with q/k/v bias and q/k norms (nq * d != H; kv heads replicated
       // at TP 4 and 8), one dense layer, 8 experts (top-2) and a shared expert; an MTP layer
       // (not part of the table).
