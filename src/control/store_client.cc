@@ -368,6 +368,8 @@ class StoreClient final : public Store {
       set_refused("it closed every handshake: it does not hold this process's keys");
     else if (probe.code() == StatusCode::kUnsupported)
       foreign_.store(true);
+    // kTimeout (silent: a stopped store host, or a server that waits to be spoken to) decides
+    // nothing: the connection is tried until its deadline, and unreachable() names both.
   }
 
   void set_refused(const std::string& why) {
@@ -405,6 +407,14 @@ class StoreClient final : public Store {
           "a ZeroMQ server listens at {} but did not complete a handshake with this process "
           "within {} ms: it is busy (raise refit.timeout_s), or it is another run's store",
           address_, waited.count()));
+    if (probe.code() == StatusCode::kTimeout)
+      return Status::Timeout(fmt::format(
+          "the server at {} accepted this process's connections but never answered within {} ms "
+          "({}): the process that hosts the store (trainer rank 0) is stopped or hung, or another "
+          "server that waits for its clients to speak first holds the port (torch.distributed's "
+          "store, on MASTER_PORT?); give refit's store a port of its own on every rank: "
+          "REFIT_PORT, or master_port= in Python (docs/python.md, \"Ports\")",
+          address_, waited.count(), probe.message()));
     return Status::Timeout(fmt::format(
         "cannot reach the store server at {} within {} ms ({}): is the process that hosts it "
         "(trainer rank 0) running, and are the host and port right (REFIT_PORT on every rank)?",

@@ -382,8 +382,10 @@ class ZmqStoreServer final : public StoreServer {
     const Status probe = probe_zmtp(host, port, 500);
     const std::string holder =
         probe.ok() ? "another ZeroMQ server (the store of another refit run?)"
-                   : "another server that is not ZeroMQ (torch.distributed's store, on "
-                     "MASTER_PORT?)";
+        : probe.code() == StatusCode::kTimeout
+            ? "another server that is not ZeroMQ, or a stopped one (torch.distributed's store, "
+              "on MASTER_PORT?)"
+            : "another server that is not ZeroMQ (torch.distributed's store, on MASTER_PORT?)";
     return Status::IOError(fmt::format(
         "store server: port {} on {} is taken by {}; give refit's store a port of its own on "
         "every rank: REFIT_PORT (or master_port= in Python), or 0 for any free port "

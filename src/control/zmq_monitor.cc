@@ -141,14 +141,22 @@ Status probe_zmtp(const std::string& host, int port, int wait_ms) {
     // A ZeroMQ socket's greeting starts with 0xFF, 8 bytes, 0x7F, sent as soon as it connects.
     unsigned char sig[10];
     std::size_t got = 0;
+    bool silent = false;  // the connection stayed open with nothing to read
     while (got < sizeof sig) {
       pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, left()) != 1) break;
+      if (::poll(&p, 1, left()) != 1) {
+        silent = got == 0;
+        break;
+      }
       const ssize_t n = ::recv(fd, sig + got, sizeof sig - got, 0);
       if (n <= 0) break;
       got += static_cast<std::size_t>(n);
     }
-    if (got == sizeof sig && sig[0] == 0xFF && sig[9] == 0x7F) out = Status::Ok();
+    if (got == sizeof sig && sig[0] == 0xFF && sig[9] == 0x7F)
+      out = Status::Ok();
+    else if (silent)
+      out = Status::Timeout(fmt::format("it accepted the connection but sent nothing within {} ms",
+                                        wait_ms));
   }
   ::close(fd);
   return out;

@@ -40,8 +40,11 @@ std::vector<ConnectionEvent> read_connection_events(zmq::socket_t& monitor);
 
 // Whether a ZeroMQ peer listens at host:port: a plain TCP connection, on which a ZeroMQ socket
 // sends its greeting's 10-byte signature at once. kOk: it does; kNotFound: nothing listens
-// (connection refused); kUnsupported: something else listens (no signature within `wait`: another
-// server holds the port); kIOError: the address cannot be reached.
+// (connection refused); kUnsupported: something else listens (it closed the connection or sent
+// something else: another server holds the port); kTimeout: it accepted the connection and sent
+// nothing within `wait` (a server that waits for its clients to speak first, such as
+// torch.distributed's store, or a ZeroMQ process that is stopped or hung: the kernel accepts for
+// it); kIOError: the address cannot be reached.
 Status probe_zmtp(const std::string& host, int port, int wait_ms);
 
 }  // namespace refit

@@ -119,6 +119,7 @@ Result<LaunchResult> launch_and_wait(
   std::size_t alive = children.size();
   std::vector<int> statuses(children.size(), 0);
   std::vector<bool> stopped(children.size(), false);  // SIGSTOPped, not yet continued
+  std::vector<std::chrono::steady_clock::time_point> stopped_at(children.size());
   bool failed = false;
   auto deadline = std::chrono::steady_clock::time_point::max();
   // SIGKILLs every child still running (but for stopped ones when `stopped_too` is false); returns
@@ -166,7 +167,10 @@ Result<LaunchResult> launch_and_wait(
     pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
     if (pid > 0 && (WIFSTOPPED(status) || WIFCONTINUED(status))) {
       for (std::size_t i = 0; i < pids.size(); ++i)
-        if (pids[i] == pid) stopped[i] = WIFSTOPPED(status);
+        if (pids[i] == pid) {
+          stopped[i] = WIFSTOPPED(status);
+          stopped_at[i] = std::chrono::steady_clock::now();
+        }
       continue;
     }
     if (pid > 0) {
@@ -190,6 +194,21 @@ Result<LaunchResult> launch_and_wait(
       }
       continue;
     }
+    // The store's host stopped with no failure yet: the ranks connected to the store name it
+    // within 5.5 s and exit; ranks still making their first connection cannot tell a stopped
+    // store from one not up yet (the kernel accepts for it). Stopped for kStoppedStoreHostFails,
+    // it is the run's failure.
+    for (std::size_t i = 0; i < children.size() && !failed; ++i)
+      if (children[i].hosts_store && pids[i] > 0 && stopped[i] &&
+          std::chrono::steady_clock::now() - stopped_at[i] >= kStoppedStoreHostFails) {
+        failed = true;
+        result.summary = fmt::format(
+            "{} is stopped (SIGSTOP) and hosts the store: no rank can make progress",
+            children[i].name);
+        result.first_failed = static_cast<int>(i);
+        result.first_how = "was stopped (SIGSTOP)";
+        deadline = std::chrono::steady_clock::now();  // the others go now, the stopped one last
+      }
     // After a failure, with the store's host dead or stopped, no rank can make progress.
     if (failed && store_gone()) {
       const auto soon = std::chrono::steady_clock::now() + kStoreLossGrace;

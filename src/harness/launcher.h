@@ -28,6 +28,11 @@ struct ChildSpec {
 // dead or stopped: a rank connected to the store notices within 5.5 s (runtime/failure.h); one
 // still connecting would wait its timeout, and is killed instead.
 inline constexpr std::chrono::milliseconds kStoreLossGrace{8000};
+// The store's host stopped (SIGSTOP) this long with no failure yet is the run's failure itself:
+// long enough for every rank connected to the store to name it and exit on its own (5.5 s, then
+// its teardown), short of the first-contact deadline (refit.timeout_s) of the ranks still
+// connecting, which cannot tell a stopped store from one not up yet.
+inline constexpr std::chrono::milliseconds kStoppedStoreHostFails{15000};
 
 struct LaunchResult {
   bool ok = false;
