@@ -10,20 +10,23 @@
 # Needs root (namespaces, tc). From the repository root, after bash scripts/build.sh:
 #   bash bench/shaped_link.sh --rate 1gbit --model qwen2.5-0.5b --steps 3
 #   bash bench/shaped_link.sh --rate 10gbit --model qwen3-0.6b --steps 3 --update adam:1e-6
+#   bash bench/shaped_link.sh --rate 1gbit --model qwen2.5-0.5b --steps 4 --update adam:1e-6 --delta on
 # Flags: --rate R (tc rate, e.g. 1gbit, 10gbit; "none": unshaped), --model M, --steps N,
-# --update U (refit run --update), --verify, --refit BIN (default build/src/refit), --out DIR
+# --update U (refit run --update), --delta D (refit.delta: off, on, auto), --verify, --refit BIN (default build/src/refit), --out DIR
 # (default: a new temporary directory), --timeout S (bound on the ranks, default 600),
 # --config FILE (instead of the generated config: model, FSDP2 world 2 float32 -> SGLang TP 2 bf16).
 # Exit codes: 0 every rank succeeded; 1 a rank failed; 2 bad usage; 3 this machine cannot make the
 # namespaces or shape the link.
 set -euo pipefail
 rate=1gbit model=qwen2.5-0.5b steps=3 update="" verify="" bin="" out="" limit=600 config=""
+delta=off
 while [ $# -gt 0 ]; do
   case $1 in
     --rate) rate=$2; shift 2 ;;
     --model) model=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --update) update="--update $2"; shift 2 ;;
+    --delta) delta=$2; shift 2 ;;
     --verify) verify=--verify; shift ;;
     --refit) bin=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
@@ -68,8 +71,8 @@ fi
 
 if [ -z "$config" ]; then
   config=$out/config.yaml
-  printf 'model: %s\nseed: 0\npolicy: {backend: fsdp2, world_size: 2, dtype: float32}\ngeneration: {backend: sglang, colocated: false, num_engines: 1, tp_size: 2}\nrefit: {target_precision: bf16, timeout_s: 120, executor: auto}\n' \
-    "$model" > "$config"
+  printf 'model: %s\nseed: 0\npolicy: {backend: fsdp2, world_size: 2, dtype: float32}\ngeneration: {backend: sglang, colocated: false, num_engines: 1, tp_size: 2}\nrefit: {target_precision: bf16, timeout_s: 120, executor: auto, delta: %s}\n' \
+    "$model" "$delta" > "$config"
 fi
 config=$(realpath "$config")
 secret=$out/secret
@@ -105,9 +108,18 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 rate, sent, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model = r["config"]["model"]
-print(f"{'model':<14} {'rate':>7} {'step':>4} {'refit_s':>9} {'bytes_per_refit':>16}")
-for i, s in enumerate(r["refit_seconds"], 1):
-    print(f"{model:<14} {rate:>7} {i:>4} {s:>9.3f} {r['bytes_per_refit']:>16}")
+steps_d = r.get("delta", {}).get("steps", [])
+print(f"{'model':<14} {'rate':>7} {'step':>4} {'refit_s':>9} {'bytes_per_refit':>16}"
+      + (f" {'wire_bytes':>12} {'delta_pairs':>11} {'changed':>8} {'wire/step1':>10} {'time/step1':>10}"
+         if steps_d else ""))
+secs = r["refit_seconds"]
+for i, s in enumerate(secs, 1):
+    line = f"{model:<14} {rate:>7} {i:>4} {s:>9.3f} {r['bytes_per_refit']:>16}"
+    if len(steps_d) == len(secs):
+        d, d1 = steps_d[i - 1], steps_d[0]
+        line += (f" {d['wire_bytes']:>12} {d['pairs']:>11} {100 * d['changed_fraction']:>7.2f}%"
+                 f" {d['wire_bytes'] / max(1, d1['wire_bytes']):>10.4f} {s / secs[0]:>10.3f}")
+    print(line)
 print(f"link A->B carried {sent} bytes over {steps} refit(s) and setup "
       f"({sent / max(1, steps * r['bytes_per_refit']):.3f} x bytes_per_refit x steps); "
       f"verified: {r['verified']}")

@@ -129,6 +129,42 @@ TEST(Messages, RoundTrip) {
                                            "trainer/0");
   ASSERT_FALSE(bad_exports.ok());
   EXPECT_NE(bad_exports.status().message().find("exports"), std::string::npos);
+  EXPECT_TRUE(ep->delta.empty());
+
+  // refit.delta: an engine rank offers its bases to trainer rank 0 (a digest per point-to-point
+  // feeder, trust for a peer-access one), which relays to each trainer rank its own pairs' offers.
+  PausedMessage offer{.step = 6, .delta_version = "5"};
+  offer.delta_bases = {DeltaBase{.rank = 0, .digest = "0123456789abcdef"},
+                       DeltaBase{.rank = 3, .digest = std::nullopt}};
+  auto po = decode_paused(encode(offer), "engine/1");
+  ASSERT_TRUE(po.ok()) << po.status().to_string();
+  EXPECT_EQ(po->delta_version, "5");
+  EXPECT_EQ(po->delta_bases, offer.delta_bases);
+  auto none = decode_paused(encode(PausedMessage{.step = 6}), "engine/1");
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->delta_version.empty() && none->delta_bases.empty());
+  auto twice = nlohmann::json::parse(encode(offer));
+  twice["delta_bases"][1][0] = 0;
+  auto bad_twice = decode_paused(twice.dump(), "engine/1");
+  ASSERT_FALSE(bad_twice.ok());
+  EXPECT_NE(bad_twice.status().message().find("names rank 0 twice"), std::string::npos);
+  auto unversioned = nlohmann::json::parse(encode(offer));
+  unversioned["delta_version"] = "";
+  EXPECT_FALSE(decode_paused(unversioned.dump(), "engine/1").ok());
+  auto mistyped = nlohmann::json::parse(encode(offer));
+  mistyped["delta_bases"][0] = {"0", "0123456789abcdef"};
+  auto bad_type = decode_paused(mistyped.dump(), "engine/1");
+  ASSERT_FALSE(bad_type.ok());
+  EXPECT_NE(bad_type.status().message().find("delta_bases"), std::string::npos);
+  EnginesPausedMessage relayed{.step = 6, .exports = {std::nullopt, std::nullopt}};
+  relayed.delta = {DeltaBase{.rank = 1, .digest = "00000000000000ff", .version = "5"}};
+  auto er = decode_engines_paused(encode(relayed), "trainer/0");
+  ASSERT_TRUE(er.ok()) << er.status().to_string();
+  EXPECT_EQ(er->delta, relayed.delta);
+  auto no_delta = nlohmann::json::parse(encode(relayed));
+  no_delta.erase("delta");
+  EXPECT_FALSE(decode_engines_paused(no_delta.dump(), "trainer/0").ok());
+
   auto sent =
       decode_sent(encode(SentMessage{.step = 4, .checksums = {{"engine/1", "ff"}}}), "trainer/2");
   ASSERT_TRUE(sent.ok()) << sent.status().to_string();

@@ -120,10 +120,12 @@ std::string config_yaml(const RunConfig& c) {
   y << "generation:\n  backend: " << c.engine
     << "\n  colocated: " << (c.colocated ? "true" : "false") << "\n  num_engines: " << c.num_engines
     << "\n  tp_size: " << c.tp << "\n  layout: " << c.layout << "\n"
-    << "refit:\n  target_precision: bf16\n  buffer_size_bytes: " << c.buffer
+    << "refit:\n  target_precision: " << c.precision << "\n  buffer_size_bytes: " << c.buffer
     << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s
     << "\n  executor: " << c.executor << "\n  checksum: " << (c.checksum ? "true" : "false")
-    << "\n  keep_previous: " << (c.keep_previous ? "true" : "false") << "\n";
+    << "\n  keep_previous: " << (c.keep_previous ? "true" : "false") << "\n  delta: " << c.delta
+    << "\n";
+  if (!c.fp8.empty()) y << "  fp8: " << c.fp8 << "\n";
   return y.str();
 }
 

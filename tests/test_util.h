@@ -73,7 +73,10 @@ struct RunConfig {
   std::uint64_t seed = 7;
   std::string backend = "fsdp2";  // policy.backend; megatron writes policy.megatron below
   int megatron_tp = 1, megatron_pp = 1, megatron_ep = 1;
-  std::string layout = "fused";  // generation.layout
+  std::string layout = "fused";    // generation.layout
+  std::string delta = "off";       // refit.delta
+  std::string precision = "bf16";  // refit.target_precision
+  std::string fp8;                 // refit.fp8 as a YAML flow mapping ("" for none)
 };
 // The config file's text: every key of `c` (docs/config.md).
 std::string config_yaml(const RunConfig& c);

@@ -11,6 +11,13 @@
 #   - the apply of the stream in place with the full apply of the same routes (the staging
 #     segment scattered into the parameters): target <= 0.2x at about 3 % changed (adam:3e-6,
 #     "app/full").
+# Then refit.delta in the executors: `refit run --verify --json` with refit.delta on, 5 steps of
+# --update adam:1e-5 on qwen2.5-0.5b, colocated on GPU 0 (peer access, CUDA IPC: delta_patch
+# writes the engine's parameters) and, with 2 GPUs, trainer on GPU 0 and engine on GPU 1 with
+# executor p2p (NCCL: size words then streams); each prints per step the pairs sent as a delta,
+# the changed fraction, the wire bytes against the full refit and the refit seconds. Expected:
+# step 1 full (0 pairs, wire = full), steps 2-5 every pair a delta, about 9 % changed, wire about
+# 5 % of full (p2p) / the changed elements' bytes (peer), every step verified.
 # One table last; logs in $REFIT_BENCH_OUT (default /tmp/refit-delta_gpu).
 #
 #   bash scripts/build.sh && bash bench/gpu/delta_gpu.sh
@@ -49,6 +56,32 @@ for lr in ${REFIT_DELTA_LRS:-1e-6 3e-6 1e-5}; do
   [ $rc = 0 ] || status=1
   note "== refit_delta_bench $model adam:$lr rc=$rc"
   grep -v '^$' "$out/bench-$lr.log" | tee -a "$summary"
+done
+# refit.delta through the executors: colocated peer on one GPU; p2p across two GPUs when present.
+ngpu=$(nvidia-smi -L | wc -l)
+cells="peer"
+[ "$ngpu" -ge 2 ] && cells="peer p2p"
+for cell in $cells; do
+  colocated=true
+  [ "$cell" = p2p ] && colocated=false
+  c=$work/run-$cell.yaml
+  printf 'model: qwen2.5-0.5b\ndevice: cuda\npolicy: {backend: fsdp2, world_size: 1, dtype: float32}\ngeneration: {backend: sglang, colocated: %s, num_engines: 1, tp_size: 1}\nrefit: {timeout_s: 300, executor: %s, delta: on}\n' \
+    "$colocated" "$cell" > "$c"
+  timeout 900 "$R" run "$c" --steps 5 --verify --update adam:1e-5 --json "$out/run-$cell.json" \
+    > "$out/run-$cell.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || status=1
+  note "== refit run qwen2.5-0.5b executor $cell refit.delta on rc=$rc"
+  [ -s "$out/run-$cell.json" ] && python3 - "$out/run-$cell.json" <<'PY' | tee -a "$summary"
+import json, sys
+r = json.load(open(sys.argv[1]))
+d = r.get("delta", {}).get("steps", [])
+print(f"{'step':>4} {'pairs':>5} {'changed':>8} {'wire_bytes':>12} {'full_bytes':>12} {'wire/full':>9} {'refit_s':>8} {'encode_s':>8} {'apply_s':>8}")
+for s, t in zip(d, r["refit_seconds"]):
+    print(f"{s['step']:>4} {s['pairs']:>5} {100 * s['changed_fraction']:>7.2f}% {s['wire_bytes']:>12} {s['full_bytes']:>12}"
+          f" {s['wire_bytes'] / max(1, s['full_bytes']):>9.4f} {t:>8.3f} {s['encode_seconds']:>8.3f} {s['apply_seconds']:>8.3f}")
+print(f"verified: {r['verified']}")
+PY
 done
 echo
 echo "== summary ($out/summary.txt)"

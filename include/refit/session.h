@@ -115,6 +115,17 @@ struct RankTraffic {
   // the transfer plan holds (0 with executor gather).
   double setup_seconds = 0;
   std::int64_t plan_bytes = 0;
+  // refit.delta (docs/delta.md): the rank's pairs that moved a delta (trainer: sent one; engine:
+  // applied one), the elements of their routes and how many of them changed; trainer ranks: the
+  // bytes a full refit of all its pairs moves (bytes_sent counts what actually moved) and the
+  // seconds spent encoding and keeping its copies; engine ranks: the seconds spent applying
+  // delta streams.
+  int delta_pairs = 0;
+  std::int64_t delta_elements = 0;
+  std::int64_t delta_changed = 0;
+  std::int64_t full_bytes = 0;
+  double encode_s = 0;
+  double delta_apply_s = 0;
   bool operator==(const RankTraffic&) const = default;
 };
 

@@ -414,7 +414,8 @@ void add_run_commands(CLI::App& app) {
                     "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a "
                     "bucket or round, setup or commit), fail-pause:RANK[:STEP], "
                     "slow-pause:RANK[:STEP], stall-trainer:RANK[:STEP], "
-                    "stall-engine:RANK[:STEP], plan-mismatch, version-mismatch");
+                    "stall-engine:RANK[:STEP], forget-base:ENGINE:TRAINER:STEP, "
+                    "forget-kept:TRAINER:ENGINE:STEP, plan-mismatch, version-mismatch");
     cmd->add_option("--dump", f->dump_dir,
                     "after the last refit write DIR/trainer.safetensors, DIR/expected.safetensors "
                     "and DIR/engine-<g>.safetensors (created if missing)");

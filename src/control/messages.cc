@@ -95,6 +95,12 @@ class Reader {
       if (!x.is_string()) return false;
     return true;
   }
+  static bool type_ok(const Json& v, const std::vector<int>&) {
+    if (!v.is_array()) return false;
+    for (const Json& x : v)
+      if (!x.is_number_integer()) return false;
+    return true;
+  }
   static bool type_ok(const Json& v, const std::vector<std::uint64_t>&) {
     if (!v.is_array()) return false;
     for (const Json& x : v)
@@ -206,7 +212,13 @@ std::string encode(const BeginMessage& m) {
 }
 
 std::string encode(const PausedMessage& m) {
-  Json j = {{"step", m.step}, {"refused", failure_json(m.refused)}};
+  Json bases = Json::array();
+  for (const DeltaBase& b : m.delta_bases)
+    bases.push_back(Json::array({b.rank, b.digest ? Json(*b.digest) : Json()}));
+  Json j = {{"step", m.step},
+            {"refused", failure_json(m.refused)},
+            {"delta_version", m.delta_version},
+            {"delta_bases", std::move(bases)}};
   if (m.direct && m.direct->elided)
     j["direct"] = {{"digest", m.direct->digest}, {"elided", true}};
   else if (m.direct)
@@ -244,8 +256,13 @@ std::string encode(const ProceedMessage& m) {
 std::string encode(const EnginesPausedMessage& m) {
   Json exports = Json::array();
   for (const std::optional<std::string>& e : m.exports) exports.push_back(e ? Json(*e) : Json());
-  return dump(
-      {{"step", m.step}, {"refused", failure_json(m.refused)}, {"exports", std::move(exports)}});
+  Json delta = Json::array();
+  for (const DeltaBase& b : m.delta)
+    delta.push_back(Json::array({b.rank, b.version, b.digest ? Json(*b.digest) : Json()}));
+  return dump({{"step", m.step},
+               {"refused", failure_json(m.refused)},
+               {"exports", std::move(exports)},
+               {"delta", std::move(delta)}});
 }
 std::string encode(const SentMessage& m) {
   return dump({{"step", m.step}, {"checksums", m.checksums}});
@@ -354,11 +371,51 @@ Result<BeginMessage> decode_begin(const std::string& payload, const std::string&
   return m;
 }
 
+namespace {
+
+// refit.delta's bases: an array of [rank, digest | null] (paused) or [rank, version, digest |
+// null] (engines-paused), each rank at most once.
+Status decode_delta_bases(const Json& j, const char* message, const char* field, bool versioned,
+                          const std::string& from, std::vector<DeltaBase>& out) {
+  auto bad = [&](const std::string& what) {
+    return protocol_error(
+        fmt::format("{} message from {}: field '{}' {}", message, from, field, what));
+  };
+  const auto it = j.find(field);
+  if (it == j.end())
+    return protocol_error(
+        fmt::format("{} message from {} has no field '{}'", message, from, field));
+  if (!it->is_array()) return bad("is not an array");
+  const std::size_t n = versioned ? 3 : 2;
+  for (const Json& e : *it) {
+    if (!e.is_array() || e.size() != n || !e[0].is_number_integer() || e[0].get<int>() < 0 ||
+        (versioned && !e[1].is_string()) || !(e[n - 1].is_null() || e[n - 1].is_string()))
+      return bad(versioned ? "has an entry other than [engine rank, version, digest or null]"
+                           : "has an entry other than [trainer rank, digest or null]");
+    DeltaBase b{.rank = e[0].get<int>()};
+    if (versioned) b.version = e[1].get<std::string>();
+    if (e[n - 1].is_string()) b.digest = e[n - 1].get<std::string>();
+    for (const DeltaBase& x : out)
+      if (x.rank == b.rank) return bad(fmt::format("names rank {} twice", b.rank));
+    out.push_back(std::move(b));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from) {
   Reader r(payload, "paused", from);
   PausedMessage m;
   r.get("step", m.step);
   r.get_failure("refused", m.refused);
+  r.get("delta_version", m.delta_version);
+  if (r.status().ok())
+    REFIT_RETURN_IF_ERROR(
+        decode_delta_bases(r.json(), "paused", "delta_bases", false, from, m.delta_bases));
+  if (r.status().ok() && m.delta_version.empty() && !m.delta_bases.empty())
+    return protocol_error(
+        fmt::format("paused message from {} offers delta bases of no weight version", from));
   if (r.status().ok() && !r.json().contains("direct"))
     return protocol_error(fmt::format("paused message from {} has no field 'direct'", from));
   if (r.status().ok() && r.has("direct")) {
@@ -411,6 +468,8 @@ Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
     m.exports.push_back(e.is_null() ? std::nullopt
                                     : std::optional<std::string>(e.get<std::string>()));
   }
+  REFIT_RETURN_IF_ERROR(
+      decode_delta_bases(r.json(), "engines-paused", "delta", true, from, m.delta));
   return m;
 }
 

@@ -96,6 +96,15 @@ std::string export_digest(const ExportedParams& e);
 // PausedMessage carrying the full export) before it answers with that digest, once per digest.
 std::string export_key(const std::string& mailbox, const std::string& digest);
 
+// refit.delta: a base an engine rank holds of what one feeder sent it (PausedMessage), or, as
+// trainer rank 0 relays it (EnginesPausedMessage), one engine rank's offer to the recipient.
+struct DeltaBase {
+  int rank = 0;                       // paused: the feeder's trainer rank; relayed: the engine rank
+  std::optional<std::string> digest;  // point to point: its digest; nullopt: peer access (trusted)
+  std::string version;                // relayed only: the weight version it holds complete
+  bool operator==(const DeltaBase&) const = default;
+};
+
 // engine -> trainer rank 0 (transfer plan): the answer to step `step`'s begin. Generation is
 // paused and parameters may be written once trainer rank 0 said to proceed — or, with `refused`
 // set (the pause hook failed, or took longer than refit.timeout_s), this engine rank refuses the
@@ -104,6 +113,13 @@ struct PausedMessage {
   int step = 0;
   std::optional<ExportedParams> direct;   // set when the engine's parameters are exported
   std::optional<FailureOrigin> refused;   // this engine rank's refusal
+  // refit.delta (docs/delta.md): the bases this engine rank offers. `delta_version`: the weight
+  // version it holds complete ("" for none: it offers nothing); `delta_bases`: per feeder whose
+  // base it holds of that version, the digest of what it holds from it (point to point, 16 hex
+  // digits), or nullopt where it trusts the trainer rank's (peer access: it cannot read the
+  // change). Each trainer rank decides per pair whether to send a delta.
+  std::string delta_version;
+  std::vector<DeltaBase> delta_bases;
 };
 
 // trainer rank 0 -> engine (transfer plan), after every engine rank answered the begin of step
@@ -121,6 +137,9 @@ struct EnginesPausedMessage {
   int step = 0;
   std::optional<FailureOrigin> refused;
   std::vector<std::optional<std::string>> exports;
+  // refit.delta: the offers of the engine ranks the recipient feeds, for its pairs only (one
+  // entry per engine rank that offered the recipient a base; DeltaBase::rank the engine rank).
+  std::vector<DeltaBase> delta;
 };
 
 // trainer rank -> trainer rank 0 (transfer plan): every byte this rank sends in refit `step`

@@ -2,7 +2,16 @@
 
 #include <fmt/format.h>
 
+#include "delta/format.h"
+
 namespace refit {
+
+std::string digest_hex(std::uint64_t digest) { return fmt::format("{:016x}", digest); }
+
+std::size_t delta_directory_bytes(std::size_t routes) {
+  return delta_format::kHeaderBytes + sizeof(delta_format::RouteEntry) * routes;
+}
+
 namespace {
 
 // Where each parameter's elements start in the rank's key space (the keys of refit.checksum).

@@ -10,6 +10,7 @@
 // of refit.checksum (executor/routes.h), so a list's digest is the refit checksum of its elements.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,15 @@ enum class DeltaSource {
   // quantized). Needs `round`.
   kSegment,
 };
+
+// A list's digest as it travels in a pause answer (PausedMessage::delta_bases): 16 hex digits.
+std::string digest_hex(std::uint64_t digest);
+// refit.delta, point to point: the word a trainer rank sends before each round's bytes to an
+// engine rank that offered it a base — the size of the delta stream that follows, or this value:
+// the round's segment follows in full (the trainer rank decided so).
+inline constexpr std::uint64_t kDeltaFullSegment = ~std::uint64_t{0};
+// The bytes of a stream of `routes` routes before its first payload: its header and directory.
+std::size_t delta_directory_bytes(std::size_t routes);
 
 // Trainer rank `trainer`'s routes to engine rank `engine` (all rounds, or only `round` >= 0), from
 // that trainer rank's setup (`setup`; empty for another rank's, or an engine it does not feed).

@@ -75,7 +75,9 @@ class TrainerExecutor {
     return Status::Ok();
   }
   // Every engine rank of answers_from() answered (in that order; exports in full for the targets
-  // whose digest changed): keep what the targets exported.
+  // whose digest changed): keep what the targets exported. refit.delta: each answer's
+  // delta_version and delta_bases are its offers (on a trainer rank but 0: only those for this
+  // rank's pairs, as trainer rank 0 relayed them).
   virtual Status take_answers(std::vector<PausedMessage>& /*answers*/) { return Status::Ok(); }
   // Moves every byte of this rank for refit `begin.step` from `shards` (the registered local
   // tensors); returns when every byte left this rank.
@@ -139,6 +141,17 @@ class EngineExecutor {
   // Receives and applies every byte of refit `begin.step` into `params` (the registered
   // parameters); returns when all of it is in them.
   virtual Status receive(const BeginMessage& begin, const std::vector<void*>& params) = 0;
+  // refit.delta, once the pair executors are known (after prepare): the bases this rank offers
+  // its feeders for refit `begin` in its pause answer (PausedMessage::delta_version,
+  // delta_bases), `held` being the weight version it held complete before the refit (nullopt:
+  // none). Each trainer rank decides per pair whether it sends a delta; a point-to-point pair
+  // that was offered a base learns the decision from the word before each round's bytes. A raw
+  // pass makes this rank forget its bases.
+  virtual void offer_delta(const BeginMessage& /*begin*/,
+                           const std::optional<std::string>& /*held*/, PausedMessage& /*answer*/) {}
+  // The refit failed once bytes may have landed (rolled back, or the weights stay invalid): no
+  // base of a delta is held any more.
+  virtual void refit_failed() {}
   virtual void invalidate() = 0;
   // Of the last refit: bytes received, pairs per executor; seconds spent applying.
   virtual RankTraffic traffic() const = 0;

@@ -25,6 +25,10 @@ class RefitProbe {
   virtual void before_hello(HelloMessage& /*hello*/) {}
   // Every byte of refit `step` moved (engine: landed), before the commit (engine: its answer).
   virtual void before_commit(int /*step*/) {}
+  // refit.delta, before refit `step` decides on its deltas: whether this rank forgets the base it
+  // holds of its pair with `peer` (the engine rank a trainer rank feeds, or the trainer rank that
+  // feeds an engine rank), as a restarted rank would.
+  virtual bool forget_delta_base(int /*step*/, int /*peer*/) { return false; }
   // Round `round`'s bytes were written by `written` (elements of `dtype`) and have not reached
   // their engine yet (or, with peer access, the engine has not been told): may alter them.
   virtual Status after_write(int /*step*/, int /*round*/, DataPlane& /*plane*/,

@@ -21,7 +21,8 @@ Result<Fault> parse_fault(std::string_view text) {
         "--fault: cannot parse \"{}\"; allowed: corrupt:BUCKET[:STEP], kill-trainer:RANK:AT, "
         "kill-engine:RANK:AT, stop-trainer:RANK:AT, stop-engine:RANK:AT (AT: a bucket or round, "
         "setup or commit), fail-pause:RANK[:STEP], slow-pause:RANK[:STEP], "
-        "stall-trainer:RANK[:STEP], stall-engine:RANK[:STEP], plan-mismatch, version-mismatch",
+        "stall-trainer:RANK[:STEP], stall-engine:RANK[:STEP], forget-base:ENGINE:TRAINER:STEP, "
+        "forget-kept:TRAINER:ENGINE:STEP, plan-mismatch, version-mismatch",
         text));
   };
   if (text.empty() || text == "none") return f;
@@ -53,6 +54,17 @@ Result<Fault> parse_fault(std::string_view text) {
     const auto at = rest.find(':');
     if (!parse_int(rest.substr(0, at), f.rank)) return bad();
     if (at != std::string_view::npos && (!parse_int(rest.substr(at + 1), f.step) || f.step < 1))
+      return bad();
+    return f;
+  }
+  if (kind == "forget-base" || kind == "forget-kept") {
+    f.kind = kind == "forget-base" ? Fault::Kind::kForgetBase : Fault::Kind::kForgetKept;
+    const auto a = rest.find(':');
+    if (a == std::string_view::npos || !parse_int(rest.substr(0, a), f.rank)) return bad();
+    const std::string_view tail = rest.substr(a + 1);
+    const auto b = tail.find(':');
+    if (b == std::string_view::npos || !parse_int(tail.substr(0, b), f.peer) ||
+        !parse_int(tail.substr(b + 1), f.step) || f.step < 1)
       return bad();
     return f;
   }

@@ -22,9 +22,15 @@ struct Fault {
     // the first bytes it moves in refit `step`; engine rank `rank` before its commit.
     kStallTrainer,
     kStallEngine,
+    // refit.delta: before refit `step`, engine rank `rank` forgets the base it holds from trainer
+    // rank `peer` (as a restarted engine holds none), or trainer rank `rank` what it kept for
+    // engine rank `peer`.
+    kForgetBase,
+    kForgetKept,
   };
   Kind kind = Kind::kNone;
   int rank = -1;    // trainer rank / engine rank the fault hits
+  int peer = -1;    // forget-*: the other rank of the pair
   // Bucket (executor gather) or round (transfer plan) at which it fires; kill and stop kinds may
   // fire at setup or at the commit instead.
   static constexpr int kAtSetup = -2;   // "…:setup": once the rank joined the control plane
@@ -41,7 +47,8 @@ struct Fault {
 // "corrupt:K" | "corrupt:K:S" (in step S) | K of the kill and stop kinds may be "setup" or
 // "commit" | "kill-trainer:R:K" | "kill-engine:R:K" | "stop-trainer:R:K" | "stop-engine:R:K" |
 // "fail-pause:R[:S]" | "slow-pause:R[:S]" | "stall-trainer:R[:S]" | "stall-engine:R[:S]" |
-// "plan-mismatch" | "version-mismatch" | "" (none).
+// "forget-base:R:T:S" (engine rank R, trainer rank T) | "forget-kept:R:G:S" (trainer rank R,
+// engine rank G) | "plan-mismatch" | "version-mismatch" | "" (none).
 Result<Fault> parse_fault(std::string_view text);
 
 }  // namespace refit

@@ -64,6 +64,11 @@ class FaultProbe final : public RefitProbe {
     }
   }
 
+  bool forget_delta_base(int step, int peer) override {
+    const Fault::Kind kind = trainer_ ? Fault::Kind::kForgetKept : Fault::Kind::kForgetBase;
+    return f_.kind == kind && f_.rank == rank_ && f_.peer == peer && f_.step == step;
+  }
+
   Status after_write(int step, int round, DataPlane& plane, const std::vector<CopyRun>& written,
                      DType dtype) override {
     if (step != f_.step || !trainer_ || f_.kind != Fault::Kind::kCorrupt || written.empty())

@@ -23,6 +23,8 @@ namespace refit {
 //  - stall-trainer / stall-engine: sleeps fault.stall_ms (alive: its heartbeat goes on);
 //  - plan-mismatch / version-mismatch (engine ranks): the hello announces another plan hash or
 //    refit version;
+//  - forget-base / forget-kept (refit.delta): the engine rank forgets the base it holds from one
+//    trainer rank, or the trainer rank what it kept for one engine rank, before that refit;
 //  - fail-pause / slow-pause act in the harness's pause hook, not here.
 std::shared_ptr<RefitProbe> make_fault_probe(const Fault& fault, bool trainer, int rank);
 

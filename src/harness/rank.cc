@@ -1,11 +1,11 @@
 // CLI-mode ranks: own the storage, fill it with the deterministic weights every step, and verify.
 #include "harness/rank.h"
-#include "harness/fp8_reference.h"
 #include "common/stats.h"
+#include "harness/fp8_reference.h"
 
-#include <thread>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <thread>
 
 #include <algorithm>
 #include <cstring>
@@ -21,16 +21,16 @@
 #include "control/auth.h"
 #include "control/store.h"
 #include "engine/engine_layout.h"
+#include "executor/routes.h"
 #include "harness/forward.h"
 #include "io/safetensors.h"
 #include "plane/data_plane.h"
-#include "weights/materialize.h"
 #include "runtime/create.h"
 #include "runtime/protocol.h"
 #include "runtime/slots.h"
-#include "executor/routes.h"
-#include "weights/setup.h"
 #include "trainer/trainer_layout.h"
+#include "weights/materialize.h"
+#include "weights/setup.h"
 
 namespace refit {
 namespace {
@@ -220,6 +220,15 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     }
     const RefitStats& st = trainer->last_stats();
     rep.refit_seconds.push_back(st.seconds);
+    if (rank == 0 && o.config.refit.delta != DeltaMode::kOff) {
+      REFIT_ASSIGN_OR_RETURN(const std::vector<RankTraffic> t, trainer->traffic());
+      rep.delta_steps.push_back(delta_step_of(t, step));
+      const DeltaStep& d = rep.delta_steps.back();
+      log::info(
+          "step {}/{}: refit.delta: {} pair(s) as a delta, {:.1f} % changed; wire {:.2f} "
+          "MB of {:.2f} MB",
+          step, o.steps, d.pairs, d.changed_fraction * 100, d.wire_bytes / 1e6, d.full_bytes / 1e6);
+    }
     unshard.push_back(st.unshard_s);
     cast.push_back(st.cast_pack_s);
     transfer.push_back(st.transfer_s);
@@ -288,6 +297,26 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
                     "succeeded; the first failure",
                     failed_steps.size(), o.steps, fmt::join(failed_steps, ", ")));
   return Status::Ok();
+}
+
+DeltaStep delta_step_of(const std::vector<RankTraffic>& ranks, int step) {
+  DeltaStep d{.step = step};
+  std::int64_t elements = 0, changed = 0;
+  for (const RankTraffic& t : ranks) {
+    if (t.role == "trainer") {
+      d.wire_bytes += t.bytes_sent;
+      d.full_bytes += t.full_bytes;
+      d.pairs += t.delta_pairs;
+      elements += t.delta_elements;
+      changed += t.delta_changed;
+      d.encode_seconds = std::max(d.encode_seconds, t.encode_s);
+    } else {
+      d.apply_seconds = std::max(d.apply_seconds, t.delta_apply_s);
+    }
+  }
+  d.changed_fraction =
+      elements > 0 ? static_cast<double>(changed) / static_cast<double>(elements) : 0.0;
+  return d;
 }
 
 Result<PlanFloor> transfer_plan_floor(const Config& config, PlanInputs& inputs,

@@ -40,6 +40,18 @@ struct RankOptions {
 // docs/runtime.md, "Report").
 inline constexpr int kReportSchemaVersion = 7;
 
+// refit.delta: what one refit moved, over every rank (the report's `delta`).
+struct DeltaStep {
+  int step = 0;
+  std::int64_t wire_bytes = 0;  // the trainer ranks' bytes_sent
+  std::int64_t full_bytes = 0;  // what a full refit of every pair moves
+  double changed_fraction = 0;  // changed / elements over the pairs sent as a delta
+  int pairs = 0;                // pairs sent as a delta
+  double encode_seconds = 0;    // the slowest trainer rank's encoding and keeping
+  double apply_seconds = 0;     // the slowest engine rank's delta applies
+};
+DeltaStep delta_step_of(const std::vector<RankTraffic>& ranks, int step);
+
 // Per-run numbers collected by trainer rank 0.
 struct RefitReport {
   int steps = 0;
@@ -50,15 +62,16 @@ struct RefitReport {
   std::vector<double> refit_seconds;
   double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;  // medians per refit
   std::vector<double> raw_seconds;  // bench: raw transport passes
-  // bench: the floor of docs/design.md §7 — the refit's reads (policy dtype) and writes (target dtype)
-  // at the copy bandwidth measured on the trainer's device in the same run.
+  // bench: the floor of docs/design.md §7 — the refit's reads (policy dtype) and writes (target
+  // dtype) at the copy bandwidth measured on the trainer's device in the same run.
   double floor_seconds = 0;
   double copy_bandwidth = 0;  // read+write bytes/s
   double peer_bandwidth = 0;  // bench, transfer plan across devices: payload bytes/s device to device
   std::string plan_hash;
-  std::string executor;                 // refit.executor as resolved
-  std::vector<RankTraffic> ranks;       // per rank, of the last refit
-  ControlTraffic control;               // the control plane over the whole run, every rank
+  std::string executor;                // refit.executor as resolved
+  std::vector<RankTraffic> ranks;      // per rank, of the last refit
+  ControlTraffic control;              // the control plane over the whole run, every rank
+  std::vector<DeltaStep> delta_steps;  // refit.delta: per successful refit
 
   // Transfer plan bench: the floor with local traffic and the link overlapping, and what bounds
   // the floor (the busiest device).

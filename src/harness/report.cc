@@ -1,16 +1,16 @@
 // The JSON report (docs/design.md §5.3) and the one-screen summary.
 #include <fmt/format.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <charconv>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "common/stats.h"
-#include "harness/rank.h"
 #include "executor/routes.h"
+#include "harness/rank.h"
 
 namespace refit {
 namespace {
@@ -143,6 +143,25 @@ Status write_report_json(const std::string& path, const RankOptions& options,
                   {"mailbox_messages", r.control.mailbox_messages},
                   {"refit_store_requests", r.control.refit_store_requests},
                   {"refit_mailbox_messages", r.control.refit_mailbox_messages}};
+  if (!r.delta_steps.empty()) {
+    auto one = [](const DeltaStep& d) {
+      return nlohmann::ordered_json{{"changed_fraction", d.changed_fraction},
+                                    {"wire_bytes", d.wire_bytes},
+                                    {"full_bytes", d.full_bytes},
+                                    {"encode_seconds", d.encode_seconds},
+                                    {"apply_seconds", d.apply_seconds},
+                                    {"pairs", d.pairs}};
+    };
+    nlohmann::ordered_json delta = one(r.delta_steps.back());
+    nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+    for (const DeltaStep& d : r.delta_steps) {
+      nlohmann::ordered_json e = {{"step", d.step}};
+      e.update(one(d));
+      steps.push_back(std::move(e));
+    }
+    delta["steps"] = std::move(steps);
+    j["delta"] = std::move(delta);
+  }
   j["plan_hash"] = r.plan_hash;
   j["config"] = nlohmann::ordered_json::parse(config_to_json(options.config));
   return write_report_file(path, j);
@@ -245,6 +264,22 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
         r.control.store_requests, r.control.mailbox_messages,
         static_cast<double>(r.control.refit_store_requests) / ranks / r.steps,
         static_cast<double>(r.control.refit_mailbox_messages) / ranks / r.steps);
+  if (!r.delta_steps.empty()) {
+    int deltas = 0;
+    std::int64_t wire = 0, full = 0;
+    for (const DeltaStep& d : r.delta_steps) {
+      deltas += d.pairs > 0 ? 1 : 0;
+      wire += d.wire_bytes;
+      full += d.full_bytes;
+    }
+    const DeltaStep& last = r.delta_steps.back();
+    s += fmt::format(
+        "  refit.delta {}: {} of {} refit(s) sent a delta; last refit {} pair(s), {:.2f} % "
+        "changed, wire {:.2f} MB of {:.2f} MB; all refits {:.4f} of the full bytes\n",
+        delta_mode_name(c.refit.delta), deltas, r.delta_steps.size(), last.pairs,
+        last.changed_fraction * 100, last.wire_bytes / 1e6, last.full_bytes / 1e6,
+        full > 0 ? static_cast<double>(wire) / static_cast<double>(full) : 0.0);
+  }
   s += fmt::format("  refits: {}  median {:.3f} s  ->  {:.2f} GB/s{}{}\n", r.steps, med,
                    med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0,
                    r.verified ? "  (every element verified bit-exact)" : "",

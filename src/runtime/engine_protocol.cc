@@ -172,16 +172,19 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
   if (executor_.pause_handshake()) {
     // Pause (the hook may refuse), answer, and write nothing before every feeder said to
     // proceed: each trainer rank decides once every engine rank answered it.
+    const std::optional<std::string> held_version = weights_.version().get();
     const Status paused = raw ? Status::Ok() : weights_.pause(step);
     const ExportedParams* exported = nullptr;
+    PausedMessage answer{.step = step};
     if (paused.ok()) {
       exported = weights_.exported();
       REFIT_RETURN_IF_ERROR(executor_.prepare(exported != nullptr));
+      // refit.delta: the bases this rank holds, offered per feeder; each trainer rank decides.
+      executor_.offer_delta(begin_, held_version, answer);
     }
     // To trainer rank 0, which decides for every trainer rank. The export itself goes to the
     // store, once per digest; the answer carries the digest, and each feeder that does not hold
     // that export reads it from there.
-    PausedMessage answer{.step = step};
     if (!paused.ok()) answer.refused = mine(paused);
     if (exported) {
       if (exported->digest != published_export_) {
@@ -323,6 +326,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
                                                  failed->rank.name(), failed->error))
                       .with_origin(*failed);
     refit_failure = weights_.fail(step, why);
+    executor_.refit_failed();
   }
   // Acknowledged to every control peer, which waits for it before its next message: one that ran
   // ahead (its next begin, or the shutdown) cannot overtake another one's outcome.

@@ -9,9 +9,18 @@
 namespace refit {
 
 Status publish_traffic(Store& store, const RankTraffic& t) {
-  nlohmann::json j = {{"sent", t.bytes_sent},       {"received", t.bytes_received},
-                      {"peer", t.peer_pairs},       {"p2p", t.p2p_pairs},
-                      {"setup_s", t.setup_seconds}, {"plan_bytes", t.plan_bytes}};
+  nlohmann::json j = {{"sent", t.bytes_sent},
+                      {"received", t.bytes_received},
+                      {"peer", t.peer_pairs},
+                      {"p2p", t.p2p_pairs},
+                      {"setup_s", t.setup_seconds},
+                      {"plan_bytes", t.plan_bytes},
+                      {"delta_pairs", t.delta_pairs},
+                      {"delta_elements", t.delta_elements},
+                      {"delta_changed", t.delta_changed},
+                      {"full", t.full_bytes},
+                      {"encode_s", t.encode_s},
+                      {"delta_apply_s", t.delta_apply_s}};
   return store.set(fmt::format("traffic/{}/{}", t.role, t.rank), j.dump());
 }
 
@@ -45,6 +54,12 @@ Result<std::vector<RankTraffic>> read_traffic(Store& store, const Config& config
     t.p2p_pairs = j.value("p2p", 0);
     t.setup_seconds = j.value("setup_s", 0.0);
     t.plan_bytes = j.value("plan_bytes", std::int64_t{0});
+    t.delta_pairs = j.value("delta_pairs", 0);
+    t.delta_elements = j.value("delta_elements", std::int64_t{0});
+    t.delta_changed = j.value("delta_changed", std::int64_t{0});
+    t.full_bytes = j.value("full", std::int64_t{0});
+    t.encode_s = j.value("encode_s", 0.0);
+    t.delta_apply_s = j.value("delta_apply_s", 0.0);
     out.push_back(std::move(t));
   }
   return out;

@@ -147,6 +147,10 @@ class TrainerImpl final : public Trainer {
     TransferTimes times;
     double apply_s = 0;
     REFIT_RETURN_IF_ERROR(protocol_->run(begin, shards_.ptrs(), times, apply_s, failed));
+    // Before the barrier, so that every rank's traffic of this refit is in the store once any
+    // trainer rank returns (the harness reads them after each refit).
+    if (!begin.raw)
+      REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(core_.store(), executor_->traffic()));
     if (group) REFIT_RETURN_IF_ERROR(group->barrier());
     in_flight_ = false;
     if (begin.raw) return Status::Ok();
@@ -157,7 +161,7 @@ class TrainerImpl final : public Trainer {
                         .apply_s = apply_s,
                         .bytes = bytes_per_refit(),
                         .buckets = executor_->rounds()};
-    return traffic_publisher_.publish(core_.store(), executor_->traffic());
+    return Status::Ok();
   }
 
   // `failure` of the refit in flight, when every rank is alive and it timed out or lost a

@@ -146,9 +146,33 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
     if (p.refused && !all.refused) all.refused = p.refused;  // the lowest engine rank's
     all.exports.push_back(p.direct ? std::optional<std::string>(p.direct->digest) : std::nullopt);
   }
+  // refit.delta: each engine rank's offers of a base, by the trainer rank they are for; each
+  // other trainer rank hears only those for its own pairs.
+  const int world = core_.config().policy.world_size;
+  std::vector<std::vector<DeltaBase>> offers(static_cast<std::size_t>(world));
+  bool offered = false;
+  for (std::size_t g = 0; g < answers.size(); ++g)
+    for (const DeltaBase& b : answers[g].delta_bases) {
+      if (b.rank >= world)
+        return Status::Corruption(
+            fmt::format("{}: {} offered a delta base to trainer rank {} of {}", core_.id(),
+                        engines[g], b.rank, world));
+      offers[static_cast<std::size_t>(b.rank)].push_back(DeltaBase{
+          .rank = static_cast<int>(g), .digest = b.digest, .version = answers[g].delta_version});
+      offered = offered || b.rank != 0;
+    }
   REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kProceed,
                                      encode(ProceedMessage{.step = step, .refused = all.refused})));
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), followers_, kEnginesPaused, encode(all)));
+  if (!offered) {
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), followers_, kEnginesPaused, encode(all)));
+  } else {
+    for (int r = 1; r < world; ++r) {
+      all.delta = std::move(offers[static_cast<std::size_t>(r)]);
+      REFIT_RETURN_IF_ERROR(core_.mailbox().send(followers_[static_cast<std::size_t>(r - 1)],
+                                                 kEnginesPaused, encode(all)));
+    }
+    all.delta.clear();
+  }
   if (all.refused) {
     REFIT_RETURN_IF_ERROR(abort(step, *all.refused));
     refit_failure = failed_refit(StatusCode::kAborted, step, begin.version, *all.refused);
@@ -270,6 +294,17 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
     PausedMessage p{.step = step};
     if (digest) p.direct = ExportedParams{.digest = *digest, .elided = true};
     answers.push_back(std::move(p));
+  }
+  // refit.delta: the offers of this rank's engine ranks, as each engine rank made them.
+  for (const DeltaBase& b : all.delta) {
+    if (b.rank >= static_cast<int>(answers.size()) || b.version.empty())
+      return Status::Corruption(fmt::format(
+          "{}: {} relayed a delta base of engine rank {} (weight version '{}'); there are {} "
+          "engine ranks",
+          core_.id(), leader_, b.rank, b.version, answers.size()));
+    PausedMessage& p = answers[static_cast<std::size_t>(b.rank)];
+    p.delta_version = b.version;
+    p.delta_bases = {DeltaBase{.rank = core_.self().rank, .digest = b.digest}};
   }
   REFIT_RETURN_IF_ERROR(take_answers(step, answers));
   phase_ = Phase::kProceeding;
