@@ -134,7 +134,8 @@ TEST(DeltaRefits, Fp8PeerMovesInFull) {
   }
 }
 
-// Density 0: nothing changes between refits; each delta is the streams' headers and directories.
+// Density 0: at adam:1e-12 only elements within a few 1e-10 of zero change (about 1e-5 of them);
+// each delta is little more than the streams' headers and directories.
 TEST(DeltaRefits, NothingChanged) {
   const DeltaRun d = run_delta({.executor = "p2p", .delta = "on"},
                                {"--steps", "3", "--verify", "--update", "adam:1e-12"});
@@ -143,7 +144,7 @@ TEST(DeltaRefits, NothingChanged) {
   ASSERT_EQ(s.size(), 3u) << d.report.dump(2);
   for (int i = 1; i < 3; ++i) {
     EXPECT_GT(s[i]["pairs"].get<int>(), 0) << s.dump(2);
-    EXPECT_LT(s[i]["changed_fraction"].get<double>(), 1e-5) << s.dump(2);
+    EXPECT_LT(s[i]["changed_fraction"].get<double>(), 1e-4) << s.dump(2);
     EXPECT_LT(s[i]["wire_bytes"].get<std::int64_t>(), s[i]["full_bytes"].get<std::int64_t>() / 50)
         << s.dump(2);
   }
