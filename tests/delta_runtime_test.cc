@@ -238,6 +238,31 @@ void expect_full_after_failed_refit(bool keep_previous) {
 TEST(DeltaRefits, FailedFullRefitMakesTheNextFull) { expect_full_after_failed_refit(false); }
 TEST(DeltaRefits, RolledBackRefitMakesTheNextFull) { expect_full_after_failed_refit(true); }
 
+// A refit that fails in flight with every rank alive (trainer rank 1 stalls past the timeout in
+// refit 2): every rank forms its groups anew and forgets its bases, so refit 3 moves every pair in
+// full, verified, and refit 4 is a delta again.
+TEST(DeltaRefits, RefitFailedInFlightMakesTheNextFull) {
+  const DeltaRun d = run_delta(
+      {.timeout_s = 3, .executor = "p2p", .delta = "on"},
+      {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "stall-trainer:1:2"});
+  EXPECT_NE(d.cli.exit_code, 0) << d.cli.output;
+  EXPECT_NE(d.cli.output.find("1 of 4 refit(s) failed (steps 2)"), std::string::npos)
+      << d.cli.output;
+  EXPECT_NE(d.cli.output.find("step 1/4: refit.delta: 0 pair(s) as a delta"), std::string::npos)
+      << d.cli.output;
+  EXPECT_NE(d.cli.output.find("step 3/4: refit.delta: 0 pair(s) as a delta"), std::string::npos)
+      << d.cli.output;
+  EXPECT_NE(d.cli.output.find("step 4/4: refit.delta: 4 pair(s) as a delta"), std::string::npos)
+      << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "step 3: no base offered to trainer rank(s) 0, 1: this rank "
+                                   "holds no base from them"),
+            2u)
+      << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "step 3: engine rank(s) 0, 1: this rank keeps no base for them"),
+            2u)
+      << d.cli.output;
+}
+
 // Trainer rank 0 coordinates every engine rank (docs/protocol.md, "Scale"): the engine ranks
 // offer their bases to it alone, and it relays to trainer rank 1 only the offers for its own
 // pairs. Two trainer ranks feed two engine ranks in rounds of 4 KiB; before refit 3 engine rank 0
