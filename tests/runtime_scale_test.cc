@@ -32,32 +32,39 @@ int large_trainers() {
 }
 
 // `trainers` trainer ranks feeding trainers / 4 engines of TP 4 (as many engine ranks).
-std::string scale_config(int trainers, double timeout_s) {
+// `delta`: refit.delta.
+std::string scale_config(int trainers, double timeout_s, const char* delta = "off") {
   return fmt::format(R"(model: tiny-qwen3
 device: cpu
 seed: 11
 policy: {{backend: fsdp2, world_size: {}, dtype: float32}}
 generation: {{backend: sglang, colocated: false, num_engines: {}, tp_size: 4}}
-refit: {{target_precision: bf16, buffer_size_bytes: 65536, timeout_s: {}, checksum: true}}
+refit: {{target_precision: bf16, buffer_size_bytes: 65536, timeout_s: {}, checksum: true,
+        delta: "{}"}}
 )",
-                     trainers, trainers / 4, timeout_s);
+                     trainers, trainers / 4, timeout_s, delta);
 }
 
 struct ScaleRun {
   int ranks = 0;
   int steps = 0;
   nlohmann::json control;
+  nlohmann::json delta;  // refit.delta on: the report's delta
   double seconds = 0;
   std::string output;
   double per_rank_refit(const char* key) const { return control.value(key, 0.0) / ranks / steps; }
 };
 
-ScaleRun run_scale(int trainers, int steps) {
+ScaleRun run_scale(int trainers, int steps, const char* delta = "off") {
   TempDir dir;
-  const std::string cfg = dir.write("config.yaml", scale_config(trainers, 60));
+  const std::string cfg = dir.write("config.yaml", scale_config(trainers, 60, delta));
   const std::string json = dir.path() + "/report.json";
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = run_cli({"run", cfg, "--steps", std::to_string(steps), "--verify", "--json", json}, 600);
+  std::vector<std::string> args = {"run", cfg, "--steps", std::to_string(steps), "--verify",
+                                   "--json", json};
+  if (std::string(delta) != "off")
+    args.insert(args.end(), {"--update", "adam:1e-5"});
+  auto r = run_cli(args, 600);
   ScaleRun s{
       .ranks = 2 * trainers, .steps = steps, .seconds = seconds_since(t0), .output = r.output};
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -65,15 +72,16 @@ ScaleRun run_scale(int trainers, int steps) {
   const nlohmann::json report = nlohmann::json::parse(in, nullptr, false);
   EXPECT_TRUE(report.is_object() && report.contains("control")) << r.output;
   if (report.is_object() && report.contains("control")) s.control = report["control"];
+  if (report.is_object() && report.contains("delta")) s.delta = report["delta"];
   return s;
 }
 
 // Per rank and refit, the large run's refit traffic on the control plane is within 1.3 x that of
 // a run a quarter its size; the messages that do move are those docs/protocol.md counts.
-TEST(RuntimeScale, ControlPlaneStaysFlat) {
+void expect_flat(const char* delta) {
   const int steps = 3;
-  const ScaleRun small = run_scale(8, steps);
-  const ScaleRun large = run_scale(large_trainers(), steps);
+  const ScaleRun small = run_scale(8, steps, delta);
+  const ScaleRun large = run_scale(large_trainers(), steps, delta);
   ASSERT_FALSE(small.control.is_null());
   ASSERT_FALSE(large.control.is_null());
   for (const ScaleRun* s : {&small, &large}) {
@@ -84,6 +92,19 @@ TEST(RuntimeScale, ControlPlaneStaysFlat) {
         << s->output;
     EXPECT_TRUE(s->output.find("verified bit-exact on every engine rank") != std::string::npos)
         << s->output;
+    if (std::string(delta) != "off") {
+      const nlohmann::json& d = s->delta;
+      EXPECT_TRUE(d.is_object() && d["steps"].size() == static_cast<std::size_t>(steps))
+          << d.dump();
+      if (d.is_object() && d["steps"].size() == static_cast<std::size_t>(steps)) {
+        EXPECT_EQ(d["steps"][0]["pairs"], 0) << d.dump();
+        EXPECT_GT(d["steps"][1]["pairs"].get<int>(), 0) << d.dump();
+        EXPECT_EQ(d["steps"][2]["pairs"], d["steps"][1]["pairs"]) << d.dump();
+        EXPECT_LT(d["steps"][2]["wire_bytes"].get<std::int64_t>(),
+                  d["steps"][2]["full_bytes"].get<std::int64_t>() / 2)
+            << d.dump();
+      }
+    }
     std::printf("%d ranks: %s in %.1f s; per rank per refit: %.3f messages, %.3f store requests\n",
                 s->ranks, s->control.dump().c_str(), s->seconds,
                 s->per_rank_refit("refit_mailbox_messages"),
@@ -96,6 +117,12 @@ TEST(RuntimeScale, ControlPlaneStaysFlat) {
   EXPECT_LE(large.per_rank_refit("refit_store_requests"),
             1.3 * small.per_rank_refit("refit_store_requests"));
 }
+TEST(RuntimeScale, ControlPlaneStaysFlat) { expect_flat("off"); }
+
+// With refit.delta the engine ranks offer their bases in their pause answers and trainer rank 0
+// relays each trainer rank its own pairs' offers: the same messages, per rank and refit as flat,
+// while the refits after the first move deltas of every pair.
+TEST(RuntimeScale, ControlPlaneStaysFlatWithDeltas) { expect_flat("on"); }
 
 // An engine rank killed in the middle of a large run: the launcher names it, and every other
 // rank ends naming it as the cause (no rank exits 0), within the silence bound plus teardown.
