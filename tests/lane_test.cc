@@ -325,8 +325,9 @@ TEST(MailboxLane, PeerSuppliedIdsLeaveNoLineOfTheirOwn) {
     push.connect(*address);
     const std::array<std::uint8_t, 5> head{static_cast<std::uint8_t>(MessageType::kBegin), 0, 0, 0,
                                            0};
+    const std::string payload = "p";  // outlives the send (a buffer of a temporary would not)
     std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(head.data(), head.size()),
-                                           zmq::buffer(evil), zmq::buffer(std::string("p"))};
+                                           zmq::buffer(evil), zmq::buffer(payload)};
     ASSERT_TRUE(zmq::send_multipart(push, parts));
     rig.drops_reach(2);
   }
