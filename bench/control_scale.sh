@@ -2,8 +2,9 @@
 # The control plane per rank and refit as a CPU run grows: `refit run` of tiny-qwen3 with T trainer
 # ranks feeding T/4 engines of TP 4 (2T processes), for each process count given (default 32 and
 # 256), with --verify and refit.checksum. Prints each run's `control` counters from the JSON report
-# and, per rank and refit, the mailbox messages and store requests, with the ratio to the first
-# run. Flat means a ratio near 1.
+# and, per rank and refit, the mailbox messages and store requests; the store requests per rank
+# and second of refit time; and the median refit, each with the ratio to the first run. Flat
+# means a ratio near 1.
 #
 #   bench/control_scale.sh [REFIT] [PROCESSES...]      e.g. bench/control_scale.sh build/src/refit 32 256
 #
@@ -38,30 +39,35 @@ YAML
   start=$(date +%s.%N)
   if ! "$refit" run "$work/config-$n.yaml" --steps "$steps" --verify --json "$work/report-$n.json" \
       > "$work/log-$n.txt" 2>&1; then
-    echo "control_scale.sh: the run of $n processes failed:" >&2
-    tail -20 "$work/log-$n.txt" >&2
+    echo "control_scale.sh: the run of $n processes failed; its first errors:" >&2
+    grep -m 15 -E "error|refused|cannot|limit" "$work/log-$n.txt" >&2 || tail -20 "$work/log-$n.txt" >&2
+    for r in "${rows[@]}"; do echo "$r"; done
+    [ -z "${REFIT_SCALE_KEEP:-}" ] || cp "$work/log-$n.txt" "$REFIT_SCALE_KEEP/"
     exit 1
   fi
-  secs=$(echo "$(date +%s.%N) - $start" | bc)
-  read -r sr mm rsr rmm med < <(python3 - "$work/report-$n.json" <<'PY'
+  secs=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }')
+  read -r sr mm rsr rmm med tot < <(python3 - "$work/report-$n.json" <<'PY'
 import json, sys, statistics
 r = json.load(open(sys.argv[1]))
 c = r["control"]
 print(c["store_requests"], c["mailbox_messages"], c["refit_store_requests"],
-      c["refit_mailbox_messages"], statistics.median(r["refit_seconds"]))
+      c["refit_mailbox_messages"], statistics.median(r["refit_seconds"]), sum(r["refit_seconds"]))
 PY
 )
-  msg=$(echo "scale=3; $rmm / $n / $steps" | bc)
-  req=$(echo "scale=3; $rsr / $n / $steps" | bc)
-  [ -n "$base_msg" ] || { base_msg=$msg; base_req=$req; }
-  rmsg=$(echo "scale=2; $msg / $base_msg" | bc)
-  rreq=$(echo "scale=2; if ($base_req == 0) 0 else $req / $base_req" | bc)
-  rows+=("$(printf '| %5d | %3d -> %2d x TP 4 | %8d | %8d | %6.3f | %5.2f | %6.3f | %5.2f | %6.3f | %6.1f |' \
-    "$n" "$t" "$((t / 4))" "$sr" "$mm" "$msg" "$rmsg" "$req" "$rreq" "$med" "$secs")")
+  msg=$(awk -v m="$rmm" -v n="$n" -v s="$steps" 'BEGIN { printf "%.3f", m / n / s }')
+  req=$(awk -v r="$rsr" -v n="$n" -v s="$steps" 'BEGIN { printf "%.3f", r / n / s }')
+  rps=$(awk -v r="$rsr" -v n="$n" -v t="$tot" 'BEGIN { printf "%.2f", r / n / t }')
+  [ -n "$base_msg" ] || { base_msg=$msg; base_req=$req; base_rps=$rps; base_med=$med; }
+  rmsg=$(awk -v a="$msg" -v b="$base_msg" 'BEGIN { printf "%.2f", a / b }')
+  rreq=$(awk -v a="$req" -v b="$base_req" 'BEGIN { printf "%.2f", b == 0 ? 0 : a / b }')
+  rrps=$(awk -v a="$rps" -v b="$base_rps" 'BEGIN { printf "%.2f", b == 0 ? 0 : a / b }')
+  rmed=$(awk -v a="$med" -v b="$base_med" 'BEGIN { printf "%.2f", a / b }')
+  rows+=("$(printf '| %5d | %3d -> %2d x TP 4 | %8d | %8d | %6.3f | %5.2f | %6.3f | %5.2f | %7.2f | %5.2f | %6.3f | %5.2f | %6.1f |' \
+    "$n" "$t" "$((t / 4))" "$sr" "$mm" "$msg" "$rmsg" "$req" "$rreq" "$rps" "$rrps" "$med" "$rmed" "$secs")")
 done
 
 echo "refit control plane, $steps refits with --verify and refit.checksum, $(nproc) cores"
 echo
-echo "| processes | ranks | store requests | mailbox messages | msgs / rank / refit | ratio | store reqs / rank / refit | ratio | median refit s | run s |"
-echo "|---|---|---|---|---|---|---|---|---|---|"
+echo "| processes | ranks | store requests | mailbox messages | msgs / rank / refit | ratio | store reqs / rank / refit | ratio | store reqs / rank / s in refits | ratio | median refit s | ratio | run s |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do echo "$r"; done

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -145,15 +146,17 @@ TEST(SeparateLaunch, TransferModeMismatchIsRefusedNamingTheKey) {
 }
 
 // Hostile neighbours during an authenticated run (REFIT_SECRET on every rank):
-//  - a process without the secret cannot reach the store: its handshake is refused, so it can
-//    neither read the mailbox addresses nor write a failure into the store;
-//  - a process with the wrong secret is told so;
 //  - messages sent straight to the ranks' mailboxes (their addresses read here as an insider
 //    would) are dropped and logged: garbage over a plain socket never completes the handshake,
 //    and forged begin / commit / paused / committed / verified messages over a CURVE socket that
 //    knows the server key but not the real senders' keys are dropped as "sent with another
-//    sender's key" or as malformed.
-// The run completes and verifies.
+//    sender's key" or as malformed;
+//  - a process without the secret cannot reach the store: its handshake is refused, so it can
+//    neither read the mailbox addresses nor write a failure into the store;
+//  - a process with the wrong secret is told so.
+// The run completes and verifies. It runs many refits so that it outlasts the attack: the forged
+// messages go out round after round until the ranks' logs show them dropped (at most 60 rounds),
+// and the test says so if the run ended first.
 TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
   TempDir dir;
   Cell c{.engine = "vllm", .timeout_s = 20};
@@ -161,8 +164,10 @@ TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
   const std::string secret = "attack-test-secret-0123456789abcdef";
   std::string out;
   std::vector<int> codes;
+  std::atomic<bool> run_ended{false};
   std::thread run([&] {
-    codes = launch_separately(cfg, cfg, dir, &out, {}, "REFIT_SECRET=" + secret + " ", 6);
+    codes = launch_separately(cfg, cfg, dir, &out, {}, "REFIT_SECRET=" + secret + " ", 100);
+    run_ended = true;
   });
   const int port = separate_launch_port();
   auto auth = ControlAuth::from_secret(secret);
@@ -170,16 +175,6 @@ TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
   auto insider = connect_store("127.0.0.1", port, std::chrono::seconds(30),
                                std::make_shared<const ControlAuth>(*auth));
   ASSERT_TRUE(insider.ok()) << insider.status().to_string();
-
-  // Without the secret, and with another one.
-  auto plain = connect_store("127.0.0.1", port, std::chrono::milliseconds(1500), nullptr);
-  EXPECT_FALSE(plain.ok());
-  auto other = ControlAuth::from_secret("another-secret-0123456789abcdef");
-  auto wrong = connect_store("127.0.0.1", port, std::chrono::milliseconds(3000),
-                             std::make_shared<const ControlAuth>(*other));
-  ASSERT_FALSE(wrong.ok());
-  EXPECT_NE(wrong.status().message().find("refused this process's handshake"), std::string::npos)
-      << wrong.status().to_string();
 
   auto engine_box = (*insider)->get("mailbox/engine/0", std::chrono::seconds(30));
   auto trainer_box = (*insider)->get("mailbox/trainer/0", std::chrono::seconds(30));
@@ -204,6 +199,26 @@ TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
                                            zmq::buffer(from), zmq::buffer(p)};
     (void)zmq::send_multipart(s, parts, zmq::send_flags::dontwait);
   };
+  // What the four ranks logged so far (they write t0.log, t1.log, e0.log and e1.log in `dir`).
+  auto logged = [&] {
+    std::string text;
+    for (const char* name : {"t0.log", "t1.log", "e0.log", "e1.log"}) {
+      std::ifstream in(dir.path() + "/" + name);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      text += ss.str();
+    }
+    return text;
+  };
+  const std::vector<std::string> drops = {
+      "dropped a begin message claiming to come from 'trainer/0'",
+      "dropped a paused message claiming to come from 'engine/0'",
+      "it was sent with another sender's key", "dropped a malformed message"};
+  auto all_dropped = [&] {
+    const std::string text = logged();
+    return std::all_of(drops.begin(), drops.end(),
+                       [&](const std::string& d) { return text.find(d) != std::string::npos; });
+  };
   zmq::socket_t plain_push = push(*engine_box, false);
   send(plain_push, MessageType::kBegin, "trainer/0",
        encode(BeginMessage{.step = 1, .version = "evil-v99"}));
@@ -211,7 +226,8 @@ TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
   zmq::socket_t to_trainer = push(*trainer_box, true);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // CURVE handshakes
   const std::string garbage(64 << 10, '\xA5');
-  for (int i = 0; i < 3; ++i) {
+  int rounds = 0;
+  for (; rounds < 60 && !run_ended && !all_dropped(); ++rounds) {
     send(to_engine, MessageType::kBegin, "trainer/0",
          encode(BeginMessage{.step = 99, .version = "evil-v99"}));
     send(to_engine, MessageType::kCommit, "trainer/0", encode(CommitMessage{.step = 99}));
@@ -220,20 +236,26 @@ TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
     send(to_trainer, MessageType::kVerified, "engine/1", "{\"verified\": true}");
     zmq::message_t one(garbage.data(), 100);
     (void)to_engine.send(one, zmq::send_flags::dontwait);  // one frame: malformed
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
   }
+  EXPECT_FALSE(run_ended) << "the run ended before its ranks logged the forged messages ("
+                          << rounds << " round(s) sent)";
+
+  // Without the secret, and with another one.
+  auto plain = connect_store("127.0.0.1", port, std::chrono::milliseconds(1500), nullptr);
+  EXPECT_FALSE(plain.ok());
+  auto other = ControlAuth::from_secret("another-secret-0123456789abcdef");
+  auto wrong = connect_store("127.0.0.1", port, std::chrono::milliseconds(3000),
+                             std::make_shared<const ControlAuth>(*other));
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("refused this process's handshake"), std::string::npos)
+      << wrong.status().to_string();
+  EXPECT_FALSE(run_ended) << "the run ended before the store's handshakes were tried";
   run.join();
   EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0})) << out;
   EXPECT_NE(out.find("verified bit-exact"), std::string::npos) << out;
   EXPECT_EQ(out.find("evil-v99"), std::string::npos) << out;
-  EXPECT_NE(out.find("dropped a begin message claiming to come from 'trainer/0'"),
-            std::string::npos)
-      << out;
-  EXPECT_NE(out.find("dropped a paused message claiming to come from 'engine/0'"),
-            std::string::npos)
-      << out;
-  EXPECT_NE(out.find("it was sent with another sender's key"), std::string::npos) << out;
-  EXPECT_NE(out.find("dropped a malformed message"), std::string::npos) << out;
+  for (const std::string& d : drops) EXPECT_NE(out.find(d), std::string::npos) << d << "\n" << out;
 }
 
 }  // namespace

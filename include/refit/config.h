@@ -151,6 +151,12 @@ Result<Config> load_config_file(const std::string& path);
 // Cross-key and model checks (support matrix, TP divisibility, colocation counts, precision).
 // `spec` must be the spec of config.model.
 Status validate_config(const Config& config, const ModelSpec& spec);
+// The bytes of one refit on the wire: one engine replica's copy of every engine parameter, each
+// in the dtype the engines keep it (refit.target_precision; FP8 codes with their float32 scales;
+// the tensors kept apart in float32, docs/models.md "Engine dtypes"). The same figure as
+// Trainer::bytes_per_refit(), RefitStats::bytes and the report's bytes_per_refit. Errors are the
+// wire model's setup errors (a quantization_config refit cannot write).
+Result<std::int64_t> bytes_per_refit(const Config& config, const ModelSpec& spec);
 // The resolved config as YAML (every key, defaults filled in).
 std::string config_to_yaml(const Config& config);
 // The resolved config as JSON text (for the --json report).

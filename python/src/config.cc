@@ -94,8 +94,7 @@ py::dict check(const PyConfig& c) {
   out["trainer_ranks"] = k.policy.world_size;
   out["engine_ranks"] = k.engine_ranks();
   out["processes"] = k.policy.world_size + k.engine_ranks();
-  out["bytes_per_refit"] =
-      spec.total_parameters() * static_cast<std::int64_t>(dtype_size(k.refit.target_precision));
+  out["bytes_per_refit"] = value_or_raise(bytes_per_refit(k, spec));
   return out;
 }
 

@@ -363,9 +363,10 @@ void run_check(const std::string& path, bool print_config, const std::string& ra
             ? "engine layout: hf (every engine rank receives every tensor whole, under its "
               "Hugging Face name)\n"
             : "engine layout: fused (the engine's own parameters, TP-sharded)\n");
+  auto wire_bytes = bytes_per_refit(c, *spec);
+  if (!wire_bytes.ok()) exit_if_error(wire_bytes.status().with_context(path), kExitSetup);
   print(fmt::format("refit: {} on {}, {} bytes per refit, {} buffers of {} bytes, timeout {} s\n",
-                    dtype_name(c.refit.target_precision), device_name(c.device),
-                    params * static_cast<std::int64_t>(dtype_size(c.refit.target_precision)),
+                    dtype_name(c.refit.target_precision), device_name(c.device), *wire_bytes,
                     c.refit.num_buffers, c.refit.buffer_size_bytes, c.refit.timeout_s));
   if (rank.empty())
     print_transfer_plan(c, *spec);

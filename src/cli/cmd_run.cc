@@ -307,8 +307,21 @@ void run_local(const RunFlags& f) {
     master.emplace_back("REFIT_SECRET_FILE", secret_path);
     auth = std::make_shared<const ControlAuth>(setup_env(ControlAuth::from_secret(secret)));
   }
+  // Unless REFIT_HOST says where, each rank listens on a loopback address of its own (Linux routes
+  // all of 127.0.0.0/8 to the loopback interface): Gloo binds a port per pair of a group on the
+  // rank's address, and a few hundred ranks sharing 127.0.0.1 run out of its ephemeral ports
+  // (about 28,000) while their groups form. Trainer rank 0, which hosts the store, keeps
+  // MASTER_ADDR, 127.0.0.1.
+  const bool own_addresses = !env::read("REFIT_HOST").has_value();
+  auto listen_on = [&](ChildSpec& c, int k) {
+    if (own_addresses)
+      c.env.emplace_back("REFIT_HOST",
+                         k == 0 ? std::string("127.0.0.1")
+                                : fmt::format("127.1.{}.{}", k / 200, k % 200 + 1));
+  };
   for (int r = 0; r < cfg.policy.world_size; ++r) {
     ChildSpec c{RankId::trainer(r).name(), {"trainer"}, master, /*hosts_store=*/r == 0};
+    listen_on(c, r);
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.args.insert(c.args.end(), {"--steps", std::to_string(f.steps)});
     if (f.raw_passes > 0)
@@ -320,6 +333,7 @@ void run_local(const RunFlags& f) {
   }
   for (int g = 0; g < cfg.engine_ranks(); ++g) {
     ChildSpec c{RankId::engine(g, cfg.generation.tp_size).name(), {"engine"}, master};
+    listen_on(c, cfg.policy.world_size + g);
     c.args.insert(c.args.end(), common.begin(), common.end());
     c.env.emplace_back("ENGINE_RANK", std::to_string(g));
     children.push_back(std::move(c));

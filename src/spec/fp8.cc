@@ -210,4 +210,9 @@ Result<WireModel> wire_model(const Config& config, const ModelSpec& spec) {
   return w;
 }
 
+Result<std::int64_t> bytes_per_refit(const Config& config, const ModelSpec& spec) {
+  REFIT_ASSIGN_OR_RETURN(WireModel w, wire_model(config, spec));
+  return w.payload_bytes();
+}
+
 }  // namespace refit

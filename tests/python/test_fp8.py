@@ -281,3 +281,71 @@ refit: {target_precision: fp8, buffer_size_bytes: 1536, fp8: {block: [16, 16]}}
 """)
     assert "scaled in the quantizing pass" in out and ", 0 scaled" not in out and ", 0 before" not in out
     check_against_numpy(tmp_path / "dump", (16, 16))
+
+
+def test_a_refits_bytes_are_one_figure_everywhere(tmp_path):
+    """The wire model is the one source of a refit's bytes. With fp8 they are the engine's codes,
+    float32 scales and the tensors left in bfloat16: not one or two bytes per parameter. The
+    figure of refit.check, of `refit check`, of the CLI's report, Trainer.bytes_per_refit and
+    last_stats (the RefitStats the CLI's step line divides by the refit's seconds) is one, and it
+    is the sum of what the engine rank registers (world 1 -> TP 1: one copy of every parameter)."""
+    import threading
+
+    import refit
+    from refit_testing import free_port, fsdp2_shard, hf_weights
+
+    yaml_text = """
+model: tiny-qwen3
+policy: {backend: fsdp2, world_size: 1, dtype: float32}
+generation: {backend: vllm, tp_size: 1}
+refit: {target_precision: fp8, timeout_s: 10, fp8: {block: [16, 16]}}
+"""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    cfg = refit.Config.from_yaml(str(path))
+    figure = refit.check(cfg)["bytes_per_refit"]
+    spec = refit.model_spec("tiny-qwen3")
+    assert figure not in (spec.total_parameters, 2 * spec.total_parameters)
+
+    checked = subprocess.run([CLI, "check", str(path)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f", {figure} bytes per refit," in checked.stdout, checked.stdout
+
+    report = tmp_path / "r.json"
+    ran = subprocess.run([CLI, "run", str(path), "--steps", "2", "--json", str(report)],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert json.loads(report.read_text())["bytes_per_refit"] == figure
+
+    port = free_port()
+    box = {}
+    opened = threading.Thread(
+        target=lambda: box.setdefault("engine", refit.Engine(cfg, 0, master_port=port)))
+    opened.start()
+    trainer = refit.Trainer(cfg, 0, master_port=port)
+    opened.join(60)
+    engine = box["engine"]
+    try:
+        size = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1}
+        held = {p.name: np.zeros(p.shape, {1: np.uint8, 2: np.uint16, 4: np.float32}[size[p.dtype]])
+                for p in engine.params}
+        assert any(p.dtype == "float8_e4m3" for p in engine.params)
+        assert sum(a.nbytes for a in held.values()) == figure
+        full = hf_weights(spec, 1)
+        shards = {s.name: fsdp2_shard(full[s.name], 0, 1) for s in trainer.tensors}
+        for name, a in shards.items():
+            trainer.register(name, a)
+        for name, a in held.items():
+            engine.register(name, a)
+        served = []
+        t = threading.Thread(target=lambda: served.append(engine.serve_one(timeout=60)))
+        t.start()
+        trainer.refit(1)
+        t.join(60)
+        assert served == [True]
+        assert trainer.bytes_per_refit == figure
+        assert trainer.last_stats["bytes"] == figure
+        assert engine.last_stats["bytes"] == figure
+    finally:
+        trainer.close()
+        engine.close()
