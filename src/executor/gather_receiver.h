@@ -29,7 +29,7 @@ struct GatherReceiverOptions {
   std::string who;  // "engine I tp rank T", for errors
   const RankModel* model = nullptr;
   const EngineShardLayout* layout = nullptr;  // this rank's TP shard
-  GatherLinks rank_links;  // the rank's control plane, data plane and groups
+  GatherLinks rank_links;                     // the rank's control plane, data plane and groups
 };
 
 class GatherReceiver final : public EngineExecutor {

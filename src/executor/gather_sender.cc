@@ -36,16 +36,19 @@ Status GatherSender::setup() {
     if (o_.rank == 0) {
       for (int g = 0; g < cfg.engine_ranks(); ++g)
         fed_.push_back(RankId::engine(g, cfg.generation.tp_size));
-      REFIT_ASSIGN_OR_RETURN(update_, o_.rank_links.join_group("update", 0, 1 + cfg.engine_ranks()));
+      REFIT_ASSIGN_OR_RETURN(update_,
+                             o_.rank_links.join_group("update", 0, 1 + cfg.engine_ranks()));
       REFIT_ASSIGN_OR_RETURN(
-          sender_, make_broadcast_sender(*update_, *o_.rank_links.mailbox, *o_.rank_links.plane, mailbox_ids(fed_),
+          sender_, make_broadcast_sender(*update_, *o_.rank_links.mailbox, *o_.rank_links.plane,
+                                         mailbox_ids(fed_),
                                          cfg.generation.backend == EngineProtocol::kSglang, topt));
     }
   } else {
     fed_.push_back(RankId::engine(o_.rank, cfg.generation.tp_size));
-    REFIT_ASSIGN_OR_RETURN(sender_,
-                           make_ipc_sender(*o_.rank_links.mailbox, *o_.rank_links.store, *o_.rank_links.plane, fed_[0].mailbox(),
-                                           ipc_segment_prefix(o_.rank_links.run_id, o_.rank), topt));
+    REFIT_ASSIGN_OR_RETURN(
+        sender_, make_ipc_sender(*o_.rank_links.mailbox, *o_.rank_links.store, *o_.rank_links.plane,
+                                 fed_[0].mailbox(),
+                                 ipc_segment_prefix(o_.rank_links.run_id, o_.rank), topt));
   }
   const auto bucket_bytes = static_cast<std::size_t>(o_.model->plan.max_bucket_bytes);
   if (feeds() || world > 1) {
@@ -165,9 +168,9 @@ Status GatherSender::send(const BeginMessage& begin_in, const std::vector<void*>
       REFIT_RETURN_IF_ERROR(unshard(b, shards, slot, times));
       if (slot != nullptr) {
         const BucketRuns& runs = bucket_runs_[b];
-        REFIT_RETURN_IF_ERROR(probe_->after_write(begin_in.step, static_cast<int>(b), *o_.rank_links.plane,
-                                                  o_.trainer_group ? runs.scatter : runs.pack,
-                                                  tgt));
+        REFIT_RETURN_IF_ERROR(
+            probe_->after_write(begin_in.step, static_cast<int>(b), *o_.rank_links.plane,
+                                o_.trainer_group ? runs.scatter : runs.pack, tgt));
       }
     }
     if (feeds()) {

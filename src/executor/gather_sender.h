@@ -23,7 +23,7 @@ struct GatherSenderOptions {
   int rank = 0;
   const RankModel* model = nullptr;
   Communicator* trainer_group = nullptr;  // null with one trainer rank
-  GatherLinks rank_links;  // the rank's control plane, data plane and groups
+  GatherLinks rank_links;                 // the rank's control plane, data plane and groups
 };
 
 class GatherSender final : public TrainerExecutor {

@@ -48,7 +48,9 @@ class TrainerImpl final : public Trainer {
 
   // create_trainer: the model and this rank's shards, the shared core (rank 0 starts the store),
   // the versions, the trainer group, the executor, and every engine's hello.
-  Status init() { return core_.set_up([this] { return setup(); }); }
+  Status init() {
+    return core_.set_up([this] { return setup(); });
+  }
 
   const std::vector<TensorSlot>& tensors() const override { return shards_.slots(); }
 
@@ -243,12 +245,12 @@ class TrainerImpl final : public Trainer {
   // Gather: every bucket unsharded over the trainer group and delivered whole.
   Status setup_gather() {
     Communicator* unshard = core_.group(RankCore::Group::kTrainer);  // null with one rank
-    REFIT_ASSIGN_OR_RETURN(executor_, GatherSender::create(GatherSenderOptions{
-                                          .config = &core_.config(),
-                                          .rank = core_.self().rank,
-                                          .model = model_.get(),
-                                          .trainer_group = unshard,
-                                          .rank_links = core_.gather_links()}));
+    REFIT_ASSIGN_OR_RETURN(
+        executor_, GatherSender::create(GatherSenderOptions{.config = &core_.config(),
+                                                            .rank = core_.self().rank,
+                                                            .model = model_.get(),
+                                                            .trainer_group = unshard,
+                                                            .rank_links = core_.gather_links()}));
     return Status::Ok();
   }
 
