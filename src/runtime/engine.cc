@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <optional>
 
@@ -31,7 +32,9 @@ class EngineImpl final : public Engine {
       : core_(cfg, self, ep, std::move(services)) {}
   // create_engine: the model and its layout, the shared core, the weights, the agreement with
   // trainer rank 0, the executor, and the hello its feeders wait for.
-  Status init() { return core_.set_up([this] { return setup(); }); }
+  Status init() {
+    return core_.set_up([this] { return setup(); });
+  }
   ~EngineImpl() override { core_.stop_watching(); }  // before the executor goes
 
   const std::vector<TensorSlot>& params() const override { return weights_->params().slots(); }
@@ -78,7 +81,7 @@ class EngineImpl final : public Engine {
   Result<bool> serve_next(std::optional<std::chrono::milliseconds> wait) {
     EngineRefitProtocol::Served served;
     Status st = core_.guarded([&]() -> Status {
-      REFIT_ASSIGN_OR_RETURN(served, protocol_->serve_one(wait));
+      REFIT_ASSIGN_OR_RETURN(served, protocol_->serve_one(wait, &stop_));
       return Status::Ok();
     });
     if (!st.ok()) {
@@ -86,8 +89,11 @@ class EngineImpl final : public Engine {
       return st;
     }
     if (!served.refit.ok()) return served.refit;
-    return !served.shutdown;
+    return !served.shutdown && !served.stopped;
   }
+
+  // Any thread: the wait for the next refit sees it within EngineRefitProtocol::kStopPoll.
+  void request_stop() override { stop_.store(true); }
 
   Status serve() override {
     while (true) {
@@ -178,14 +184,16 @@ class EngineImpl final : public Engine {
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
   std::unique_ptr<EngineExecutor> executor_;
   std::unique_ptr<EngineRefitProtocol> protocol_;
+  std::atomic<bool> stop_{false};  // request_stop(), until a wait for the next refit saw it
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Engine>> create_engine(const Config& config, int engine_rank,
                                               const Endpoint& endpoint, RankServices services) {
-  return set_up_rank<Engine, EngineImpl>(
-      config, RankId::engine(engine_rank, config.generation.tp_size), endpoint, std::move(services));
+  return set_up_rank<Engine, EngineImpl>(config,
+                                         RankId::engine(engine_rank, config.generation.tp_size),
+                                         endpoint, std::move(services));
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(const Config& config, int engine_rank,
