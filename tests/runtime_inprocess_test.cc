@@ -427,5 +427,74 @@ TEST(RuntimeInProcess, ServeOneWithABoundTimesOutAndChangesNothing) {
   p.shutdown();
 }
 
+// serve() on its own thread, stopped from another one between refits: it returns ok without a
+// shutdown (no leaving sent), nothing changed, and the session serves the next refit.
+TEST(RuntimeInProcess, RequestStopEndsServeBetweenRefitsAndTheSessionGoesOn) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  auto serving = std::async(std::launch::async, [&] { return p.engine->serve(); });
+  p.train(1);
+  Status st = p.trainer->refit(1, "1", false);  // serve() is in its loop: it served this one
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  p.engine->request_stop();
+  // A bound against a hang only (a serve() that ignored the stop waits for the shutdown).
+  if (serving.wait_for(60s) != std::future_status::ready) {
+    EXPECT_TRUE(p.trainer->shutdown().ok());
+    FAIL() << "serve() did not return after request_stop()";
+  }
+  Status served = serving.get();
+  ASSERT_TRUE(served.ok()) << served.to_string();
+  EXPECT_EQ(p.engine_sent.of(MessageType::kLeaving), 0)
+      << "it returned for the stop, not a shutdown";
+  EXPECT_TRUE(p.engine->session_ok());
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.holds(1));
+  // The request was used up: the next refit is served.
+  p.train(2);
+  auto [st2, served2] = p.refit(2, /*verify=*/false);
+  ASSERT_TRUE(st2.ok()) << st2.to_string();
+  ASSERT_TRUE(served2.ok()) << served2.status().to_string();
+  EXPECT_TRUE(*served2);
+  EXPECT_TRUE(p.holds(2));
+  p.shutdown();
+}
+
+// A stop requested while a refit runs (here from its pause hook) lets that refit finish; serve()
+// returns after it. One requested while nothing serves ends the next serve_one() before it waits.
+TEST(RuntimeInProcess, RequestStopDuringARefitLetsItFinishFirst) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  int pauses = 0;
+  p.engine->on_pause([&] {
+    ++pauses;
+    p.engine->request_stop();
+    return Status::Ok();
+  });
+  auto serving = std::async(std::launch::async, [&] { return p.engine->serve(); });
+  p.train(1);
+  Status st = p.trainer->refit(1, "1", false);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  if (serving.wait_for(60s) != std::future_status::ready) {
+    EXPECT_TRUE(p.trainer->shutdown().ok());
+    FAIL() << "serve() did not return after the refit during which a stop was requested";
+  }
+  Status served = serving.get();
+  ASSERT_TRUE(served.ok()) << served.to_string();
+  EXPECT_EQ(pauses, 1);
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_TRUE(p.holds(1));
+  EXPECT_EQ(p.engine_sent.of(MessageType::kLeaving), 0);
+  p.engine->on_pause(nullptr);
+
+  p.engine->request_stop();  // nothing serves now
+  Result<bool> next = p.engine->serve_one();
+  ASSERT_TRUE(next.ok()) << next.status().to_string();
+  EXPECT_FALSE(*next);
+  EXPECT_TRUE(p.engine->session_ok());
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  p.shutdown();
+}
+
 }  // namespace
 }  // namespace refit

@@ -9,7 +9,8 @@
 // Threads.
 //  - A Trainer or an Engine is driven by one thread at a time. No method of an object may run
 //    while another of its methods runs on another thread — accessors (weight_version(),
-//    session_ok(), ...) included: C++ does not check it, and it is a data race. Calls may come
+//    session_ok(), ...) included: C++ does not check it, and it is a data race. The one exception
+//    is Engine::request_stop(), which any thread may call at any time (below). Calls may come
 //    from different threads one after another, when the caller orders them (for example by
 //    joining the thread that made the previous call). Objects are independent of each other: a
 //    Trainer and an Engine of one process may be driven by two threads at once.
@@ -23,10 +24,12 @@
 //  - Every Engine hook (on_pause, on_resume, on_verify, on_load_weights, on_weights_changed)
 //    runs on the thread that called serve_one() or serve(), inside that call. A hook may call
 //    weight_version(), is_valid() and session_ok() of its Engine, and no other of its methods.
-//  - Nothing stops serve() from another thread. serve() returns when the trainer shuts the
-//    engines down (Trainer::shutdown() on every trainer rank), or with the failure that ended the
-//    session. To end an engine rank earlier, end its process: its peers then fail within the
-//    silence bound (5.5 s), naming it.
+//  - serve() returns when the trainer shuts the engines down (Trainer::shutdown() on every
+//    trainer rank), with the failure that ended the session, or after Engine::request_stop()
+//    from another thread: within 100 ms while it waits for a refit to begin; a refit in flight
+//    runs to its end first (each step bounded by refit.timeout_s). The session goes on: serve
+//    again later, or destroy the engine (its peers then fail within the silence bound, 5.5 s,
+//    naming it).
 //  - The Python module wraps these objects with the same rule, enforced: a second thread's call
 //    while one runs raises RuntimeError; Engine.weight_version and Engine.is_valid alone may be
 //    read from any thread (docs/python.md).
@@ -282,11 +285,12 @@ class Engine {
       std::function<Status(const std::vector<std::string>& names)> hook) = 0;
 
   // Serves one refit (blocking; the hooks run inside it). Waits for it to start as long as the
-  // trainer lives (a failure of any rank, or the loss of the store, ends the wait; no other thread
-  // can); each step of the refit is bounded by refit.timeout_s. Returns true after a committed
-  // refit, false when the trainer shut the engines down. A refit that failed at its end (checksum
-  // mismatch, failed verification), was refused before any byte moved, or failed in flight with
-  // every rank alive is returned as its error with session_ok() still true: serve the next one.
+  // trainer lives (a failure of any rank, or the loss of the store, ends the wait, and so does
+  // request_stop()); each step of the refit is bounded by refit.timeout_s. Returns true after a
+  // committed refit, false when the trainer shut the engines down or a stop was requested. A refit
+  // that failed at its end (checksum mismatch, failed verification), was refused before any byte
+  // moved, or failed in flight with every rank alive is returned as its error with session_ok()
+  // still true: serve the next one.
   virtual Result<bool> serve_one() = 0;
   // The same, waiting at most `wait` for a refit to begin: past it, an error of code kTimeout
   // (FailureKind::kTimeout) with nothing changed — the weights, their version and the session
@@ -296,9 +300,17 @@ class Engine {
   // trainer, and this rank keeps its weights and version.
   virtual Result<bool> serve_one(std::chrono::milliseconds wait) = 0;
   // Serves refits until shutdown, past refits that failed at their end (serve_one() in a loop, on
-  // the calling thread). Returns ok after the trainer's shutdown, or the failure that ended the
-  // session.
+  // the calling thread). Returns ok after the trainer's shutdown or a stop request
+  // (request_stop()), or the failure that ended the session.
   virtual Status serve() = 0;
+  // Asks the serving thread to return: thread-safe, callable from any thread (or a hook) at any
+  // time, also while serve() or serve_one() runs; it does not wait. The wait for the next refit
+  // sees the request within 100 ms; serve() then returns ok and serve_one() returns false, with
+  // nothing changed (weights, version, session). A refit that has begun runs to its end first.
+  // The request is used up by the call it ends; one made while nothing serves ends the next
+  // serve() / serve_one() before it waits. The trainer does not hear of it: its next refit waits
+  // for this rank's pause until refit.timeout_s, unless this rank serves again by then.
+  virtual void request_stop() = 0;
   // Whether this rank can serve another refit (see Trainer::session_ok).
   virtual bool session_ok() const = 0;
   // This rank's side of the last refit it served (RefitStats); the reference is valid until the

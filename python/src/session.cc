@@ -479,6 +479,13 @@ class PyEngine {
     return served;
   }
 
+  // Any thread, without the call guard (Engine::request_stop is thread-safe); under stop_mu_,
+  // which close() takes to let go of the engine.
+  void request_stop() {
+    std::lock_guard lock(stop_mu_);
+    if (engine_) engine_->request_stop();
+  }
+
   std::string weight_version() {
     std::lock_guard lock(version_mu_);
     return version_;
@@ -491,9 +498,14 @@ class PyEngine {
 
   void close() {
     CallGuard guard(busy_, who_, "close", self_, [this] { return session_ok(); });
+    std::unique_ptr<Engine> closing;
+    {
+      std::lock_guard lock(stop_mu_);
+      closing = std::move(engine_);
+    }
     {
       py::gil_scoped_release nogil;  // the C++ engine holds no Python objects
-      engine_.reset();
+      closing.reset();
     }
     registry_.clear();
   }
@@ -640,6 +652,7 @@ class PyEngine {
   std::mutex version_mu_;
   std::string version_;
   bool valid_ = true;
+  std::mutex stop_mu_;  // engine_ against request_stop() from another thread
 };
 
 // A rank from its constructor's arguments; those left out come from torchrun's environment
@@ -815,7 +828,8 @@ removes it.
       .def("serve_one", &PyEngine::serve_one, py::arg("timeout") = py::none(), R"doc(
 Serves one refit (GIL released; waits for it to start as long as the trainer lives, or at most
 `timeout` seconds, and config.timeout_s for each step of it). Returns True after a committed
-refit, False when the trainer shut the engines down. Past `timeout` with no refit begun it raises
+refit, False when the trainer shut the engines down or request_stop() was called (nothing
+changed; the session goes on). Past `timeout` with no refit begun it raises
 refit.TimeoutError and nothing changed (recoverable: call it again later); an inference server
 calls it from its own loop between batches. A refit that began runs to its end.
 )doc")
@@ -825,8 +839,14 @@ rank), "checksums_matched" (feeders whose bytes passed refit.checksum), ...}, th
 Trainer.last_stats.
 )doc")
       .def("serve", &PyEngine::serve, R"doc(
-Serves refits until the trainer shuts down; returns how many committed. Ctrl-C is honoured between
-refits.
+Serves refits until the trainer shuts down or request_stop() is called; returns how many
+committed. Ctrl-C is honoured between refits.
+)doc")
+      .def("request_stop", &PyEngine::request_stop, R"doc(
+Makes serve() (or serve_one()) on another thread return: from any thread, at any time, without
+waiting. While it waits for a refit to begin it returns within 0.1 s; a refit in flight runs to its
+end first. Nothing changes (weights, version, session): serve again later, or close the engine. A
+request made while nothing serves ends the next serve() or serve_one() before it waits.
 )doc")
       .def_property_readonly("weight_version", &PyEngine::weight_version, R"doc(
 The version published by the last committed refit ("0" before the first); "" after a refit that

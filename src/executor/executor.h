@@ -39,10 +39,43 @@ struct TransferTimes {
   double transfer = 0;   // sends (point-to-point, broadcast) or waits for the engine (ipc)
 };
 
-// One trainer rank's side.
-class TrainerExecutor {
+// What the runtime asks of either side's executor besides its bytes: its failure and recovery,
+// its probe, and its setup time.
+class ExecutorBase {
  public:
-  virtual ~TrainerExecutor() = default;
+  virtual ~ExecutorBase() = default;
+  // A failure: close the collectives this executor owns, so peers blocked on them fail now.
+  virtual void abort() {}
+  // Whether a refit that failed in flight with every rank alive leaves this executor usable
+  // (docs/runtime.md, "A refit that fails in flight"), and the recovery: wait for its threads to
+  // finish their part of the failed refit, forget their failure, and use `p2p`, the
+  // point-to-point group formed for the next refit epoch (null when none), from now on.
+  virtual bool can_recover() const { return false; }
+  virtual Status recover(Communicator* /*p2p*/, std::chrono::milliseconds /*timeout*/) {
+    return Status::Unsupported("a refit that failed in flight ends the session with this executor");
+  }
+  void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
+  // The seconds this rank's setup took (Trainer::create / Engine::create), which traffic()
+  // reports.
+  void set_setup_seconds(double seconds) { setup_seconds_ = seconds; }
+
+ protected:
+  RefitProbe* probe_ = &RefitProbe::none();
+  double setup_seconds_ = 0;
+};
+
+// Which executors refit.executor chose, as a rank's setup asks before it makes them
+// (executor_kind, decided once from the config): the pair that moves the bytes, and whether it
+// needs the point-to-point group formed first.
+struct ExecutorKind {
+  bool transfer_plan = false;  // RouteSender / RouteReceiver; else GatherSender / GatherReceiver
+  bool p2p_group = false;      // not for executor peer, nor CUDA ranks sharing GPUs (routes.h)
+};
+ExecutorKind executor_kind(const Config& config);
+
+// One trainer rank's side.
+class TrainerExecutor : public ExecutorBase {
+ public:
   // The engine ranks this rank begins and commits each refit with; may be empty (a gather rank
   // that only takes part in the unshard).
   virtual const std::vector<RankId>& targets() const = 0;
@@ -95,30 +128,11 @@ class TrainerExecutor {
                                             const std::vector<void*>& /*shards*/) {
     return Status::Unsupported("refit.checksum needs the transfer plan");
   }
-  // A failure: close the collectives this executor owns, so peers blocked on them fail now.
-  virtual void abort() {}
-  // Whether a refit that failed in flight with every rank alive leaves this executor usable
-  // (docs/runtime.md, "A refit that fails in flight"), and the recovery: wait for its threads to
-  // finish their part of the failed refit, forget their failure, and use `p2p`, the
-  // point-to-point group formed for the next refit epoch (null when none), from now on.
-  virtual bool can_recover() const { return false; }
-  virtual Status recover(Communicator* /*p2p*/, std::chrono::milliseconds /*timeout*/) {
-    return Status::Unsupported("a refit that failed in flight ends the session with this executor");
-  }
-  void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
-  // The seconds this rank's setup took (Trainer::create / Engine::create), which traffic()
-  // reports.
-  void set_setup_seconds(double seconds) { setup_seconds_ = seconds; }
-
- protected:
-  RefitProbe* probe_ = &RefitProbe::none();
-  double setup_seconds_ = 0;
 };
 
 // One engine rank's side.
-class EngineExecutor {
+class EngineExecutor : public ExecutorBase {
  public:
-  virtual ~EngineExecutor() = default;
   // The trainer ranks that begin and commit each refit with this rank.
   virtual const std::vector<RankId>& feeders() const = 0;
   // Whether this rank answers each begin with paused and writes only after it was told to
@@ -163,24 +177,24 @@ class EngineExecutor {
                                               const std::vector<void*>& /*params*/) {
     return Status::Unsupported("refit.checksum needs the transfer plan");
   }
-  virtual void abort() {}
-  // As TrainerExecutor::can_recover / recover.
-  virtual bool can_recover() const { return false; }
-  virtual Status recover(Communicator* /*p2p*/, std::chrono::milliseconds /*timeout*/) {
-    return Status::Unsupported("a refit that failed in flight ends the session with this executor");
-  }
-  void set_probe(RefitProbe* probe) { probe_ = probe != nullptr ? probe : &RefitProbe::none(); }
-  // The seconds this rank's setup took (Trainer::create / Engine::create), which traffic()
-  // reports.
-  void set_setup_seconds(double seconds) { setup_seconds_ = seconds; }
-
- protected:
-  RefitProbe* probe_ = &RefitProbe::none();
-  double setup_seconds_ = 0;
 };
 
 // Forms a group of the run (name, this process's rank, size) on the rank's data plane.
 using JoinGroupFn = std::function<Result<std::unique_ptr<Communicator>>(const char*, int, int)>;
+
+class Mailbox;
+class Store;
+
+// What a gather executor uses of its rank (RankCore::gather_links): the control plane, whose
+// mailbox carries gather's bucket headers, the data plane, the run's id (its shared-memory
+// names) and how to form its update group.
+struct GatherLinks {
+  Mailbox* mailbox = nullptr;
+  Store* store = nullptr;
+  DataPlane* plane = nullptr;
+  std::string run_id;
+  JoinGroupFn join_group;  // forms the update group (broadcast)
+};
 
 // The mailbox ids of `ranks`.
 std::vector<std::string> mailbox_ids(const std::vector<RankId>& ranks);

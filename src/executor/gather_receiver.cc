@@ -22,16 +22,17 @@ Status GatherReceiver::setup() {
                               cfg.refit.timeout()};
   if (cfg.generation.weight_transfer_mode == TransferMode::kBroadcast) {
     feeders_ = {RankId::trainer(0)};
-    REFIT_ASSIGN_OR_RETURN(update_,
-                           o_.join_group("update", 1 + o_.engine_rank, 1 + cfg.engine_ranks()));
-    REFIT_ASSIGN_OR_RETURN(receiver_,
-                           make_broadcast_receiver(*update_, *o_.mailbox, *o_.plane, topt));
+    REFIT_ASSIGN_OR_RETURN(
+        update_, o_.rank_links.join_group("update", 1 + o_.engine_rank, 1 + cfg.engine_ranks()));
+    REFIT_ASSIGN_OR_RETURN(receiver_, make_broadcast_receiver(*update_, *o_.rank_links.mailbox,
+                                                              *o_.rank_links.plane, topt));
   } else {
     feeders_ = {RankId::trainer(o_.engine_rank)};
-    REFIT_ASSIGN_OR_RETURN(receiver_,
-                           make_ipc_receiver(*o_.mailbox, *o_.store, *o_.plane,
-                                             feeders_[0].mailbox(),
-                                             ipc_segment_prefix(o_.run_id, o_.engine_rank), topt));
+    REFIT_ASSIGN_OR_RETURN(
+        receiver_,
+        make_ipc_receiver(*o_.rank_links.mailbox, *o_.rank_links.store, *o_.rank_links.plane,
+                          feeders_[0].mailbox(),
+                          ipc_segment_prefix(o_.rank_links.run_id, o_.engine_rank), topt));
   }
   return Status::Ok();
 }
@@ -56,9 +57,10 @@ Status GatherReceiver::apply(const IncomingBucket& in, bool raw, const std::vect
   if (raw) {  // bench: the bare copy out of the transport buffer
     if (!update_) {
       if (!scratch_ || scratch_->size() < in.header.bytes) {
-        REFIT_ASSIGN_OR_RETURN(scratch_, o_.plane->allocate(in.header.bytes));
+        REFIT_ASSIGN_OR_RETURN(scratch_, o_.rank_links.plane->allocate(in.header.bytes));
       }
-      REFIT_RETURN_IF_ERROR(o_.plane->copy_bytes(scratch_->data(), in.data, in.header.bytes));
+      REFIT_RETURN_IF_ERROR(
+          o_.rank_links.plane->copy_bytes(scratch_->data(), in.data, in.header.bytes));
     }
   } else {
     const std::vector<CopyRun>* runs = nullptr;
@@ -82,7 +84,8 @@ Status GatherReceiver::apply(const IncomingBucket& in, bool raw, const std::vect
       }
       runs = &cached.second;
     }
-    REFIT_RETURN_IF_ERROR(o_.plane->copy(*runs, dt, dt, in.data));  // from the slot it arrived in
+    REFIT_RETURN_IF_ERROR(
+        o_.rank_links.plane->copy(*runs, dt, dt, in.data));  // from the slot it arrived in
   }
   {
     std::lock_guard lock(apply_mu_);

@@ -29,11 +29,7 @@ struct GatherReceiverOptions {
   std::string who;  // "engine I tp rank T", for errors
   const RankModel* model = nullptr;
   const EngineShardLayout* layout = nullptr;  // this rank's TP shard
-  Mailbox* mailbox = nullptr;
-  Store* store = nullptr;
-  DataPlane* plane = nullptr;
-  std::string run_id;
-  JoinGroupFn join_group;  // forms the update group (broadcast)
+  GatherLinks rank_links;                     // the rank's control plane, data plane and groups
 };
 
 class GatherReceiver final : public EngineExecutor {

@@ -36,23 +36,26 @@ Status GatherSender::setup() {
     if (o_.rank == 0) {
       for (int g = 0; g < cfg.engine_ranks(); ++g)
         fed_.push_back(RankId::engine(g, cfg.generation.tp_size));
-      REFIT_ASSIGN_OR_RETURN(update_, o_.join_group("update", 0, 1 + cfg.engine_ranks()));
+      REFIT_ASSIGN_OR_RETURN(update_,
+                             o_.rank_links.join_group("update", 0, 1 + cfg.engine_ranks()));
       REFIT_ASSIGN_OR_RETURN(
-          sender_, make_broadcast_sender(*update_, *o_.mailbox, *o_.plane, mailbox_ids(fed_),
+          sender_, make_broadcast_sender(*update_, *o_.rank_links.mailbox, *o_.rank_links.plane,
+                                         mailbox_ids(fed_),
                                          cfg.generation.backend == EngineProtocol::kSglang, topt));
     }
   } else {
     fed_.push_back(RankId::engine(o_.rank, cfg.generation.tp_size));
-    REFIT_ASSIGN_OR_RETURN(sender_,
-                           make_ipc_sender(*o_.mailbox, *o_.store, *o_.plane, fed_[0].mailbox(),
-                                           ipc_segment_prefix(o_.run_id, o_.rank), topt));
+    REFIT_ASSIGN_OR_RETURN(
+        sender_, make_ipc_sender(*o_.rank_links.mailbox, *o_.rank_links.store, *o_.rank_links.plane,
+                                 fed_[0].mailbox(),
+                                 ipc_segment_prefix(o_.rank_links.run_id, o_.rank), topt));
   }
   const auto bucket_bytes = static_cast<std::size_t>(o_.model->plan.max_bucket_bytes);
   if (feeds() || world > 1) {
-    REFIT_ASSIGN_OR_RETURN(stage_, o_.plane->allocate(bucket_bytes));
+    REFIT_ASSIGN_OR_RETURN(stage_, o_.rank_links.plane->allocate(bucket_bytes));
   }
   if (world > 1) {
-    REFIT_ASSIGN_OR_RETURN(send_, o_.plane->allocate(bucket_bytes));
+    REFIT_ASSIGN_OR_RETURN(send_, o_.rank_links.plane->allocate(bucket_bytes));
   }
   // Bytes per refit: this rank's all-gather contribution, and what it hands to its transport.
   traffic_ = RankTraffic{.role = "trainer", .rank = o_.rank};
@@ -130,7 +133,7 @@ Status GatherSender::unshard(std::size_t b, const std::vector<void*>& shards, st
   const DType pol = o_.config->policy.dtype, tgt = o_.config->refit.target_precision;
   const BucketRuns& runs = runs_of(b, shards, dst);
   Timer t;
-  REFIT_RETURN_IF_ERROR(o_.plane->copy(runs.pack, pol, tgt));
+  REFIT_RETURN_IF_ERROR(o_.rank_links.plane->copy(runs.pack, pol, tgt));
   times.cast_pack += t.seconds();
   if (o_.trainer_group == nullptr) return Status::Ok();
   t.reset();
@@ -138,7 +141,7 @@ Status GatherSender::unshard(std::size_t b, const std::vector<void*>& shards, st
   times.unshard += t.seconds();
   if (!st.ok()) return st.with_context(fmt::format("unshard of bucket {}", b));
   t.reset();
-  REFIT_RETURN_IF_ERROR(o_.plane->copy(runs.scatter, tgt, tgt));
+  REFIT_RETURN_IF_ERROR(o_.rank_links.plane->copy(runs.scatter, tgt, tgt));
   times.cast_pack += t.seconds();
   return Status::Ok();
 }
@@ -158,16 +161,16 @@ Status GatherSender::send(const BeginMessage& begin_in, const std::vector<void*>
     }
     if (raw) {
       if (slot != nullptr && !update_)  // ipc: the bare copy into shared memory
-        REFIT_RETURN_IF_ERROR(o_.plane->copy_bytes(
+        REFIT_RETURN_IF_ERROR(o_.rank_links.plane->copy_bytes(
             slot, stage_->data(), static_cast<std::size_t>(plan.buckets[b].bytes)));
     } else if (feeds() || o_.trainer_group != nullptr) {
       probe_->before_round(begin_in.step, static_cast<int>(b));
       REFIT_RETURN_IF_ERROR(unshard(b, shards, slot, times));
       if (slot != nullptr) {
         const BucketRuns& runs = bucket_runs_[b];
-        REFIT_RETURN_IF_ERROR(probe_->after_write(begin_in.step, static_cast<int>(b), *o_.plane,
-                                                  o_.trainer_group ? runs.scatter : runs.pack,
-                                                  tgt));
+        REFIT_RETURN_IF_ERROR(
+            probe_->after_write(begin_in.step, static_cast<int>(b), *o_.rank_links.plane,
+                                o_.trainer_group ? runs.scatter : runs.pack, tgt));
       }
     }
     if (feeds()) {

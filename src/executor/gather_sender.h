@@ -22,12 +22,8 @@ struct GatherSenderOptions {
   const Config* config = nullptr;
   int rank = 0;
   const RankModel* model = nullptr;
-  Mailbox* mailbox = nullptr;
-  Store* store = nullptr;
-  DataPlane* plane = nullptr;
   Communicator* trainer_group = nullptr;  // null with one trainer rank
-  std::string run_id;
-  JoinGroupFn join_group;  // forms the update group (broadcast)
+  GatherLinks rank_links;                 // the rank's control plane, data plane and groups
 };
 
 class GatherSender final : public TrainerExecutor {

@@ -6,7 +6,6 @@
 #include <map>
 #include <string_view>
 
-#include "common/env.h"
 #include "common/timer.h"
 #include "control/store.h"
 #include "executor/trainer_scales.h"
@@ -298,8 +297,8 @@ bool needs_p2p_group(const Config& config) {
   return !(config.device == Device::kCuda && config.generation.colocated);
 }
 
-Status publish_host(Store& store, const std::string& who) {
-  return store.set("host/" + who, env::host_identity());
+Status publish_host(Store& store, const std::string& who, const std::string& host_identity) {
+  return store.set("host/" + who, host_identity);
 }
 
 Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,

@@ -129,8 +129,9 @@ inline int p2p_rank_of_engine(const Config& config, int engine_rank) {
   return config.policy.world_size + engine_rank;
 }
 
-// Publishes this process's host under "host/<who>" ("trainer/0", "engine/3").
-Status publish_host(Store& store, const std::string& who);
+// Publishes `host_identity` (RankServices::host_identity) under "host/<who>" ("trainer/0",
+// "engine/3").
+Status publish_host(Store& store, const std::string& who, const std::string& host_identity);
 // Reads the host of every id in `who` (bounded by `timeout`, and ended early by a failing
 // `alive`: get_while_alive, control/store.h).
 Result<std::vector<std::string>> read_hosts(Store& store, const std::vector<std::string>& who,

@@ -10,6 +10,17 @@
 
 namespace refit {
 
+// What create_trainer and create_engine share: checks that `self` exists in `config`, makes the
+// rank and runs its setup (its init(): RankCore::set_up).
+template <typename Public, typename Impl>
+Result<std::unique_ptr<Public>> set_up_rank(const Config& config, const RankId& self,
+                                            const Endpoint& endpoint, RankServices services) {
+  REFIT_RETURN_IF_ERROR(check_rank_in_config(config, self));
+  auto rank = std::make_unique<Impl>(config, self, endpoint, std::move(services));
+  REFIT_RETURN_IF_ERROR(rank->init());
+  return std::unique_ptr<Public>(std::move(rank));
+}
+
 Result<std::unique_ptr<Trainer>> create_trainer(const Config& config, int rank,
                                                 const Endpoint& endpoint, RankServices services);
 Result<std::unique_ptr<Engine>> create_engine(const Config& config, int engine_rank,

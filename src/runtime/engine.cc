@@ -5,12 +5,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <optional>
 
-#include "common/env.h"
 #include "common/log.h"
-#include "common/timer.h"
 #include "control/messages.h"
 #include "engine/engine_layout.h"
 #include "executor/gather_receiver.h"
@@ -29,17 +28,14 @@ namespace {
 
 class EngineImpl final : public Engine {
  public:
-  EngineImpl(const Config& cfg, int engine_rank, const Endpoint& ep, RankServices services)
-      : core_(cfg, RankId::engine(engine_rank, cfg.generation.tp_size), ep, std::move(services)) {}
-  ~EngineImpl() override { core_.stop_watching(); }
-
+  EngineImpl(const Config& cfg, RankId self, const Endpoint& ep, RankServices services)
+      : core_(cfg, self, ep, std::move(services)) {}
+  // create_engine: the model and its layout, the shared core, the weights, the agreement with
+  // trainer rank 0, the executor, and the hello its feeders wait for.
   Status init() {
-    Timer setup_timer;
-    Status st = core_.guarded([&] { return setup(); });
-    if (executor_) executor_->set_setup_seconds(setup_timer.seconds());
-    if (st.ok()) core_.watch_peers();
-    return st;
+    return core_.set_up([this] { return setup(); });
   }
+  ~EngineImpl() override { core_.stop_watching(); }  // before the executor goes
 
   const std::vector<TensorSlot>& params() const override { return weights_->params().slots(); }
   Status register_param(const std::string& name, void* data, DType dtype,
@@ -85,7 +81,7 @@ class EngineImpl final : public Engine {
   Result<bool> serve_next(std::optional<std::chrono::milliseconds> wait) {
     EngineRefitProtocol::Served served;
     Status st = core_.guarded([&]() -> Status {
-      REFIT_ASSIGN_OR_RETURN(served, protocol_->serve_one(wait));
+      REFIT_ASSIGN_OR_RETURN(served, protocol_->serve_one(wait, &stop_));
       return Status::Ok();
     });
     if (!st.ok()) {
@@ -93,8 +89,11 @@ class EngineImpl final : public Engine {
       return st;
     }
     if (!served.refit.ok()) return served.refit;
-    return !served.shutdown;
+    return !served.shutdown && !served.stopped;
   }
+
+  // Any thread: the wait for the next refit sees it within EngineRefitProtocol::kStopPoll.
+  void request_stop() override { stop_.store(true); }
 
   Status serve() override {
     while (true) {
@@ -129,26 +128,8 @@ class EngineImpl final : public Engine {
     REFIT_ASSIGN_OR_RETURN(auto trainer_settings, decode_stamp_settings(stamp, "trainer rank 0"));
     REFIT_RETURN_IF_ERROR(check_agreed_settings(agreed_settings(cfg, model_->spec),
                                                 trainer_settings, "trainer rank 0", core_.id()));
-    if (uses_transfer_plan(cfg)) {
-      REFIT_RETURN_IF_ERROR(setup_routes());
-    } else {
-      REFIT_ASSIGN_OR_RETURN(
-          executor_, GatherReceiver::create(GatherReceiverOptions{
-                         .config = &cfg,
-                         .engine_rank = rank,
-                         .who = core_.id(),
-                         .model = model_.get(),
-                         .layout = &layout_,
-                         .mailbox = &core_.mailbox(),
-                         .store = &core_.store(),
-                         .plane = &core_.plane(),
-                         .run_id = core_.run_id(),
-                         .join_group = [this](const char* name, int r, int size) {
-                           return core_.join_group(name, r, size);
-                         }}));
-    }
-    executor_->set_probe(&core_.probe());
-    core_.on_abort([e = executor_.get()] { e->abort(); });
+    REFIT_RETURN_IF_ERROR(core_.executor_kind().transfer_plan ? setup_routes() : setup_gather());
+    core_.adopt(*executor_);
     protocol_ = std::make_unique<EngineRefitProtocol>(core_, *executor_, *weights_);
     // Announce ourselves (with the vLLM manifest hash): the trainer's setup waits for this.
     return protocol_->announce(HelloMessage{.engine_rank = rank,
@@ -157,22 +138,33 @@ class EngineImpl final : public Engine {
                                             .settings = agreed_settings(cfg, model_->spec)});
   }
 
+  // Gather: the whole buckets the trainer ranks deliver.
+  Status setup_gather() {
+    REFIT_ASSIGN_OR_RETURN(executor_, GatherReceiver::create(GatherReceiverOptions{
+                                          .config = &core_.config(),
+                                          .engine_rank = core_.self().rank,
+                                          .who = core_.id(),
+                                          .model = model_.get(),
+                                          .layout = &layout_,
+                                          .rank_links = core_.gather_links()}));
+    return Status::Ok();
+  }
+
   // The transfer plan: the trainer ranks that feed this rank, where they run, and the
   // point-to-point group.
   Status setup_routes() {
-    const Config& cfg = core_.config();
-    const int rank = core_.self().rank;
-    REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_engine_route_setup(cfg, model_->spec, rank));
+    RouteReceiverOptions o;
+    o.config = &core_.config();
+    o.engine_rank = core_.self().rank;
+    o.who = core_.id();
+    REFIT_ASSIGN_OR_RETURN(RouteSetup s,
+                           make_engine_route_setup(*o.config, model_->spec, o.engine_rank));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
     log::debug(
         "{}: transfer plan view: {} routes from {} trainer rank(s) in {} round(s), {} bytes held, "
         "derived in {:.3f} s",
-        core_.id(), routes_->view.routes(), routes_->view.pairs.size(), routes_->view.rounds,
+        o.who, routes_->view.routes(), routes_->view.pairs.size(), routes_->view.rounds,
         routes_->view.heap_bytes(), routes_->seconds);
-    RouteReceiverOptions o;
-    o.config = &cfg;
-    o.engine_rank = rank;
-    o.who = core_.id();
     o.setup = routes_.get();
     o.plane = &core_.plane();
     o.sources = control_sources(*routes_);
@@ -192,25 +184,21 @@ class EngineImpl final : public Engine {
   std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
   std::unique_ptr<EngineExecutor> executor_;
   std::unique_ptr<EngineRefitProtocol> protocol_;
+  std::atomic<bool> stop_{false};  // request_stop(), until a wait for the next refit saw it
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Engine>> create_engine(const Config& config, int engine_rank,
                                               const Endpoint& endpoint, RankServices services) {
-  if (engine_rank < 0 || engine_rank >= config.engine_ranks())
-    return Status::InvalidArgument(
-        fmt::format("engine rank {} is outside 0..{} (engine index * generation.tp_size + tp rank)",
-                    engine_rank, config.engine_ranks() - 1));
-  auto e = std::make_unique<EngineImpl>(config, engine_rank, endpoint, std::move(services));
-  REFIT_RETURN_IF_ERROR(e->init());
-  return std::unique_ptr<Engine>(std::move(e));
+  return set_up_rank<Engine, EngineImpl>(config,
+                                         RankId::engine(engine_rank, config.generation.tp_size),
+                                         endpoint, std::move(services));
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(const Config& config, int engine_rank,
                                                const Endpoint& endpoint) {
-  REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
-  REFIT_ASSIGN_OR_RETURN(RankServices services, default_services());
+  REFIT_ASSIGN_OR_RETURN(RankServices services, services_from_environment());
   return create_engine(config, engine_rank, endpoint, std::move(services));
 }
 

@@ -60,27 +60,38 @@ Status EngineRefitProtocol::announce(HelloMessage hello) {
 // Between refits the wait has no bound but the trainer's life: the mailbox's liveness check
 // (every 500 ms) ends it when the store's host is gone or any rank recorded a failure.
 // refit.timeout_s bounds each step of a refit in flight, not the gap between refits, which lasts
-// a rollout and a training step.
+// a rollout and a training step. With a stop flag the wait is cut into kStopPoll slices.
 Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one(
-    std::optional<std::chrono::milliseconds> wait) {
+    std::optional<std::chrono::milliseconds> wait, std::atomic<bool>* stop) {
   using Clock = std::chrono::steady_clock;
   const bool bounded = wait.has_value();
   const Clock::time_point until = bounded ? Clock::now() + *wait : Clock::time_point::max();
-  // One wait of at most refit.timeout_s, or what is left of the caller's bound.
+  Clock::time_point quiet_until = Clock::now() + core_.timeout();  // the next "no refit" line
+  // One wait of at most refit.timeout_s, or what is left of the caller's bound; at most
+  // kStopPoll when a stop may come.
   auto next_wait = [&]() -> std::chrono::milliseconds {
-    if (!bounded) return core_.timeout();
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
-    return std::clamp(left, std::chrono::milliseconds(0), core_.timeout());
+    std::chrono::milliseconds w = core_.timeout();
+    if (bounded) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      w = std::clamp(left, std::chrono::milliseconds(0), w);
+    }
+    return stop != nullptr ? std::min(w, kStopPoll) : w;
   };
+  const auto stop_requested = [stop] { return stop != nullptr && stop->exchange(false); };
+  if (stop_requested()) return Served{.stopped = true};
   Result<Message> msg = inbox_.next({kBegin, kShutdown}, next_wait(), "the next refit");
   while (!msg.ok()) {
     if (msg.status().code() == StatusCode::kTimeout) {
+      if (stop_requested()) return Served{.stopped = true};
       if (bounded && Clock::now() >= until)
         return Served{.refit = Status::Timeout(fmt::format("{}: no refit began within {:.3f} s (serve_one's "
                                            "timeout); the weights and the session are unchanged",
                                            core_.id(), wait->count() / 1000.0))};
-      log::debug("{}: no refit for {} s; the trainer is alive, waiting on", core_.id(),
-                 core_.config().refit.timeout_s);
+      if (Clock::now() >= quiet_until) {
+        log::debug("{}: no refit for {} s; the trainer is alive, waiting on", core_.id(),
+                   core_.config().refit.timeout_s);
+        quiet_until = Clock::now() + core_.timeout();
+      }
     } else if (executor_.can_recover() && core_.behind()) {
       REFIT_RETURN_IF_ERROR(catch_up());
     } else {

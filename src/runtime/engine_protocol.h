@@ -9,6 +9,7 @@
 // the bytes and the weights (runtime/engine_weights.h) take them.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <vector>
@@ -40,9 +41,14 @@ class EngineRefitProtocol {
   // plan) the feeders' route metadata. Setup messages travel only between the ranks of a pair.
   Status announce(HelloMessage hello);
 
+  // How often the wait for the next refit looks at a stop request (Engine::request_stop): the
+  // bound on how long serve_one() / serve() take to return after one, between refits.
+  static constexpr std::chrono::milliseconds kStopPoll{100};
+
   // What serving one message between refits came to.
   struct Served {
     bool shutdown = false;  // the trainer shut the engines down; no refit follows
+    bool stopped = false;   // a stop was requested before a refit began; nothing changed
     // The refit's own failure when the session goes on: refused before any byte moved, failed at
     // its end, or failed in flight with every rank alive; or the caller's wait ran out before
     // any refit began (code kTimeout). Ok after a committed refit.
@@ -50,8 +56,10 @@ class EngineRefitProtocol {
   };
   // Serves the next refit (or the shutdown). An error ends the session.
   // `wait`: how long to wait for a refit to begin (none: as long as the trainer lives); past it,
-  // Served::refit is a timeout and nothing changed.
-  Result<Served> serve_one(std::optional<std::chrono::milliseconds> wait = std::nullopt);
+  // Served::refit is a timeout and nothing changed. `stop` (set from any thread): while no refit
+  // has begun, looked at every kStopPoll; once seen it is cleared and Served::stopped returned.
+  Result<Served> serve_one(std::optional<std::chrono::milliseconds> wait = std::nullopt,
+                           std::atomic<bool>* stop = nullptr);
   // The session ended during a refit (a dead or stopped rank, a bug): with refit.keep_previous
   // the parameters go back to the kept complete version — unless a feeder wrote in place in this
   // refit: one that is still alive may still be writing.

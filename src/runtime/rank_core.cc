@@ -11,6 +11,7 @@
 
 #include "common/env.h"
 #include "common/log.h"
+#include "common/timer.h"
 #include "control/auth.h"
 #include "executor/routes.h"
 #include "plane/groups.h"
@@ -38,10 +39,27 @@ Result<RankServices> default_services() {
   };
   REFIT_ASSIGN_OR_RETURN(s.plane_settings, PlaneSettings::from_environment());
   s.host_identity = env::host_identity();
+  REFIT_ASSIGN_OR_RETURN(s.run_id, env::run_id());
   s.make_plane = [settings = s.plane_settings](const Config& config, int device) {
     return make_data_plane(config, device, settings);
   };
   return s;
+}
+
+Result<RankServices> services_from_environment() {
+  REFIT_RETURN_IF_ERROR(env::check());
+  return default_services();
+}
+
+Status check_rank_in_config(const Config& config, const RankId& self) {
+  if (self.is_trainer() && (self.rank < 0 || self.rank >= config.policy.world_size))
+    return Status::InvalidArgument(fmt::format("trainer rank {} is outside policy.world_size {}",
+                                               self.rank, config.policy.world_size));
+  if (!self.is_trainer() && (self.rank < 0 || self.rank >= config.engine_ranks()))
+    return Status::InvalidArgument(
+        fmt::format("engine rank {} is outside 0..{} (engine index * generation.tp_size + tp rank)",
+                    self.rank, config.engine_ranks() - 1));
+  return Status::Ok();
 }
 
 RankCore::RankCore(const Config& config, RankId self, const Endpoint& endpoint,
@@ -49,7 +67,8 @@ RankCore::RankCore(const Config& config, RankId self, const Endpoint& endpoint,
     : cfg_(config),
       self_(self),
       ep_(endpoint),
-      services_(std::move(services)) {}
+      services_(std::move(services)),
+      kind_(refit::executor_kind(config)) {}
 
 namespace {
 void linger_after_failure(const RankServices& services, const std::string& host, int port,
@@ -103,6 +122,30 @@ void linger_after_failure(const RankServices& services, const std::string& host,
 
 }  // namespace
 
+Status RankCore::set_up(const std::function<Status()>& setup) {
+  Timer timer;
+  const Status st = guarded(setup);
+  if (executor_ != nullptr) executor_->set_setup_seconds(timer.seconds());
+  if (st.ok()) watch_peers();
+  return st;
+}
+
+void RankCore::adopt(ExecutorBase& executor) {
+  executor.set_probe(&probe());
+  std::lock_guard<std::mutex> lock(groups_mu_);  // abort_locked reads it on the heartbeat's thread
+  executor_ = &executor;
+}
+
+GatherLinks RankCore::gather_links() {
+  return GatherLinks{.mailbox = mailbox_.get(),
+                     .store = store_.get(),
+                     .plane = plane_.get(),
+                     .run_id = run_id_,
+                     .join_group = [this](const char* name, int rank, int size) {
+                       return join_group(name, rank, size);
+                     }};
+}
+
 Status RankCore::guarded(const std::function<Status()>& body) {
   if (!latch_.status().ok()) return latch_.status();
   const Status st = body();
@@ -154,9 +197,8 @@ Status RankCore::connect() {
   // setup waits (runtime/failure.h); once set up, its collectives too (watch_peers()).
   heartbeat_->watch(self_, rank_ids(cfg_), [this](const Status& why) { store_->abort(why); });
   if (hosts_store) {
-    REFIT_ASSIGN_OR_RETURN(const std::optional<std::string> given, env::run_id());
-    REFIT_RETURN_IF_ERROR(
-        store_->set("run_id", given.value_or(fmt::format("{}-{}", getpid(), time(nullptr)))));
+    REFIT_RETURN_IF_ERROR(store_->set(
+        "run_id", services_.run_id.value_or(fmt::format("{}-{}", getpid(), time(nullptr)))));
   }
   REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
   REFIT_ASSIGN_OR_RETURN(mailbox_, services_.open_mailbox(*store_, MailboxOptions{
@@ -266,7 +308,7 @@ Communicator* RankCore::group(Group which) const {
 }
 
 Result<std::vector<bool>> RankCore::same_host(const std::vector<RankId>& peers) {
-  REFIT_RETURN_IF_ERROR(publish_host(*store_, self_.mailbox()));
+  REFIT_RETURN_IF_ERROR(publish_host(*store_, self_.mailbox(), services_.host_identity));
   REFIT_ASSIGN_OR_RETURN(const std::vector<std::string> hosts,
                          read_hosts(*store_, mailbox_ids(peers), timeout(), alive()));
   std::vector<bool> same;
@@ -280,7 +322,7 @@ Result<std::vector<bool>> RankCore::same_host(const std::vector<RankId>& peers) 
 }
 
 Result<Communicator*> RankCore::join_p2p() {
-  if (!needs_p2p_group(cfg_)) return static_cast<Communicator*>(nullptr);
+  if (!kind_.p2p_group) return static_cast<Communicator*>(nullptr);
   const int rank =
       self_.is_trainer() ? p2p_rank_of_trainer(self_.rank) : p2p_rank_of_engine(cfg_, self_.rank);
   REFIT_ASSIGN_OR_RETURN(auto p2p,
@@ -297,7 +339,7 @@ void RankCore::abort_collectives() {
 void RankCore::abort_locked() {
   if (trainer_group_) trainer_group_->abort();
   if (p2p_group_) p2p_group_->abort();
-  if (abort_executor_) abort_executor_();
+  if (executor_ != nullptr) executor_->abort();
 }
 
 // The refit of `epoch` failed in flight (the heartbeat watch saw it): wakes the collectives of

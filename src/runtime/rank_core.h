@@ -35,8 +35,8 @@
 namespace refit {
 
 // Where a rank's components come from. Settings the components need from the environment (the
-// run secret, the mailbox's lanes and spin, the CPU plane's threads) are read once, by
-// default_services(), and captured here.
+// run secret, the mailbox's lanes and spin, the CPU plane's threads, the host identity, the run
+// id) are read once, by default_services(), and captured here: nothing below reads them again.
 struct RankServices {
   // (host, port, ranks): binds the store for `ranks` ranks (0 = any port, the server says which).
   std::function<Result<std::unique_ptr<StoreServer>>(const std::string& host, int port, int ranks)>
@@ -54,11 +54,21 @@ struct RankServices {
   // Whether the control plane is authenticated (the run has a secret): logged at setup.
   bool authenticated = false;
   // Which host this process is on (env::host_identity): peers on the same one can map each
-  // other's memory.
+  // other's memory. Published at setup and compared with the peers'.
   std::string host_identity;
+  // The run's id (REFIT_RUN_ID), which trainer rank 0 stores for every rank; nullopt: it makes
+  // one of its process id and the time.
+  std::optional<std::string> run_id;
 };
 // The real components, with this process's settings.
 Result<RankServices> default_services();
+// What Trainer::create and Engine::create use: the REFIT_* variables checked (a bad value is a
+// setup error, before joining) and default_services().
+Result<RankServices> services_from_environment();
+
+// The rank `self` names exists in `config` (trainer: below policy.world_size; engine: below
+// engine_ranks()); the error names the rank and the range.
+Status check_rank_in_config(const Config& config, const RankId& self);
 
 class RankCore {
  public:
@@ -73,6 +83,17 @@ class RankCore {
   const Endpoint& endpoint() const { return ep_; }
   std::chrono::milliseconds timeout() const { return cfg_.refit.timeout(); }
   RefitProbe& probe() { return services_.probe ? *services_.probe : RefitProbe::none(); }
+
+  // The owner's setup: runs `setup` through the failure latch, tells the adopted executor how long
+  // it took, and (once it succeeded) starts the peer watch (watch_peers).
+  Status set_up(const std::function<Status()>& setup);
+  // The executor the owner made: it gets the rank's probe, is aborted with the groups, and learns
+  // its setup time from set_up.
+  void adopt(ExecutorBase& executor);
+  // Which executors refit.executor chose (decided once, at construction).
+  const ExecutorKind& executor_kind() const { return kind_; }
+  // What a gather executor uses of this rank (after connect()).
+  GatherLinks gather_links();
 
   // Runs `body` through the failure latch (runtime/failure.h): a failure is traced to the run's
   // root cause, recorded, the collectives are closed, and every later call returns it.
@@ -136,11 +157,9 @@ class RankCore {
   // The transfer plan at setup: publishes this rank's host, reads each peer's, and says which
   // share it (each pair checked against refit.executor: check_pair_at_setup).
   Result<std::vector<bool>> same_host(const std::vector<RankId>& peers);
-  // Forms and holds the point-to-point group when the config needs one (needs_p2p_group);
-  // returns it, or null.
+  // Forms and holds the point-to-point group when the chosen executors need one
+  // (ExecutorKind::p2p_group); returns it, or null.
   Result<Communicator*> join_p2p();
-  // What else to abort with the groups (the executor's own collectives).
-  void on_abort(std::function<void()> abort) { abort_executor_ = std::move(abort); }
   // Wakes every call blocked in a collective of this rank (safe from another thread).
   void abort_collectives();
 
@@ -168,6 +187,7 @@ class RankCore {
   const RankId self_;
   const Endpoint ep_;
   RankServices services_;
+  const ExecutorKind kind_;
   std::unique_ptr<DataPlane> plane_;  // before every buffer and group made on it
   std::unique_ptr<StoreServer> server_;  // trainer rank 0
   std::unique_ptr<Store> store_;
@@ -180,7 +200,7 @@ class RankCore {
   RefitEpochs epochs_;
   mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread
   std::unique_ptr<Communicator> trainer_group_, p2p_group_;
-  std::function<void()> abort_executor_;
+  ExecutorBase* executor_ = nullptr;  // adopted: aborted with the groups
   std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;

@@ -9,7 +9,6 @@
 #include <memory>
 #include <optional>
 
-#include "common/env.h"
 #include "common/log.h"
 #include "common/timer.h"
 #include "control/messages.h"
@@ -28,18 +27,29 @@
 namespace refit {
 namespace {
 
+// What a trainer rank's view of the transfer plan holds, for the setup log.
+std::string plan_view_line(const RouteSetup& routes) {
+  const PlanView& v = routes.view;
+  std::size_t blocks = 0;  // the rectangles the routes stand for (a compact route: its count)
+  for (const PairPlan& p : v.pairs)
+    for (const Route& r : p.routes) blocks += static_cast<std::size_t>(r.count);
+  return fmt::format(
+      "transfer plan {}: this rank sends {} routes ({} blocks) to {} engine rank(s) in {} "
+      "round(s); its view holds {} bytes, derived in {:.3f} s",
+      v.identity_hex(), v.routes(), blocks, v.pairs.size(), v.rounds, v.heap_bytes(),
+      routes.seconds);
+}
+
 class TrainerImpl final : public Trainer {
  public:
-  TrainerImpl(const Config& cfg, int rank, const Endpoint& ep, RankServices services)
-      : core_(cfg, RankId::trainer(rank), ep, std::move(services)) {}
-  ~TrainerImpl() override { core_.stop_watching(); }
+  TrainerImpl(const Config& cfg, RankId self, const Endpoint& ep, RankServices services)
+      : core_(cfg, self, ep, std::move(services)) {}
+  ~TrainerImpl() override { core_.stop_watching(); }  // before the executor goes
 
+  // create_trainer: the model and this rank's shards, the shared core (rank 0 starts the store),
+  // the versions, the trainer group, the executor, and every engine's hello.
   Status init() {
-    Timer setup_timer;
-    Status st = core_.guarded([&] { return setup(); });
-    if (executor_) executor_->set_setup_seconds(setup_timer.seconds());
-    if (st.ok()) core_.watch_peers();
-    return st;
+    return core_.set_up([this] { return setup(); });
   }
 
   const std::vector<TensorSlot>& tensors() const override { return shards_.slots(); }
@@ -197,25 +207,8 @@ class TrainerImpl final : public Trainer {
       REFIT_ASSIGN_OR_RETURN(auto group, core_.join_group("trainer", rank, world));
       core_.hold(RankCore::Group::kTrainer, std::move(group));
     }
-    if (uses_transfer_plan(cfg)) {
-      REFIT_RETURN_IF_ERROR(setup_routes());
-    } else {
-      REFIT_ASSIGN_OR_RETURN(
-          executor_, GatherSender::create(GatherSenderOptions{
-                         .config = &cfg,
-                         .rank = rank,
-                         .model = model_.get(),
-                         .mailbox = &core_.mailbox(),
-                         .store = &core_.store(),
-                         .plane = &core_.plane(),
-                         .trainer_group = core_.group(RankCore::Group::kTrainer),
-                         .run_id = core_.run_id(),
-                         .join_group = [this](const char* name, int r, int size) {
-                           return core_.join_group(name, r, size);
-                         }}));
-    }
-    executor_->set_probe(&core_.probe());
-    core_.on_abort([e = executor_.get()] { e->abort(); });
+    REFIT_RETURN_IF_ERROR(core_.executor_kind().transfer_plan ? setup_routes() : setup_gather());
+    core_.adopt(*executor_);
     protocol_ = std::make_unique<TrainerRefitProtocol>(core_, *executor_);
     REFIT_RETURN_IF_ERROR(protocol_->attach(settings, model_->spec.total_parameters()));
     // Setup is complete on every trainer rank before the first refit.
@@ -230,21 +223,10 @@ class TrainerImpl final : public Trainer {
     const int rank = core_.self().rank;
     REFIT_ASSIGN_OR_RETURN(RouteSetup s, make_trainer_route_setup(cfg, model_->spec, rank));
     routes_ = std::make_unique<RouteSetup>(std::move(s));
-    {
-      const PlanView& v = routes_->view;
-      std::size_t blocks = 0;  // the rectangles the routes stand for (a compact route: its count)
-      for (const PairPlan& p : v.pairs)
-        for (const Route& r : p.routes) blocks += static_cast<std::size_t>(r.count);
-      const std::string line = fmt::format(
-          "transfer plan {}: this rank sends {} routes ({} blocks) to {} engine rank(s) in {} "
-          "round(s); its view holds {} bytes, derived in {:.3f} s",
-          v.identity_hex(), v.routes(), blocks, v.pairs.size(), v.rounds, v.heap_bytes(),
-          routes_->seconds);
-      if (rank == 0)
-        log::info("{}", line);
-      else
-        log::debug("{}: {}", core_.id(), line);
-    }
+    if (rank == 0)
+      log::info("{}", plan_view_line(*routes_));
+    else
+      log::debug("{}: {}", core_.id(), plan_view_line(*routes_));
     RouteSenderOptions o;
     o.config = &cfg;
     o.rank = rank;
@@ -257,6 +239,18 @@ class TrainerImpl final : public Trainer {
     REFIT_ASSIGN_OR_RETURN(o.target_same_host, core_.same_host(targets));
     REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p());
     REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
+    return Status::Ok();
+  }
+
+  // Gather: every bucket unsharded over the trainer group and delivered whole.
+  Status setup_gather() {
+    Communicator* unshard = core_.group(RankCore::Group::kTrainer);  // null with one rank
+    REFIT_ASSIGN_OR_RETURN(
+        executor_, GatherSender::create(GatherSenderOptions{.config = &core_.config(),
+                                                            .rank = core_.self().rank,
+                                                            .model = model_.get(),
+                                                            .trainer_group = unshard,
+                                                            .rank_links = core_.gather_links()}));
     return Status::Ok();
   }
 
@@ -297,18 +291,13 @@ class TrainerImpl final : public Trainer {
 
 Result<std::unique_ptr<Trainer>> create_trainer(const Config& config, int rank,
                                                 const Endpoint& endpoint, RankServices services) {
-  if (rank < 0 || rank >= config.policy.world_size)
-    return Status::InvalidArgument(fmt::format("trainer rank {} is outside policy.world_size {}",
-                                               rank, config.policy.world_size));
-  auto t = std::make_unique<TrainerImpl>(config, rank, endpoint, std::move(services));
-  REFIT_RETURN_IF_ERROR(t->init());
-  return std::unique_ptr<Trainer>(std::move(t));
+  return set_up_rank<Trainer, TrainerImpl>(config, RankId::trainer(rank), endpoint,
+                                           std::move(services));
 }
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const Config& config, int rank,
                                                  const Endpoint& endpoint) {
-  REFIT_RETURN_IF_ERROR(env::check());  // a bad REFIT_* value is a setup error, before joining
-  REFIT_ASSIGN_OR_RETURN(RankServices services, default_services());
+  REFIT_ASSIGN_OR_RETURN(RankServices services, services_from_environment());
   return create_trainer(config, rank, endpoint, std::move(services));
 }
 

@@ -400,3 +400,32 @@ def test_one_thread_at_a_time_and_closed_objects():
         ranks.trainer.refit(1)
     with pytest.raises(RuntimeError, match="after close"):
         ranks.engine.serve_one()
+
+
+def test_request_stop_from_another_thread_ends_serve_between_refits():
+    # serve() on its thread publishes a refit, then returns for request_stop() from this thread
+    # with the refits it published, without a shutdown; the session serves the next refit.
+    ranks = Ranks()
+    try:
+        ranks.register_all()
+        thread, box = ranks.serve_in_thread()
+        for a in ranks.shards.values():
+            a.fill(1.0)
+        ranks.trainer.refit(1)  # served by the serve() running on the thread
+        ranks.engine.request_stop()
+        thread.join(timeout=60)  # a bound against a hang only
+        assert not thread.is_alive(), "serve() did not return after request_stop()"
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 1
+        assert ranks.engine.session_ok
+        assert ranks.engine.weight_version == "step-1"
+        # The request was used up: the next refit is served.
+        served = threading.Thread(target=ranks.engine.serve_one)
+        served.start()
+        for a in ranks.shards.values():
+            a.fill(2.0)
+        ranks.trainer.refit(2)
+        served.join(timeout=60)
+        assert ranks.engine.weight_version == "step-2"
+    finally:
+        ranks.close()
