@@ -160,9 +160,9 @@ class Trainer {
   // chunk shapes; Megatron: Megatron names with TP/PP/EP shard shapes), in the policy dtype.
   virtual const std::vector<TensorSlot>& tensors() const = 0;
   // Registers the storage of local tensor `name` (contiguous, row-major; host memory with
-  // device: cpu, CUDA memory with device: cuda). Local: talks to no other rank. Registering a
-  // name again replaces its storage for the next refit. Errors name the tensor and the expected
-  // shape/dtype.
+  // device: cpu, CUDA memory with device: cuda). Local: talks to no other rank, except that an
+  // error is kept where the peers read it (note_error). Registering a name again replaces its
+  // storage for the next refit. Errors name the tensor and the expected shape/dtype.
   virtual Status register_tensor(const std::string& name, void* data, DType dtype,
                                  const std::vector<std::int64_t>& shape) = 0;
 
@@ -183,6 +183,19 @@ class Trainer {
   // Whether this rank can run another refit: false once a failure ended the session (every later
   // call returns that failure; re-create every rank to recover, docs/runtime.md).
   virtual bool session_ok() const = 0;
+  // Ends this rank's session with `cause`, a failure of the caller's own (an exception in its
+  // loop, a registration it could not fix): records it as the run's first failure with this rank
+  // as its origin (unless another rank's came first) and closes the collectives, so that every
+  // peer's current or next wait fails within 0.5 s naming this rank and `cause`, not only its
+  // silence after it exits. On trainer rank 0 the store then outlives the object until the others
+  // read it (at most 5 s). Returns the failure that ended the session (the first one, when one
+  // already had).
+  virtual Status fail(const Status& cause) = 0;
+  // Keeps `error`, a call of this rank that failed without ending the session (a refused
+  // registration), where the peers read it: should this process exit or stop before its next
+  // refit succeeds, they name it with this error, not only as gone. One store request; the
+  // registration calls keep their own errors this way.
+  virtual void note_error(const Status& error) = 0;
   // The last refit's stage times and bytes; the reference is valid until the next refit().
   virtual const RefitStats& last_stats() const = 0;
   // The plan: bytes of one copy of the model (target dtype), rounds of the transfer plan (buckets
@@ -313,6 +326,9 @@ class Engine {
   virtual void request_stop() = 0;
   // Whether this rank can serve another refit (see Trainer::session_ok).
   virtual bool session_ok() const = 0;
+  // See Trainer::fail and Trainer::note_error.
+  virtual Status fail(const Status& cause) = 0;
+  virtual void note_error(const Status& error) = 0;
   // This rank's side of the last refit it served (RefitStats); the reference is valid until the
   // next serve_one().
   virtual const RefitStats& last_stats() const = 0;

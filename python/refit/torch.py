@@ -289,8 +289,9 @@ class TorchTrainer:
     def shutdown(self) -> None:
         self.trainer.shutdown()
 
-    def close(self) -> None:
-        self.trainer.close()
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """refit.Trainer.close: with `error`, first recorded as this rank's failure."""
+        self.trainer.close(error)
 
     def __enter__(self) -> "TorchTrainer":
         return self
@@ -441,14 +442,15 @@ class HFEngine:
         """False when a failed refit may have torn the module's weights (weight_version is "")."""
         return self.engine.is_valid
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """refit.Engine.close: with `error`, first recorded as this rank's failure."""
+        self.engine.close(error)
 
     def __enter__(self) -> "HFEngine":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.close()
+        self.close(exc)
         return False
 
 

@@ -76,6 +76,29 @@ py::object make_exception(const Status& status) {
              process, recoverable);
 }
 
+Status status_from_exception(const py::handle& exc, const std::string& who) {
+  py::module_ common = py::module_::import("refit._common");
+  const std::string text = py::str(exc);
+  if (!py::isinstance(exc, common.attr("Error"))) {
+    const std::string type = py::str(py::type::handle_of(exc).attr("__name__"));
+    return Status::Internal(who + ": " + type + (text.empty() ? "" : ": " + text));
+  }
+  const auto code_id = py::str(exc.attr("code")).cast<std::string>();
+  const auto kind_id = py::str(exc.attr("kind_name")).cast<std::string>();
+  StatusCode code = StatusCode::kInternal;
+  for (int c = static_cast<int>(StatusCode::kInvalidArgument);
+       c <= static_cast<int>(StatusCode::kInternal); ++c)
+    if (code_id == status_code_id(static_cast<StatusCode>(c))) code = static_cast<StatusCode>(c);
+  FailureKind kind = FailureKind::kOther;
+  for (int k = static_cast<int>(FailureKind::kOther); k <= static_cast<int>(FailureKind::kProtocol);
+       ++k)
+    if (kind_id == failure_kind_name(static_cast<FailureKind>(k)))
+      kind = static_cast<FailureKind>(k);
+  py::object message = exc.attr("message");
+  return Status(code, message.is_none() ? text : py::str(message).cast<std::string>())
+      .with_kind(kind);
+}
+
 void raise_status(const Status& status) {
   py::object exc = make_exception(status);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());

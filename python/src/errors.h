@@ -41,6 +41,10 @@ class ErrorScope {
 const char* status_code_id(StatusCode code);
 bool is_setup_error(StatusCode code);
 
+// A Python exception object as a Status: a refit.Error keeps its code, message and kind; any
+// other exception is "<who>: <Type>: <text>" (code internal, kind other).
+Status status_from_exception(const pybind11::handle& exc, const std::string& who);
+
 // The refit.Error / refit.SetupError instance for `status` (not raised).
 pybind11::object make_exception(const Status& status);
 // Raises it: sets the Python error and throws pybind11::error_already_set.

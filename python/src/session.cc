@@ -71,6 +71,31 @@ std::string describe(py::error_already_set& e) {
   return text.empty() ? type : type + ": " + text;
 }
 
+// Runs a registration; an error it raises is also kept where the peers read it (note_error), so
+// that they name it should this process go before fixing it, then raised as it was.
+template <typename Rank, typename Fn>
+void noting_errors(Rank& rank, const std::string& who, Fn&& fn) {
+  try {
+    fn();
+  } catch (py::error_already_set& e) {
+    const Status st = status_from_exception(e.value(), who);
+    {
+      py::gil_scoped_release nogil;
+      rank.note_error(st);
+    }
+    throw;
+  }
+}
+
+// Ends the session of `rank` with `error` (a Python exception object) as its cause (Trainer::
+// fail): every peer then names this rank and the error, not its silence.
+template <typename Rank>
+void fail_with(Rank& rank, const py::handle& error, const std::string& who) {
+  const Status st = status_from_exception(error, who);
+  py::gil_scoped_release nogil;
+  (void)rank.fail(st);
+}
+
 // A Trainer or Engine is driven by one thread; a second concurrent call is refused.
 class CallGuard {
  public:
@@ -247,11 +272,13 @@ class PyTrainer {
   void register_tensor(const std::string& name, const py::object& tensor) {
     CallGuard guard(busy_, who_, "register", self_, [this] { return session_ok(); });
     Trainer& t = open("register");
-    registry_.add(
-        who_, /*writes=*/false, name, tensor,
-        [&](const std::string& n, void* data, DType dt, const std::vector<std::int64_t>& s) {
-          return t.register_tensor(n, data, dt, s);
-        });
+    noting_errors(t, who_, [&] {
+      registry_.add(
+          who_, /*writes=*/false, name, tensor,
+          [&](const std::string& n, void* data, DType dt, const std::vector<std::int64_t>& s) {
+            return t.register_tensor(n, data, dt, s);
+          });
+    });
   }
 
   void refit(int step, const std::optional<std::string>& version, bool verify) {
@@ -305,8 +332,10 @@ class PyTrainer {
     raise_if_error(st);
   }
 
-  void close() {
+  // `error` (an exception, or None): recorded first as this rank's failure (Trainer::fail).
+  void close(const py::object& error = py::none()) {
     CallGuard guard(busy_, who_, "close", self_, [this] { return session_ok(); });
+    if (trainer_ && !error.is_none()) fail_with(*trainer_, error, who_);
     {
       py::gil_scoped_release nogil;  // the C++ trainer holds no Python objects
       trainer_.reset();
@@ -314,10 +343,11 @@ class PyTrainer {
     registry_.clear();
   }
 
-  void exit(const py::object& exc_type) {
-    // A clean exit tells the engines no refit follows; after an exception the peers learn of the
-    // failure from the library (or their timeouts) and a collective shutdown could only wait.
-    if (trainer_ && !shut_down_ && exc_type.is_none()) {
+  void exit(const py::object& exc) {
+    // A clean exit tells the engines no refit follows. After an exception a collective shutdown
+    // could only wait: the exception is recorded as this rank's failure instead, which every
+    // peer's next wait reads (its session ends naming this rank and the exception).
+    if (trainer_ && !shut_down_ && exc.is_none()) {
       try {
         shutdown();
       } catch (...) {
@@ -325,7 +355,7 @@ class PyTrainer {
         throw;
       }
     }
-    close();
+    close(exc);
   }
 
   int rank() const { return rank_; }
@@ -395,11 +425,13 @@ class PyEngine {
   void register_param(const std::string& name, const py::object& tensor) {
     CallGuard guard(busy_, who_, "register", self_, [this] { return session_ok(); });
     Engine& e = open("register");
-    registry_.add(
-        who_, /*writes=*/true, name, tensor,
-        [&](const std::string& n, void* data, DType dt, const std::vector<std::int64_t>& s) {
-          return e.register_param(n, data, dt, s);
-        });
+    noting_errors(e, who_, [&] {
+      registry_.add(
+          who_, /*writes=*/true, name, tensor,
+          [&](const std::string& n, void* data, DType dt, const std::vector<std::int64_t>& s) {
+            return e.register_param(n, data, dt, s);
+          });
+    });
   }
 
   void set_pause(const py::object& fn) {
@@ -496,8 +528,10 @@ class PyEngine {
   }
   bool session_ok() { return engine_ && engine_->session_ok(); }
 
-  void close() {
+  // `error` (an exception, or None): recorded first as this rank's failure (Engine::fail).
+  void close(const py::object& error = py::none()) {
     CallGuard guard(busy_, who_, "close", self_, [this] { return session_ok(); });
+    if (engine_ && !error.is_none()) fail_with(*engine_, error, who_);
     std::unique_ptr<Engine> closing;
     {
       std::lock_guard lock(stop_mu_);
@@ -750,12 +784,16 @@ raises refit.Error on every trainer rank and leaves this True: the next refit() 
       .def("shutdown", &PyTrainer::shutdown, R"doc(
 Tells the engines this rank feeds that no refit follows and waits until they left. Collective.
 )doc")
-      .def("close", &PyTrainer::close,
-           "Destroys the rank and drops the registered tensors (no message to the peers).")
+      .def("close", &PyTrainer::close, py::arg("error") = py::none(), R"doc(
+Destroys the rank and drops the registered tensors (no message to the peers). With `error` (an
+exception), first ends the session with it as this rank's failure: every peer's current or next
+wait raises within about a second naming this rank and the error (trainer rank 0 keeps its store
+up until they read it), not only its silence. __exit__ does this with the exception that ended
+the with block.)doc")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
-           [](PyTrainer& t, const py::object& type, const py::object&, const py::object&) {
-             t.exit(type);
+           [](PyTrainer& t, const py::object&, const py::object& value, const py::object&) {
+             t.exit(value);
              return false;
            })
       .def("__repr__", [](PyTrainer& t) {
@@ -871,12 +909,14 @@ raises refit.Error and this stays True; serve() goes on.)doc")
           "registered",
           [](PyEngine& e, const std::string& name) { return e.registry().registered(name); },
           py::arg("name"), "The object registered for `name`, or None.")
-      .def("close", &PyEngine::close,
-           "Destroys the rank and drops the registered tensors (no message to the peers).")
+      .def("close", &PyEngine::close, py::arg("error") = py::none(), R"doc(
+Destroys the rank and drops the registered tensors (no message to the peers). With `error` (an
+exception), first ends the session with it as this rank's failure, as Trainer.close(error) does;
+__exit__ passes the exception that ended the with block.)doc")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
-           [](PyEngine& e, const py::object&, const py::object&, const py::object&) {
-             e.close();
+           [](PyEngine& e, const py::object&, const py::object& value, const py::object&) {
+             e.close(value);
              return false;
            })
       .def("__repr__", [](PyEngine& e) { return cat("refit.Engine(", e.who(), ")"); });

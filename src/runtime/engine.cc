@@ -40,7 +40,10 @@ class EngineImpl final : public Engine {
   const std::vector<TensorSlot>& params() const override { return weights_->params().slots(); }
   Status register_param(const std::string& name, void* data, DType dtype,
                         const std::vector<std::int64_t>& shape) override {
-    REFIT_RETURN_IF_ERROR(weights_->register_param(name, data, dtype, shape));
+    if (Status st = weights_->register_param(name, data, dtype, shape); !st.ok()) {
+      core_.note_error(st);  // named by the peers should this process go before fixing it
+      return st;
+    }
     executor_->invalidate();  // copy lists hold the registered addresses
     return Status::Ok();
   }
@@ -70,6 +73,8 @@ class EngineImpl final : public Engine {
   std::string weight_version() const override { return weights_->version().label(); }
   bool is_valid() const override { return weights_->version().valid(); }
   bool session_ok() const override { return core_.session_ok(); }
+  Status fail(const Status& cause) override { return core_.fail(cause); }
+  void note_error(const Status& error) override { core_.note_error(error); }
   const RefitStats& last_stats() const override { return protocol_->last_stats(); }
 
   // A refit whose bytes all landed but did not arrive intact or failed verification is a failed
@@ -89,6 +94,8 @@ class EngineImpl final : public Engine {
       return st;
     }
     if (!served.refit.ok()) return served.refit;
+    // A refit committed: nothing of this rank's earlier errors is left to name.
+    if (!served.shutdown && !served.stopped) core_.forget_noted_error();
     return !served.shutdown && !served.stopped;
   }
 

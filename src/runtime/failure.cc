@@ -37,6 +37,8 @@ FailureOrigin failure_of(const RankId& who, const Status& status) {
       .rank = who, .code = status.code(), .kind = status.kind(), .error = status.to_string()};
 }
 
+std::string noted_error_key(const RankId& who) { return "error/rank/" + who.mailbox(); }
+
 void announce_failure(Store* store, const FailureOrigin& failure) {
   if (store == nullptr) return;
   auto n = store->add("error/count", 1);
@@ -209,11 +211,17 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
     // A failed request: the connection is gone (fatal), or the store is slow (fatal only after
     // kPeerSilence without an answer; else this round is skipped).
     const auto failed = [&](const Status& why) {
-      if (why.code() != StatusCode::kTimeout)
-        return Status::Aborted(fmt::format("lost the control plane (the store of trainer rank "
-                                           "0): {}",
-                                           why.to_string()))
-            .with_kind(FailureKind::kPeerLost);
+      if (why.code() != StatusCode::kTimeout) {
+        // Blamed on the store's host: its process is gone or cut off (had it failed on its own,
+        // its store would have outlived it until this rank read why: linger_after_failure).
+        const FailureOrigin o{
+            .rank = store_host,
+            .code = StatusCode::kAborted,
+            .kind = FailureKind::kPeerLost,
+            .error = fmt::format("lost the control plane (the store it hosts; seen by {}): {}",
+                                 who.name(), why.to_string())};
+        return Status::Aborted("aborted because " + o.describe()).with_origin(o);
+      }
       if (Clock::now() - *answered >= kPeerSilence) return silent(why);
       return Status::Ok();
     };
@@ -245,17 +253,26 @@ std::function<Status()> liveness_check(Store& store, const RankId& who,
       const RankId& peer = it->second;
       // Closed: the kernel closed its connections (it exited or was killed), told at once.
       // Otherwise its heartbeat stood still with the connection open.
-      const std::string how =
-          s.closed ? fmt::format("exited: its connection to the control plane closed without "
-                                 "leaving (seen by {}; the process exited or was killed)",
+      const char* state = s.closed ? "exited" : "stopped";
+      const std::string detail =
+          s.closed ? fmt::format("its connection to the control plane closed without leaving "
+                                 "(seen by {}; the process exited or was killed)",
                                  who.name())
-                   : fmt::format("stopped: no heartbeat for {:.1f} s (seen by {}; the process is "
-                                 "stopped, hung or cut off)",
+                   : fmt::format("no heartbeat for {:.1f} s (seen by {}; the process is stopped, "
+                                 "hung or cut off)",
                                  std::chrono::duration<double>(s.age).count(), who.name());
-      const FailureOrigin gone{.rank = peer,
-                               .code = StatusCode::kAborted,
-                               .kind = FailureKind::kPeerLost,
-                               .error = "aborted: " + how};
+      // The error it kept before it went (a refused registration), when it kept one.
+      std::string noted_error;
+      if (auto noted = store.try_get(noted_error_key(peer));
+          noted.ok() && noted->has_value() && !(*noted)->empty())
+        noted_error = fmt::format(" after its error: {};", read_record(**noted).error);
+      const FailureOrigin gone{
+          .rank = peer,
+          .code = StatusCode::kAborted,
+          .kind = FailureKind::kPeerLost,
+          .error = noted_error.empty()
+                       ? fmt::format("aborted: {}: {}", state, detail)
+                       : fmt::format("aborted: {}{} {}", state, noted_error, detail)};
       announce_failure(&store, gone);
       // The same words as every rank that reads the record: one line to grep for, whoever saw it.
       return Status::Aborted("aborted because " + gone.describe()).with_origin(gone);

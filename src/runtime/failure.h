@@ -32,6 +32,10 @@ struct Config;
 void announce_failure(Store* store, const FailureOrigin& failure);
 // `status`, seen on `who`, as the record announce_failure stores.
 FailureOrigin failure_of(const RankId& who, const Status& status);
+// Where rank `who` keeps an error of its own that did not end its session (RankCore::
+// note_error): a failure record, or "" once a refit of that rank succeeded. The liveness check
+// names it when that rank exits or stops.
+std::string noted_error_key(const RankId& who);
 
 // Heartbeats: every rank adds 1 to "heartbeat/<its mailbox id>" every kHeartbeatInterval from a
 // thread of its own, for as long as it lives (a stopped or hung process stops beating; a busy one
@@ -125,8 +129,10 @@ std::vector<RankId> rank_ids(const Config& config);
 //  - another process recorded the run's first failure;
 //  - the store (hosted by trainer rank 0) does not answer a ping within kPeerSilence, which is
 //    blamed on trainer rank 0;
-//  - one of `peers` beat at least once and then not for kPeerSilence. This is recorded as that
-//    peer's failure ("<peer>: stopped: no heartbeat for 5.0 s (seen by <who>)").
+//  - one of `peers` beat at least once and then not for kPeerSilence, or its connections closed
+//    without leaving. This is recorded as that peer's failure ("<peer>: aborted: stopped: no
+//    heartbeat for 5.0 s (seen by <who>; ...)", or "exited: ..."), with the error it kept under
+//    noted_error_key(peer) when it kept one ("exited after its error: <error>; ...").
 // Call it every few hundred ms. A check costs two store requests (a ping, and one Store::watch
 // that reads the first failure and asks the store for every heartbeat that stood still), and
 // neither request nor answer grows with the number of live ranks: the store keeps when each

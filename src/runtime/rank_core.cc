@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/timer.h"
 #include "control/auth.h"
+#include "control/messages.h"
 #include "executor/routes.h"
 #include "plane/groups.h"
 
@@ -85,9 +86,10 @@ namespace {
 
 // Trainer rank 0 hosts the store. When its session failed, the others still have to read the
 // run's root cause there (error/first, which their next liveness check reads within 0.5 s); a
-// store gone with its host would leave them only "lost the control plane". So the store stays up
-// until every other rank left or fell silent for a second (it exited or stopped), at most
-// kPeerSilence.
+// store gone with its host would leave them only "lost the control plane", and a rank still
+// starting only "cannot reach the store server". So the store stays up until every other rank
+// left, exited or fell silent for a second, at most kPeerSilence (also while a rank has not
+// joined yet).
 void linger_after_failure(const RankServices& services, const std::string& host, int port,
                           const Config& cfg, const RankId& self) {
   if (!services.connect_store) return;
@@ -107,8 +109,10 @@ void linger_after_failure(const RankServices& services, const std::string& host,
     Result<Store::Watched> w = (*own)->watch(keys, "heartbeat/", std::chrono::seconds(1));
     if (!w.ok()) return;
     std::size_t gone = 0;
+    // A rank that never joined may still be starting (an engine launched after the trainers):
+    // it reads the cause at its setup, so it is waited for too, until kPeerSilence.
     for (const std::optional<std::string>& v : w->values)
-      if (!v || *v == "left") ++gone;  // never joined, or left
+      if (v && *v == "left") ++gone;
     for (const Store::Stale& k : w->stale)  // exited or stopped (not this rank's own)
       if (std::find(keys.begin(), keys.end(), k.key) != keys.end()) ++gone;
     if (gone >= keys.size()) break;
@@ -161,6 +165,22 @@ Status RankCore::guarded(const std::function<Status()>& body) {
         // Before the heartbeat exists (early setup) there is no watch to wait for.
         return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no heartbeat watch yet");
       });
+}
+
+Status RankCore::fail(const Status& cause) {
+  if (!latch_.status().ok()) return latch_.status();
+  return latch_.guard([&] { return cause; }, probe_store_.get(), self_,
+                      [this] { abort_collectives(); });
+}
+
+void RankCore::note_error(const Status& error) {
+  if (!probe_store_ || error.ok()) return;
+  noted_ = probe_store_->set(noted_error_key(self_), encode_failure(failure_of(self_, error))).ok();
+}
+
+void RankCore::forget_noted_error() {
+  if (!noted_ || !probe_store_) return;
+  noted_ = !probe_store_->set(noted_error_key(self_), "").ok();
 }
 
 Status RankCore::connect() {

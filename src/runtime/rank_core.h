@@ -100,6 +100,13 @@ class RankCore {
   Status guarded(const std::function<Status()>& body);
   bool session_ok() const { return latch_.status().ok(); }
   const Status& failure() const { return latch_.status(); }
+  // Engine/Trainer::fail: ends the session with the caller's own `cause`, recorded as this
+  // rank's failure (no wait for the heartbeat watch: the cause is known).
+  Status fail(const Status& cause);
+  // Engine/Trainer::note_error: keeps `error` under noted_error_key(self) for the peers' liveness
+  // checks, until forget_noted_error() (a refit of this rank succeeded).
+  void note_error(const Status& error);
+  void forget_noted_error();
 
   // Setup of everything shared: the data plane on the rank's device, the store (trainer rank 0
   // starts it), the liveness connections and heartbeat, the run id, the mailbox, and the probe's
@@ -197,6 +204,7 @@ class RankCore {
   std::string run_id_;
   std::int64_t refit_store_requests_ = 0, refit_mailbox_messages_ = 0;  // RefitScope
   FailureLatch latch_;
+  bool noted_ = false;  // an error is kept under noted_error_key(self_)
   RefitEpochs epochs_;
   mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread
   std::unique_ptr<Communicator> trainer_group_, p2p_group_;

@@ -56,7 +56,10 @@ class TrainerImpl final : public Trainer {
 
   Status register_tensor(const std::string& name, void* data, DType dtype,
                          const std::vector<std::int64_t>& shape) override {
-    REFIT_RETURN_IF_ERROR(shards_.add(name, data, dtype, shape));
+    if (Status st = shards_.add(name, data, dtype, shape); !st.ok()) {
+      core_.note_error(st);  // named by the peers should this process go before fixing it
+      return st;
+    }
     // Copy lists hold the registered addresses: rebuild them at the next refit.
     executor_->invalidate();
     return Status::Ok();
@@ -90,12 +93,17 @@ class TrainerImpl final : public Trainer {
       return Status::Ok();
     });
     if (!st.ok()) return st;
-    if (failed.ok()) published_.emplace(version, step);
+    if (failed.ok()) {
+      published_.emplace(version, step);
+      core_.forget_noted_error();
+    }
     return failed;
   }
 
   const RefitStats& last_stats() const override { return stats_; }
   bool session_ok() const override { return core_.session_ok(); }
+  Status fail(const Status& cause) override { return core_.fail(cause); }
+  void note_error(const Status& error) override { core_.note_error(error); }
 
   Result<double> raw_pass() {
     double secs = 0;

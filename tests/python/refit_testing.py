@@ -361,3 +361,72 @@ class Ranks:
     def close(self):
         self.trainer.close()
         self.engine.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks that fail on their own, as real processes (tests/python/test_faults.py). Each reports
+# (role, rank, "error" | "ok", message) on `out` before it goes.
+
+
+def faulty_engine_main(cfg_yaml: str, port: int, fault: str, out) -> None:
+    """Engine rank 0 that registers its parameters and then:
+    - "register_in_with": registers one of them as float32 inside `with refit.Engine(...)`: the
+      SetupError leaves the block (recorded as this rank's failure) and the process ends;
+    - "register_then_crash": registers one as float32 outside any with block, then the process
+      dies on the spot (os._exit), as a script whose exception was not handled;
+    - "killed_in_refit": SIGKILLs itself in its pause hook, during the first refit."""
+    import signal
+
+    cfg = refit.Config.from_yaml(cfg_yaml)
+    try:
+        if fault == "register_then_crash":
+            engine = refit.Engine(cfg, 0, master_port=port)
+            p = engine.params[0]
+            try:
+                engine.register(p.name, np.zeros(p.shape, np.float32))
+            except refit.Error as e:
+                out.put(("engine", 0, "error", f"{type(e).__name__}: {e}"))
+            out.close()
+            out.join_thread()  # the report is sent before the process dies
+            os._exit(3)
+        with refit.Engine(cfg, 0, master_port=port) as engine:
+            params = {p.name: np.zeros(p.shape, np.uint16) for p in engine.params}
+            if fault == "register_in_with":
+                params[engine.params[0].name] = np.zeros(engine.params[0].shape, np.float32)
+            for name, a in params.items():
+                engine.register(name, a)
+            if fault == "killed_in_refit":
+                engine.on_pause(lambda: os.kill(os.getpid(), signal.SIGKILL))
+            engine.serve()
+        out.put(("engine", 0, "ok", ""))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put(("engine", 0, "error", f"{type(e).__name__}: {e}"))
+
+
+def failing_trainer_main(cfg_yaml: str, rank: int, port: int, out) -> None:
+    """Trainer rank `rank` that registers its shards and then raises in its own training step,
+    inside `with refit.Trainer(...)`: the exception is recorded as this rank's failure."""
+    cfg = refit.Config.from_yaml(cfg_yaml)
+    try:
+        with refit.Trainer(cfg, rank, master_port=port) as trainer:
+            for s in trainer.tensors:
+                trainer.register(s.name, np.zeros(s.shape, np.float32))
+            raise RuntimeError("the loss diverged at step 3")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put(("trainer", rank, "error", f"{type(e).__name__}: {e}"))
+
+
+def setup_trainer_main(cfg_yaml: str, rank: int, port: int, out) -> None:
+    """Trainer rank `rank` that sets up, registers and runs one refit; reports the exception it
+    raised as (class name, message, rank, role)."""
+    cfg = refit.Config.from_yaml(cfg_yaml)
+    try:
+        with refit.Trainer(cfg, rank, master_port=port) as trainer:
+            for s in trainer.tensors:
+                trainer.register(s.name, np.zeros(s.shape, np.float32))
+            trainer.refit(1)
+        out.put(("trainer", rank, "ok", None))
+    except refit.Error as e:
+        out.put(("trainer", rank, "error", (type(e).__name__, str(e), e.rank, e.role)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put(("trainer", rank, "error", (type(e).__name__, str(e), None, None)))

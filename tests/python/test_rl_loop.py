@@ -6,6 +6,7 @@ refused."""
 
 import builtins
 import pickle
+import re
 import threading
 import time
 
@@ -189,6 +190,11 @@ def test_an_engine_late_to_a_refit_keeps_its_weights_and_resumes():
         trainer_thread.join(60)
         assert failed and isinstance(failed[0], refit.Error), failed
         assert "engine 0 tp rank 0" in str(failed[0]), str(failed[0])
+        # The origin is the rank whose wait ran out (trainer rank 0, which recorded the refit's
+        # failure in flight); the text names the engine rank that did not pause.
+        assert (failed[0].role, failed[0].rank) == ("trainer", 0), str(failed[0])
+        assert type(failed[0]) is refit.TimeoutError, (type(failed[0]), str(failed[0]))
+        assert "waiting for the engines' pause from engine 0 tp rank 0" in str(failed[0])
         assert failed[0].recoverable is True and ranks.trainer.session_ok
         assert engine_side.value.recoverable is True and ranks.engine.session_ok
         assert ranks.engine.is_valid, "no byte was written, yet the weights were called invalid"
@@ -221,3 +227,46 @@ def test_engine_last_stats_gives_the_engine_side_of_the_last_refit():
     finally:
         ranks.trainer.close()
         ranks.engine.close()
+
+
+def test_store_port_0_picks_a_free_port_reported_as_property_and_log(capfd):
+    """master_port=0 on trainer rank 0: the system picks the port; rank 0 logs it (the line a
+    launcher reads to start the other ranks) and `store_port` returns it."""
+    cfg = refit.Config.from_dict(
+        {"model": "tiny-qwen3", "policy": {"world_size": 1},
+         "generation": {"backend": "sglang", "tp_size": 1}, "refit": {"timeout_s": 20}}
+    )
+    box: dict = {}
+
+    def trainer_rank_0():
+        try:
+            box["trainer"] = refit.Trainer(cfg, 0, master_port=0)
+        except refit.Error as e:  # reported to the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=trainer_rank_0)
+    t.start()
+    engine = None
+    try:
+        # Rank 0 waits for its engine; the engine needs the port from rank 0's log line.
+        logged = ""
+        port = None
+        for _ in range(300):  # at most 30 s
+            logged += capfd.readouterr().err
+            m = re.search(r"give the other ranks REFIT_PORT=(\d+)\)", logged)
+            if m:
+                port = int(m.group(1))
+                break
+            time.sleep(0.1)
+        assert port is not None, logged
+        assert f"store on 127.0.0.1:{port} (port 0: the system chose it" in logged, logged
+        engine = refit.Engine(cfg, 0, master_port=port)
+        t.join(60)
+        assert "error" not in box, box.get("error")
+        assert box["trainer"].store_port == port != 0
+    finally:
+        t.join(60)
+        if "trainer" in box:
+            box["trainer"].close()
+        if engine is not None:
+            engine.close()
