@@ -1,10 +1,8 @@
 #include "executor/route_sender.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
-#include <map>
 
 #include "common/log.h"
 #include "common/timer.h"
@@ -12,11 +10,16 @@
 
 namespace refit {
 
-RouteSender::RouteSender(const RouteSenderOptions& o) : o_(o) {
+RouteSender::RouteSender(const RouteSenderOptions& o)
+    : o_(o),
+      delta_({.config = o.config,
+              .rank = o.rank,
+              .setup = o.setup,
+              .plane = o.plane,
+              .targets = o.targets}) {
   const int tp = o_.config->generation.tp_size;
   for (int g : o_.targets) targets_.push_back(RankId::engine(g, tp));
   for (int g = 0; g < o_.config->engine_ranks(); ++g) all_engines_.push_back(RankId::engine(g, tp));
-  delta_.resize(targets_.size());
 }
 
 Result<std::unique_ptr<RouteSender>> RouteSender::create(const RouteSenderOptions& o) {
@@ -110,12 +113,12 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   std::vector<std::pair<Route, std::size_t>> routes;  // one member each, target index
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
     if (modes_[i] != PairExecutor::kPeer) continue;
-    if (tracks(i)) {  // the pair's delta lists write the mapped parameters (patch)
+    // The pair's delta lists write the mapped parameters (patch).
+    if (delta_.tracks(PairExecutor::kPeer)) {
       const Mapped& m = mapped_.at(i);
-      const std::vector<void*> params(m.params.begin(), m.params.end());
-      for (int k = 0; k < view.rounds; ++k) build_delta_round(i, k, shards, nullptr, &params);
+      delta_.build_peer_lists(i, shards, std::vector<void*>(m.params.begin(), m.params.end()));
     }
-    if (delta_[i].use) continue;  // patched, not copied
+    if (delta_.sends_delta(i)) continue;  // patched, not copied
     const PairPlan* pair = view.pair_with(o_.targets[i]);
     if (pair == nullptr) continue;
     for (const Route& r : pair->routes)
@@ -155,18 +158,7 @@ Status RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   const auto rounds = static_cast<std::size_t>(view.rounds);
   pack_runs_.assign(rounds, {});
   send_ops_.assign(rounds, {});
-  size_ops_.assign(rounds, {});
-  delta_sends_.assign(rounds, {});
-  full_words_.assign(rounds, {});
-  // The kept targets' lists of each round, read from the shards (FP8: rebuilt below from the
-  // packed segments): what a capture reads, and what a stream of them takes at most.
-  for (std::size_t i = 0; i < targets_.size(); ++i)
-    if (modes_[i] == PairExecutor::kP2p && tracks(i))
-      for (int k = 0; k < view.rounds; ++k) build_delta_round(i, k, shards, nullptr, nullptr);
-  auto capacity = [&](std::size_t i, std::size_t k) {
-    return k < delta_[i].rounds.size() ? delta_stream_capacity(delta_[i].rounds[k].routes)
-                                       : std::size_t{0};
-  };
+  delta_.lay_out(rounds, shards, modes_);
   // Where each pair's segment and stream of each round start in the round's slot, and which
   // rounds send.
   std::vector<std::int64_t> next(rounds, 0);
@@ -179,12 +171,12 @@ Status RouteSender::build_pack_runs(const std::vector<void*>& shards) {
     const auto i = static_cast<std::size_t>(it - o_.targets.begin());
     target_of[q] = i;
     const bool p2p = modes_[i] == PairExecutor::kP2p;
-    const bool use = p2p && delta_[i].use;
+    const bool use = p2p && delta_.sends_delta(i);
     for (std::size_t k = 0; k < pair.round_bytes.size(); ++k) {
       base[q].push_back(next[k]);
       if (!use || fp8) next[k] += aligned_segment_bytes(pair.round_bytes[k]);
       stream[q].push_back(next[k]);
-      if (use) next[k] += aligned_segment_bytes(static_cast<std::int64_t>(capacity(i, k)));
+      if (use) next[k] += aligned_segment_bytes(static_cast<std::int64_t>(delta_.capacity(i, k)));
       if (p2p) sends[k] = true;
     }
   }
@@ -192,53 +184,34 @@ Status RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   for (std::int64_t n : next) need = std::max(need, n);
   if (staging_.empty() || staging_.front()->size() < static_cast<std::size_t>(need)) {
     staging_.clear();
-    size_words_.clear();
+    delta_.drop_slots();
     for (int s = 0; s < cfg.refit.num_buffers; ++s) {
       REFIT_ASSIGN_OR_RETURN(auto buf, o_.plane->allocate(static_cast<std::size_t>(need)));
       staging_.push_back(std::move(buf));
-      REFIT_ASSIGN_OR_RETURN(auto words,
-                             o_.plane->allocate(8 * std::max<std::size_t>(targets_.size(), 1)));
-      size_words_.push_back(std::move(words));
+      REFIT_RETURN_IF_ERROR(delta_.add_slot());
     }
   }
   std::vector<std::byte*> slot(rounds, nullptr), words(rounds, nullptr);
   std::size_t used = 0;  // rounds with sends so far
   for (std::size_t k = 0; k < rounds; ++k)
     if (sends[k]) {
-      words[k] = size_words_[used % size_words_.size()]->data();
+      words[k] = delta_.slot_words(used);
       slot[k] = staging_[used++ % staging_.size()]->data();
     }
   for (std::size_t q = 0; q < view.pairs.size(); ++q) {
     const PairPlan& pair = view.pairs[q];
     const std::size_t i = target_of[q];
     if (modes_[i] != PairExecutor::kP2p) continue;
-    const DeltaPair& d = delta_[i];
-    const bool use = d.use, worded = d.offer.has_value();
+    const bool use = delta_.sends_delta(i);
     const int peer = p2p_rank_of_engine(cfg, pair.engine);
     for (std::size_t k = 0; k < pair.round_bytes.size(); ++k) {
-      std::byte* word = words[k] + 8 * i;
-      if (worded) {
-        size_ops_[k].push_back(
-            P2POp{.kind = P2POp::Kind::kSend, .peer = peer, .buf = word, .bytes = 8});
-        if (!use) full_words_[k].push_back(word);
-      }
-      if (fp8 && tracks(i))  // FP8: the lists read the packed codes
-        build_delta_round(i, static_cast<int>(k), shards, slot[k] + base[q][k], nullptr);
-      if (!use) {
-        send_ops_[k].push_back(P2POp{.kind = P2POp::Kind::kSend,
-                                     .peer = peer,
-                                     .buf = slot[k] + base[q][k],
-                                     .bytes = static_cast<std::size_t>(pair.round_bytes[k])});
+      if (delta_.lay_out_round(i, k, peer, words[k] + 8 * i, slot[k] + base[q][k],
+                               slot[k] + stream[q][k], shards, send_ops_[k]))
         continue;
-      }
-      delta_sends_[k].push_back(DeltaSend{.target = i,
-                                          .stream = slot[k] + stream[q][k],
-                                          .capacity = capacity(i, k),
-                                          .size_word = word,
-                                          .op = send_ops_[k].size()});
-      // The stream's size is set once it is encoded.
-      send_ops_[k].push_back(P2POp{
-          .kind = P2POp::Kind::kSend, .peer = peer, .buf = slot[k] + stream[q][k], .bytes = 0});
+      send_ops_[k].push_back(P2POp{.kind = P2POp::Kind::kSend,
+                                   .peer = peer,
+                                   .buf = slot[k] + base[q][k],
+                                   .bytes = static_cast<std::size_t>(pair.round_bytes[k])});
     }
     if (use && !fp8) continue;  // encoded from the shards: nothing packed
     for_each_slice(view, pair, [&](const Route& s) {
@@ -262,232 +235,6 @@ Status RouteSender::build_pack_runs(const std::vector<void*>& shards) {
     });
   }
   return Status::Ok();
-}
-
-// ---- refit.delta ----
-
-// Whether this rank keeps a copy of what it sends target i (refit.delta on or auto). FP8 weights
-// reach the encoder only through the p2p staging segment (a quantization is not a cast), so a
-// peer pair with FP8 weights moves in full.
-bool RouteSender::tracks(std::size_t i) const {
-  if (o_.config->refit.delta == DeltaMode::kOff) return false;
-  return !(o_.setup->wire().fp8 && i < modes_.size() && modes_[i] == PairExecutor::kPeer);
-}
-
-// Refits in full after which `auto` tries a delta again, to measure the pair's density anew.
-constexpr int kAutoProbeEvery = 8;
-
-// Whether this rank would send target i a delta this refit, before the engine's offer: refit.delta
-// on, or auto where predicted faster, with a base kept.
-bool RouteSender::wants_delta(std::size_t i) {
-  DeltaPair& d = delta_[i];
-  const DeltaMode mode = o_.config->refit.delta;
-  if (mode == DeltaMode::kOff || d.version.empty()) return false;
-  // auto: the first delta measures the pair's density.
-  if (mode == DeltaMode::kOn || d.density < 0 || d.link_bytes_per_s <= 0) return true;
-  // The delta's bytes as the last one measured them (its density, and how far its changes moved:
-  // a prediction from the density alone assumes one-step changes), its encode at the rate
-  // measured then; the full refit's bytes at the link's rate.
-  std::int64_t elements = 0;
-  const std::int64_t full = delta_full_bytes(d.all.routes);
-  for (const DeltaRoute& r : d.all.routes) elements += r.elements();
-  const double encode_s =
-      d.encode_elems_per_s > 0 ? static_cast<double>(elements) / d.encode_elems_per_s : 0.0;
-  const double delta_s = static_cast<double>(d.last_wire_bytes) / d.link_bytes_per_s + encode_s;
-  const double full_s = static_cast<double>(full) / d.link_bytes_per_s;
-  const bool want = delta_s < full_s || d.full_since_delta >= kAutoProbeEvery;
-  log::debug(
-      "trainer rank {}: refit.delta auto for engine rank {}: density {:.4f}, link {:.1f} "
-      "MB/s: delta {:.3f} s ({} bytes) against full {:.3f} s ({} bytes): {}",
-      o_.rank, o_.targets[i], d.density, d.link_bytes_per_s / 1e6, delta_s, d.last_wire_bytes,
-      full_s, full, want ? "delta" : "full");
-  return want;
-}
-
-// Per target, once its executor is known: a delta iff this rank wants one, the engine rank
-// offered the base of the version this rank kept, moved by the same executor, and (point to
-// point) the digest of what it holds equals this rank's. Every other pair moves in full, and the
-// log says why.
-Status RouteSender::decide_delta(int step) {
-  std::map<std::string, std::vector<int>> full;  // why -> engine ranks
-  for (std::size_t i = 0; i < targets_.size(); ++i) {
-    DeltaPair& d = delta_[i];
-    d.use = false;
-    const bool p2p = modes_[i] == PairExecutor::kP2p;
-    if (d.offer && (!tracks(i) || d.offer->digest.has_value() != p2p))
-      return Status::Corruption(fmt::format(
-          "trainer rank {}: engine rank {} offered a delta base as a {} pair; this rank moves "
-          "the pair by {}{}",
-          o_.rank, o_.targets[i], d.offer->digest ? "point-to-point" : "peer-access",
-          p2p ? "point to point" : "peer access", tracks(i) ? "" : " and keeps no base for it"));
-    if (!tracks(i)) continue;
-    std::uint64_t sum = 0;
-    for (std::uint64_t x : d.digest) sum += x;
-    std::string why;
-    if (d.version.empty())
-      why = "this rank keeps no base for them (the first refit, or a failed one since)";
-    else if (!d.wanted)
-      why = "refit.delta auto predicts them faster in full";
-    else if (!d.offer)
-      why = "they offered no base (their logs say why)";
-    else if (d.offer->version != d.version)
-      why = fmt::format("they hold weight version '{}', this rank kept '{}'", d.offer->version,
-                        d.version);
-    else if (d.kept_by != modes_[i])
-      why = "this rank's kept copy moved by another executor";
-    else if (p2p && *d.offer->digest != digest_hex(sum))
-      why = fmt::format("they hold digest {} of weight version '{}', this rank kept {}",
-                        *d.offer->digest, d.version, digest_hex(sum));
-    if (why.empty()) {
-      d.use = true;
-      continue;
-    }
-    full[why].push_back(o_.targets[i]);
-  }
-  for (const auto& [why, engines] : full)
-    log::info(
-        "trainer rank {}: refit.delta: step {}: engine rank(s) {}: {}: their routes move "
-        "in full",
-        o_.rank, step, fmt::join(engines, ", "), why);
-  return Status::Ok();
-}
-
-std::int64_t RouteSender::pair_bytes(std::size_t i) const {
-  const PairPlan* pair = o_.setup->view.pair_with(o_.targets[i]);
-  return pair != nullptr ? pair->bytes : 0;
-}
-
-Status RouteSender::ensure_kept(std::size_t i) {
-  DeltaPair& d = delta_[i];
-  if (d.kept) return Status::Ok();
-  d.all = trainer_delta_routes(*o_.setup, o_.config->policy.dtype, o_.rank, o_.targets[i],
-                               DeltaSource::kShards, nullptr, nullptr, nullptr);
-  const std::int64_t bytes = assign_kept_offsets(d.all.routes);
-  REFIT_ASSIGN_OR_RETURN(
-      d.kept, o_.plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(bytes, 16))));
-  d.digest.assign(static_cast<std::size_t>(o_.setup->view.rounds), 0);
-  return Status::Ok();
-}
-
-// Target i's routes of `round`, read from `shards` or (FP8) the packed `segment`, written to
-// `params` (peer access) or nowhere; each keeps the kept offset of the pair's list.
-void RouteSender::build_delta_round(std::size_t i, int round, const std::vector<void*>& shards,
-                                    const std::byte* segment, const std::vector<void*>* params) {
-  DeltaPair& d = delta_[i];
-  if (!d.kept) return;  // a bare pass before any refit: nothing kept yet
-  d.rounds.resize(static_cast<std::size_t>(o_.setup->view.rounds));
-  PairDeltaRoutes list =
-      trainer_delta_routes(*o_.setup, o_.config->policy.dtype, o_.rank, o_.targets[i],
-                           segment != nullptr ? DeltaSource::kSegment : DeltaSource::kShards,
-                           &shards, segment, params, round);
-  for (DeltaRoute& r : list.routes) r.kept = d.all.routes[r.tag].kept;
-  d.rounds[static_cast<std::size_t>(round)] = std::move(list);
-}
-
-DeltaOptions RouteSender::delta_options(const PairDeltaRoutes& list) const {
-  DeltaOptions opts;
-  opts.describe = list.describe();
-  return opts;
-}
-
-Status RouteSender::encode_round(std::size_t i, int round, std::byte* out, std::size_t capacity,
-                                 std::size_t* bytes) {
-  DeltaPair& d = delta_[i];
-  const auto k = static_cast<std::size_t>(round);
-  const PairDeltaRoutes& list = d.rounds[k];
-  Timer t;
-  Result<DeltaResult> r = o_.plane->delta_encode(list.routes, d.kept->data(), out, capacity,
-                                                 d.digest[k], delta_options(list));
-  if (!r.ok())
-    return r.status().with_context(
-        fmt::format("trainer rank {}: the delta to engine rank {}, "
-                    "round {}",
-                    o_.rank, o_.targets[i], round));
-  const double secs = t.seconds();
-  d.digest[k] += r->digest_delta;
-  d.refit_elements += r->elements;
-  d.refit_changed += r->changed;
-  d.refit_encode_s += secs;
-  d.refit_wire_bytes += static_cast<std::int64_t>(r->stream_bytes) + 8;  // and its size word
-  delta_traffic_.delta_elements += r->elements;
-  delta_traffic_.delta_changed += r->changed;
-  delta_traffic_.encode_s += secs;
-  *bytes = r->stream_bytes;
-  return Status::Ok();
-}
-
-// After a full refit of the pair: the kept copy takes what was sent.
-Status RouteSender::capture_round(std::size_t i, int round) {
-  DeltaPair& d = delta_[i];
-  const auto k = static_cast<std::size_t>(round);
-  const PairDeltaRoutes& list = d.rounds[k];
-  if (list.routes.empty()) {
-    d.digest[k] = 0;
-    return Status::Ok();
-  }
-  Timer t;
-  Result<DeltaResult> r = o_.plane->delta_capture(list.routes, d.kept->data(), delta_options(list));
-  if (!r.ok())
-    return r.status().with_context(
-        fmt::format("trainer rank {}: keeping what it sent engine rank {}, round {}", o_.rank,
-                    o_.targets[i], round));
-  d.digest[k] = r->digest_delta;
-  delta_traffic_.encode_s += t.seconds();
-  return Status::Ok();
-}
-
-// Peer access: only the changed elements are written, to the kept copy and the engine's
-// parameters. What moved is counted as the changed elements' bytes.
-Status RouteSender::patch_peer(std::size_t i) {
-  DeltaPair& d = delta_[i];
-  std::int64_t elements = 0, changed = 0;
-  Timer t;
-  for (std::size_t k = 0; k < d.rounds.size(); ++k) {
-    const PairDeltaRoutes& list = d.rounds[k];
-    if (list.routes.empty()) continue;
-    Result<DeltaResult> r = o_.plane->delta_patch(list.routes, d.kept->data(), delta_options(list));
-    if (!r.ok())
-      return r.status().with_context(
-          fmt::format("trainer rank {}: patching engine rank {}'s parameters, round {}", o_.rank,
-                      o_.targets[i], k));
-    d.digest[k] += r->digest_delta;
-    elements += r->elements;
-    changed += r->changed;
-  }
-  d.refit_elements = elements;
-  d.refit_changed = changed;
-  d.refit_encode_s = t.seconds();
-  delta_traffic_.encode_s += t.seconds();
-  delta_traffic_.delta_elements += elements;
-  delta_traffic_.delta_changed += changed;
-  const std::int64_t full = pair_bytes(i);
-  const std::int64_t written =
-      elements > 0
-          ? static_cast<std::int64_t>(static_cast<double>(full) * static_cast<double>(changed) /
-                                      static_cast<double>(elements))
-          : 0;
-  bytes_sent_ += written;
-  d.refit_wire_bytes = written;
-  return Status::Ok();
-}
-
-// refit.delta auto, after a refit's point-to-point sends: each delta pair's density and encode
-// rate, and, when every pair went in full, the link's payload rate shared by the pairs in
-// proportion to their bytes.
-void RouteSender::note_p2p_rates() {
-  std::int64_t full = 0;
-  bool all_full = true;
-  for (std::size_t i = 0; i < targets_.size(); ++i) {
-    if (modes_[i] != PairExecutor::kP2p) continue;
-    full += pair_bytes(i);
-    all_full = all_full && !delta_[i].use;
-  }
-  if (!all_full || send_seconds_ <= 0 || full <= 0) return;
-  const double rate = static_cast<double>(full) / send_seconds_;
-  for (std::size_t i = 0; i < targets_.size(); ++i)
-    if (modes_[i] == PairExecutor::kP2p)
-      delta_[i].link_bytes_per_s =
-          rate * static_cast<double>(pair_bytes(i)) / static_cast<double>(full);
 }
 
 std::optional<RoutesMessage> RouteSender::routes_for(std::size_t i) const {
@@ -517,17 +264,7 @@ Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<
 Status RouteSender::before_begin(const BeginMessage& begin, const std::vector<void*>& user_shards,
                                  TransferTimes& times) {
   all_shards_ = user_shards;
-  for (std::size_t i = 0; i < delta_.size(); ++i) {
-    DeltaPair& d = delta_[i];
-    d.offer.reset();
-    d.use = false;
-    if (!begin.raw && !d.version.empty() && probe_->forget_delta_base(begin.step, o_.targets[i])) {
-      log::info("trainer rank {}: fault injection: forgetting what it kept for engine rank {}",
-                o_.rank, o_.targets[i]);
-      d.version.clear();
-    }
-    d.wanted = !begin.raw && wants_delta(i);
-  }
+  delta_.begin(begin, *probe_);
   if (!o_.setup->wire().fp8) return Status::Ok();
   if (!scales_) {
     REFIT_ASSIGN_OR_RETURN(scales_, TrainerScales::create(*o_.setup, o_.rank, *o_.plane));
@@ -548,9 +285,7 @@ Status RouteSender::take_answers(std::vector<PausedMessage>& answers) {
     PausedMessage& a = answers[static_cast<std::size_t>(o_.targets[i])];
     REFIT_RETURN_IF_ERROR(resolve_export(i, a));
     // refit.delta: the engine rank's offer of a base for this rank's pair, if any.
-    for (const DeltaBase& b : a.delta_bases)
-      if (b.rank == o_.rank)
-        delta_[i].offer = DeltaBase{.digest = b.digest, .version = a.delta_version};
+    delta_.take_offer(i, a);
   }
   return Status::Ok();
 }
@@ -575,27 +310,10 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
       ++p2p_targets_;
     }
   }
-  if (!begin.raw) REFIT_RETURN_IF_ERROR(decide_delta(begin.step));
-  std::vector<int> uses(targets_.size(), 0);
-  bool kept_new = false;
-  delta_traffic_ = RankTraffic{};
-  for (std::size_t i = 0; i < targets_.size(); ++i) {
-    DeltaPair& d = delta_[i];
-    d.refit_elements = d.refit_changed = d.refit_wire_bytes = 0;
-    d.refit_encode_s = 0;
-    delta_traffic_.full_bytes += pair_bytes(i);
-    if (tracks(i) && !begin.raw && !d.kept) {
-      REFIT_RETURN_IF_ERROR(ensure_kept(i));
-      kept_new = true;  // the lists of its rounds are built with the runs
-    }
-    // What the round layout depends on: a delta, a word before each round's segment, neither.
-    uses[i] = d.use ? 2 : d.offer ? 1 : 0;
-    if (d.use) ++delta_traffic_.delta_pairs;
-  }
-  if (modes_ != runs_built_for_ || uses != built_uses_ || kept_new) {
+  REFIT_ASSIGN_OR_RETURN(const bool delta_changed, delta_.prepare(begin, modes_));
+  if (modes_ != runs_built_for_ || delta_changed) {
     invalidate();
     runs_built_for_ = modes_;
-    built_uses_ = uses;
   }
 
   if (peer_targets_ > 0) {
@@ -612,15 +330,14 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
     const double copy_s = t.seconds();
     for (std::size_t i = 0; i < targets_.size(); ++i) {
       if (modes_[i] != PairExecutor::kPeer) continue;
-      const std::int64_t full = pair_bytes(i);
-      if (delta_[i].use) {
-        REFIT_RETURN_IF_ERROR(patch_peer(i));
+      if (delta_.sends_delta(i)) {
+        REFIT_ASSIGN_OR_RETURN(const std::int64_t written, delta_.patch_peer(i));
+        bytes_sent_ += written;
         continue;
       }
-      bytes_sent_ += full;
-      if (begin.raw || !tracks(i)) continue;
-      for (int k = 0; k < o_.setup->view.rounds; ++k) REFIT_RETURN_IF_ERROR(capture_round(i, k));
-      if (copy_s > 0) delta_[i].link_bytes_per_s = static_cast<double>(full) / copy_s;
+      bytes_sent_ += pair_bytes(*o_.setup, o_.targets[i]);
+      if (begin.raw || !delta_.tracks(PairExecutor::kPeer)) continue;
+      REFIT_RETURN_IF_ERROR(delta_.capture_peer(i, copy_s));
     }
     times.cast_pack += t.seconds();
     log::debug("trainer rank {}: peer copies of step {}: {:.3f} ms", o_.rank, begin.step,
@@ -634,19 +351,7 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
   if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, times));
   if (begin.raw) return Status::Ok();
   // Every kept copy now holds what this refit sent.
-  for (std::size_t i = 0; i < targets_.size(); ++i) {
-    if (!tracks(i)) continue;
-    DeltaPair& d = delta_[i];
-    d.version = begin.version;
-    d.kept_by = modes_[i];
-    d.full_since_delta = d.use ? 0 : d.full_since_delta + 1;
-    if (d.use && d.refit_elements > 0) {
-      d.density = static_cast<double>(d.refit_changed) / static_cast<double>(d.refit_elements);
-      d.last_wire_bytes = d.refit_wire_bytes;
-      if (d.refit_encode_s > 0)
-        d.encode_elems_per_s = static_cast<double>(d.refit_elements) / d.refit_encode_s;
-    }
-  }
+  delta_.note_sent(begin.version, modes_);
   return Status::Ok();
 }
 
@@ -681,32 +386,10 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
         const auto [written, dtype] = copies.written();
         REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, k, *o_.plane, *written, dtype));
       }
-      // Targets that offered a base and get the round in full: the word that says so.
-      for (std::byte* word : full_words_[kk]) {
-        const std::uint64_t full = kDeltaFullSegment;
-        REFIT_RETURN_IF_ERROR(o_.plane->write(word, &full, sizeof full));
-      }
-      // Delta targets: encode into the slot, then the size word the engine receives first.
-      for (const DeltaSend& ds : delta_sends_[kk]) {
-        std::size_t bytes = 0;
-        REFIT_RETURN_IF_ERROR(encode_round(ds.target, k, ds.stream, ds.capacity, &bytes));
-        const std::uint64_t word = bytes;
-        REFIT_RETURN_IF_ERROR(o_.plane->write(ds.size_word, &word, sizeof word));
-        send_ops_[kk][ds.op].bytes = bytes;
-        // What a fault probe may corrupt: the stream's payloads, after its directory.
-        const std::size_t directory =
-            delta_directory_bytes(delta_[ds.target].rounds[kk].routes.size());
-        if (bytes > directory)
-          REFIT_RETURN_IF_ERROR(probe_->after_write(
-              begin.step, k, *o_.plane,
-              {CopyRun{.dst = ds.stream,
-                       .block = {.dst_offset = static_cast<std::int64_t>(directory),
-                                 .rows = 1,
-                                 .cols = static_cast<std::int64_t>(bytes - directory)}}},
-              kByteCopyDType));
-      }
+      // refit.delta: the words of targets that get the round in full, the delta targets' streams.
+      REFIT_RETURN_IF_ERROR(delta_.write_round(begin.step, k, send_ops_[kk], *probe_));
     }
-    const auto& sizes = size_ops_[kk];
+    const auto& sizes = delta_.size_ops(kk);
     for (const P2POp& op : sizes) bytes_sent_ += static_cast<std::int64_t>(op.bytes);
     for (const P2POp& op : ops) bytes_sent_ += static_cast<std::int64_t>(op.bytes);
     sender_.post([this, &ops, &sizes, k] {
@@ -719,15 +402,12 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
     });
     ++posted;
     // Full targets this rank keeps a copy for: it takes the round's values while they are sent.
-    if (!begin.raw)
-      for (std::size_t i = 0; i < targets_.size(); ++i)
-        if (modes_[i] == PairExecutor::kP2p && tracks(i) && !delta_[i].use &&
-            kk < delta_[i].rounds.size())
-          REFIT_RETURN_IF_ERROR(capture_round(i, k));
+    if (!begin.raw) REFIT_RETURN_IF_ERROR(delta_.capture_full_round(k, modes_));
   }
   Status st = sender_.drain(timeout);
   times.transfer += send_seconds_;
-  if (st.ok() && !begin.raw && cfg.refit.delta != DeltaMode::kOff) note_p2p_rates();
+  if (st.ok() && !begin.raw && cfg.refit.delta != DeltaMode::kOff)
+    delta_.note_p2p_rates(modes_, send_seconds_);
   if (st.code() == StatusCode::kTimeout)
     return Status::Timeout(fmt::format(
         "trainer rank {}: the point-to-point sends of refit step {} did not finish within "

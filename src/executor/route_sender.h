@@ -12,7 +12,7 @@
 #include "comm/communicator.h"
 #include "control/messages.h"
 #include "executor/applier.h"
-#include "executor/delta_routes.h"
+#include "executor/delta_sender.h"
 #include "executor/executor.h"
 #include "executor/routes.h"
 #include "executor/trainer_scales.h"
@@ -65,25 +65,22 @@ class RouteSender final : public TrainerExecutor {
     peer_runs_.clear();
     pack_runs_.clear();
     send_ops_.clear();
-    size_ops_.clear();
-    full_words_.clear();
-    delta_sends_.clear();
+    delta_.invalidate();
     peer_built_ = false;
     checksum_runs_.clear();
-    for (DeltaPair& d : delta_) d.rounds.clear();
   }
   Result<std::uint64_t> checksum_to(std::size_t i, const std::vector<void*>& shards) override;
   // A refit that failed in flight: what the kept copies hold may not have reached the engines.
   Status recover(Communicator* p2p, std::chrono::milliseconds timeout) override {
     REFIT_RETURN_IF_ERROR(sender_.reset(timeout));
     o_.p2p = p2p;
-    for (DeltaPair& d : delta_) d.version.clear();
+    delta_.forget();
     return Status::Ok();
   }
   // Bytes this rank moved in the last transfer (delta streams as sent), how many targets each
   // executor served, and what the deltas did.
   RankTraffic traffic() const override {
-    RankTraffic t = delta_traffic_;
+    RankTraffic t = delta_.traffic();
     t.role = "trainer";
     t.rank = o_.rank;
     t.bytes_sent = bytes_sent_;
@@ -101,20 +98,6 @@ class RouteSender final : public TrainerExecutor {
   void build_peer_runs(const std::vector<void*>& shards);
   Status build_pack_runs(const std::vector<void*>& shards);
   Status run_p2p(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times);
-  // refit.delta (docs/delta.md, "Wiring").
-  bool tracks(std::size_t i) const;
-  bool wants_delta(std::size_t i);
-  Status decide_delta(int step);
-  std::int64_t pair_bytes(std::size_t i) const;  // the plan's bytes to target i
-  void build_delta_round(std::size_t i, int round, const std::vector<void*>& shards,
-                         const std::byte* segment, const std::vector<void*>* params);
-  Status ensure_kept(std::size_t i);
-  Status encode_round(std::size_t i, int round, std::byte* out, std::size_t capacity,
-                      std::size_t* bytes);
-  Status capture_round(std::size_t i, int round);
-  Status patch_peer(std::size_t i);
-  void note_p2p_rates();
-  DeltaOptions delta_options(const PairDeltaRoutes& list) const;
 
   // An engine rank's parameters as mapped here: the exported region(s) and each parameter's
   // address. `key` identifies what was exported (remapped when it changes).
@@ -138,49 +121,8 @@ class RouteSender final : public TrainerExecutor {
   std::unique_ptr<TrainerScales> scales_;                            // FP8 only
   std::vector<void*> all_shards_;             // the caller's shards, then the FP8 scale tensors
   std::vector<std::vector<P2POp>> send_ops_;  // per round
-  // refit.delta, per round: the size words of its delta streams (sent first, so the engine knows
-  // each stream's size), and the streams this rank encodes into the round's slot.
-  std::vector<std::vector<P2POp>> size_ops_;
-  struct DeltaSend {
-    std::size_t target = 0;
-    std::byte* stream = nullptr;
-    std::size_t capacity = 0;
-    std::byte* size_word = nullptr;
-    std::size_t op = 0;  // its entry in send_ops_[round]
-  };
-  std::vector<std::vector<DeltaSend>> delta_sends_;
-  // Per round: the words kDeltaFullSegment this rank writes before it sends the round (targets
-  // that offered a base and get their routes in full).
-  std::vector<std::vector<std::byte*>> full_words_;
-  // Per target: what this rank last sent it (docs/delta.md, "State").
-  struct DeltaPair {
-    PairDeltaRoutes all;                  // every route of the pair (kept offsets, names)
-    std::vector<PairDeltaRoutes> rounds;  // per round, its routes (sources and destinations)
-    std::unique_ptr<PlaneBuffer> kept;
-    std::vector<std::uint64_t> digest;  // per round, of the kept copy
-    std::string version;                // the weight version the kept copy holds; "" for none
-    PairExecutor kept_by = PairExecutor::kP2p;  // the executor that moved it
-    bool wanted = false;  // refit.delta on, or auto predicting a delta faster, with a base kept
-    // This refit's offer from the engine rank (PausedMessage::delta_bases, as trainer rank 0
-    // relayed it): the version and, point to point, the digest of the base it holds.
-    std::optional<DeltaBase> offer;
-    bool use = false;  // this refit sends a delta (decide_delta)
-    // refit.delta: auto, measured: the pair's density on its last delta, the link's payload rate
-    // on its last full refit, this rank's encode rate, and refits in full since the last delta.
-    double density = -1;
-    double link_bytes_per_s = 0;
-    double encode_elems_per_s = 0;
-    int full_since_delta = 0;
-    std::int64_t last_wire_bytes = 0;                    // of the last delta
-    std::int64_t refit_elements = 0, refit_changed = 0;  // of this refit's delta
-    std::int64_t refit_wire_bytes = 0;
-    double refit_encode_s = 0;
-  };
-  std::vector<DeltaPair> delta_;
-  std::vector<int> built_uses_;  // per target, whether the lists were built for a delta
-  std::vector<std::unique_ptr<PlaneBuffer>> size_words_;  // per staging slot, 8 bytes per target
-  bool peer_built_ = false;    // peer_runs_ and the peer targets' delta lists
-  RankTraffic delta_traffic_;  // its delta fields, of the last transfer
+  DeltaSender delta_;                         // refit.delta (docs/delta.md, "Wiring")
+  bool peer_built_ = false;                   // peer_runs_ and the peer targets' delta lists
   // num_buffers staging slots; rounds with sends rotate over them, so packing round k+1 overlaps
   // sending round k (on sender_, the one thread that drives the p2p group during a refit).
   std::vector<std::unique_ptr<PlaneBuffer>> staging_;

@@ -340,6 +340,11 @@ std::string pair_routes_digest(const RouteSetup& setup, int peer) {
   return pair != nullptr ? pair->digest_hex() : std::string("none");
 }
 
+std::int64_t pair_bytes(const RouteSetup& setup, int peer) {
+  const PairPlan* pair = setup.view.pair_with(peer);
+  return pair != nullptr ? pair->bytes : 0;
+}
+
 Status routes_digest_mismatch(int trainer, const RankId& engine, const std::string& ours,
                               const std::string& theirs) {
   return Status::InvalidArgument(fmt::format(

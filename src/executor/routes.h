@@ -204,6 +204,8 @@ std::vector<int> control_sources(const RouteSetup& setup);
 // The digest of this rank's routes with `peer` (an engine rank on a trainer rank, a trainer rank
 // on an engine rank), as the hello carries it: 16 hex digits, "none" for a peer without routes.
 std::string pair_routes_digest(const RouteSetup& setup, int peer);
+// The bytes of this rank's routes with `peer` (the plan's, in the wire dtype); 0 without routes.
+std::int64_t pair_bytes(const RouteSetup& setup, int peer);
 // Setup: trainer rank `trainer` and engine rank `engine` derived different routes for their pair
 // (`ours` the trainer's digest, `theirs` the engine's hello's).
 Status routes_digest_mismatch(int trainer, const RankId& engine, const std::string& ours,
