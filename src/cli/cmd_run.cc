@@ -265,7 +265,10 @@ void run_local(const RunFlags& f) {
   const RankOptions& options = checked;
   // Children read the resolved config from a private file.
   // Under $TMPDIR (default /tmp), removed when the run ends, however it ends: on every return and
-  // every error from here on (RunDirectory's destructor), and before dying of a signal.
+  // every error from here on (RunDirectory's destructor), and before dying of a signal. SIGINT,
+  // SIGTERM and SIGHUP are caught before it is made: one that comes during the setup below ends
+  // the run when launch_and_wait starts, before any rank.
+  catch_interrupts();
   const char* tmp = std::getenv("TMPDIR");
   std::string dir_template =
       std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/refit-run-XXXXXX";

@@ -90,8 +90,12 @@ Result<std::shared_ptr<const ControlAuth>> load_process_auth() {
 
 class ZmqZapHandler final : public ZapHandler {
  public:
-  ZmqZapHandler(void* ctx, std::function<bool(const std::string&)> accept, std::string who)
-      : handle_(zmq_socket(ctx, ZMQ_REP)), accept_(std::move(accept)), who_(std::move(who)) {}
+  ZmqZapHandler(void* ctx, std::function<bool(const std::string&)> accept, std::string who,
+                log::Throttle& throttle)
+      : handle_(zmq_socket(ctx, ZMQ_REP)),
+        accept_(std::move(accept)),
+        who_(std::move(who)),
+        throttle_(throttle) {}
   ~ZmqZapHandler() override {
     stop_.store(true);
     if (thread_.joinable()) thread_.join();
@@ -161,7 +165,7 @@ class ZmqZapHandler final : public ZapHandler {
   zmq::socket_ref socket_;
   std::function<bool(const std::string&)> accept_;
   std::string who_;
-  log::Throttle throttle_;
+  log::Throttle& throttle_;  // the owner's
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
@@ -224,8 +228,10 @@ bool is_set_once_key(std::string_view key) {
 }
 
 Result<std::unique_ptr<ZapHandler>> ZapHandler::start(
-    void* zmq_context, std::function<bool(const std::string&)> accept, std::string who) {
-  auto h = std::make_unique<ZmqZapHandler>(zmq_context, std::move(accept), std::move(who));
+    void* zmq_context, std::function<bool(const std::string&)> accept, std::string who,
+    log::Throttle& throttle) {
+  auto h =
+      std::make_unique<ZmqZapHandler>(zmq_context, std::move(accept), std::move(who), throttle);
   REFIT_RETURN_IF_ERROR(h->bind());
   return std::unique_ptr<ZapHandler>(std::move(h));
 }

@@ -26,6 +26,10 @@
 
 #include "refit/status.h"
 
+namespace refit::log {
+class Throttle;
+}  // namespace refit::log
+
 namespace refit {
 
 class ControlAuth {
@@ -64,12 +68,13 @@ bool is_set_once_key(std::string_view key);
 // A ZAP handler (RFC 27) for one ZeroMQ context: answers the handshakes of that context's CURVE
 // server sockets. `accept` sees the client's public key (Z85); an accepted connection gets the
 // key as its User-Id. Stops (and joins its thread) on destruction, which must come before the
-// context's.
+// context's. A refused key is logged through `throttle`, the rate limit of the socket's owner (one
+// per store server or mailbox), which must outlive the handler.
 class ZapHandler {
  public:
   static Result<std::unique_ptr<ZapHandler>> start(void* zmq_context,
                                                    std::function<bool(const std::string&)> accept,
-                                                   std::string who);
+                                                   std::string who, log::Throttle& throttle);
   virtual ~ZapHandler() = default;
 };
 

@@ -66,7 +66,7 @@ class GateImpl final : public Gate {
       (void)!::write(stop_.get(), &one, sizeof one);
       thread_.join();
     }
-    if (const std::int64_t held = throttle_.suppressed(); held > 0)
+    if (const std::int64_t held = o_.throttle == nullptr ? own_throttle_.suppressed() : 0; held > 0)
       log::warn(
           "{}: {} more line(s) about refused same-host lane connections were held back by "
           "the log's rate limit",
@@ -275,7 +275,8 @@ class GateImpl final : public Gate {
   std::vector<Accepted> accepted_;  // guarded by mu_
   std::atomic<std::int64_t> refused_{0};
   std::atomic<int> high_water_{0};
-  log::Throttle throttle_;
+  log::Throttle own_throttle_;
+  log::Throttle& throttle_ = o_.throttle != nullptr ? *o_.throttle : own_throttle_;
   std::thread thread_;
 };
 

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/log_throttle.h"
 #include "control/lane.h"
 #include "refit/status.h"
 
@@ -31,6 +32,9 @@ struct GateOptions {
   // With a run secret: the senders' registered keys, which the hellos must prove. Empty: any
   // connection of this process's user that names a sender is accepted.
   KeyLookup keys;
+  // The rate limit of its log lines: the mailbox's, shared with its other parts (it must outlive
+  // the gate). nullptr: one of the gate's own.
+  log::Throttle* throttle = nullptr;
 };
 
 // A lane whose sender is proved: its socket and the seal of its frames.

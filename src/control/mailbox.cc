@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -51,13 +52,14 @@ std::optional<std::string> SenderKeys::z85_of(const std::string& id) {
   return keys_.emplace(id, std::move(**key)).first->second;
 }
 
-Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options,
-                                                   SenderKeys* keys) {
+Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options, SenderKeys* keys,
+                                                   log::Throttle& throttle) {
   lane::GateOptions g{.who = fmt::format("mailbox '{}'", options.id),
                       .receiver = options.id,
                       .host_identity = options.settings.host_identity,
                       .limits = options.lane_limits,
-                      .keys = {}};
+                      .keys = {},
+                      .throttle = &throttle};
   if (keys != nullptr)
     g.keys = [keys](const std::string& from) -> std::optional<std::array<unsigned char, 32>> {
       const std::optional<std::string> z85 = keys->z85_of(from);
@@ -67,7 +69,7 @@ Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options
     };
   std::string who = g.who;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<lane::Gate> gate, lane::Gate::open(std::move(g)));
-  return std::unique_ptr<LaneInbox>(new LaneInbox(std::move(who), std::move(gate)));
+  return std::unique_ptr<LaneInbox>(new LaneInbox(std::move(who), std::move(gate), throttle));
 }
 
 void LaneInbox::poll_fds(std::vector<int>& fds) const {
@@ -86,7 +88,7 @@ bool LaneInbox::read(Lane& lane, std::deque<Message>& out) {
   // The frames a peer wrote before it closed its end are still taken.
   const bool open = lane.reader.fill();
   for (;;) {
-    Result<std::optional<lane::Frame>> f = lane.reader.next(kMaxControlFrameBytes);
+    Result<std::optional<lane::Frame>> f = lane.reader.next(kMaxMailboxMessageBytes);
     if (!f.ok()) return close_lane(lane, f.status().message());
     if (!*f) break;
     if (!is_known_type((*f)->type))
@@ -144,11 +146,16 @@ using mailbox_parts::SenderKeys;
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
 
 // The ZeroMQ receiving side: the PULL socket, its ZAP handler and the monitor that reports
-// connections whose handshake failed.
+// connections whose handshake failed, and caps those waiting for it.
 class ZmqInbox {
  public:
-  ZmqInbox(zmq::context_t& ctx, const MailboxOptions& o, SenderKeys* keys)
-      : o_(o), keys_(keys), pull_(ctx, zmq::socket_type::pull) {}
+  ZmqInbox(zmq::context_t& ctx, const MailboxOptions& o, SenderKeys* keys, log::Throttle& throttle)
+      : o_(o),
+        keys_(keys),
+        pull_(ctx, zmq::socket_type::pull),
+        pending_(o.max_pending_handshakes > 0 ? o.max_pending_handshakes
+                                              : kZmqMaxPendingHandshakes),
+        throttle_(throttle) {}
   ~ZmqInbox() {
     monitor_.close();
     pull_.close();
@@ -161,12 +168,13 @@ class ZmqInbox {
     if (o_.auth) {
       // Any CURVE client that knows the server key (only holders of the secret do) may connect;
       // who it speaks for is checked per message against the registered keys.
-      REFIT_ASSIGN_OR_RETURN(zap_, ZapHandler::start(
-                                       ctx.handle(), [](const std::string&) { return true; }, who));
+      REFIT_ASSIGN_OR_RETURN(
+          zap_, ZapHandler::start(
+                    ctx.handle(), [](const std::string&) { return true; }, who, throttle_));
     }
     try {
       pull_.set(zmq::sockopt::linger, 0);
-      pull_.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
+      pull_.set(zmq::sockopt::maxmsgsize, kMaxMailboxMessageBytes);
       pull_.set(zmq::sockopt::handshake_ivl, static_cast<int>(kZmqHandshakeIvl.count()));
       pull_.set(zmq::sockopt::backlog, kZmqBacklog);
       if (o_.auth) {
@@ -177,8 +185,12 @@ class ZmqInbox {
       pull_.bind(requested);
       endpoint_ = pull_.get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
-      return Status::IOError(fmt::format("{}: cannot bind {}: {}", who, requested, e.what()));
+      return Status::IOError(
+          fmt::format("{}: cannot bind {}: {}", who, requested, errno_text(e.num())));
     }
+    pending_.listening(fmt::format("mailbox '{}' {}", o_.id, endpoint_),
+                       std::atoi(endpoint_.substr(endpoint_.rfind(':') + 1).c_str()),
+                       kMaxMailboxMessageBytes);
     return Status::Ok();
   }
 
@@ -193,18 +205,29 @@ class ZmqInbox {
     std::vector<zmq::message_t> frames;
     if (!zmq::recv_multipart(pull_, std::back_inserter(frames), zmq::recv_flags::dontwait))
       return std::nullopt;
+    if (!frames.empty()) pending_.authenticated(zmq_msg_get(frames[0].handle(), ZMQ_SRCFD));
     return accept(frames);
   }
 
-  // Counts and logs the connections the monitor saw refused.
+  // Counts and logs the connections the monitor saw refused, and caps those waiting for their
+  // handshake. A connection the ZAP handler refused is logged there; one shut down for the cap,
+  // when it was.
   void drain_monitor() {
     for (const ConnectionEvent& e : read_connection_events(monitor_)) {
+      if (pending_.see(e)) {
+        ++dropped_;
+        log::warn_throttled(throttle_, "mailbox '{}': refused a ZeroMQ connection at {}: {}", o_.id,
+                            log::escape(e.address), pending_.silent_refusal());
+      }
       if (!e.refused()) continue;
       ++dropped_;
+      if (pending_.caused(e) || e.event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) continue;
       log::warn_throttled(throttle_, "mailbox '{}': refused a ZeroMQ connection at {}: {}", o_.id,
                           log::escape(e.address), e.describe());
     }
+    pending_.enforce(throttle_);
   }
+  int pending_high_water() const { return pending_.high_water(); }
 
  private:
   // The message, or nullopt when it is dropped (and logged with its origin): malformed, or, with
@@ -256,8 +279,9 @@ class ZmqInbox {
   zmq::socket_t pull_;
   zmq::socket_t monitor_;
   std::string endpoint_;
+  PendingHandshakes pending_;  // the receiving thread's
   std::atomic<std::int64_t> dropped_{0};
-  log::Throttle throttle_;
+  log::Throttle& throttle_;  // the mailbox's
 };
 
 // REFIT_CONTROL_SPIN_US (ControlSettings::spin): within that long of this mailbox's last message,
@@ -300,7 +324,7 @@ class ZmqMailbox final : public Mailbox {
         o_(std::move(options)),
         keys_(store),
         spin_(o_.settings.spin),
-        zmq_in_(ctx_, o_, o_.auth ? &keys_ : nullptr) {}
+        zmq_in_(ctx_, o_, o_.auth ? &keys_ : nullptr, throttle_) {}
   ~ZmqMailbox() override {
     if (spin_.window().count() > 0)
       log::debug("mailbox '{}': {} message(s) arrived while it spun (REFIT_CONTROL_SPIN_US={})",
@@ -308,10 +332,19 @@ class ZmqMailbox final : public Mailbox {
     if (lanes_in_)
       log::debug("mailbox '{}': {} message(s) arrived over same-host lanes", o_.id,
                  lanes_in_->messages());
-    if (const std::int64_t n = dropped(); n > 0)
+    out_.reset();  // sockets before the context
+    // The lines peers can cause, of every part, share one rate limit: what it held back is said
+    // once, with the total, after the parts that log through it are gone.
+    const std::int64_t dropped_in_all = dropped();
+    lanes_in_.reset();
+    if (const std::int64_t held = throttle_.suppressed(); held > 0)
+      log::warn(
+          "mailbox '{}': {} more line(s) about dropped messages and refused connections were held "
+          "back by the log's rate limit",
+          o_.id, held);
+    if (const std::int64_t n = dropped_in_all; n > 0)
       log::warn("mailbox '{}': dropped {} message(s) and connection(s) in all (docs/security.md)",
                 o_.id, n);
-    out_.reset();  // sockets before the context
   }
   ZmqMailbox(const ZmqMailbox&) = delete;
   ZmqMailbox& operator=(const ZmqMailbox&) = delete;
@@ -333,7 +366,8 @@ class ZmqMailbox final : public Mailbox {
                                     std::move(send_secret), lanes);
     // The lane first: a sender that finds the mailbox finds its lane too.
     if (lanes) {
-      Result<std::unique_ptr<LaneInbox>> l = LaneInbox::open(o_, o_.auth ? &keys_ : nullptr);
+      Result<std::unique_ptr<LaneInbox>> l =
+          LaneInbox::open(o_, o_.auth ? &keys_ : nullptr, throttle_);
       if (l.ok()) {
         lanes_in_ = std::move(l).value();
         REFIT_RETURN_IF_ERROR(store_.set("lane/" + o_.id, lanes_in_->address())
@@ -385,7 +419,9 @@ class ZmqMailbox final : public Mailbox {
         if (m) {
           const std::uint32_t mine = epoch_.load();
           if (m->epoch < mine) {
-            // Of a refit that failed in flight: its peers moved on, so must we.
+            // Of a refit that failed in flight: its peers moved on, so must we. Not counted in
+            // dropped(): it passed every check (an authenticated sender, well formed), and every
+            // refit that fails in flight leaves some.
             log::debug("mailbox '{}': dropped a {} message from '{}' of refit epoch {} (now {})",
                        o_.id, message_type_name(m->type), log::escape(m->from), m->epoch, mine);
             continue;
@@ -398,7 +434,8 @@ class ZmqMailbox final : public Mailbox {
           return std::move(*m);
         }
       } catch (const zmq::error_t& e) {
-        return Status::IOError(fmt::format("mailbox '{}': receive failed: {}", o_.id, e.what()));
+        return Status::IOError(
+            fmt::format("mailbox '{}': receive failed: {}", o_.id, errno_text(e.num())));
       }
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
@@ -480,6 +517,8 @@ class ZmqMailbox final : public Mailbox {
   Clock::time_point next_check_{};
   std::deque<Message> lane_queue_;     // frames read from lanes, not yet returned
   std::vector<zmq_pollitem_t> items_;  // poll_items()
+  // One rate limit for every line a peer can cause, of every part: declared before them.
+  log::Throttle throttle_;
   zmq::context_t ctx_{1};              // declared before the sockets: destroyed after them
   ZmqInbox zmq_in_;
   std::unique_ptr<LaneInbox> lanes_in_;  // this mailbox's same-host lane (ControlSettings::lanes)
@@ -501,7 +540,8 @@ Result<std::unique_ptr<Mailbox>> Mailbox::open(Store& store, MailboxOptions opti
   try {
     box = std::make_unique<ZmqMailbox>(store, std::move(options));
   } catch (const zmq::error_t& e) {
-    return Status::IOError(fmt::format("mailbox '{}': cannot create a socket: {}", id, e.what()));
+    return Status::IOError(
+        fmt::format("mailbox '{}': cannot create a socket: {}", id, errno_text(e.num())));
   }
   REFIT_RETURN_IF_ERROR(box->bind_and_publish());
   return std::unique_ptr<Mailbox>(std::move(box));

@@ -42,6 +42,14 @@ struct ControlSettings {
 // InvalidArgument naming the variable).
 Result<ControlSettings> control_settings_from_environment();
 
+// The most bytes a mailbox message's payload may have, and the most its ZeroMQ socket reads of
+// any one frame (ZMQ_MAXMSGSIZE), so that a connection that has not completed its handshake makes
+// a mailbox hold at most this much. The largest messages of a run are a few kilobytes to tens of
+// them (the routes a trainer rank sends an engine rank: 25 KB for qwen3-235b-a22b; paused answers
+// carry their exports' digest, the exports lie in the store); a larger payload is refused when it
+// is sent, naming its size (docs/security.md, "Bounds and malformed input").
+inline constexpr std::int64_t kMaxMailboxMessageBytes = std::int64_t{1} << 20;
+
 struct MailboxOptions {
   std::string id;                            // "trainer/0", "engine/3": 1 to 255 bytes
   std::string host = "127.0.0.1";            // the address its ZeroMQ socket binds
@@ -53,6 +61,8 @@ struct MailboxOptions {
   std::shared_ptr<const ControlAuth> auth;
   ControlSettings settings;
   lane::Limits lane_limits;  // what its lane holds before a hello proves the sender
+  // ZeroMQ connections that may wait for their handshake at once (0: kZmqMaxPendingHandshakes).
+  int max_pending_handshakes = 0;
 };
 
 struct Message {
@@ -68,9 +78,11 @@ class Mailbox {
   // Malformed messages, and messages or lanes their claimed sender did not send, are dropped and
   // logged with their origin, never returned.
   static Result<std::unique_ptr<Mailbox>> open(Store& store, MailboxOptions options);
-  // Messages dropped so far (malformed, not from their claimed sender) and connections refused or
-  // closed (a same-host lane of another user, without a valid hello, cut mid-frame, or with a
-  // frame that fails its tag; a ZeroMQ connection whose handshake failed).
+  // Messages dropped so far (malformed, not from their claimed sender; not those of an earlier
+  // refit epoch, which receive() drops as part of the protocol) and connections refused or closed
+  // (a same-host lane of another user, without a valid hello, cut mid-frame, or with a frame that
+  // fails its tag; a ZeroMQ connection whose handshake failed or that was shut down because too
+  // many waited for theirs).
   virtual std::int64_t dropped() const = 0;
   // Messages received so far over same-host lanes (control/lane.h) rather than ZeroMQ.
   virtual std::int64_t lane_messages() const = 0;

@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "control/auth.h"
+#include "control/fd_limit.h"
 #include "control/mailbox_parts.h"
 #include "control/store.h"
 
@@ -42,6 +43,11 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
                     const std::string& payload) {
   const std::string what =
       fmt::format("mailbox '{}': send {} to '{}'", options_.id, message_type_name(type), to);
+  if (static_cast<std::int64_t>(payload.size()) > kMaxMailboxMessageBytes)
+    return Status::InvalidArgument(
+        fmt::format("{}: the message has {} bytes, more than a mailbox message may have ({}: "
+                    "kMaxMailboxMessageBytes, docs/security.md)",
+                    what, payload.size(), kMaxMailboxMessageBytes));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(to);
   if (it == peers_.end()) {
@@ -81,7 +87,8 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
             fmt::format("{} at {}: not delivered within {} ms; the peer is not connected (exited?)",
                         what, it->second.address, send_timeout().count()));
     } catch (const zmq::error_t& e) {
-      status = Status::IOError(fmt::format("{} at {}: {}", what, it->second.address, e.what()));
+      status = Status::IOError(
+          fmt::format("{} at {}: {}", what, it->second.address, errno_text(e.num())));
     }
   }
   // Look the peer up again next time: it may have restarted under a new address.
@@ -104,7 +111,7 @@ Status Outbox::open_zmq(Peer& peer, const std::string& what) {
     peer.socket.connect(peer.address);
   } catch (const zmq::error_t& e) {
     return Status::IOError(
-        fmt::format("{}: cannot connect to {}: {}", what, peer.address, e.what()));
+        fmt::format("{}: cannot connect to {}: {}", what, peer.address, errno_text(e.num())));
   }
   return Status::Ok();
 }

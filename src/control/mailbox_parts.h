@@ -77,7 +77,9 @@ class Outbox {
 // its own) and the lanes the gate proved, one per sender, read by the receiving thread.
 class LaneInbox {
  public:
-  static Result<std::unique_ptr<LaneInbox>> open(const MailboxOptions& options, SenderKeys* keys);
+  // `throttle`: the mailbox's rate limit for lines peers can cause (it must outlive the inbox).
+  static Result<std::unique_ptr<LaneInbox>> open(const MailboxOptions& options, SenderKeys* keys,
+                                                 log::Throttle& throttle);
   const std::string& address() const { return gate_->address(); }
   // Takes proved lanes from the gate and every whole frame the lanes hold into `out`. A lane that
   // ends, breaks the framing or fails a tag is closed (the latter two, and a lane cut mid-frame,
@@ -98,8 +100,8 @@ class LaneInbox {
     lane::Reader reader;
     std::string from;
   };
-  LaneInbox(std::string who, std::unique_ptr<lane::Gate> gate)
-      : who_(std::move(who)), gate_(std::move(gate)) {}
+  LaneInbox(std::string who, std::unique_ptr<lane::Gate> gate, log::Throttle& throttle)
+      : who_(std::move(who)), gate_(std::move(gate)), throttle_(throttle) {}
   // Reads `lane`'s frames into `out`; false when it is to be closed.
   bool read(Lane& lane, std::deque<Message>& out);
   bool close_lane(const Lane& lane, const std::string& why);
@@ -110,7 +112,7 @@ class LaneInbox {
   bool changed_ = true;
   std::atomic<std::int64_t> closed_{0};
   std::atomic<std::int64_t> messages_{0};
-  log::Throttle throttle_;
+  log::Throttle& throttle_;  // the mailbox's
 };
 
 }  // namespace refit::mailbox_parts

@@ -116,6 +116,11 @@ inline constexpr std::chrono::milliseconds kZmqHandshakeIvl{10000};
 // connection attempts dropped and retried seconds later.
 inline constexpr int kZmqBacklog = 4096;
 
+// Connections a store server or a mailbox lets wait for their handshake at once (accepted, not yet
+// authenticated); over it, the newest is shut down (control/zmq_monitor.h, PendingHandshakes). A
+// store server lets at least its ranks' connections wait (StoreServerOptions::ranks).
+inline constexpr int kZmqMaxPendingHandshakes = 256;
+
 // How many connections one rank may hold to the store: its main client (a connection per thread
 // that uses it at once), the liveness probe and the heartbeat.
 inline constexpr int kStoreConnectionsPerRank = 4;
@@ -130,6 +135,9 @@ struct StoreServerOptions {
   // (kStoreConnectionsPerRank each, RLIMIT_NOFILE; control/fd_limit.h) or refuses naming the
   // limit. 0: no check.
   int ranks = 0;
+  // Connections that may wait for their handshake at once; 0: kZmqMaxPendingHandshakes, or the
+  // ranks' connections when there are more.
+  int max_pending_handshakes = 0;
 };
 
 class StoreServer {
@@ -147,6 +155,12 @@ class StoreServer {
   // Connections refused so far: handshakes that failed (no run secret, another one, not
   // ZeroMQ), accepts that failed (out of file descriptors).
   virtual std::int64_t refused() const = 0;
+  // The most connections that waited for their handshake at once.
+  virtual int pending_high_water() const = 0;
+  // Ok, or the error that stops the store from serving every rank: out of file descriptors, a
+  // connection it could not accept ("too many open files: this process's RLIMIT_NOFILE is N").
+  // Trainer rank 0, which hosts the store, fails with it (its liveness check).
+  virtual Status failure() const = 0;
 };
 
 struct StoreClientOptions {

@@ -212,8 +212,8 @@ class StoreClient final : public Store {
     try {
       conn = acquire();
     } catch (const zmq::error_t& e) {
-      return Status::IOError(
-          fmt::format("store {}: cannot open a connection for {}: {}", address_, what, e.what()));
+      return Status::IOError(fmt::format("store {}: cannot open a connection for {}: {}", address_,
+                                         what, errno_text(e.num())));
     }
     Result<std::string> result = Status::Internal("unset");
     bool reusable = true;
@@ -221,7 +221,8 @@ class StoreClient final : public Store {
       result = exchange(*conn, op, args, wait, what, absent);
     } catch (const zmq::error_t& e) {
       reusable = false;  // the socket may be half-way through a multipart message
-      result = Status::IOError(fmt::format("store {}: {} failed: {}", address_, what, e.what()));
+      result = Status::IOError(
+          fmt::format("store {}: {} failed: {}", address_, what, errno_text(e.num())));
     }
     if (reusable && !lost_.load()) release(std::move(conn));
     return result;
@@ -492,7 +493,7 @@ Result<std::unique_ptr<Store>> connect_store(const StoreClientOptions& o) {
                                            std::max(o.request_timeout, kMinRequestTimeout), o.auth);
   } catch (const zmq::error_t& e) {
     return Status::IOError(
-        fmt::format("store client for tcp://{}:{}: {}", o.host, o.port, e.what()));
+        fmt::format("store client for tcp://{}:{}: {}", o.host, o.port, errno_text(e.num())));
   }
   REFIT_RETURN_IF_ERROR(client->ping(o.connect_timeout));
   return std::unique_ptr<Store>(std::move(client));

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <list>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <zmq.hpp>
@@ -41,15 +42,15 @@ constexpr std::chrono::milliseconds kStopPollInterval{50};
 
 class ZmqStoreServer final : public StoreServer {
  public:
-  explicit ZmqStoreServer(std::shared_ptr<const ControlAuth> auth)
-      : auth_(std::move(auth)), router_(ctx_, zmq::socket_type::router) {}
+  ZmqStoreServer(std::shared_ptr<const ControlAuth> auth, int max_pending)
+      : auth_(std::move(auth)), router_(ctx_, zmq::socket_type::router), pending_(max_pending) {}
   ~ZmqStoreServer() override {
     stop_.store(true);
     if (thread_.joinable()) thread_.join();
     if (const std::int64_t held = throttle_.suppressed(); held > 0)
       log::warn(
-          "store server: {} more line(s) about refused connections were held back by the "
-          "log's rate limit",
+          "store server: {} more line(s) about refused connections and requests were held back by "
+          "the log's rate limit",
           held);
     monitor_.close();
     router_.close();
@@ -64,10 +65,10 @@ class ZmqStoreServer final : public StoreServer {
     REFIT_RETURN_IF_ERROR(check_listen_address(host, auth_.get(), "store server"));
     if (auth_) {
       const std::string member = auth_->member_public();
-      REFIT_ASSIGN_OR_RETURN(zap_, ZapHandler::start(
-                                       ctx_.handle(),
-                                       [member](const std::string& key) { return key == member; },
-                                       "store server"));
+      REFIT_ASSIGN_OR_RETURN(
+          zap_, ZapHandler::start(
+                    ctx_.handle(), [member](const std::string& key) { return key == member; },
+                    "store server", throttle_));
     }
     try {
       router_.set(zmq::sockopt::linger, 0);
@@ -95,6 +96,7 @@ class ZmqStoreServer final : public StoreServer {
           fmt::format("store server: cannot parse the bound endpoint '{}'", endpoint_));
     }
     port_ = bound;
+    pending_.listening("store server " + endpoint_, bound, kMaxControlFrameBytes);
     return Status::Ok();
   }
 
@@ -104,6 +106,11 @@ class ZmqStoreServer final : public StoreServer {
 
   int port() const override { return port_; }
   std::int64_t refused() const override { return refused_.load(); }
+  int pending_high_water() const override { return high_water_.load(); }
+  Status failure() const override {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    return failure_;
+  }
 
  private:
   struct Waiter {
@@ -137,23 +144,48 @@ class ZmqStoreServer final : public StoreServer {
   }
 
   // Counts and logs (at most 10 lines per 10 s) the connections refused before they were
-  // authenticated; running out of descriptors is an error naming the limit.
+  // authenticated, and caps those waiting for their handshake. A connection the ZAP handler
+  // refused is logged there, with its address; one this server shut down, when it did.
   void watch_connections_once() {
     for (const ConnectionEvent& e : read_connection_events(monitor_)) {
-      if (e.event == ZMQ_EVENT_DISCONNECTED) note_closed(static_cast<int>(e.value));
-      if (!e.refused()) continue;
-      ++refused_;
-      if (e.event == ZMQ_EVENT_ACCEPT_FAILED) {
-        if (throttle_.allow())
-          log::error(
-              "store server {}: cannot take a connection: {}: a rank that connects now "
-              "cannot reach the store",
-              endpoint_, e.describe());
-      } else {
+      if (pending_.see(e)) {
+        ++refused_;
         log::warn_throttled(throttle_, "store server {}: refused a connection: {}", endpoint_,
-                            e.describe());
+                            pending_.silent_refusal());
       }
+      if (e.event == ZMQ_EVENT_DISCONNECTED) note_closed(static_cast<int>(e.value));
+      if (e.event == ZMQ_EVENT_ACCEPTED) accept_failures_ = 0;
+      if (!e.refused()) continue;
+      if (e.event == ZMQ_EVENT_ACCEPT_FAILED) {
+        accept_failed(e);
+        continue;
+      }
+      ++refused_;
+      if (pending_.caused(e) || e.event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) continue;
+      log::warn_throttled(throttle_, "store server {}: refused a connection: {}", endpoint_,
+                          e.describe());
     }
+    pending_.enforce(throttle_);
+    high_water_.store(pending_.high_water());
+  }
+
+  // ZeroMQ's listener retries a failed accept each time the listening socket polls readable: at
+  // once, while the connection waits in the listen queue. Those retries are one connection that
+  // cannot be taken, counted and logged once until an accept succeeds again. Out of descriptors,
+  // every rank that connects now fails, so the store's process fails too: the first failure
+  // records the error (failure()), naming the limit.
+  void accept_failed(const ConnectionEvent& e) {
+    if (accept_failures_++ > 0) return;
+    ++refused_;
+    const std::string line = fmt::format(
+        "store server {}: cannot take a connection: {}: a rank that connects now cannot reach "
+        "the store",
+        endpoint_, e.describe());
+    if (e.value == EMFILE || e.value == ENFILE) {
+      std::lock_guard<std::mutex> lock(failure_mu_);
+      if (failure_.ok()) failure_ = Status::IOError(line);
+    }
+    if (throttle_.allow()) log::error("{}", line);
   }
 
   // A counter (a heartbeat) remembers the connection that last added to it (the descriptor the
@@ -189,6 +221,7 @@ class ZmqStoreServer final : public StoreServer {
                      e.what());
         return;
       }
+      if (!frames.empty()) pending_.authenticated(zmq_msg_get(frames.back().handle(), ZMQ_SRCFD));
       handle(frames);
     }
   }
@@ -394,13 +427,19 @@ class ZmqStoreServer final : public StoreServer {
   }
 
   std::shared_ptr<const ControlAuth> auth_;
+  // One rate limit for every line a peer can cause (the ZAP handler's too): outlives them.
+  log::Throttle throttle_;
   // Declared first: destroyed after the socket and the ZAP handler.
   zmq::context_t ctx_{1};
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t router_;
   zmq::socket_t monitor_;  // router_'s connection events
   std::atomic<std::int64_t> refused_{0};
-  log::Throttle throttle_;
+  std::atomic<int> high_water_{0};
+  PendingHandshakes pending_;         // the serving thread's
+  std::int64_t accept_failures_ = 0;  // in a row, since the last accepted connection
+  mutable std::mutex failure_mu_;
+  Status failure_;  // guarded by failure_mu_
   std::string endpoint_;
   int port_ = 0;
   std::atomic<bool> stop_{false};
@@ -427,7 +466,11 @@ Result<std::unique_ptr<StoreServer>> StoreServer::start(const StoreServerOptions
   }
   std::unique_ptr<ZmqStoreServer> server;
   try {
-    server = std::make_unique<ZmqStoreServer>(o.auth);
+    const int max_pending =
+        o.max_pending_handshakes > 0
+            ? o.max_pending_handshakes
+            : std::max(kZmqMaxPendingHandshakes, kStoreConnectionsPerRank * std::max(o.ranks, 0));
+    server = std::make_unique<ZmqStoreServer>(o.auth, max_pending);
   } catch (const zmq::error_t& e) {
     return Status::IOError(
         fmt::format("store server: cannot create a ZeroMQ socket: {}", e.what()));

@@ -8,12 +8,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <zmq_addon.hpp>
 
+#include "common/log.h"
 #include "control/fd_limit.h"
+#include "control/store.h"
 
 namespace refit {
 namespace {
@@ -35,7 +38,145 @@ std::string protocol_error(std::uint32_t code) {
   return fmt::format("the peer broke the ZeroMQ protocol (0x{:x}; not a refit process?)", code);
 }
 
+int local_port(int fd) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) return -1;
+  if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+  if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
+  return -1;
+}
+
+bool is_handshake_failure(std::uint16_t event) {
+  return event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||
+         event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+}
+
+// How long after its accept a connection may still be in its handshake: ZeroMQ closes it at the
+// handshake interval; the second covers the events' way to the reader.
+constexpr std::chrono::milliseconds kMayBePending = kZmqHandshakeIvl + std::chrono::seconds(1);
+
 }  // namespace
+
+bool PendingHandshakes::see(const ConnectionEvent& e) {
+  const int fd = static_cast<int>(e.value);
+  const bool after_failure = after_failure_;
+  after_failure_ = is_handshake_failure(e.event);
+  bool silent = false;
+  switch (e.event) {
+    case ZMQ_EVENT_ACCEPTED: {
+      ++accepted_;
+      spoke_.erase(fd);
+      Open o;
+      o.order = accepted_;
+      o.when = std::chrono::steady_clock::now();
+      o.peer_len = sizeof o.peer;
+      // The events alone say which connections are open. Its peer is noted when the descriptor
+      // is still a connection to this socket's port (it may have been closed, and its number
+      // reused, since the event was sent): only such a connection is ever shut down.
+      if ((port_ != 0 && local_port(fd) != port_) ||
+          ::getpeername(fd, reinterpret_cast<sockaddr*>(&o.peer), &o.peer_len) != 0)
+        o.peer_len = 0;
+      open_[fd] = o;
+      high_water_ = std::max(high_water_, pending());
+      break;
+    }
+    case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
+      ++succeeded_;
+      break;
+    case ZMQ_EVENT_DISCONNECTED: {
+      // A failed handshake's disconnection follows its failure at once (one I/O thread emits
+      // both). Any other of a connection that may still be in its handshake ended it silently
+      // when every such connection is counted as waiting (else it may be one that completed it).
+      const auto it = open_.find(fd);
+      if (!after_failure && it != open_.end() && spoke_.count(fd) == 0 &&
+          std::chrono::steady_clock::now() - it->second.when < kMayBePending) {
+        const std::uint64_t ended = succeeded_ + failed_ + silent_;
+        const std::uint64_t counted = accepted_ > ended ? accepted_ - ended : 0;
+        if (counted >= static_cast<std::uint64_t>(young())) {
+          ++silent_;
+          silent = true;
+        }
+      }
+      open_.erase(fd);
+      spoke_.erase(fd);
+      break;
+    }
+    default:
+      if (is_handshake_failure(e.event)) ++failed_;
+      break;
+  }
+  return silent;
+}
+
+std::string PendingHandshakes::silent_refusal() const {
+  return fmt::format(
+      "it broke the framing before its handshake completed (a frame longer than the {} bytes "
+      "this socket reads, or a malformed one)",
+      max_frame_);
+}
+
+void PendingHandshakes::authenticated(int fd) {
+  if (fd >= 0 && open_.count(fd) != 0) spoke_.insert(fd);
+}
+
+int PendingHandshakes::young() const {
+  const auto now = std::chrono::steady_clock::now();
+  int n = 0;
+  for (const auto& [fd, o] : open_)
+    if (now - o.when < kMayBePending && spoke_.count(fd) == 0) ++n;
+  return n;
+}
+
+int PendingHandshakes::pending() const {
+  const std::uint64_t ended = succeeded_ + failed_ + silent_ + static_cast<std::uint64_t>(closing_);
+  const std::uint64_t counted = accepted_ > ended ? accepted_ - ended : 0;
+  return static_cast<int>(std::min<std::uint64_t>(counted, static_cast<std::uint64_t>(young())));
+}
+
+int PendingHandshakes::enforce(log::Throttle& throttle) {
+  // Nothing accepted is in its handshake any more: every connection shut down has ended.
+  if (young() == 0) closing_ = 0;
+  int now_shut = 0;
+  const auto now = std::chrono::steady_clock::now();
+  for (int waiting = pending(); waiting > cap_; waiting = pending()) {
+    // The newest connection still waiting, that this socket accepted.
+    auto newest = open_.end();
+    for (auto it = open_.begin(); it != open_.end(); ++it)
+      if (now - it->second.when < kMayBePending && spoke_.count(it->first) == 0 &&
+          (newest == open_.end() || it->second.order > newest->second.order))
+        newest = it;
+    if (newest == open_.end()) break;
+    const int fd = newest->first;
+    sockaddr_storage peer{};
+    socklen_t len = sizeof peer;
+    const bool same = newest->second.peer_len != 0 && (port_ == 0 || local_port(fd) == port_) &&
+                      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0 &&
+                      len == newest->second.peer_len &&
+                      std::memcmp(&peer, &newest->second.peer, len) == 0;
+    open_.erase(newest);
+    if (!same || ::shutdown(fd, SHUT_RDWR) != 0) continue;
+    ++closing_;
+    ++shut_down_;
+    ++now_shut;
+    if (throttle.allow()) {
+      std::string line = fmt::format(
+          "{}: closed a connection before its handshake: {} connections were waiting for theirs, "
+          "more than the {} it lets wait (docs/security.md)",
+          who_, waiting, cap_);
+      if (const std::int64_t held = throttle.suppressed(); held > 0)
+        line += fmt::format(" ({} more such line(s) were held back by the log's rate limit)", held);
+      log::warn("{}", line);
+    }
+  }
+  return now_shut;
+}
+
+bool PendingHandshakes::caused(const ConnectionEvent& e) {
+  if (!is_handshake_failure(e.event) || closing_ == 0) return false;
+  --closing_;
+  return true;
+}
 
 bool ConnectionEvent::refused() const {
   return event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ||

@@ -25,6 +25,16 @@ volatile sig_atomic_t g_signal = 0;
 
 void note_signal(int sig) { g_signal = sig; }
 
+}  // namespace
+
+void catch_interrupts() {
+  signal(SIGINT, note_signal);
+  signal(SIGTERM, note_signal);
+  signal(SIGHUP, note_signal);
+}
+
+namespace {
+
 std::string describe_exit(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
   if (WIFSIGNALED(status))
@@ -87,9 +97,17 @@ Result<LaunchResult> launch_and_wait(
                                  std::chrono::milliseconds(static_cast<long long>(deadline_s * 1000))
                            : std::chrono::steady_clock::time_point::max();
   std::vector<pid_t> pids(children.size(), -1);
-  g_signal = 0;
-  signal(SIGINT, note_signal);
-  signal(SIGTERM, note_signal);
+  catch_interrupts();
+  if (g_signal != 0) {  // before any child started: nothing to stop
+    LaunchResult early;
+    early.interrupted = g_signal;
+    early.summary = fmt::format("interrupted by signal {} ({}) before any rank started",
+                                static_cast<int>(g_signal), strsignal(g_signal));
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    return early;
+  }
   const pid_t parent = getpid();
   for (std::size_t i = 0; i < children.size(); ++i) {
     pid_t pid = fork();
@@ -154,7 +172,8 @@ Result<LaunchResult> launch_and_wait(
     }
   };
   while (alive > 0) {
-    if (g_signal != 0) {  // SIGINT/SIGTERM: stop every child now, reap them, let the caller clean up
+    if (g_signal !=
+        0) {  // SIGINT/SIGTERM/SIGHUP: stop every child now, reap them, let the caller clean up
       kill_remaining();
       reap_remaining();
       result.interrupted = g_signal;
@@ -247,6 +266,7 @@ Result<LaunchResult> launch_and_wait(
   }
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
+  signal(SIGHUP, SIG_DFL);
   if (failed && result.interrupted == 0) {
     std::string others;
     for (std::size_t i = 0; i < children.size(); ++i)

@@ -42,8 +42,9 @@ struct LaunchResult {
   int first_failed = -1;
   std::string first_how;
   bool first_killed = false;
-  // SIGINT or SIGTERM reached the launcher: every child was killed and reaped, and the caller
-  // cleans up and re-raises it (0: not interrupted).
+  // SIGINT, SIGTERM or SIGHUP reached the launcher (from catch_interrupts() on): every child was
+  // killed and reaped (none started, when it came before), and the caller cleans up and re-raises
+  // it (0: not interrupted).
   int interrupted = 0;
 };
 
@@ -51,6 +52,11 @@ struct LaunchResult {
 // still there — what ranks killed before they unlinked their names leave behind. Returns how
 // many it removed.
 int remove_run_segments(const std::string& run_id);
+
+// From now on SIGINT, SIGTERM and SIGHUP are noted instead of ending the process, and
+// launch_and_wait acts on them: a caller that makes something to clean up (a run directory) calls
+// this first. launch_and_wait calls it too, and restores the default actions when it returns.
+void catch_interrupts();
 
 // Runs all children to completion. `timeout_s` bounds how long the others may take to follow a
 // failed child before they are killed (kStoreLossGrace when the store's host is gone). `on_failure(child, how)` runs once, for the first child

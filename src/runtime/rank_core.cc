@@ -302,7 +302,16 @@ Result<ControlTraffic> RankCore::read_control_traffic() {
   return sum;
 }
 
-std::function<Status()> RankCore::alive() const { return rank_liveness(*heartbeat_, epochs_); }
+std::function<Status()> RankCore::alive() const {
+  std::function<Status()> peers = rank_liveness(*heartbeat_, epochs_);
+  if (!server_) return peers;
+  // Trainer rank 0: the store it hosts has to be able to serve every rank, too.
+  const StoreServer* server = server_.get();
+  return [peers = std::move(peers), server]() -> Status {
+    if (Status s = server->failure(); !s.ok()) return s;
+    return peers();
+  };
+}
 
 Result<std::unique_ptr<Communicator>> RankCore::join_group(const std::string& name, int rank,
                                                            int size,
