@@ -1,6 +1,7 @@
 #include "weights/materialize.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "common/convert.h"
 
@@ -12,19 +13,28 @@ void materialize_pieces(const ModelSpec& spec, const std::vector<Piece>& pieces,
   constexpr std::int64_t kChunk = 1 << 20;
   const std::int64_t dst_cols = matrix_shape(shape).cols;
   const std::size_t out_size = dtype_size(out_dtype);
-  std::vector<float> f32(static_cast<std::size_t>(kChunk));
-  std::vector<std::byte> rounded(static_cast<std::size_t>(kChunk) * dtype_size(via));
+  // Scratch of the longest run the pieces emit, at most kChunk elements, and not zeroed: called
+  // per tensor on every step of `refit run`, a fixed 4 MiB of fresh zeroed pages per call cost
+  // the ranks more than the refit itself at a few hundred processes.
+  std::int64_t longest = 0;
+  for (const Piece& p : pieces) {
+    const std::int64_t hf_cols = matrix_shape(spec.tensors()[p.hf_tensor].shape).cols;
+    longest = std::max(longest, p.cols == hf_cols && p.cols == dst_cols ? p.rows * p.cols : p.cols);
+  }
+  const auto scratch = static_cast<std::size_t>(std::min(kChunk, longest));
+  const auto f32 = std::make_unique_for_overwrite<float[]>(scratch);
+  const auto rounded = std::make_unique_for_overwrite<std::byte[]>(scratch * dtype_size(via));
   // Values of HF elements [begin, begin+n) → out at flat position dst (contiguous).
   auto emit = [&](std::uint32_t hf, std::int64_t begin, std::int64_t n, std::int64_t dst) {
     for (std::int64_t done = 0; done < n; done += kChunk) {
       const std::int64_t m = std::min(kChunk, n - done);
-      weights.values(hf, begin + done, m, step, f32.data());
+      weights.values(hf, begin + done, m, step, f32.get());
       std::byte* target = out + static_cast<std::size_t>(dst + done) * out_size;
       if (via == DType::kFloat32) {
-        convert(f32.data(), DType::kFloat32, target, out_dtype, static_cast<std::size_t>(m));
+        convert(f32.get(), DType::kFloat32, target, out_dtype, static_cast<std::size_t>(m));
       } else {
-        convert(f32.data(), DType::kFloat32, rounded.data(), via, static_cast<std::size_t>(m));
-        convert(rounded.data(), via, target, out_dtype, static_cast<std::size_t>(m));
+        convert(f32.get(), DType::kFloat32, rounded.get(), via, static_cast<std::size_t>(m));
+        convert(rounded.get(), via, target, out_dtype, static_cast<std::size_t>(m));
       }
     }
   };
