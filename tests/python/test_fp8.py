@@ -288,7 +288,8 @@ def test_a_refits_bytes_are_one_figure_everywhere(tmp_path):
     float32 scales and the tensors left in bfloat16: not one or two bytes per parameter. The
     figure of refit.check, of `refit check`, of the CLI's report, Trainer.bytes_per_refit and
     last_stats (the RefitStats the CLI's step line divides by the refit's seconds) is one, and it
-    is the sum of what the engine rank registers (world 1 -> TP 1: one copy of every parameter)."""
+    is what the engine rank counted arriving (world 1 -> TP 1: one copy of every parameter, less
+    the vocabulary padding the engine holds and nothing writes)."""
     import threading
 
     import refit
@@ -315,7 +316,9 @@ refit: {target_precision: fp8, timeout_s: 10, fp8: {block: [16, 16]}}
     ran = subprocess.run([CLI, "run", str(path), "--steps", "2", "--json", str(report)],
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert json.loads(report.read_text())["bytes_per_refit"] == figure
+    summary = json.loads(report.read_text())
+    assert summary["bytes_per_refit"] == figure
+    assert [r["bytes_received"] for r in summary["ranks"] if r["role"] == "engine"] == [figure]
 
     port = free_port()
     box = {}
@@ -330,7 +333,7 @@ refit: {target_precision: fp8, timeout_s: 10, fp8: {block: [16, 16]}}
         held = {p.name: np.zeros(p.shape, {1: np.uint8, 2: np.uint16, 4: np.float32}[size[p.dtype]])
                 for p in engine.params}
         assert any(p.dtype == "float8_e4m3" for p in engine.params)
-        assert sum(a.nbytes for a in held.values()) == figure
+        assert sum(a.nbytes for a in held.values()) >= figure
         full = hf_weights(spec, 1)
         shards = {s.name: fsdp2_shard(full[s.name], 0, 1) for s in trainer.tensors}
         for name, a in shards.items():
