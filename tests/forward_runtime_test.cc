@@ -79,10 +79,10 @@ TEST(ForwardRuntime, CheckLogitsOfPhi3AndQwen2Moe) {
   expect_logits_checked({"tiny-qwen2-moe", "backend: vllm, num_engines: 2, tp_size: 2", 3}, 4);
 }
 
-// DeepSeek-V3 (q_lora_rank set and null) and GLM-4.5, TP 1, 2 and 4, both protocols: after each
-// refit every engine rank's weights_changed hook names all of its parameters and derives MLA's
-// absorbed matrices again from kv_b_proj; the absorbed forward from those matches the reference
-// (a stale derivation would not: ForwardEngine.StaleMlaMatricesFailTheCheck).
+// DeepSeek-V3 (q_lora_rank set and null) and GLM-4.5, TP 1, 2 and 4, both protocols, colocated and
+// not: after each refit every engine rank's weights_changed hook names all of its parameters and
+// derives MLA's absorbed matrices again from kv_b_proj; the absorbed forward from those matches the
+// reference (a stale derivation would not: ForwardEngine.StaleMlaMatricesFailTheCheck).
 TEST(ForwardRuntime, CheckLogitsOfDeepseekAndGlmWithDerivedMla) {
   struct Cell {
     const char* model;
@@ -119,6 +119,12 @@ TEST(ForwardRuntime, CheckLogitsOfDeepseekAndGlmWithDerivedMla) {
        ", target_precision: fp8, fp8: {block: [8, 8]}"},
       2);
   EXPECT_EQ(count(fp8, "W_UK_T / W_UV derived again from kv_b_proj for 4 layers"), 4) << fp8;
+  // Colocated: each engine rank beside a trainer rank, its bytes written in place (peer access).
+  const std::string colocated = expect_logits_checked(
+      {"tiny-deepseek", "backend: sglang, tp_size: 2, colocated: true", 2}, 2);
+  EXPECT_EQ(count(colocated, "w_kc / w_vc derived again from kv_b_proj for 4 layers"), 4)
+      << colocated;
+  expect_logits_checked({"tiny-glm4-moe", "backend: vllm, tp_size: 2, colocated: true", 2}, 2);
 }
 
 // A refit whose bytes arrive corrupted on one engine rank (refit.checksum) is rolled back
