@@ -401,6 +401,58 @@ TEST(RuntimeInProcess, AVersionAlreadyPublishedIsRefusedAndARetryMayReuseAFailed
   p.shutdown();
 }
 
+// A label the engine rank published before (in an earlier session: note_published) at another
+// step is refused in its pause answer, before the pause hook and before any byte, naming the
+// label, both steps and the engine rank; the weights keep their version and the session goes on.
+// The same step may reuse its label (the retry of a refit the trainer did not see succeed).
+TEST(RuntimeInProcess, AVersionTheEngineAlreadyPublishedIsRefusedInItsPauseAnswer) {
+  Pair p;
+  ASSERT_TRUE(p.ok());
+  int pauses = 0;
+  p.engine->on_pause([&] { ++pauses; });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, false).first.ok());
+  p.engine->note_published({{"old", 7}, {"1", 9}});  // "1" keeps the step that published it
+  EXPECT_EQ(p.engine->published(), (std::map<std::string, int>{{"1", 1}, {"old", 7}}));
+  pauses = 0;
+  p.trainer_sent.reset();
+  p.engine_sent.reset();
+  p.train(2);
+  auto served = std::async(std::launch::async, [&] { return p.engine->serve_one(); });
+  Status st = p.trainer->refit(2, "old", false);
+  Result<bool> engine_side = served.get();
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.kind(), FailureKind::kSetup) << st.to_string();
+  ASSERT_NE(st.origin(), nullptr);
+  EXPECT_EQ(st.origin()->rank, RankId::engine(0, 1));
+  const std::string want =
+      "refit step 2 would publish weight version 'old', which this engine rank already published "
+      "at refit step 7 for other weights";
+  EXPECT_NE(st.message().find("engine 0 tp rank 0 reported: " + want), std::string::npos)
+      << st.message();
+  ASSERT_FALSE(engine_side.ok());
+  EXPECT_EQ(engine_side.status().kind(), FailureKind::kSetup);
+  EXPECT_NE(engine_side.status().message().find("engine 0 tp rank 0: " + want), std::string::npos)
+      << engine_side.status().message();
+  EXPECT_TRUE(p.trainer->session_ok());
+  EXPECT_TRUE(p.engine->session_ok());
+  EXPECT_EQ(pauses, 0) << "refused before the pause hook";
+  EXPECT_EQ(p.trainer_sent.of(MessageType::kCommit), 0);
+  EXPECT_EQ(p.engine_sent.of(MessageType::kCommitted), 0);
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_TRUE(p.holds(1));
+  // Step 7 may publish "old" again: same step, same label.
+  p.train(7);
+  served = std::async(std::launch::async, [&] { return p.engine->serve_one(); });
+  ASSERT_TRUE(p.trainer->refit(7, "old", false).ok());
+  ASSERT_TRUE(served.get().ok());
+  EXPECT_EQ(p.engine->weight_version(), "old");
+  EXPECT_TRUE(p.holds(7));
+  EXPECT_EQ(pauses, 1);
+  p.shutdown();
+}
+
 // serve_one with a bound: past it with no refit begun, a timeout and nothing changed.
 TEST(RuntimeInProcess, ServeOneWithABoundTimesOutAndChangesNothing) {
   Pair p;

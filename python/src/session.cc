@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -398,6 +399,7 @@ class PyEngine {
     raise_if_error(st);
     registry_.init(engine_->params(), config_.device == Device::kCuda);
     version_ = engine_->weight_version();
+    published_ = engine_->published();
     // Runs on the serving thread right after the commit published the version: keep a copy other
     // threads may read, then the user's hook.
     engine_->on_resume([this] {
@@ -526,6 +528,19 @@ class PyEngine {
     std::lock_guard lock(version_mu_);
     return valid_;
   }
+  // Engine::published(), as of the last serve_one(); kept after close() so that the next
+  // session's Engine can take it.
+  std::map<std::string, int> published() {
+    std::lock_guard lock(version_mu_);
+    return published_;
+  }
+  // Engine::note_published, at construction (before any serve_one).
+  void note_published(const std::map<std::string, int>& labels) {
+    Engine& e = open("note_published");
+    e.note_published(labels);
+    std::lock_guard lock(version_mu_);
+    published_ = e.published();
+  }
   bool session_ok() { return engine_ && engine_->session_ok(); }
 
   // `error` (an exception, or None): recorded first as this rank's failure (Engine::fail).
@@ -572,6 +587,7 @@ class PyEngine {
       std::lock_guard lock(version_mu_);
       version_ = e.weight_version();
       valid_ = e.is_valid();
+      published_ = e.published();
     }
     py::object pending = std::move(pending_);
     pending_ = py::object();
@@ -686,6 +702,7 @@ class PyEngine {
   std::mutex version_mu_;
   std::string version_;
   bool valid_ = true;
+  std::map<std::string, int> published_;
   std::mutex stop_mu_;  // engine_ against request_stop() from another thread
 };
 
@@ -700,6 +717,16 @@ std::unique_ptr<Rank> rank_from_arguments(const PyConfig& cfg, std::optional<int
       endpoint_from_environment(std::move(master_addr), master_port, std::move(host)));
   const int r = rank ? *rank : value_or_raise(kRankFromEnvironment());
   return std::make_unique<Rank>(cfg, r, ep.master_addr, ep.master_port, ep.host);
+}
+
+std::unique_ptr<PyEngine> engine_from_arguments(
+    const PyConfig& cfg, std::optional<int> rank, std::optional<std::string> master_addr,
+    std::optional<int> master_port, std::optional<std::string> host,
+    const std::optional<std::map<std::string, int>>& published) {
+  std::unique_ptr<PyEngine> e = rank_from_arguments<PyEngine, &engine_rank_from_environment>(
+      cfg, rank, std::move(master_addr), master_port, std::move(host));
+  if (published) e->note_published(*published);
+  return e;
 }
 
 }  // namespace
@@ -803,17 +830,21 @@ the with block.)doc")
   py::class_<PyEngine>(m, "Engine", R"doc(
 One engine rank of a refit (refit/session.h): engine_rank = engine index * tp_size + tp rank.
 
-Engine(config, engine_rank=None, *, master_addr=None, master_port=None, host=None) joins the
-control plane of trainer rank 0 (at master_addr:master_port) and announces itself to the trainer
-ranks that feed it (GIL released while it waits). Arguments left out come from the environment as
-for Trainer; engine_rank from ENGINE_RANK, else RANK. Register every parameter of `params` once
-(zero-copy: refit writes into that storage), set the hooks, then serve refits with serve_one()
-or serve().
+Engine(config, engine_rank=None, *, master_addr=None, master_port=None, host=None,
+published=None) joins the control plane of trainer rank 0 (at master_addr:master_port) and
+announces itself to the trainer ranks that feed it (GIL released while it waits). Arguments left
+out come from the environment as for Trainer; engine_rank from ENGINE_RANK, else RANK. Register
+every parameter of `params` once (zero-copy: refit writes into that storage), set the hooks, then
+serve refits with serve_one() or serve().
+
+published: {version label: refit step} this rank served before this session (the `published` of
+the previous session's Engine, docs/rl-loop.md "Recovering from a dead rank"): a refit that would
+publish one of those labels at another step is refused (refit.SetupError naming the label, both
+steps and this rank) before any byte moves.
 )doc")
-      .def(py::init(&rank_from_arguments<PyEngine, &engine_rank_from_environment>),
-           py::arg("config"), py::arg("engine_rank") = py::none(), py::kw_only(),
-           py::arg("master_addr") = py::none(), py::arg("master_port") = py::none(),
-           py::arg("host") = py::none())
+      .def(py::init(&engine_from_arguments), py::arg("config"), py::arg("engine_rank") = py::none(),
+           py::kw_only(), py::arg("master_addr") = py::none(), py::arg("master_port") = py::none(),
+           py::arg("host") = py::none(), py::arg("published") = py::none())
       .def_property_readonly("params", &PyEngine::params, R"doc(
 The parameters this rank stores: [TensorSlot(name, shape, dtype), ...] under the engine's names
 and TP shard shapes (vLLM/SGLang layout: fused qkv_proj and gate_up_proj, vocabulary-parallel
@@ -891,6 +922,14 @@ The version published by the last committed refit ("0" before the first); "" aft
 failed once it could have written the parameters (they are then torn, and generation stays
 paused). With verify, a refit publishes only after its verification passed. Safe to read from
 any thread, also while another serves.
+)doc")
+      .def_property_readonly("published", &PyEngine::published, R"doc(
+{version label: refit step} of every version this rank published: each committed refit of this
+session and the labels passed as `published=`. A refit whose label is among them at another step
+is refused by this rank before any byte moves (refit.SetupError naming the label, both steps and
+this rank; the weights keep their version, on_pause does not run, the session goes on); a refit
+of the same step may reuse its label (the retry of a failed refit). Safe to read from any thread,
+and after close(): pass it as `published=` to the Engine of the next session.
 )doc")
       .def_property_readonly("is_valid", &PyEngine::is_valid, R"doc(
 False exactly when weight_version is "": the parameters hold no complete version.

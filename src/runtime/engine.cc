@@ -72,6 +72,10 @@ class EngineImpl final : public Engine {
   }
   std::string weight_version() const override { return weights_->version().label(); }
   bool is_valid() const override { return weights_->version().valid(); }
+  std::map<std::string, int> published() const override { return weights_->published(); }
+  void note_published(const std::map<std::string, int>& published) override {
+    weights_->note_published(published);
+  }
   bool session_ok() const override { return core_.session_ok(); }
   Status fail(const Status& cause) override { return core_.fail(cause); }
   void note_error(const Status& error) override { core_.note_error(error); }

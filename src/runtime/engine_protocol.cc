@@ -184,7 +184,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
     // Pause (the hook may refuse), answer, and write nothing before every feeder said to
     // proceed: each trainer rank decides once every engine rank answered it.
     const std::optional<std::string> held_version = weights_.version().get();
-    const Status paused = raw ? Status::Ok() : weights_.pause(step);
+    const Status paused = raw ? Status::Ok() : weights_.pause(step, begin_.version);
     const ExportedParams* exported = nullptr;
     PausedMessage answer{.step = step};
     if (paused.ok()) {
@@ -244,7 +244,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                       core_.id(), step, paused.message()));
   } else if (!raw) {
     // Gather: no answer to wait for; a pause that fails ends the session.
-    REFIT_RETURN_IF_ERROR(weights_.pause(step));
+    REFIT_RETURN_IF_ERROR(weights_.pause(step, begin_.version));
   }
   phase_ = Phase::kProceeding;
   log::debug("{}: refit step {} proceeds", core_.id(), step);
@@ -292,7 +292,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   // verified. Its failure ends the session (the engine's weights are torn).
   if (!raw) REFIT_RETURN_IF_ERROR(weights_.landed(step));
   REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(core_.store(), traffic_));
-  if (!raw && !agreed) weights_.publish(begin_.version);
+  if (!raw && !agreed) weights_.publish(step, begin_.version);
   stats_.apply_s = executor_.apply_seconds();
   stats_.bytes = traffic_.bytes_received;
   stats_.checksums_matched = 0;
@@ -329,7 +329,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
       log::debug("{}: refit.checksum: step {} arrived intact from {} feeder(s)", core_.id(), step,
                  feeders_.size());
     }
-    weights_.publish(begin_.version);
+    weights_.publish(step, begin_.version);
   } else {
     const Status why =
         !v.ok() ? v

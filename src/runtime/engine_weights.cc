@@ -28,8 +28,21 @@ Result<std::vector<void*>> EngineWeights::allocate(const std::string& run_id) {
   return params_.ptrs();
 }
 
-Status EngineWeights::pause(int step) {
+void EngineWeights::note_published(const std::map<std::string, int>& published) {
+  published_.insert(published.begin(), published.end());
+}
+
+Status EngineWeights::pause(int step, const std::string& version) {
   REFIT_RETURN_IF_ERROR(params_.check());
+  // A label names one set of weights: publishing it again for another step's would make two
+  // versions indistinguishable to whoever tags rollouts with it. A retry of a step that never
+  // published (or whose publication the trainers did not see) may reuse its label.
+  if (auto it = published_.find(version); it != published_.end() && it->second != step)
+    return Status::InvalidArgument(fmt::format(
+        "{}: refit step {} would publish weight version '{}', which this engine rank already "
+        "published at refit step {} for other weights; every refit that succeeds needs a version "
+        "of its own (a retry of a failed refit may reuse its step)",
+        self_.name(), step, version, it->second));
   log::debug("pause generation for refit step {}", step);
   if (hooks_.pause) {
     Timer took;
@@ -90,8 +103,9 @@ Status EngineWeights::rewritten(int step, const char* what) {
   return Status::Ok();
 }
 
-void EngineWeights::publish(const std::string& version) {
+void EngineWeights::publish(int step, const std::string& version) {
   version_.set(version);
+  published_.emplace(version, step);
   log::debug("resume generation at weight version {}", version);
   if (hooks_.resume) hooks_.resume();
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,12 +60,19 @@ class EngineWeights {
   EngineHooks& hooks() { return hooks_; }
   WeightLoader& loader() { return loader_; }
   const WeightVersion& version() const { return version_; }
+  // Every version label these weights published, with the refit step that published it: this
+  // session's committed refits and the labels handed to note_published (Engine::published).
+  const std::map<std::string, int>& published() const { return published_; }
+  // Labels published before this session (Engine::note_published); a label already held keeps
+  // its step.
+  void note_published(const std::map<std::string, int>& published);
 
   // A refit's steps, in order:
-  //  - pause: checks the registration and runs the pause hook (an error, or a hook that took
+  //  - pause: checks the registration and the version label (one published at another step is
+  //    refused before the pause hook runs), runs the pause hook (an error, or a hook that took
   //    longer than refit.timeout_s, refuses the refit: generation resumes then, the weights keep
   //    their version); keeps a copy (refit.keep_previous); from here the version is invalid.
-  Status pause(int step);
+  Status pause(int step, const std::string& version);
   //  - the feeders aborted it before any byte landed: the version before pause() again, and
   //    generation resumes when this rank had paused.
   void abandon(int step, bool paused, const std::string& why);
@@ -72,7 +80,7 @@ class EngineWeights {
   //    which parameters changed.
   Status landed(int step);
   //  - complete (and verified when asked): publish `version` and resume generation.
-  void publish(const std::string& version);
+  void publish(int step, const std::string& version);
   //  - or failed after bytes may have landed, with every rank alive: roll back to the kept copy
   //    and resume, or leave the weights invalid and generation paused. Returns `why`.
   Status fail(int step, const Status& why);
@@ -95,6 +103,7 @@ class EngineWeights {
   WeightLoader loader_;
   WeightVersion version_;
   std::optional<std::string> prior_;  // the version before the refit in flight
+  std::map<std::string, int> published_;  // every label published -> the step that published it
   ExportCache exports_;
   Rollback rollback_;
 

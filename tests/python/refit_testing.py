@@ -214,27 +214,59 @@ def _verifier(spec: refit.ModelSpec, params: Dict[str, np.ndarray], tp: int, r: 
 
 def session_engine_main(cfg_yaml: str, engine_rank: int, ports, out) -> None:
     """An engine rank that serves one session per port it takes from `ports` (None: exit), with the
-    same parameter storage in every session, as a serving process that outlives a failed session
-    does. Reports ("engine", rank, "ok" | "error", {served, version} | message) per session."""
+    same parameter storage in every session and the version labels it published handed on to the
+    next (Engine(published=...)), as a serving process that outlives a failed session does.
+    Reports ("engine", rank, "ok" | "error", {served, version, published} | message) per
+    session."""
     cfg = refit.Config.from_yaml(cfg_yaml)
     spec = refit.model_spec(cfg.model)
     params: Optional[Dict[str, np.ndarray]] = None
+    published: Dict[str, int] = {}
     while True:
         port = ports.get(timeout=120)
         if port is None:
             return
+        engine = None
         try:
-            with refit.Engine(cfg, engine_rank, master_port=port) as engine:
+            with refit.Engine(cfg, engine_rank, master_port=port, published=published) as engine:
                 if params is None:
                     params = {p.name: np.full(p.shape, ENGINE_FILL, np.uint16) for p in engine.params}
                 for name, a in params.items():
                     engine.register(name, a)
                 engine.on_verify(_verifier(spec, params, cfg.tp_size, engine_rank % cfg.tp_size))
                 served = engine.serve()
-                out.put(("engine", engine_rank, "ok",
-                         {"served": served, "version": engine.weight_version}))
+            out.put(("engine", engine_rank, "ok",
+                     {"served": served, "version": engine.weight_version,
+                      "published": engine.published}))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             out.put(("engine", engine_rank, "error", f"{type(e).__name__}: {e}"))
+        finally:
+            if engine is not None:
+                published = engine.published  # kept after close()
+
+
+def stepping_trainer_main(cfg_yaml: str, rank: int, port: int, steps, out) -> None:
+    """Trainer rank `rank` that registers its FSDP2 shards, then per step it takes from `steps`
+    trains (hf_weights of that step) and runs refit(step, verify=True), reporting ("trainer", rank,
+    "refit", step); None: shutdown, ("trainer", rank, "ok", None), exit. Any error is reported as
+    ("trainer", rank, "error", message)."""
+    try:
+        cfg = refit.Config.from_yaml(cfg_yaml)
+        spec = refit.model_spec(cfg.model)
+        with refit.Trainer(cfg, rank, master_port=port) as trainer:
+            shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
+            for name, a in shards.items():
+                trainer.register(name, a)
+            while (step := steps.get(timeout=120)) is not None:
+                full = hf_weights(spec, step)
+                for name, a in shards.items():
+                    a[...] = fsdp2_shard(full[name], rank, cfg.world_size)
+                trainer.refit(step, verify=True)
+                out.put(("trainer", rank, "refit", step))
+            trainer.shutdown()
+        out.put(("trainer", rank, "ok", None))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put(("trainer", rank, "error", f"{type(e).__name__}: {e}"))
 
 
 def _engine_main(cfg_yaml: str, engine_rank: int, port: int, out) -> None:
@@ -321,7 +353,8 @@ class Ranks:
     """One trainer rank and one engine rank (world 1, TP 1) in this process, the engine serving on
     a thread: the GIL is released while either side blocks."""
 
-    def __init__(self, model="tiny-qwen3", protocol="sglang", timeout_s=10, **refit_keys):
+    def __init__(self, model="tiny-qwen3", protocol="sglang", timeout_s=10, published=None,
+                 **refit_keys):
         self.cfg = refit.Config.from_dict(
             {"model": model, "policy": {"world_size": 1},
              "generation": {"backend": protocol, "tp_size": 1},
@@ -330,7 +363,8 @@ class Ranks:
         port = free_port()
         box = {}
         t = threading.Thread(
-            target=lambda: box.setdefault("engine", refit.Engine(self.cfg, 0, master_port=port))
+            target=lambda: box.setdefault(
+                "engine", refit.Engine(self.cfg, 0, master_port=port, published=published))
         )
         t.start()
         self.trainer = refit.Trainer(self.cfg, 0, master_port=port)

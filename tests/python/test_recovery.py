@@ -1,7 +1,8 @@
-"""A session whose engine rank died, re-created with a replacement rank (docs/runtime.md,
-"Re-creating a session"): the survivors raise naming the dead rank, and every rank — the
-surviving engine process keeping its storage, a new process for the dead rank, a new trainer —
-forms a new session whose first refit verifies bit-exact."""
+"""A session whose engine rank or trainer rank died, re-created with a replacement rank
+(docs/rl-loop.md, "Recovering from a dead rank"; docs/runtime.md, "Re-creating a session"): the
+survivors raise naming the dead rank, and every rank — the surviving processes keeping their
+storage, a new process for the dead rank — forms a new session whose first refit verifies
+bit-exact."""
 
 import multiprocessing as mp
 
@@ -9,7 +10,13 @@ import numpy as np
 import pytest
 
 import refit
-from refit_testing import free_port, fsdp2_shard, hf_weights, session_engine_main
+from refit_testing import (
+    free_port,
+    fsdp2_shard,
+    hf_weights,
+    session_engine_main,
+    stepping_trainer_main,
+)
 
 
 def test_a_replaced_engine_rank_re_creates_the_session():
@@ -83,12 +90,126 @@ def test_a_replaced_engine_rank_re_creates_the_session():
         trainer.close()
         trainer = None
         reports = sorted(out.get(timeout=60) for _ in range(2))
-        assert reports == [("engine", 0, "ok", {"served": 2, "version": "step-4"}),
-                           ("engine", 1, "ok", {"served": 2, "version": "step-4"})], reports
+        # The surviving process handed the labels of its first session on to the second.
+        assert reports == [
+            ("engine", 0, "ok", {"served": 2, "version": "step-4",
+                                 "published": {"step-1": 1, "step-2": 2, "step-4": 4}}),
+            ("engine", 1, "ok", {"served": 2, "version": "step-4",
+                                 "published": {"step-2": 2, "step-4": 4}}),
+        ], reports
     finally:
         if trainer is not None:
             trainer.close()
         for q in (survivor_ports, replacement_ports):
+            q.put(None)
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def test_a_replaced_trainer_rank_re_creates_the_session():
+    """docs/rl-loop.md, "Recovering from a dead rank", after a dead trainer rank: trainer rank 1
+    (a process) is SIGKILLed between refits. Trainer rank 0 (this process) and the engine (a
+    process that outlives the session) raise PeerLostError naming trainer rank 1. Then, per the
+    recipe, the survivors close their sessions, a new process replaces trainer rank 1, and every
+    rank joins a new store on a new port: the failed step's refit and a new step's verify
+    bit-exact, and the engine carried the labels of the first session into the second."""
+    cfg = refit.Config.from_dict(
+        {"model": "tiny-qwen3", "policy": {"world_size": 2},
+         "generation": {"backend": "sglang", "tp_size": 1}, "refit": {"timeout_s": 20}}
+    )
+    spec = refit.model_spec(cfg.model)
+    text = cfg.to_yaml()
+    ctx = mp.get_context("spawn")
+    out, engine_ports = ctx.Queue(), ctx.Queue()
+    doomed_steps, replacement_steps = ctx.Queue(), ctx.Queue()
+    # The doomed process reports on a queue of its own: a process killed while it holds a queue's
+    # write lock would block every later writer of that queue.
+    doomed_out = ctx.Queue()
+    port = free_port()
+    engine = ctx.Process(target=session_engine_main, args=(text, 0, engine_ports, out))
+    doomed = ctx.Process(target=stepping_trainer_main,
+                         args=(text, 1, port, doomed_steps, doomed_out))
+    procs = [engine, doomed]
+    trainer = None
+    try:
+        engine.start()
+        doomed.start()
+        engine_ports.put(port)
+        trainer = refit.Trainer(cfg, 0, master_port=port)
+        shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
+        for name, a in shards.items():
+            trainer.register(name, a)
+
+        def refit_both(step, steps):
+            full = hf_weights(spec, step)
+            for name, a in shards.items():
+                a[...] = fsdp2_shard(full[name], 0, 2)
+            steps.put(step)
+            trainer.refit(step, verify=True)
+
+        refit_both(1, doomed_steps)
+        assert doomed_out.get(timeout=60) == ("trainer", 1, "refit", 1)
+
+        # Trainer rank 1 dies between refits: trainer rank 0's next refit raises naming it, and
+        # so does the engine's serve().
+        doomed.kill()
+        doomed.join()
+        assert doomed.exitcode == -9, doomed.exitcode
+        full = hf_weights(spec, 2)
+        for name, a in shards.items():
+            a[...] = fsdp2_shard(full[name], 0, 2)
+        with pytest.raises(refit.PeerLostError) as info:
+            trainer.refit(2, verify=True)
+        msg = str(info.value)
+        # Named as a process that is gone (its connections closed), not as a silent one.
+        exited = "trainer rank 1: aborted: exited: its connection to the control plane closed"
+        assert exited in msg, msg
+        assert (info.value.role, info.value.rank, info.value.process) == (
+            "trainer", 1, "trainer rank 1"), msg
+        assert info.value.recoverable is False and not trainer.session_ok
+        role, rank, status, message = out.get(timeout=60)
+        assert (role, rank, status) == ("engine", 0, "error"), message
+        assert message.startswith("PeerLostError: "), message
+        assert exited in message, message
+        print(f"trainer rank 0 raised {msg}\nthe engine raised {message}")
+
+        # The recipe: the survivors closed (the engine's with block did), a new process for
+        # trainer rank 1, a new store on a new port, the failed step again, then a new one.
+        trainer.close()
+        trainer = None
+        port = free_port()
+        replacement = ctx.Process(target=stepping_trainer_main,
+                                  args=(text, 1, port, replacement_steps, out))
+        procs.append(replacement)
+        replacement.start()
+        engine_ports.put(port)
+        trainer = refit.Trainer(cfg, 0, master_port=port)
+        for name, a in shards.items():
+            trainer.register(name, a)
+        refit_both(2, replacement_steps)
+        refit_both(3, replacement_steps)
+        replacement_steps.put(None)
+        trainer.shutdown()
+        trainer.close()
+        trainer = None
+        reports = sorted(out.get(timeout=60) for _ in range(4))
+        assert reports == [
+            ("engine", 0, "ok", {"served": 2, "version": "step-3",
+                                 "published": {"step-1": 1, "step-2": 2, "step-3": 3}}),
+            ("trainer", 1, "ok", None),
+            ("trainer", 1, "refit", 2),
+            ("trainer", 1, "refit", 3),
+        ], reports
+    finally:
+        if trainer is not None:
+            trainer.close()
+        engine_ports.put(None)
+        for q in (doomed_steps, replacement_steps):
             q.put(None)
         for p in procs:
             if p.pid is None:
@@ -160,7 +281,8 @@ def test_a_trainer_rank_late_to_its_refit_fails_that_refit_and_the_session_goes_
             assert "refit step 2 (version 'step-2') failed in flight: trainer rank 0 reported" in str(e)
             assert trainers[r].session_ok
         report = out.get(timeout=60)
-        assert report == ("engine", 0, "ok", {"served": 2, "version": "step-3"}), report
+        assert report == ("engine", 0, "ok", {"served": 2, "version": "step-3",
+                                              "published": {"step-1": 1, "step-3": 3}}), report
     finally:
         for t in trainers:
             if t is not None:

@@ -132,6 +132,73 @@ def test_a_version_already_published_is_refused_naming_both_refits():
         ranks.engine.close()
 
 
+def test_an_engine_refuses_a_version_it_published_in_an_earlier_session():
+    """An inference server outlives its refit session and hands the next one the labels it served
+    (Engine(published=...)). The new session's trainer has never seen them: the engine refuses a
+    refit that would publish one of them at another step, before any byte moves, naming the
+    label, both steps and its rank; its weights stay valid and on_pause does not run. A retry of
+    a step it already published may reuse that step's label, and a new label refits normally."""
+    first = Ranks()
+    try:
+        first.register_all()
+        results: list = []
+        t = _serve_in_background(first.engine, results, calls=2)
+        for step in (1, 2):
+            _train(first, step)
+            first.trainer.refit(step)
+        t.join(60)
+        assert results == [True, True]
+        served = first.engine.published
+        assert served == {"step-1": 1, "step-2": 2}, served
+    finally:
+        first.close()
+    assert first.engine.published == served  # kept after close(), for the next session
+
+    second = Ranks(published=served)
+    try:
+        second.params = first.params  # the server's storage outlives the session
+        second.register_all()
+        assert second.engine.published == served
+        events: list = []
+        second.engine.on_pause(lambda: events.append("pause"))
+        before = {k: v.copy() for k, v in second.params.items()}
+        results = []
+        t = _serve_in_background(second.engine, results)
+        _train(second, 3)
+        with pytest.raises(refit.SetupError) as info:
+            second.trainer.refit(3, version="step-1")
+        t.join(60)
+        msg = str(info.value)
+        want = ("refit step 3 would publish weight version 'step-1', which this engine rank "
+                "already published at refit step 1 for other weights")
+        assert want in msg, msg
+        assert "engine 0 tp rank 0 reported: " + want in msg, msg
+        assert (info.value.role, info.value.rank) == ("engine", 0), msg
+        assert info.value.recoverable is True and second.trainer.session_ok
+        # The engine's own serve_one raises the same refusal; the session goes on.
+        assert len(results) == 1 and type(results[0]) is refit.SetupError, results
+        assert "engine 0 tp rank 0: " + want in str(results[0]), str(results[0])
+        assert results[0].recoverable is True and second.engine.session_ok
+        # Refused before the pause: nothing moved, the weights keep their version.
+        assert events == [], events
+        assert second.engine.is_valid and second.engine.weight_version == "0"
+        for name, a in second.params.items():
+            assert np.array_equal(a, before[name]), name
+        # A retry of step 2 may reuse its label; a new step's label refits normally.
+        t = _serve_in_background(second.engine, results, calls=2)
+        _train(second, 2)
+        second.trainer.refit(2)
+        _train(second, 3)
+        second.trainer.refit(3)
+        t.join(60)
+        assert results[1:] == [True, True], results
+        assert second.engine.weight_version == "step-3"
+        assert second.engine.published == {"step-1": 1, "step-2": 2, "step-3": 3}
+        assert events == ["pause", "pause"], events
+    finally:
+        second.close()
+
+
 def test_serve_one_with_a_timeout_raises_a_timeout_and_changes_nothing():
     ranks = Ranks()
     try:
