@@ -20,6 +20,8 @@ TEST(PieceMatrixShape, LastDimIsColumns) {
   eq({2, 3, 4}, 6, 4);
   eq({0, 4}, 0, 4);
   eq({4, 0}, 0, 0);
+  eq({2, 0, 4}, 0, 4);
+  eq({0}, 0, 0);
   EXPECT_EQ(matrix_shape({2, 3, 4}).numel(), 24);
 }
 

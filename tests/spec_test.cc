@@ -243,6 +243,29 @@ TEST(Spec, MlpOnlyLayersAreDense) {
   EXPECT_FALSE(spec.find("model.layers.1.mlp.gate.weight"));
 }
 
+// A spec is immutable: its copies share one tensor table and name index (a frontier MoE's table
+// is tens of thousands of tensors, and the wire model and every rank's plan inputs hold copies),
+// and a moved-from spec keeps answering.
+TEST(Spec, CopiesShareTheTensorTable) {
+  auto loaded = load_model_spec("qwen3-30b-a3b");
+  ASSERT_TRUE(loaded.ok());
+  const ModelSpec spec = *loaded;
+  ModelSpec copy = spec;
+  EXPECT_EQ(&copy.tensors(), &spec.tensors()) << "a copy must share the table, not copy it";
+  EXPECT_EQ(copy.tensors().size(), spec.tensors().size());
+  EXPECT_EQ(copy.find("model.layers.47.mlp.experts.127.down_proj.weight"),
+            spec.find("model.layers.47.mlp.experts.127.down_proj.weight"));
+  ModelSpec moved = std::move(copy);
+  EXPECT_EQ(&moved.tensors(), &spec.tensors());
+  EXPECT_EQ(copy.tensors().size(), spec.tensors().size());  // NOLINT(bugprone-use-after-move)
+  EXPECT_TRUE(copy.find("model.embed_tokens.weight"));      // NOLINT(bugprone-use-after-move)
+  ModelSpec empty;
+  EXPECT_TRUE(empty.tensors().empty());
+  EXPECT_FALSE(empty.find("model.embed_tokens.weight"));
+  empty = spec;
+  EXPECT_EQ(&empty.tensors(), &spec.tensors());
+}
+
 // Any other architecture parses (its table comes from the checkpoint's headers: any_model_test).
 TEST(Spec, UnknownArchitectureIsKeptByName) {
   auto c = parse_hf_config(R"({"architectures":["GPT2LMHeadModel"],"hidden_size":8})");

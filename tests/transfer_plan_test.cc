@@ -392,6 +392,82 @@ TEST(TransferPlan, RandomShapesAndSizesMatchTheReference) {
   EXPECT_GE(checked, 24) << "too few random cases could be sharded";
 }
 
+// Rounds of routes whose members fit the pair budget, against the rule written member by member:
+// a member goes at the end of the current segment, aligned to its element size, when it fits
+// there, else at the start of the next round. Random counts, sizes, element sizes and budgets,
+// with routes that fill many rounds whole (which place_routes takes a round at a time); both
+// place_routes and for_each_slice (what the executors walk) must follow the rule.
+TEST(TransferPlan, PlacementPacksWholeMembersInOrder) {
+  std::mt19937 rng(20261203);
+  auto draw = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
+  int whole_rounds = 0;  // trials with a route that fills three rounds or more by itself
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::int64_t budget = draw(16, 4096);
+    std::vector<Route> routes(static_cast<std::size_t>(draw(1, 12)));
+    std::vector<std::int64_t> esize(routes.size());
+    bool fills = false;
+    for (std::size_t i = 0; i < routes.size(); ++i) {
+      Route& r = routes[i];
+      esize[i] = std::int64_t{1} << draw(0, 2);
+      r.hf_tensor = static_cast<std::uint32_t>(i);
+      r.rows = draw(1, 4);
+      r.cols = draw(1, std::max<std::int64_t>(1, budget / (r.rows * esize[i])));
+      r.count = static_cast<std::int32_t>(draw(1, 300));
+      fills |= r.count >= 3 * (budget / (r.rows * r.cols * esize[i]));
+    }
+    whole_rounds += fills;
+    // The rule, member by member: each member's (round, offset), each round's bytes.
+    std::vector<std::vector<std::pair<int, std::int64_t>>> at(routes.size());
+    std::vector<std::int64_t> want_rounds;
+    std::int64_t want_bytes = 0, used = 0;
+    int round = 0;
+    for (std::size_t i = 0; i < routes.size(); ++i) {
+      const std::int64_t es = esize[i], m = routes[i].member_numel() * es;
+      for (std::int32_t j = 0; j < routes[i].count; ++j) {
+        std::int64_t off = (used + es - 1) / es * es;
+        if (off + m > budget) {
+          ++round;
+          off = 0;
+        }
+        at[i].emplace_back(round, off);
+        used = off + m;
+        want_rounds.resize(static_cast<std::size_t>(round) + 1, 0);
+        want_rounds.back() = used;
+        want_bytes += m;
+      }
+    }
+    auto esize_of = [&](const Route& r) { return esize[r.hf_tensor]; };
+    std::vector<std::int64_t> rounds;
+    std::int64_t bytes = 0;
+    place_routes(routes, esize_of, budget, rounds, bytes);
+    ASSERT_EQ(rounds, want_rounds) << "trial " << trial << ", budget " << budget;
+    ASSERT_EQ(bytes, want_bytes) << "trial " << trial;
+    for (std::size_t i = 0; i < routes.size(); ++i) {
+      EXPECT_EQ(routes[i].round, at[i].front().first) << "trial " << trial << " route " << i;
+      EXPECT_EQ(routes[i].segment_offset, at[i].front().second)
+          << "trial " << trial << " route " << i;
+    }
+    std::vector<std::size_t> seen(routes.size(), 0);
+    for_each_slice(routes, esize_of, budget, [&](const Route& sl) {
+      const std::size_t i = sl.hf_tensor;
+      const std::int64_t m = sl.member_numel() * esize[i];
+      for (std::int32_t k = 0; k < sl.count; ++k) {
+        ASSERT_LT(seen[i], at[i].size()) << "trial " << trial << " route " << i;
+        EXPECT_EQ(sl.round, at[i][seen[i]].first) << "trial " << trial << " route " << i;
+        EXPECT_EQ(sl.segment_offset + k * m, at[i][seen[i]].second)
+            << "trial " << trial << " route " << i << " member " << seen[i];
+        ++seen[i];
+      }
+    });
+    for (std::size_t i = 0; i < routes.size(); ++i)
+      EXPECT_EQ(seen[i], at[i].size()) << "trial " << trial << " route " << i;
+    if (::testing::Test::HasFailure()) return;
+  }
+  EXPECT_GE(whole_rounds, 100) << "too few trials with routes that fill rounds whole";
+}
+
 // Compact routes: the routes of a pair do not grow with the number of experts, and a run of
 // stacked experts is one route.
 TEST(TransferPlan, RoutesPerPairDoNotGrowWithTheExperts) {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -173,15 +174,22 @@ struct TensorSpec {
 
 class ModelSpec {
  public:
-  ModelSpec() = default;
+  ModelSpec();
   // Builds the HF parameter list of `config` in HF's state_dict order.
   explicit ModelSpec(ModelConfig config, std::string source = {});
   // An explicit table (names must be unique; the caller checked them): read from safetensors
   // headers or from a module's state dict.
   ModelSpec(ModelConfig config, std::vector<TensorSpec> tensors, std::string source);
+  // Copies share the tensor table and its name index (a spec is immutable), so a copy costs its
+  // config, not its tensors: the wire model, the plan's inputs and every rank's setup hold copies
+  // of specs of tens of thousands of tensors. A moved-from spec keeps sharing its table.
+  ModelSpec(const ModelSpec&) = default;
+  ModelSpec& operator=(const ModelSpec&) = default;
+  ModelSpec(ModelSpec&& other) noexcept;
+  ModelSpec& operator=(ModelSpec&& other) noexcept;
 
   const ModelConfig& config() const { return config_; }
-  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  const std::vector<TensorSpec>& tensors() const { return table_->tensors; }
   // Where the spec came from: a preset name or a model directory.
   const std::string& source() const { return source_; }
   std::int64_t total_parameters() const;
@@ -191,9 +199,14 @@ class ModelSpec {
   std::optional<std::size_t> find(std::string_view name) const;
 
  private:
+  struct Table {
+    std::vector<TensorSpec> tensors;
+    std::unordered_map<std::string, std::size_t> index;  // name -> position in tensors
+  };
+  static std::shared_ptr<const Table> make_table(std::vector<TensorSpec> tensors);
+
   ModelConfig config_;
-  std::vector<TensorSpec> tensors_;
-  std::unordered_map<std::string, std::size_t> index_;  // name -> position in tensors_
+  std::shared_ptr<const Table> table_;  // never null
   std::string source_;
 };
 

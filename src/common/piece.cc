@@ -6,10 +6,11 @@ namespace refit {
 
 MatrixShape matrix_shape(const std::vector<std::int64_t>& shape) {
   if (shape.empty()) return {1, 1};
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
   const std::int64_t cols = shape.back();
-  return {cols == 0 ? 0 : n / cols, cols};
+  if (cols == 0) return {0, 0};
+  std::int64_t rows = 1;  // numel / cols
+  for (std::size_t k = 0; k + 1 < shape.size(); ++k) rows *= shape[k];
+  return {rows, cols};
 }
 
 void intersect_piece(const Piece& p, std::int64_t hf_cols, std::int64_t dst_cols,

@@ -173,16 +173,19 @@ Result<SpecIndex> index_spec(const ModelSpec& spec) {
   return ix;
 }
 
-// Appends parameters and records every piece in pieces_by_hf.
+// Appends parameters and their pieces (the caller indexes them by tensor when done).
 class Builder {
  public:
-  Builder(const ModelSpec& spec, EngineShardLayout& out) : spec_(spec), out_(out) {
-    out_.pieces_by_hf.assign(spec.tensors().size(), {});
-  }
+  // `matrix`: every tensor's matrix view when the caller has them (WireModel::matrix), or null.
+  Builder(const ModelSpec& spec, EngineShardLayout& out,
+          const std::vector<MatrixShape>* matrix = nullptr)
+      : spec_(spec), out_(out), matrix_(matrix) {}
 
-  // Starts a new parameter; pieces added next belong to it.
-  void param(std::string name, std::vector<std::int64_t> shape) {
+  // Starts a new parameter, of `pieces` pieces when known; pieces added next belong to it.
+  void param(std::string name, std::vector<std::int64_t> shape, std::size_t pieces = 1) {
+    dst_ = matrix_shape(shape);
     out_.params.push_back(EngineParam{std::move(name), std::move(shape), {}});
+    out_.params.back().pieces.reserve(pieces);
   }
 
   // HF block [src_row, +rows) x [src_col, +cols) of tensor `hf` (matrix view) to (dst_row,
@@ -194,16 +197,14 @@ class Builder {
       return Status::Internal(
           fmt::format("engine layout: {} reads an HF tensor the spec lacks", p.name));
     if (rows <= 0 || cols <= 0) return Status::Ok();
-    const MatrixShape src = matrix_shape(spec_.tensors()[hf].shape);
-    const MatrixShape dst = matrix_shape(p.shape);
+    const MatrixShape src = matrix_ ? (*matrix_)[hf] : matrix_shape(spec_.tensors()[hf].shape);
+    const MatrixShape dst = dst_;
     if (src_row < 0 || src_col < 0 || src_row + rows > src.rows || src_col + cols > src.cols ||
         dst_row < 0 || dst_col < 0 || dst_row + rows > dst.rows || dst_col + cols > dst.cols)
       return Status::Internal(fmt::format(
           "engine layout: piece of {} [{}+{}, {}+{}] -> {} [{}+{}, {}+{}] out of bounds",
           spec_.tensors()[hf].name, src_row, rows, src_col, cols, p.name, dst_row, rows, dst_col,
           cols));
-    const auto param_index = static_cast<std::uint32_t>(out_.params.size() - 1);
-    out_.pieces_by_hf[hf].emplace_back(param_index, static_cast<std::uint32_t>(p.pieces.size()));
     p.pieces.push_back(Piece{hf, src_row, src_col, rows, cols, dst_row, dst_col});
     return Status::Ok();
   }
@@ -220,6 +221,8 @@ class Builder {
  private:
   const ModelSpec& spec_;
   EngineShardLayout& out_;
+  const std::vector<MatrixShape>* matrix_;
+  MatrixShape dst_;  // of the current parameter
 };
 
 // Grouped-query attention of one layer on TP rank r of t (vLLM's and SGLang's QKVParallelLinear,
@@ -319,8 +322,12 @@ std::int64_t EngineShardLayout::total_numel() const {
   return total;
 }
 
-Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
-                                        EngineLayout layout, EngineProtocol protocol) {
+namespace {
+
+// engine_layout without its pieces_by_hf; `matrix`: every tensor's matrix view, or null.
+Result<EngineShardLayout> engine_params(const ModelSpec& spec, int tp_size, int tp_rank,
+                                        EngineLayout layout, EngineProtocol protocol,
+                                        const std::vector<MatrixShape>* matrix = nullptr) {
   if (tp_rank < 0 || tp_rank >= tp_size)
     return Status::InvalidArgument(
         fmt::format("engine layout: tp rank {} outside [0, {})", tp_rank, tp_size));
@@ -329,7 +336,7 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
     out.tp_size = tp_size;
     out.tp_rank = tp_rank;
     out.params.reserve(spec.tensors().size());
-    Builder b(spec, out);
+    Builder b(spec, out, matrix);
     for (std::uint32_t i = 0; i < spec.tensors().size(); ++i)
       REFIT_RETURN_IF_ERROR(b.replicated(spec.tensors()[i].name, i));
     return out;
@@ -356,7 +363,7 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
   out.tp_size = tp_size;
   out.tp_rank = tp_rank;
   out.params.reserve(static_cast<std::size_t>(c.num_layers) * 10 + 3);
-  Builder b(spec, out);
+  Builder b(spec, out, matrix);
 
   // Vocabulary-parallel: rank r holds rows [r*Vp/t, (r+1)*Vp/t) of the padded table.
   auto vocab_parallel = [&](std::string name, std::uint32_t hf) -> Status {
@@ -395,13 +402,13 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
       // MoEGate / Glm4MoeGate).
       if (c.router_bias)
         REFIT_RETURN_IF_ERROR(b.replicated(p + "mlp.gate.e_score_correction_bias", L.router_bias));
-      b.param(p + "mlp.experts.w13_weight", {E, 2 * I, H});
+      b.param(p + "mlp.experts.w13_weight", {E, 2 * I, H}, static_cast<std::size_t>(2 * E));
       for (std::int64_t e = 0; e < E; ++e) {
         const auto ue = static_cast<std::size_t>(e);
         REFIT_RETURN_IF_ERROR(b.piece(L.expert_gate[ue], r * I, 0, I, H, e * 2 * I, 0));
         REFIT_RETURN_IF_ERROR(b.piece(L.expert_up[ue], r * I, 0, I, H, e * 2 * I + I, 0));
       }
-      b.param(p + "mlp.experts.w2_weight", {E, H, I});
+      b.param(p + "mlp.experts.w2_weight", {E, H, I}, static_cast<std::size_t>(E));
       for (std::int64_t e = 0; e < E; ++e)
         REFIT_RETURN_IF_ERROR(
             b.piece(L.expert_down[static_cast<std::size_t>(e)], 0, r * I, H, I, e * H, 0));
@@ -450,6 +457,25 @@ Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int 
   }
   REFIT_RETURN_IF_ERROR(b.replicated("model.norm.weight", ix.final_norm));
   if (!c.tie_word_embeddings) REFIT_RETURN_IF_ERROR(vocab_parallel("lm_head.weight", ix.lm_head));
+  return out;
+}
+
+// Indexes every piece of the layout's parameters under the tensor it reads.
+void index_pieces(EngineShardLayout& out, std::size_t tensors) {
+  out.pieces_by_hf.build(tensors, [&](auto&& add) {
+    for (std::uint32_t i = 0; i < out.params.size(); ++i)
+      for (std::uint32_t k = 0; k < out.params[i].pieces.size(); ++k)
+        add(out.params[i].pieces[k].hf_tensor, PiecesByTensor::Entry(i, k));
+  });
+}
+
+}  // namespace
+
+Result<EngineShardLayout> engine_layout(const ModelSpec& spec, int tp_size, int tp_rank,
+                                        EngineLayout layout, EngineProtocol protocol) {
+  REFIT_ASSIGN_OR_RETURN(EngineShardLayout out,
+                         engine_params(spec, tp_size, tp_rank, layout, protocol));
+  index_pieces(out, spec.tensors().size());
   return out;
 }
 
@@ -542,8 +568,10 @@ Result<EngineParam> tensor_scale_param(const EngineParam& p, const WireModel& wi
 Result<EngineShardLayout> engine_wire_layout(const ModelSpec& model, const WireModel& wire,
                                              int tp_size, int tp_rank, EngineLayout layout,
                                              EngineProtocol protocol) {
-  REFIT_ASSIGN_OR_RETURN(EngineShardLayout base,
-                         engine_layout(model, tp_size, tp_rank, layout, protocol));
+  REFIT_ASSIGN_OR_RETURN(
+      EngineShardLayout base,
+      engine_params(model, tp_size, tp_rank, layout, protocol,
+                    wire.matrix.size() == wire.spec.tensors().size() ? &wire.matrix : nullptr));
   const DType plain = wire.fp8 ? kFp8UnquantizedDType : wire.dtype.empty() ? DType::kBFloat16
                                                                              : wire.dtype.front();
   const std::string where = fmt::format("engine tp rank {} of {}", tp_rank, tp_size);
@@ -571,10 +599,7 @@ Result<EngineShardLayout> engine_wire_layout(const ModelSpec& model, const WireM
                                               : tensor_scale_param(w, wire));
     out.params.push_back(std::move(s));
   }
-  out.pieces_by_hf.assign(wire.spec.tensors().size(), {});
-  for (std::uint32_t i = 0; i < out.params.size(); ++i)
-    for (std::uint32_t k = 0; k < out.params[i].pieces.size(); ++k)
-      out.pieces_by_hf[out.params[i].pieces[k].hf_tensor].emplace_back(i, k);
+  index_pieces(out, wire.spec.tensors().size());
   return out;
 }
 

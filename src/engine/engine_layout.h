@@ -13,10 +13,11 @@
 #include <vector>
 
 #include "common/piece.h"
+#include "common/pieces_by_tensor.h"
 #include "refit/config.h"
-#include "spec/fp8.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
+#include "spec/fp8.h"
 
 namespace refit {
 
@@ -35,8 +36,9 @@ struct EngineShardLayout {
   int tp_size = 1;
   int tp_rank = 0;
   std::vector<EngineParam> params;
-  // For each HF tensor index: (param index, piece index) of every piece that reads from it.
-  std::vector<std::vector<std::pair<std::uint32_t, std::uint32_t>>> pieces_by_hf;
+  // For each HF (wire) tensor index: (param index, piece index) of every piece that reads from
+  // it, in (param, piece) order.
+  PiecesByTensor pieces_by_hf;
   std::int64_t total_numel() const;
   std::int64_t total_bytes() const;
 };

@@ -107,11 +107,17 @@ Status check_layout_against_index(const RouteSetup& s, int rank) {
         return h.local == l && h.piece == p && same_block(h.rect, pc) &&
                h.rect.dst_row == pc.dst_row && h.rect.dst_col == pc.dst_col;
       });
-      holders.clear();
-      index.holders(pc.hf_tensor, Box::of(pc), holders);
+      // The block's lowest holder: this rank when the tensor has no copies (each block has one
+      // holder, and the index says this rank holds it).
       int lowest = index.world();
-      for (const Holder& h : holders)
-        if (same_block(h.rect, pc)) lowest = std::min(lowest, h.rank);
+      if (found && !s.inputs->has_copies(pc.hf_tensor)) {
+        lowest = rank;
+      } else if (found) {
+        holders.clear();
+        index.holders(pc.hf_tensor, Box::of(pc), holders);
+        for (const Holder& h : holders)
+          if (same_block(h.rect, pc)) lowest = std::min(lowest, h.rank);
+      }
       const bool owned = std::find(t.owned.begin(), t.owned.end(), p) != t.owned.end();
       if (!found || owned != (lowest == rank))
         return Status::Internal(fmt::format(
@@ -172,7 +178,8 @@ Result<RouteSetup> make_trainer_route_setup(std::shared_ptr<PlanInputs> inputs, 
     }
     lay.tensors.push_back(std::move(scale));
   }
-  lay.index_owned(wire.tensors().size());
+  // The layout indexed the model's tensors; the scales (when any) are wire tensors past them.
+  if (wire.tensors().size() != model_tensors) lay.index_owned(wire.tensors().size());
   s.trainer = std::move(lay);
   if (s.user_tensors != s.inputs->trainers().user_tensors(rank))
     return Status::Internal(

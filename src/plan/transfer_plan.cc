@@ -37,12 +37,48 @@ struct Hasher {
   }
 };
 
-std::int64_t align_up(std::int64_t v, std::int64_t a) { return (v + a - 1) / a * a; }
+// v >= 0 rounded up to a multiple of a > 0 (a mask for the element sizes, all powers of two: a
+// division is most of the cost of placing a round of a pair's routes).
+std::int64_t align_up(std::int64_t v, std::int64_t a) {
+  if ((a & (a - 1)) == 0) return (v + a - 1) & ~(a - 1);
+  return (v + a - 1) / a * a;
+}
 
 auto route_order(const Route& r) {
   return std::tie(r.hf_tensor, r.hf_row, r.hf_col, r.engine_param, r.engine_row, r.engine_col,
                   r.trainer_tensor, r.trainer_row, r.trainer_col);
 }
+
+// What puts two wire tensors in one group: the same kind of tensor (scale or not), shape and dtype,
+// and either the same role (and, for experts, layer), or for a tensor without a role the same name
+// but for its layer number.
+struct GroupKey {
+  enum Kind { kByName, kExpert, kLayer };
+  const TensorSpec* spec = nullptr;  // the tensor: its shape
+  bool scale = false;
+  Kind kind = kByName;
+  int role = 0;            // kExpert, kLayer
+  std::int64_t layer = 0;  // kExpert: a group spans one layer's experts
+  std::string name;        // kByName: the tensor's name with its layer number taken out
+  int dtype = 0;
+  bool operator==(const GroupKey& o) const {
+    return scale == o.scale && kind == o.kind && role == o.role && layer == o.layer &&
+           dtype == o.dtype && name == o.name && spec->shape == o.spec->shape;
+  }
+};
+struct GroupKeyHash {
+  std::size_t operator()(const GroupKey& k) const {
+    Hasher h;
+    h.add(k.scale);
+    h.add(k.kind);
+    h.add(k.role);
+    h.add(k.layer);
+    h.add(k.dtype);
+    h.add(k.name);
+    for (std::int64_t d : k.spec->shape) h.add(d);
+    return static_cast<std::size_t>(h.h);
+  }
+};
 
 // Groups of the wire model: tensors of one role, shape and dtype that differ in their expert
 // index (within a layer) or, outside experts, in their layer index; cut into arithmetic runs of
@@ -50,30 +86,31 @@ auto route_order(const Route& r) {
 // name with the layer number taken out. Everything else is a group of one.
 std::vector<TensorGroup> make_groups(const WireModel& wire) {
   const auto& ts = wire.spec.tensors();
-  std::unordered_map<std::string, std::vector<std::uint32_t>> by_key;
+  std::unordered_map<GroupKey, std::vector<std::uint32_t>, GroupKeyHash> by_key;
   std::vector<TensorGroup> groups;
   for (std::uint32_t t = 0; t < ts.size(); ++t) {
     const bool scale = wire.fp8 && wire.fp8->is_scale(t);
     const TensorSpec& base = scale ? ts[static_cast<std::size_t>(wire.fp8->weight_of[t])] : ts[t];
-    std::string key;
+    GroupKey key{.spec = &ts[t], .scale = scale, .dtype = static_cast<int>(wire.dtype[t])};
     if (base.role == ParamRole::kOther) {
-      const std::size_t at = base.layer >= 0
-                                 ? base.name.find(fmt::format(".layers.{}.", base.layer))
-                                 : std::string::npos;
-      if (at != std::string::npos)
-        key = base.name.substr(0, at) + ".layers.*" +
-              base.name.substr(at + fmt::format(".layers.{}", base.layer).size());
+      const std::string layer = fmt::format(".layers.{}", base.layer);
+      const std::size_t at = base.layer >= 0 ? base.name.find(layer + ".") : std::string::npos;
+      if (at == std::string::npos) {
+        groups.push_back(TensorGroup{.first = t});
+        continue;
+      }
+      key.name = base.name.substr(0, at) + ".layers.*" + base.name.substr(at + layer.size());
     } else if (base.expert >= 0) {
-      key = fmt::format("role {} layer {} expert *", static_cast<int>(base.role), base.layer);
+      key.kind = GroupKey::kExpert;
+      key.role = static_cast<int>(base.role);
+      key.layer = base.layer;
     } else if (base.layer >= 0) {
-      key = fmt::format("role {} layer *", static_cast<int>(base.role));
-    }
-    if (key.empty()) {
+      key.kind = GroupKey::kLayer;
+      key.role = static_cast<int>(base.role);
+    } else {
       groups.push_back(TensorGroup{.first = t});
       continue;
     }
-    key += fmt::format("|{}|{}|{}", scale ? "scale" : "tensor", fmt::join(ts[t].shape, "x"),
-                       static_cast<int>(wire.dtype[t]));
     by_key[key].push_back(t);
   }
   for (const auto& [key, list] : by_key) {
@@ -317,9 +354,12 @@ void slice_routes(const std::vector<Route>& routes,
     const std::int64_t m = r.member_numel() * esize;
     if (m <= 0) continue;
     if (m <= budget) {
+      const std::int64_t whole_round = budget / m;  // members that fit an empty segment
       for (std::int32_t j = 0; j < r.count;) {
         const std::int64_t off = align_up(used, esize);
-        const std::int64_t fit = off < budget ? (budget - off) / m : 0;
+        const std::int64_t fit = off >= budget || budget - off < m ? 0
+                                 : off == 0                        ? whole_round
+                                                                   : (budget - off) / m;
         if (fit == 0) {
           ++round;
           used = 0;
@@ -413,17 +453,21 @@ void place_routes(std::vector<Route>& routes,
   round_bytes.clear();
   bytes = 0;
   std::size_t placed = routes.size();  // the last route whose first slice was seen
-  slice_routes(routes, esize_of, budget, [&](const SliceRef& s) {
-    if (s.route != placed) {
-      placed = s.route;
-      routes[s.route].round = s.round;
-      routes[s.route].segment_offset = s.offset;
-    }
-    if (static_cast<std::size_t>(s.round) >= round_bytes.size())
-      round_bytes.resize(static_cast<std::size_t>(s.round) + 1, 0);
-    round_bytes[static_cast<std::size_t>(s.round)] = s.offset + s.bytes;
-    bytes += s.bytes;
-  });
+  // Inlined: a pair of a large plan has thousands of rounds, each a slice or more.
+  slice_routes(
+      routes, esize_of, budget, [&](const SliceRef& s) __attribute__((always_inline)) {
+        if (s.route != placed) {
+          placed = s.route;
+          routes[s.route].round = s.round;
+          routes[s.route].segment_offset = s.offset;
+        }
+        if (static_cast<std::size_t>(s.round) == round_bytes.size())  // rounds follow one another
+          round_bytes.push_back(0);
+        else if (static_cast<std::size_t>(s.round) > round_bytes.size())
+          round_bytes.resize(static_cast<std::size_t>(s.round) + 1, 0);
+        round_bytes[static_cast<std::size_t>(s.round)] = s.offset + s.bytes;
+        bytes += s.bytes;
+      });
 }
 
 Result<std::shared_ptr<PlanInputs>> PlanInputs::create(const Config& config,
@@ -436,6 +480,8 @@ Result<std::shared_ptr<PlanInputs>> PlanInputs::create(const Config& config,
   REFIT_ASSIGN_OR_RETURN(in->index_, TrainerIndex::create(config, model, *in->wire_));
   in->dtypes_ = std::make_shared<const std::vector<DType>>(in->wire_->dtype);
   in->groups_ = make_groups(*in->wire_);
+  in->copies_.resize(in->wire_->spec.tensors().size());
+  for (std::uint32_t t = 0; t < in->copies_.size(); ++t) in->copies_[t] = in->index_->has_copies(t);
   in->trainer_steps_.resize(in->groups_.size());
   for (std::size_t g = 0; g < in->groups_.size(); ++g) {
     const TensorGroup& G = in->groups_[g];
@@ -545,15 +591,20 @@ Result<PlanView> trainer_view(PlanInputs& in, int rank) {
         if (keep.empty()) continue;
         own.clear();
         index.pieces_of(rank, t, own);
+        const bool copies_of_t = in.has_copies(t);
         for (const Holder& h : own) {
-          copies.clear();
-          index.holders(t, Box::of(h.rect), copies);
-          // This piece's place among the copies of its block, in rank order.
-          std::size_t n = 0, mine = 0;
-          for (const Holder& c : copies) {
-            if (!same_block(c.rect, h.rect)) continue;
-            if (c.rank == h.rank && c.local == h.local && c.piece == h.piece) mine = n;
-            ++n;
+          // This piece's place among the copies of its block, in rank order (a tensor without
+          // copies: each block's one holder).
+          std::size_t n = 1, mine = 0;
+          if (copies_of_t) {
+            copies.clear();
+            index.holders(t, Box::of(h.rect), copies);
+            n = 0;
+            for (const Holder& c : copies) {
+              if (!same_block(c.rect, h.rect)) continue;
+              if (c.rank == h.rank && c.local == h.local && c.piece == h.piece) mine = n;
+              ++n;
+            }
           }
           for (int e = 0; e < replicas; ++e) {
             if (n == 0 || static_cast<std::size_t>(e + k) % n != mine) continue;

@@ -192,6 +192,8 @@ class PlanInputs {
   std::uint64_t identity() const { return identity_; }
   const std::shared_ptr<const std::vector<DType>>& dtypes() const { return dtypes_; }
   const std::vector<TensorGroup>& groups() const { return groups_; }
+  // Whether some block of wire tensor `t` has more than one holder (TrainerIndex::has_copies).
+  bool has_copies(std::uint32_t t) const { return copies_[t] != 0; }
 
   // Builds engine TP rank `tp_rank`'s layout and its group runs, once.
   Status prepare_engine(int tp_rank);
@@ -213,6 +215,7 @@ class PlanInputs {
   std::unique_ptr<TrainerIndex> index_;
   std::shared_ptr<const std::vector<DType>> dtypes_;
   std::vector<TensorGroup> groups_;
+  std::vector<std::uint8_t> copies_;  // per wire tensor: has_copies
   // Per group: the trainer holders' step from member j to j + 1, when there is one.
   std::vector<std::vector<std::optional<HolderStep>>> trainer_steps_;
   std::vector<EngineSide> engines_;  // per TP rank

@@ -126,8 +126,11 @@ Result<WireModel> wire_model(const Config& config, const ModelSpec& spec) {
     w.spec = spec;
     w.plain = config.refit.target_precision;
     w.dtype.reserve(spec.tensors().size());
-    for (const TensorSpec& t : spec.tensors())
+    w.matrix.reserve(spec.tensors().size());
+    for (const TensorSpec& t : spec.tensors()) {
       w.dtype.push_back(engine_dtype(config, spec, t, config.refit.target_precision));
+      w.matrix.push_back(matrix_shape(t.shape));
+    }
     return w;
   }
   Fp8Table f;
@@ -206,6 +209,8 @@ Result<WireModel> wire_model(const Config& config, const ModelSpec& spec) {
                              t.layer, t.expert});
   }
   w.spec = ModelSpec(spec.config(), std::move(all), spec.source());
+  w.matrix.reserve(w.spec.tensors().size());
+  for (const TensorSpec& t : w.spec.tensors()) w.matrix.push_back(matrix_shape(t.shape));
   w.fp8 = std::move(f);
   return w;
 }

@@ -37,6 +37,7 @@ struct Fp8Table {
 struct WireModel {
   ModelSpec spec;              // the model's tensors, then the scales
   std::vector<DType> dtype;    // per wire tensor: what the engine stores
+  std::vector<MatrixShape> matrix;  // per wire tensor: the matrix view of its shape
   std::optional<Fp8Table> fp8;  // set when refit.target_precision is fp8
   // What every unquantized tensor is kept in but those engine_dtype keeps apart:
   // refit.target_precision, or kFp8UnquantizedDType with fp8.

@@ -76,14 +76,36 @@ std::int64_t TensorSpec::row_elems() const {
   return n;
 }
 
+std::shared_ptr<const ModelSpec::Table> ModelSpec::make_table(std::vector<TensorSpec> tensors) {
+  auto table = std::make_shared<Table>();
+  table->tensors = std::move(tensors);
+  table->index.reserve(table->tensors.size());
+  for (std::size_t i = 0; i < table->tensors.size(); ++i)
+    table->index.emplace(table->tensors[i].name, i);
+  return table;
+}
+
+ModelSpec::ModelSpec() : table_(make_table({})) {}
+
+ModelSpec::ModelSpec(ModelSpec&& other) noexcept
+    : config_(std::move(other.config_)), table_(other.table_), source_(std::move(other.source_)) {}
+
+ModelSpec& ModelSpec::operator=(ModelSpec&& other) noexcept {
+  config_ = std::move(other.config_);
+  table_ = other.table_;
+  source_ = std::move(other.source_);
+  return *this;
+}
+
 ModelSpec::ModelSpec(ModelConfig config, std::string source)
     : config_(std::move(config)), source_(std::move(source)) {
+  std::vector<TensorSpec> tensors;
   const auto& c = config_;
   const std::int64_t H = c.hidden_size, d = c.head_dim;
   const std::int64_t q_rows = c.num_heads * d, kv_rows = c.num_kv_heads * d;
   auto add = [&](std::string name, std::vector<std::int64_t> shape, ParamRole role,
                  std::int64_t layer = -1, std::int64_t expert = -1) {
-    tensors_.push_back(TensorSpec{std::move(name), std::move(shape), role, layer, expert});
+    tensors.push_back(TensorSpec{std::move(name), std::move(shape), role, layer, expert});
   };
 
   add("model.embed_tokens.weight", {c.vocab_size, H}, ParamRole::kEmbedding);
@@ -177,15 +199,13 @@ ModelSpec::ModelSpec(ModelConfig config, std::string source)
   }
   add("model.norm.weight", {H}, ParamRole::kFinalNorm);
   if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, H}, ParamRole::kLmHead);
-  index_.reserve(tensors_.size());
-  for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  table_ = make_table(std::move(tensors));
 }
 
 ModelSpec::ModelSpec(ModelConfig config, std::vector<TensorSpec> tensors, std::string source)
-    : config_(std::move(config)), tensors_(std::move(tensors)), source_(std::move(source)) {
-  index_.reserve(tensors_.size());
-  for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
-}
+    : config_(std::move(config)),
+      table_(make_table(std::move(tensors))),
+      source_(std::move(source)) {}
 
 bool natural_name_less(std::string_view a, std::string_view b) {
   auto digit = [](char ch) { return ch >= '0' && ch <= '9'; };
@@ -235,13 +255,13 @@ std::int64_t layer_of_name(std::string_view name) {
 
 std::int64_t ModelSpec::total_parameters() const {
   std::int64_t n = 0;
-  for (const auto& t : tensors_) n += t.numel();
+  for (const auto& t : tensors()) n += t.numel();
   return n;
 }
 
 std::optional<std::size_t> ModelSpec::find(std::string_view name) const {
-  auto it = index_.find(std::string(name));
-  if (it == index_.end()) return std::nullopt;
+  auto it = table_->index.find(std::string(name));
+  if (it == table_->index.end()) return std::nullopt;
   return it->second;
 }
 

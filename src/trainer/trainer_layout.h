@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/piece.h"
+#include "common/pieces_by_tensor.h"
 #include "refit/config.h"
 #include "refit/model_spec.h"
 #include "refit/status.h"
@@ -33,7 +34,7 @@ struct TrainerShardLayout {
   std::vector<LocalTensor> tensors;
   // For each HF tensor index: (local tensor index, piece index) of the pieces this rank owns,
   // ordered by (src_row, src_col). Empty when the rank owns nothing of that tensor.
-  std::vector<std::vector<std::pair<std::uint32_t, std::uint32_t>>> owned_by_hf;
+  PiecesByTensor owned_by_hf;
 
   // Fills owned_by_hf from tensors[*].owned. Layout builders call this last.
   void index_owned(std::size_t num_hf_tensors);
