@@ -272,7 +272,8 @@ AttackOutcome attack_a_run(int steps) {
 TEST(Attack, ForeignProcessesCannotReachOrForgeTheControlPlane) {
   AttackOutcome o;
   int steps = 300;
-  for (int attempt = 0; attempt < 3 && !o.outlasted; ++attempt, steps *= 10) o = attack_a_run(steps);
+  for (int attempt = 0; attempt < 3 && !o.outlasted; ++attempt, steps *= 10)
+    o = attack_a_run(steps);
   ASSERT_TRUE(o.outlasted) << "the last run (" << steps / 10 << " refits) ended before the attack "
                            << "was done (" << o.rounds << " round(s) of forged messages)\n"
                            << o.out;
