@@ -19,6 +19,17 @@ from refit_testing import (
 )
 
 
+def _reap(procs) -> None:
+    """Waits up to 20 s for each started process, then kills what is left."""
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def test_a_replaced_engine_rank_re_creates_the_session():
     cfg = refit.Config.from_dict(
         {"model": "tiny-qwen3", "policy": {"world_size": 1},
@@ -102,13 +113,7 @@ def test_a_replaced_engine_rank_re_creates_the_session():
             trainer.close()
         for q in (survivor_ports, replacement_ports):
             q.put(None)
-        for p in procs:
-            if p.pid is None:
-                continue
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(procs)
 
 
 def test_a_replaced_trainer_rank_re_creates_the_session():
@@ -211,13 +216,7 @@ def test_a_replaced_trainer_rank_re_creates_the_session():
         engine_ports.put(None)
         for q in (doomed_steps, replacement_steps):
             q.put(None)
-        for p in procs:
-            if p.pid is None:
-                continue
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(procs)
 
 
 def test_a_trainer_rank_late_to_its_refit_fails_that_refit_and_the_session_goes_on():
