@@ -279,6 +279,11 @@ TEST(ZmqBoundsChild, StoreOutOfDescriptors) {
 // Out of descriptors, the store server's failure() is an error that names RLIMIT_NOFILE (trainer
 // rank 0 fails with it), and ZeroMQ's retries of the failed accept count once.
 TEST(ZmqBounds, StoreOutOfDescriptorsIsAnError) {
+#if defined(__SANITIZE_ADDRESS__)
+  // UndefinedBehaviorSanitizer's vptr check probes memory through a pipe, which a process out of
+  // descriptors cannot open: it then reports every virtual call as one on an invalid object.
+  GTEST_SKIP() << "not under the sanitizers: their runtime needs descriptors of its own";
+#endif
   testing::TempDir dir;
   const std::string port_file = dir.path() + "/port";
   std::atomic<bool> done{false};
