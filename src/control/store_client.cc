@@ -365,8 +365,13 @@ class StoreClient final : public Store {
   // A ZeroMQ greeting on the port tells them apart; nothing listening means the server exited.
   void why_handshakes_fail() {
     const Status probe = probe_zmtp(host_, port_, 500);
+    // Without a secret this process speaks ZeroMQ's NULL mechanism, which a store without one
+    // accepts: a store that cuts every handshake holds a secret. Which side sees the mismatch
+    // first (a protocol error, or only the cut) is a race.
     if (probe.ok())
-      set_refused("it closed every handshake: it does not hold this process's keys");
+      set_refused(auth_ ? "it closed every handshake: it does not hold this process's keys"
+                        : "it closed every handshake: the peer uses another security mechanism "
+                          "(one side holds a run secret, the other none)");
     else if (probe.code() == StatusCode::kUnsupported)
       foreign_.store(true);
     // kTimeout (silent: a stopped store host, or a server that waits to be spoken to) decides
