@@ -344,7 +344,7 @@ class Engine {
   // False exactly when weight_version() is empty: the parameters hold no complete version.
   virtual bool is_valid() const = 0;
   // Version labels name one set of weights each. Every label this rank published, with the refit
-  // step that published it: each committed refit of this session, and the labels handed to
+  // step that published it: each committed refit of this Engine, and the labels handed to
   // note_published(). A refit whose label is among them at another step is refused by this rank
   // before any byte moves (its pause answer; code kInvalidArgument, FailureKind::kSetup), naming
   // the label, both steps and this rank: the weights keep their version, the pause hook does not
@@ -354,9 +354,9 @@ class Engine {
   // published themselves, before any message; this check also covers labels they never saw.
   // Read on the driving thread, as weight_version().
   virtual std::map<std::string, int> published() const = 0;
-  // Hands this rank labels published before this session, with their steps: an inference server
-  // that outlives a session (docs/rl-loop.md, "Recovering from a dead rank") passes the new
-  // session what the old one's published() returned. Local; call it before the first
+  // Hands this rank labels published before this Engine was created, with their steps: an
+  // inference server that outlives its Engine (docs/rl-loop.md, "Recovering from a dead rank")
+  // passes the new one what the old one's published() returned. Local; call it before the first
   // serve_one() or between serve_one() calls. A label already known keeps its step.
   virtual void note_published(const std::map<std::string, int>& published) = 0;
 };

@@ -837,8 +837,8 @@ out come from the environment as for Trainer; engine_rank from ENGINE_RANK, else
 every parameter of `params` once (zero-copy: refit writes into that storage), set the hooks, then
 serve refits with serve_one() or serve().
 
-published: {version label: refit step} this rank served before this session (the `published` of
-the previous session's Engine, docs/rl-loop.md "Recovering from a dead rank"): a refit that would
+published: {version label: refit step} this rank served before this Engine was created (the
+`published` of the Engine it replaces, docs/rl-loop.md "Recovering from a dead rank"): a refit that would
 publish one of those labels at another step is refused (refit.SetupError naming the label, both
 steps and this rank) before any byte moves.
 )doc")

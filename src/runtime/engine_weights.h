@@ -61,10 +61,10 @@ class EngineWeights {
   WeightLoader& loader() { return loader_; }
   const WeightVersion& version() const { return version_; }
   // Every version label these weights published, with the refit step that published it: this
-  // session's committed refits and the labels handed to note_published (Engine::published).
+  // Engine's committed refits and the labels handed to note_published (Engine::published).
   const std::map<std::string, int>& published() const { return published_; }
-  // Labels published before this session (Engine::note_published); a label already held keeps
-  // its step.
+  // Labels published before this Engine was created (Engine::note_published); a label already
+  // held keeps its step.
   void note_published(const std::map<std::string, int>& published);
 
   // A refit's steps, in order:

@@ -172,15 +172,20 @@ def first_mismatch(got: np.ndarray, want: np.ndarray) -> Optional[str]:
 # Ranks as processes
 
 
+def _register_shards(trainer: refit.Trainer) -> Dict[str, np.ndarray]:
+    """The trainer's own storage: its FSDP2 shards, zeroed, each registered once."""
+    shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
+    for name, a in shards.items():
+        trainer.register(name, a)
+    return shards
+
+
 def _trainer_main(cfg_yaml: str, rank: int, port: int, steps: int, verify: bool, out) -> None:
     try:
         cfg = refit.Config.from_yaml(cfg_yaml)
         spec = refit.model_spec(cfg.model)
         with refit.Trainer(cfg, rank, master_port=port) as trainer:
-            # The trainer's own storage: its FSDP2 shards, registered once.
-            shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
-            for name, a in shards.items():
-                trainer.register(name, a)
+            shards = _register_shards(trainer)
             stats = []
             for step in range(1, steps + 1):
                 full = hf_weights(spec, step)  # "training": new values, written in place
@@ -254,9 +259,7 @@ def stepping_trainer_main(cfg_yaml: str, rank: int, port: int, steps, out) -> No
         cfg = refit.Config.from_yaml(cfg_yaml)
         spec = refit.model_spec(cfg.model)
         with refit.Trainer(cfg, rank, master_port=port) as trainer:
-            shards = {s.name: np.zeros(s.shape, np.float32) for s in trainer.tensors}
-            for name, a in shards.items():
-                trainer.register(name, a)
+            shards = _register_shards(trainer)
             while (step := steps.get(timeout=120)) is not None:
                 full = hf_weights(spec, step)
                 for name, a in shards.items():
