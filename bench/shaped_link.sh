@@ -11,15 +11,17 @@
 #   bash bench/shaped_link.sh --rate 1gbit --model qwen2.5-0.5b --steps 3
 #   bash bench/shaped_link.sh --rate 10gbit --model qwen3-0.6b --steps 3 --update adam:1e-6
 #   bash bench/shaped_link.sh --rate 1gbit --model qwen2.5-0.5b --steps 4 --update adam:1e-6 --delta on
+#   bash bench/shaped_link.sh --rate 1gbit --model qwen2.5-0.5b --steps 3 --staged
 # Flags: --rate R (tc rate, e.g. 1gbit, 10gbit; "none": unshaped), --model M, --steps N,
-# --update U (refit run --update), --delta D (refit.delta: off, on, auto), --verify, --refit BIN (default build/src/refit), --out DIR
+# --update U (refit run --update), --delta D (refit.delta: off, on, auto), --staged (refit.staged:
+# the engines' generation pauses only for the apply; the table adds each refit's pause_s), --verify, --refit BIN (default build/src/refit), --out DIR
 # (default: a new temporary directory), --timeout S (bound on the ranks, default 600),
 # --config FILE (instead of the generated config: model, FSDP2 world 2 float32 -> SGLang TP 2 bf16).
 # Exit codes: 0 every rank succeeded; 1 a rank failed; 2 bad usage; 3 this machine cannot make the
 # namespaces or shape the link.
 set -euo pipefail
 rate=1gbit model=qwen2.5-0.5b steps=3 update="" verify="" bin="" out="" limit=600 config=""
-delta=off
+delta=off staged=false
 while [ $# -gt 0 ]; do
   case $1 in
     --rate) rate=$2; shift 2 ;;
@@ -27,6 +29,7 @@ while [ $# -gt 0 ]; do
     --steps) steps=$2; shift 2 ;;
     --update) update="--update $2"; shift 2 ;;
     --delta) delta=$2; shift 2 ;;
+    --staged) staged=true; shift ;;
     --verify) verify=--verify; shift ;;
     --refit) bin=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
@@ -71,8 +74,8 @@ fi
 
 if [ -z "$config" ]; then
   config=$out/config.yaml
-  printf 'model: %s\nseed: 0\npolicy: {backend: fsdp2, world_size: 2, dtype: float32}\ngeneration: {backend: sglang, colocated: false, num_engines: 1, tp_size: 2}\nrefit: {target_precision: bf16, timeout_s: 120, executor: auto, delta: %s}\n' \
-    "$model" "$delta" > "$config"
+  printf 'model: %s\nseed: 0\npolicy: {backend: fsdp2, world_size: 2, dtype: float32}\ngeneration: {backend: sglang, colocated: false, num_engines: 1, tp_size: 2}\nrefit: {target_precision: bf16, timeout_s: 120, executor: auto, delta: %s, staged: %s}\n' \
+    "$model" "$delta" "$staged" > "$config"
 fi
 config=$(realpath "$config")
 secret=$out/secret
@@ -109,12 +112,13 @@ r = json.load(open(sys.argv[1]))
 rate, sent, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model = r["config"]["model"]
 steps_d = r.get("delta", {}).get("steps", [])
-print(f"{'model':<14} {'rate':>7} {'step':>4} {'refit_s':>9} {'bytes_per_refit':>16}"
+print(f"{'model':<14} {'rate':>7} {'step':>4} {'refit_s':>9} {'pause_s':>9} {'pause/refit':>11} {'bytes_per_refit':>16}"
       + (f" {'wire_bytes':>12} {'delta_pairs':>11} {'changed':>8} {'wire/step1':>10} {'time/step1':>10}"
          if steps_d else ""))
 secs = r["refit_seconds"]
 for i, s in enumerate(secs, 1):
-    line = f"{model:<14} {rate:>7} {i:>4} {s:>9.3f} {r['bytes_per_refit']:>16}"
+    p = r["pause_seconds"][i - 1]
+    line = f"{model:<14} {rate:>7} {i:>4} {s:>9.3f} {p:>9.3f} {p / s:>11.3f} {r['bytes_per_refit']:>16}"
     if len(steps_d) == len(secs):
         d, d1 = steps_d[i - 1], steps_d[0]
         line += (f" {d['wire_bytes']:>12} {d['pairs']:>11} {100 * d['changed_fraction']:>7.2f}%"

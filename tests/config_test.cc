@@ -155,17 +155,15 @@ TEST(ConfigParse, DeltaAndStagedKeys) {
               {"refit.delta", "yes", "off", "on", "auto"});
   ExpectError(parse_config("refit: {staged: 3}").status(), StatusCode::kInvalidArgument,
               {"refit.staged"});
-  // Refused at setup, naming the key: with gather for good, and everywhere while the executors
-  // send every route in full.
+  // Refused at setup with gather, naming the key.
   ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {delta: on, executor: gather}\n"),
               StatusCode::kInvalidArgument, {"refit.delta", "executor gather moves buckets"});
   ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {staged: true, executor: gather}\n"),
               StatusCode::kInvalidArgument, {"refit.staged", "executor gather moves buckets"});
   EXPECT_TRUE(ParseAndValidate("model: tiny-qwen3\nrefit: {delta: auto}\n").ok());
   EXPECT_TRUE(ParseAndValidate("model: tiny-qwen3\nrefit: {delta: on, executor: p2p}\n").ok());
-  ExpectError(ParseAndValidate("model: tiny-qwen3\nrefit: {staged: true}\n"),
-              StatusCode::kInvalidArgument,
-              {"refit.staged", "not implemented yet", "got true", "allowed: false"});
+  EXPECT_TRUE(ParseAndValidate("model: tiny-qwen3\nrefit: {staged: true}\n").ok());
+  EXPECT_TRUE(ParseAndValidate("model: tiny-qwen3\nrefit: {staged: true, delta: on}\n").ok());
   EXPECT_TRUE(ParseAndValidate("model: tiny-qwen3\nrefit: {delta: off, staged: false}\n").ok());
 }
 

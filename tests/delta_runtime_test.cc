@@ -47,9 +47,12 @@ int pairs_of(const nlohmann::json& report) {
 
 // `steps` verified refits: the first in full, every later one a delta of every pair, with less
 // on the wire than the full refit and a changed fraction in (0, 0.5).
-void expect_deltas(const Cell& c, const std::string& update = "adam:1e-5", int steps = 5) {
+// `out` (when set) gets the run.
+void expect_deltas(const Cell& c, const std::string& update = "adam:1e-5", int steps = 5,
+                   DeltaRun* out = nullptr) {
   const DeltaRun d =
       run_delta(c, {"--steps", std::to_string(steps), "--verify", "--update", update});
+  if (out != nullptr) *out = d;
   ASSERT_EQ(d.cli.exit_code, 0) << testing::config_yaml(c) << d.cli.output;
   EXPECT_NE(d.cli.output.find("verified bit-exact"), std::string::npos) << d.cli.output;
   ASSERT_TRUE(d.report.is_object()) << d.cli.output;
@@ -115,6 +118,37 @@ TEST(DeltaRefits, Fp8P2pVllm) {
                  .precision = "fp8",
                  .fp8 = "{block: [16, 16]}"},
                 "adam:1e-4");
+}
+
+// refit.staged: the bytes of each refit, full or delta, land in the staging area while the
+// engine generates, and generation pauses only for the apply. Every refit is verified on the
+// engines' parameters; each one's pause is in the report and lies inside the refit.
+void expect_staged(Cell c) {
+  c.staged = true;
+  DeltaRun d;
+  expect_deltas(c, "adam:1e-5", 5, &d);
+  ASSERT_TRUE(d.report.is_object());
+  const auto& refit = d.report["refit_seconds"];
+  const auto& pause = d.report["pause_seconds"];
+  ASSERT_EQ(pause.size(), refit.size()) << d.report.dump(2);
+  for (std::size_t i = 0; i < pause.size(); ++i) {
+    EXPECT_GT(pause[i].get<double>(), 0) << d.report.dump(2);
+    EXPECT_LT(pause[i].get<double>(), refit[i].get<double>()) << d.report.dump(2);
+  }
+  EXPECT_EQ(count_of(d.cli.output, ", generation paused"), 5U) << d.cli.output;  // step lines
+  EXPECT_EQ(count_of(d.cli.output, "refit.staged: generation paused"), 1U) << d.cli.output;
+}
+
+TEST(StagedRefits, P2pSglangDelta) { expect_staged({.executor = "p2p", .delta = "on"}); }
+TEST(StagedRefits, PeerVllmDelta) {
+  expect_staged({.engine = "vllm", .colocated = true, .executor = "peer", .delta = "on"});
+}
+TEST(StagedRefits, MegatronP2pTwoEngines) {
+  expect_staged({.num_engines = 2,
+                 .executor = "p2p",
+                 .backend = "megatron",
+                 .megatron_tp = 2,
+                 .delta = "on"});
 }
 
 // FP8 weights reach the encoder only through the p2p staging segment: peer pairs move in full,

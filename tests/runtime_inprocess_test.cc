@@ -548,5 +548,152 @@ TEST(RuntimeInProcess, RequestStopDuringARefitLetsItFinishFirst) {
   p.shutdown();
 }
 
+// Calls `at_commit` on the engine's thread once every byte of a refit landed, before the engine
+// answers the commit (and, with refit.staged, before it pauses to apply).
+class AtCommit final : public RefitProbe {
+ public:
+  void before_commit(int step) override {
+    if (at_commit) at_commit(step);
+  }
+  std::function<void(int)> at_commit;
+};
+
+// refit.staged: every byte of a refit lands in the staging area while the engine goes on
+// generating on its old weights; generation pauses only once all of it landed, to copy it in.
+void expect_staged_apply(bool peer) {
+  auto probe = std::make_shared<AtCommit>();
+  Pair p(
+      [peer](Config& c) {
+        c.refit.staged = true;
+        // The staging area is exported memory, so that trainer ranks on this host write it by
+        // peer access (what auto picks) even where the registered parameters are not: p2p is
+        // asked for explicitly.
+        c.refit.executor = peer ? Executor::kPeer : Executor::kP2p;
+      },
+      probe);
+  ASSERT_TRUE(p.ok());
+  int pauses = 0, resumes = 0, landed_unpaused = 0;
+  p.engine->on_pause([&] {
+    ++pauses;
+    // Nothing of the refit reached the parameters before the pause (zeros before the first).
+    if (pauses > 1) {
+      EXPECT_TRUE(p.holds(pauses - 1)) << "refit " << pauses;
+    }
+  });
+  p.engine->on_resume([&] { ++resumes; });
+  probe->at_commit = [&](int step) {
+    // Every byte of `step` landed: generation was not paused for it, and the parameters and
+    // their version are the previous refit's.
+    EXPECT_EQ(pauses, step - 1);
+    EXPECT_EQ(p.engine->weight_version(), std::to_string(step - 1));
+    if (step > 1) {
+      EXPECT_TRUE(p.holds(step - 1));
+    }
+    ++landed_unpaused;
+  };
+  for (int step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(step);
+    p.trainer_sent.reset();
+    p.engine_sent.reset();
+    p.train(step);
+    auto [st, served] = p.refit(step, /*verify=*/false);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(served.ok()) << served.status().to_string();
+    EXPECT_EQ(landed_unpaused, step);
+    EXPECT_EQ(pauses, step);
+    EXPECT_EQ(resumes, step);
+    EXPECT_EQ(p.engine->weight_version(), std::to_string(step));
+    EXPECT_TRUE(p.holds(step));
+    // Every engine rank applies or none does: a verdict and an outcome even without verification.
+    EXPECT_EQ(p.engine_sent.of(MessageType::kVerified), 1);
+    EXPECT_EQ(p.trainer_sent.of(MessageType::kOutcome), 1);
+    // The pause lies inside the refit, on both sides.
+    const double pause = p.engine->last_stats().pause_s;
+    EXPECT_GT(pause, 0);
+    EXPECT_EQ(p.trainer->last_stats().pause_s, pause);
+    EXPECT_LT(pause, p.trainer->last_stats().seconds);
+  }
+  const std::vector<RankTraffic> traffic = p.trainer->traffic().value();
+  ASSERT_EQ(traffic.size(), 2U);
+  EXPECT_EQ(traffic[0].peer_pairs, peer ? 1 : 0);
+  EXPECT_EQ(traffic[0].p2p_pairs, peer ? 0 : 1);
+  p.shutdown();
+}
+
+TEST(RuntimeInProcess, StagedApplyPausesOnlyOnceEveryByteLandedP2p) { expect_staged_apply(false); }
+TEST(RuntimeInProcess, StagedApplyPausesOnlyOnceEveryByteLandedPeer) { expect_staged_apply(true); }
+
+// refit.staged: a pause hook that refuses the apply fails the refit (every engine rank's verdict
+// counts); the parameters were never written, so they keep their version without a rollback,
+// and the next refit, which cannot use the torn staging area as a base, is exact.
+TEST(RuntimeInProcess, StagedApplyRefusedKeepsTheWeightsWithoutARollback) {
+  Pair p([](Config& c) {
+    c.refit.staged = true;
+    c.refit.delta = DeltaMode::kOn;
+  });
+  ASSERT_TRUE(p.ok());
+  bool refuse = false;
+  p.engine->on_pause([&]() -> Status {
+    return refuse ? Status::Unsupported("generation cannot pause now") : Status::Ok();
+  });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, false).first.ok());
+  refuse = true;
+  p.train(2);
+  auto [st, served] = p.refit(2, false);
+  ASSERT_FALSE(st.ok());
+  ASSERT_NE(st.origin(), nullptr);
+  EXPECT_EQ(st.origin()->rank, RankId::engine(0, 1));
+  EXPECT_NE(st.message().find("generation cannot pause now"), std::string::npos) << st.message();
+  EXPECT_TRUE(p.trainer->session_ok());
+  ASSERT_FALSE(served.ok());
+  EXPECT_TRUE(p.engine->session_ok());
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_TRUE(p.holds(1));
+  EXPECT_EQ(p.engine->last_stats().pause_s, 0);
+  refuse = false;
+  p.train(3);
+  auto [st3, served3] = p.refit(3, false);
+  ASSERT_TRUE(st3.ok()) << st3.to_string();
+  EXPECT_EQ(p.engine->weight_version(), "3");
+  EXPECT_TRUE(p.holds(3));
+  p.shutdown();
+}
+
+// refit.staged: a refit that fails in flight while its bytes land never touched the parameters:
+// the engine keeps serving the previous version. The engine stalls once every byte landed, before
+// it would pause, for longer than the trainer takes to give up and record the failure (its wait,
+// 3 s, then up to 2 x refit.timeout_s to tell a slow rank from a dead one).
+TEST(RuntimeInProcess, StagedRefitThatFailsInFlightLeavesTheWeightsValid) {
+  auto stall = std::make_shared<StallBeforeCommit>(2, 13500ms);  // 4.5 x refit.timeout_s
+  int pauses = 0;
+  Pair p([](Config& c) { c.refit.staged = true; }, stall);
+  ASSERT_TRUE(p.ok());
+  p.engine->on_pause([&] { ++pauses; });
+  p.engine->on_verify([](int, const std::string&) { return Status::Ok(); });
+  p.train(1);
+  ASSERT_TRUE(p.refit(1, true).first.ok());
+  p.train(2);
+  auto [st, served] = p.refit(2, true);
+  EXPECT_EQ(stall->stalls.load(), 1) << "the stall did not run";
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("failed in flight"), std::string::npos) << st.message();
+  EXPECT_TRUE(p.trainer->session_ok()) << st.to_string();
+  ASSERT_FALSE(served.ok());
+  EXPECT_TRUE(p.engine->session_ok()) << served.status().to_string();
+  EXPECT_EQ(pauses, 1) << "generation paused for a refit that had failed";
+  EXPECT_TRUE(p.engine->is_valid());
+  EXPECT_EQ(p.engine->weight_version(), "1");
+  EXPECT_TRUE(p.holds(1));
+  p.train(3);
+  auto [st3, served3] = p.refit(3, false);
+  ASSERT_TRUE(st3.ok()) << st3.to_string();
+  ASSERT_TRUE(served3.ok()) << served3.status().to_string();
+  EXPECT_EQ(p.engine->weight_version(), "3");
+  EXPECT_TRUE(p.holds(3));
+  p.shutdown();
+}
+
 }  // namespace
 }  // namespace refit

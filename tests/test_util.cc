@@ -124,6 +124,7 @@ std::string config_yaml(const RunConfig& c) {
     << "\n  num_buffers: " << c.num_buffers << "\n  timeout_s: " << c.timeout_s
     << "\n  executor: " << c.executor << "\n  checksum: " << (c.checksum ? "true" : "false")
     << "\n  keep_previous: " << (c.keep_previous ? "true" : "false") << "\n  delta: " << c.delta
+    << "\n  staged: " << (c.staged ? "true" : "false")
     << "\n";
   if (!c.fp8.empty()) y << "  fp8: " << c.fp8 << "\n";
   return y.str();

@@ -75,6 +75,7 @@ struct RunConfig {
   int megatron_tp = 1, megatron_pp = 1, megatron_ep = 1;
   std::string layout = "fused";    // generation.layout
   std::string delta = "off";       // refit.delta
+  bool staged = false;             // refit.staged
   std::string precision = "bf16";  // refit.target_precision
   std::string fp8;                 // refit.fp8 as a YAML flow mapping ("" for none)
 };

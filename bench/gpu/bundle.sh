@@ -12,7 +12,7 @@
 # unit tests; no Python module on the GPU host), python (the CLI and librefit.a, for
 # refit_device.sh's python part; no CUDA unit tests), kernels (refit_tests and zero_copy_bench,
 # for kernels_gpu.sh; build it first: cmake --build build --target zero_copy_bench), delta
-# (refit_tests and refit_delta_bench, for delta_gpu.sh) or all.
+# (the CLI, refit_tests and refit_delta_bench, for delta_gpu.sh) or all.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
@@ -24,7 +24,7 @@ case $with in
   *) echo "bundle.sh: REFIT_BUNDLE_WITH is tests, python, kernels, delta or all" >&2; exit 2 ;;
 esac
 has() { [ "$with" = all ] || [[ " $* " == *" $with "* ]]; }
-if has tests python; then strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"; fi
+if has tests python delta; then strip --strip-debug -o "$dst/bin/refit" "$build/src/refit"; fi
 if has tests kernels delta; then
   strip --strip-debug -o "$dst/bin/refit_tests" "$build/tests/refit_tests"
 fi

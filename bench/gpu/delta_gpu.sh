@@ -59,14 +59,17 @@ for lr in ${REFIT_DELTA_LRS:-1e-6 3e-6 1e-5}; do
 done
 # refit.delta through the executors: colocated peer on one GPU; p2p across two GPUs when present.
 ngpu=$(nvidia-smi -L | wc -l)
-cells="peer"
-[ "$ngpu" -ge 2 ] && cells="peer p2p"
+# "staged": the peer cell with refit.staged (the bytes land in the engine's staging area, CUDA IPC;
+# generation pauses only to copy it in; pause_s per step).
+cells="peer staged"
+[ "$ngpu" -ge 2 ] && cells="peer staged p2p"
 for cell in $cells; do
-  colocated=true
+  colocated=true executor=$cell staged=false
   [ "$cell" = p2p ] && colocated=false
+  [ "$cell" = staged ] && executor=peer staged=true
   c=$work/run-$cell.yaml
-  printf 'model: qwen2.5-0.5b\ndevice: cuda\npolicy: {backend: fsdp2, world_size: 1, dtype: float32}\ngeneration: {backend: sglang, colocated: %s, num_engines: 1, tp_size: 1}\nrefit: {timeout_s: 300, executor: %s, delta: on}\n' \
-    "$colocated" "$cell" > "$c"
+  printf 'model: qwen2.5-0.5b\ndevice: cuda\npolicy: {backend: fsdp2, world_size: 1, dtype: float32}\ngeneration: {backend: sglang, colocated: %s, num_engines: 1, tp_size: 1}\nrefit: {timeout_s: 300, executor: %s, delta: on, staged: %s}\n' \
+    "$colocated" "$executor" "$staged" > "$c"
   timeout 900 "$R" run "$c" --steps 5 --verify --update adam:1e-5 --json "$out/run-$cell.json" \
     > "$out/run-$cell.log" 2>&1
   rc=$?
@@ -76,10 +79,10 @@ for cell in $cells; do
 import json, sys
 r = json.load(open(sys.argv[1]))
 d = r.get("delta", {}).get("steps", [])
-print(f"{'step':>4} {'pairs':>5} {'changed':>8} {'wire_bytes':>12} {'full_bytes':>12} {'wire/full':>9} {'refit_s':>8} {'encode_s':>8} {'apply_s':>8}")
-for s, t in zip(d, r["refit_seconds"]):
+print(f"{'step':>4} {'pairs':>5} {'changed':>8} {'wire_bytes':>12} {'full_bytes':>12} {'wire/full':>9} {'refit_s':>8} {'pause_s':>8} {'encode_s':>8} {'apply_s':>8}")
+for s, t, p in zip(d, r["refit_seconds"], r["pause_seconds"]):
     print(f"{s['step']:>4} {s['pairs']:>5} {100 * s['changed_fraction']:>7.2f}% {s['wire_bytes']:>12} {s['full_bytes']:>12}"
-          f" {s['wire_bytes'] / max(1, s['full_bytes']):>9.4f} {t:>8.3f} {s['encode_seconds']:>8.3f} {s['apply_seconds']:>8.3f}")
+          f" {s['wire_bytes'] / max(1, s['full_bytes']):>9.4f} {t:>8.3f} {p:>8.3f} {s['encode_seconds']:>8.3f} {s['apply_seconds']:>8.3f}")
 print(f"verified: {r['verified']}")
 PY
 done

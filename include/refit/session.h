@@ -100,6 +100,10 @@ struct TensorSlot {
 struct RefitStats {
   double seconds = 0;
   double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;
+  // Seconds generation was paused, from the pause hook's start until generation resumed (the
+  // longest of the engine ranks, on trainer ranks): the whole refit, or with refit.staged only
+  // its apply.
+  double pause_s = 0;
   std::int64_t bytes = 0;
   int buckets = 0;
   int checksums_matched = 0;

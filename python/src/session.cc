@@ -231,6 +231,7 @@ py::dict stats_dict(const RefitStats& s) {
   d["cast_pack_s"] = s.cast_pack_s;
   d["transfer_s"] = s.transfer_s;
   d["apply_s"] = s.apply_s;
+  d["pause_s"] = s.pause_s;
   d["bytes"] = s.bytes;
   d["buckets"] = s.buckets;
   d["checksums_matched"] = s.checksums_matched;
@@ -776,7 +777,9 @@ group; the GIL is released while it runs.
 )doc")
       .def_property_readonly("last_stats", &PyTrainer::last_stats, R"doc(
 The last refit: {"seconds", "unshard_s", "cast_pack_s", "transfer_s", "apply_s" (stages overlap),
-"bytes", "buckets", "gbps"} (docs/python.md says what "bytes" counts).
+"pause_s" (the longest pause of generation on an engine rank: the whole refit, or with
+refit.staged only the apply), "bytes", "buckets", "gbps"} (docs/python.md says what "bytes"
+counts).
 )doc")
       .def("traffic", &PyTrainer::traffic, R"doc(
 Every rank's traffic in the last refit, trainer ranks then engine ranks: a list of {"role"

@@ -114,7 +114,6 @@ Status check_executor(const Config& c) {
 }
 
 // refit.delta and refit.staged move the transfer plan's routes: executor gather moves buckets.
-// refit.staged is refused at setup until the engines take staging areas.
 Status check_delta(const Config& c) {
   const bool delta = c.refit.delta != DeltaMode::kOff;
   if (delta && c.refit.executor == Executor::kGather)
@@ -129,11 +128,6 @@ Status check_delta(const Config& c) {
                    "executor gather moves buckets instead",
                    "true with refit.executor: gather",
                    "refit.executor auto, peer or p2p, or refit.staged: false");
-  if (c.refit.staged)
-    return invalid("refit.staged",
-                   "not implemented yet: engines pause for the whole refit and apply its bytes "
-                   "as they land (refit.delta shortens that pause)",
-                   "true", "false");
   return Status::Ok();
 }
 

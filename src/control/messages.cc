@@ -268,7 +268,10 @@ std::string encode(const SentMessage& m) {
   return dump({{"step", m.step}, {"checksums", m.checksums}});
 }
 std::string encode(const RefitDoneMessage& m) {
-  return dump({{"step", m.step}, {"failed", failure_json(m.failed)}, {"apply_s", m.apply_s}});
+  return dump({{"step", m.step},
+               {"failed", failure_json(m.failed)},
+               {"apply_s", m.apply_s},
+               {"pause_s", m.pause_s}});
 }
 std::string encode(const AbortHeardMessage& m) { return dump({{"step", m.step}}); }
 std::string encode(const BucketMessage& m) {
@@ -283,7 +286,10 @@ std::string encode(const BucketDoneMessage& m) {
 }
 std::string encode(const CommitMessage& m) { return dump({{"step", m.step}}); }
 std::string encode(const CommittedMessage& m) {
-  return dump({{"step", m.step}, {"apply_s", m.apply_s}, {"checksums", m.checksums}});
+  return dump({{"step", m.step},
+               {"apply_s", m.apply_s},
+               {"pause_s", m.pause_s},
+               {"checksums", m.checksums}});
 }
 std::string encode(const VerifiedMessage& m) {
   return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
@@ -292,7 +298,10 @@ std::string encode(const OutcomeMessage& m) {
   return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
 }
 std::string encode(const OutcomeHeardMessage& m) {
-  return dump({{"step", m.step}, {"valid", m.valid}, {"weight_version", m.weight_version}});
+  return dump({{"step", m.step},
+               {"valid", m.valid},
+               {"weight_version", m.weight_version},
+               {"pause_s", m.pause_s}});
 }
 std::string encode(const ShutdownMessage&) { return dump(Json::object()); }
 std::string encode(const LeavingMessage&) { return dump(Json::object()); }
@@ -488,6 +497,7 @@ Result<RefitDoneMessage> decode_refit_done(const std::string& payload, const std
   r.get("step", m.step);
   r.get_failure("failed", m.failed);
   r.get("apply_s", m.apply_s);
+  r.get("pause_s", m.pause_s);
   if (!r.status().ok()) return r.status();
   return m;
 }
@@ -535,6 +545,7 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
   CommittedMessage m;
   r.get("step", m.step);
   r.get("apply_s", m.apply_s);
+  r.get("pause_s", m.pause_s);
   r.get("checksums", m.checksums);
   if (!r.status().ok()) return r.status();
   return m;
@@ -565,6 +576,7 @@ Result<OutcomeHeardMessage> decode_outcome_heard(const std::string& payload,
   r.get("step", m.step);
   r.get("valid", m.valid);
   r.get("weight_version", m.weight_version);
+  r.get("pause_s", m.pause_s);
   if (!r.status().ok()) return r.status();
   return m;
 }

@@ -157,6 +157,7 @@ struct RefitDoneMessage {
   int step = 0;
   std::optional<FailureOrigin> failed;
   double apply_s = 0;
+  double pause_s = 0;  // the longest pause of generation on an engine rank
 };
 
 // engine -> feeder: an aborted refit's proceed was heard; nothing was written.
@@ -191,6 +192,9 @@ struct CommitMessage {
 struct CommittedMessage {
   int step = 0;
   double apply_s = 0;  // seconds the engine spent applying
+  // Seconds generation has been paused in this refit so far (complete when the engine published
+  // at its commit; else the outcome-heard carries the whole pause).
+  double pause_s = 0;
   // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte each feeder sent
   // it in this refit, as 16 hex digits, by the feeder's mailbox id; empty when checksums are off.
   // Trainer rank 0 compares each with the feeder's own (SentMessage).
@@ -218,6 +222,7 @@ struct OutcomeHeardMessage {
   int step = 0;
   bool valid = false;
   std::string weight_version;
+  double pause_s = 0;  // seconds generation was paused in this refit
 };
 
 // trainer -> engine: no refit follows. engine -> feeder: heard; leaving.

@@ -220,6 +220,7 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     }
     const RefitStats& st = trainer->last_stats();
     rep.refit_seconds.push_back(st.seconds);
+    rep.pause_seconds.push_back(st.pause_s);
     if (rank == 0 && o.config.refit.delta != DeltaMode::kOff) {
       REFIT_ASSIGN_OR_RETURN(const std::vector<RankTraffic> t, trainer->traffic());
       rep.delta_steps.push_back(delta_step_of(t, step));
@@ -234,9 +235,11 @@ Status run_trainer_rank(const RankOptions& o, int rank, RefitReport* report) {
     transfer.push_back(st.transfer_s);
     apply.push_back(st.apply_s);
     if (rank == 0)
-      log::info("step {}/{}: refit {:.3f} s, {:.2f} GB/s{}{}", step, o.steps, st.seconds,
-                st.bytes / st.seconds / 1e9, o.verify ? ", verified" : "",
-                o.check_logits ? ", logits checked" : "");
+      log::info("step {}/{}: refit {:.3f} s, {:.2f} GB/s{}{}{}", step, o.steps, st.seconds,
+                st.bytes / st.seconds / 1e9,
+                o.config.refit.staged ? fmt::format(", generation paused {:.3f} s", st.pause_s)
+                                      : std::string(),
+                o.verify ? ", verified" : "", o.check_logits ? ", logits checked" : "");
   }
   for (int pass = 0; pass < o.raw_passes; ++pass) {
     REFIT_ASSIGN_OR_RETURN(double secs, raw_transport_pass(*trainer));

@@ -60,6 +60,7 @@ struct RefitReport {
   long long bytes_per_refit = 0;
   int buckets_per_refit = 0;
   std::vector<double> refit_seconds;
+  std::vector<double> pause_seconds;  // per refit: the longest pause of generation (RefitStats)
   double unshard_s = 0, cast_pack_s = 0, transfer_s = 0, apply_s = 0;  // medians per refit
   std::vector<double> raw_seconds;  // bench: raw transport passes
   // bench: the floor of docs/design.md §7 — the refit's reads (policy dtype) and writes (target

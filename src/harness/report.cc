@@ -98,6 +98,7 @@ Status write_report_json(const std::string& path, const RankOptions& options,
   j["bytes_per_refit"] = r.bytes_per_refit;
   j["buckets_per_refit"] = r.buckets_per_refit;
   j["refit_seconds"] = r.refit_seconds;
+  j["pause_seconds"] = r.pause_seconds;
   j["gbps"] = med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0;
   j["phases"] = {{"unshard", r.unshard_s},
                  {"cast_pack", r.cast_pack_s},
@@ -284,6 +285,10 @@ std::string format_summary(const RankOptions& options, const RefitReport& r) {
                    med > 0 ? r.bytes_per_refit / med / 1e9 : 0.0,
                    r.verified ? "  (every element verified bit-exact)" : "",
                    r.logits_checked ? "  (engine logits match the reference)" : "");
+  if (c.refit.staged && !r.pause_seconds.empty())
+    s += fmt::format(
+        "  refit.staged: generation paused {:.3f} s per refit (median), {:.2f} of the refit\n",
+        median(r.pause_seconds), med > 0 ? median(r.pause_seconds) / med : 0.0);
   s += fmt::format(
       "  busy time per stage (stages overlap): unshard {:.3f} s, cast/pack {:.3f} s, "
       "transfer {:.3f} s, apply {:.3f} s\n",

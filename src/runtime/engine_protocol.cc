@@ -183,11 +183,16 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
   if (executor_.pause_handshake()) {
     // Pause (the hook may refuse), answer, and write nothing before every feeder said to
     // proceed: each trainer rank decides once every engine rank answered it.
-    const std::optional<std::string> held_version = weights_.version().get();
-    const Status paused = raw ? Status::Ok() : weights_.pause(step, begin_.version);
+    // refit.staged: admitted, not paused; generation goes on while the bytes land.
+    const bool staged = weights_.staged();
+    const std::optional<std::string> held_version = weights_.base();
+    const Status paused = raw      ? Status::Ok()
+                          : staged ? weights_.admit(step, begin_.version)
+                                   : weights_.pause(step, begin_.version);
     const ExportedParams* exported = nullptr;
     PausedMessage answer{.step = step};
     if (paused.ok()) {
+      REFIT_ASSIGN_OR_RETURN(landing_, weights_.landing(core_.run_id()));
       exported = weights_.exported();
       REFIT_RETURN_IF_ERROR(executor_.prepare(exported != nullptr));
       // refit.delta: the bases this rank holds, offered per feeder; each trainer rank decides.
@@ -229,7 +234,8 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                      })
             .status());
     if (refused) {
-      if (!raw) weights_.abandon(step, paused.ok(), refused->rank.name() + ": " + refused->error);
+      if (!raw)
+        weights_.abandon(step, paused.ok() && !staged, refused->rank.name() + ": " + refused->error);
       refit_failure = Status::Aborted(fmt::format("refit step {} was aborted before any byte "
                                                   "landed: {}: {}",
                                                   step, refused->rank.name(), refused->error))
@@ -242,13 +248,15 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
           fmt::format("{}: refit step {} proceeded although "
                       "this rank refused it: {}",
                       core_.id(), step, paused.message()));
-  } else if (!raw) {
+  } else {
     // Gather: no answer to wait for; a pause that fails ends the session.
-    REFIT_RETURN_IF_ERROR(weights_.pause(step, begin_.version));
+    if (!raw) REFIT_RETURN_IF_ERROR(weights_.pause(step, begin_.version));
+    landing_ = &weights_.params();
   }
   phase_ = Phase::kProceeding;
   log::debug("{}: refit step {} proceeds", core_.id(), step);
-  REFIT_RETURN_IF_ERROR(executor_.receive(begin_, weights_.params().ptrs()));
+  weights_.landing_begins();
+  REFIT_RETURN_IF_ERROR(executor_.receive(begin_, landing_->ptrs()));
   REFIT_RETURN_IF_ERROR(inbox_
                             .collect(kCommit, control_, timeout, "the commit", {},
                                      [&](const Message& m) -> Status {
@@ -280,35 +288,55 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   const int step = begin_.step;
   const bool raw = begin_.raw;
   const bool checksums = !raw && cfg.refit.checksum && executor_.checksums();
-  const bool agreed = !raw && (begin_.verify || checksums);
+  // refit.staged: every engine rank of the refit applies, or the refit fails on every one.
+  const bool staged = weights_.staged();
+  const bool agreed = !raw && (begin_.verify || checksums || staged);
   std::map<std::string, std::string> landed;  // per feeder
   if (checksums)
     for (std::size_t i = 0; i < feeders_.size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum,
-                             executor_.checksum_from(i, weights_.params().ptrs()));
+                             executor_.checksum_from(i, landing_->ptrs()));
       landed[feeders_[i]] = fmt::format("{:016x}", sum);
     }
+  // refit.staged: generation pauses only now, to copy the staging area into the parameters. A
+  // refit that already failed in flight elsewhere leaves them as they are. A pause hook that
+  // refuses is this rank's verdict: the refit fails on every rank, the parameters here unchanged.
+  Status refused;
+  if (staged && raw) REFIT_RETURN_IF_ERROR(weights_.copy_staged());
+  if (staged && !raw) {
+    if (core_.behind())
+      return Status::Aborted(fmt::format(
+          "{}: refit step {} failed in flight on another rank before this rank applied it; its "
+          "parameters keep weight version '{}'",
+          core_.id(), step, weights_.version().label()));
+    REFIT_RETURN_IF_ERROR(weights_.apply_staged(step, begin_.version, refused));
+  }
   // Every byte landed: the engine's load_weights takes them before anything is published or
   // verified. Its failure ends the session (the engine's weights are torn).
-  if (!raw) REFIT_RETURN_IF_ERROR(weights_.landed(step));
+  if (!raw && refused.ok()) REFIT_RETURN_IF_ERROR(weights_.landed(step));
   REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(core_.store(), traffic_));
   if (!raw && !agreed) weights_.publish(step, begin_.version);
   stats_.apply_s = executor_.apply_seconds();
+  stats_.pause_s = raw ? 0 : weights_.pause_seconds();
   stats_.bytes = traffic_.bytes_received;
   stats_.checksums_matched = 0;
-  REFIT_RETURN_IF_ERROR(send_to_each(
-      core_.mailbox(), control_, kCommitted,
-      encode(CommittedMessage{.step = step, .apply_s = stats_.apply_s, .checksums = landed})));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kCommitted,
+                                     encode(CommittedMessage{.step = step,
+                                                             .apply_s = stats_.apply_s,
+                                                             .pause_s = stats_.pause_s,
+                                                             .checksums = landed})));
   phase_ = Phase::kCommitted;
   log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);
   if (!agreed) return Status::Ok();
-  Status v;
-  if (begin_.verify) {
-    v = weights_.verify(step, begin_.version);
+  Status v = refused;
+  if (begin_.verify || staged) {
+    if (v.ok() && begin_.verify) {
+      v = weights_.verify(step, begin_.version);
+      // A verify hook that is missing is a setup problem (kSetup); any other failure is the
+      // verification's own.
+      if (!v.ok() && v.kind() != FailureKind::kSetup) v = v.with_kind(FailureKind::kVerification);
+    }
     VerifiedMessage verdict{.step = step};
-    // A verify hook that is missing is a setup problem (kSetup); any other failure is the
-    // verification's own.
-    if (!v.ok() && v.kind() != FailureKind::kSetup) v = v.with_kind(FailureKind::kVerification);
     if (!v.ok()) verdict.failed = mine(v);
     REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kVerified, encode(verdict)));
   }
@@ -336,15 +364,18 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
                 : Status::Corruption(fmt::format("refit step {} failed: {}: {}", step,
                                                  failed->rank.name(), failed->error))
                       .with_origin(*failed);
-    refit_failure = weights_.fail(step, why);
+    // A rank whose pause hook refused the staged apply holds its version still.
+    refit_failure = refused.ok() ? weights_.fail(step, why) : why;
     executor_.refit_failed();
   }
+  stats_.pause_s = weights_.pause_seconds();
   // Acknowledged to every control peer, which waits for it before its next message: one that ran
   // ahead (its next begin, or the shutdown) cannot overtake another one's outcome.
   return send_to_each(core_.mailbox(), control_, kOutcomeHeard,
                       encode(OutcomeHeardMessage{.step = step,
                                                  .valid = weights_.version().valid(),
-                                                 .weight_version = weights_.version().label()}));
+                                                 .weight_version = weights_.version().label(),
+                                                 .pause_s = stats_.pause_s}));
 }
 
 std::optional<Status> EngineRefitProtocol::failed_in_flight(const Status& failure) {
@@ -358,12 +389,13 @@ std::optional<Status> EngineRefitProtocol::failed_in_flight(const Status& failur
     // No feeder proceeded, so no byte landed: the weights are the previous version's, and
     // generation resumes on them (a late serve_one, a generation that outlasted the trainer's
     // wait for the pause).
-    weights_.abandon(begin_.step, /*paused=*/was == Phase::kPaused, failed.message());
+    weights_.abandon(begin_.step, /*paused=*/was == Phase::kPaused && !weights_.staged(),
+                     failed.message());
   } else if (!weights_.version().valid() && was != Phase::kIdle) {
     // Bytes may have landed. A feeder that writes in place may still be writing (stalled, it has
     // not seen the failure yet): no rollback then, the weights stay invalid and generation paused
     // until a refit succeeds, which that feeder takes part in only after it stopped.
-    if (executor_.traffic().peer_pairs > 0)
+    if (executor_.traffic().peer_pairs > 0 && !weights_.staged())
       weights_.forget_kept("after a refit that failed in flight while feeders wrote in place");
     (void)weights_.fail(begin_.step, failed);
   }
@@ -393,7 +425,7 @@ void EngineRefitProtocol::roll_back_at_the_end(const Status& why) {
   if (phase_ == Phase::kIdle) return;
   phase_ = Phase::kIdle;
   if (weights_.version().valid() || !weights_.has_kept()) return;
-  if (executor_.traffic().peer_pairs > 0) {
+  if (executor_.traffic().peer_pairs > 0 && !weights_.staged()) {
     log::warn("{}: refit.keep_previous: no rollback at the end of the session: feeders wrote in "
               "place in refit step {}",
               core_.id(), begin_.step);

@@ -92,6 +92,8 @@ class EngineRefitProtocol {
   std::string published_export_;  // the digest of the export this rank put in the store
   Phase phase_ = Phase::kIdle;
   BeginMessage begin_;  // of the refit in flight
+  // Where the refit in flight lands its bytes: the parameters, or the staging area (refit.staged).
+  const Registry* landing_ = nullptr;
   RankTraffic traffic_;
   TrafficPublisher traffic_publisher_;
   RefitStats stats_;

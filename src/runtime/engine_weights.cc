@@ -17,6 +17,7 @@ Status EngineWeights::register_param(const std::string& name, void* data, DType 
   REFIT_RETURN_IF_ERROR(params_.add(name, data, dtype, shape));
   exports_.invalidate();
   rollback_.invalidate();
+  staging_.invalidate();
   return Status::Ok();
 }
 
@@ -25,6 +26,7 @@ Result<std::vector<void*>> EngineWeights::allocate(const std::string& run_id) {
       plane_, params_, fmt::format("/refit-{}-e{}-{}", run_id, self_.rank, unguessable_suffix()),
       self_.name()));
   rollback_.invalidate();
+  staging_.invalidate();
   return params_.ptrs();
 }
 
@@ -32,7 +34,16 @@ void EngineWeights::note_published(const std::map<std::string, int>& published) 
   published_.insert(published.begin(), published.end());
 }
 
-Status EngineWeights::pause(int step, const std::string& version) {
+Result<const Registry*> EngineWeights::landing(const std::string& run_id) {
+  if (!staged()) return &params_;
+  REFIT_RETURN_IF_ERROR(params_.check());
+  return staging_.area(
+      plane_, params_,
+      fmt::format("/refit-{}-e{}-staging-{}", run_id, self_.rank, unguessable_suffix()),
+      self_.name());
+}
+
+Status EngineWeights::admit(int step, const std::string& version) {
   REFIT_RETURN_IF_ERROR(params_.check());
   // A label names one set of weights: publishing it again for another step's would make two
   // versions indistinguishable to whoever tags rollouts with it. A retry of a step that never
@@ -43,19 +54,29 @@ Status EngineWeights::pause(int step, const std::string& version) {
         "published at refit step {} for other weights; every refit that succeeds needs a version "
         "of its own (a retry of a failed refit may reuse its step)",
         self_.name(), step, version, it->second));
+  return Status::Ok();
+}
+
+Status EngineWeights::pause(int step, const std::string& version) {
+  REFIT_RETURN_IF_ERROR(admit(step, version));
   log::debug("pause generation for refit step {}", step);
+  pause_timer_.reset();
+  paused_ = true;
+  pause_s_ = 0;
   if (hooks_.pause) {
     Timer took;
     const Status paused = hooks_.pause();
-    if (!paused.ok())
+    if (!paused.ok()) {
+      paused_ = false;
       return Status(paused.code(),
                     fmt::format("{}: the pause hook failed, so refit step {} was aborted before "
                                 "any parameter changed: {}",
                                 self_.name(), step, paused.message()));
+    }
     // Longer than a step of a refit may take: refused here, the same to every feeder (they wait
     // longer), and generation goes on.
     if (took.seconds() > cfg_.refit.timeout_s) {
-      if (hooks_.resume) hooks_.resume();
+      resume();
       return Status::Timeout(fmt::format(
           "{}: the pause hook took {:.1f} s, longer than refit.timeout_s ({} s), so refit step {} "
           "was aborted before any parameter changed",
@@ -82,7 +103,14 @@ void EngineWeights::abandon(int step, bool paused, const std::string& why) {
   log::warn("{}: refit step {} was aborted before any byte landed; weight version '{}' stays{}: "
             "{}",
             self_.name(), step, version_.label(), paused ? " and generation resumes" : "", why);
-  if (paused && hooks_.resume) hooks_.resume();
+  if (paused) resume();
+}
+
+Status EngineWeights::apply_staged(int step, const std::string& version, Status& refused) {
+  refused = pause(step, version);
+  if (!refused.ok()) return Status::Ok();
+  log::debug("{}: refit.staged: applying refit step {} from the staging area", self_.name(), step);
+  return copy_staged();
 }
 
 Status EngineWeights::landed(int step) { return rewritten(step, "the refit"); }
@@ -106,8 +134,10 @@ Status EngineWeights::rewritten(int step, const char* what) {
 void EngineWeights::publish(int step, const std::string& version) {
   version_.set(version);
   published_.emplace(version, step);
+  // The staging area holds what the parameters hold (a full refit or a delta onto that base).
+  if (staged()) staging_.set_holds(version);
   log::debug("resume generation at weight version {}", version);
-  if (hooks_.resume) hooks_.resume();
+  resume();
 }
 
 Status EngineWeights::fail(int step, const Status& why) {
@@ -121,7 +151,7 @@ Status EngineWeights::fail(int step, const Status& why) {
       log::warn("{}: refit step {} failed; rolled back to weight version '{}' "
                 "(refit.keep_previous) and resumed generation: {}",
                 self_.name(), step, *kept, why.message());
-      if (hooks_.resume) hooks_.resume();
+      resume();
       return why;
     }
     log::error("{}: refit.keep_previous: restoring the parameters failed: {}", self_.name(),
@@ -143,7 +173,15 @@ Status EngineWeights::verify(int step, const std::string& version) const {
 }
 
 const ExportedParams* EngineWeights::exported() {
+  if (staged()) return staging_.exported(plane_, self_.name());
   return exports_.get(plane_, params_, self_.name());
+}
+
+void EngineWeights::resume() {
+  if (hooks_.resume) hooks_.resume();
+  if (!paused_) return;
+  pause_s_ = pause_timer_.seconds();
+  paused_ = false;
 }
 
 void EngineWeights::forget_kept(const std::string& why) {

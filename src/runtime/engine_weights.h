@@ -15,9 +15,11 @@
 #include "refit/config.h"
 #include "refit/rank.h"
 #include "refit/session.h"
+#include "common/timer.h"
 #include "runtime/export_cache.h"
 #include "runtime/rollback.h"
 #include "runtime/slots.h"
+#include "runtime/staging.h"
 #include "runtime/weight_loader.h"
 
 namespace refit {
@@ -67,15 +69,42 @@ class EngineWeights {
   // held keeps its step.
   void note_published(const std::map<std::string, int>& published);
 
+  // refit.staged: whether the bytes of a refit land in the staging area (runtime/staging.h) while
+  // generation goes on, and the parameters change only in apply_staged().
+  bool staged() const { return cfg_.refit.staged; }
+  // Where the executor writes a refit's bytes: the staging area's slots with refit.staged, else
+  // the parameters. `run_id` names the staging area's exported memory.
+  Result<const Registry*> landing(const std::string& run_id);
+  // The complete version the memory a refit lands in holds before it (what a delta applies onto):
+  // the staging area's with refit.staged, else the parameters'.
+  const std::optional<std::string>& base() const {
+    return staged() ? staging_.holds() : version_.get();
+  }
+  // Bytes of refit `step` may land from now on: with refit.staged, the staging area holds no
+  // complete version until the refit publishes.
+  void landing_begins() {
+    if (staged()) staging_.set_holds(std::nullopt);
+  }
+
   // A refit's steps, in order:
-  //  - pause: checks the registration and the version label (one published at another step is
-  //    refused before the pause hook runs), runs the pause hook (an error, or a hook that took
+  //  - admit: checks the registration and the version label (one published at another step is
+  //    refused before anything changes). With refit.staged, admit() is the whole answer to the
+  //    begin: generation goes on while the bytes land.
+  Status admit(int step, const std::string& version);
+  //  - pause: admit(), then runs the pause hook (an error, or a hook that took
   //    longer than refit.timeout_s, refuses the refit: generation resumes then, the weights keep
   //    their version); keeps a copy (refit.keep_previous); from here the version is invalid.
   Status pause(int step, const std::string& version);
   //  - the feeders aborted it before any byte landed: the version before pause() again, and
   //    generation resumes when this rank had paused.
   void abandon(int step, bool paused, const std::string& why);
+  //  - refit.staged, every byte landed in the staging area: pause() (its hook, the kept copy),
+  //    then the staging area is copied into the parameters. A pause hook that refuses leaves the
+  //    parameters and their version as they were: `refused` gets its error, and the refit fails
+  //    (the caller reports it as this rank's verdict). Other errors end the session.
+  Status apply_staged(int step, const std::string& version, Status& refused);
+  // refit.staged, a bench's bare pass: the staging area copied into the parameters, no hook run.
+  Status copy_staged() { return staging_.apply(plane_, self_.name()); }
   //  - every byte landed: the load_weights hook takes them, then the weights_changed hook hears
   //    which parameters changed.
   Status landed(int step);
@@ -85,11 +114,18 @@ class EngineWeights {
   //    and resume, or leave the weights invalid and generation paused. Returns `why`.
   Status fail(int step, const Status& why);
   Status verify(int step, const std::string& version) const;
+  // Seconds generation was paused in the last refit, from the pause hook's start until it
+  // resumed (or until now while it has not); 0 when the refit did not pause.
+  double pause_seconds() const { return paused_ ? pause_timer_.seconds() : pause_s_; }
 
-  // Where the parameters can be mapped (ExportCache::get); nullptr when they cannot.
+  // Where the memory a refit lands in can be mapped (ExportCache::get): the staging area with
+  // refit.staged, else the parameters; nullptr when they cannot.
   const ExportedParams* exported();
   // Every peer feeder mapped the exported region: its name may go.
-  void release_export_name() { exports_.release_name(); }
+  void release_export_name() {
+    exports_.release_name();
+    staging_.release_export_name();
+  }
   // A feeder may still be writing in place: no rollback of this refit.
   void forget_kept(const std::string& why);
   bool has_kept() const { return rollback_.kept().has_value(); }
@@ -106,6 +142,13 @@ class EngineWeights {
   std::map<std::string, int> published_;  // every label published -> the step that published it
   ExportCache exports_;
   Rollback rollback_;
+  Staging staging_;  // refit.staged
+  Timer pause_timer_;  // since the pause hook of the refit in flight started
+  bool paused_ = false;
+  double pause_s_ = 0;  // of the last refit
+
+  // Runs the resume hook, and ends the pause's measurement.
+  void resume();
 
   // The bytes of every parameter were rewritten: the load_weights hook, then weights_changed.
   Status rewritten(int step, const char* what);

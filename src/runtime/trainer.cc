@@ -177,6 +177,7 @@ class TrainerImpl final : public Trainer {
                         .cast_pack_s = times.cast_pack,
                         .transfer_s = times.transfer,
                         .apply_s = apply_s,
+                        .pause_s = protocol_->pause_seconds(),
                         .bytes = bytes_per_refit(),
                         .buckets = executor_->rounds()};
     return Status::Ok();

@@ -75,6 +75,7 @@ Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& se
 Status TrainerRefitProtocol::run(const BeginMessage& begin, const std::vector<void*>& shards,
                                  TransferTimes& times, double& apply_s, Status& refit_failure) {
   apply_s = 0;
+  pause_s_ = 0;
   Status st = !coordinated_            ? run_fed(begin, shards, times, apply_s, refit_failure)
               : core_.self().rank == 0 ? lead(begin, shards, times, apply_s, refit_failure)
                                        : follow(begin, shards, times, apply_s, refit_failure);
@@ -119,8 +120,10 @@ Status TrainerRefitProtocol::run_fed(const BeginMessage& begin_in, const std::ve
     REFIT_ASSIGN_OR_RETURN(const std::vector<Message> heard,
                            inbox_.collect(kOutcomeHeard, targets_, core_.timeout(),
                                           "outcome acknowledgements"));
-    for (const Message& m : heard)
-      REFIT_RETURN_IF_ERROR(decode_outcome_heard(m.payload, m.from).status());
+    for (const Message& m : heard) {
+      REFIT_ASSIGN_OR_RETURN(const OutcomeHeardMessage h, decode_outcome_heard(m.payload, m.from));
+      pause_s_ = std::max(pause_s_, h.pause_s);
+    }
   }
   if (failure)
     refit_failure = failed_refit(StatusCode::kCorruption, step, begin_in.version, *failure);
@@ -217,6 +220,7 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   for (const Message& ack : acks) {
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(ack.payload, ack.from));
     apply_s = std::max(apply_s, c.apply_s);
+    pause_s_ = std::max(pause_s_, c.pause_s);
     if (!checksums || failure) continue;
     for (const auto& [feeder, landed] : c.checksums) {
       const auto by_feeder = sent.find(feeder);
@@ -239,12 +243,14 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   }
   log::debug("{}: every engine rank acknowledged the commit of refit step {}", core_.id(), step);
   phase_ = Phase::kCommitted;
-  if (begin.verify) {
+  // refit.staged: each engine rank's verdict says whether it applied (its pause hook may refuse).
+  const bool staged = core_.config().refit.staged && !begin.raw;
+  if (begin.verify || staged) {
     REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> verdict,
                            collect_verdicts(step, engines));
     if (!failure) failure = verdict;
   }
-  if (begin.verify || checksums) {
+  if (begin.verify || checksums || staged) {
     // Every engine rank publishes, or none does: the ranks of one engine never hold two
     // versions, whichever rank's bytes failed.
     REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kOutcome,
@@ -254,13 +260,15 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
         inbox_.collect(kOutcomeHeard, engines, core_.timeout(), "outcome acknowledgements"));
     for (const Message& m : heard) {
       REFIT_ASSIGN_OR_RETURN(const OutcomeHeardMessage h, decode_outcome_heard(m.payload, m.from));
+      pause_s_ = std::max(pause_s_, h.pause_s);
       log::debug("{}: {} holds weight version '{}' after refit step {}{}", core_.id(), m.from,
                  h.weight_version, h.step, h.valid ? "" : " (invalid)");
     }
   }
   REFIT_RETURN_IF_ERROR(
       send_to_each(core_.mailbox(), followers_, kRefitDone,
-                   encode(RefitDoneMessage{.step = step, .failed = failure, .apply_s = apply_s})));
+                   encode(RefitDoneMessage{
+                       .step = step, .failed = failure, .apply_s = apply_s, .pause_s = pause_s_})));
   if (failure) refit_failure = failed_refit(StatusCode::kCorruption, step, begin.version, *failure);
   return Status::Ok();
 }
@@ -329,6 +337,7 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
         fmt::format("{}: {} ended refit step {} in step {}", core_.id(), leader_, d.step, step));
   phase_ = Phase::kCommitted;
   apply_s = d.apply_s;
+  pause_s_ = d.pause_s;
   if (d.failed)
     refit_failure = failed_refit(StatusCode::kCorruption, step, begin.version, *d.failed);
   return Status::Ok();
@@ -439,6 +448,7 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
   for (std::size_t i = 0; i < acks.size(); ++i) {
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(acks[i].payload, acks[i].from));
     apply_s = std::max(apply_s, c.apply_s);
+    pause_s_ = std::max(pause_s_, c.pause_s);
     const auto landed = c.checksums.find(core_.self().mailbox());
     const std::string got = landed == c.checksums.end() ? std::string() : landed->second;
     if (!failure && checksums && sent[i] != got)

@@ -57,6 +57,8 @@ class TrainerRefitProtocol {
   Status shutdown();
 
   Phase phase() const { return phase_; }
+  // Of the last refit: the longest pause of generation on an engine rank (RefitStats::pause_s).
+  double pause_seconds() const { return pause_s_; }
 
  private:
   // Gather: this rank begins and commits with its own targets.
@@ -95,6 +97,7 @@ class TrainerRefitProtocol {
   std::string leader_;                  // "trainer/0"
   std::vector<std::string> followers_;  // on trainer rank 0: every other trainer rank
   Phase phase_ = Phase::kIdle;
+  double pause_s_ = 0;  // pause_seconds()
   int outcomes_ = 0;  // refits of this epoch whose outcome the ranks shared: namespaces their keys
   std::uint32_t outcomes_epoch_ = 0;
 };

@@ -174,6 +174,36 @@ def test_zero_copy_in_place_updates_and_hooks_across_threads():
         ranks.close()
 
 
+def test_staged_refits_pause_generation_only_to_apply():
+    """refit.staged: the bytes land in the engine's staging area, so when the pause hook runs the
+    registered parameters still hold the previous version; after the refit they hold the new one.
+    Both sides report the pause (last_stats["pause_s"]), which lies inside the refit."""
+    ranks = Ranks(protocol="vllm", staged=True)
+    try:
+        ranks.register_all()
+        norm = "model.norm.weight"
+        seen_at_pause = []
+        ranks.engine.on_pause(lambda: seen_at_pause.append(int(ranks.params[norm][0])))
+        thread, box = ranks.serve_in_thread()
+        old = int(ranks.params[norm][0])
+        for step, value in ((1, 1.5), (2, -0.25)):
+            ranks.shards[norm][...] = value
+            ranks.trainer.refit(step)
+            assert seen_at_pause[-1] == old, "the parameters changed before generation paused"
+            new = int(bf16_bits(np.full(1, value, np.float32))[0])
+            assert np.all(ranks.params[norm] == new)
+            old = new
+            stats = ranks.trainer.last_stats
+            assert 0 < stats["pause_s"] < stats["seconds"], stats
+        ranks.trainer.shutdown()
+        thread.join(timeout=20)
+        assert "error" not in box, box.get("error")
+        assert box["served"] == 2 and len(seen_at_pause) == 2
+        assert ranks.engine.last_stats["pause_s"] == ranks.trainer.last_stats["pause_s"]
+    finally:
+        ranks.close()
+
+
 @pytest.mark.parametrize("keep_previous", [False, True], ids=["invalid", "keep_previous"])
 def test_a_failed_verification_fails_the_refit_not_the_session(keep_previous):
     # The verification hook fails step 2: refit() raises on the trainer with the engine's message,
