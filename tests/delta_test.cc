@@ -17,6 +17,7 @@
 #include "delta/delta.h"
 #include "delta/delta_cpu.h"
 #include "delta/format.h"
+#include "executor/delta_sender.h"
 #include "plane/data_plane.h"
 #include "refit/config.h"
 
@@ -782,6 +783,46 @@ TEST(DeltaHost, BadListsAreRefusedNamingTheRoute) {
   h.routes()[0].kept = 0;
   h.options().chunk_log2 = 3;
   EXPECT_FALSE(h.encode(HostWorkers::inline_only(), 0).ok());
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// refit.delta auto's prediction per pair: a delta where its bytes over the link plus its encode
+// beat the full refit; full past the break-even density; and "never" where the encode alone
+// takes longer than the full refit (the same device, or a link as fast as memory), whatever the
+// density: the pair then stops keeping a copy.
+TEST(DeltaAuto, PredictsDeltaFullOrNeverFromTheMeasuredRates) {
+  // qwen3-8b's one pair across a 10 Gbit/s link: 16.4 GB in full, 0.15 GB as a delta, encoded
+  // at 1.7e11 elements/s.
+  AutoMeasures slow{.elements = 8'190'735'360,
+                    .full_bytes = 16'381'470'720,
+                    .last_wire_bytes = 153'209'336,
+                    .encode_elems_per_s = 1.7e11,
+                    .link_bytes_per_s = 1.25e9};
+  AutoPrediction p = predict_auto(slow);
+  EXPECT_EQ(p.choice, AutoChoice::kDelta);
+  EXPECT_NEAR(p.full_s, 13.1, 0.05);
+  EXPECT_NEAR(p.delta_s, 0.123 + 0.048, 0.005);
+  // Past break-even: a delta as large as the full refit.
+  AutoMeasures dense = slow;
+  dense.last_wire_bytes = slow.full_bytes;
+  EXPECT_EQ(predict_auto(dense).choice, AutoChoice::kFull);
+  // The same pair on one GPU: its full refit takes 13 ms at 1.26 TB/s, the encode alone 48 ms.
+  AutoMeasures local = slow;
+  local.link_bytes_per_s = 1.26e12;
+  p = predict_auto(local);
+  EXPECT_EQ(p.choice, AutoChoice::kNever);
+  EXPECT_GT(p.encode_s, p.full_s);
+  // Whatever the density: even a delta of nothing.
+  local.last_wire_bytes = 0;
+  EXPECT_EQ(predict_auto(local).choice, AutoChoice::kNever);
+  // No encode measured yet: never "never".
+  local.encode_elems_per_s = 0;
+  EXPECT_EQ(predict_auto(local).choice, AutoChoice::kDelta);
 }
 
 }  // namespace

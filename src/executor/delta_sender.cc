@@ -24,6 +24,19 @@ DeltaOptions delta_options(const PairDeltaRoutes& list) {
 
 }  // namespace
 
+AutoPrediction predict_auto(const AutoMeasures& m) {
+  AutoPrediction p;
+  p.encode_s = m.encode_elems_per_s > 0
+                   ? static_cast<double>(m.elements) / m.encode_elems_per_s
+                   : 0.0;
+  p.delta_s = static_cast<double>(m.last_wire_bytes) / m.link_bytes_per_s + p.encode_s;
+  p.full_s = static_cast<double>(m.full_bytes) / m.link_bytes_per_s;
+  p.choice = p.encode_s >= p.full_s ? AutoChoice::kNever
+             : p.delta_s < p.full_s ? AutoChoice::kDelta
+                                    : AutoChoice::kFull;
+  return p;
+}
+
 DeltaSender::DeltaSender(DeltaSenderOptions o) : o_(std::move(o)) {
   pairs_.resize(o_.targets.size());
 }
@@ -70,16 +83,34 @@ bool DeltaSender::wants_delta(std::size_t i) {
   std::int64_t elements = 0;
   const std::int64_t full = delta_full_bytes(d.all.routes);
   for (const DeltaRoute& r : d.all.routes) elements += r.elements();
-  const double encode_s =
-      d.encode_elems_per_s > 0 ? static_cast<double>(elements) / d.encode_elems_per_s : 0.0;
-  const double delta_s = static_cast<double>(d.last_wire_bytes) / d.link_bytes_per_s + encode_s;
-  const double full_s = static_cast<double>(full) / d.link_bytes_per_s;
-  const bool want = delta_s < full_s || d.full_since_delta >= kAutoProbeEvery;
+  const AutoPrediction p = predict_auto(AutoMeasures{.elements = elements,
+                                                     .full_bytes = full,
+                                                     .last_wire_bytes = d.last_wire_bytes,
+                                                     .encode_elems_per_s = d.encode_elems_per_s,
+                                                     .link_bytes_per_s = d.link_bytes_per_s});
+  if (p.choice == AutoChoice::kNever) {
+    // No density makes a delta faster here (the same device, or a link as fast as memory): the
+    // kept copy goes, and with it the capture every full refit would pay.
+    log::info(
+        "trainer rank {}: refit.delta auto: engine rank {}: encoding the pair's {} elements "
+        "takes {:.4f} s at this rank's measured rate, longer than its full refit ({:.4f} s at "
+        "{:.1f} GB/s); no delta can be faster, so its routes move in full from now on and this "
+        "rank keeps no copy of them",
+        o_.rank, o_.targets[i], elements, p.encode_s, p.full_s, d.link_bytes_per_s / 1e9);
+    d.retired = true;
+    retired_now_ = true;  // the caller's lists are built anew without its copy
+    d.kept.reset();
+    d.version.clear();
+    d.rounds.clear();
+    d.all = PairDeltaRoutes{};
+    return false;
+  }
+  const bool want = p.choice == AutoChoice::kDelta || d.full_since_delta >= kAutoProbeEvery;
   log::debug(
       "trainer rank {}: refit.delta auto for engine rank {}: density {:.4f}, link {:.1f} "
       "MB/s: delta {:.3f} s ({} bytes) against full {:.3f} s ({} bytes): {}",
-      o_.rank, o_.targets[i], d.density, d.link_bytes_per_s / 1e6, delta_s, d.last_wire_bytes,
-      full_s, full, want ? "delta" : "full");
+      o_.rank, o_.targets[i], d.density, d.link_bytes_per_s / 1e6, p.delta_s, d.last_wire_bytes,
+      p.full_s, full, want ? "delta" : "full");
   return want;
 }
 
@@ -101,6 +132,11 @@ Status DeltaSender::decide_delta(int step, const std::vector<PairExecutor>& mode
           o_.rank, o_.targets[i], d.offer->digest ? "point-to-point" : "peer-access",
           p2p ? "point to point" : "peer access", tracked ? "" : " and keeps no base for it"));
     if (!tracked) continue;
+    if (d.retired) {
+      if (d.offer) full["refit.delta auto found a delta never faster for them"].push_back(
+          o_.targets[i]);
+      continue;
+    }
     std::uint64_t sum = 0;
     for (std::uint64_t x : d.digest) sum += x;
     std::string why;
@@ -143,7 +179,7 @@ Result<bool> DeltaSender::prepare(const BeginMessage& begin,
     d.refit_elements = d.refit_changed = d.refit_wire_bytes = 0;
     d.refit_encode_s = 0;
     traffic_.full_bytes += pair_bytes(i);
-    if (tracks(modes[i]) && !begin.raw && !d.kept) {
+    if (tracks(i, modes[i]) && !begin.raw && !d.kept) {
       REFIT_RETURN_IF_ERROR(ensure_kept(i));
       kept_new = true;  // the lists of its rounds are built with the runs
     }
@@ -151,7 +187,8 @@ Result<bool> DeltaSender::prepare(const BeginMessage& begin,
     uses[i] = d.use ? 2 : d.offer ? 1 : 0;
     if (d.use) ++traffic_.delta_pairs;
   }
-  const bool changed = uses != built_uses_ || kept_new;
+  const bool changed = uses != built_uses_ || kept_new || retired_now_;
+  retired_now_ = false;
   built_uses_ = std::move(uses);
   return changed;
 }
@@ -169,7 +206,7 @@ void DeltaSender::forget() {
 
 void DeltaSender::note_sent(const std::string& version, const std::vector<PairExecutor>& modes) {
   for (std::size_t i = 0; i < pairs_.size(); ++i) {
-    if (!tracks(modes[i])) continue;
+    if (!tracks(i, modes[i])) continue;
     DeltaPair& d = pairs_[i];
     d.version = version;
     d.kept_by = modes[i];
@@ -313,7 +350,7 @@ void DeltaSender::lay_out(std::size_t rounds, const std::vector<void*>& shards,
   // The kept targets' lists of each round, read from the shards (FP8: rebuilt from the packed
   // segments, lay_out_round): what a capture reads, and what a stream of them takes at most.
   for (std::size_t i = 0; i < pairs_.size(); ++i)
-    if (modes[i] == PairExecutor::kP2p && tracks(modes[i]))
+    if (modes[i] == PairExecutor::kP2p && tracks(i, modes[i]))
       for (int k = 0; k < o_.setup->view.rounds; ++k)
         build_delta_round(i, k, shards, nullptr, nullptr);
 }
@@ -387,7 +424,7 @@ Status DeltaSender::write_round(int step, int k, std::vector<P2POp>& ops, RefitP
 Status DeltaSender::capture_full_round(int k, const std::vector<PairExecutor>& modes) {
   const auto kk = static_cast<std::size_t>(k);
   for (std::size_t i = 0; i < pairs_.size(); ++i)
-    if (modes[i] == PairExecutor::kP2p && tracks(modes[i]) && !pairs_[i].use &&
+    if (modes[i] == PairExecutor::kP2p && tracks(i, modes[i]) && !pairs_[i].use &&
         kk < pairs_[i].rounds.size())
       REFIT_RETURN_IF_ERROR(capture_round(i, k));
   return Status::Ok();

@@ -29,12 +29,36 @@ struct DeltaSenderOptions {
   std::vector<int> targets;  // the engine ranks fed, by target index
 };
 
+// refit.delta auto's prediction for one pair, from what its last refits measured: its elements
+// and full bytes, the wire bytes of its last delta, this rank's encode rate (elements per second)
+// and the link's payload rate (bytes per second, > 0).
+struct AutoMeasures {
+  std::int64_t elements = 0, full_bytes = 0, last_wire_bytes = 0;
+  double encode_elems_per_s = 0, link_bytes_per_s = 0;
+};
+enum class AutoChoice : std::uint8_t {
+  kDelta,  // predicted faster than the full refit
+  kFull,   // past its break-even density
+  kNever,  // encoding it alone takes longer than the full refit: no density makes a delta faster
+};
+struct AutoPrediction {
+  AutoChoice choice = AutoChoice::kFull;
+  double encode_s = 0, delta_s = 0, full_s = 0;
+};
+AutoPrediction predict_auto(const AutoMeasures& m);
+
 class DeltaSender {
  public:
   explicit DeltaSender(DeltaSenderOptions o);
 
-  // Whether this rank keeps a copy of what it sends a pair moved by `mode`.
+  // Whether this rank keeps copies of what it sends pairs moved by `mode` (refit.delta on or
+  // auto; not FP8 by peer access).
   bool tracks(PairExecutor mode) const;
+  // Whether it keeps one of what it sends target i, moved by `mode`: tracks(mode), and not a
+  // pair `auto` gave up on (a delta can never beat its full refit).
+  bool tracks(std::size_t i, PairExecutor mode) const {
+    return tracks(mode) && !pairs_[i].retired;
+  }
   // Whether this refit sends target i a delta (decided in prepare).
   bool sends_delta(std::size_t i) const { return pairs_[i].use; }
 
@@ -125,6 +149,9 @@ class DeltaSender {
     double link_bytes_per_s = 0;
     double encode_elems_per_s = 0;
     int full_since_delta = 0;
+    // auto: encoding the pair alone takes longer than its full refit, whatever the density; no
+    // copy is kept from then on.
+    bool retired = false;
     std::int64_t last_wire_bytes = 0;                    // of the last delta
     std::int64_t refit_elements = 0, refit_changed = 0;  // of this refit's delta
     std::int64_t refit_wire_bytes = 0;
@@ -146,6 +173,7 @@ class DeltaSender {
   // that offered a base and get their routes in full).
   std::vector<std::vector<std::byte*>> full_words_;
   std::vector<int> built_uses_;  // per target, whether the lists were built for a delta
+  bool retired_now_ = false;     // a pair was retired since the last prepare()
   std::vector<std::unique_ptr<PlaneBuffer>> size_words_;  // per staging slot, 8 bytes per target
   RankTraffic traffic_;                                   // its delta fields, of the last transfer
 };

@@ -114,7 +114,7 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
     if (modes_[i] != PairExecutor::kPeer) continue;
     // The pair's delta lists write the mapped parameters (patch).
-    if (delta_.tracks(PairExecutor::kPeer)) {
+    if (delta_.tracks(i, PairExecutor::kPeer)) {
       const Mapped& m = mapped_.at(i);
       delta_.build_peer_lists(i, shards, std::vector<void*>(m.params.begin(), m.params.end()));
     }
@@ -336,7 +336,7 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
         continue;
       }
       bytes_sent_ += pair_bytes(*o_.setup, o_.targets[i]);
-      if (begin.raw || !delta_.tracks(PairExecutor::kPeer)) continue;
+      if (begin.raw || !delta_.tracks(i, PairExecutor::kPeer)) continue;
       REFIT_RETURN_IF_ERROR(delta_.capture_peer(i, copy_s));
     }
     times.cast_pack += t.seconds();
