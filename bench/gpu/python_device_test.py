@@ -21,8 +21,14 @@ and (hf) the engine module's logits equal transformers' own forward of a fresh m
 those bf16 weights, exactly (same kernels). Architectures without a fused layout in refit
 (GPT-NeoX, DeepSeek-V3) and transformers-5 MoE modules (experts fused into one tensor) run hf only.
 
-Usage: python3 bench/gpu/python_device_test.py [--cases a,b] [--steps 2] [--json FILE].
-Exit 0 when every case passed.
+With ``--delta on`` (or ``auto``) every refit after the first sends only what changed
+(refit.delta, docs/delta.md) and the checks above hold for each step; ``--lr`` sets AdamW's
+learning rate (default 1e-2; an RL run's 1e-6 to 1e-5 changes a few per cent of the bf16 values
+per step), and the table adds per step the changed fraction and the wire bytes against the full
+refit, from ``Trainer.traffic()``.
+
+Usage: python3 bench/gpu/python_device_test.py [--cases a,b] [--steps 2] [--delta off|on|auto]
+[--lr LR] [--json FILE]. Exit 0 when every case passed.
 """
 
 from __future__ import annotations
@@ -154,7 +160,7 @@ def expected_fused(state, name, shape):
 # ----------------------------------------------------------------------------- trainer ranks
 
 
-def trainer_main(case, rank, world, cfg_yaml, port, steps, out_dir, q):
+def trainer_main(case, rank, world, cfg_yaml, port, steps, lr, delta, out_dir, q):
     try:
         import torch
         import torch.distributed as dist
@@ -173,7 +179,7 @@ def trainer_main(case, rank, world, cfg_yaml, port, steps, out_dir, q):
         fully_shard(model, mesh=mesh)
         cfg = refit.Config.from_yaml(cfg_yaml)
         trainer = rt.trainer_from_fsdp(model, cfg, rank, master_port=port)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
         gen = torch.Generator().manual_seed(3)
         report = {"zero_copy": len(trainer.zero_copy), "tensors": len(trainer.tensors), "steps": []}
         for step in range(1, steps + 1):
@@ -192,7 +198,17 @@ def trainer_main(case, rank, world, cfg_yaml, port, steps, out_dir, q):
                     full[n] = t.detach().to(torch.bfloat16).cpu()
             if rank == 0:
                 torch.save({"bf16": full}, os.path.join(out_dir, f"trainer_{step}.pt"))
-            report["steps"].append({"loss": float(loss), "refit_wall_s": wall})
+            entry = {"loss": float(loss.detach()), "refit_wall_s": wall}
+            if rank == 0 and delta != "off":
+                trainers = [t for t in trainer.traffic() if t["role"] == "trainer"]
+                elements = sum(t["delta_elements"] for t in trainers)
+                entry.update(
+                    delta_pairs=sum(t["delta_pairs"] for t in trainers),
+                    wire_bytes=sum(t["bytes_sent"] for t in trainers),
+                    full_bytes=sum(t["full_bytes"] for t in trainers),
+                    changed_fraction=(sum(t["delta_changed"] for t in trainers) / elements
+                                      if elements else 0.0))
+            report["steps"].append(entry)
         trainer.shutdown()
         trainer.close()
         dist.destroy_process_group()
@@ -288,7 +304,7 @@ def compare(case, layout, out_dir, steps):
     return problems, details
 
 
-def run_case(refit, case, layout, steps, world):
+def run_case(refit, case, layout, steps, world, delta="off", lr=1e-2):
     import torch
 
     _, model_cls, _, _, device = CASES[case]
@@ -302,7 +318,7 @@ def run_case(refit, case, layout, steps, world):
             "policy": {"backend": "fsdp2", "world_size": w, "dtype": "float32"},
             "generation": {"backend": "vllm", "colocated": device == "cuda", "num_engines": 1,
                            "tp_size": 1, "layout": layout},
-            "refit": {"target_precision": "bf16", "timeout_s": 300},
+            "refit": {"target_precision": "bf16", "timeout_s": 300, "delta": delta},
         })
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -310,7 +326,8 @@ def run_case(refit, case, layout, steps, world):
         dist_port = free_port()
         procs = [ctx.Process(target=engine_main, args=(case, layout, text, port, tmp, q))]
         for r in range(w):
-            procs.append(ctx.Process(target=trainer_main, args=(case, r, w, text, port, steps, tmp, q)))
+            procs.append(ctx.Process(target=trainer_main,
+                                     args=(case, r, w, text, port, steps, lr, delta, tmp, q)))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
         t0 = time.perf_counter()
         for p in procs:
@@ -341,6 +358,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="refit.torch device test over many architectures")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--delta", default="off", choices=("off", "on", "auto"))
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--json")
     args = parser.parse_args()
     refit = import_refit()
@@ -354,7 +373,7 @@ def main() -> int:
     summaries = []
     for case in args.cases.split(","):
         for layout in CASES[case][3]:
-            s = run_case(refit, case, layout, args.steps, world)
+            s = run_case(refit, case, layout, args.steps, world, args.delta, args.lr)
             summaries.append(s)
             print(json.dumps(s, default=str), flush=True)
             print(f"{case} {layout}: {'PASS' if s['passed'] else 'FAIL'}", flush=True)
@@ -367,6 +386,20 @@ def main() -> int:
         print(f"{s['case']:14} {s['layout']:6} {s.get('device', ''):6} {s.get('world', ''):5} "
               f"{c.get('tensors', c.get('fused_params', '')):>7} {str(c.get('bitwise_equal', '')):>9} "
               f"{str(c.get('logits_equal', '-')):>7} {'PASS' if s['passed'] else 'FAIL'}")
+    if args.delta != "off":
+        print(f"refit.delta {args.delta}, AdamW lr {args.lr}: per step, trainer rank 0's view of "
+              "every trainer rank")
+        print(f"{'case':14} {'layout':6} {'step':>4} {'pairs':>5} {'changed':>8} {'wire_bytes':>11} "
+              f"{'full_bytes':>11} {'wire/full':>9} {'bit-exact':>9}")
+        for s in summaries:
+            checks = {c["step"]: c for c in s.get("checks", [])}
+            for i, st in enumerate(s.get("trainer0", {}).get("steps", []), 1):
+                if "wire_bytes" not in st:
+                    continue
+                print(f"{s['case']:14} {s['layout']:6} {i:>4} {st['delta_pairs']:>5} "
+                      f"{100 * st['changed_fraction']:>7.3f}% {st['wire_bytes']:>11} "
+                      f"{st['full_bytes']:>11} {st['wire_bytes'] / max(1, st['full_bytes']):>9.4f} "
+                      f"{str(checks.get(i, {}).get('bitwise_equal', '')):>9}")
     failed = [f"{s['case']}/{s['layout']}" for s in summaries if not s["passed"]]
     print("python_device_test: " + ("all passed" if not failed else f"FAILED: {', '.join(failed)}"))
     return 1 if failed else 0

@@ -286,6 +286,10 @@ class TorchTrainer:
         self._refresh()
         self.trainer.refit(step, version, verify)
 
+    def traffic(self) -> List[Dict[str, object]]:
+        """refit.Trainer.traffic: every rank's traffic in the last refit."""
+        return self.trainer.traffic()
+
     def shutdown(self) -> None:
         self.trainer.shutdown()
 

@@ -317,6 +317,12 @@ class PyTrainer {
       d["p2p_pairs"] = x.p2p_pairs;
       d["setup_seconds"] = x.setup_seconds;
       d["plan_bytes"] = x.plan_bytes;
+      d["delta_pairs"] = x.delta_pairs;
+      d["delta_elements"] = x.delta_elements;
+      d["delta_changed"] = x.delta_changed;
+      d["full_bytes"] = x.full_bytes;
+      d["encode_s"] = x.encode_s;
+      d["delta_apply_s"] = x.delta_apply_s;
       out.append(std::move(d));
     }
     return out;
@@ -784,7 +790,9 @@ counts).
       .def("traffic", &PyTrainer::traffic, R"doc(
 Every rank's traffic in the last refit, trainer ranks then engine ranks: a list of {"role"
 ("trainer" | "engine"), "rank", "bytes_sent", "bytes_received", "peer_pairs", "p2p_pairs",
-"setup_seconds", "plan_bytes"}, as each rank recorded it on the control plane. The GIL is released while it reads them.
+"setup_seconds", "plan_bytes", and for refit.delta "delta_pairs", "delta_elements",
+"delta_changed", "full_bytes", "encode_s", "delta_apply_s" (RankTraffic, docs/delta.md)}, as each
+rank recorded it on the control plane. The GIL is released while it reads them.
 )doc")
       .def_property_readonly(
           "bytes_per_refit",
