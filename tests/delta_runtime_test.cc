@@ -120,6 +120,47 @@ TEST(DeltaRefits, Fp8P2pVllm) {
                 "adam:1e-4");
 }
 
+// MoE and frontier models: stacked experts (compact routes) and MLA's kv_b_proj.
+TEST(DeltaRefits, MoeP2pVllm) {
+  expect_deltas({.model = "tiny-moe", .engine = "vllm", .executor = "p2p", .delta = "on"});
+}
+TEST(DeltaRefits, DeepSeekMlaPeerSglang) {
+  expect_deltas({.model = "tiny-deepseek", .colocated = true, .executor = "peer", .delta = "on"});
+}
+TEST(DeltaRefits, Glm4MoeP2pSglang) {
+  expect_deltas({.model = "tiny-glm4-moe", .executor = "p2p", .delta = "on"});
+}
+// Megatron's TP, PP and EP shards, each trainer rank keeping its own pairs' copies.
+TEST(DeltaRefits, MegatronTpEpMoeP2p) {
+  expect_deltas({.model = "tiny-moe",
+                 .world_size = 4,
+                 .executor = "p2p",
+                 .backend = "megatron",
+                 .megatron_tp = 2,
+                 .megatron_ep = 2,
+                 .delta = "on"});
+}
+TEST(DeltaRefits, MegatronTpPpTwoEnginesP2pVllm) {
+  expect_deltas({.engine = "vllm",
+                 .world_size = 4,
+                 .num_engines = 2,
+                 .buffer = 4096,
+                 .executor = "p2p",
+                 .backend = "megatron",
+                 .megatron_tp = 2,
+                 .megatron_pp = 2,
+                 .delta = "on"});
+}
+TEST(DeltaRefits, Fp8MegatronP2pSglang) {
+  expect_deltas({.executor = "p2p",
+                 .backend = "megatron",
+                 .megatron_tp = 2,
+                 .delta = "on",
+                 .precision = "fp8",
+                 .fp8 = "{block: [16, 16]}"},
+                "adam:1e-4");
+}
+
 // refit.staged: the bytes of each refit, full or delta, land in the staging area while the
 // engine generates, and generation pauses only for the apply. Every refit is verified on the
 // engines' parameters; each one's pause is in the report and lies inside the refit.
