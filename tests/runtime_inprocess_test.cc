@@ -164,6 +164,22 @@ struct Pair {
     Status st = trainer->refit(step, std::to_string(step), verify);
     return {st, served.get()};
   }
+  // A training step and a refit that publishes its weights: both sides succeed, and the engine
+  // holds them under the step's label.
+  void refit_publishes(int step, bool verify) {
+    train(step);
+    auto [st, served] = refit(step, verify);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(served.ok()) << served.status().to_string();
+    EXPECT_EQ(engine->weight_version(), std::to_string(step));
+    EXPECT_TRUE(holds(step));
+  }
+  // The engine's pause hook refuses ("generation cannot pause now") while `refuse` is set.
+  void pause_refused_while(const bool& refuse) {
+    engine->on_pause([&refuse]() -> Status {
+      return refuse ? Status::Unsupported("generation cannot pause now") : Status::Ok();
+    });
+  }
   void shutdown() {
     auto served = std::async(std::launch::async, [this] { return engine->serve_one(); });
     EXPECT_TRUE(trainer->shutdown().ok());
@@ -233,8 +249,7 @@ TEST(RuntimeInProcess, FailedVerificationRollsBackBytesAndLabel) {
   p.engine->on_verify([](int step, const std::string&) {
     return step == 2 ? Status::Corruption("verify: step 2 is wrong") : Status::Ok();
   });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, true).first.ok());
+  p.refit_publishes(1, true);
   EXPECT_EQ(resumed, 1);
   p.train(2);
   auto [st, served] = p.refit(2, true);
@@ -255,11 +270,7 @@ TEST(RuntimeInProcess, FailedVerificationRollsBackBytesAndLabel) {
   EXPECT_TRUE(p.holds(1));
   EXPECT_EQ(resumed, 2);
   // The next refit publishes normally.
-  p.train(3);
-  auto [st3, served3] = p.refit(3, true);
-  ASSERT_TRUE(st3.ok()) << st3.to_string();
-  EXPECT_EQ(p.engine->weight_version(), "3");
-  EXPECT_TRUE(p.holds(3));
+  p.refit_publishes(3, true);
   p.shutdown();
 }
 
@@ -267,11 +278,8 @@ TEST(RuntimeInProcess, RefusedPauseKeepsTheWeightsAndAbortsBeforeAnyByte) {
   Pair p;
   ASSERT_TRUE(p.ok());
   bool refuse = false;
-  p.engine->on_pause([&]() -> Status {
-    return refuse ? Status::Unsupported("generation cannot pause now") : Status::Ok();
-  });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, false).first.ok());
+  p.pause_refused_while(refuse);
+  p.refit_publishes(1, false);
   refuse = true;
   p.trainer_sent.reset();
   p.engine_sent.reset();
@@ -305,8 +313,7 @@ TEST(RuntimeInProcess, RefitThatFailsInFlightMovesBothToTheNextEpoch) {
   Pair p({}, stall);
   ASSERT_TRUE(p.ok());
   p.engine->on_verify([](int, const std::string&) { return Status::Ok(); });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, true).first.ok());
+  p.refit_publishes(1, true);
   p.train(2);
   auto [st, served] = p.refit(2, true);
   EXPECT_EQ(stall->stalls.load(), 1) << "the stall did not run";
@@ -322,12 +329,7 @@ TEST(RuntimeInProcess, RefitThatFailsInFlightMovesBothToTheNextEpoch) {
   // Its bytes may have landed and nothing was published: invalid until a refit succeeds.
   EXPECT_FALSE(p.engine->is_valid());
   // The next refit runs in epoch 1 on the groups formed anew.
-  p.train(3);
-  auto [st3, served3] = p.refit(3, false);
-  ASSERT_TRUE(st3.ok()) << st3.to_string();
-  ASSERT_TRUE(served3.ok()) << served3.status().to_string();
-  EXPECT_EQ(p.engine->weight_version(), "3");
-  EXPECT_TRUE(p.holds(3));
+  p.refit_publishes(3, false);
   p.shutdown();
 }
 
@@ -379,8 +381,7 @@ TEST(RuntimeInProcess, AVersionAlreadyPublishedIsRefusedAndARetryMayReuseAFailed
   p.engine->on_verify([&](int step, const std::string&) {
     return step == 2 && fail_once-- > 0 ? Status::Corruption("step 2 fails once") : Status::Ok();
   });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, false).first.ok());
+  p.refit_publishes(1, false);
   p.trainer_sent.reset();
   Status again = p.trainer->refit(5, "1", false);
   ASSERT_FALSE(again.ok());
@@ -410,8 +411,7 @@ TEST(RuntimeInProcess, AVersionTheEngineAlreadyPublishedIsRefusedInItsPauseAnswe
   ASSERT_TRUE(p.ok());
   int pauses = 0;
   p.engine->on_pause([&] { ++pauses; });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, false).first.ok());
+  p.refit_publishes(1, false);
   p.engine->note_published({{"old", 7}, {"1", 9}});  // "1" keeps the step that published it
   EXPECT_EQ(p.engine->published(), (std::map<std::string, int>{{"1", 1}, {"old", 7}}));
   pauses = 0;
@@ -633,11 +633,8 @@ TEST(RuntimeInProcess, StagedApplyRefusedKeepsTheWeightsWithoutARollback) {
   });
   ASSERT_TRUE(p.ok());
   bool refuse = false;
-  p.engine->on_pause([&]() -> Status {
-    return refuse ? Status::Unsupported("generation cannot pause now") : Status::Ok();
-  });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, false).first.ok());
+  p.pause_refused_while(refuse);
+  p.refit_publishes(1, false);
   refuse = true;
   p.train(2);
   auto [st, served] = p.refit(2, false);
@@ -653,11 +650,7 @@ TEST(RuntimeInProcess, StagedApplyRefusedKeepsTheWeightsWithoutARollback) {
   EXPECT_TRUE(p.holds(1));
   EXPECT_EQ(p.engine->last_stats().pause_s, 0);
   refuse = false;
-  p.train(3);
-  auto [st3, served3] = p.refit(3, false);
-  ASSERT_TRUE(st3.ok()) << st3.to_string();
-  EXPECT_EQ(p.engine->weight_version(), "3");
-  EXPECT_TRUE(p.holds(3));
+  p.refit_publishes(3, false);
   p.shutdown();
 }
 
@@ -672,8 +665,7 @@ TEST(RuntimeInProcess, StagedRefitThatFailsInFlightLeavesTheWeightsValid) {
   ASSERT_TRUE(p.ok());
   p.engine->on_pause([&] { ++pauses; });
   p.engine->on_verify([](int, const std::string&) { return Status::Ok(); });
-  p.train(1);
-  ASSERT_TRUE(p.refit(1, true).first.ok());
+  p.refit_publishes(1, true);
   p.train(2);
   auto [st, served] = p.refit(2, true);
   EXPECT_EQ(stall->stalls.load(), 1) << "the stall did not run";
@@ -686,12 +678,7 @@ TEST(RuntimeInProcess, StagedRefitThatFailsInFlightLeavesTheWeightsValid) {
   EXPECT_TRUE(p.engine->is_valid());
   EXPECT_EQ(p.engine->weight_version(), "1");
   EXPECT_TRUE(p.holds(1));
-  p.train(3);
-  auto [st3, served3] = p.refit(3, false);
-  ASSERT_TRUE(st3.ok()) << st3.to_string();
-  ASSERT_TRUE(served3.ok()) << served3.status().to_string();
-  EXPECT_EQ(p.engine->weight_version(), "3");
-  EXPECT_TRUE(p.holds(3));
+  p.refit_publishes(3, false);
   p.shutdown();
 }
 
