@@ -500,6 +500,18 @@ TEST(ConfigMatrix, EveryDesignCellIsSupportedOnce) {
 // ---------------------------------------------------------------------------------------------
 // CLI
 
+// refit.staged: check says what it costs (a staging copy per engine rank); without it, nothing.
+TEST(ConfigCli, CheckSaysWhatAStagedApplyHolds) {
+  testing::TempDir dir;
+  auto staged = testing::run_cli(
+      {"check", dir.write("s.yaml", "model: tiny-qwen3\nrefit: {staged: true}\n")}, 60);
+  ASSERT_EQ(staged.exit_code, 0) << staged.output;
+  EXPECT_CONTAINS(staged.output, "refit.staged: every engine rank also holds a staging copy");
+  auto plain = testing::run_cli({"check", dir.write("p.yaml", "model: tiny-qwen3\n")}, 60);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_EQ(plain.output.find("refit.staged"), std::string::npos) << plain.output;
+}
+
 TEST(ConfigCli, CheckDefaultConfigExitsZeroAndPrintsTheCell) {
   testing::TempDir dir;
   auto r = testing::run_cli({"check", dir.write("c.yaml", std::string(default_config_yaml()))}, 60);

@@ -368,6 +368,10 @@ void run_check(const std::string& path, bool print_config, const std::string& ra
   print(fmt::format("refit: {} on {}, {} bytes per refit, {} buffers of {} bytes, timeout {} s\n",
                     dtype_name(c.refit.target_precision), device_name(c.device), *wire_bytes,
                     c.refit.num_buffers, c.refit.buffer_size_bytes, c.refit.timeout_s));
+  if (c.refit.staged)
+    print("refit.staged: every engine rank also holds a staging copy of its parameters (as many "
+          "bytes again as it receives in a full refit, below); generation pauses only to copy "
+          "it in\n");
   if (rank.empty())
     print_transfer_plan(c, *spec);
   else
