@@ -793,8 +793,8 @@ namespace {
 
 // refit.delta auto's prediction per pair: a delta where its bytes over the link plus its encode
 // beat the full refit; full past the break-even density; and "never" where the encode alone
-// takes longer than the full refit (the same device, or a link as fast as memory), whatever the
-// density: the pair then stops keeping a copy.
+// takes 1.5 x the full refit or longer (the same device, or a link as fast as memory), whatever
+// the density: the pair then stops keeping a copy.
 TEST(DeltaAuto, PredictsDeltaFullOrNeverFromTheMeasuredRates) {
   // qwen3-8b's one pair across a 10 Gbit/s link: 16.4 GB in full, 0.15 GB as a delta, encoded
   // at 1.7e11 elements/s.
@@ -817,6 +817,10 @@ TEST(DeltaAuto, PredictsDeltaFullOrNeverFromTheMeasuredRates) {
   p = predict_auto(local);
   EXPECT_EQ(p.choice, AutoChoice::kNever);
   EXPECT_GT(p.encode_s, p.full_s);
+  // An encode only a little longer than the full refit (one slow sample) is not "never".
+  AutoMeasures close = local;
+  close.encode_elems_per_s = static_cast<double>(close.elements) / (1.2 * p.full_s);
+  EXPECT_EQ(predict_auto(close).choice, AutoChoice::kFull);
   // Whatever the density: even a delta of nothing.
   local.last_wire_bytes = 0;
   EXPECT_EQ(predict_auto(local).choice, AutoChoice::kNever);

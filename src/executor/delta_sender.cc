@@ -31,7 +31,9 @@ AutoPrediction predict_auto(const AutoMeasures& m) {
                    : 0.0;
   p.delta_s = static_cast<double>(m.last_wire_bytes) / m.link_bytes_per_s + p.encode_s;
   p.full_s = static_cast<double>(m.full_bytes) / m.link_bytes_per_s;
-  p.choice = p.encode_s >= p.full_s ? AutoChoice::kNever
+  // Never: with a margin, so that one slow encode (a loaded core, a first touch) does not drop a
+  // pair that a delta could still serve.
+  p.choice = p.encode_s >= kAutoNeverMargin * p.full_s ? AutoChoice::kNever
              : p.delta_s < p.full_s ? AutoChoice::kDelta
                                     : AutoChoice::kFull;
   return p;
@@ -93,10 +95,11 @@ bool DeltaSender::wants_delta(std::size_t i) {
     // kept copy goes, and with it the capture every full refit would pay.
     log::info(
         "trainer rank {}: refit.delta auto: engine rank {}: encoding the pair's {} elements "
-        "takes {:.4f} s at this rank's measured rate, longer than its full refit ({:.4f} s at "
+        "takes {:.4f} s at this rank's measured rate, {:.1f} x its full refit ({:.4f} s at "
         "{:.1f} GB/s); no delta can be faster, so its routes move in full from now on and this "
         "rank keeps no copy of them",
-        o_.rank, o_.targets[i], elements, p.encode_s, p.full_s, d.link_bytes_per_s / 1e9);
+        o_.rank, o_.targets[i], elements, p.encode_s, p.encode_s / p.full_s, p.full_s,
+        d.link_bytes_per_s / 1e9);
     d.retired = true;
     retired_now_ = true;  // the caller's lists are built anew without its copy
     d.kept.reset();

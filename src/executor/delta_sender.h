@@ -39,8 +39,10 @@ struct AutoMeasures {
 enum class AutoChoice : std::uint8_t {
   kDelta,  // predicted faster than the full refit
   kFull,   // past its break-even density
-  kNever,  // encoding it alone takes longer than the full refit: no density makes a delta faster
+  kNever,  // encoding it alone takes kAutoNeverMargin x the full refit or longer: no density
+           // makes a delta faster
 };
+inline constexpr double kAutoNeverMargin = 1.5;
 struct AutoPrediction {
   AutoChoice choice = AutoChoice::kFull;
   double encode_s = 0, delta_s = 0, full_s = 0;

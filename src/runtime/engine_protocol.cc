@@ -135,6 +135,7 @@ Status EngineRefitProtocol::shutdown(const Message& first) {
 Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_refit(const Message& first) {
   const RankCore::RefitScope counted = core_.refit_scope();
   REFIT_ASSIGN_OR_RETURN(begin_, decode_begin(first.payload, first.from));
+  weights_.refit_begins();
   if (std::find(control_.begin(), control_.end(), first.from) == control_.end())
     return Status::Internal(
         fmt::format("{}: begin of refit step {} from {}, which does not lead it", core_.id(),
@@ -151,6 +152,7 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_refit(const Messa
   phase_ = Phase::kIdle;
   inbox_.clear();
   stats_.seconds = t.seconds();
+  stats_.pause_s = begin_.raw ? 0 : weights_.pause_seconds();  // also of a refit that failed
   return Served{.refit = refit_failure};
 }
 
@@ -298,22 +300,11 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
                              executor_.checksum_from(i, landing_->ptrs()));
       landed[feeders_[i]] = fmt::format("{:016x}", sum);
     }
-  // refit.staged: generation pauses only now, to copy the staging area into the parameters. A
-  // refit that already failed in flight elsewhere leaves them as they are. A pause hook that
-  // refuses is this rank's verdict: the refit fails on every rank, the parameters here unchanged.
-  Status refused;
+  // A bench's bare pass copies the staging area in without hooks.
   if (staged && raw) REFIT_RETURN_IF_ERROR(weights_.copy_staged());
-  if (staged && !raw) {
-    if (core_.behind())
-      return Status::Aborted(fmt::format(
-          "{}: refit step {} failed in flight on another rank before this rank applied it; its "
-          "parameters keep weight version '{}'",
-          core_.id(), step, weights_.version().label()));
-    REFIT_RETURN_IF_ERROR(weights_.apply_staged(step, begin_.version, refused));
-  }
   // Every byte landed: the engine's load_weights takes them before anything is published or
-  // verified. Its failure ends the session (the engine's weights are torn).
-  if (!raw && refused.ok()) REFIT_RETURN_IF_ERROR(weights_.landed(step));
+  // verified. Its failure ends the session (the engine's weights are torn). Staged: at the apply.
+  if (!raw && !staged) REFIT_RETURN_IF_ERROR(weights_.landed(step));
   REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(core_.store(), traffic_));
   if (!raw && !agreed) weights_.publish(step, begin_.version);
   stats_.apply_s = executor_.apply_seconds();
@@ -328,6 +319,21 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   phase_ = Phase::kCommitted;
   log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);
   if (!agreed) return Status::Ok();
+  // refit.staged: generation pauses only now, to copy the staging area into the parameters. That
+  // lies inside the trainers' wait for the verdicts (4 x refit.timeout_s), past a pause hook's own
+  // bound. A refit that already failed in flight elsewhere leaves them as they are. A pause hook
+  // that refuses is this rank's verdict: the refit fails on every rank, the parameters here
+  // unchanged.
+  Status refused;
+  if (staged) {
+    if (core_.behind())
+      return Status::Aborted(fmt::format(
+          "{}: refit step {} failed in flight on another rank before this rank applied it; its "
+          "parameters keep weight version '{}'",
+          core_.id(), step, weights_.version().label()));
+    REFIT_RETURN_IF_ERROR(weights_.apply_staged(step, begin_.version, refused));
+    if (refused.ok()) REFIT_RETURN_IF_ERROR(weights_.landed(step));
+  }
   Status v = refused;
   if (begin_.verify || staged) {
     if (v.ok() && begin_.verify) {

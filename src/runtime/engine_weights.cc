@@ -87,8 +87,13 @@ Status EngineWeights::pause(int step, const std::string& version) {
   // when the weights are invalid).
   if (cfg_.refit.keep_previous) {
     rollback_.forget();
+    // A copy that fails refuses the refit: generation resumes, the version stays.
     if (version_.valid())
-      REFIT_RETURN_IF_ERROR(rollback_.keep(plane_, params_, version_.label(), self_.name()));
+      if (Status kept = rollback_.keep(plane_, params_, version_.label(), self_.name());
+          !kept.ok()) {
+        resume();
+        return kept;
+      }
   }
   // From here bytes may land: the old version no longer describes the weights until this refit
   // publishes its own.

@@ -117,6 +117,10 @@ class EngineWeights {
   // Seconds generation was paused in the last refit, from the pause hook's start until it
   // resumed (or until now while it has not); 0 when the refit did not pause.
   double pause_seconds() const { return paused_ ? pause_timer_.seconds() : pause_s_; }
+  // A refit begins: pause_seconds() counts its pause only (or a pause still going on).
+  void refit_begins() {
+    if (!paused_) pause_s_ = 0;
+  }
 
   // Where the memory a refit lands in can be mapped (ExportCache::get): the staging area with
   // refit.staged, else the parameters; nullptr when they cannot.

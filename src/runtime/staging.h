@@ -20,8 +20,8 @@ namespace refit {
 
 class Staging {
  public:
-  // Where a refit's bytes land: the staging slots, allocated (zero-filled) at the first call after
-  // a registration, with the copy of each into its parameter.
+  // Where a refit's bytes land: the staging slots, allocated at the first call after a
+  // registration and seeded with the parameters' bytes, with the copy of each into its parameter.
   Result<const Registry*> area(DataPlane& plane, const Registry& params, const std::string& name,
                                const std::string& who);
   // The staging area's export (peer access).
