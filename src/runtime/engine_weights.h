@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "common/timer.h"
 #include "plane/data_plane.h"
 #include "refit/config.h"
 #include "refit/rank.h"
 #include "refit/session.h"
-#include "common/timer.h"
 #include "runtime/export_cache.h"
 #include "runtime/rollback.h"
 #include "runtime/slots.h"

@@ -16,15 +16,9 @@ Status Rollback::keep(DataPlane& plane, const Registry& params, const std::strin
       total += params.bytes(i);
     }
     REFIT_ASSIGN_OR_RETURN(c->buffer, plane.allocate(std::max<std::size_t>(total, 1)));
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      // As bytes: the parameters' dtypes may differ (fp8).
-      const auto n = static_cast<std::int64_t>(params.bytes(i));
-      if (n == 0) continue;
-      std::byte* param = static_cast<std::byte*>(params.ptrs()[i]);
-      std::byte* copy = c->buffer->data() + offsets[i];
-      c->save.push_back({param, copy, {0, n, 0, n, 1, n}});
-      c->restore.push_back({copy, param, {0, n, 0, n, 1, n}});
-    }
+    std::vector<std::byte*> copies;
+    for (std::size_t o : offsets) copies.push_back(c->buffer->data() + o);
+    whole_slot_runs(params, copies, c->save, c->restore);
     copy_ = std::move(c);
   }
   REFIT_RETURN_IF_ERROR(plane.copy(copy_->save, kByteCopyDType, kByteCopyDType)

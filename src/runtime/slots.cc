@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "plane/data_plane.h"
+
 namespace refit {
 
 std::int64_t TensorSlot::numel() const {
@@ -99,6 +101,19 @@ std::vector<std::size_t> slot_offsets(const std::vector<TensorSlot>& slots, std:
   }
   *total = end;
   return offsets;
+}
+
+void whole_slot_runs(const Registry& params, const std::vector<std::byte*>& copies,
+                     std::vector<CopyRun>& to, std::vector<CopyRun>& back) {
+  to.clear();
+  back.clear();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto n = static_cast<std::int64_t>(params.bytes(i));
+    if (n == 0) continue;
+    auto* param = static_cast<std::byte*>(params.ptrs()[i]);
+    to.push_back({param, copies[i], {0, n, 0, n, 1, n}});
+    back.push_back({copies[i], param, {0, n, 0, n, 1, n}});
+  }
 }
 
 }  // namespace refit

@@ -12,6 +12,8 @@
 
 namespace refit {
 
+struct CopyRun;  // plane/data_plane.h
+
 class Registry {
  public:
   Registry() = default;
@@ -47,6 +49,12 @@ class Registry {
   // kept; they occupy nothing).
   std::map<std::uintptr_t, std::size_t> ranges_;
 };
+
+// Every slot's whole bytes between its registered storage and `copies` (one pointer per slot, in
+// slots() order), as runs of bytes (the slots' dtypes may differ: fp8): `to` writes the copies,
+// `back` writes the slots from them. Slots of zero bytes have none.
+void whole_slot_runs(const Registry& params, const std::vector<std::byte*>& copies,
+                     std::vector<CopyRun>& to, std::vector<CopyRun>& back);
 
 // One region holding every slot, as Engine::allocate_params() lays it out: the slots back to
 // back in order, each starting 256-byte aligned. Returns each slot's byte offset; `total` gets

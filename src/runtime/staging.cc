@@ -8,17 +8,10 @@ Result<const Registry*> Staging::area(DataPlane& plane, const Registry& params,
   auto slots = std::make_unique<Registry>(params.slots(), who + " (staging)");
   REFIT_RETURN_IF_ERROR(exports_.allocate(plane, *slots, name, who)
                             .with_context(who + ": refit.staged: allocating the staging area"));
-  to_params_.clear();
+  std::vector<std::byte*> copies;
+  for (void* p : slots->ptrs()) copies.push_back(static_cast<std::byte*>(p));
   std::vector<CopyRun> seed;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    // As bytes: the parameters' dtypes may differ (fp8).
-    const auto n = static_cast<std::int64_t>(params.bytes(i));
-    if (n == 0) continue;
-    auto* staged = static_cast<std::byte*>(slots->ptrs()[i]);
-    auto* param = static_cast<std::byte*>(params.ptrs()[i]);
-    to_params_.push_back({staged, param, {0, n, 0, n, 1, n}});
-    seed.push_back({param, staged, {0, n, 0, n, 1, n}});
-  }
+  whole_slot_runs(params, copies, seed, to_params_);
   // Seeded with the parameters: the apply copies whole parameters, and bytes no route writes (an
   // engine's padding rows) keep what the engine put there.
   REFIT_RETURN_IF_ERROR(plane.copy(seed, kByteCopyDType, kByteCopyDType)
