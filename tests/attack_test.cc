@@ -29,6 +29,7 @@
 
 #include "control/auth.h"
 #include "control/lane.h"
+#include "control/ports.h"
 #include "control/store.h"
 #include "test_util.h"
 
@@ -298,7 +299,9 @@ TEST(AttackerWithoutTheSecret, AttacksAnEngineLane) {
 // The run the attacker attacks, and what it must show afterwards.
 TEST(Attack, AStrangerCannotPassTheLanesOfARun) {
   TempDir dir;
-  const int port = 40000 + static_cast<int>(getpid() % 20000);
+  auto picked = pick_free_port();
+  ASSERT_TRUE(picked.ok()) << picked.status().to_string();
+  const int port = *picked;
   const std::string secret = "attack-test-secret-0123456789abcdef";
   const std::string cfg = dir.write(
       "c.yaml",

@@ -16,7 +16,7 @@
 
 #include "common/convert.h"
 #include "control/mailbox.h"
-#include "harness/launcher.h"
+#include "control/ports.h"
 #include "runtime/create.h"
 
 namespace refit {

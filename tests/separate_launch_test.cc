@@ -23,6 +23,7 @@
 #include "control/auth.h"
 #include "control/mailbox.h"
 #include "control/messages.h"
+#include "control/ports.h"
 #include "control/store.h"
 #include "test_util.h"
 
@@ -37,8 +38,16 @@ using testing::config_yaml;
 // Separate launch: every rank started on its own with a torchrun-style environment, as users
 // spread ranks over hosts. Returns the exit codes (trainer 0, trainer 1, engine 0, engine 1).
 // `hosts` (optional): REFIT_HOST_ID of trainer 0, trainer 1, engine 0, engine 1.
-// The store port launch_separately's ranks use.
-int separate_launch_port() { return 20000 + static_cast<int>(getpid() % 20000); }
+// The store port launch_separately's ranks use: one per test process, below the ephemeral range
+// (control/ports.h), since ranks dial it before it listens.
+int separate_launch_port() {
+  static const int port = [] {
+    auto p = pick_free_port();
+    EXPECT_TRUE(p.ok()) << p.status().to_string();
+    return p.ok() ? *p : 29633;
+  }();
+  return port;
+}
 
 // Trainer ranks 0 and 1 and engine ranks 0 and 1 as four processes started by a shell, as torchrun
 // would; returns their exit codes. `env` (e.g. "REFIT_SECRET=... ") prefixes every rank.

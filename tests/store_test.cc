@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <arpa/inet.h>
@@ -19,6 +20,7 @@
 
 #include "control/auth.h"
 #include "control/fd_limit.h"
+#include "control/ports.h"
 #include "control/store.h"
 #include "test_util.h"
 
@@ -491,6 +493,94 @@ TEST(Store, APortTakenIsRefusedNamingWhatHoldsIt) {
   ASSERT_FALSE(twice.ok());
   EXPECT_NE(twice.status().message().find("is taken by another ZeroMQ server"), std::string::npos)
       << twice.status().to_string();
+}
+
+// A connection from 127.0.0.1:`source` to a listener of its own, accepted: `source` is then
+// held by a connection, and nothing listens on it.
+class HeldBySourcePort {
+ public:
+  explicit HeldBySourcePort(int source) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::listen(listener_, 1), 0);
+    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    client_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    from.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    from.sin_port = htons(static_cast<std::uint16_t>(source));
+    EXPECT_EQ(::bind(client_, reinterpret_cast<sockaddr*>(&from), sizeof from), 0);
+    EXPECT_EQ(::connect(client_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    accepted_ = ::accept(listener_, nullptr, nullptr);
+    EXPECT_GE(accepted_, 0);
+  }
+  ~HeldBySourcePort() { release(); }
+  void release() {
+    for (int* fd : {&accepted_, &client_, &listener_})
+      if (*fd >= 0) ::close(std::exchange(*fd, -1));
+  }
+
+ private:
+  int listener_ = -1, client_ = -1, accepted_ = -1;
+};
+
+// A port held by a connection (an outgoing connection's source port; in the ephemeral range any
+// connection of the host may take it, a rank dialing the store before it listens among them) and
+// not by a server: tried again for a while, then refused saying so; a connection that lets go in
+// time leaves the port to the store.
+TEST(Store, APortHeldByAConnectionIsWaitedForThenRefusedSayingSo) {
+  auto picked = pick_free_port();
+  ASSERT_TRUE(picked.ok()) << picked.status().to_string();
+  const PortRange ephemeral = ephemeral_ports();
+  EXPECT_LT(*picked, ephemeral.low) << "the picked port lies in the ephemeral range";
+  {
+    HeldBySourcePort held(*picked);
+    auto refused = StoreServer::start("127.0.0.1", *picked, nullptr);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find(
+                  "port " + std::to_string(*picked) +
+                  " on 127.0.0.1 is held by a connection, not by a server (nothing listens "
+                  "there): a connection bound it as its source port"),
+              std::string::npos)
+        << refused.status().to_string();
+    EXPECT_NE(refused.status().message().find("below " + std::to_string(ephemeral.low)),
+              std::string::npos);
+  }
+  HeldBySourcePort held(*picked);
+  std::atomic<bool> released{false};
+  std::thread letting_go([&] {
+    std::this_thread::sleep_for(300ms);
+    released = true;
+    held.release();
+  });
+  auto store = StoreServer::start("127.0.0.1", *picked, nullptr);
+  const bool after_release = released.load();
+  letting_go.join();
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  EXPECT_TRUE(after_release) << "the port was free at the first bind: nothing was waited for";
+  EXPECT_EQ((*store)->port(), *picked);
+}
+
+// Ports picked for a store: free, below the ephemeral range, and not torchrun's or refit's
+// default.
+TEST(Store, PickedPortsAreFreeAndBelowTheEphemeralRange) {
+  const PortRange ephemeral = ephemeral_ports();
+  ASSERT_LE(ephemeral.low, ephemeral.high);
+  for (int i = 0; i < 20; ++i) {
+    auto p = pick_free_port();
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    if (ephemeral.low > 21000) {
+      EXPECT_LT(*p, ephemeral.low);
+      EXPECT_GE(*p, 20000);
+    }
+    EXPECT_FALSE(*p >= 29400 && *p < 29600) << *p;
+    auto server = StoreServer::start("127.0.0.1", *p, nullptr);
+    EXPECT_TRUE(server.ok()) << server.status().to_string();
+  }
 }
 
 // A rank that connects to a port where another server answers is told so; the run secret is not

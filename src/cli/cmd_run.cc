@@ -24,6 +24,7 @@
 #include "control/auth.h"
 #include "control/fd_limit.h"
 #include "control/store.h"
+#include "control/ports.h"
 #include "harness/launcher.h"
 #include "harness/rank.h"
 #include "io/safetensors.h"

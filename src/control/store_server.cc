@@ -22,6 +22,7 @@
 #include "common/log_throttle.h"
 #include "control/auth.h"
 #include "control/fd_limit.h"
+#include "control/ports.h"
 #include "control/store.h"
 #include "control/store_wire.h"
 #include "control/zmq_monitor.h"
@@ -39,6 +40,9 @@ constexpr std::int64_t kBaseDescriptors = 256;
 
 // How often the serving thread checks whether it should stop.
 constexpr std::chrono::milliseconds kStopPollInterval{50};
+
+// How long a bind is tried again while a connection, not a server, holds the port.
+constexpr std::chrono::seconds kConnectionHeldWait{2};
 
 class ZmqStoreServer final : public StoreServer {
  public:
@@ -80,12 +84,27 @@ class ZmqStoreServer final : public StoreServer {
         router_.set(zmq::sockopt::curve_secretkey, auth_->server_secret());
       }
       REFIT_ASSIGN_OR_RETURN(monitor_, watch_connections(ctx_, router_));
-      router_.bind(requested);
-      endpoint_ = router_.get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
-      if (e.num() == EADDRINUSE) return port_taken(host, port);
       return Status::IOError(
-          fmt::format("store server: cannot bind {}: {}", requested, errno_text(e.num())));
+          fmt::format("store server: cannot set up {}: {}", requested, errno_text(e.num())));
+    }
+    // A port held by a connection rather than a server (nothing listens there) is usually held
+    // for a moment: tried again for kConnectionHeldWait before it is refused.
+    const auto until = Clock::now() + kConnectionHeldWait;
+    for (;;) {
+      try {
+        router_.bind(requested);
+        endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+        break;
+      } catch (const zmq::error_t& e) {
+        if (e.num() != EADDRINUSE)
+          return Status::IOError(
+              fmt::format("store server: cannot bind {}: {}", requested, errno_text(e.num())));
+        const Status probe = probe_zmtp(host, port, 500);
+        if (probe.code() != StatusCode::kNotFound || Clock::now() >= until)
+          return port_taken(host, port, probe);
+        std::this_thread::sleep_for(kStopPollInterval);
+      }
     }
     const auto colon = endpoint_.rfind(':');
     int bound = 0;
@@ -410,9 +429,24 @@ class ZmqStoreServer final : public StoreServer {
     }
   }
 
-  // Another server holds `port`: a ZeroMQ one (another run's store?) or not (torch.distributed's).
-  static Status port_taken(const std::string& host, int port) {
-    const Status probe = probe_zmtp(host, port, 500);
+  // Another socket holds `port`: a ZeroMQ server (another run's store?), another server
+  // (torch.distributed's), or a connection (nothing listens: `probe` is NotFound).
+  static Status port_taken(const std::string& host, int port, const Status& probe) {
+    if (probe.code() == StatusCode::kNotFound) {
+      const PortRange ephemeral = ephemeral_ports();
+      return Status::IOError(fmt::format(
+          "store server: port {} on {} is held by a connection, not by a server (nothing listens "
+          "there): {}; give refit's store a port of its own on every rank, below {}: REFIT_PORT "
+          "(or master_port= in Python), or 0 for any free port (docs/python.md, \"Ports\")",
+          port, host,
+          ephemeral.contains(port)
+              ? fmt::format("the port lies in this host's ephemeral range {}-{} "
+                            "(net.ipv4.ip_local_port_range), from which every outgoing "
+                            "connection takes its source port",
+                            ephemeral.low, ephemeral.high)
+              : std::string("a connection bound it as its source port"),
+          ephemeral.low));
+    }
     const std::string holder =
         probe.ok() ? "another ZeroMQ server (the store of another refit run?)"
         : probe.code() == StatusCode::kTimeout

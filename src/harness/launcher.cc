@@ -1,13 +1,10 @@
 #include "harness/launcher.h"
 
-#include <arpa/inet.h>
 #include <fmt/format.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -69,23 +66,6 @@ Status ensure_process_limit(int ranks) {
     return Status::IOError(fmt::format("refit run: raising RLIMIT_NPROC to {} failed: {}", needed,
                                        std::strerror(errno)));
   return Status::Ok();
-}
-
-Result<int> pick_free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return Status::IOError(fmt::format("socket: {}", std::strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return Status::IOError(fmt::format("cannot find a free port: {}", std::strerror(errno)));
-  }
-  close(fd);
-  return static_cast<int>(ntohs(addr.sin_port));
 }
 
 Result<LaunchResult> launch_and_wait(

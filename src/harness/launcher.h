@@ -73,9 +73,6 @@ Result<LaunchResult> launch_and_wait(
 inline constexpr int kThreadsPerRank = 32;
 Status ensure_process_limit(int ranks);
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
-Result<int> pick_free_port();
-
 // Path of the running executable.
 std::string self_executable();
 

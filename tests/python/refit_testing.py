@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import re
 import socket
 import threading
@@ -47,6 +48,25 @@ def refit_cli() -> Optional[str]:
 
 
 def free_port() -> int:
+    """A port nothing binds now, below the host's ephemeral range (as `refit run` picks one): a
+    port from that range can be taken, before the store binds it, by any outgoing connection of
+    the host, the ranks' own connections to the store among them."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(20000, max(low, 20001))
+        if 29400 <= port < 29600:  # torchrun's and refit's default ports
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
