@@ -8,10 +8,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <numeric>
 #include <thread>
@@ -76,6 +78,128 @@ GlooOptions options(const std::string& name) {
   o.name = name;
   o.timeout = 8s;
   return o;
+}
+
+// Sockets this process holds now.
+int open_sockets() {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    std::error_code ec2;
+    const auto target = std::filesystem::read_symlink(e.path(), ec2);
+    if (!ec2 && target.string().rfind("socket:", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// A group used only point to point connects the pairs that exchange bytes, nothing else: here 3
+// "trainer" ranks (0-2) each feed two of 3 "engine" ranks (3-5). Every pair's bytes arrive; an
+// exchange with a rank that is not a peer, and any collective, are refused naming the peers; the
+// process holds 2 sockets per connected pair, 18 fewer than the full mesh of the same 6 ranks.
+TEST(GlooPeers, OnlyThePairsThatExchangeBytesAreConnected) {
+  constexpr int n = 6;
+  const auto peers_of = [](int r) {
+    std::vector<int> p = r < 3 ? std::vector<int>{3 + r, 3 + (r + 1) % 3}
+                               : std::vector<int>{r - 3, (r - 3 + 2) % 3};
+    std::sort(p.begin(), p.end());
+    return p;
+  };
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  const int port = (*server)->port();
+  std::vector<std::unique_ptr<Store>> stores;
+  for (int r = 0; r < n; ++r) {
+    auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    stores.push_back(std::move(*store));
+  }
+  // Forms the group on every rank at once (peers or the full mesh), counts the sockets while
+  // every rank holds its communicator, runs `body` on each, and returns the socket count.
+  auto form = [&](const std::string& name, bool only_peers,
+                  const std::function<void(int, Communicator&)>& body) {
+    std::vector<std::unique_ptr<Communicator>> comms(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        GlooOptions o = options(name);
+        o.rank = r;
+        o.size = n;
+        if (only_peers) o.peers = peers_of(r);
+        auto comm = make_gloo_communicator(*stores[r], o);
+        ASSERT_TRUE(comm.ok()) << comm.status().to_string();
+        comms[r] = std::move(*comm);
+      });
+    for (auto& t : threads) t.join();
+    const int sockets = open_sockets();
+    threads.clear();
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        if (comms[r]) body(r, *comms[r]);
+      });
+    for (auto& t : threads) t.join();
+    return sockets;
+  };
+  const int base = open_sockets();
+  const int with_peers = form("peers", true, [&](int r, Communicator& c) {
+    const std::vector<int> peers = peers_of(r);
+    std::vector<std::vector<char>> got(peers.size(), std::vector<char>(4096));
+    std::vector<std::vector<char>> mine;
+    std::vector<P2POp> ops;
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      mine.push_back(pattern(4096, r * 10 + peers[i]));
+      ops.push_back({.kind = P2POp::Kind::kSend, .peer = peers[i], .buf = mine.back().data(),
+                     .bytes = 4096});
+    }
+    for (std::size_t i = 0; i < peers.size(); ++i)
+      ops.push_back({.kind = P2POp::Kind::kRecv, .peer = peers[i], .buf = got[i].data(),
+                     .bytes = 4096});
+    const Status s = c.exchange(ops);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    for (std::size_t i = 0; i < peers.size(); ++i)
+      EXPECT_EQ(got[i], pattern(4096, peers[i] * 10 + r)) << "rank " << r << " from " << peers[i];
+    // Rank 0's non-peer: 1, another trainer rank; rank 3's: 4.
+    if (r == 0 || r == 3) {
+      std::vector<char> buf(8);
+      const int stranger = r + 1;
+      const Status refused = c.exchange(
+          {{.kind = P2POp::Kind::kSend, .peer = stranger, .buf = buf.data(), .bytes = 8}});
+      EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
+      EXPECT_TRUE(contains(refused.message(),
+                           fmt::format("rank {} is not among this rank's peers", stranger)))
+          << refused.to_string();
+      const Status collective = c.barrier();
+      EXPECT_EQ(collective.code(), StatusCode::kInvalidArgument) << collective.to_string();
+      EXPECT_TRUE(contains(collective.message(), "a collective needs every member connected"))
+          << collective.to_string();
+    }
+  });
+  const int full_mesh = form("mesh", false, [](int, Communicator& c) {
+    const Status s = c.barrier();
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  });
+  EXPECT_GT(with_peers, base);
+  EXPECT_EQ(full_mesh - with_peers, 2 * (n * (n - 1) / 2 - 6))
+      << "sockets: " << base << " before, " << with_peers << " with peers, " << full_mesh
+      << " with the full mesh";
+}
+
+// Peer lists are checked before anything connects.
+TEST(GlooPeers, BadPeerListsAreRefused) {
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok());
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
+  ASSERT_TRUE(store.ok());
+  for (const std::vector<int>& bad : {std::vector<int>{0}, std::vector<int>{4}, std::vector<int>{1, 1}}) {
+    GlooOptions o = options("bad");
+    o.rank = 0;
+    o.size = 3;
+    o.peers = bad;
+    auto comm = make_gloo_communicator(**store, o);
+    ASSERT_FALSE(comm.ok());
+    EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(contains(comm.status().message(), "is not another member of the group"))
+        << comm.status().to_string();
+  }
 }
 
 // No uninitialised bytes leave a process: Gloo's rendezvous values (its TCP addresses, a

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "common/convert.h"
 #include "io/safetensors.h"
@@ -140,6 +142,45 @@ TEST(MegatronP2p, MoeTp2Ep2ToTp4) {
                .ep = 2,
                .engine_tp = 4,
                .executor = "p2p"});
+}
+// The point-to-point group connects only the pairs that exchange bytes: each rank's Gloo
+// connections are its plan view's pairs (here 1 to 3 of the 7 other ranks), as many in all as the
+// report's point-to-point pairs, and the refits verify.
+TEST(MegatronP2p, TheGroupConnectsOnlyThePairsThatExchangeBytes) {
+  TempDir dir;
+  const std::string json = dir.path() + "/r.json";
+  ::setenv("REFIT_LOG", "debug", 1);
+  auto r = run_cli({"run",
+                    dir.write("c.yaml", yaml({.world_size = 4,
+                                              .tp = 2,
+                                              .pp = 2,
+                                              .num_engines = 2,
+                                              .executor = "p2p"})),
+                    "--steps", "2", "--verify", "--json", json},
+                   120);
+  ::unsetenv("REFIT_LOG");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified bit-exact"), std::string::npos) << r.output;
+  int ranks = 0, connections = 0;
+  for (std::size_t at = r.output.find("gloo[p2p] rank "); at != std::string::npos;
+       at = r.output.find("gloo[p2p] rank ", at + 1)) {
+    const std::size_t c = r.output.find("connected to its ", at);
+    ASSERT_NE(c, std::string::npos) << r.output;
+    const int peers = std::atoi(r.output.c_str() + c + std::strlen("connected to its "));
+    EXPECT_GE(peers, 1);
+    EXPECT_LT(peers, 7) << "a full mesh";
+    ++ranks;
+    connections += peers;
+  }
+  EXPECT_EQ(ranks, 8) << r.output;
+  std::ifstream in(json);
+  const auto report = nlohmann::json::parse(in, nullptr, false);
+  ASSERT_TRUE(report.is_object());
+  int pairs = 0;
+  for (const auto& e : report["ranks"])
+    if (e["role"] == "trainer") pairs += e["p2p_pairs"].get<int>();
+  EXPECT_GT(pairs, 0);
+  EXPECT_EQ(connections, 2 * pairs) << r.output;
 }
 TEST(MegatronGather, Tp2Pp2Broadcast) {
   expect_cell({.world_size = 4, .tp = 2, .pp = 2, .executor = "gather"});

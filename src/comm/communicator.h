@@ -12,6 +12,7 @@
 #include <functional>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -64,6 +65,11 @@ struct GlooOptions {
   // Asked every 500 ms while the rendezvous waits for peers' keys; a non-ok Status ends the wait
   // (a peer failed at setup). Null: wait out the timeout.
   std::function<Status()> liveness;
+  // The members this rank connects to, for a group used only point to point (exchange); nullopt
+  // connects every member (a full mesh). The relation must be symmetric: a rank lists a peer
+  // exactly when that peer lists it. Collectives then fail, and so does an exchange with a member
+  // not listed, naming it.
+  std::optional<std::vector<int>> peers;
 };
 
 // Forms a Gloo group through `store` (keys under "gloo/<name>/"). Errors name the group and rank.

@@ -15,6 +15,7 @@ Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOption
       g.hostname = o.host;
       g.timeout = o.timeout;
       g.liveness = o.liveness;
+      g.peers = o.peers;
       return make_gloo_communicator(store, g);
     }
     case Device::kCuda: {

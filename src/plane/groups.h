@@ -5,7 +5,9 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "plane/data_plane.h"
@@ -20,6 +22,9 @@ struct GroupOptions {
   std::chrono::milliseconds timeout{60000};
   // NCCL: checked while a collective is waited for (Gloo notices a dead peer's closed sockets).
   std::function<Status()> liveness;
+  // A group used only point to point: the members this rank exchanges bytes with (GlooOptions::
+  // peers; NCCL connects point-to-point pairs on first use anyway). nullopt: every member.
+  std::optional<std::vector<int>> peers;
 };
 
 Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOptions& options,

@@ -182,7 +182,9 @@ class EngineImpl final : public Engine {
     std::vector<RankId> feeders;
     for (int r : o.sources) feeders.push_back(RankId::trainer(r));
     REFIT_ASSIGN_OR_RETURN(o.source_same_host, core_.same_host(feeders));
-    REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p());
+    std::vector<RankId> byte_peers;
+    for (int r : routes_->view.peers()) byte_peers.push_back(RankId::trainer(r));
+    REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p(byte_peers));
     o.incoming = incoming_from_view(routes_->view);
     REFIT_ASSIGN_OR_RETURN(executor_, RouteReceiver::create(o));
     return Status::Ok();

@@ -315,14 +315,16 @@ std::function<Status()> RankCore::alive() const {
 
 Result<std::unique_ptr<Communicator>> RankCore::join_group(const std::string& name, int rank,
                                                            int size,
-                                                           std::chrono::milliseconds wait) {
+                                                           std::chrono::milliseconds wait,
+                                                           std::optional<std::vector<int>> peers) {
   return make_group(*store_,
                     GroupOptions{.name = name,
                                  .rank = rank,
                                  .size = size,
                                  .host = ep_.host,
                                  .timeout = wait.count() > 0 ? wait : timeout(),
-                                 .liveness = alive()},
+                                 .liveness = alive(),
+                                 .peers = std::move(peers)},
                     *plane_);
 }
 
@@ -350,12 +352,21 @@ Result<std::vector<bool>> RankCore::same_host(const std::vector<RankId>& peers) 
   return same;
 }
 
-Result<Communicator*> RankCore::join_p2p() {
+Result<Communicator*> RankCore::join_p2p(const std::vector<RankId>& byte_peers) {
   if (!kind_.p2p_group) return static_cast<Communicator*>(nullptr);
   const int rank =
       self_.is_trainer() ? p2p_rank_of_trainer(self_.rank) : p2p_rank_of_engine(cfg_, self_.rank);
-  REFIT_ASSIGN_OR_RETURN(auto p2p,
-                         join_group("p2p", rank, cfg_.policy.world_size + cfg_.engine_ranks()));
+  // Only the pairs that exchange bytes are connected (setup costs O(peers) per rank, not
+  // O(ranks)); a rank without any still forms the group, connected to no one.
+  p2p_peers_.clear();
+  for (const RankId& p : byte_peers)
+    p2p_peers_.push_back(p.is_trainer() ? p2p_rank_of_trainer(p.rank)
+                                        : p2p_rank_of_engine(cfg_, p.rank));
+  std::sort(p2p_peers_.begin(), p2p_peers_.end());
+  p2p_peers_.erase(std::unique(p2p_peers_.begin(), p2p_peers_.end()), p2p_peers_.end());
+  REFIT_ASSIGN_OR_RETURN(auto p2p, join_group("p2p", rank,
+                                              cfg_.policy.world_size + cfg_.engine_ranks(), {},
+                                              p2p_peers_));
   hold(Group::kP2p, std::move(p2p));
   return group(Group::kP2p);
 }
@@ -415,7 +426,8 @@ Status RankCore::reform_groups(const std::function<Status(Communicator* p2p)>& r
     const int rank = self_.is_trainer() ? p2p_rank_of_trainer(self_.rank)
                                         : p2p_rank_of_engine(cfg_, self_.rank);
     REFIT_ASSIGN_OR_RETURN(p2p, join_group(named("p2p"), rank,
-                                           cfg_.policy.world_size + cfg_.engine_ranks(), wait));
+                                           cfg_.policy.world_size + cfg_.engine_ranks(), wait,
+                                           p2p_peers_));
   }
   REFIT_RETURN_IF_ERROR(recover(p2p.get()).with_context(id()));
   std::lock_guard<std::mutex> lock(groups_mu_);

@@ -154,8 +154,10 @@ class RankCore {
 
   // Forms group `name` (this process rank `rank` of `size`) on the plane's backend; every wait in
   // it runs alive(). `wait`: how long to wait for the others (default refit.timeout_s).
+  // `peers`: a group used only point to point connects these members alone (GroupOptions::peers).
   Result<std::unique_ptr<Communicator>> join_group(const std::string& name, int rank, int size,
-                                                   std::chrono::milliseconds wait = {});
+                                                   std::chrono::milliseconds wait = {},
+                                                   std::optional<std::vector<int>> peers = {});
   // The groups this rank keeps (closed on a failure, formed anew after a refit failed in flight):
   // the trainer group (trainer ranks) and the point-to-point group (every rank).
   enum class Group { kTrainer, kP2p };
@@ -165,8 +167,9 @@ class RankCore {
   // share it (each pair checked against refit.executor: check_pair_at_setup).
   Result<std::vector<bool>> same_host(const std::vector<RankId>& peers);
   // Forms and holds the point-to-point group when the chosen executors need one
-  // (ExecutorKind::p2p_group); returns it, or null.
-  Result<Communicator*> join_p2p();
+  // (ExecutorKind::p2p_group); returns it, or null. `byte_peers`: the ranks this one exchanges
+  // bytes with (its plan view's pairs), the only members it connects to.
+  Result<Communicator*> join_p2p(const std::vector<RankId>& byte_peers);
   // Wakes every call blocked in a collective of this rank (safe from another thread).
   void abort_collectives();
 
@@ -208,6 +211,7 @@ class RankCore {
   RefitEpochs epochs_;
   mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread
   std::unique_ptr<Communicator> trainer_group_, p2p_group_;
+  std::vector<int> p2p_peers_;  // the p2p group ranks join_p2p connects to, for reform_groups
   ExecutorBase* executor_ = nullptr;  // adopted: aborted with the groups
   std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.

@@ -246,7 +246,10 @@ class TrainerImpl final : public Trainer {
     std::vector<RankId> targets;
     for (int g : o.targets) targets.push_back(RankId::engine(g, cfg.generation.tp_size));
     REFIT_ASSIGN_OR_RETURN(o.target_same_host, core_.same_host(targets));
-    REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p());
+    std::vector<RankId> byte_peers;
+    for (int g : routes_->view.peers())
+      byte_peers.push_back(RankId::engine(g, cfg.generation.tp_size));
+    REFIT_ASSIGN_OR_RETURN(o.p2p, core_.join_p2p(byte_peers));
     REFIT_ASSIGN_OR_RETURN(executor_, RouteSender::create(o));
     return Status::Ok();
   }

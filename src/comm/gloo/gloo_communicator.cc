@@ -5,6 +5,7 @@
 // operation, this rank and the sizes. After a failure the Gloo context is unusable (Gloo closes
 // its pairs), so every later call fails at once with the first cause.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gloo/allgatherv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -20,10 +21,12 @@
 #include <exception>
 #include <mutex>
 #include <numeric>
+#include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "comm/communicator.h"
+#include "common/log.h"
 #include "comm/gloo/gloo_store.h"
 
 namespace refit {
@@ -116,11 +119,70 @@ bool looks_like_timeout(const char* what) {
   return std::strstr(what, "Timed out") != nullptr || std::strstr(what, "timeout") != nullptr;
 }
 
+// Gloo's rendezvous connects every pair of a group (connectFullMesh): N - 1 connections and store
+// keys per rank. A group used only point to point connects the pairs that exchange bytes: each rank
+// publishes one key with its pairs' addresses, one per peer, and reads the keys of its peers.
+class PeerContext final : public ::gloo::rendezvous::Context {
+ public:
+  using ::gloo::rendezvous::Context::Context;
+
+  void connect_peers(::gloo::rendezvous::Store& store,
+                     std::shared_ptr<::gloo::transport::Device>& device,
+                     const std::vector<int>& peers) {
+    auto transport = device->createContext(rank, size);
+    transport->setTimeout(getTimeout());
+    std::vector<char> mine;
+    for (int peer : peers) {
+      const std::vector<char> address = transport->createPair(peer)->address().bytes();
+      append(mine, peer);
+      append(mine, static_cast<std::int32_t>(address.size()));
+      mine.insert(mine.end(), address.begin(), address.end());
+    }
+    store.set(key(rank), mine);
+    for (int peer : peers) {
+      store.wait({key(peer)}, getTimeout());
+      const std::vector<char> theirs = store.get(key(peer));
+      transport->getPair(peer)->connect(address_for(theirs, peer));
+    }
+    device_ = device;
+    transportContext_ = std::move(transport);
+  }
+
+ private:
+  static std::string key(int r) { return "peers/" + std::to_string(r); }
+  static void append(std::vector<char>& out, std::int32_t v) {
+    const char* b = reinterpret_cast<const char*>(&v);
+    out.insert(out.end(), b, b + sizeof v);
+  }
+  // The address `peer` made for this rank's pair, from its key.
+  std::vector<char> address_for(const std::vector<char>& entries, int peer) const {
+    std::size_t at = 0;
+    while (at + 8 <= entries.size()) {
+      std::int32_t r = 0, n = 0;
+      std::memcpy(&r, entries.data() + at, 4);
+      std::memcpy(&n, entries.data() + at + 4, 4);
+      at += 8;
+      if (n < 0 || at + static_cast<std::size_t>(n) > entries.size()) break;
+      if (r == rank) return {entries.begin() + static_cast<std::ptrdiff_t>(at),
+                             entries.begin() + static_cast<std::ptrdiff_t>(at) + n};
+      at += static_cast<std::size_t>(n);
+    }
+    throw std::runtime_error(fmt::format(
+        "rank {} does not list rank {} among its peers (the group's peer lists disagree)", peer,
+        rank));
+  }
+};
+
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(GlooOptions options, std::shared_ptr<::gloo::transport::Device> device,
                    std::shared_ptr<::gloo::rendezvous::Context> context)
-      : options_(std::move(options)), device_(std::move(device)), context_(std::move(context)) {}
+      : options_(std::move(options)),
+        device_(std::move(device)),
+        context_(std::move(context)),
+        connected_(options_.peers ? std::unordered_set<int>(options_.peers->begin(),
+                                                            options_.peers->end())
+                                  : std::unordered_set<int>{}) {}
 
   ~GlooCommunicator() override {
     // Context (and its pairs) before the device whose event loop serves them.
@@ -148,6 +210,7 @@ class GlooCommunicator final : public Communicator {
                                                  send == nullptr ? mine : total));
     }
     REFIT_RETURN_IF_ERROR(usable(op));
+    REFIT_RETURN_IF_ERROR(whole_mesh(op));
     if (total == 0) return Status::Ok();
 
     std::vector<std::size_t> offsets(counts.size(), 0);
@@ -182,6 +245,7 @@ class GlooCommunicator final : public Communicator {
       return Status::InvalidArgument(fmt::format("{}{}: null buffer", prefix(), op));
     }
     REFIT_RETURN_IF_ERROR(usable(op));
+    REFIT_RETURN_IF_ERROR(whole_mesh(op));
     if (bytes == 0) return Status::Ok();
     return run(op, [&] { broadcast_chunks(static_cast<char*>(buf), bytes, root); });
   }
@@ -189,6 +253,7 @@ class GlooCommunicator final : public Communicator {
   Status barrier() override {
     const std::string op = fmt::format("barrier ({})", where());
     REFIT_RETURN_IF_ERROR(usable(op));
+    REFIT_RETURN_IF_ERROR(whole_mesh(op));
     return run(op, [&] {
       AbortableBarrierOptions o(context_);
       o.wrap_buffer(abort_);
@@ -204,6 +269,11 @@ class GlooCommunicator final : public Communicator {
       if (o.peer < 0 || o.peer >= options_.size || o.peer == options_.rank)
         return Status::InvalidArgument(fmt::format("{}exchange ({}): peer {} is not another rank",
                                                    prefix(), where(), o.peer));
+      if (options_.peers && !connected_.count(o.peer))
+        return Status::InvalidArgument(fmt::format(
+            "{}exchange ({}): rank {} is not among this rank's peers ({}); the group connects "
+            "only the pairs that exchange bytes",
+            prefix(), where(), o.peer, fmt::join(*options_.peers, ", ")));
       total += o.bytes;
     }
     const std::string op = fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
@@ -255,6 +325,15 @@ class GlooCommunicator final : public Communicator {
  private:
   std::string prefix() const { return fmt::format("gloo[{}] ", options_.name); }
   std::string where() const { return fmt::format("rank {} of {}", options_.rank, options_.size); }
+
+  // Collectives need every pair.
+  Status whole_mesh(const std::string& op) const {
+    if (!options_.peers) return Status::Ok();
+    return Status::InvalidArgument(fmt::format(
+        "{}{}: this group connects only this rank's peers ({}), for point-to-point exchanges; a "
+        "collective needs every member connected",
+        prefix(), op, fmt::join(*options_.peers, ", ")));
+  }
 
   std::uint32_t next_tag() { return tag_++; }
 
@@ -317,6 +396,7 @@ class GlooCommunicator final : public Communicator {
   // Gloo's collectives derive from tags.
   static constexpr std::uint64_t kP2PSlotPrefix = std::uint64_t{0x7e} << 56;
   std::unordered_map<int, std::uint64_t> sent_, received_;
+  const std::unordered_set<int> connected_;  // options_.peers
 };
 
 }  // namespace
@@ -334,6 +414,13 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
         fmt::format("{}: timeout must be positive, got {} ms", op, options.timeout.count()));
   }
   if (options.max_chunk_bytes == 0) return Status::InvalidArgument(op + ": max_chunk_bytes is 0");
+  if (options.peers) {
+    std::unordered_set<int> seen;
+    for (int p : *options.peers)
+      if (p < 0 || p >= options.size || p == options.rank || !seen.insert(p).second)
+        return Status::InvalidArgument(fmt::format(
+            "{}: peer {} is not another member of the group, or is listed twice", op, p));
+  }
   ignore_sigpipe_once();
 
   gloo_backend::GlooStoreAdapter adapter(store, options.timeout, options.liveness);
@@ -341,10 +428,16 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
     ::gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
     auto device = ::gloo::transport::tcp::CreateDevice(attr);
-    auto context = std::make_shared<::gloo::rendezvous::Context>(options.rank, options.size);
+    auto context = std::make_shared<PeerContext>(options.rank, options.size);
     context->setTimeout(options.timeout);
     ::gloo::rendezvous::PrefixStore prefixed("gloo/" + options.name, adapter);
-    context->connectFullMesh(prefixed, device);
+    if (options.peers) {
+      context->connect_peers(prefixed, device, *options.peers);
+      log::debug("gloo[{}] rank {} of {}: connected to its {} peer(s) only", options.name,
+                 options.rank, options.size, options.peers->size());
+    } else {
+      context->connectFullMesh(prefixed, device);
+    }
     return std::unique_ptr<Communicator>(
         std::make_unique<GlooCommunicator>(options, std::move(device), std::move(context)));
   } catch (const std::exception& e) {
