@@ -427,19 +427,26 @@ TEST(Store, DeadServerFailsPendingAndLaterCallsPromptly) {
   EXPECT_NE(later.message().find(std::to_string(port)), std::string::npos) << later.message();
 }
 
+// A TCP socket listening on a free port of 127.0.0.1; `at` gets its address.
+int listen_on_loopback(int backlog, sockaddr_in& at) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  at = sockaddr_in{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof at;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  EXPECT_EQ(::listen(fd, backlog), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len), 0);
+  return fd;
+}
+
 // A TCP server that is not ZeroMQ's (torch.distributed's store, say) on a free port: it accepts,
 // then says nothing (`close_at_once`: closes what it accepted).
 class ForeignServer {
  public:
   explicit ForeignServer(bool close_at_once) : close_(close_at_once) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-    EXPECT_EQ(::listen(fd_, 64), 0);
-    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    sockaddr_in a;
+    fd_ = listen_on_loopback(64, a);
     port_ = ntohs(a.sin_port);
     thread_ = std::thread([this] {
       while (!stop_.load()) {
@@ -500,14 +507,8 @@ TEST(Store, APortTakenIsRefusedNamingWhatHoldsIt) {
 class HeldBySourcePort {
  public:
   explicit HeldBySourcePort(int source) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-    EXPECT_EQ(::listen(listener_, 1), 0);
-    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    sockaddr_in a;
+    listener_ = listen_on_loopback(1, a);
     client_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in from{};
     from.sin_family = AF_INET;
