@@ -6,9 +6,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <algorithm>
 #include <random>
 
 namespace refit {
@@ -54,17 +54,15 @@ PortRange ephemeral_ports() {
 Result<int> pick_free_port() {
   const PortRange ephemeral = ephemeral_ports();
   std::mt19937 gen(std::random_device{}());
-  // Candidates: [kLowestPicked, ephemeral.low) less the reserved span.
-  const int below = ephemeral.low - kLowestPicked;
-  const int reserved =
-      std::max(0, std::min(kReservedHigh + 1, ephemeral.low) - std::max(kReservedLow, kLowestPicked));
-  const int candidates = below - reserved;
-  for (int i = 0; candidates > 0 && i < kAttempts; ++i) {
-    int port = kLowestPicked + std::uniform_int_distribution<int>(0, candidates - 1)(gen);
-    if (port >= kReservedLow && reserved > 0) port += reserved;
-    const int got = try_bind(port);
-    if (got > 0) return got;
-    if (got < 0) break;  // not a taken port: binding itself fails
+  if (ephemeral.low > kLowestPicked) {
+    std::uniform_int_distribution<int> below(kLowestPicked, ephemeral.low - 1);
+    for (int i = 0; i < kAttempts; ++i) {
+      const int port = below(gen);
+      if (port >= kReservedLow && port <= kReservedHigh) continue;
+      const int got = try_bind(port);
+      if (got > 0) return got;
+      if (got < 0) break;  // not a taken port: binding itself fails
+    }
   }
   const int any = try_bind(0);
   if (any > 0) return any;

@@ -26,8 +26,8 @@
 #include <unordered_set>
 
 #include "comm/communicator.h"
-#include "common/log.h"
 #include "comm/gloo/gloo_store.h"
+#include "common/log.h"
 
 namespace refit {
 namespace {
