@@ -14,6 +14,7 @@
 
 #include "common/env.h"
 #include "control/auth.h"
+#include "control/inbox.h"
 #include "control/lane.h"
 #include "control/mailbox.h"
 #include "control/messages.h"
@@ -266,6 +267,50 @@ TEST_F(MailboxTest, SameHostMessagesTakeTheLane) {
   }
   EXPECT_EQ(engine->lane_messages(), 8);
   EXPECT_EQ(engine->dropped(), 0);
+}
+
+// A relay's answers reach the inbox one by one, each with its own sender; answers too large for
+// one message travel in several. A relayed message from a rank that relays for no one, or with an
+// answer of a rank outside the relay's group, is a protocol violation naming the relay.
+TEST_F(MailboxTest, RelayedAnswersArriveEachWithItsOwnSender) {
+  auto trainer = open("trainer/0");
+  auto relay = open("engine/4");
+  auto stranger = open("engine/8");
+  ASSERT_TRUE(trainer && relay && stranger);
+  Inbox inbox(*trainer, 4);
+  inbox.accept_relayed({{"engine/4", {"engine/4", "engine/5", "engine/6", "engine/7"}}});
+  // 3 answers of 300 KiB each: more than one message may hold (half the mailbox's bound).
+  const std::string big(300 << 10, 'p');
+  std::vector<Message> answers;
+  for (const char* from : {"engine/4", "engine/5", "engine/6"})
+    answers.push_back(Message{.type = MessageType::kPaused, .from = from, .payload = big + from});
+  answers.push_back(Message{.type = MessageType::kVerified, .from = "engine/7", .payload = "v"});
+  const std::int64_t sent_before = relay->sent();
+  ASSERT_TRUE(send_relayed(*relay, "trainer/0", answers).ok());
+  EXPECT_EQ(relay->sent() - sent_before, 3);  // 300 + 300 KiB would pass 512 KiB
+  auto got = inbox.collect(MessageType::kPaused, {"engine/6", "engine/5", "engine/4"}, 2s, "pauses",
+                           {MessageType::kVerified});
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  EXPECT_EQ((*got)[0].payload, big + "engine/6");
+  EXPECT_EQ((*got)[2].from, "engine/4");
+  auto verdict = inbox.collect(MessageType::kVerified, {"engine/7"}, 2s, "verdicts");
+  ASSERT_TRUE(verdict.ok()) << verdict.status().to_string();
+  EXPECT_EQ((*verdict)[0].payload, "v");
+
+  ASSERT_TRUE(send_relayed(*stranger, "trainer/0", {answers.back()}).ok());
+  auto refused = inbox.next({MessageType::kVerified}, 2s, "a verdict");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("relayed answers from engine/8"), std::string::npos)
+      << refused.status().to_string();
+
+  ASSERT_TRUE(send_relayed(*relay, "trainer/0",
+                           {Message{.type = MessageType::kVerified, .from = "engine/9"}})
+                  .ok());
+  auto outsider = inbox.next({MessageType::kVerified}, 2s, "a verdict");
+  ASSERT_FALSE(outsider.ok());
+  EXPECT_NE(outsider.status().message().find("engine/4 relayed verified of engine/9"),
+            std::string::npos)
+      << outsider.status().to_string();
 }
 
 TEST(MailboxNames, EveryTypeHasAName) {

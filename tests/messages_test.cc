@@ -229,8 +229,49 @@ TEST(Messages, TableNamesEveryTypeAndItsSender) {
   EXPECT_EQ(message_info(MessageType::kEnginesPaused).sender, Role::kTrainer);
   EXPECT_EQ(message_info(MessageType::kSent).sender, Role::kTrainer);
   EXPECT_STREQ(message_type_name(MessageType::kRefitDone), "refit-done");
-  EXPECT_TRUE(is_message_type(static_cast<std::uint8_t>(MessageType::kRefitDone)));
-  EXPECT_FALSE(is_message_type(static_cast<std::uint8_t>(MessageType::kRefitDone) + 1));
+  EXPECT_STREQ(message_type_name(MessageType::kRelayed), "relayed");
+  EXPECT_TRUE(is_message_type(static_cast<std::uint8_t>(MessageType::kRelayed)));
+  EXPECT_FALSE(is_message_type(static_cast<std::uint8_t>(MessageType::kRelayed) + 1));
+}
+
+// A relay's message carries each answer with its own sender, type and payload; anything else in
+// it is refused naming the relay.
+TEST(Messages, RelayedAnswersRoundTripAndMalformedOnesAreRefused) {
+  const RelayedMessage m{
+      .answers = {{.from = "engine/4", .type = MessageType::kPaused, .payload = "{}"},
+                  {.from = "engine/5", .type = MessageType::kVerified, .payload = "x"}}};
+  auto r = decode_relayed(encode(m), "engine/4");
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ASSERT_EQ(r->answers.size(), 2u);
+  EXPECT_EQ(r->answers[1].from, "engine/5");
+  EXPECT_EQ(r->answers[1].type, MessageType::kVerified);
+  EXPECT_EQ(r->answers[1].payload, "x");
+  const std::string v = std::to_string(kMessageWireVersion);
+  for (const char* answers : {R"([["engine/5", 99, "x"]])", R"([["engine/5", 4]])",
+                              R"([[5, 4, "x"]])", R"({"a": 1})", R"([["engine/5", 0, "x"]])"}) {
+    auto bad = decode_relayed(R"({"v":)" + v + R"(,"answers":)" + answers + "}", "engine/4");
+    ASSERT_FALSE(bad.ok()) << answers;
+    EXPECT_NE(bad.status().message().find("engine/4"), std::string::npos)
+        << bad.status().to_string();
+  }
+}
+
+// To a trainer relay, engines-paused carries the offers of each rank of its group as well.
+TEST(Messages, EnginesPausedCarriesAGroupsOffers) {
+  EnginesPausedMessage m{.step = 2, .exports = {std::nullopt}};
+  m.delta = {DeltaBase{.rank = 0, .digest = "00000000000000aa", .version = "1"}};
+  m.group_delta[5] = {DeltaBase{.rank = 0, .digest = std::nullopt, .version = "1"}};
+  m.group_delta[6] = {};
+  auto r = decode_engines_paused(encode(m), "trainer/0");
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->delta, m.delta);
+  EXPECT_EQ(r->group_delta, m.group_delta);
+  auto bad = nlohmann::json::parse(encode(m));
+  bad["group_delta"] = {{"five", nlohmann::json::array()}};
+  auto refused = decode_engines_paused(bad.dump(), "trainer/0");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("'five'"), std::string::npos)
+      << refused.status().to_string();
 }
 
 TEST(Messages, RoutesRoundTripAndRefusal) {

@@ -90,6 +90,16 @@ TEST(RuntimeFaults, KilledEngineRank) {
 TEST(RuntimeFaults, KilledTrainerRank) {
   expect_dies_cleanly({.timeout_s = 5}, "kill-trainer:1:2", "trainer rank 1");
 }
+// The relays (docs/protocol.md, "Relays") die like any rank: the ranks they relay for learn it
+// from the heartbeat watch and name the relay, not a silence.
+TEST(RuntimeFaults, KilledEngineRelay) {
+  expect_dies_cleanly({.timeout_s = 5}, "kill-engine:0:2", "engine 0 tp rank 0");
+}
+TEST(RuntimeFaults, KilledTrainerRelay) {
+  // 4 trainer ranks form groups {0, 1} and {2, 3}: trainer rank 2 relays for trainer rank 3.
+  expect_dies_cleanly({.world_size = 4, .num_engines = 2, .timeout_s = 5}, "kill-trainer:2:2",
+                      "trainer rank 2");
+}
 TEST(RuntimeFaults, KilledEngineRankIpc) {
   expect_dies_cleanly({.colocated = true, .timeout_s = 5}, "kill-engine:0:1", "engine 0 tp rank 0");
 }

@@ -1,6 +1,7 @@
 // The control plane at scale, across real processes on the CPU: a refit's store requests and
 // mailbox messages per rank stay flat as the run grows (trainer rank 0 coordinates the engine
-// ranks, docs/protocol.md "Scale"), read from the JSON report's `control` counters; and a rank
+// ranks, docs/protocol.md "Scale"), and trainer rank 0's own share goes through relays
+// (docs/protocol.md "Relays"), read from the JSON report's `control` counters; and a rank
 // killed in a large run is named by every other rank, which all exit within the silence bound.
 //
 // The large run holds 64 processes (32 trainer ranks -> 8 engines x TP 4); REFIT_SCALE_TRAINERS
@@ -90,6 +91,15 @@ void expect_flat(const char* delta) {
     EXPECT_EQ(s->control.value("refit_mailbox_messages", 0), (8 * e + 3 * (t - 1)) * steps)
         << s->control.dump() << "\n"
         << s->output;
+    // Trainer rank 0, the busiest rank, sends begin, proceed, commit and outcome to each engine's
+    // relay (its TP rank 0 of 4), and engines-paused and refit-done to the first trainer group's
+    // other ranks and to every other group's relay (groups of ceil(sqrt(T)) ranks).
+    int k = 1;
+    while (k * k < t) ++k;
+    const int trainer_relays = (k - 1) + ((t + k - 1) / k - 1);
+    EXPECT_EQ(s->control.value("busiest_refit_mailbox_messages", 0),
+              (4 * e / 4 + 2 * trainer_relays) * steps)
+        << s->control.dump();
     EXPECT_TRUE(s->output.find("verified bit-exact on every engine rank") != std::string::npos)
         << s->output;
     if (std::string(delta) != "off") {

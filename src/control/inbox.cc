@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "control/messages.h"
 #include "refit/rank.h"
 
 namespace refit {
@@ -22,6 +23,24 @@ Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, Messag
   return Status::Ok();
 }
 
+Status send_relayed(Mailbox& mailbox, const std::string& to, const std::vector<Message>& answers) {
+  RelayedMessage batch;
+  std::size_t bytes = 0;
+  for (const Message& m : answers) {
+    const std::size_t size = m.from.size() + m.payload.size() + 16;
+    if (!batch.answers.empty() &&
+        bytes + size > static_cast<std::size_t>(kMaxMailboxMessageBytes / 2)) {
+      REFIT_RETURN_IF_ERROR(mailbox.send(to, MessageType::kRelayed, encode(batch)));
+      batch.answers.clear();
+      bytes = 0;
+    }
+    batch.answers.push_back(RelayedAnswer{.from = m.from, .type = m.type, .payload = m.payload});
+    bytes += size;
+  }
+  if (batch.answers.empty()) return Status::Ok();
+  return mailbox.send(to, MessageType::kRelayed, encode(batch));
+}
+
 Result<Message> expect_message(Mailbox& mailbox, MessageType type,
                                std::chrono::milliseconds timeout, const std::string& waiting_for) {
   auto msg = mailbox.receive(timeout);
@@ -30,6 +49,40 @@ Result<Message> expect_message(Mailbox& mailbox, MessageType type,
   if (msg->type == type) return msg;
   return Status::Internal(fmt::format("{} waiting for {}: got {} from {}", mailbox.id(),
                                       waiting_for, message_type_name(msg->type), msg->from)).with_kind(FailureKind::kProtocol);
+}
+
+void Inbox::accept_relayed(const std::map<std::string, std::vector<std::string>>& groups) {
+  relays_.clear();
+  for (const auto& [relay, members] : groups)
+    relays_[relay] = std::set<std::string>(members.begin(), members.end());
+}
+
+Result<Message> Inbox::receive(std::chrono::milliseconds timeout) {
+  while (relayed_.empty()) {
+    Result<Message> r = mailbox_.receive(timeout);
+    if (!r.ok() || r->type != MessageType::kRelayed) return r;
+    const auto group = relays_.find(r->from);
+    if (group == relays_.end())
+      return Status::Internal(fmt::format("{}: relayed answers from {}, which relays for no rank "
+                                          "of this one",
+                                          mailbox_.id(), r->from))
+          .with_kind(FailureKind::kProtocol);
+    REFIT_ASSIGN_OR_RETURN(RelayedMessage batch, decode_relayed(r->payload, r->from));
+    for (RelayedAnswer& a : batch.answers) {
+      if (group->second.count(a.from) == 0 || a.type == MessageType::kRelayed)
+        return Status::Internal(fmt::format("{}: {} relayed {} of {}, which is not of its group",
+                                            mailbox_.id(), r->from, message_type_name(a.type),
+                                            a.from))
+            .with_kind(FailureKind::kProtocol);
+      relayed_.push_back(Message{.type = a.type,
+                                 .from = std::move(a.from),
+                                 .payload = std::move(a.payload),
+                                 .epoch = r->epoch});
+    }
+  }
+  Message m = std::move(relayed_.front());
+  relayed_.pop_front();
+  return m;
 }
 
 bool Inbox::take_kept(MessageType type, const std::string& sender, Message& out) {
@@ -49,7 +102,7 @@ Result<Message> Inbox::next(std::initializer_list<MessageType> types,
   for (MessageType t : types)
     if (take_kept(t, "", m)) return m;
   while (true) {
-    Result<Message> r = mailbox_.receive(timeout);
+    Result<Message> r = receive(timeout);
     if (!r.ok())
       return r.status().with_context(fmt::format("{} waiting for {}", mailbox_.id(), what));
     if (listed(types, r->type)) return r;
@@ -87,7 +140,7 @@ Result<std::vector<Message>> Inbox::collect(MessageType type, const std::vector<
     if (take_kept(type, from[i], m)) REFIT_RETURN_IF_ERROR(place(std::move(m)));
   }
   while (count < from.size()) {
-    Result<Message> r = mailbox_.receive(timeout);
+    Result<Message> r = receive(timeout);
     if (!r.ok()) {
       std::string missing;
       int named = 0;

@@ -12,6 +12,8 @@
 #include <deque>
 #include <functional>
 #include <initializer_list>
+#include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,6 +31,11 @@ Result<Message> expect_message(Mailbox& mailbox, MessageType type,
 // Sends `payload` as `type` to every id in `to`.
 Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, MessageType type,
                     const std::string& payload);
+
+// A relay's answers of one phase (`answers`: its own and its group's, each with its sender) to
+// `to`, as relayed messages (control/messages.h RelayedMessage) of at most half the mailbox's
+// message bound each: one message unless the answers are large.
+Status send_relayed(Mailbox& mailbox, const std::string& to, const std::vector<Message>& answers);
 
 class Inbox {
  public:
@@ -51,20 +58,34 @@ class Inbox {
                                        std::initializer_list<MessageType> later = {},
                                        const std::function<Status(const Message&)>& check = {});
 
+  // Relays (docs/protocol.md, "Relays"): `groups` maps each relay's mailbox id to the ids it
+  // answers for, its own included. Each answer of a relayed message from one of them is read as
+  // if its own sender had sent it (in the relay's refit epoch); a relayed message from anyone
+  // else, or with an answer of a rank outside the relay's group, is a protocol violation naming
+  // the relay.
+  void accept_relayed(const std::map<std::string, std::vector<std::string>>& groups);
+
   // How many messages are kept for a later phase.
   std::size_t kept() const { return kept_.size(); }
   // A phase that is over must have taken what was kept for it: kInternal naming the first left.
   Status expect_none_kept(std::string_view when) const;
   // Drops what is kept (a refit that failed: its messages mean nothing now).
-  void clear() { kept_.clear(); }
+  void clear() {
+    kept_.clear();
+    relayed_.clear();
+  }
 
  private:
   // A kept message of `type` (from `sender`, when not empty), removed from the kept ones.
   bool take_kept(MessageType type, const std::string& sender, Message& out);
+  // The next message off the mailbox, relayed answers handed on one by one.
+  Result<Message> receive(std::chrono::milliseconds timeout);
 
   Mailbox& mailbox_;
   const int tp_size_;
   std::deque<Message> kept_;
+  std::map<std::string, std::set<std::string>> relays_;  // accept_relayed
+  std::deque<Message> relayed_;  // answers of a relayed message not yet read
 };
 
 }  // namespace refit

@@ -7,7 +7,7 @@ namespace {
 
 using enum MessageType;
 
-constexpr std::array<MessageInfo, 18> kMessages{{
+constexpr std::array<MessageInfo, 19> kMessages{{
     {kHello, "hello", Role::kEngine, Phase::kSetup},
     {kRoutes, "routes", Role::kTrainer, Phase::kSetup},
     {kBegin, "begin", Role::kTrainer, Phase::kRefit},
@@ -26,6 +26,7 @@ constexpr std::array<MessageInfo, 18> kMessages{{
     {kEnginesPaused, "engines-paused", Role::kTrainer, Phase::kRefit},
     {kSent, "sent", Role::kTrainer, Phase::kRefit},
     {kRefitDone, "refit-done", Role::kTrainer, Phase::kRefit},
+    {kRelayed, "relayed", Role::kEngine, Phase::kRefit},
 }};
 
 constexpr bool table_in_order() {

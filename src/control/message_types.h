@@ -1,6 +1,6 @@
 // The control messages of refit: one table of every message type, who sends it and in which phase
-// (docs/protocol.md draws the phases as each side's state machine). Each type is sent in one
-// direction only; its payload is the struct of the same name in control/messages.h.
+// (docs/protocol.md draws the phases as each side's state machine). Each type but relayed is sent
+// in one direction only; its payload is the struct of the same name in control/messages.h.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,10 @@ enum class MessageType : std::uint8_t {
   kEnginesPaused,  // trainer 0 -> trainer: every engine rank's answer; proceed or abort
   kSent,           // trainer -> trainer 0: every byte of this rank moved (its checksums)
   kRefitDone,      // trainer 0 -> trainer: the refit is over on every engine (its failure)
+  // A relay -> trainer rank 0 (docs/protocol.md, "Relays"): one phase's answers of its group's
+  // ranks, each of its own type. The one type both roles send: an engine's TP rank 0 relays its
+  // engine's answers, the first trainer rank of a group its group's sent.
+  kRelayed,
 };
 
 // When in a session a message travels.

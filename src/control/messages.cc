@@ -1,5 +1,7 @@
 #include "control/messages.h"
 
+#include <charconv>
+
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -259,10 +261,18 @@ std::string encode(const EnginesPausedMessage& m) {
   Json delta = Json::array();
   for (const DeltaBase& b : m.delta)
     delta.push_back(Json::array({b.rank, b.version, b.digest ? Json(*b.digest) : Json()}));
+  Json group = Json::object();
+  for (const auto& [rank, bases] : m.group_delta) {
+    Json g = Json::array();
+    for (const DeltaBase& b : bases)
+      g.push_back(Json::array({b.rank, b.version, b.digest ? Json(*b.digest) : Json()}));
+    group[std::to_string(rank)] = std::move(g);
+  }
   return dump({{"step", m.step},
                {"refused", failure_json(m.refused)},
                {"exports", std::move(exports)},
-               {"delta", std::move(delta)}});
+               {"delta", std::move(delta)},
+               {"group_delta", std::move(group)}});
 }
 std::string encode(const SentMessage& m) {
   return dump({{"step", m.step}, {"checksums", m.checksums}});
@@ -305,6 +315,12 @@ std::string encode(const OutcomeHeardMessage& m) {
 }
 std::string encode(const ShutdownMessage&) { return dump(Json::object()); }
 std::string encode(const LeavingMessage&) { return dump(Json::object()); }
+std::string encode(const RelayedMessage& m) {
+  Json answers = Json::array();
+  for (const RelayedAnswer& a : m.answers)
+    answers.push_back(Json::array({a.from, static_cast<int>(a.type), a.payload}));
+  return dump({{"answers", std::move(answers)}});
+}
 
 std::string encode(const RoutesMessage& m) {
   Json routes = Json::array();
@@ -479,6 +495,21 @@ Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
   }
   REFIT_RETURN_IF_ERROR(
       decode_delta_bases(r.json(), "engines-paused", "delta", true, from, m.delta));
+  const auto group = r.json().find("group_delta");
+  if (group == r.json().end() || !group->is_object())
+    return protocol_error(
+        fmt::format("engines-paused message from {} has no object 'group_delta'", from));
+  for (const auto& [key, bases] : group->items()) {
+    int rank = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), rank);
+    if (ec != std::errc() || end != key.data() + key.size() || rank < 0)
+      return protocol_error(fmt::format(
+          "engines-paused message from {}: 'group_delta' has a key that is no trainer rank ('{}')",
+          from, key));
+    REFIT_RETURN_IF_ERROR(decode_delta_bases(Json::object({{"group_delta", bases}}),
+                                             "engines-paused", "group_delta", true, from,
+                                             m.group_delta[rank]));
+  }
   return m;
 }
 
@@ -591,6 +622,27 @@ Result<LeavingMessage> decode_leaving(const std::string& payload, const std::str
   Reader r(payload, "leaving", from);
   if (!r.status().ok()) return r.status();
   return LeavingMessage{};
+}
+
+Result<RelayedMessage> decode_relayed(const std::string& payload, const std::string& from) {
+  Reader r(payload, "relayed", from);
+  if (!r.status().ok()) return r.status();
+  const auto it = r.json().find("answers");
+  if (it == r.json().end() || !it->is_array())
+    return protocol_error(fmt::format("relayed message from {} has no array 'answers'", from));
+  RelayedMessage m;
+  for (const Json& e : *it) {
+    if (!e.is_array() || e.size() != 3 || !e[0].is_string() || !e[1].is_number_unsigned() ||
+        e[1].get<std::uint64_t>() > 255 ||
+        !is_message_type(static_cast<std::uint8_t>(e[1].get<std::uint64_t>())) || !e[2].is_string())
+      return protocol_error(fmt::format(
+          "relayed message from {}: an entry of 'answers' is not [sender, message type, payload]",
+          from));
+    m.answers.push_back(RelayedAnswer{.from = e[0].get<std::string>(),
+                                      .type = static_cast<MessageType>(e[1].get<std::uint64_t>()),
+                                      .payload = e[2].get<std::string>()});
+  }
+  return m;
 }
 
 }  // namespace refit

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "control/message_types.h"
 #include "refit/status.h"
 #include "refit/version.h"
 
@@ -130,7 +131,8 @@ struct ProceedMessage {
   std::optional<FailureOrigin> refused;  // unset: go
 };
 
-// trainer rank 0 -> every other trainer rank (transfer plan), with the proceed: what every engine
+// trainer rank 0 -> every other trainer rank (transfer plan; through its group's relay,
+// runtime/relay.h), with the proceed: what every engine
 // rank answered the begin of step `step`. `exports`: per engine rank, in engine rank order, the
 // digest of its exported parameters (nullopt: not exported); `refused`: as in ProceedMessage.
 struct EnginesPausedMessage {
@@ -140,6 +142,9 @@ struct EnginesPausedMessage {
   // refit.delta: the offers of the engine ranks the recipient feeds, for its pairs only (one
   // entry per engine rank that offered the recipient a base; DeltaBase::rank the engine rank).
   std::vector<DeltaBase> delta;
+  // To a trainer relay (runtime/relay.h): `delta` of each other trainer rank of its group, by
+  // trainer rank, for the relay to hand on; empty otherwise.
+  std::map<int, std::vector<DeltaBase>> group_delta;
 };
 
 // trainer rank -> trainer rank 0 (transfer plan): every byte this rank sends in refit `step`
@@ -229,6 +234,19 @@ struct OutcomeHeardMessage {
 struct ShutdownMessage {};
 struct LeavingMessage {};
 
+// A relay -> the rank it answers to (transfer plan: an engine's TP rank 0 -> trainer rank 0;
+// docs/protocol.md, "Relays"): answers of one phase from the ranks of the relay's group, its own
+// included, each with its own sender and payload. The receiving Inbox hands each on as if its
+// sender had sent it, and accepts only those of the relay's own group.
+struct RelayedAnswer {
+  std::string from;  // the answering rank's mailbox id
+  MessageType type = MessageType::kPaused;
+  std::string payload;
+};
+struct RelayedMessage {
+  std::vector<RelayedAnswer> answers;
+};
+
 std::string encode(const HelloMessage& m);
 std::string encode(const RoutesMessage& m);
 std::string encode(const BeginMessage& m);
@@ -247,6 +265,7 @@ std::string encode(const OutcomeMessage& m);
 std::string encode(const OutcomeHeardMessage& m);
 std::string encode(const ShutdownMessage& m);
 std::string encode(const LeavingMessage& m);
+std::string encode(const RelayedMessage& m);
 
 // `from` names the sender in errors.
 Result<HelloMessage> decode_hello(const std::string& payload, const std::string& from);
@@ -269,5 +288,6 @@ Result<OutcomeHeardMessage> decode_outcome_heard(const std::string& payload,
                                                  const std::string& from);
 Result<ShutdownMessage> decode_shutdown(const std::string& payload, const std::string& from);
 Result<LeavingMessage> decode_leaving(const std::string& payload, const std::string& from);
+Result<RelayedMessage> decode_relayed(const std::string& payload, const std::string& from);
 
 }  // namespace refit

@@ -143,7 +143,8 @@ Status write_report_json(const std::string& path, const RankOptions& options,
   j["control"] = {{"store_requests", r.control.store_requests},
                   {"mailbox_messages", r.control.mailbox_messages},
                   {"refit_store_requests", r.control.refit_store_requests},
-                  {"refit_mailbox_messages", r.control.refit_mailbox_messages}};
+                  {"refit_mailbox_messages", r.control.refit_mailbox_messages},
+                  {"busiest_refit_mailbox_messages", r.control.busiest_refit_mailbox_messages}};
   if (!r.delta_steps.empty()) {
     auto one = [](const DeltaStep& d) {
       return nlohmann::ordered_json{{"changed_fraction", d.changed_fraction},

@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "common/timer.h"
+#include "runtime/relay.h"
 
 namespace refit {
 namespace {
@@ -22,8 +23,42 @@ EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executo
       weights_(weights),
       inbox_(core.mailbox(), core.config().generation.tp_size),
       feeders_(mailbox_ids(executor.feeders())) {
-  control_ = executor.pause_handshake() ? std::vector<std::string>{RankId::trainer(0).mailbox()}
-                                        : feeders_;
+  if (!executor.pause_handshake()) {
+    control_ = feeders_;
+    return;
+  }
+  const RankId self = core.self();
+  const bool relayed = relay::engines_relayed(self.tp_size);
+  control_ = {relayed && self.tp_rank() != 0 ? relay::engine_relay(self).mailbox()
+                                             : RankId::trainer(0).mailbox()};
+  relayed_ = mailbox_ids(relay::relayed_peers(self));
+}
+
+Result<std::vector<Message>> EngineRefitProtocol::hear(
+    MessageType type, std::chrono::milliseconds timeout, std::string_view what,
+    const std::function<Status(const Message&)>& check) {
+  return inbox_.collect(type, control_, timeout, what, {}, [&](const Message& m) -> Status {
+    REFIT_RETURN_IF_ERROR(forward(m));
+    return check ? check(m) : Status::Ok();
+  });
+}
+
+Status EngineRefitProtocol::forward(const Message& m) {
+  return send_to_each(core_.mailbox(), relayed_, m.type, m.payload);
+}
+
+Status EngineRefitProtocol::reply(const std::vector<std::string>& to, MessageType type,
+                                  const std::string& payload, std::chrono::milliseconds timeout,
+                                  std::initializer_list<MessageType> later) {
+  if (relayed_.empty()) return send_to_each(core_.mailbox(), to, type, payload);
+  REFIT_ASSIGN_OR_RETURN(
+      std::vector<Message> answers,
+      inbox_.collect(type, relayed_, timeout,
+                     fmt::format("the {} of its TP peers", message_type_name(type)), later));
+  answers.insert(answers.begin(),
+                 Message{.type = type, .from = core_.self().mailbox(), .payload = payload});
+  for (const std::string& t : to) REFIT_RETURN_IF_ERROR(send_relayed(core_.mailbox(), t, answers));
+  return Status::Ok();
 }
 
 // This rank's own failure as it travels: its error without its name, which the record carries.
@@ -112,6 +147,7 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one(
 // Every control peer sends a shutdown and waits for this rank's answer before it leaves.
 Status EngineRefitProtocol::shutdown(const Message& first) {
   REFIT_RETURN_IF_ERROR(decode_shutdown(first.payload, first.from).status());
+  REFIT_RETURN_IF_ERROR(forward(first));
   std::vector<std::string> others;
   for (const std::string& f : control_)
     if (f != first.from) others.push_back(f);
@@ -119,7 +155,7 @@ Status EngineRefitProtocol::shutdown(const Message& first) {
     return Status::Internal(fmt::format("{}: unexpected shutdown from {}", core_.id(), first.from));
   // Before the first leaving: trainer rank 0 reads the record once every engine rank left.
   REFIT_RETURN_IF_ERROR(core_.publish_control_traffic());
-  REFIT_RETURN_IF_ERROR(core_.mailbox().send(first.from, kLeaving, encode(LeavingMessage{})));
+  REFIT_RETURN_IF_ERROR(reply({first.from}, kLeaving, encode(LeavingMessage{}), core_.timeout()));
   // The other feeders' shutdowns arrive in any order; every feeder sent its own before waiting
   // for any answer, so collecting them all first cannot stall one.
   REFIT_ASSIGN_OR_RETURN(const std::vector<Message> rest,
@@ -140,6 +176,7 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_refit(const Messa
     return Status::Internal(
         fmt::format("{}: begin of refit step {} from {}, which does not lead it", core_.id(),
                     begin_.step, first.from));
+  REFIT_RETURN_IF_ERROR(forward(first));  // a relay: to its TP peers
   Timer t;
   Status refit_failure;
   Status st = run_refit(first.from, refit_failure);
@@ -213,28 +250,27 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
       }
       answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
     }
-    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kPaused, encode(answer)));
+    // A relay answers once its TP peers did, waiting as long as trainer rank 0 waits for it.
+    REFIT_RETURN_IF_ERROR(
+        reply(control_, kPaused, encode(answer), timeout * 2 + std::chrono::seconds(5)));
     phase_ = Phase::kPaused;
     log::debug("{}: paused for refit step {} and answered", core_.id(), step);
     // The wait is bounded by 3 x the timeout + 5 s: longer than trainer rank 0 waits for every
     // engine rank's answer (2 x the timeout + 5 s).
     std::optional<FailureOrigin> refused;
-    REFIT_RETURN_IF_ERROR(
-        inbox_
-            .collect(kProceed, control_, timeout * 3 + std::chrono::seconds(5),
-                     fmt::format("the proceed of refit step {}", step), {},
-                     [&](const Message& m) -> Status {
-                       REFIT_ASSIGN_OR_RETURN(
-                           ProceedMessage p,
-                           decode_proceed(m.payload, m.from));
-                       if (p.step != step)
-                         return Status::Corruption(fmt::format(
-                             "{}: {} sent the proceed of refit step {} in step {}", core_.id(),
-                             m.from, p.step, step));
-                       if (p.refused && !refused) refused = p.refused;
-                       return Status::Ok();
-                     })
-            .status());
+    REFIT_RETURN_IF_ERROR(hear(kProceed, timeout * 3 + std::chrono::seconds(5),
+                               fmt::format("the proceed of refit step {}", step),
+                               [&](const Message& m) -> Status {
+                                 REFIT_ASSIGN_OR_RETURN(ProceedMessage p,
+                                                        decode_proceed(m.payload, m.from));
+                                 if (p.step != step)
+                                   return Status::Corruption(fmt::format(
+                                       "{}: {} sent the proceed of refit step {} in step {}",
+                                       core_.id(), m.from, p.step, step));
+                                 if (p.refused && !refused) refused = p.refused;
+                                 return Status::Ok();
+                               })
+                              .status());
     if (refused) {
       if (!raw)
         weights_.abandon(step, paused.ok() && !staged, refused->rank.name() + ": " + refused->error);
@@ -242,8 +278,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                                                   "landed: {}: {}",
                                                   step, refused->rank.name(), refused->error))
                           .with_origin(*refused);
-      return send_to_each(core_.mailbox(), control_, kAbortHeard,
-                          encode(AbortHeardMessage{.step = step}));
+      return reply(control_, kAbortHeard, encode(AbortHeardMessage{.step = step}), timeout);
     }
     if (!paused.ok())
       return Status::Internal(
@@ -259,17 +294,13 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
   log::debug("{}: refit step {} proceeds", core_.id(), step);
   weights_.landing_begins();
   REFIT_RETURN_IF_ERROR(executor_.receive(begin_, landing_->ptrs()));
-  REFIT_RETURN_IF_ERROR(inbox_
-                            .collect(kCommit, control_, timeout, "the commit", {},
-                                     [&](const Message& m) -> Status {
-                                       REFIT_ASSIGN_OR_RETURN(CommitMessage c,
-                                                              decode_commit(m.payload, m.from));
-                                       if (c.step == step) return Status::Ok();
-                                       return Status::Corruption(fmt::format(
-                                           "{}: {} committed refit step {} in step {}",
-                                           core_.id(), m.from, c.step, step));
-                                     })
-                            .status());
+  REFIT_RETURN_IF_ERROR(hear(kCommit, timeout, "the commit", [&](const Message& m) -> Status {
+                          REFIT_ASSIGN_OR_RETURN(CommitMessage c, decode_commit(m.payload, m.from));
+                          if (c.step == step) return Status::Ok();
+                          return Status::Corruption(
+                              fmt::format("{}: {} committed refit step {} in step {}", core_.id(),
+                                          m.from, c.step, step));
+                        }).status());
   phase_ = Phase::kLanded;
   log::debug("{}: refit step {} committed", core_.id(), step);
   if (!raw) core_.probe().before_commit(step);
@@ -311,11 +342,12 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   stats_.pause_s = raw ? 0 : weights_.pause_seconds();
   stats_.bytes = traffic_.bytes_received;
   stats_.checksums_matched = 0;
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kCommitted,
-                                     encode(CommittedMessage{.step = step,
-                                                             .apply_s = stats_.apply_s,
-                                                             .pause_s = stats_.pause_s,
-                                                             .checksums = landed})));
+  // A TP peer's verdict may overtake another's acknowledgement on a relay: it is kept.
+  REFIT_RETURN_IF_ERROR(reply(
+      control_, kCommitted,
+      encode(CommittedMessage{
+          .step = step, .apply_s = stats_.apply_s, .pause_s = stats_.pause_s, .checksums = landed}),
+      core_.timeout(), {kVerified}));
   phase_ = Phase::kCommitted;
   log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);
   if (!agreed) return Status::Ok();
@@ -344,19 +376,16 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
     }
     VerifiedMessage verdict{.step = step};
     if (!v.ok()) verdict.failed = mine(v);
-    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), control_, kVerified, encode(verdict)));
+    REFIT_RETURN_IF_ERROR(reply(control_, kVerified, encode(verdict), core_.timeout() * 4));
   }
   // Every control peer sends the same outcome; it waits for every engine's verification.
   std::optional<FailureOrigin> failed;
-  REFIT_RETURN_IF_ERROR(inbox_
-                            .collect(kOutcome, control_, core_.timeout() * 5, "the outcome", {},
-                                     [&](const Message& m) -> Status {
-                                       REFIT_ASSIGN_OR_RETURN(OutcomeMessage o,
-                                                              decode_outcome(m.payload, m.from));
-                                       if (o.failed && !failed) failed = o.failed;
-                                       return Status::Ok();
-                                     })
-                            .status());
+  REFIT_RETURN_IF_ERROR(
+      hear(kOutcome, core_.timeout() * 5, "the outcome", [&](const Message& m) -> Status {
+        REFIT_ASSIGN_OR_RETURN(OutcomeMessage o, decode_outcome(m.payload, m.from));
+        if (o.failed && !failed) failed = o.failed;
+        return Status::Ok();
+      }).status());
   if (!failed && v.ok()) {
     if (checksums) {
       stats_.checksums_matched = static_cast<int>(feeders_.size());
@@ -377,11 +406,12 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   stats_.pause_s = weights_.pause_seconds();
   // Acknowledged to every control peer, which waits for it before its next message: one that ran
   // ahead (its next begin, or the shutdown) cannot overtake another one's outcome.
-  return send_to_each(core_.mailbox(), control_, kOutcomeHeard,
-                      encode(OutcomeHeardMessage{.step = step,
-                                                 .valid = weights_.version().valid(),
-                                                 .weight_version = weights_.version().label(),
-                                                 .pause_s = stats_.pause_s}));
+  return reply(control_, kOutcomeHeard,
+               encode(OutcomeHeardMessage{.step = step,
+                                          .valid = weights_.version().valid(),
+                                          .weight_version = weights_.version().label(),
+                                          .pause_s = stats_.pause_s}),
+               core_.timeout());
 }
 
 std::optional<Status> EngineRefitProtocol::failed_in_flight(const Status& failure) {

@@ -80,6 +80,18 @@ class EngineRefitProtocol {
   Status catch_up();
   Status reform();
   FailureOrigin mine(const Status& st) const;
+  // Messages of `type` from control_, one from each (Inbox::collect); a relay forwards each to
+  // its TP peers as it arrives.
+  Result<std::vector<Message>> hear(MessageType type, std::chrono::milliseconds timeout,
+                                    std::string_view what,
+                                    const std::function<Status(const Message&)>& check = {});
+  // A relay forwards `m` (from trainer rank 0) to its TP peers; others do nothing.
+  Status forward(const Message& m);
+  // This rank's answer of `type` to `to`. A relay first collects its TP peers' answers of `type`
+  // (each wait bounded by `timeout`, messages of the `later` types kept) and sends all of them in
+  // one relayed message.
+  Status reply(const std::vector<std::string>& to, MessageType type, const std::string& payload,
+               std::chrono::milliseconds timeout, std::initializer_list<MessageType> later = {});
 
   RankCore& core_;
   EngineExecutor& executor_;
@@ -87,8 +99,10 @@ class EngineRefitProtocol {
   Inbox inbox_;
   std::vector<std::string> feeders_;  // mailbox ids of executor_.feeders(): bytes, hello, routes
   // Who begins, commits and ends each refit with this rank: trainer rank 0 with the transfer
-  // plan, every feeder with gather.
+  // plan (through this engine's relay, its TP rank 0, when TP > 1: runtime/relay.h), every feeder
+  // with gather.
   std::vector<std::string> control_;
+  std::vector<std::string> relayed_;  // on a relay: the TP peers it forwards to and answers for
   std::string published_export_;  // the digest of the export this rank put in the store
   Phase phase_ = Phase::kIdle;
   BeginMessage begin_;  // of the refit in flight

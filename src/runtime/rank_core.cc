@@ -255,7 +255,8 @@ ControlTraffic RankCore::control_traffic() const {
   return ControlTraffic{.store_requests = store_ ? store_->requests() : 0,
                         .mailbox_messages = mailbox_ ? mailbox_->sent() : 0,
                         .refit_store_requests = refit_store_requests_,
-                        .refit_mailbox_messages = refit_mailbox_messages_};
+                        .refit_mailbox_messages = refit_mailbox_messages_,
+                        .busiest_refit_mailbox_messages = refit_mailbox_messages_};
 }
 
 RankCore::RefitScope::RefitScope(RankCore& core)
@@ -298,6 +299,8 @@ Result<ControlTraffic> RankCore::read_control_traffic() {
     sum.mailbox_messages += t.mailbox_messages;
     sum.refit_store_requests += t.refit_store_requests;
     sum.refit_mailbox_messages += t.refit_mailbox_messages;
+    sum.busiest_refit_mailbox_messages =
+        std::max(sum.busiest_refit_mailbox_messages, t.refit_mailbox_messages);
   }
   return sum;
 }

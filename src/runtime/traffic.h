@@ -17,12 +17,14 @@ namespace refit {
 // main store connections (setup, group rendezvous, mailbox addresses, exports, traffic records;
 // not the heartbeat's and liveness checks' own connections, whose requests follow the clock: two
 // per rank every 0.5 s) and mailbox messages sent. refit_*: of those, the ones made while a refit
-// was in flight on that rank.
+// was in flight on that rank. busiest_refit_mailbox_messages: the most refit_mailbox_messages of
+// any one rank (trainer rank 0 coordinates, so this is its share: docs/protocol.md "Relays").
 struct ControlTraffic {
   std::int64_t store_requests = 0;
   std::int64_t mailbox_messages = 0;
   std::int64_t refit_store_requests = 0;
   std::int64_t refit_mailbox_messages = 0;
+  std::int64_t busiest_refit_mailbox_messages = 0;
   bool operator==(const ControlTraffic&) const = default;
 };
 

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "control/store.h"
 #include "runtime/agreement.h"
+#include "runtime/relay.h"
 
 namespace refit {
 namespace {
@@ -23,9 +24,29 @@ TrainerRefitProtocol::TrainerRefitProtocol(RankCore& core, TrainerExecutor& exec
       answers_from_(mailbox_ids(executor.answers_from())),
       coordinated_(!answers_from_.empty()),
       leader_(RankId::trainer(0).mailbox()) {
-  if (coordinated_ && core.self().rank == 0)
-    for (int r = 1; r < core.config().policy.world_size; ++r)
-      followers_.push_back(RankId::trainer(r).mailbox());
+  if (!coordinated_) return;
+  const int world = core.config().policy.world_size;
+  const int rank = core.self().rank;
+  leader_ = RankId::trainer(relay::trainer_leader(rank, world)).mailbox();
+  if (rank != 0) {
+    trainer_down_ = relay::trainer_relayed(rank, world);
+    return;
+  }
+  for (int r = 1; r < world; ++r) followers_.push_back(RankId::trainer(r).mailbox());
+  for (const std::string& id : relay::trainer_relays(world))
+    trainer_down_.push_back(RankId::from_mailbox(id, 1)->rank);
+  engine_relays_ = relay::engine_relays(executor.answers_from());
+  std::map<std::string, std::vector<std::string>> groups =
+      relay::engine_relay_groups(executor.answers_from());
+  for (auto& [relay, members] : relay::trainer_relay_groups(world))
+    groups[relay] = std::move(members);
+  inbox_.accept_relayed(groups);
+}
+
+Status TrainerRefitProtocol::tell_trainers(MessageType type, const std::string& payload) {
+  for (int r : trainer_down_)
+    REFIT_RETURN_IF_ERROR(core_.mailbox().send(RankId::trainer(r).mailbox(), type, payload));
+  return Status::Ok();
 }
 
 Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& settings,
@@ -139,7 +160,7 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   const int step = begin.step;
   const std::vector<std::string>& engines = answers_from_;
   REFIT_RETURN_IF_ERROR(executor_.before_begin(begin, shards, times));
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kBegin, encode(begin)));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engine_relays_, kBegin, encode(begin)));
   phase_ = Phase::kBegun;
   log::debug("{}: sent the begin of step {} to {} engine rank(s)", core_.id(), step,
              engines.size());
@@ -164,17 +185,22 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
           .rank = static_cast<int>(g), .digest = b.digest, .version = answers[g].delta_version});
       offered = offered || b.rank != 0;
     }
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kProceed,
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engine_relays_, kProceed,
                                      encode(ProceedMessage{.step = step, .refused = all.refused})));
   if (!offered) {
-    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), followers_, kEnginesPaused, encode(all)));
+    REFIT_RETURN_IF_ERROR(tell_trainers(kEnginesPaused, encode(all)));
   } else {
-    for (int r = 1; r < world; ++r) {
+    // A trainer relay gets its group's offers too, to hand on.
+    for (int r : trainer_down_) {
       all.delta = std::move(offers[static_cast<std::size_t>(r)]);
-      REFIT_RETURN_IF_ERROR(core_.mailbox().send(followers_[static_cast<std::size_t>(r - 1)],
-                                                 kEnginesPaused, encode(all)));
+      all.group_delta.clear();
+      for (int m : relay::trainer_relayed(r, world))
+        all.group_delta[m] = std::move(offers[static_cast<std::size_t>(m)]);
+      REFIT_RETURN_IF_ERROR(
+          core_.mailbox().send(RankId::trainer(r).mailbox(), kEnginesPaused, encode(all)));
     }
     all.delta.clear();
+    all.group_delta.clear();
   }
   if (all.refused) {
     REFIT_RETURN_IF_ERROR(abort(step, *all.refused));
@@ -208,7 +234,7 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
     REFIT_ASSIGN_OR_RETURN(sent[core_.self().mailbox()], sent_checksums(shards));
   }
   REFIT_RETURN_IF_ERROR(
-      send_to_each(core_.mailbox(), engines, kCommit, encode(CommitMessage{.step = step})));
+      send_to_each(core_.mailbox(), engine_relays_, kCommit, encode(CommitMessage{.step = step})));
   log::debug("{}: committed refit step {}", core_.id(), step);
   // Each engine verifies right after its own commit, so its verdict can overtake another
   // engine's acknowledgement: it is kept for the verdicts.
@@ -253,7 +279,7 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   if (begin.verify || checksums || staged) {
     // Every engine rank publishes, or none does: the ranks of one engine never hold two
     // versions, whichever rank's bytes failed.
-    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engines, kOutcome,
+    REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), engine_relays_, kOutcome,
                                        encode(OutcomeMessage{.step = step, .failed = failure})));
     REFIT_ASSIGN_OR_RETURN(
         const std::vector<Message> heard,
@@ -265,10 +291,9 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
                  h.weight_version, h.step, h.valid ? "" : " (invalid)");
     }
   }
-  REFIT_RETURN_IF_ERROR(
-      send_to_each(core_.mailbox(), followers_, kRefitDone,
-                   encode(RefitDoneMessage{
-                       .step = step, .failed = failure, .apply_s = apply_s, .pause_s = pause_s_})));
+  REFIT_RETURN_IF_ERROR(tell_trainers(
+      kRefitDone, encode(RefitDoneMessage{
+                      .step = step, .failed = failure, .apply_s = apply_s, .pause_s = pause_s_})));
   if (failure) refit_failure = failed_refit(StatusCode::kCorruption, step, begin.version, *failure);
   return Status::Ok();
 }
@@ -285,12 +310,26 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
       const std::vector<Message> got,
       inbox_.collect(kEnginesPaused, {leader_}, core_.timeout() * 3 + std::chrono::seconds(5),
                      fmt::format("the engines' answers to refit step {}", step)));
-  REFIT_ASSIGN_OR_RETURN(const EnginesPausedMessage all,
+  REFIT_ASSIGN_OR_RETURN(EnginesPausedMessage all,
                          decode_engines_paused(got[0].payload, got[0].from));
   if (all.step != step || all.exports.size() != answers_from_.size())
     return Status::Corruption(fmt::format(
         "{}: {} sent the engines' answers of refit step {} ({} engine rank(s)) in step {} ({})",
         core_.id(), leader_, all.step, all.exports.size(), step, answers_from_.size()));
+  // A trainer relay hands them on, each rank of its group with its own offers.
+  if (all.group_delta.empty()) {
+    REFIT_RETURN_IF_ERROR(tell_trainers(kEnginesPaused, got[0].payload));
+  } else {
+    EnginesPausedMessage theirs = all;
+    theirs.group_delta.clear();
+    for (int m : trainer_down_) {
+      const auto it = all.group_delta.find(m);
+      theirs.delta = it == all.group_delta.end() ? std::vector<DeltaBase>{} : it->second;
+      REFIT_RETURN_IF_ERROR(
+          core_.mailbox().send(RankId::trainer(m).mailbox(), kEnginesPaused, encode(theirs)));
+    }
+    all.group_delta.clear();
+  }
   if (all.refused) {
     log::warn("{}: refit step {} aborted before any byte moved: {}: {}", core_.id(), step,
               all.refused->rank.name(), all.refused->error);
@@ -323,13 +362,27 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
   if (core_.config().refit.checksum && executor_.checksums() && !begin.raw) {
     REFIT_ASSIGN_OR_RETURN(sent.checksums, sent_checksums(shards));
   }
-  REFIT_RETURN_IF_ERROR(core_.mailbox().send(leader_, kSent, encode(sent)));
+  if (trainer_down_.empty()) {
+    REFIT_RETURN_IF_ERROR(core_.mailbox().send(leader_, kSent, encode(sent)));
+  } else {
+    // A trainer relay: its group's sent, its own first, in one relayed message.
+    std::vector<std::string> group;
+    for (int m : trainer_down_) group.push_back(RankId::trainer(m).mailbox());
+    REFIT_ASSIGN_OR_RETURN(std::vector<Message> all_sent,
+                           inbox_.collect(kSent, group, core_.timeout(),
+                                          fmt::format("its group's bytes of refit step {}", step)));
+    all_sent.insert(
+        all_sent.begin(),
+        Message{.type = kSent, .from = core_.self().mailbox(), .payload = encode(sent)});
+    REFIT_RETURN_IF_ERROR(send_relayed(core_.mailbox(), leader_, all_sent));
+  }
   // Trainer rank 0 waits for every trainer rank's bytes, then each engine rank's commit, verdict
   // and outcome, each wait bounded by refit.timeout_s (the verdicts: 4 x): longer than that.
   REFIT_ASSIGN_OR_RETURN(
       const std::vector<Message> done,
       inbox_.collect(kRefitDone, {leader_}, core_.timeout() * 8 + std::chrono::seconds(5),
                      fmt::format("the end of refit step {}", step)));
+  REFIT_RETURN_IF_ERROR(tell_trainers(kRefitDone, done[0].payload));
   REFIT_ASSIGN_OR_RETURN(const RefitDoneMessage d,
                          decode_refit_done(done[0].payload, done[0].from));
   if (d.step != step)
@@ -520,7 +573,8 @@ Status TrainerRefitProtocol::shutdown() {
   const std::vector<std::string>& to = !coordinated_            ? targets_
                                        : core_.self().rank == 0 ? answers_from_
                                                                 : none;
-  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), to, kShutdown, encode(ShutdownMessage{})));
+  REFIT_RETURN_IF_ERROR(send_to_each(core_.mailbox(), coordinated_ ? engine_relays_ : targets_,
+                                     kShutdown, encode(ShutdownMessage{})));
   REFIT_ASSIGN_OR_RETURN(const std::vector<Message> left,
                          inbox_.collect(kLeaving, to, core_.timeout(), "engine exits"));
   for (const Message& m : left) REFIT_RETURN_IF_ERROR(decode_leaving(m.payload, m.from).status());

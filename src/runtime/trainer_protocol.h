@@ -69,6 +69,8 @@ class TrainerRefitProtocol {
               double& apply_s, Status& refit_failure);
   Status follow(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times,
                 double& apply_s, Status& refit_failure);
+  // Sends `payload` as `type` to trainer_down_.
+  Status tell_trainers(MessageType type, const std::string& payload);
   // Every engine rank's answer to the begin of `step` (trainer rank 0), in engine rank order.
   Result<std::vector<PausedMessage>> collect_paused(int step);
   // Hands the executor every engine rank's answer, the exports it does not hold read in full
@@ -94,8 +96,17 @@ class TrainerRefitProtocol {
   std::vector<std::string> answers_from_;  // of executor_.answers_from()
   // The transfer plan: trainer rank 0 coordinates (answers_from_ is every engine rank).
   bool coordinated_ = false;
-  std::string leader_;                  // "trainer/0"
+  // Who this rank hears the engines' answers and the refit's end from, and tells that its bytes
+  // moved: trainer rank 0, or its group's relay (runtime/relay.h).
+  std::string leader_;
   std::vector<std::string> followers_;  // on trainer rank 0: every other trainer rank
+  // On trainer rank 0: who its messages to the other trainer ranks go to (the first group's
+  // ranks and the other groups' relays). On a trainer relay: the ranks of its group it hands
+  // them on to and answers for.
+  std::vector<int> trainer_down_;
+  // On trainer rank 0: where each phase's message to the engine ranks goes — their relays with
+  // TP > 1 (runtime/relay.h), else every engine rank.
+  std::vector<std::string> engine_relays_;
   Phase phase_ = Phase::kIdle;
   double pause_s_ = 0;  // pause_seconds()
   int outcomes_ = 0;  // refits of this epoch whose outcome the ranks shared: namespaces their keys
