@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include <sys/epoll.h>
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -23,6 +24,7 @@
 #include <optional>
 #include <thread>
 #include <tuple>
+
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -69,12 +71,14 @@ Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options
     };
   std::string who = g.who;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<lane::Gate> gate, lane::Gate::open(std::move(g)));
-  return std::unique_ptr<LaneInbox>(new LaneInbox(std::move(who), std::move(gate), throttle));
-}
-
-void LaneInbox::poll_fds(std::vector<int>& fds) const {
-  fds.push_back(gate_->ready_fd());
-  for (const Lane& l : lanes_) fds.push_back(l.reader.fd());
+  lane::Fd ready(::epoll_create1(EPOLL_CLOEXEC));
+  if (ready.get() < 0)
+    return Status::IOError(fmt::format("{}: epoll_create1: {}", who, errno_text(errno)));
+  epoll_event ev{.events = EPOLLIN, .data = {.fd = gate->ready_fd()}};
+  if (::epoll_ctl(ready.get(), EPOLL_CTL_ADD, gate->ready_fd(), &ev) != 0)
+    return Status::IOError(fmt::format("{}: epoll_ctl: {}", who, errno_text(errno)));
+  return std::unique_ptr<LaneInbox>(
+      new LaneInbox(std::move(who), std::move(gate), std::move(ready), throttle));
 }
 
 bool LaneInbox::close_lane(const Lane& lane, const std::string& why) {
@@ -109,28 +113,42 @@ bool LaneInbox::read(Lane& lane, std::deque<Message>& out) {
 }
 
 void LaneInbox::pump(std::deque<Message>& out) {
-  for (auto it = lanes_.begin(); it != lanes_.end();) {
-    if (read(*it, out)) {
-      ++it;
-    } else {
-      it = lanes_.erase(it);
-      changed_ = true;
+  std::array<epoll_event, 64> ready{};
+  const int n = ::epoll_wait(ready_.get(), ready.data(), static_cast<int>(ready.size()), 0);
+  for (int i = 0; i < n; ++i) {
+    const int fd = ready[static_cast<std::size_t>(i)].data.fd;
+    if (fd == gate_->ready_fd()) {
+      take_accepted(out);
+      continue;
     }
+    const auto it = lanes_.find(fd);
+    if (it == lanes_.end() || read(it->second, out)) continue;
+    // Closing the descriptor takes it out of the epoll set.
+    lanes_.erase(it);
   }
+}
+
+void LaneInbox::take_accepted(std::deque<Message>& out) {
   for (lane::Accepted& a : gate_->take()) {
     // One live lane per sender: a sender opens a new one only after its old one failed, so what
     // the old one still holds is taken first, then it is closed.
     for (auto it = lanes_.begin(); it != lanes_.end(); ++it) {
-      if (it->from != a.from) continue;
-      for (int k = 0; k < 16 && read(*it, out); ++k) {
+      if (it->second.from != a.from) continue;
+      for (int k = 0; k < 16 && read(it->second, out); ++k) {
       }
       log::debug("{}: a new same-host lane from '{}' replaces its old one", who_,
                  log::escape(a.from));
       lanes_.erase(it);
       break;
     }
-    lanes_.push_back(Lane{lane::Reader(std::move(a.fd), std::move(a.seal)), std::move(a.from)});
-    changed_ = true;
+    const int fd = a.fd.get();
+    epoll_event ev{.events = EPOLLIN, .data = {.fd = fd}};
+    if (::epoll_ctl(ready_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+      close_lane(Lane{lane::Reader(std::move(a.fd), std::move(a.seal)), std::move(a.from)},
+                 fmt::format("epoll_ctl: {}", errno_text(errno)));
+      continue;
+    }
+    lanes_.emplace(fd, Lane{lane::Reader(std::move(a.fd), std::move(a.seal)), std::move(a.from)});
   }
 }
 
@@ -482,17 +500,13 @@ class ZmqMailbox final : public Mailbox {
   std::int64_t lane_messages() const override { return lanes_in_ ? lanes_in_->messages() : 0; }
 
  private:
-  // What receive() waits on: the PULL socket and its monitor, the lane gate and the lanes.
+  // What receive() waits on: the PULL socket and its monitor, and the lanes' epoll set (the lane
+  // gate and every lane).
   std::vector<zmq_pollitem_t>& poll_items() {
-    if (items_.empty() || (lanes_in_ && lanes_in_->changed())) {
+    if (items_.empty()) {
       items_.assign({zmq_pollitem_t{zmq_in_.socket(), 0, ZMQ_POLLIN, 0},
                      zmq_pollitem_t{zmq_in_.monitor(), 0, ZMQ_POLLIN, 0}});
-      if (lanes_in_) {
-        std::vector<int> fds;
-        lanes_in_->poll_fds(fds);
-        for (int fd : fds) items_.push_back(zmq_pollitem_t{nullptr, fd, ZMQ_POLLIN, 0});
-        lanes_in_->mark_polled();
-      }
+      if (lanes_in_) items_.push_back(zmq_pollitem_t{nullptr, lanes_in_->poll_fd(), ZMQ_POLLIN, 0});
     }
     return items_;
   }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -81,15 +82,15 @@ class LaneInbox {
   static Result<std::unique_ptr<LaneInbox>> open(const MailboxOptions& options, SenderKeys* keys,
                                                  log::Throttle& throttle);
   const std::string& address() const { return gate_->address(); }
-  // Takes proved lanes from the gate and every whole frame the lanes hold into `out`. A lane that
-  // ends, breaks the framing or fails a tag is closed (the latter two, and a lane cut mid-frame,
-  // logged and counted).
+  // Takes proved lanes from the gate and every whole frame the ready lanes hold into `out`. A
+  // lane that ends, breaks the framing or fails a tag is closed (the latter two, and a lane cut
+  // mid-frame, logged and counted). Only lanes with something to read are read: the cost is
+  // that of the lanes that are ready, not of every lane (a rank of a large run holds one per
+  // peer it ever talked to).
   void pump(std::deque<Message>& out);
-  // What receive() polls: the gate's ready descriptor, then every lane.
-  void poll_fds(std::vector<int>& fds) const;
-  // Whether the lane set changed since mark_polled().
-  bool changed() const { return changed_; }
-  void mark_polled() { changed_ = false; }
+  // What receive() polls: one descriptor, readable while the gate or any lane is (an epoll set
+  // of the gate's ready descriptor and every lane).
+  int poll_fd() const { return ready_.get(); }
   // Connections refused or closed: by the gate, or after their hello.
   std::int64_t dropped() const { return gate_->refused() + closed_.load(); }
   std::int64_t messages() const { return messages_.load(); }
@@ -100,16 +101,22 @@ class LaneInbox {
     lane::Reader reader;
     std::string from;
   };
-  LaneInbox(std::string who, std::unique_ptr<lane::Gate> gate, log::Throttle& throttle)
-      : who_(std::move(who)), gate_(std::move(gate)), throttle_(throttle) {}
+  LaneInbox(std::string who, std::unique_ptr<lane::Gate> gate, lane::Fd ready,
+            log::Throttle& throttle)
+      : who_(std::move(who)),
+        gate_(std::move(gate)),
+        ready_(std::move(ready)),
+        throttle_(throttle) {}
   // Reads `lane`'s frames into `out`; false when it is to be closed.
   bool read(Lane& lane, std::deque<Message>& out);
   bool close_lane(const Lane& lane, const std::string& why);
+  // Takes the lanes the gate proved; each joins the epoll set.
+  void take_accepted(std::deque<Message>& out);
 
   const std::string who_;
   std::unique_ptr<lane::Gate> gate_;
-  std::vector<Lane> lanes_;  // receive thread
-  bool changed_ = true;
+  lane::Fd ready_;             // the epoll set (poll_fd)
+  std::map<int, Lane> lanes_;  // by descriptor; receive thread
   std::atomic<std::int64_t> closed_{0};
   std::atomic<std::int64_t> messages_{0};
   log::Throttle& throttle_;  // the mailbox's
