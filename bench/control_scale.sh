@@ -3,10 +3,13 @@
 # ranks feeding T/4 engines of TP 4 (2T processes), for each process count given (default 32 and
 # 256), with --verify and refit.checksum. Prints each run's `control` counters from the JSON report
 # and, per rank and refit, the mailbox messages and store requests; the store requests per rank
-# and second of refit time; and the median refit, each with the ratio to the first run. Flat
-# means a ratio near 1.
+# and second of refit time; the messages per refit of the busiest rank (trainer rank 0, through
+# relays: docs/protocol.md "Relays"); and the median refit, each with the ratio to the first run.
+# Flat means a ratio near 1.
 #
 #   bench/control_scale.sh [REFIT] [PROCESSES...]      e.g. bench/control_scale.sh build/src/refit 32 256
+# STEPS (default 3) refits per run; CHECKSUM=false and VERIFY=0 take refit.checksum and --verify
+# out, to see what each adds.
 #
 # A run of N processes needs about 32 N threads (ulimit -u) and 8 N file descriptors per rank's
 # peers (refit raises both soft limits when the hard ones allow).
@@ -17,6 +20,8 @@ shift || true
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(32 256)
 steps=${STEPS:-3}
+checksum=${CHECKSUM:-true}                  # refit.checksum
+verify=--verify; [ "${VERIFY:-1}" = 1 ] || verify=""
 work=$(mktemp -d "${TMPDIR:-/tmp}/refit-control-scale-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
@@ -34,10 +39,10 @@ device: cpu
 seed: 11
 policy: {backend: fsdp2, world_size: $t, dtype: float32}
 generation: {backend: sglang, colocated: false, num_engines: $((t / 4)), tp_size: 4}
-refit: {target_precision: bf16, buffer_size_bytes: 65536, timeout_s: 120, checksum: true}
+refit: {target_precision: bf16, buffer_size_bytes: 65536, timeout_s: 120, checksum: $checksum}
 YAML
   start=$(date +%s.%N)
-  if ! "$refit" run "$work/config-$n.yaml" --steps "$steps" --verify --json "$work/report-$n.json" \
+  if ! "$refit" run "$work/config-$n.yaml" --steps "$steps" ${verify:+"$verify"} --json "$work/report-$n.json" \
       > "$work/log-$n.txt" 2>&1; then
     echo "control_scale.sh: the run of $n processes failed; its first errors:" >&2
     grep -m 15 -E "error|refused|cannot|limit" "$work/log-$n.txt" >&2 || tail -20 "$work/log-$n.txt" >&2
@@ -46,12 +51,13 @@ YAML
     exit 1
   fi
   secs=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }')
-  read -r sr mm rsr rmm med tot < <(python3 - "$work/report-$n.json" <<'PY'
+  read -r sr mm rsr rmm med tot busy < <(python3 - "$work/report-$n.json" <<'PY'
 import json, sys, statistics
 r = json.load(open(sys.argv[1]))
 c = r["control"]
 print(c["store_requests"], c["mailbox_messages"], c["refit_store_requests"],
-      c["refit_mailbox_messages"], statistics.median(r["refit_seconds"]), sum(r["refit_seconds"]))
+      c["refit_mailbox_messages"], statistics.median(r["refit_seconds"]), sum(r["refit_seconds"]),
+      c["busiest_refit_mailbox_messages"])
 PY
 )
   msg=$(awk -v m="$rmm" -v n="$n" -v s="$steps" 'BEGIN { printf "%.3f", m / n / s }')
@@ -62,12 +68,13 @@ PY
   rreq=$(awk -v a="$req" -v b="$base_req" 'BEGIN { printf "%.2f", b == 0 ? 0 : a / b }')
   rrps=$(awk -v a="$rps" -v b="$base_rps" 'BEGIN { printf "%.2f", b == 0 ? 0 : a / b }')
   rmed=$(awk -v a="$med" -v b="$base_med" 'BEGIN { printf "%.2f", a / b }')
-  rows+=("$(printf '| %5d | %3d -> %2d x TP 4 | %8d | %8d | %6.3f | %5.2f | %6.3f | %5.2f | %7.2f | %5.2f | %6.3f | %5.2f | %6.1f |' \
-    "$n" "$t" "$((t / 4))" "$sr" "$mm" "$msg" "$rmsg" "$req" "$rreq" "$rps" "$rrps" "$med" "$rmed" "$secs")")
+  busy=$(awk -v b="$busy" -v s="$steps" 'BEGIN { printf "%.0f", b / s }')
+  rows+=("$(printf '| %5d | %3d -> %2d x TP 4 | %8d | %8d | %6.3f | %5.2f | %5d | %6.3f | %5.2f | %7.2f | %5.2f | %6.3f | %5.2f | %6.1f |' \
+    "$n" "$t" "$((t / 4))" "$sr" "$mm" "$msg" "$rmsg" "$busy" "$req" "$rreq" "$rps" "$rrps" "$med" "$rmed" "$secs")")
 done
 
-echo "refit control plane, $steps refits with --verify and refit.checksum, $(nproc) cores"
+echo "refit control plane, $steps refits (${verify:-no --verify}, refit.checksum: $checksum), $(nproc) cores"
 echo
-echo "| processes | ranks | store requests | mailbox messages | msgs / rank / refit | ratio | store reqs / rank / refit | ratio | store reqs / rank / s in refits | ratio | median refit s | ratio | run s |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| processes | ranks | store requests | mailbox messages | msgs / rank / refit | ratio | busiest rank's msgs / refit | store reqs / rank / refit | ratio | store reqs / rank / s in refits | ratio | median refit s | ratio | run s |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do echo "$r"; done
