@@ -156,7 +156,8 @@ TEST(Fuzz, ControlMessageDecoders) {
   expect_both(
       "committed",
       fuzz(105,
-           encode(CommittedMessage{.step = 2, .apply_s = 0.5, .checksums = {{"trainer/0", "ab"}}}),
+           encode(CommittedMessage{
+               .step = 2, .apply_s = 0.5, .checksums = "trainer/0=ab", .checksum_sum = 0xab}),
            true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
   const FailureOrigin failed{
       .rank = RankId::engine(3, 2), .code = StatusCode::kCorruption, .error = "x"};

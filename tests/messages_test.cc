@@ -100,14 +100,23 @@ TEST(Messages, RoundTrip) {
   auto c = decode_commit(encode(CommitMessage{.step = 2}), "trainer/1");
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->step, 2);
-  auto cd = decode_committed(
-      encode(CommittedMessage{
-          .step = 2, .apply_s = 0.25, .checksums = {{"trainer/1", "00000000000000ff"}}}),
-      "engine/0");
+  auto cd =
+      decode_committed(encode(CommittedMessage{
+                           .step = 2,
+                           .apply_s = 0.25,
+                           .checksums = encode_pair_checksums({{"trainer/1", "00000000000000ff"}}),
+                           .checksum_sum = 0xff}),
+                       "engine/0");
   ASSERT_TRUE(cd.ok());
   EXPECT_EQ(cd->step, 2);
   EXPECT_DOUBLE_EQ(cd->apply_s, 0.25);
-  EXPECT_EQ(cd->checksums, (std::map<std::string, std::string>{{"trainer/1", "00000000000000ff"}}));
+  EXPECT_EQ(cd->checksum_sum, std::optional<std::uint64_t>(0xff));
+  auto by_feeder = decode_pair_checksums(cd->checksums, "engine/0");
+  ASSERT_TRUE(by_feeder.ok()) << by_feeder.status().to_string();
+  EXPECT_EQ(*by_feeder, (std::map<std::string, std::string>{{"trainer/1", "00000000000000ff"}}));
+  auto unsummed = decode_committed(encode(CommittedMessage{.step = 2}), "engine/0");
+  ASSERT_TRUE(unsummed.ok()) << unsummed.status().to_string();
+  EXPECT_FALSE(unsummed->checksum_sum.has_value());
 
   // Between trainer ranks (transfer plan).
   const FailureOrigin refused{
@@ -165,10 +174,13 @@ TEST(Messages, RoundTrip) {
   no_delta.erase("delta");
   EXPECT_FALSE(decode_engines_paused(no_delta.dump(), "trainer/0").ok());
 
-  auto sent =
-      decode_sent(encode(SentMessage{.step = 4, .checksums = {{"engine/1", "ff"}}}), "trainer/2");
+  auto sent = decode_sent(encode(SentMessage{.step = 4,
+                                             .checksums = "engine/1=00000000000000ff",
+                                             .sums = {{"engine/1", ~std::uint64_t{0}}}}),
+                          "trainer/2");
   ASSERT_TRUE(sent.ok()) << sent.status().to_string();
-  EXPECT_EQ(sent->checksums.at("engine/1"), "ff");
+  EXPECT_EQ(sent->checksums, "engine/1=00000000000000ff");
+  EXPECT_EQ(sent->sums.at("engine/1"), ~std::uint64_t{0});
   auto done = decode_refit_done(
       encode(RefitDoneMessage{.step = 4, .failed = std::nullopt, .apply_s = 0.5}), "trainer/0");
   ASSERT_TRUE(done.ok()) << done.status().to_string();
@@ -254,6 +266,24 @@ TEST(Messages, RelayedAnswersRoundTripAndMalformedOnesAreRefused) {
     EXPECT_NE(bad.status().message().find("engine/4"), std::string::npos)
         << bad.status().to_string();
   }
+}
+
+// Pair checksums travel as one string; a malformed one is refused naming its sender.
+TEST(Messages, PairChecksumsRoundTripAndMalformedOnesAreRefused) {
+  const std::map<std::string, std::string> pairs{{"engine/0", "0123456789abcdef"},
+                                                 {"engine/12", "fedcba9876543210"}};
+  auto back = decode_pair_checksums(encode_pair_checksums(pairs), "trainer/3");
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(*back, pairs);
+  EXPECT_TRUE(decode_pair_checksums("", "trainer/3")->empty());
+  for (const char* bad : {"engine/0", "=ff", "engine/0=", "engine/0=1,engine/0=2", "a=1,,b=2"}) {
+    auto r = decode_pair_checksums(bad, "trainer/3");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("trainer/3"), std::string::npos) << r.status().to_string();
+  }
+  EXPECT_EQ(*checksum_value("00000000000000ff", "x"), 0xffu);
+  EXPECT_FALSE(checksum_value("ff", "x").ok());
+  EXPECT_FALSE(checksum_value("000000000000000g", "x").ok());
 }
 
 // To a trainer relay, engines-paused carries the offers of each rank of its group as well.

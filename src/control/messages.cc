@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/log.h"
+
 namespace refit {
 namespace {
 
@@ -275,7 +277,7 @@ std::string encode(const EnginesPausedMessage& m) {
                {"group_delta", std::move(group)}});
 }
 std::string encode(const SentMessage& m) {
-  return dump({{"step", m.step}, {"checksums", m.checksums}});
+  return dump({{"step", m.step}, {"checksums", m.checksums}, {"sums", m.sums}});
 }
 std::string encode(const RefitDoneMessage& m) {
   return dump({{"step", m.step},
@@ -299,7 +301,8 @@ std::string encode(const CommittedMessage& m) {
   return dump({{"step", m.step},
                {"apply_s", m.apply_s},
                {"pause_s", m.pause_s},
-               {"checksums", m.checksums}});
+               {"checksums", m.checksums},
+               {"checksum_sum", m.checksum_sum ? Json(*m.checksum_sum) : Json()}});
 }
 std::string encode(const VerifiedMessage& m) {
   return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
@@ -519,6 +522,15 @@ Result<SentMessage> decode_sent(const std::string& payload, const std::string& f
   r.get("step", m.step);
   r.get("checksums", m.checksums);
   if (!r.status().ok()) return r.status();
+  const auto sums = r.json().find("sums");
+  if (sums == r.json().end() || !sums->is_object())
+    return protocol_error(fmt::format("sent message from {} has no object 'sums'", from));
+  for (const auto& [target, sum] : sums->items()) {
+    if (!sum.is_number_unsigned())
+      return protocol_error(fmt::format(
+          "sent message from {}: the sum for '{}' is not an unsigned integer", from, target));
+    m.sums[target] = sum.get<std::uint64_t>();
+  }
   return m;
 }
 
@@ -579,6 +591,12 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
   r.get("pause_s", m.pause_s);
   r.get("checksums", m.checksums);
   if (!r.status().ok()) return r.status();
+  const auto sum = r.json().find("checksum_sum");
+  if (sum == r.json().end() || !(sum->is_null() || sum->is_number_unsigned()))
+    return protocol_error(fmt::format(
+        "committed message from {} has no field 'checksum_sum' (an unsigned integer or null)",
+        from));
+  if (!sum->is_null()) m.checksum_sum = sum->get<std::uint64_t>();
   return m;
 }
 
@@ -643,6 +661,45 @@ Result<RelayedMessage> decode_relayed(const std::string& payload, const std::str
                                       .payload = e[2].get<std::string>()});
   }
   return m;
+}
+
+std::string encode_pair_checksums(const std::map<std::string, std::string>& by_peer) {
+  std::string out;
+  for (const auto& [peer, sum] : by_peer) {
+    if (!out.empty()) out += ',';
+    out += peer;
+    out += '=';
+    out += sum;
+  }
+  return out;
+}
+
+Result<std::map<std::string, std::string>> decode_pair_checksums(const std::string& encoded,
+                                                                 const std::string& from) {
+  std::map<std::string, std::string> out;
+  std::size_t at = 0;
+  while (at < encoded.size()) {
+    std::size_t end = encoded.find(',', at);
+    if (end == std::string::npos) end = encoded.size();
+    const std::string_view one(encoded.data() + at, end - at);
+    const std::size_t eq = one.rfind('=');
+    if (eq == std::string_view::npos || eq == 0 || eq + 1 == one.size() ||
+        !out.emplace(std::string(one.substr(0, eq)), std::string(one.substr(eq + 1))).second)
+      return protocol_error(
+          fmt::format("checksums from {}: '{}' is not one <peer>=<checksum> of a peer named once",
+                      from, log::escape(std::string(one.substr(0, 80)))));
+    at = end + 1;
+  }
+  return out;
+}
+
+Result<std::uint64_t> checksum_value(const std::string& hex, const std::string& from) {
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
+  if (hex.size() != 16 || ec != std::errc() || end != hex.data() + hex.size())
+    return protocol_error(
+        fmt::format("checksums from {}: '{}' is not 16 hex digits", from, log::escape(hex)));
+  return v;
 }
 
 }  // namespace refit

@@ -147,12 +147,24 @@ struct EnginesPausedMessage {
   std::map<int, std::vector<DeltaBase>> group_delta;
 };
 
-// trainer rank -> trainer rank 0 (transfer plan): every byte this rank sends in refit `step`
-// moved. With refit.checksum, `checksums` holds its checksum (16 hex digits) of what it sent each
-// target, by the target's mailbox id.
+// refit.checksum's checksums of the pairs of one rank as they travel (SentMessage,
+// CommittedMessage): "<peer mailbox id>=<16 hex digits>" joined by ',', one string, so that a rank
+// that compares only their sums never takes them apart (docs/protocol.md, "Relays").
+std::string encode_pair_checksums(const std::map<std::string, std::string>& by_peer);
+Result<std::map<std::string, std::string>> decode_pair_checksums(const std::string& encoded,
+                                                                 const std::string& from);
+// The value of a checksum as 16 hex digits; kCorruption naming `from` otherwise.
+Result<std::uint64_t> checksum_value(const std::string& hex, const std::string& from);
+
+// trainer rank -> trainer rank 0 (transfer plan; through its group's relay): every byte this rank
+// sends in refit `step` moved. With refit.checksum, `checksums` holds its checksum of what it sent
+// each target (encode_pair_checksums), and `sums` per target the sum (mod 2^64) of the checksums
+// of its pairs — a trainer relay's, of its whole group's pairs — which trainer rank 0 compares
+// with each engine rank's sum.
 struct SentMessage {
   int step = 0;
-  std::map<std::string, std::string> checksums;
+  std::string checksums;
+  std::map<std::string, std::uint64_t> sums;
 };
 
 // trainer rank 0 -> every other trainer rank (transfer plan): refit `step` is over on every
@@ -201,9 +213,11 @@ struct CommittedMessage {
   // at its commit; else the outcome-heard carries the whole pause).
   double pause_s = 0;
   // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte each feeder sent
-  // it in this refit, as 16 hex digits, by the feeder's mailbox id; empty when checksums are off.
-  // Trainer rank 0 compares each with the feeder's own (SentMessage).
-  std::map<std::string, std::string> checksums;
+  // it in this refit, by the feeder's mailbox id (encode_pair_checksums), and their sum (mod
+  // 2^64); empty and unset when checksums are off. Trainer rank 0 compares the sum with what the
+  // feeders sent (SentMessage), and each checksum with its feeder's only when the sums differ.
+  std::string checksums;
+  std::optional<std::uint64_t> checksum_sum;
 };
 
 // engine -> feeder: the verification verdict of refit `step`.

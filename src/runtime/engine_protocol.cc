@@ -325,12 +325,16 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   const bool staged = weights_.staged();
   const bool agreed = !raw && (begin_.verify || checksums || staged);
   std::map<std::string, std::string> landed;  // per feeder
-  if (checksums)
+  std::optional<std::uint64_t> landed_sum;    // of every feeder's (mod 2^64)
+  if (checksums) {
+    landed_sum = 0;
     for (std::size_t i = 0; i < feeders_.size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum,
                              executor_.checksum_from(i, landing_->ptrs()));
       landed[feeders_[i]] = fmt::format("{:016x}", sum);
+      *landed_sum += sum;
     }
+  }
   // A bench's bare pass copies the staging area in without hooks.
   if (staged && raw) REFIT_RETURN_IF_ERROR(weights_.copy_staged());
   // Every byte landed: the engine's load_weights takes them before anything is published or
@@ -343,11 +347,13 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   stats_.bytes = traffic_.bytes_received;
   stats_.checksums_matched = 0;
   // A TP peer's verdict may overtake another's acknowledgement on a relay: it is kept.
-  REFIT_RETURN_IF_ERROR(reply(
-      control_, kCommitted,
-      encode(CommittedMessage{
-          .step = step, .apply_s = stats_.apply_s, .pause_s = stats_.pause_s, .checksums = landed}),
-      core_.timeout(), {kVerified}));
+  REFIT_RETURN_IF_ERROR(reply(control_, kCommitted,
+                              encode(CommittedMessage{.step = step,
+                                                      .apply_s = stats_.apply_s,
+                                                      .pause_s = stats_.pause_s,
+                                                      .checksums = encode_pair_checksums(landed),
+                                                      .checksum_sum = landed_sum}),
+                              core_.timeout(), {kVerified}));
   phase_ = Phase::kCommitted;
   log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);
   if (!agreed) return Status::Ok();

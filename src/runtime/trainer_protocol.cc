@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <set>
 
 #include "common/log.h"
 #include "control/store.h"
@@ -213,8 +214,18 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   REFIT_RETURN_IF_ERROR(executor_.send(begin, shards, times));
   phase_ = Phase::kSent;
   const bool checksums = core_.config().refit.checksum && executor_.checksums() && !begin.raw;
-  // What every trainer rank sent, by trainer mailbox id, then target mailbox id.
-  std::map<std::string, std::map<std::string, std::string>> sent;
+  // refit.checksum: what every trainer rank sent each target (encoded, by trainer mailbox id), and
+  // per target the sum of its pairs' checksums. The sums come from the ranks trainer rank 0 hears
+  // directly: a trainer relay's covers its whole group.
+  std::map<std::string, std::string> sent;
+  std::map<std::string, std::uint64_t> expected;
+  std::set<std::string> direct;
+  for (int r : trainer_down_) direct.insert(RankId::trainer(r).mailbox());
+  auto take_sent = [&](const std::string& from, SentMessage s) {
+    if (direct.count(from) != 0 || from == core_.self().mailbox())
+      for (const auto& [target, sum] : s.sums) expected[target] += sum;
+    sent[from] = std::move(s.checksums);
+  };
   REFIT_RETURN_IF_ERROR(
       inbox_
           .collect(kSent, followers_, core_.timeout(),
@@ -225,13 +236,14 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
                        return Status::Corruption(
                            fmt::format("{}: {} sent the bytes of refit step {} in step {}",
                                        core_.id(), m.from, s.step, step));
-                     sent[m.from] = std::move(s.checksums);
+                     take_sent(m.from, std::move(s));
                      return Status::Ok();
                    })
           .status());
   if (!begin.raw) core_.probe().before_commit(step);
   if (checksums) {
-    REFIT_ASSIGN_OR_RETURN(sent[core_.self().mailbox()], sent_checksums(shards));
+    REFIT_ASSIGN_OR_RETURN(SentMessage mine, sent_message(step, shards));
+    take_sent(core_.self().mailbox(), std::move(mine));
   }
   REFIT_RETURN_IF_ERROR(
       send_to_each(core_.mailbox(), engine_relays_, kCommit, encode(CommitMessage{.step = step})));
@@ -241,31 +253,15 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   REFIT_ASSIGN_OR_RETURN(
       const std::vector<Message> acks,
       inbox_.collect(kCommitted, engines, core_.timeout(), "commit acknowledgements", {kVerified}));
-  const int tp = core_.config().generation.tp_size;
   std::optional<FailureOrigin> failure;
   for (const Message& ack : acks) {
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(ack.payload, ack.from));
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
     if (!checksums || failure) continue;
-    for (const auto& [feeder, landed] : c.checksums) {
-      const auto by_feeder = sent.find(feeder);
-      const std::string* mine = nullptr;
-      if (by_feeder != sent.end()) {
-        const auto it = by_feeder->second.find(ack.from);
-        if (it != by_feeder->second.end()) mine = &it->second;
-      }
-      if (mine != nullptr && *mine == landed) continue;
-      const std::optional<RankId> f = RankId::from_mailbox(feeder, 1);
-      failure = FailureOrigin{
-          .rank = *RankId::from_mailbox(ack.from, tp),
-          .code = StatusCode::kCorruption,
-          .error = fmt::format("checksum mismatch in refit step {}: the bytes {} sent (checksum "
-                               "{}) arrived as checksum {} (refit.checksum)",
-                               step, f ? f->name() : feeder, mine ? *mine : "(none)",
-                               landed.empty() ? "(none)" : landed)};
-      break;
-    }
+    const auto want = expected.find(ack.from);
+    if (c.checksum_sum && want != expected.end() && *c.checksum_sum == want->second) continue;
+    REFIT_ASSIGN_OR_RETURN(failure, checksum_mismatch(step, ack.from, c, sent));
   }
   log::debug("{}: every engine rank acknowledged the commit of refit step {}", core_.id(), step);
   phase_ = Phase::kCommitted;
@@ -360,7 +356,7 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
   if (!begin.raw) core_.probe().before_commit(step);
   SentMessage sent{.step = step};
   if (core_.config().refit.checksum && executor_.checksums() && !begin.raw) {
-    REFIT_ASSIGN_OR_RETURN(sent.checksums, sent_checksums(shards));
+    REFIT_ASSIGN_OR_RETURN(sent, sent_message(step, shards));
   }
   if (trainer_down_.empty()) {
     REFIT_RETURN_IF_ERROR(core_.mailbox().send(leader_, kSent, encode(sent)));
@@ -371,6 +367,11 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
     REFIT_ASSIGN_OR_RETURN(std::vector<Message> all_sent,
                            inbox_.collect(kSent, group, core_.timeout(),
                                           fmt::format("its group's bytes of refit step {}", step)));
+    // Its own sums become the group's: trainer rank 0 adds the relay's sums alone.
+    for (const Message& m : all_sent) {
+      REFIT_ASSIGN_OR_RETURN(const SentMessage theirs, decode_sent(m.payload, m.from));
+      for (const auto& [target, sum] : theirs.sums) sent.sums[target] += sum;
+    }
     all_sent.insert(
         all_sent.begin(),
         Message{.type = kSent, .from = core_.self().mailbox(), .payload = encode(sent)});
@@ -428,14 +429,46 @@ Status TrainerRefitProtocol::take_answers(int step, std::vector<PausedMessage>& 
   return executor_.take_answers(answers);
 }
 
-Result<std::map<std::string, std::string>> TrainerRefitProtocol::sent_checksums(
-    const std::vector<void*>& shards) {
-  std::map<std::string, std::string> out;
+Result<SentMessage> TrainerRefitProtocol::sent_message(int step, const std::vector<void*>& shards) {
+  SentMessage sent{.step = step};
+  std::map<std::string, std::string> pairs;
   for (std::size_t i = 0; i < targets_.size(); ++i) {
     REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_.checksum_to(i, shards));
-    out[targets_[i]] = fmt::format("{:016x}", sum);
+    pairs[targets_[i]] = fmt::format("{:016x}", sum);
+    sent.sums[targets_[i]] += sum;
   }
-  return out;
+  sent.checksums = encode_pair_checksums(pairs);
+  return sent;
+}
+
+// The sums of engine rank `engine`'s pairs differ (or it sent none): its checksum of each feeder's
+// bytes against that feeder's own, the first that differs named.
+Result<FailureOrigin> TrainerRefitProtocol::checksum_mismatch(
+    int step, const std::string& engine, const CommittedMessage& c,
+    const std::map<std::string, std::string>& sent) {
+  const int tp = core_.config().generation.tp_size;
+  FailureOrigin failure{.rank = *RankId::from_mailbox(engine, tp), .code = StatusCode::kCorruption};
+  REFIT_ASSIGN_OR_RETURN(const auto landed, decode_pair_checksums(c.checksums, engine));
+  for (const auto& [feeder, got] : landed) {
+    std::optional<std::string> mine;
+    if (const auto by_feeder = sent.find(feeder); by_feeder != sent.end()) {
+      REFIT_ASSIGN_OR_RETURN(const auto theirs, decode_pair_checksums(by_feeder->second, feeder));
+      if (const auto it = theirs.find(engine); it != theirs.end()) mine = it->second;
+    }
+    if (mine == got) continue;
+    const std::optional<RankId> f = RankId::from_mailbox(feeder, 1);
+    failure.error = fmt::format(
+        "checksum mismatch in refit step {}: the bytes {} sent (checksum {}) arrived as checksum "
+        "{} (refit.checksum)",
+        step, f ? f->name() : feeder, mine.value_or("(none)"), got.empty() ? "(none)" : got);
+    return failure;
+  }
+  failure.error = fmt::format(
+      "checksum mismatch in refit step {}: the checksums of the bytes {} feeder(s) sent add up to "
+      "another sum than those that arrived, though each one agrees: a feeder sent bytes this "
+      "engine rank does not count as its (refit.checksum)",
+      step, landed.size());
+  return failure;
 }
 
 void TrainerRefitProtocol::abandon() {
@@ -502,8 +535,9 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(acks[i].payload, acks[i].from));
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
-    const auto landed = c.checksums.find(core_.self().mailbox());
-    const std::string got = landed == c.checksums.end() ? std::string() : landed->second;
+    REFIT_ASSIGN_OR_RETURN(const auto by_feeder, decode_pair_checksums(c.checksums, acks[i].from));
+    const auto landed = by_feeder.find(core_.self().mailbox());
+    const std::string got = landed == by_feeder.end() ? std::string() : landed->second;
     if (!failure && checksums && sent[i] != got)
       failure = FailureOrigin{
           .rank = executor_.targets()[i],

@@ -80,8 +80,15 @@ class TrainerRefitProtocol {
   // Every target commits; with refit.checksum the first checksum mismatch is `failure`.
   Status commit(int step, bool raw, const std::vector<void*>& shards, double& apply_s,
                 std::optional<FailureOrigin>& failure);
-  // This rank's checksum of what it sends each target (refit.checksum), by mailbox id.
-  Result<std::map<std::string, std::string>> sent_checksums(const std::vector<void*>& shards);
+  // This rank's sent of refit `step` with refit.checksum: its checksum of what it sends each
+  // target, and per target its sum (SentMessage).
+  Result<SentMessage> sent_message(int step, const std::vector<void*>& shards);
+  // Engine rank `engine`'s checksums (`c`) differ in sum from what its feeders sent (`sent`: each
+  // trainer rank's encoded checksums, by mailbox id): the failure naming the first pair that
+  // differs.
+  Result<FailureOrigin> checksum_mismatch(int step, const std::string& engine,
+                                          const CommittedMessage& c,
+                                          const std::map<std::string, std::string>& sent);
   // The first failing verdict of `from`.
   Result<std::optional<FailureOrigin>> collect_verdicts(int step,
                                                         const std::vector<std::string>& from);
