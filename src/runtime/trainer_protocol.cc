@@ -259,8 +259,9 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
     if (!checksums || failure) continue;
+    // An engine rank no trainer rank sent to expects the empty sum.
     const auto want = expected.find(ack.from);
-    if (c.checksum_sum && want != expected.end() && *c.checksum_sum == want->second) continue;
+    if (c.checksum_sum && *c.checksum_sum == (want != expected.end() ? want->second : 0)) continue;
     REFIT_ASSIGN_OR_RETURN(failure, checksum_mismatch(step, ack.from, c, sent));
   }
   log::debug("{}: every engine rank acknowledged the commit of refit step {}", core_.id(), step);
