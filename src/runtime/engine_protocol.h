@@ -6,7 +6,9 @@
 // ranks aborted before any byte landed, one that failed at its end (the weights roll back or stay
 // invalid, the session goes on), and one that failed in flight with every rank alive (every rank
 // forms its groups anew). It sends and receives every message of those phases; the executor moves
-// the bytes and the weights (runtime/engine_weights.h) take them.
+// the bytes and the weights (runtime/engine_weights.h) take them. With the transfer plan and
+// TP > 1, TP rank 0 is its engine's relay (runtime/relay.h): it forwards each phase's message to
+// its TP peers and answers trainer rank 0 for all of them; a peer's control peer is its relay.
 #pragma once
 
 #include <atomic>

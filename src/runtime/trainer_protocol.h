@@ -6,12 +6,13 @@
 // failed their checksum or verification (the engines publish on every rank or none). It sends
 // and receives every message of those phases; the executor moves the bytes.
 //
-// With the transfer plan, trainer rank 0 coordinates: it alone sends each engine rank its begin,
+// With the transfer plan, trainer rank 0 coordinates: it alone sends the engine ranks their begin,
 // proceed, commit and outcome and collects each one's answers; every other trainer rank hears the
 // engines' answers and the refit's end from trainer rank 0 (one message each) and tells it when
-// its bytes moved. A refit's control messages grow with the number of ranks, not with trainer x
-// engine pairs; the bytes still move per pair. With gather each engine rank has one feeder, which
-// talks to it directly.
+// its bytes moved. Both directions pass through relays (runtime/relay.h): each engine's TP rank 0
+// for its TP peers, each trainer group's first rank for its group. A refit's control messages grow
+// with the number of ranks, not with trainer x engine pairs; the bytes still move per pair. With
+// gather each engine rank has one feeder, which talks to it directly.
 #pragma once
 
 #include <map>
