@@ -693,13 +693,4 @@ Result<std::map<std::string, std::string>> decode_pair_checksums(const std::stri
   return out;
 }
 
-Result<std::uint64_t> checksum_value(const std::string& hex, const std::string& from) {
-  std::uint64_t v = 0;
-  const auto [end, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
-  if (hex.size() != 16 || ec != std::errc() || end != hex.data() + hex.size())
-    return protocol_error(
-        fmt::format("checksums from {}: '{}' is not 16 hex digits", from, log::escape(hex)));
-  return v;
-}
-
 }  // namespace refit

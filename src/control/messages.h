@@ -153,8 +153,6 @@ struct EnginesPausedMessage {
 std::string encode_pair_checksums(const std::map<std::string, std::string>& by_peer);
 Result<std::map<std::string, std::string>> decode_pair_checksums(const std::string& encoded,
                                                                  const std::string& from);
-// The value of a checksum as 16 hex digits; kCorruption naming `from` otherwise.
-Result<std::uint64_t> checksum_value(const std::string& hex, const std::string& from);
 
 // trainer rank -> trainer rank 0 (transfer plan; through its group's relay): every byte this rank
 // sends in refit `step` moved. With refit.checksum, `checksums` holds its checksum of what it sent
