@@ -24,6 +24,8 @@ Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, Messag
 }
 
 Status send_relayed(Mailbox& mailbox, const std::string& to, const std::vector<Message>& answers) {
+  // Each payload travels as a JSON string: escaping at most doubles a JSON payload (no raw
+  // control characters), so answers counted at face value up to half the bound fit in one.
   RelayedMessage batch;
   std::size_t bytes = 0;
   for (const Message& m : answers) {

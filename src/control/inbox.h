@@ -33,8 +33,10 @@ Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, Messag
                     const std::string& payload);
 
 // A relay's answers of one phase (`answers`: its own and its group's, each with its sender) to
-// `to`, as relayed messages (control/messages.h RelayedMessage) of at most half the mailbox's
-// message bound each: one message unless the answers are large.
+// `to`, as relayed messages (control/messages.h RelayedMessage) whose answers add up to at most
+// half the mailbox's message bound (escaped, they may double): one message unless the answers are
+// large. A single answer of more than half the bound may not fit; the send then fails naming its
+// size (the largest answers are tens of kilobytes).
 Status send_relayed(Mailbox& mailbox, const std::string& to, const std::vector<Message>& answers);
 
 class Inbox {

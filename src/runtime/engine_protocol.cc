@@ -38,8 +38,8 @@ Result<std::vector<Message>> EngineRefitProtocol::hear(
     MessageType type, std::chrono::milliseconds timeout, std::string_view what,
     const std::function<Status(const Message&)>& check) {
   return inbox_.collect(type, control_, timeout, what, {}, [&](const Message& m) -> Status {
-    REFIT_RETURN_IF_ERROR(forward(m));
-    return check ? check(m) : Status::Ok();
+    if (check) REFIT_RETURN_IF_ERROR(check(m));
+    return forward(m);
   });
 }
 

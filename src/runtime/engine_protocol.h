@@ -83,7 +83,8 @@ class EngineRefitProtocol {
   Status reform();
   FailureOrigin mine(const Status& st) const;
   // Messages of `type` from control_, one from each (Inbox::collect); a relay forwards each to
-  // its TP peers as it arrives.
+  // its TP peers as it arrives, once `check` passed (a message it refuses fails this rank, and
+  // its peers learn that from the failure record, not from the message).
   Result<std::vector<Message>> hear(MessageType type, std::chrono::milliseconds timeout,
                                     std::string_view what,
                                     const std::function<Status(const Message&)>& check = {});

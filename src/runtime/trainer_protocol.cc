@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <set>
 
 #include "common/log.h"
 #include "control/store.h"
@@ -34,8 +33,11 @@ TrainerRefitProtocol::TrainerRefitProtocol(RankCore& core, TrainerExecutor& exec
     return;
   }
   for (int r = 1; r < world; ++r) followers_.push_back(RankId::trainer(r).mailbox());
-  for (const std::string& id : relay::trainer_relays(world))
+  sums_from_.insert(core.self().mailbox());
+  for (const std::string& id : relay::trainer_relays(world)) {
     trainer_down_.push_back(RankId::from_mailbox(id, 1)->rank);
+    sums_from_.insert(id);
+  }
   engine_relays_ = relay::engine_relays(executor.answers_from());
   std::map<std::string, std::vector<std::string>> groups =
       relay::engine_relay_groups(executor.answers_from());
@@ -219,10 +221,8 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   // directly: a trainer relay's covers its whole group.
   std::map<std::string, std::string> sent;
   std::map<std::string, std::uint64_t> expected;
-  std::set<std::string> direct;
-  for (int r : trainer_down_) direct.insert(RankId::trainer(r).mailbox());
   auto take_sent = [&](const std::string& from, SentMessage s) {
-    if (direct.count(from) != 0 || from == core_.self().mailbox())
+    if (sums_from_.count(from) != 0)
       for (const auto& [target, sum] : s.sums) expected[target] += sum;
     sent[from] = std::move(s.checksums);
   };

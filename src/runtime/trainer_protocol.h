@@ -17,6 +17,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,9 @@ class TrainerRefitProtocol {
   // ranks and the other groups' relays). On a trainer relay: the ranks of its group it hands
   // them on to and answers for.
   std::vector<int> trainer_down_;
+  // On trainer rank 0: whose sent sums it adds (refit.checksum): its own and trainer_down_'s, a
+  // trainer relay's covering its group.
+  std::set<std::string> sums_from_;
   // On trainer rank 0: where each phase's message to the engine ranks goes — their relays with
   // TP > 1 (runtime/relay.h), else every engine rank.
   std::vector<std::string> engine_relays_;
