@@ -11,6 +11,7 @@
 
 #include "common/convert.h"
 #include "delta/delta.h"
+#include "delta/delta_cpu.h"
 #include "delta/format.h"
 #include "device/device.h"
 #include "plane/data_plane.h"
@@ -346,6 +347,113 @@ TEST(DeltaGpu, CorruptedStreamAndWrongBaseAreRefusedNamingTheTensor) {
   if (!ok.ok()) {
     EXPECT_NE(ok.status().message().find("base differs"), std::string::npos)
         << ok.status().message();
+  }
+}
+
+// Codes that are malformed although every checksum holds (a broken encoder, or bytes forged with
+// their checksums) are refused on both planes naming the tensor, and nothing outside the chunk
+// that holds them is written. Only chunk 1 of route 0 changes; its codes are broken two ways:
+// every bit of its Elias-Fano upper array cleared (too few positions: nothing of it is written),
+// and every position's low bits set (positions repeat).
+TEST(DeltaGpu, MalformedCodesUnderValidChecksumsAreRefusedInsideTheirChunk) {
+  REFIT_REQUIRE_GPU();
+  auto cpu = plane_of(Device::kCpu);
+  auto gpu = plane_of(Device::kCuda);
+  ASSERT_TRUE(cpu && gpu);
+  const std::vector<Shape> shapes = {kShapes[0]};
+  constexpr int kLog2 = 13;
+  Twin t(*cpu, *gpu, shapes, kLog2);
+  std::mt19937_64 rng(11);
+  fill_source(t, 0, shapes[0], rng);
+  t.push_sources();
+  std::uint64_t base[2];
+  for (int p = 0; p < 2; ++p) {
+    auto cap = t.plane(p).delta_capture(t.routes(p), t.kept(p), t.options());
+    ASSERT_TRUE(cap.ok()) << cap.status().to_string();
+    base[p] = cap->digest_delta;
+  }
+  const std::size_t chunk_first = std::size_t{1} << kLog2, chunk_elems = chunk_first;
+  std::vector<std::byte>& src = t.host_src(0);
+  for (std::size_t k = chunk_first; k < chunk_first + chunk_elems; k += 7) {
+    float f;
+    std::memcpy(&f, src.data() + 4 * k, 4);
+    f *= 1.004f;
+    std::memcpy(src.data() + 4 * k, &f, 4);
+  }
+  t.push_sources();
+  auto enc = gpu->delta_encode(t.routes(1), t.kept(1), t.stream(1).data(), t.capacity(), base[1],
+                               t.options());
+  ASSERT_TRUE(enc.ok()) << enc.status().to_string();
+  const std::vector<std::byte> good = t.read(1, t.stream(1), enc->stream_bytes);
+  df::RouteEntry entry;
+  std::memcpy(&entry, good.data() + df::kHeaderBytes, sizeof(entry));
+  ASSERT_EQ(entry.mode, df::kSparse);
+  const auto* payload = reinterpret_cast<const unsigned char*>(good.data() + entry.offset);
+  const std::uint64_t nchunks = df::chunk_count(entry.elements, kLog2);
+  const df::ChunkView view =
+      df::check_chunk(payload, entry.bytes, nchunks, 1, static_cast<std::uint32_t>(chunk_elems), 2);
+  ASSERT_EQ(view.error, df::kChunkOk);
+  ASSERT_FALSE(view.dense);
+  ASSERT_GT(view.n, 100u);
+  ASSERT_GT(view.f.L, 0);
+  ASSERT_EQ(
+      df::check_chunk(payload, entry.bytes, nchunks, 0, static_cast<std::uint32_t>(chunk_elems), 2)
+          .n,
+      0u);
+  const std::uint64_t data = entry.offset + nchunks * sizeof(df::ChunkEntry) + view.offset;
+  const std::uint64_t upper_bits =
+      df::ef_bits(view.n, chunk_elems, view.f.L) - static_cast<std::uint64_t>(view.n) * view.f.L;
+  auto set_bits = [&](std::vector<std::byte>& s, std::uint64_t from, std::uint64_t count, bool on) {
+    for (std::uint64_t b = from; b < from + count; ++b) {
+      auto& byte = s[data + b / 8];
+      const auto mask = static_cast<std::byte>(1u << (b % 8));
+      byte = on ? (byte | mask) : (byte & ~mask);
+    }
+  };
+  // Re-signs a stream: the route's payload checksum, then the header's.
+  auto reseal = [](std::vector<std::byte>& s) {
+    df::RouteEntry e;
+    std::memcpy(&e, s.data() + df::kHeaderBytes, sizeof(e));
+    e.payload_checksum = delta_words_checksum(s.data() + e.offset, e.bytes, 0);
+    std::memcpy(s.data() + df::kHeaderBytes, &e, sizeof(e));
+    df::StreamHeader h;
+    std::memcpy(&h, s.data(), sizeof(h));
+    h.header_checksum = 0;
+    std::memcpy(s.data(), &h, sizeof(h));
+    h.header_checksum = delta_words_checksum(s.data(), df::kHeaderChecksumWords * 4, 0) +
+                        delta_words_checksum(s.data() + df::kHeaderBytes,
+                                             sizeof(df::RouteEntry) * h.routes, df::kDirectoryKey0);
+    std::memcpy(s.data(), &h, sizeof(h));
+  };
+  const std::size_t lo = 2 * chunk_first, hi = lo + 2 * chunk_elems;  // chunk 1's bytes at dst
+  for (const bool clear_upper : {true, false}) {
+    SCOPED_TRACE(clear_upper ? "upper array cleared" : "low bits all set");
+    std::vector<std::byte> bad = good;
+    if (clear_upper)
+      set_bits(bad, view.f.high, upper_bits, false);
+    else
+      set_bits(bad, view.f.low, static_cast<std::uint64_t>(view.n) * view.f.L, true);
+    reseal(bad);
+    for (int p = 0; p < 2; ++p) {
+      SCOPED_TRACE(p == 0 ? "cpu" : "cuda");
+      ASSERT_TRUE(t.plane(p).write(t.stream(p).data(), bad.data(), bad.size()).ok());
+      const std::vector<std::byte> before = t.params(p, 0);
+      auto app =
+          t.plane(p).delta_apply(t.routes(p), t.stream(p).data(), bad.size(), base[p], t.options());
+      ASSERT_FALSE(app.ok());
+      EXPECT_EQ(app.status().code(), StatusCode::kCorruption);
+      EXPECT_NE(app.status().message().find("tensor-7"), std::string::npos)
+          << app.status().message();
+      EXPECT_NE(app.status().message().find("malformed"), std::string::npos)
+          << app.status().message();
+      const std::vector<std::byte> after = t.params(p, 0);
+      ASSERT_EQ(after.size(), before.size());
+      EXPECT_TRUE(std::equal(after.begin(), after.begin() + lo, before.begin()));
+      EXPECT_TRUE(std::equal(after.begin() + hi, after.end(), before.begin() + hi));
+      if (clear_upper) {
+        EXPECT_TRUE(after == before) << "no position decoded, none written";
+      }
+    }
   }
 }
 

@@ -180,34 +180,95 @@ __device__ __forceinline__ void record_bad(Totals* t, std::uint32_t route, int c
   atomicMin(&t->bad, (static_cast<unsigned long long>(route) << 8) | static_cast<unsigned>(code));
 }
 
-// ---- encode (and patch): one thread block per chunk ----
+// ---- encode (and patch), in two kernels ----
+//
+// scan_kernel streams the chunk once: it reads the source (casting it), compares it with the kept
+// copy, writes the kept copy where it differs (and, for a patch, the engine's parameter) and leaves
+// three bit masks in the chunk's mask area: changed, negative, exception (|d| >= 2). An
+// exception's |d| - 2 goes into the chunk's slot at its position. Each thread takes four
+// consecutive elements per step (one vector load where the route is contiguous and aligned), so a
+// warp step covers 128 elements, and the four ballots of a step (one per element of a thread) are
+// its mask words: bit l of word 4s + k is element 128s + 4l + k. Nothing else stays live.
+// pack_kernel then codes each chunk from its masks (1/16 of a bf16 chunk's bytes): a thread per 32
+// positions (it interleaves the four words' bytes back into position order), one scan of the
+// counts for every change's index, the fields OR-ed into shared memory.
 
-constexpr int kEncThreads = 512;
-constexpr int kEncWarps = kEncThreads / 32;
-constexpr int kEncSteps = 1 << (kDeviceDeltaMaxChunkLog2 - 9);  // 16: 512 x 16 = 8192 elements
+constexpr int kScanThreads = 256;
+constexpr int kScanVec = 4;     // consecutive elements per thread per step
+constexpr int kScanUnroll = 4;  // steps whose loads are in flight together
+constexpr int kScanStep = kScanThreads * kScanVec;
+constexpr int kPackThreads = 256;
+constexpr std::uint32_t kMaskWords = (1u << kDeviceDeltaMaxChunkLog2) / 32;  // per mask per chunk
+static_assert(kMaskWords == kPackThreads, "pack_kernel gives each 32 positions a thread");
 
-// Element e of the chunk is thread e % 512's step e / 512, so the changes' order (their index j in
-// the chunk) is step-major, then warp, then lane: a ballot per step and warp, and one scan over the
-// 256 masks, give every change its index.
+// `count` (1 ..= 4) elements of a route's source from element pe, cast to the wire dtype.
+template <class S, class D>
+__device__ __forceinline__ void load_source(const DevRoute& r, std::uint64_t pe, bool vec,
+                                            std::uint32_t count, std::uint32_t (&v)[kScanVec]) {
+  using ST = typename S::T;
+  const ST* src = static_cast<const ST*>(r.src);
+  if (vec && count == kScanVec) {
+    ST x[kScanVec];
+    const ST* at = src + r.src_offset + static_cast<std::int64_t>(pe);
+    if constexpr (sizeof(ST) == 4) {
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(at);
+    } else if constexpr (sizeof(ST) == 2) {
+      *reinterpret_cast<uint2*>(x) = *reinterpret_cast<const uint2*>(at);
+    } else {
+      *reinterpret_cast<std::uint32_t*>(x) = *reinterpret_cast<const std::uint32_t*>(at);
+    }
+#pragma unroll
+    for (int k = 0; k < kScanVec; ++k) v[k] = convert_elem<S, D>(x[k]);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kScanVec; ++k)
+    v[k] =
+        static_cast<std::uint32_t>(k) < count ? convert_elem<S, D>(src[src_index(r, pe + k)]) : 0u;
+}
+
+// `count` elements of the kept copy at `at` (4 x its size aligned when vec).
+template <class DT>
+__device__ __forceinline__ void load_kept(const DT* at, bool vec, std::uint32_t count,
+                                          std::uint32_t (&v)[kScanVec]) {
+  if (vec && count == kScanVec) {
+    DT x[kScanVec];
+    if constexpr (sizeof(DT) == 4) {
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(at);
+    } else if constexpr (sizeof(DT) == 2) {
+      *reinterpret_cast<uint2*>(x) = *reinterpret_cast<const uint2*>(at);
+    } else {
+      *reinterpret_cast<std::uint32_t*>(x) = *reinterpret_cast<const std::uint32_t*>(at);
+    }
+#pragma unroll
+    for (int k = 0; k < kScanVec; ++k) v[k] = x[k];
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kScanVec; ++k) v[k] = static_cast<std::uint32_t>(k) < count ? at[k] : 0u;
+}
+
+// v[k] by selects (an indexed register array would live in local memory).
+__device__ __forceinline__ std::uint32_t pick(const std::uint32_t (&v)[kScanVec], int k) {
+  static_assert(kScanVec == 4);
+  const std::uint32_t lo = (k & 1) ? v[1] : v[0], hi = (k & 1) ? v[3] : v[2];
+  return (k & 2) ? hi : lo;
+}
+
 template <class S, class D, bool kPatch>
-__global__ void __launch_bounds__(kEncThreads, 2)
-    encode_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
-                  const std::uint32_t* __restrict__ group_chunks, int log2,
-                  std::byte* __restrict__ kept_base, std::uint32_t* __restrict__ slots,
-                  std::uint64_t slot_words, std::uint32_t* __restrict__ chunk_info,
-                  std::uint32_t* __restrict__ chunk_bytes,
-                  unsigned long long* __restrict__ chunk_digest) {
+__global__ void __launch_bounds__(kScanThreads)
+    scan_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
+                const std::uint32_t* __restrict__ group_chunks, int log2,
+                std::byte* __restrict__ kept_base, std::uint32_t* __restrict__ masks,
+                std::uint32_t* __restrict__ slots, std::uint64_t slot_words,
+                std::uint32_t* __restrict__ chunk_count, std::uint32_t* __restrict__ chunk_width,
+                unsigned long long* __restrict__ chunk_digest) {
   using ST = typename S::T;
   using DT = typename D::T;
   constexpr int kWidth = 8 * static_cast<int>(sizeof(DT));
   constexpr auto kMask = static_cast<std::uint32_t>((std::uint64_t{1} << kWidth) - 1);
-  extern __shared__ std::uint32_t bits[];
-  __shared__ std::uint32_t m_changed[kEncSteps * kEncWarps], m_exc[kEncSteps * kEncWarps];
-  __shared__ std::uint32_t p_changed[kEncSteps * kEncWarps], p_exc[kEncSteps * kEncWarps];
-  __shared__ unsigned long long s_digest[kEncWarps];
-  __shared__ int s_width[kEncWarps];
-  __shared__ std::uint32_t s_n, s_m;
-  __shared__ int s_W;
+  __shared__ unsigned long long scratch[kScanThreads / 32];
+  __shared__ unsigned s_width[kScanThreads / 32];
 
   const std::uint32_t g = group_chunks[blockIdx.x];
   const DevChunk ch = chunks[g];
@@ -216,138 +277,198 @@ __global__ void __launch_bounds__(kEncThreads, 2)
   const std::uint32_t elems = chunk_elems(r, ch.k, log2);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   DT* kept = reinterpret_cast<DT*>(kept_base + r.kept) + first;
-  const ST* src = static_cast<const ST*>(r.src);
+  DT* exc_mag = kPatch ? nullptr : reinterpret_cast<DT*>(slots + g * slot_words);
+  auto* mc = reinterpret_cast<uint4*>(masks + 3ull * kMaskWords * g);
+  // Vector loads where the route's source is contiguous and both sides are aligned (the chunk's
+  // first element is a multiple of 2^log2, so this holds for the whole chunk).
+  const bool vec =
+      (r.flags & kSrcLinear) != 0 &&
+      reinterpret_cast<std::uintptr_t>(static_cast<const ST*>(r.src) + r.src_offset + first) %
+              (kScanVec * sizeof(ST)) ==
+          0 &&
+      reinterpret_cast<std::uintptr_t>(kept) % (kScanVec * sizeof(DT)) == 0;
 
-  std::uint32_t nv[kEncSteps], ov[kEncSteps];
-#pragma unroll
-  for (int s = 0; s < kEncSteps; ++s) {
-    const std::uint32_t e = static_cast<std::uint32_t>(s * kEncThreads) + threadIdx.x;
-    nv[s] = ov[s] = 0;
-    if (e < elems) {
-      nv[s] = convert_elem<S, D>(src[src_index(r, first + e)]);
-      ov[s] = kept[e];
-    }
-  }
   unsigned long long digest = 0;
-  int W = 0;
-  std::uint32_t d[kEncSteps];
+  std::uint32_t n = 0;
+  unsigned W = 0;
+  for (std::uint32_t base = 0; base < elems; base += kScanStep * kScanUnroll) {
+    std::uint32_t nv[kScanUnroll][kScanVec], ov[kScanUnroll][kScanVec];
 #pragma unroll
-  for (int s = 0; s < kEncSteps; ++s) {
-    const std::uint32_t e = static_cast<std::uint32_t>(s * kEncThreads) + threadIdx.x;
-    d[s] = 0;
-    if (e < elems && nv[s] != ov[s]) {
-      const std::uint64_t pe = first + e;
-      kept[e] = static_cast<DT>(nv[s]);
-      const std::uint64_t key = key_of(r, pe);
-      digest += checksum_term(key, nv[s]) - checksum_term(key, ov[s]);
-      d[s] = (df::ordered_key(nv[s], kWidth) - df::ordered_key(ov[s], kWidth)) & kMask;
-      if constexpr (kPatch) static_cast<DT*>(r.dst)[dst_index(r, pe)] = static_cast<DT>(nv[s]);
+    for (int u = 0; u < kScanUnroll; ++u) {
+      const std::uint32_t e0 =
+          base + static_cast<std::uint32_t>(u * kScanStep) + kScanVec * threadIdx.x;
+      const std::uint32_t count =
+          e0 < elems ? min(elems - e0, static_cast<std::uint32_t>(kScanVec)) : 0u;
+      load_source<S, D>(r, first + e0, vec, count, nv[u]);
+      load_kept(kept + e0, vec, count, ov[u]);
     }
-    bool neg;
-    const std::uint32_t mag = magnitude<kWidth>(d[s], neg);
-    if (mag >= 2) W = max(W, df::bit_width(mag - 2));
-    const std::uint32_t bm = __ballot_sync(kFull, d[s] != 0);
-    const std::uint32_t be = __ballot_sync(kFull, mag >= 2);
-    if (lane == 0) {
-      m_changed[s * kEncWarps + warp] = bm;
-      m_exc[s * kEncWarps + warp] = be;
+#pragma unroll
+    for (int u = 0; u < kScanUnroll; ++u) {
+      const std::uint32_t step0 = base + static_cast<std::uint32_t>(u * kScanStep);
+      const std::uint32_t e0 = step0 + kScanVec * threadIdx.x;
+      std::uint32_t changed = 0, negative = 0, exception = 0;
+#pragma unroll
+      for (int k = 0; k < kScanVec; ++k)
+        if (e0 + k < elems && nv[u][k] != ov[u][k]) changed |= 1u << k;
+      for (std::uint32_t left = changed; left != 0; left &= left - 1) {
+        const int k = __ffs(static_cast<int>(left)) - 1;
+        const std::uint32_t e = e0 + static_cast<std::uint32_t>(k), x = pick(nv[u], k),
+                            o = pick(ov[u], k);
+        const std::uint64_t pe = first + e;
+        kept[e] = static_cast<DT>(x);
+        const std::uint64_t key = key_of(r, pe);
+        digest += checksum_term(key, x) - checksum_term(key, o);
+        bool neg;
+        const std::uint32_t mag = magnitude<kWidth>(
+            (df::ordered_key(x, kWidth) - df::ordered_key(o, kWidth)) & kMask, neg);
+        if constexpr (kPatch) {
+          static_cast<DT*>(r.dst)[dst_index(r, pe)] = static_cast<DT>(x);
+          ++n;
+        } else {
+          if (neg) negative |= 1u << k;
+          if (mag >= 2) {
+            exception |= 1u << k;
+            exc_mag[e] = static_cast<DT>(mag - 2);
+            W = max(W, static_cast<unsigned>(df::bit_width(mag - 2)));
+          }
+        }
+      }
+      if constexpr (!kPatch) {
+        uint4 c, s, x;
+        c.x = __ballot_sync(kFull, changed & 1u), c.y = __ballot_sync(kFull, changed & 2u);
+        c.z = __ballot_sync(kFull, changed & 4u), c.w = __ballot_sync(kFull, changed & 8u);
+        s.x = __ballot_sync(kFull, negative & 1u), s.y = __ballot_sync(kFull, negative & 2u);
+        s.z = __ballot_sync(kFull, negative & 4u), s.w = __ballot_sync(kFull, negative & 8u);
+        x.x = __ballot_sync(kFull, exception & 1u), x.y = __ballot_sync(kFull, exception & 2u);
+        x.z = __ballot_sync(kFull, exception & 4u), x.w = __ballot_sync(kFull, exception & 8u);
+        const std::uint32_t wstep = step0 / 128 + static_cast<std::uint32_t>(warp);
+        if (lane == 0 && wstep * 128 < elems) {
+          mc[wstep] = c;
+          mc[kMaskWords / 4 + wstep] = s;
+          mc[kMaskWords / 2 + wstep] = x;
+        }
+      }
     }
   }
-  digest = warp_sum(digest);
-  W = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(W)));
-  if (lane == 0) {
-    s_digest[warp] = digest;
-    s_width[warp] = W;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    constexpr int kPer = kEncSteps * kEncWarps / 32;  // 8 masks per lane
-    std::uint32_t cc[kPer], cx[kPer], sc = 0, sx = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      cc[i] = __popc(m_changed[lane * kPer + i]);
-      cx[i] = __popc(m_exc[lane * kPer + i]);
-      sc += cc[i];
-      sx += cx[i];
-    }
-    std::uint32_t ic = sc, ix = sx;
-    for (int o = 1; o < 32; o <<= 1) {
-      const std::uint32_t tc = __shfl_up_sync(kFull, ic, o), tx = __shfl_up_sync(kFull, ix, o);
-      if (lane >= o) ic += tc, ix += tx;
-    }
-    std::uint32_t bc = ic - sc, bx = ix - sx;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      p_changed[lane * kPer + i] = bc;
-      p_exc[lane * kPer + i] = bx;
-      bc += cc[i];
-      bx += cx[i];
-    }
-    unsigned long long dg = lane < kEncWarps ? s_digest[lane] : 0;
-    const unsigned w = lane < kEncWarps ? static_cast<unsigned>(s_width[lane]) : 0u;
-    dg = warp_sum(dg);
-    const unsigned wmax = __reduce_max_sync(kFull, w);
-    if (lane == 31) s_n = ic, s_m = ix;
-    if (lane == 0) {
-      s_W = static_cast<int>(wmax);
-      chunk_digest[g] = dg;
-    }
-  }
-  __syncthreads();
-  const std::uint32_t n = s_n, m = s_m;
-  const int Wm = s_W;
+  W = __reduce_max_sync(kFull, W);
+  if (lane == 0) s_width[warp] = W;
+  digest = block_sum<unsigned long long, kScanThreads>(digest, scratch);
   if constexpr (kPatch) {
-    if (threadIdx.x == 0) chunk_info[g] = n;
-    return;
+    const unsigned long long total =
+        block_sum<unsigned long long, kScanThreads>(static_cast<unsigned long long>(n), scratch);
+    if (threadIdx.x == 0) chunk_count[g] = static_cast<std::uint32_t>(total);
+  } else if (threadIdx.x == 0) {
+    unsigned w = 0;
+    for (int i = 0; i < kScanThreads / 32; ++i) w = max(w, s_width[i]);
+    chunk_width[g] = w;
   }
+  if (threadIdx.x == 0) chunk_digest[g] = digest;
+}
+
+// Bit i of the byte goes to bit 4i.
+__device__ __forceinline__ std::uint32_t spread_byte(std::uint32_t x) {
+  x = (x | (x << 12)) & 0x000F000Fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  x = (x | (x << 3)) & 0x11111111u;
+  return x;
+}
+// The 32 positions 32t .. 32t + 31 of a mask kept as scan_kernel's ballots (word k of step t / 4
+// holds element 128(t / 4) + 4l + k at bit l): byte t % 4 of each word, interleaved.
+__device__ __forceinline__ std::uint32_t positions_of(const uint4& w, std::uint32_t t) {
+  const int b = 8 * static_cast<int>(t & 3);
+  return spread_byte((w.x >> b) & 0xFFu) | spread_byte((w.y >> b) & 0xFFu) << 1 |
+         spread_byte((w.z >> b) & 0xFFu) << 2 | spread_byte((w.w >> b) & 0xFFu) << 3;
+}
+
+template <class D>
+__global__ void __launch_bounds__(kPackThreads)
+    pack_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
+                const std::uint32_t* __restrict__ group_chunks, int log2,
+                const std::byte* __restrict__ kept_base, const std::uint32_t* __restrict__ masks,
+                std::uint32_t* __restrict__ slots, std::uint64_t slot_words,
+                const std::uint32_t* __restrict__ chunk_width,
+                std::uint32_t* __restrict__ chunk_info, std::uint32_t* __restrict__ chunk_bytes) {
+  using DT = typename D::T;
+  extern __shared__ std::uint32_t bits[];
+  __shared__ unsigned long long scratch[kPackThreads / 32];
+  // (ChunkFields has default member initialisers, which __shared__ variables may not have.)
+  __shared__ alignas(8) unsigned char s_fields[sizeof(df::ChunkFields)];
+  __shared__ bool s_dense;
+
+  const std::uint32_t g = group_chunks[blockIdx.x];
+  const DevChunk ch = chunks[g];
+  const DevRoute r = routes[ch.route];
+  const std::uint32_t elems = chunk_elems(r, ch.k, log2);
+  const std::uint32_t t = threadIdx.x;
+  const auto* mw = reinterpret_cast<const uint4*>(masks + 3ull * kMaskWords * g);
+  std::uint32_t bc = 0, bn = 0, bx = 0;
+  if (t * 32 < elems) {
+    bc = positions_of(mw[t / 4], t);
+    if (bc != 0) {
+      bn = positions_of(mw[kMaskWords / 4 + t / 4], t);
+      bx = positions_of(mw[kMaskWords / 2 + t / 4], t);
+    }
+  }
+  // Changes and exceptions before this thread's positions, in one scan (each count < 2^32).
+  unsigned long long total = 0;
+  const unsigned long long before = block_exclusive_scan<kPackThreads>(
+      static_cast<unsigned long long>(__popc(bc)) << 32 | static_cast<unsigned>(__popc(bx)),
+      scratch, total);
+  const auto n = static_cast<std::uint32_t>(total >> 32), m = static_cast<std::uint32_t>(total);
   if (n == 0) {
-    if (threadIdx.x == 0) chunk_info[g] = 0, chunk_bytes[g] = 0;
+    if (t == 0) chunk_info[g] = 0, chunk_bytes[g] = 0;
     return;
   }
-  const df::ChunkFields f = df::chunk_fields(n, m, Wm, elems);
-  const bool dense = df::chunk_goes_dense(f.bits, elems, static_cast<int>(sizeof(DT)));
+  const int W = static_cast<int>(chunk_width[g]);
+  if (t == 0) {
+    const df::ChunkFields fields = df::chunk_fields(n, m, W, elems);
+    memcpy(s_fields, &fields, sizeof(fields));
+    s_dense = df::chunk_goes_dense(fields.bits, elems, static_cast<int>(sizeof(DT)));
+  }
+  __syncthreads();
+  df::ChunkFields f;
+  memcpy(&f, s_fields, sizeof(f));
+  const bool dense = s_dense;
   const std::uint64_t nbytes =
       df::chunk_data_bytes(n, dense, f.bits, elems, static_cast<int>(sizeof(DT)));
   const auto words = static_cast<std::uint32_t>(nbytes / 4);
   std::uint32_t* slot = slots + static_cast<std::uint64_t>(g) * slot_words;
   if (dense) {
-    // The kept copy holds every new value of the chunk now (written before the barrier above).
-    const auto* kb = reinterpret_cast<const unsigned char*>(kept);
+    // The kept copy holds every new value of the chunk (scan_kernel wrote it).
+    const auto* kb = reinterpret_cast<const unsigned char*>(
+        kept_base + r.kept + (static_cast<std::uint64_t>(ch.k) << log2) * sizeof(DT));
     const std::uint32_t raw = elems * static_cast<std::uint32_t>(sizeof(DT));
-    for (std::uint32_t w = threadIdx.x; w < words; w += kEncThreads) {
+    for (std::uint32_t w = t; w < words; w += kPackThreads) {
       std::uint32_t v = 0;
       for (std::uint32_t b = 0; b < 4; ++b)
         if (4 * w + b < raw) v |= static_cast<std::uint32_t>(kb[4 * w + b]) << (8 * b);
       slot[w] = v;
     }
   } else {
-    for (std::uint32_t w = threadIdx.x; w < words; w += kEncThreads) bits[w] = 0;
+    for (std::uint32_t w = t; w < words; w += kPackThreads) bits[w] = 0;
     __syncthreads();
-    if (threadIdx.x == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, Wm);
-    const std::uint32_t lt = (1u << lane) - 1u;
+    if (t == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, W);
+    const DT* exc_mag = reinterpret_cast<const DT*>(slot);
     const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
-#pragma unroll
-    for (int s = 0; s < kEncSteps; ++s) {
-      if (d[s] == 0) continue;
-      const int q = s * kEncWarps + warp;
-      const std::uint32_t j = p_changed[q] + __popc(m_changed[q] & lt);
-      const std::uint32_t p = static_cast<std::uint32_t>(s * kEncThreads) + threadIdx.x;
-      bool neg;
-      const std::uint32_t mag = magnitude<kWidth>(d[s], neg);
+    auto j = static_cast<std::uint32_t>(before >> 32), e = static_cast<std::uint32_t>(before);
+    for (std::uint32_t left = bc; left != 0; left &= left - 1) {
+      const int b = __ffs(static_cast<int>(left)) - 1;
+      const std::uint32_t p = t * 32 + static_cast<std::uint32_t>(b);
       put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
-      if (neg) put_bits_shared(bits, f.sign + j, 1, 1);
+      if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
       put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
-      if (mag >= 2) {
-        const std::uint32_t e = p_exc[q] + __popc(m_exc[q] & lt);
+      if ((bx >> b) & 1u) {
         put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask, f.Le);
-        put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * Wm, mag - 2, Wm);
+        put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
         put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
+        ++e;
       }
+      ++j;
     }
-    __syncthreads();
-    for (std::uint32_t w = threadIdx.x; w < words; w += kEncThreads) slot[w] = bits[w];
+    __syncthreads();  // every exception's magnitude is read before the slot is overwritten
+    for (std::uint32_t w = t; w < words; w += kPackThreads) slot[w] = bits[w];
   }
-  if (threadIdx.x == 0) {
+  if (t == 0) {
     chunk_info[g] = df::chunk_info(n, f.L, m > 0 && !dense, dense);
     chunk_bytes[g] = static_cast<std::uint32_t>(nbytes);
   }
@@ -486,18 +607,21 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// Per chunk (one block): its table entry and data (sparse routes) or its raw bytes from the kept
+// Per chunk (one warp): its table entry and data (sparse routes) or its raw bytes from the kept
 // copy (dense routes) into the stream, summed into its route's payload checksum.
+constexpr int kCompactWarps = kBlockThreads / 32;
 __global__ void __launch_bounds__(kBlockThreads)
     compact_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
-                   int log2, const std::byte* __restrict__ kept_base,
+                   std::uint64_t n_chunks, int log2, const std::byte* __restrict__ kept_base,
                    const std::uint32_t* __restrict__ slots, std::uint64_t slot_words,
                    const std::uint32_t* __restrict__ chunk_info,
                    const std::uint32_t* __restrict__ chunk_bytes,
                    const std::uint32_t* __restrict__ chunk_offset, RoutePlan* __restrict__ plans,
                    std::byte* __restrict__ out) {
-  __shared__ unsigned long long scratch[kBlockThreads / 32];
-  const std::uint64_t g = blockIdx.x;
+  const unsigned lane = threadIdx.x & 31;
+  const std::uint64_t g =
+      static_cast<std::uint64_t>(blockIdx.x) * kCompactWarps + (threadIdx.x >> 5);
+  if (g >= n_chunks) return;
   const DevChunk ch = chunks[g];
   const std::uint32_t mode = plans[ch.route].mode;
   if (mode == df::kUnchanged) return;
@@ -511,7 +635,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const auto* kb = reinterpret_cast<const unsigned char*>(kept_base + r.kept + b0);
     auto* dw = reinterpret_cast<std::uint32_t*>(payload + b0);
     const std::uint64_t words = (len + 3) / 4;
-    for (std::uint64_t w = threadIdx.x; w < words; w += kBlockThreads) {
+    for (std::uint64_t w = lane; w < words; w += 32) {
       std::uint32_t v;
       if (4 * w + 4 <= len) {
         v = reinterpret_cast<const std::uint32_t*>(kb)[w];
@@ -526,7 +650,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   } else {
     const std::uint64_t table = sizeof(df::ChunkEntry) * static_cast<std::uint64_t>(r.chunks);
     const std::uint32_t off = chunk_offset[g], info = chunk_info[g];
-    if (threadIdx.x == 0) {
+    if (lane == 0) {
       auto* e = reinterpret_cast<df::ChunkEntry*>(payload) + ch.k;
       e->offset = off;
       e->info = info;
@@ -536,14 +660,14 @@ __global__ void __launch_bounds__(kBlockThreads)
     const std::uint32_t* sw = slots + g * slot_words;
     auto* dw = reinterpret_cast<std::uint32_t*>(payload + table + off);
     const std::uint64_t key0 = (table + off) / 4;
-    for (std::uint32_t w = threadIdx.x; w < words; w += kBlockThreads) {
+    for (std::uint32_t w = lane; w < words; w += 32) {
       const std::uint32_t v = sw[w];
       dw[w] = v;
       sum += checksum_term(key0 + w, v);
     }
   }
-  sum = block_sum<unsigned long long, kBlockThreads>(sum, scratch);
-  if (threadIdx.x == 0 && sum != 0) atomicAdd(&plans[ch.route].checksum, sum);
+  sum = warp_sum(sum);
+  if (lane == 0 && sum != 0) atomicAdd(&plans[ch.route].checksum, sum);
 }
 
 // One block: the directory, the zero padding after each payload, the header.
@@ -672,35 +796,205 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// Decodes one sparse chunk and scatters its changes at dst.
-template <class DT>
-__device__ __forceinline__ bool apply_chunk(const DevRoute& r, const std::uint32_t* words,
-                                            const df::ChunkView& v, std::uint64_t first,
-                                            std::uint32_t elems, std::uint32_t& count,
-                                            unsigned long long& digest) {
-  constexpr int kWidth = 8 * static_cast<int>(sizeof(DT));
-  DT* dst = static_cast<DT*>(r.dst);
-  return df::decode_chunk(words, v, elems, [&](std::uint32_t p, bool neg, std::uint32_t mag) {
-    const std::uint64_t pe = first + p;
-    DT* at = dst + dst_index(r, pe);
-    const DT old = *at;
-    const auto nv = static_cast<DT>(df::add_ordered(
-        old, neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag), kWidth));
-    const std::uint64_t key = key_of(r, pe);
-    digest += checksum_term(key, nv) - checksum_term(key, old);
-    *at = nv;
-    ++count;
-  });
+// ---- the sparse apply: a warp per chunk ----
+//
+// A chunk's changes are found in parallel: each lane takes a 32-bit window of an Elias-Fano upper
+// bit array, a warp scan of the windows' counts gives every set bit its index, and the index with
+// the bit's position gives the element (or, for the exceptions, the change). Every code is checked
+// (positions increasing and inside the chunk, exception indices increasing and inside the
+// changes, enough set bits); nothing outside the chunk is ever written.
+
+constexpr int kApplyWarps = 8;
+constexpr int kApplyWindow = 8;
+
+__device__ __forceinline__ std::uint32_t warp_inclusive_sum(std::uint32_t v, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    const std::uint32_t t = __shfl_up_sync(kFull, v, o);
+    if (lane >= o) v += t;
+  }
+  return v;
+}
+__device__ __forceinline__ long long warp_inclusive_max(long long v, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long t = __shfl_up_sync(kFull, v, o);
+    if (lane >= o) v = max(v, t);
+  }
+  return v;
 }
 
-// One thread per chunk of a sparse route: decode and scatter its changes.
-__global__ void __launch_bounds__(128)
+// Visits the first `count` set bits of the `len` bits at bit `start` of `words`, in order within
+// each lane and lane after lane: value(i, bit) for set bit i at `bit` from start returns what the
+// bit codes (a position, a change index), or -1 when that is out of range. True when every value
+// is in range and strictly above the ones before it, and `count` bits were set (on every lane).
+template <class F>
+__device__ __forceinline__ bool warp_elias_fano(const std::uint32_t* words, std::uint64_t start,
+                                                std::uint64_t len, std::uint32_t count, int lane,
+                                                F&& value) {
+  std::uint32_t found = 0;
+  long long before_round = -1;
+  bool ok = true;
+  for (std::uint64_t w0 = 0; w0 * 32 < len && found < count; w0 += 32) {
+    const std::uint64_t w = w0 + static_cast<std::uint64_t>(lane);
+    std::uint32_t bits = 0;
+    if (w * 32 < len)
+      bits = df::get_bits(words, start + 32 * w,
+                          static_cast<int>(len - 32 * w < 32 ? len - 32 * w : 32));
+    const std::uint32_t c = __popc(bits);
+    const std::uint32_t incl = warp_inclusive_sum(c, lane);
+    std::uint32_t i = found + incl - c;
+    long long first = -1, last = -1;
+    while (bits != 0 && i < count) {
+      const int b = __ffs(static_cast<int>(bits)) - 1;
+      bits &= bits - 1;
+      const long long v = value(i, 32 * w + static_cast<std::uint64_t>(b));
+      if (v < 0 || v <= last) {
+        ok = false;
+      } else {
+        if (first < 0) first = v;
+        last = v;
+      }
+      ++i;
+    }
+    const long long upto = warp_inclusive_max(last, lane);
+    long long prior = __shfl_up_sync(kFull, upto, 1);
+    if (lane == 0) prior = -1;
+    if (first >= 0 && first <= max(prior, before_round)) ok = false;
+    before_round = max(before_round, __shfl_sync(kFull, upto, 31));
+    found += __shfl_sync(kFull, incl, 31);
+  }
+  return __all_sync(kFull, ok) && found >= count;
+}
+
+// Decodes one sparse chunk (a checked view) and scatters its changes at dst; false when a code is
+// malformed (positions not increasing or past the chunk, exception indices not increasing or past
+// the changes, too few set bits). Exceptions are checked before anything is written; a position
+// that is out of order or out of the chunk is not written, but the others of the chunk may be.
+// exc_bits and exc_rank: the warp's shared memory, kMaskWords words each.
+template <class DT>
+__device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::uint32_t* words,
+                                                 const df::ChunkView& v, std::uint64_t first,
+                                                 std::uint32_t elems, std::uint32_t* exc_bits,
+                                                 std::uint32_t* exc_rank, int lane,
+                                                 std::uint32_t& count, unsigned long long& digest) {
+  constexpr int kWidth = 8 * static_cast<int>(sizeof(DT));
+  const df::ChunkFields& f = v.f;
+  const std::uint32_t n = v.n, m = v.m;
+  if (m > 0) {
+    // The exceptions' change indices as a bit set over the changes, with each word's rank.
+    const std::uint32_t nw = (n + 31) / 32;
+    for (std::uint32_t w = lane; w < nw; w += 32) exc_bits[w] = 0;
+    __syncwarp();
+    const std::uint64_t xlen = df::ef_bits(m, n, f.Le) - static_cast<std::uint64_t>(m) * f.Le;
+    const bool ok = warp_elias_fano(
+        words, f.exc_high, xlen, m, lane, [&](std::uint32_t e, std::uint64_t bit) -> long long {
+          const std::uint64_t j =
+              ((bit - e) << f.Le) |
+              df::get_bits(words, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, f.Le);
+          if (j >= n) return -1;
+          atomicOr(&exc_bits[j >> 5], 1u << (j & 31));
+          return static_cast<long long>(j);
+        });
+    if (!ok) return false;
+    __syncwarp();
+    std::uint32_t carry = 0;
+    for (std::uint32_t w0 = 0; w0 < nw; w0 += 32) {
+      const std::uint32_t w = w0 + static_cast<std::uint32_t>(lane);
+      const std::uint32_t c = w < nw ? __popc(exc_bits[w]) : 0u;
+      const std::uint32_t incl = warp_inclusive_sum(c, lane);
+      if (w < nw) exc_rank[w] = carry + incl - c;
+      carry += __shfl_sync(kFull, incl, 31);
+    }
+    __syncwarp();
+  }
+  // The positions: a round gives each lane kApplyWindow bits of the upper array, so at most
+  // kApplyWindow changes, whose old values it loads together before writing any.
+  const std::uint64_t hlen = df::ef_bits(n, elems, f.L) - static_cast<std::uint64_t>(n) * f.L;
+  DT* dst = static_cast<DT*>(r.dst);
+  std::uint32_t found = 0;
+  int before_round = -1;
+  bool ok = true;
+  for (std::uint64_t w0 = 0; w0 * kApplyWindow < hlen && found < n; w0 += 32) {
+    const std::uint64_t w = w0 + static_cast<std::uint64_t>(lane);
+    std::uint32_t bits = 0;
+    if (w * kApplyWindow < hlen) {
+      const std::uint64_t left = hlen - kApplyWindow * w;
+      bits = df::get_bits(words, f.high + kApplyWindow * w,
+                          static_cast<int>(left < kApplyWindow ? left : kApplyWindow));
+    }
+    const std::uint32_t c = __popc(bits);
+    const std::uint32_t incl = warp_inclusive_sum(c, lane);
+    const std::uint32_t j0 = found + incl - c;
+    const std::uint32_t mine = j0 < n ? min(c, n - j0) : 0u;
+    const std::uint32_t signs =
+        mine > 0 ? df::get_bits(words, f.sign + j0, static_cast<int>(mine)) : 0u;
+    int p[kApplyWindow];
+    int first_p = -1, last_p = -1;
+#pragma unroll
+    for (int i = 0; i < kApplyWindow; ++i) {
+      p[i] = -1;
+      if (static_cast<std::uint32_t>(i) < mine) {
+        const int b = __ffs(static_cast<int>(bits)) - 1;
+        bits &= bits - 1;
+        const std::uint32_t j = j0 + static_cast<std::uint32_t>(i);
+        const std::uint64_t pos =
+            ((kApplyWindow * w + static_cast<std::uint64_t>(b) - j) << f.L) |
+            df::get_bits(words, f.low + static_cast<std::uint64_t>(j) * f.L, f.L);
+        if (pos<elems&& static_cast<int>(pos)> last_p) {
+          p[i] = static_cast<int>(pos);
+          if (first_p < 0) first_p = p[i];
+          last_p = p[i];
+        } else {
+          ok = false;  // out of the chunk, or not above the change before: not written
+        }
+      }
+    }
+    int upto = last_p;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(kFull, upto, o);
+      if (lane >= o) upto = max(upto, x);
+    }
+    int prior = __shfl_up_sync(kFull, upto, 1);
+    if (lane == 0) prior = -1;
+    if (first_p >= 0 && first_p <= max(prior, before_round)) ok = false;
+    before_round = max(before_round, __shfl_sync(kFull, upto, 31));
+    found += __shfl_sync(kFull, incl, 31);
+    DT old[kApplyWindow] = {};
+#pragma unroll
+    for (int i = 0; i < kApplyWindow; ++i)
+      if (p[i] >= 0) old[i] = dst[dst_index(r, first + static_cast<std::uint64_t>(p[i]))];
+#pragma unroll
+    for (int i = 0; i < kApplyWindow; ++i) {
+      if (p[i] < 0) continue;
+      const std::uint32_t j = j0 + static_cast<std::uint32_t>(i);
+      std::uint32_t mag = 1;
+      if (m > 0 && ((exc_bits[j >> 5] >> (j & 31)) & 1u)) {
+        const std::uint32_t e =
+            exc_rank[j >> 5] + __popc(exc_bits[j >> 5] & ((1u << (j & 31)) - 1u));
+        mag = 2 + df::get_bits(words, f.exc_mag + static_cast<std::uint64_t>(e) * f.W, f.W);
+      }
+      const bool neg = ((signs >> i) & 1u) != 0;
+      const std::uint64_t pe = first + static_cast<std::uint64_t>(p[i]);
+      const auto nv = static_cast<DT>(df::add_ordered(
+          old[i], neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag), kWidth));
+      const std::uint64_t key = key_of(r, pe);
+      digest += checksum_term(key, nv) - checksum_term(key, old[i]);
+      dst[dst_index(r, pe)] = nv;
+      ++count;
+    }
+  }
+  return __all_sync(kFull, ok) && found >= n;
+}
+
+// A warp per chunk of a sparse route: decode, check and scatter its changes.
+__global__ void __launch_bounds__(kApplyWarps * 32)
     apply_sparse_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
                         std::uint64_t n_chunks, int log2, const std::byte* __restrict__ stream,
                         std::uint32_t* __restrict__ chunk_changed,
                         unsigned long long* __restrict__ chunk_digest, Totals* totals) {
+  __shared__ std::uint32_t exc_bits[kApplyWarps][kMaskWords], exc_rank[kApplyWarps][kMaskWords];
   if (totals->bad != ~0ull) return;
-  const std::uint64_t g = static_cast<std::uint64_t>(blockIdx.x) * 128 + threadIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const std::uint64_t g = static_cast<std::uint64_t>(blockIdx.x) * kApplyWarps + warp;
   if (g >= n_chunks) return;
   const DevChunk ch = chunks[g];
   const df::RouteEntry& e = entry_of(stream, ch.route);
@@ -718,15 +1012,21 @@ __global__ void __launch_bounds__(128)
   bool ok;
   switch (r.esize) {
     case 1:
-      ok = apply_chunk<std::uint8_t>(r, words, v, first, elems, count, digest);
+      ok = warp_apply_chunk<std::uint8_t>(r, words, v, first, elems, exc_bits[warp], exc_rank[warp],
+                                          lane, count, digest);
       break;
     case 2:
-      ok = apply_chunk<std::uint16_t>(r, words, v, first, elems, count, digest);
+      ok = warp_apply_chunk<std::uint16_t>(r, words, v, first, elems, exc_bits[warp],
+                                           exc_rank[warp], lane, count, digest);
       break;
     default:
-      ok = apply_chunk<std::uint32_t>(r, words, v, first, elems, count, digest);
+      ok = warp_apply_chunk<std::uint32_t>(r, words, v, first, elems, exc_bits[warp],
+                                           exc_rank[warp], lane, count, digest);
       break;
   }
+  count = warp_sum(count);
+  digest = warp_sum(digest);
+  if (lane != 0) return;
   if (!ok) record_bad(totals, ch.route, static_cast<int>(DeviceDelta::ApplyError::kCodes));
   chunk_changed[g] = count;
   chunk_digest[g] = digest;
@@ -903,7 +1203,10 @@ struct DeviceDelta::Impl {
   DeviceBuffer chunk_info, chunk_bytes, chunk_offset, chunk_digest, plans, totals;
   DeviceBuffer route_sum, route_counted;
   DeviceBuffer dense_list, dense_count;  // apply: the chunks held raw
-  DeviceBuffer slots;                    // encode only, allocated at the first encode
+  // encode only, allocated at the first encode: each chunk's coded data (and, between the two
+  // kernels, its exceptions' magnitudes), and its three masks
+  DeviceBuffer slots, masks;
+  DeviceBuffer chunk_width;  // encode: bits of the chunk's largest |d| - 2
   DeviceBuffer pieces;
 
   std::uint64_t slot_words() const { return ((std::uint64_t{1} << log2) * max_esize + 3) / 4; }
@@ -996,6 +1299,7 @@ Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<Delta
   REFIT_ASSIGN_OR_RETURN(m.chunk_info, DeviceBuffer::allocate(G * 4, device));
   REFIT_ASSIGN_OR_RETURN(m.chunk_bytes, DeviceBuffer::allocate(G * 4, device));
   REFIT_ASSIGN_OR_RETURN(m.chunk_offset, DeviceBuffer::allocate(G * 4, device));
+  REFIT_ASSIGN_OR_RETURN(m.chunk_width, DeviceBuffer::allocate(G * 4, device));
   REFIT_ASSIGN_OR_RETURN(m.chunk_digest, DeviceBuffer::allocate(G * 8, device));
   REFIT_ASSIGN_OR_RETURN(m.plans, DeviceBuffer::allocate(R * sizeof(RoutePlan), device));
   REFIT_ASSIGN_OR_RETURN(m.route_sum, DeviceBuffer::allocate(R * 8, device));
@@ -1020,6 +1324,10 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
     REFIT_ASSIGN_OR_RETURN(
         m.slots,
         DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4, m.device));
+    m.masks = DeviceBuffer();
+    REFIT_ASSIGN_OR_RETURN(
+        m.masks, DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * 3 * kMaskWords * 4,
+                                        m.device));
   }
   REFIT_RETURN_IF_ERROR(m.reset_totals(stream));
   const auto* routes = static_cast<const DevRoute*>(m.routes.data());
@@ -1031,16 +1339,20 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
   auto* plans = static_cast<RoutePlan*>(m.plans.data());
   auto* totals = static_cast<Totals*>(m.totals.data());
   auto* slots = static_cast<std::uint32_t*>(m.slots.data());
+  auto* masks = static_cast<std::uint32_t*>(m.masks.data());
+  auto* width = static_cast<std::uint32_t*>(m.chunk_width.data());
   for (const Impl::Group& g : m.groups) {
     REFIT_RETURN_IF_ERROR(check_grid(g.count, "delta encode"));
+    const auto* list = static_cast<const std::uint32_t*>(m.group_chunks.data()) + g.begin;
     REFIT_RETURN_IF_ERROR(with_pair(g.src, g.wire, [&](auto src, auto wire) {
       using S = decltype(src);
       using D = decltype(wire);
-      const std::size_t smem = slot_words * 4;
-      encode_kernel<S, D, false><<<static_cast<unsigned>(g.count), kEncThreads, smem, s>>>(
-          routes, chunks, static_cast<const std::uint32_t*>(m.group_chunks.data()) + g.begin,
-          m.log2, kept, slots, slot_words, info, bytes, digest);
-      REFIT_CUDA_CHECK_LAUNCH("delta encode_kernel launch");
+      scan_kernel<S, D, false><<<static_cast<unsigned>(g.count), kScanThreads, 0, s>>>(
+          routes, chunks, list, m.log2, kept, masks, slots, slot_words, nullptr, width, digest);
+      REFIT_CUDA_CHECK_LAUNCH("delta scan_kernel launch");
+      pack_kernel<D><<<static_cast<unsigned>(g.count), kPackThreads, slot_words * 4, s>>>(
+          routes, chunks, list, m.log2, kept, masks, slots, slot_words, width, info, bytes);
+      REFIT_CUDA_CHECK_LAUNCH("delta pack_kernel launch");
       return Status::Ok();
     }));
   }
@@ -1053,8 +1365,9 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
   REFIT_CUDA_CHECK_LAUNCH("delta layout_kernel launch");
   if (m.n_chunks > 0) {
     REFIT_RETURN_IF_ERROR(check_grid(m.n_chunks, "delta compact"));
-    compact_kernel<<<static_cast<unsigned>(m.n_chunks), kBlockThreads, 0, s>>>(
-        routes, chunks, m.log2, kept, slots, slot_words, info, bytes, offset, plans, out);
+    compact_kernel<<<static_cast<unsigned>((m.n_chunks + kCompactWarps - 1) / kCompactWarps),
+                     kBlockThreads, 0, s>>>(routes, chunks, m.n_chunks, m.log2, kept, slots,
+                                            slot_words, info, bytes, offset, plans, out);
     REFIT_CUDA_CHECK_LAUNCH("delta compact_kernel launch");
   }
   directory_kernel<<<1, kBlockThreads, 0, s>>>(routes, plans, m.n_routes, m.log2, base_digest,
@@ -1117,11 +1430,11 @@ Result<DeltaResult> DeviceDelta::patch(std::byte* kept, void* stream,
     REFIT_RETURN_IF_ERROR(with_pair(g.src, g.wire, [&](auto src, auto wire) {
       using S = decltype(src);
       using D = decltype(wire);
-      encode_kernel<S, D, true><<<static_cast<unsigned>(g.count), kEncThreads, 0, s>>>(
+      scan_kernel<S, D, true><<<static_cast<unsigned>(g.count), kScanThreads, 0, s>>>(
           static_cast<const DevRoute*>(m.routes.data()),
           static_cast<const DevChunk*>(m.chunks.data()),
           static_cast<const std::uint32_t*>(m.group_chunks.data()) + g.begin, m.log2, kept, nullptr,
-          0, info, nullptr, digest);
+          nullptr, 0, info, nullptr, digest);
       REFIT_CUDA_CHECK_LAUNCH("delta patch kernel launch");
       return Status::Ok();
     }));
@@ -1208,8 +1521,9 @@ Result<DeltaResult> DeviceDelta::apply(const std::vector<df::RouteEntry>& entrie
       static_cast<const unsigned long long*>(m.route_counted.data()), totals);
   REFIT_CUDA_CHECK_LAUNCH("delta precheck_kernel launch");
   if (m.n_chunks > 0) {
-    apply_sparse_kernel<<<static_cast<unsigned>((m.n_chunks + 127) / 128), 128, 0, s>>>(
-        routes, chunks, m.n_chunks, m.log2, stream, changed, digest, totals);
+    apply_sparse_kernel<<<static_cast<unsigned>((m.n_chunks + kApplyWarps - 1) / kApplyWarps),
+                          kApplyWarps * 32, 0, s>>>(routes, chunks, m.n_chunks, m.log2, stream,
+                                                    changed, digest, totals);
     REFIT_CUDA_CHECK_LAUNCH("delta apply_sparse_kernel launch");
     const auto blocks = static_cast<unsigned>(std::min<std::uint64_t>(m.n_chunks, 132 * 8));
     apply_dense_kernel<<<blocks, kBlockThreads, 0, s>>>(

@@ -32,7 +32,9 @@
 
 namespace refit {
 
-// The largest chunk the encode kernel codes (a thread block of 512 threads, 16 elements each).
+// The largest chunk the CUDA kernels code: the encode gives each of a chunk's 32-element mask words
+// a thread of one 256-thread block, and the apply keeps a bit per change of a chunk in shared
+// memory.
 inline constexpr int kDeviceDeltaMaxChunkLog2 = 13;
 
 class DeviceDelta {
