@@ -109,6 +109,15 @@ class Twin {
   std::vector<std::byte> params(int p, std::size_t i) {
     return read(p, *dst_[p][i], dst_bytes_[i]);
   }
+  // The full refit's capture on both planes: each plane's kept copy becomes the cast of its source;
+  // base[p] is the digest it returns.
+  void capture(std::uint64_t (&base)[2]) {
+    for (int p = 0; p < 2; ++p) {
+      auto cap = plane(p).delta_capture(routes(p), kept(p), options());
+      ASSERT_TRUE(cap.ok()) << cap.status().to_string();
+      base[p] = cap->digest_delta;
+    }
+  }
 
  private:
   DataPlane& cpu_;
@@ -246,14 +255,10 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
     std::mt19937_64 rng(static_cast<std::uint64_t>(chunk_log2));
     for (std::size_t i = 0; i < kShapes.size(); ++i) fill_source(t, i, kShapes[i], rng);
     t.push_sources();
+    // The full refit: capture writes the kept copy; the parameters get the cast below (a patch
+    // against an all-zero kept copy).
     std::uint64_t base[2];
-    for (int p = 0; p < 2; ++p) {
-      // The full refit: parameters get the cast (capture writes the kept copy; the parameters are
-      // the kept copy's twin through an apply of a dense stream against an all-zero base).
-      auto cap = t.plane(p).delta_capture(t.routes(p), t.kept(p), t.options());
-      ASSERT_TRUE(cap.ok()) << cap.status().to_string();
-      base[p] = cap->digest_delta;
-    }
+    ASSERT_NO_FATAL_FAILURE(t.capture(base));
     EXPECT_EQ(base[0], base[1]);
     t.expect_same_kept();
     // The parameters: patch from zero (a patch writes every element that differs from the kept
@@ -367,11 +372,7 @@ TEST(DeltaGpu, MalformedCodesUnderValidChecksumsAreRefusedInsideTheirChunk) {
   fill_source(t, 0, shapes[0], rng);
   t.push_sources();
   std::uint64_t base[2];
-  for (int p = 0; p < 2; ++p) {
-    auto cap = t.plane(p).delta_capture(t.routes(p), t.kept(p), t.options());
-    ASSERT_TRUE(cap.ok()) << cap.status().to_string();
-    base[p] = cap->digest_delta;
-  }
+  ASSERT_NO_FATAL_FAILURE(t.capture(base));
   const std::size_t chunk_first = std::size_t{1} << kLog2, chunk_elems = chunk_first;
   std::vector<std::byte>& src = t.host_src(0);
   for (std::size_t k = chunk_first; k < chunk_first + chunk_elems; k += 7) {
