@@ -184,22 +184,25 @@ __device__ __forceinline__ void record_bad(Totals* t, std::uint32_t route, int c
 //
 // scan_kernel streams the chunk once: it reads the source (casting it), compares it with the kept
 // copy, writes the kept copy where it differs (and, for a patch, the engine's parameter) and leaves
-// three bit masks in the chunk's mask area: changed, negative, exception (|d| >= 2). An
+// three bits per element in the chunk's mask area: changed, negative, exception (|d| >= 2). An
 // exception's |d| - 2 goes into the chunk's slot at its position. Each thread takes four
-// consecutive elements per step (one vector load where the route is contiguous and aligned), so a
-// warp step covers 128 elements, and the four ballots of a step (one per element of a thread) are
-// its mask words: bit l of word 4s + k is element 128s + 4l + k. Nothing else stays live.
-// pack_kernel then codes each chunk from its masks (1/16 of a bf16 chunk's bytes): a thread per 32
-// positions (it interleaves the four words' bytes back into position order), one scan of the
-// counts for every change's index, the fields OR-ed into shared memory.
+// consecutive elements per step (one vector load where the route is contiguous and aligned) and
+// stores their bits as one 16-bit entry: entry i covers elements 4i .. 4i + 3, its bits 0-3 say
+// which changed, 4-7 which went down, 8-11 which are exceptions. A warp's entries of a step are
+// one 64-byte store; nothing crosses lanes. pack_kernel then codes each chunk from its entries
+// (a quarter of a bf16 chunk's bytes): a thread per 32 positions (eight entries, one 16-byte
+// load), one scan of the counts for every change's index, the fields OR-ed into shared memory.
 
 constexpr int kScanThreads = 256;
 constexpr int kScanVec = 4;     // consecutive elements per thread per step
 constexpr int kScanUnroll = 4;  // steps whose loads are in flight together
 constexpr int kScanStep = kScanThreads * kScanVec;
 constexpr int kPackThreads = 256;
-constexpr std::uint32_t kMaskWords = (1u << kDeviceDeltaMaxChunkLog2) / 32;  // per mask per chunk
+constexpr std::uint32_t kMaskWords = (1u << kDeviceDeltaMaxChunkLog2) / 32;  // a bit per element
 static_assert(kMaskWords == kPackThreads, "pack_kernel gives each 32 positions a thread");
+// A chunk's mask area: a 16-bit entry per kScanVec elements.
+constexpr std::uint32_t kMaskAreaWords = (1u << kDeviceDeltaMaxChunkLog2) / kScanVec / 2;
+static_assert(kScanVec == 4, "an entry holds 4 elements' changed, negative and exception bits");
 
 // `count` (1 ..= 4) elements of a route's source from element pe, cast to the wire dtype.
 template <class S, class D>
@@ -278,7 +281,7 @@ __global__ void __launch_bounds__(kScanThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   DT* kept = reinterpret_cast<DT*>(kept_base + r.kept) + first;
   DT* exc_mag = kPatch ? nullptr : reinterpret_cast<DT*>(slots + g * slot_words);
-  auto* mc = reinterpret_cast<uint4*>(masks + 3ull * kMaskWords * g);
+  auto* entries = reinterpret_cast<std::uint16_t*>(masks + std::uint64_t{kMaskAreaWords} * g);
   // Vector loads where the route's source is contiguous and both sides are aligned (the chunk's
   // first element is a multiple of 2^log2, so this holds for the whole chunk).
   const bool vec =
@@ -306,10 +309,11 @@ __global__ void __launch_bounds__(kScanThreads)
     for (int u = 0; u < kScanUnroll; ++u) {
       const std::uint32_t step0 = base + static_cast<std::uint32_t>(u * kScanStep);
       const std::uint32_t e0 = step0 + kScanVec * threadIdx.x;
+      // (Elements past the chunk's end load as 0 on both sides, so they never differ.)
       std::uint32_t changed = 0, negative = 0, exception = 0;
 #pragma unroll
       for (int k = 0; k < kScanVec; ++k)
-        if (e0 + k < elems && nv[u][k] != ov[u][k]) changed |= 1u << k;
+        if (nv[u][k] != ov[u][k]) changed |= 1u << k;
       for (std::uint32_t left = changed; left != 0; left &= left - 1) {
         const int k = __ffs(static_cast<int>(left)) - 1;
         const std::uint32_t e = e0 + static_cast<std::uint32_t>(k), x = pick(nv[u], k),
@@ -333,20 +337,11 @@ __global__ void __launch_bounds__(kScanThreads)
           }
         }
       }
+      // Every entry of a warp's 128 elements is written when the first is in the chunk, so the
+      // entries pack_kernel reads past the chunk's end (to a multiple of 32) are zero.
       if constexpr (!kPatch) {
-        uint4 c, s, x;
-        c.x = __ballot_sync(kFull, changed & 1u), c.y = __ballot_sync(kFull, changed & 2u);
-        c.z = __ballot_sync(kFull, changed & 4u), c.w = __ballot_sync(kFull, changed & 8u);
-        s.x = __ballot_sync(kFull, negative & 1u), s.y = __ballot_sync(kFull, negative & 2u);
-        s.z = __ballot_sync(kFull, negative & 4u), s.w = __ballot_sync(kFull, negative & 8u);
-        x.x = __ballot_sync(kFull, exception & 1u), x.y = __ballot_sync(kFull, exception & 2u);
-        x.z = __ballot_sync(kFull, exception & 4u), x.w = __ballot_sync(kFull, exception & 8u);
-        const std::uint32_t wstep = step0 / 128 + static_cast<std::uint32_t>(warp);
-        if (lane == 0 && wstep * 128 < elems) {
-          mc[wstep] = c;
-          mc[kMaskWords / 4 + wstep] = s;
-          mc[kMaskWords / 2 + wstep] = x;
-        }
+        if (step0 + 128u * static_cast<std::uint32_t>(warp) < elems)
+          entries[e0 / kScanVec] = static_cast<std::uint16_t>(changed | negative << 4 | exception << 8);
       }
     }
   }
@@ -365,19 +360,13 @@ __global__ void __launch_bounds__(kScanThreads)
   if (threadIdx.x == 0) chunk_digest[g] = digest;
 }
 
-// Bit i of the byte goes to bit 4i.
-__device__ __forceinline__ std::uint32_t spread_byte(std::uint32_t x) {
-  x = (x | (x << 12)) & 0x000F000Fu;
-  x = (x | (x << 6)) & 0x03030303u;
-  x = (x | (x << 3)) & 0x11111111u;
-  return x;
-}
-// The 32 positions 32t .. 32t + 31 of a mask kept as scan_kernel's ballots (word k of step t / 4
-// holds element 128(t / 4) + 4l + k at bit l): byte t % 4 of each word, interleaved.
-__device__ __forceinline__ std::uint32_t positions_of(const uint4& w, std::uint32_t t) {
-  const int b = 8 * static_cast<int>(t & 3);
-  return spread_byte((w.x >> b) & 0xFFu) | spread_byte((w.y >> b) & 0xFFu) << 1 |
-         spread_byte((w.z >> b) & 0xFFu) << 2 | spread_byte((w.w >> b) & 0xFFu) << 3;
+// One of an entry's three nibbles (shift 0: changed, 4: negative, 8: exception) for the 32
+// positions of eight consecutive entries (two per word of w), in position order.
+__device__ __forceinline__ std::uint32_t positions_of(const uint4& w, int shift) {
+  const auto two = [shift](std::uint32_t x) {  // entries 2q and 2q + 1 -> 8 bits
+    return ((x >> shift) & 0xFu) | ((x >> (shift + 12)) & 0xF0u);
+  };
+  return two(w.x) | two(w.y) << 8 | two(w.z) << 16 | two(w.w) << 24;
 }
 
 template <class D>
@@ -400,14 +389,13 @@ __global__ void __launch_bounds__(kPackThreads)
   const DevRoute r = routes[ch.route];
   const std::uint32_t elems = chunk_elems(r, ch.k, log2);
   const std::uint32_t t = threadIdx.x;
-  const auto* mw = reinterpret_cast<const uint4*>(masks + 3ull * kMaskWords * g);
+  const auto* mw = reinterpret_cast<const uint4*>(masks + std::uint64_t{kMaskAreaWords} * g);
   std::uint32_t bc = 0, bn = 0, bx = 0;
   if (t * 32 < elems) {
-    bc = positions_of(mw[t / 4], t);
-    if (bc != 0) {
-      bn = positions_of(mw[kMaskWords / 4 + t / 4], t);
-      bx = positions_of(mw[kMaskWords / 2 + t / 4], t);
-    }
+    const uint4 w = mw[t];
+    bc = positions_of(w, 0);
+    bn = positions_of(w, 4);
+    bx = positions_of(w, 8);
   }
   // Changes and exceptions before this thread's positions, in one scan (each count < 2^32).
   unsigned long long total = 0;
@@ -1326,7 +1314,7 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
         DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4, m.device));
     m.masks = DeviceBuffer();
     REFIT_ASSIGN_OR_RETURN(
-        m.masks, DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * 3 * kMaskWords * 4,
+        m.masks, DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * kMaskAreaWords * 4,
                                         m.device));
   }
   REFIT_RETURN_IF_ERROR(m.reset_totals(stream));
