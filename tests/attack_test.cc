@@ -31,6 +31,7 @@
 #include "control/lane.h"
 #include "control/ports.h"
 #include "control/store.h"
+#include "control/zmq_monitor.h"
 #include "test_util.h"
 
 namespace refit {
@@ -269,11 +270,14 @@ TEST(AttackerWithoutTheSecret, AttacksAnEngineLane) {
     EXPECT_LE(taken, 64);
   }
   {  // ZeroMQ on the store's port without the run's keys: NULL, and CURVE with a made-up server
-     // key. Neither gets an answer.
+     // key. Neither gets an answer, and each keeps its connection until the store ends it: the
+     // store must judge the handshake itself, not see the stranger leave first (on a loaded
+     // machine that can take longer than the wait for an answer).
     zmq::context_t ctx;
     for (int curve = 0; curve < 2; ++curve) {
       zmq::socket_t s(ctx, zmq::socket_type::dealer);
       s.set(zmq::sockopt::linger, 0);
+      s.set(zmq::sockopt::reconnect_ivl, -1);  // one connection each
       if (curve == 1) {
         const auto [pub, sec] = curve_keypair();
         const auto [server, unused] = curve_keypair();
@@ -281,6 +285,8 @@ TEST(AttackerWithoutTheSecret, AttacksAnEngineLane) {
         s.set(zmq::sockopt::curve_publickey, pub);
         s.set(zmq::sockopt::curve_secretkey, sec);
       }
+      auto monitor = watch_connections(ctx, s);
+      ASSERT_TRUE(monitor.ok()) << monitor.status().to_string();
       s.connect(std::string("tcp://127.0.0.1:") + port);
       const std::string id(8, '\1');
       const std::uint8_t op = 2;  // set
@@ -290,6 +296,13 @@ TEST(AttackerWithoutTheSecret, AttacksAnEngineLane) {
       (void)zmq::send_multipart(s, parts, zmq::send_flags::dontwait);
       zmq_pollitem_t item{s.handle(), 0, ZMQ_POLLIN, 0};
       EXPECT_EQ(zmq_poll(&item, 1, 500), 0) << "the store answered a stranger";
+      bool ended = false;
+      for (int k = 0; k < 1200 && !ended; ++k) {
+        for (const ConnectionEvent& e : read_connection_events(*monitor))
+          ended = ended || e.event == ZMQ_EVENT_DISCONNECTED || e.refused();
+        if (!ended) std::this_thread::sleep_for(50ms);
+      }
+      EXPECT_TRUE(ended) << "the store kept a stranger's connection open for a minute";
     }
   }
 
