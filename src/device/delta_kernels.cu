@@ -195,7 +195,10 @@ __device__ __forceinline__ void record_bad(Totals* t, std::uint32_t route, int c
 
 constexpr int kScanThreads = 256;
 constexpr int kScanVec = 4;     // consecutive elements per thread per step
-constexpr int kScanUnroll = 4;  // steps whose loads are in flight together
+constexpr int kScanUnroll = 2;  // steps whose loads are in flight together
+// Blocks per SM the scan is compiled for (at most 40 registers). The scan waits on its loads; more
+// resident warps hide them better than a deeper unroll in fewer warps (64 registers, 4 blocks).
+constexpr int kScanMinBlocks = 6;
 constexpr int kScanStep = kScanThreads * kScanVec;
 constexpr int kPackThreads = 256;
 constexpr std::uint32_t kMaskWords = (1u << kDeviceDeltaMaxChunkLog2) / 32;  // a bit per element
@@ -259,7 +262,7 @@ __device__ __forceinline__ std::uint32_t pick(const std::uint32_t (&v)[kScanVec]
 }
 
 template <class S, class D, bool kPatch>
-__global__ void __launch_bounds__(kScanThreads)
+__global__ void __launch_bounds__(kScanThreads, kScanMinBlocks)
     scan_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
                 const std::uint32_t* __restrict__ group_chunks, int log2,
                 std::byte* __restrict__ kept_base, std::uint32_t* __restrict__ masks,
@@ -294,57 +297,71 @@ __global__ void __launch_bounds__(kScanThreads)
   unsigned long long digest = 0;
   std::uint32_t n = 0;
   unsigned W = 0;
-  for (std::uint32_t base = 0; base < elems; base += kScanStep * kScanUnroll) {
-    std::uint32_t nv[kScanUnroll][kScanVec], ov[kScanUnroll][kScanVec];
+  // A whole chunk of a contiguous, aligned route (nearly every chunk) takes the loop without the
+  // per-element range tests; the route's last chunk and strided routes take the general one.
+  constexpr std::uint32_t kWholeElems = 1u << kDeviceDeltaMaxChunkLog2;
+  const auto scan = [&](auto whole) {
+    constexpr bool kWhole = decltype(whole)::value;
+    for (std::uint32_t base = 0; base < (kWhole ? kWholeElems : elems);
+         base += kScanStep * kScanUnroll) {
+      std::uint32_t nv[kScanUnroll][kScanVec], ov[kScanUnroll][kScanVec];
 #pragma unroll
-    for (int u = 0; u < kScanUnroll; ++u) {
-      const std::uint32_t e0 =
-          base + static_cast<std::uint32_t>(u * kScanStep) + kScanVec * threadIdx.x;
-      const std::uint32_t count =
-          e0 < elems ? min(elems - e0, static_cast<std::uint32_t>(kScanVec)) : 0u;
-      load_source<S, D>(r, first + e0, vec, count, nv[u]);
-      load_kept(kept + e0, vec, count, ov[u]);
-    }
+      for (int u = 0; u < kScanUnroll; ++u) {
+        const std::uint32_t e0 =
+            base + static_cast<std::uint32_t>(u * kScanStep) + kScanVec * threadIdx.x;
+        const std::uint32_t count =
+            kWhole ? kScanVec
+                   : (e0 < elems ? min(elems - e0, static_cast<std::uint32_t>(kScanVec)) : 0u);
+        load_source<S, D>(r, first + e0, kWhole || vec, count, nv[u]);
+        load_kept(kept + e0, kWhole || vec, count, ov[u]);
+      }
 #pragma unroll
-    for (int u = 0; u < kScanUnroll; ++u) {
-      const std::uint32_t step0 = base + static_cast<std::uint32_t>(u * kScanStep);
-      const std::uint32_t e0 = step0 + kScanVec * threadIdx.x;
-      // (Elements past the chunk's end load as 0 on both sides, so they never differ.)
-      std::uint32_t changed = 0, negative = 0, exception = 0;
+      for (int u = 0; u < kScanUnroll; ++u) {
+        const std::uint32_t step0 = base + static_cast<std::uint32_t>(u * kScanStep);
+        const std::uint32_t e0 = step0 + kScanVec * threadIdx.x;
+        // (Elements past the chunk's end load as 0 on both sides, so they never differ.)
+        std::uint32_t changed = 0;
+        [[maybe_unused]] std::uint32_t negative = 0, exception = 0;  // (unused by a patch)
 #pragma unroll
-      for (int k = 0; k < kScanVec; ++k)
-        if (nv[u][k] != ov[u][k]) changed |= 1u << k;
-      for (std::uint32_t left = changed; left != 0; left &= left - 1) {
-        const int k = __ffs(static_cast<int>(left)) - 1;
-        const std::uint32_t e = e0 + static_cast<std::uint32_t>(k), x = pick(nv[u], k),
-                            o = pick(ov[u], k);
-        const std::uint64_t pe = first + e;
-        kept[e] = static_cast<DT>(x);
-        const std::uint64_t key = key_of(r, pe);
-        digest += checksum_term(key, x) - checksum_term(key, o);
-        bool neg;
-        const std::uint32_t mag = magnitude<kWidth>(
-            (df::ordered_key(x, kWidth) - df::ordered_key(o, kWidth)) & kMask, neg);
-        if constexpr (kPatch) {
-          static_cast<DT*>(r.dst)[dst_index(r, pe)] = static_cast<DT>(x);
-          ++n;
-        } else {
-          if (neg) negative |= 1u << k;
-          if (mag >= 2) {
-            exception |= 1u << k;
-            exc_mag[e] = static_cast<DT>(mag - 2);
-            W = max(W, static_cast<unsigned>(df::bit_width(mag - 2)));
+        for (int k = 0; k < kScanVec; ++k)
+          if (nv[u][k] != ov[u][k]) changed |= 1u << k;
+        for (std::uint32_t left = changed; left != 0; left &= left - 1) {
+          const int k = __ffs(static_cast<int>(left)) - 1;
+          const std::uint32_t e = e0 + static_cast<std::uint32_t>(k), x = pick(nv[u], k),
+                              o = pick(ov[u], k);
+          const std::uint64_t pe = first + e;
+          kept[e] = static_cast<DT>(x);
+          const std::uint64_t key = key_of(r, pe);
+          digest += checksum_term(key, x) - checksum_term(key, o);
+          bool neg;
+          const std::uint32_t mag = magnitude<kWidth>(
+              (df::ordered_key(x, kWidth) - df::ordered_key(o, kWidth)) & kMask, neg);
+          if constexpr (kPatch) {
+            static_cast<DT*>(r.dst)[dst_index(r, pe)] = static_cast<DT>(x);
+            ++n;
+          } else {
+            if (neg) negative |= 1u << k;
+            if (mag >= 2) {
+              exception |= 1u << k;
+              exc_mag[e] = static_cast<DT>(mag - 2);
+              W = max(W, static_cast<unsigned>(df::bit_width(mag - 2)));
+            }
           }
         }
-      }
-      // Every entry of a warp's 128 elements is written when the first is in the chunk, so the
-      // entries pack_kernel reads past the chunk's end (to a multiple of 32) are zero.
-      if constexpr (!kPatch) {
-        if (step0 + 128u * static_cast<std::uint32_t>(warp) < elems)
-          entries[e0 / kScanVec] = static_cast<std::uint16_t>(changed | negative << 4 | exception << 8);
+        // Every entry of a warp's 128 elements is written when the first is in the chunk, so the
+        // entries pack_kernel reads past the chunk's end (to a multiple of 32) are zero.
+        if constexpr (!kPatch) {
+          if (kWhole || step0 + 128u * static_cast<std::uint32_t>(warp) < elems)
+            entries[e0 / kScanVec] =
+                static_cast<std::uint16_t>(changed | negative << 4 | exception << 8);
+        }
       }
     }
-  }
+  };
+  if (vec && elems == kWholeElems)
+    scan(std::true_type{});
+  else
+    scan(std::false_type{});
   W = __reduce_max_sync(kFull, W);
   if (lane == 0) s_width[warp] = W;
   digest = block_sum<unsigned long long, kScanThreads>(digest, scratch);
