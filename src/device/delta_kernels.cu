@@ -207,6 +207,19 @@ static_assert(kMaskWords == kPackThreads, "pack_kernel gives each 32 positions a
 constexpr std::uint32_t kMaskAreaWords = (1u << kDeviceDeltaMaxChunkLog2) / kScanVec / 2;
 static_assert(kScanVec == 4, "an entry holds 4 elements' changed, negative and exception bits");
 
+// Four consecutive elements at `at` (aligned to four times their size) in one load.
+template <class T>
+__device__ __forceinline__ void load4(const T* at, T (&x)[kScanVec]) {
+  static_assert(kScanVec == 4);
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(at);
+  } else if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint2*>(x) = *reinterpret_cast<const uint2*>(at);
+  } else {
+    *reinterpret_cast<std::uint32_t*>(x) = *reinterpret_cast<const std::uint32_t*>(at);
+  }
+}
+
 // `count` (1 ..= 4) elements of a route's source from element pe, cast to the wire dtype.
 template <class S, class D>
 __device__ __forceinline__ void load_source(const DevRoute& r, std::uint64_t pe, bool vec,
@@ -215,14 +228,7 @@ __device__ __forceinline__ void load_source(const DevRoute& r, std::uint64_t pe,
   const ST* src = static_cast<const ST*>(r.src);
   if (vec && count == kScanVec) {
     ST x[kScanVec];
-    const ST* at = src + r.src_offset + static_cast<std::int64_t>(pe);
-    if constexpr (sizeof(ST) == 4) {
-      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(at);
-    } else if constexpr (sizeof(ST) == 2) {
-      *reinterpret_cast<uint2*>(x) = *reinterpret_cast<const uint2*>(at);
-    } else {
-      *reinterpret_cast<std::uint32_t*>(x) = *reinterpret_cast<const std::uint32_t*>(at);
-    }
+    load4(src + r.src_offset + static_cast<std::int64_t>(pe), x);
 #pragma unroll
     for (int k = 0; k < kScanVec; ++k) v[k] = convert_elem<S, D>(x[k]);
     return;
@@ -239,13 +245,7 @@ __device__ __forceinline__ void load_kept(const DT* at, bool vec, std::uint32_t 
                                           std::uint32_t (&v)[kScanVec]) {
   if (vec && count == kScanVec) {
     DT x[kScanVec];
-    if constexpr (sizeof(DT) == 4) {
-      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(at);
-    } else if constexpr (sizeof(DT) == 2) {
-      *reinterpret_cast<uint2*>(x) = *reinterpret_cast<const uint2*>(at);
-    } else {
-      *reinterpret_cast<std::uint32_t*>(x) = *reinterpret_cast<const std::uint32_t*>(at);
-    }
+    load4(at, x);
 #pragma unroll
     for (int k = 0; k < kScanVec; ++k) v[k] = x[k];
     return;
@@ -297,8 +297,9 @@ __global__ void __launch_bounds__(kScanThreads, kScanMinBlocks)
   unsigned long long digest = 0;
   std::uint32_t n = 0;
   unsigned W = 0;
-  // A whole chunk of a contiguous, aligned route (nearly every chunk) takes the loop without the
-  // per-element range tests; the route's last chunk and strided routes take the general one.
+  // A whole chunk of the largest size (the default chunk_log2) of a contiguous, aligned route
+  // (nearly every chunk) takes the loop without the per-element range tests; a route's last
+  // chunk, strided routes and smaller chunk sizes take the general one.
   constexpr std::uint32_t kWholeElems = 1u << kDeviceDeltaMaxChunkLog2;
   const auto scan = [&](auto whole) {
     constexpr bool kWhole = decltype(whole)::value;
@@ -819,12 +820,25 @@ __device__ __forceinline__ std::uint32_t warp_inclusive_sum(std::uint32_t v, int
   }
   return v;
 }
-__device__ __forceinline__ long long warp_inclusive_max(long long v, int lane) {
+template <class T>
+__device__ __forceinline__ T warp_inclusive_max(T v, int lane) {
   for (int o = 1; o < 32; o <<= 1) {
-    const long long t = __shfl_up_sync(kFull, v, o);
+    const T t = __shfl_up_sync(kFull, v, o);
     if (lane >= o) v = max(v, t);
   }
   return v;
+}
+// One round of values decoded lane after lane, each lane's increasing from `first` to `last` (-1:
+// none): false when a lane's first is not above every value of the lanes before it and of the
+// rounds before (`before`, which becomes the largest value so far).
+template <class T>
+__device__ __forceinline__ bool warp_round_increases(T first, T last, T& before, int lane) {
+  const T upto = warp_inclusive_max(last, lane);
+  T prior = __shfl_up_sync(kFull, upto, 1);
+  if (lane == 0) prior = -1;
+  const bool ok = first < 0 || first > max(prior, before);
+  before = max(before, __shfl_sync(kFull, upto, 31));
+  return ok;
 }
 
 // Visits the first `count` set bits of the `len` bits at bit `start` of `words`, in order within
@@ -860,11 +874,7 @@ __device__ __forceinline__ bool warp_elias_fano(const std::uint32_t* words, std:
       }
       ++i;
     }
-    const long long upto = warp_inclusive_max(last, lane);
-    long long prior = __shfl_up_sync(kFull, upto, 1);
-    if (lane == 0) prior = -1;
-    if (first >= 0 && first <= max(prior, before_round)) ok = false;
-    before_round = max(before_round, __shfl_sync(kFull, upto, 31));
+    if (!warp_round_increases(first, last, before_round, lane)) ok = false;
     found += __shfl_sync(kFull, incl, 31);
   }
   return __all_sync(kFull, ok) && found >= count;
@@ -944,7 +954,8 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
         const std::uint64_t pos =
             ((kApplyWindow * w + static_cast<std::uint64_t>(b) - j) << f.L) |
             df::get_bits(words, f.low + static_cast<std::uint64_t>(j) * f.L, f.L);
-        if (pos<elems&& static_cast<int>(pos)> last_p) {
+        const bool in_order = static_cast<int>(pos) > last_p && pos < elems;
+        if (in_order) {
           p[i] = static_cast<int>(pos);
           if (first_p < 0) first_p = p[i];
           last_p = p[i];
@@ -953,15 +964,7 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
         }
       }
     }
-    int upto = last_p;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int x = __shfl_up_sync(kFull, upto, o);
-      if (lane >= o) upto = max(upto, x);
-    }
-    int prior = __shfl_up_sync(kFull, upto, 1);
-    if (lane == 0) prior = -1;
-    if (first_p >= 0 && first_p <= max(prior, before_round)) ok = false;
-    before_round = max(before_round, __shfl_sync(kFull, upto, 31));
+    if (!warp_round_increases(first_p, last_p, before_round, lane)) ok = false;
     found += __shfl_sync(kFull, incl, 31);
     DT old[kApplyWindow] = {};
 #pragma unroll
@@ -1209,7 +1212,7 @@ struct DeviceDelta::Impl {
   DeviceBuffer route_sum, route_counted;
   DeviceBuffer dense_list, dense_count;  // apply: the chunks held raw
   // encode only, allocated at the first encode: each chunk's coded data (and, between the two
-  // kernels, its exceptions' magnitudes), and its three masks
+  // kernels, its exceptions' magnitudes), and its mask entries (scan_kernel's bits per element)
   DeviceBuffer slots, masks;
   DeviceBuffer chunk_width;  // encode: bits of the chunk's largest |d| - 2
   DeviceBuffer pieces;
