@@ -12,7 +12,13 @@
 // the step, and each pair's digest against the engine's. Prints one line per step and a table:
 // the changed fraction of the bf16 cast, the wire bytes against the full refit's, and the times.
 //
+// --staged (CPU plane): refit.staged's apply. The apply logs what it writes (its time includes
+// the log), and the log is replayed onto a second copy of every engine rank's parameters, which
+// held the same base ("replay": what generation pauses for), against the full apply (a copy of
+// the same bytes, what a staging area's copy pauses for). The copy is verified byte for byte.
+//
 //   refit_delta_bench CONFIG [--update adam:LR] [--steps N] [--chunk-log2 K] [--no-verify]
+//                            [--staged]
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -44,6 +50,7 @@ struct Args {
   int chunk_log2 = 13;
   bool verify = true;
   bool entropy = false;  // step 1: the zero-order entropy of what changed, per element
+  bool staged = false;   // replay each apply's log onto a second copy of the parameters
 };
 
 [[noreturn]] void die(const std::string& what) {
@@ -78,6 +85,8 @@ Args parse(int argc, char** argv) {
       a.verify = false;
     } else if (k == "--entropy") {
       a.entropy = true;
+    } else if (k == "--staged") {
+      a.staged = true;
     } else if (!k.empty() && k[0] == '-') {
       die("unknown flag " + k);
     } else {
@@ -86,7 +95,7 @@ Args parse(int argc, char** argv) {
   }
   if (a.config.empty())
     die("usage: refit_delta_bench CONFIG [--update adam:LR] [--steps N] [--chunk-log2 K] "
-        "[--no-verify]");
+        "[--no-verify] [--staged]");
   if (a.steps < 1) die("--steps must be at least 1");
   return a;
 }
@@ -94,6 +103,8 @@ Args parse(int argc, char** argv) {
 struct Pair {
   int trainer = 0, engine = 0;
   PairDeltaRoutes trainer_side, engine_side;
+  PairDeltaRoutes copy_side;  // --staged: engine_side into the second copy of the parameters
+  DeltaLog log;               // --staged: what the last apply wrote
   // shards -> staging, staging -> params, shards -> params
   std::vector<CopyRun> pack, full_apply, peer;
   DType wire = DType::kBFloat16;
@@ -124,6 +135,8 @@ int run(const Args& a) {
   };
   auto plane = check(make_data_plane(cfg, 0), "data plane");
   const DType policy = cfg.policy.dtype;
+  if (a.staged && cfg.device != Device::kCpu)
+    die("--staged needs device: cpu (the CUDA plane does not log its applies)");
   // Storage: every trainer rank's shards, every engine rank's parameters.
   std::vector<std::vector<std::unique_ptr<PlaneBuffer>>> shard_mem(trainer_setups.size());
   std::vector<std::vector<void*>> shards(trainer_setups.size());
@@ -142,9 +155,19 @@ int run(const Args& a) {
       static_cast<std::size_t>(engine_ranks));
   std::vector<std::vector<void*>> params(static_cast<std::size_t>(engine_ranks));
   std::vector<std::vector<PieceTarget>> param_targets(static_cast<std::size_t>(engine_ranks));
+  // --staged: the second copy of every engine rank's parameters.
+  std::vector<std::vector<std::unique_ptr<PlaneBuffer>>> copy_mem(
+      static_cast<std::size_t>(engine_ranks));
+  std::vector<std::vector<void*>> copies(static_cast<std::size_t>(engine_ranks));
   for (int g = 0; g < engine_ranks; ++g) {
     const EngineShardLayout& lay = layout_of(g);
     for (const EngineParam& p : lay.params) {
+      if (a.staged) {
+        copy_mem[static_cast<std::size_t>(g)].push_back(
+            check(plane->allocate(std::max<std::int64_t>(p.bytes(), 1)), "parameters' copy"));
+        copies[static_cast<std::size_t>(g)].push_back(
+            copy_mem[static_cast<std::size_t>(g)].back()->data());
+      }
       param_mem[static_cast<std::size_t>(g)].push_back(
           check(plane->allocate(std::max<std::int64_t>(p.bytes(), 1)), "parameters"));
       params[static_cast<std::size_t>(g)].push_back(
@@ -161,12 +184,13 @@ int run(const Args& a) {
       Pair p;
       p.trainer = t;
       p.engine = g;
-      p.trainer_side = trainer_delta_routes(trainer_setups[static_cast<std::size_t>(t)], policy,
-                                            t, g, DeltaSource::kShards,
+      p.trainer_side = trainer_delta_routes(trainer_setups[static_cast<std::size_t>(t)], policy, t,
+                                            g, DeltaSource::kShards,
                                             &shards[static_cast<std::size_t>(t)], nullptr, nullptr);
-      const IncomingRoutes in =
-          incoming_from_view(engine_setups[static_cast<std::size_t>(g)].view);
+      const IncomingRoutes in = incoming_from_view(engine_setups[static_cast<std::size_t>(g)].view);
       p.engine_side = engine_delta_routes(in, layout_of(g), t, params[static_cast<std::size_t>(g)]);
+      if (a.staged)
+        p.copy_side = engine_delta_routes(in, layout_of(g), t, copies[static_cast<std::size_t>(g)]);
       const std::int64_t kept_bytes = assign_kept_offsets(p.trainer_side.routes);
       p.kept =
           check(plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(kept_bytes, 16))),
@@ -231,10 +255,15 @@ int run(const Args& a) {
           "verify");
       if (bad)
         die(fmt::format("step {}: engine rank {} parameter {} element {} differs from the weights",
-                        step, g,
-                        layout_of(g).params[bad->first].name,
-                        bad->second));
+                        step, g, layout_of(g).params[bad->first].name, bad->second));
     }
+    for (std::size_t g = 0; g < copies.size(); ++g)
+      for (std::size_t i = 0; i < copies[g].size(); ++i)
+        if (std::memcmp(
+                copies[g][i], params[g][i],
+                static_cast<std::size_t>(layout_of(static_cast<int>(g)).params[i].bytes())) != 0)
+          die(fmt::format("step {}: engine rank {} parameter {}: the replayed copy differs", step,
+                          g, layout_of(static_cast<int>(g)).params[i].name));
     for (Pair& p : pairs) {
       const std::uint64_t held = check(plane->delta_digest(p.engine_side.routes), "digest");
       if (held != p.digest)
@@ -257,6 +286,10 @@ int run(const Args& a) {
     check(plane->copy(p.pack, policy, p.wire), "pack");
     check(plane->copy(p.full_apply, p.wire, p.wire), "full apply");
   }
+  for (std::size_t g = 0; g < copies.size(); ++g)  // --staged: the copy holds the base too
+    for (std::size_t i = 0; i < copies[g].size(); ++i)
+      std::memcpy(copies[g][i], params[g][i],
+                  static_cast<std::size_t>(layout_of(static_cast<int>(g)).params[i].bytes()));
   verify(0);
   std::int64_t elements = 0, full = 0;
   for (const Pair& p : pairs) elements += p.elements, full += p.full_bytes;
@@ -268,15 +301,15 @@ int run(const Args& a) {
       std::string(dtype_name(cfg.refit.target_precision)).c_str(), pairs.size(),
       static_cast<long long>(elements), static_cast<double>(full) / 1e6, a.update.c_str(),
       a.chunk_log2);
-  std::printf("%4s %9s %11s %9s %9s %9s %7s %9s %9s %7s %9s\n", "step", "changed%", "wire_bytes",
+  std::printf("%4s %9s %11s %9s %9s %9s %7s %9s %9s %7s %9s%s\n", "step", "changed%", "wire_bytes",
               "wire/full", "pred/wire", "cast_ms", "enc_ms", "enc/cast", "apply_ms", "full_ms",
-              "app/full");
-  std::vector<double> ratio_enc, ratio_app;
+              "app/full", a.staged ? " replay_ms  rep/full" : "");
+  std::vector<double> ratio_enc, ratio_app, ratio_rep;
   for (int step = 1; step <= a.steps; ++step) {
     for (std::size_t t = 0; t < shards.size(); ++t)
       check(plane->diagnostics()->fill_weights(*model, shard_targets[t], step, policy, policy),
             "weights");
-    double cast_s = 0, enc_s = 0, app_s = 0, full_s = 0;
+    double cast_s = 0, enc_s = 0, app_s = 0, full_s = 0, rep_s = 0;
     std::int64_t changed = 0, wire = 0, predicted = 0;
     // The entropy the stream aims at: per pair, whether each element changed (a Bernoulli of the
     // pair's density) and, for those that did, the difference of their bits in ordered space.
@@ -298,6 +331,7 @@ int run(const Args& a) {
       enc_s += te.seconds();
       DeltaOptions eo = p.options;
       eo.describe = p.engine_side.describe();
+      if (a.staged) eo.log = &p.log;
       Timer ta;
       const DeltaResult r = check(
           plane->delta_apply(p.engine_side.routes, p.stream->data(), e.stream_bytes, p.digest, eo),
@@ -307,6 +341,13 @@ int run(const Args& a) {
         die(fmt::format("step {}: pair {} -> {}: apply and encode disagree", step, p.trainer,
                         p.engine));
       p.digest += e.digest_delta;
+      if (a.staged) {
+        DeltaOptions ro = p.options;
+        ro.describe = p.copy_side.describe();
+        Timer tr;
+        check(plane->delta_replay(p.copy_side.routes, p.log, ro), "replay");
+        rep_s += tr.seconds();
+      }
       Timer tf;
       check(plane->copy(p.full_apply, p.wire, p.wire), "full apply");
       full_s += tf.seconds();
@@ -360,14 +401,19 @@ int run(const Args& a) {
     verify(step);
     ratio_enc.push_back(enc_s / cast_s);
     ratio_app.push_back(app_s / full_s);
-    std::printf("%4d %9.3f %11lld %9.4f %9.3f %9.2f %7.2f %9.2f %9.2f %7.2f %9.3f\n", step,
+    ratio_rep.push_back(rep_s / full_s);
+    std::printf("%4d %9.3f %11lld %9.4f %9.3f %9.2f %7.2f %9.2f %9.2f %7.2f %9.3f", step,
                 100.0 * static_cast<double>(changed) / static_cast<double>(elements),
                 static_cast<long long>(wire), static_cast<double>(wire) / static_cast<double>(full),
                 static_cast<double>(predicted) / static_cast<double>(wire), cast_s * 1e3,
                 enc_s * 1e3, enc_s / cast_s, app_s * 1e3, full_s * 1e3, app_s / full_s);
+    if (a.staged) std::printf(" %9.2f %8.3f", rep_s * 1e3, rep_s / full_s);
+    std::printf("\n");
     std::fflush(stdout);
   }
-  std::printf("median encode/cast %.2f, apply/full %.3f%s\n", median(ratio_enc), median(ratio_app),
+  std::printf("median encode/cast %.2f, apply/full %.3f%s%s\n", median(ratio_enc),
+              median(ratio_app),
+              a.staged ? fmt::format(", replay/full {:.3f}", median(ratio_rep)).c_str() : "",
               a.verify ? "; every engine element verified bit-exact after every step" : "");
   return 0;
 }

@@ -163,11 +163,24 @@ TEST(DeltaRefits, Fp8MegatronP2pSglang) {
 
 // refit.staged: the bytes of each refit, full or delta, land in the staging area while the
 // engine generates, and generation pauses only for the apply. Every refit is verified on the
-// engines' parameters; each one's pause is in the report and lies inside the refit.
-void expect_staged(Cell c) {
+// engines' parameters; each one's pause is in the report and lies inside the refit. The first
+// refit's apply copies the staging area; with `changes_only` (every pair point to point) each
+// delta refit's apply writes only the changes into the parameters, else it copies too.
+void expect_staged(Cell c, bool changes_only) {
   c.staged = true;
   DeltaRun d;
+  ::setenv("REFIT_LOG", "debug", 1);  // the engine ranks say how each apply went
   expect_deltas(c, "adam:1e-5", 5, &d);
+  ::unsetenv("REFIT_LOG");
+  int engine_ranks = 0;
+  for (const auto& r : d.report["ranks"]) engine_ranks += r["role"] == "engine";
+  ASSERT_GT(engine_ranks, 0) << d.report.dump(2);
+  const std::size_t n = static_cast<std::size_t>(engine_ranks);
+  EXPECT_EQ(count_of(d.cli.output, "applied as its changes only"), changes_only ? 4 * n : 0)
+      << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "applied as a copy of the staging area"),
+            changes_only ? n : 5 * n)
+      << d.cli.output;
   ASSERT_TRUE(d.report.is_object());
   const auto& refit = d.report["refit_seconds"];
   const auto& pause = d.report["pause_seconds"];
@@ -180,16 +193,14 @@ void expect_staged(Cell c) {
   EXPECT_EQ(count_of(d.cli.output, "refit.staged: generation paused"), 1U) << d.cli.output;
 }
 
-TEST(StagedRefits, P2pSglangDelta) { expect_staged({.executor = "p2p", .delta = "on"}); }
+TEST(StagedRefits, P2pSglangDelta) { expect_staged({.executor = "p2p", .delta = "on"}, true); }
 TEST(StagedRefits, PeerVllmDelta) {
-  expect_staged({.engine = "vllm", .colocated = true, .executor = "peer", .delta = "on"});
+  expect_staged({.engine = "vllm", .colocated = true, .executor = "peer", .delta = "on"}, false);
 }
 TEST(StagedRefits, MegatronP2pTwoEngines) {
-  expect_staged({.num_engines = 2,
-                 .executor = "p2p",
-                 .backend = "megatron",
-                 .megatron_tp = 2,
-                 .delta = "on"});
+  expect_staged(
+      {.num_engines = 2, .executor = "p2p", .backend = "megatron", .megatron_tp = 2, .delta = "on"},
+      true);
 }
 
 // FP8 weights reach the encoder only through the p2p staging segment: peer pairs move in full,
@@ -332,8 +343,9 @@ TEST(DeltaRefits, RefitFailedInFlightMakesTheNextFull) {
       << d.cli.output;
   EXPECT_NE(d.cli.output.find("step 4/4: refit.delta: 4 pair(s) as a delta"), std::string::npos)
       << d.cli.output;
-  EXPECT_EQ(count_of(d.cli.output, "step 3: no base offered to trainer rank(s) 0, 1: this rank "
-                                   "holds no base from them"),
+  EXPECT_EQ(count_of(d.cli.output,
+                     "step 3: no base offered to trainer rank(s) 0, 1: this rank "
+                     "holds no base from them"),
             2u)
       << d.cli.output;
   EXPECT_EQ(count_of(d.cli.output, "step 3: engine rank(s) 0, 1: this rank keeps no base for them"),

@@ -547,6 +547,86 @@ TEST(DeltaHost, WorkerPoolGivesTheSameStreamAsOneThread) {
 
 // A corrupted byte anywhere is refused before anything is written, naming the route (the
 // tensor) or the header; a truncated stream too.
+// refit.staged: an apply that logs what it writes, replayed onto a second copy of the base
+// through the same routes with other destinations, leaves that copy byte for byte what the apply
+// left: sparse chunks, a dense chunk and a dense route, strided rows, an empty route, and bytes
+// outside the routes untouched. A log that is incomplete or points outside its routes is refused
+// before anything is written.
+TEST(DeltaHost, ALoggedApplyReplaysOntoACopyOfTheBase) {
+  const std::vector<Case> cases = {
+      {.rows = 10,
+       .cols = 70,
+       .src_stride = 90,
+       .dst_stride = 80,
+       .src_offset = 3,
+       .dst_offset = 1},
+      {.rows = 0, .cols = 5, .src_stride = 5, .dst_stride = 5},
+      {.rows = 64, .cols = 64, .src_stride = 64, .dst_stride = 64},      // takes new values
+      {.rows = 40, .cols = 100, .src_stride = 100, .dst_stride = 100}};  // and one chunk of it
+  Harness h(cases);
+  h.options().chunk_log2 = 7;
+  h.options().parallel_min_elements = 1;
+  std::mt19937_64 rng(11);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    for (std::size_t e = 0; e < h.src(i).bytes.size() / 2; ++e)
+      h.src(i).set(static_cast<std::int64_t>(e), random_bf16(rng));
+    for (std::size_t e = 0; e < h.param(i).bytes.size() / 2; ++e)
+      h.param(i).set(static_cast<std::int64_t>(e), 0x5555);
+  }
+  const HostWorkers w = thread_workers(3);
+  const std::uint64_t base = h.full_refit(w);
+  // The copy: the parameters as they are now, reached through the same routes.
+  std::vector<Tensor> copy;
+  std::vector<DeltaRoute> mirror = h.routes();
+  for (std::size_t i = 0; i < cases.size(); ++i) copy.push_back(h.param(i));
+  for (std::size_t i = 0; i < cases.size(); ++i) mirror[i].dst = copy[i].data();
+  move_bf16(h, 0, cases[0], 0.05, 0.1, rng);
+  for (std::int64_t e = 0; e < 64 * 64; ++e) h.src(2).set(e, random_bf16(rng));        // new values
+  for (std::int64_t k = 0; k < 128; ++k) h.src(3).set(5 * 128 + k, random_bf16(rng));  // chunk 5
+  move_bf16(h, 3, cases[3], 0.02, 0.0, rng);
+  auto enc = h.encode(w, base);
+  ASSERT_TRUE(enc.ok()) << enc.status().to_string();
+  EXPECT_EQ(enc->routes_dense, 1) << "route 2";
+  DeltaLog log;
+  h.options().log = &log;
+  auto app = h.apply(w, enc->stream_bytes, base);
+  h.options().log = nullptr;
+  ASSERT_TRUE(app.ok()) << app.status().to_string();
+  ASSERT_TRUE(log.complete);
+  int dense_runs = 0, sparse_runs = 0;
+  for (const DeltaLog::Run& r : log.runs) (r.dense ? dense_runs : sparse_runs)++;
+  EXPECT_GT(dense_runs, 32) << "route 2's pieces and route 3's chunk 5";
+  EXPECT_GT(sparse_runs, 0);
+  EXPECT_GE(log.elements(), app->changed);
+  for (std::size_t i : {0u, 2u, 3u}) {
+    EXPECT_FALSE(copy[i].bytes == h.param(i).bytes) << "route " << i;
+  }
+
+  const std::vector<std::vector<std::byte>> before = {copy[0].bytes, copy[2].bytes};
+  DeltaLog bad = log;
+  bad.runs.back().first = cases[3].rows * cases[3].cols;  // past its route
+  auto refused = delta_replay_host(mirror, bad, h.options(), w);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("tensor-103"), std::string::npos) << refused.message();
+  bad = log;
+  bad.complete = false;
+  EXPECT_EQ(delta_replay_host(mirror, bad, h.options(), w).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(copy[0].bytes == before[0] && copy[2].bytes == before[1]) << "nothing written";
+
+  const Status replayed = delta_replay_host(mirror, log, h.options(), w);
+  ASSERT_TRUE(replayed.ok()) << replayed.to_string();
+  for (std::size_t i = 0; i < cases.size(); ++i)
+    EXPECT_TRUE(copy[i].bytes == h.param(i).bytes) << "route " << i;
+  h.expect_engine_holds_cast(0x5555);
+
+  // A failed apply leaves its log incomplete.
+  h.options().log = &log;
+  auto failed = h.apply(w, enc->stream_bytes - 8, base);
+  h.options().log = nullptr;
+  ASSERT_FALSE(failed.ok());
+  EXPECT_FALSE(log.complete);
+}
+
 TEST(DeltaHost, CorruptedStreamFailsNamingTheTensorAndWritesNothing) {
   const std::vector<Case> cases = {{.rows = 50, .cols = 100, .src_stride = 100, .dst_stride = 100},
                                    {.rows = 50, .cols = 100, .src_stride = 100, .dst_stride = 100}};

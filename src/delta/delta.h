@@ -53,6 +53,32 @@ struct DeltaRoute {
   std::int64_t elements() const { return block.numel(); }
 };
 
+// What an apply wrote, kept so that the same changes can be written again onto another copy of
+// the same base without reading the stream again (refit.staged: the staging area takes the delta
+// while the engine generates; at the pause the parameters, which hold the same base, take only
+// the changes). DataPlane::delta_apply fills it when DeltaOptions::log is set;
+// DataPlane::delta_replay writes it onto a list of the same routes with other destinations.
+struct DeltaLog {
+  // One chunk of route `route` from its element `first`: sparse, element first +
+  // positions[at + j] takes the bits at values[value_at + j x the route's element size], for j
+  // below `count`; dense (the stream carried the chunk's new bits whole), each of its `count`
+  // elements takes the next bits from values[value_at].
+  struct Run {
+    std::uint32_t route = 0;
+    std::uint32_t count = 0;
+    std::int64_t first = 0;
+    std::int64_t at = 0;
+    std::int64_t value_at = 0;
+    bool dense = false;
+  };
+  // Set once the apply succeeded with every write logged; false for a plane that cannot log.
+  bool complete = false;
+  std::vector<Run> runs;
+  std::vector<std::uint16_t> positions;  // from the run's first element (chunks <= 2^16)
+  std::vector<std::byte> values;         // the new bits, in the wire dtype
+  std::int64_t elements() const;         // that a replay writes: the runs' counts
+};
+
 struct DeltaOptions {
   // Elements per chunk, as a power of two (delta/format.h: 5 ..= 16). Chunks are the unit of
   // parallel work and of the stream's table; 2^13 keeps the table under 0.1 % of a bf16 route.
@@ -65,6 +91,8 @@ struct DeltaOptions {
   std::int64_t parallel_min_elements = std::int64_t{1} << 20;
   // Names a route in errors ("route <tag>" when empty).
   std::function<std::string(std::uint32_t tag)> describe;
+  // apply: where to record what it writes (DeltaLog), or null.
+  DeltaLog* log = nullptr;
 };
 
 // What an encode wrote, or an apply read and applied.

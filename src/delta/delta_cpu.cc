@@ -129,24 +129,34 @@ void run_items(const HostWorkers& workers, const DeltaOptions& o, std::int64_t e
   workers.run(items, body);
 }
 
-// Calls f(k, key) for the chunk's elements k = 0 .. elems-1 in order, with k's digest key, and
-// row(r, c, k0, len) before each row segment (element (r, c) of the route is the chunk's k0).
-template <class Row, class F>
-void walk_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, Row&& row, F&& f) {
+// Calls row(r, c, k0, len) for each row segment of elements [first, first + elems) of a route:
+// element (r, c) of the route is the range's k0-th.
+template <class Row>
+void walk_rows(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, Row&& row) {
   const std::int64_t cols = r.block.cols;
   std::int64_t rr = first / cols, cc = first % cols;
   std::int64_t k = 0;
   while (k < elems) {
     const std::int64_t len = std::min<std::int64_t>(cols - cc, elems - k);
     row(rr, cc, k, len);
-    const std::uint64_t key0 =
-        r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
-        static_cast<std::uint64_t>(cc);
-    for (std::int64_t i = 0; i < len; ++i) f(k + i, key0 + static_cast<std::uint64_t>(i));
     k += len;
     cc = 0;
     ++rr;
   }
+}
+
+// Calls f(k, key) for the chunk's elements k = 0 .. elems-1 in order, with k's digest key, and
+// row(r, c, k0, len) before each row segment (element (r, c) of the route is the chunk's k0).
+template <class Row, class F>
+void walk_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, Row&& row, F&& f) {
+  walk_rows(
+      r, first, elems, [&](std::int64_t rr, std::int64_t cc, std::int64_t k, std::int64_t len) {
+        row(rr, cc, k, len);
+        const std::uint64_t key0 =
+            r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
+            static_cast<std::uint64_t>(cc);
+        for (std::int64_t i = 0; i < len; ++i) f(k + i, key0 + static_cast<std::uint64_t>(i));
+      });
 }
 
 // The new values of a chunk, in the wire dtype, into `out`.
@@ -178,8 +188,7 @@ std::uint64_t key_at(const DeltaRoute& r, std::int64_t e) {
   return r.key + static_cast<std::uint64_t>(rr) * static_cast<std::uint64_t>(r.key_stride) +
          static_cast<std::uint64_t>(cc);
 }
-std::byte* dst_elem(const DeltaRoute& r, std::int64_t e) {
-  const std::size_t esize = dtype_size(r.wire_dtype);
+std::byte* dst_elem(const DeltaRoute& r, std::int64_t e, std::size_t esize) {
   if (r.block.rows <= 1 || r.block.dst_stride == r.block.cols)
     return r.dst + static_cast<std::size_t>(r.block.dst_offset + e) * esize;
   const std::int64_t rr = e / r.block.cols, cc = e % r.block.cols;
@@ -280,7 +289,7 @@ struct ChangeSink {
     digest += checksum_term(key, nv) - checksum_term(key, ov);
     const auto v = static_cast<T>(nv);
     kept[k] = v;
-    if (patch) std::memcpy(dst_elem(r, e), &v, sizeof(T));
+    if (patch) std::memcpy(dst_elem(r, e, sizeof(T)), &v, sizeof(T));
     ++count;
     if (changes != nullptr) {
       const std::int64_t d = df::ordered_difference(ov, nv, width);
@@ -738,10 +747,18 @@ std::string chunk_error_text(int error) {
   }
 }
 
+// Where an apply logs one chunk's changes (DeltaLog): its positions and new bits; null when the
+// apply does not log.
+struct ChunkLog {
+  std::uint16_t* positions = nullptr;
+  std::byte* values = nullptr;
+};
+
 // Applies one sparse chunk at dst (never writes outside the chunk's elements).
 template <class T>
 void apply_sparse_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t elems,
-                        const std::uint32_t* words, const df::ChunkView& v, ApplyOut& out) {
+                        const std::uint32_t* words, const df::ChunkView& v, ChunkLog log,
+                        ApplyOut& out) {
   constexpr int width = 8 * sizeof(T);
   // Changes are decoded a batch at a time and their parameters' cache lines prefetched before the
   // batch is applied: the elements lie far apart, and a miss per change would dominate.
@@ -761,6 +778,11 @@ void apply_sparse_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t e
       const std::uint64_t key = key_at(r, batch[i].e);
       out.digest += checksum_term(key, nv) - checksum_term(key, old);
       std::memcpy(batch[i].at, &nv, sizeof(T));
+      if (log.positions != nullptr) {
+        *log.positions++ = static_cast<std::uint16_t>(batch[i].e - first);
+        std::memcpy(log.values, &nv, sizeof(T));
+        log.values += sizeof(T);
+      }
     }
     out.changed += held;
     held = 0;
@@ -768,7 +790,7 @@ void apply_sparse_chunk(const DeltaRoute& r, std::int64_t first, std::uint32_t e
   const bool ok =
       df::decode_chunk(words, v, elems, [&](std::uint32_t p, bool neg, std::uint32_t mag) {
         const std::int64_t e = first + static_cast<std::int64_t>(p);
-        std::byte* at = dst_elem(r, e);
+        std::byte* at = dst_elem(r, e, sizeof(T));
         __builtin_prefetch(at, 1);
         batch[held++] =
             Pending{at, e, neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag)};
@@ -801,11 +823,61 @@ void apply_raw(const DeltaRoute& r, std::int64_t first, std::uint32_t elems, con
       });
 }
 
+// The apply's work items: per sparse route its chunks, per dense route pieces of 2^chunk_log2
+// elements.
+struct ApplyItem {
+  std::size_t route;
+  std::uint64_t k;
+  std::int64_t first;
+  std::uint32_t elems;
+};
+
+// Lays out `log` for an apply's items, checked (views) and not yet applied: one run per chunk
+// with changes, in item order, and where each one's positions and values go. A chunk that
+// travels dense (a dense route's pieces, a sparse route's dense chunks) logs its raw bits whole.
+void start_log(DeltaLog& log, const std::vector<ApplyItem>& items,
+               const std::vector<df::RouteEntry>& entries, const std::vector<df::ChunkView>& views,
+               std::vector<ChunkLog>& chunk_logs) {
+  std::int64_t changes = 0, value_bytes = 0;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const df::RouteEntry& e = entries[items[i].route];
+    if (e.mode == df::kDense || views[i].dense) {
+      value_bytes += static_cast<std::int64_t>(items[i].elems) * e.esize;
+    } else {
+      changes += views[i].n;
+      value_bytes += static_cast<std::int64_t>(views[i].n) * e.esize;
+    }
+  }
+  log.positions.resize(static_cast<std::size_t>(changes));
+  log.values.resize(static_cast<std::size_t>(value_bytes));
+  std::int64_t at = 0, value_at = 0;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const df::RouteEntry& e = entries[items[i].route];
+    const bool dense = e.mode == df::kDense || views[i].dense;
+    const std::uint32_t n = dense ? items[i].elems : views[i].n;
+    if (n == 0) continue;
+    log.runs.push_back(DeltaLog::Run{.route = static_cast<std::uint32_t>(items[i].route),
+                                     .count = n,
+                                     .first = items[i].first,
+                                     .at = at,
+                                     .value_at = value_at,
+                                     .dense = dense});
+    chunk_logs[i] =
+        ChunkLog{dense ? nullptr : log.positions.data() + at, log.values.data() + value_at};
+    if (!dense) at += n;
+    value_at += static_cast<std::int64_t>(n) * e.esize;
+  }
+}
+
 }  // namespace
 
 Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, const std::byte* stream,
                                      std::size_t bytes, std::uint64_t base_digest,
                                      const DeltaOptions& o, const HostWorkers& workers) {
+  if (o.log != nullptr) {  // incomplete until this apply succeeds; its arrays' memory is reused
+    o.log->complete = false;
+    o.log->runs.clear();
+  }
   REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
   REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, false, true));
   if (reinterpret_cast<std::uintptr_t>(stream) % 8 != 0)
@@ -848,37 +920,30 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
   // Pass 2: every sparse chunk's table entry and counts (nothing is written yet).
   // Work items: per sparse route its chunks (of its own size), per dense route pieces of
   // 2^chunk_log2 elements.
-  struct Item {
-    std::size_t route;
-    std::uint64_t k;
-  };
-  std::vector<Item> items;
+  std::vector<ApplyItem> items;
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const df::RouteEntry& e = entries[i];
     if (e.mode == df::kUnchanged) continue;
     const int log2 = e.mode == df::kSparse ? e.chunk_log2 : o.chunk_log2;
-    for (std::uint64_t k = 0; k < df::chunk_count(e.elements, log2); ++k) items.push_back({i, k});
+    for (std::uint64_t k = 0; k < df::chunk_count(e.elements, log2); ++k) {
+      const std::uint64_t first = k << log2;
+      items.push_back({i, k, static_cast<std::int64_t>(first),
+                       static_cast<std::uint32_t>(
+                           std::min<std::uint64_t>(std::uint64_t{1} << log2, e.elements - first))});
+    }
   }
-  auto item_span = [&](const Item& it) {
-    const df::RouteEntry& e = entries[it.route];
-    const int log2 = e.mode == df::kSparse ? e.chunk_log2 : o.chunk_log2;
-    const std::uint64_t first = it.k << log2;
-    return std::make_pair(static_cast<std::int64_t>(first),
-                          static_cast<std::uint32_t>(std::min<std::uint64_t>(
-                              std::uint64_t{1} << log2, e.elements - first)));
-  };
   std::vector<ApplyOut> outs(items.size());
   std::vector<df::ChunkView> views(items.size());
   run_items(workers, o, elements, static_cast<std::int64_t>(items.size()),
             [&](std::int64_t i0, std::int64_t i1, int) {
               for (std::int64_t i = i0; i < i1; ++i) {
-                const Item& it = items[static_cast<std::size_t>(i)];
+                const ApplyItem& it = items[static_cast<std::size_t>(i)];
                 const df::RouteEntry& e = entries[it.route];
                 if (e.mode != df::kSparse) continue;
                 df::ChunkView& v = views[static_cast<std::size_t>(i)];
                 v = df::check_chunk(reinterpret_cast<const unsigned char*>(stream + e.offset),
                                     e.bytes, df::chunk_count(e.elements, e.chunk_log2), it.k,
-                                    item_span(it).second, e.esize);
+                                    it.elems, e.esize);
                 if (v.error != df::kChunkOk)
                   outs[static_cast<std::size_t>(i)].error =
                       fmt::format("chunk {}: {}", it.k, chunk_error_text(v.error));
@@ -898,15 +963,20 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
             fmt::format("delta stream: {}: its chunks hold {} changes, its directory says {}",
                         describe_route(o, routes[i].tag), counted[i], entries[i].changed));
   }
+  // Where each chunk logs what it writes (options.log): laid out now that the counts are known,
+  // so that the workers write disjoint ranges.
+  std::vector<ChunkLog> chunk_logs(o.log != nullptr ? items.size() : 0);
+  if (o.log != nullptr) start_log(*o.log, items, entries, views, chunk_logs);
   // Pass 3: apply.
   run_items(
       workers, o, elements, static_cast<std::int64_t>(items.size()),
       [&](std::int64_t i0, std::int64_t i1, int) {
         for (std::int64_t i = i0; i < i1; ++i) {
-          const Item& it = items[static_cast<std::size_t>(i)];
+          const ApplyItem& it = items[static_cast<std::size_t>(i)];
           const df::RouteEntry& e = entries[it.route];
           const DeltaRoute& r = routes[it.route];
-          const auto [first, elems] = item_span(it);
+          const std::int64_t first = it.first;
+          const std::uint32_t elems = it.elems;
           ApplyOut& out = outs[static_cast<std::size_t>(i)];
           const df::ChunkView& v = views[static_cast<std::size_t>(i)];
           const std::byte* data =
@@ -914,6 +984,13 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
               (e.mode == df::kSparse
                    ? df::chunk_count(e.elements, e.chunk_log2) * sizeof(df::ChunkEntry) + v.offset
                    : 0);
+          const ChunkLog log =
+              chunk_logs.empty() ? ChunkLog{} : chunk_logs[static_cast<std::size_t>(i)];
+          if (log.values != nullptr && log.positions == nullptr)  // dense: its raw bits
+            std::memcpy(
+                log.values,
+                data + (e.mode == df::kDense ? static_cast<std::uint64_t>(first) * e.esize : 0),
+                static_cast<std::size_t>(elems) * e.esize);
           dispatch_esize(e.esize, [&](auto t) {
             using T = decltype(t);
             if (e.mode == df::kDense) {
@@ -925,7 +1002,7 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
               apply_raw<T>(r, first, elems, data, out);
             } else {
               apply_sparse_chunk<T>(r, first, elems, reinterpret_cast<const std::uint32_t*>(data),
-                                    v, out);
+                                    v, log, out);
             }
           });
         }
@@ -960,7 +1037,81 @@ Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, cons
     res.routes_sparse += e.mode == df::kSparse;
     res.routes_dense += e.mode == df::kDense;
   }
+  if (o.log != nullptr) o.log->complete = true;
   return res;
+}
+
+Status delta_replay_host(const std::vector<DeltaRoute>& routes, const DeltaLog& log,
+                         const DeltaOptions& o, const HostWorkers& workers) {
+  REFIT_RETURN_IF_ERROR(check_delta_routes(routes, o));
+  REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, false, true));
+  if (!log.complete)
+    return Status::InvalidArgument(
+        "delta: a replay needs a complete log (its apply wrote dense routes or chunks, or failed)");
+  // Every run within its route and the log's arrays before anything is written. Positions
+  // increase within a run (they were decoded so), so its last is its largest.
+  for (const DeltaLog::Run& run : log.runs) {
+    const auto bad = [&](const char* what) {
+      return Status::Internal(fmt::format(
+          "delta replay: {}: a run of {} changes from element {} {}",
+          describe_route(o, run.route < routes.size() ? routes[run.route].tag : run.route),
+          run.count, run.first, what));
+    };
+    if (run.route >= routes.size()) return bad("names no route of this list");
+    const auto esize = static_cast<std::int64_t>(dtype_size(routes[run.route].wire_dtype));
+    if (run.count == 0 || run.at < 0 || run.value_at < 0 ||
+        (!run.dense && run.at + run.count > static_cast<std::int64_t>(log.positions.size())) ||
+        run.value_at + run.count * esize > static_cast<std::int64_t>(log.values.size()))
+      return bad("lies outside the log");
+    const std::int64_t last =
+        run.dense ? run.count - 1 : log.positions[static_cast<std::size_t>(run.at + run.count - 1)];
+    if (run.first < 0 || run.first + last >= routes[run.route].elements())
+      return bad("lies outside its route");
+  }
+  run_items(workers, o, log.elements(), static_cast<std::int64_t>(log.runs.size()),
+            [&](std::int64_t i0, std::int64_t i1, int) {
+              for (std::int64_t i = i0; i < i1; ++i) {
+                const DeltaLog::Run& run = log.runs[static_cast<std::size_t>(i)];
+                const DeltaRoute& r = routes[run.route];
+                const std::byte* val = log.values.data() + run.value_at;
+                const std::size_t esize = dtype_size(r.wire_dtype);
+                if (run.dense) {  // row by row
+                  walk_rows(
+                      r, run.first, run.count,
+                      [&](std::int64_t rr, std::int64_t cc, std::int64_t k, std::int64_t len) {
+                        std::memcpy(dst_at(r, rr, cc), val + k * esize,
+                                    static_cast<std::size_t>(len) * esize);
+                      });
+                  continue;
+                }
+                const std::uint16_t* pos = log.positions.data() + run.at;
+                dispatch_esize(esize, [&](auto t) {
+                  using T = decltype(t);
+                  if (r.block.rows > 1 && r.block.dst_stride != r.block.cols) {
+                    for (std::uint32_t j = 0; j < run.count; ++j)
+                      std::memcpy(dst_elem(r, run.first + pos[j], sizeof(T)), val + j * sizeof(T),
+                                  sizeof(T));
+                    return;
+                  }
+                  // The run's elements lie in one stretch of dst: its lines are prefetched a
+                  // few changes ahead, for writing.
+                  std::byte* base = dst_elem(r, run.first, sizeof(T));
+                  constexpr std::uint32_t kAhead = 16;
+                  for (std::uint32_t j = 0; j < run.count; ++j) {
+                    if (j + kAhead < run.count)
+                      __builtin_prefetch(base + pos[j + kAhead] * sizeof(T), 1);
+                    std::memcpy(base + pos[j] * sizeof(T), val + j * sizeof(T), sizeof(T));
+                  }
+                });
+              }
+            });
+  return Status::Ok();
+}
+
+std::int64_t DeltaLog::elements() const {
+  std::int64_t n = 0;
+  for (const Run& r : runs) n += r.count;
+  return n;
 }
 
 }  // namespace refit

@@ -48,6 +48,11 @@ Result<DeltaResult> delta_capture_host(const std::vector<DeltaRoute>& routes, st
 Result<DeltaResult> delta_apply_host(const std::vector<DeltaRoute>& routes, const std::byte* stream,
                                      std::size_t bytes, std::uint64_t base_digest,
                                      const DeltaOptions& options, const HostWorkers& workers);
+// DataPlane::delta_replay: writes what a complete DeltaLog recorded onto `routes` (the logged
+// apply's routes with other destinations, which hold the same base). Checks every run against
+// the routes and the log before writing.
+Status delta_replay_host(const std::vector<DeltaRoute>& routes, const DeltaLog& log,
+                         const DeltaOptions& options, const HostWorkers& workers);
 // DataPlane::delta_patch: encode and apply at once where the trainer writes the engine's memory
 // (peer access): changed elements are written to the kept copy and to dst, nothing else.
 Result<DeltaResult> delta_patch_host(const std::vector<DeltaRoute>& routes, std::byte* kept,

@@ -167,6 +167,12 @@ class EngineExecutor : public ExecutorBase {
   // base of a delta is held any more.
   virtual void refit_failed() {}
   virtual void invalidate() = 0;
+  // refit.staged, once every byte of the last refit landed in the staging area: writes onto
+  // `params` (the parameters, which hold the base the staging area held before the refit) what
+  // that refit's delta streams changed there, and returns true. False, with nothing written, when
+  // some of its bytes landed another way (in full, by peer access, or through an apply that does
+  // not log): the staging area must then be copied whole.
+  virtual Result<bool> replay_deltas(const std::vector<void*>& /*params*/) { return false; }
   // Of the last refit: bytes received, pairs per executor; seconds spent applying.
   virtual RankTraffic traffic() const = 0;
   virtual double apply_seconds() const = 0;

@@ -27,9 +27,9 @@ Status RouteReceiver::prepare(bool params_exported) {
   modes_.assign(o_.sources.size(), PairExecutor::kP2p);
   peer_sources_ = p2p_sources_ = 0;
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
-    REFIT_ASSIGN_OR_RETURN(
-        modes_[i], choose_pair_executor(*o_.config, o_.source_same_host[i], params_exported,
-                                        o_.p2p != nullptr, o_.sources[i], o_.engine_rank));
+    REFIT_ASSIGN_OR_RETURN(modes_[i],
+                           choose_pair_executor(*o_.config, o_.source_same_host[i], params_exported,
+                                                o_.p2p != nullptr, o_.sources[i], o_.engine_rank));
     (modes_[i] == PairExecutor::kPeer ? peer_sources_ : p2p_sources_)++;
   }
   if (modes_ != built_for_) {
@@ -228,12 +228,15 @@ std::string RouteReceiver::routes_digest(std::size_t i) const {
 // rank keeps a base for taken from what landed.
 Status RouteReceiver::apply_round(std::size_t k) {
   Timer t;
-  if (!runs_[k].empty())
+  if (!runs_[k].empty()) {
+    replayable_ = false;
     REFIT_RETURN_IF_ERROR(o_.plane->copy(runs_[k], kByteCopyDType, kByteCopyDType));
+  }
   for (const DeltaRecv& dr : delta_recvs_[k]) {
     DeltaSource& d = delta_[dr.source];
     const PairDeltaRoutes& list = d.rounds[k];
     if (dr.full) {  // offered a base, sent in full: scattered, and its digest taken
+      replayable_ = false;
       if (!dr.runs.empty())
         REFIT_RETURN_IF_ERROR(o_.plane->copy(dr.runs, kByteCopyDType, kByteCopyDType));
       d.digest[k] = 0;
@@ -248,12 +251,17 @@ Status RouteReceiver::apply_round(std::size_t k) {
     }
     DeltaOptions opts;
     opts.describe = list.describe();
+    if (logging_) {
+      d.logs.resize(d.rounds.size());
+      opts.log = &d.logs[k];
+    }
     Timer ta;
     Result<DeltaResult> r =
         o_.plane->delta_apply(list.routes, dr.stream, dr.bytes, d.digest[k], opts);
     if (!r.ok())
       return r.status().with_context(fmt::format("{}: the delta from trainer rank {}, round {}",
                                                  o_.who, o_.sources[dr.source], k));
+    if (opts.log == nullptr || !opts.log->complete) replayable_ = false;
     d.digest[k] += r->digest_delta;
     delta_traffic_.delta_elements += r->elements;
     delta_traffic_.delta_changed += r->changed;
@@ -319,11 +327,57 @@ Status RouteReceiver::receive(const BeginMessage& begin, const std::vector<void*
   return Status::Ok();
 }
 
+// replay_deltas: the logs of the last refit's applies, onto the parameters through the same
+// routes with the parameters as their destination.
+Result<bool> RouteReceiver::replay_deltas(const std::vector<void*>& params) {
+  if (!replayable_) return false;
+  replayable_ = false;  // once per refit
+  if (replay_params_ != params) replay_routes_.clear();
+  if (replay_routes_.empty()) {
+    const EngineShardLayout& lay = o_.setup->engine_layout(o_.engine_rank);
+    replay_routes_.resize(o_.sources.size());
+    for (std::size_t i = 0; i < o_.sources.size(); ++i)
+      for (std::size_t k = 0; k < delta_[i].rounds.size(); ++k)
+        replay_routes_[i].push_back(
+            engine_delta_routes(o_.incoming, lay, o_.sources[i], params, static_cast<int>(k)));
+    replay_params_ = params;
+  }
+  // Every list that received routes was applied through a complete log, or nothing is written.
+  for (std::size_t i = 0; i < o_.sources.size(); ++i)
+    for (std::size_t k = 0; k < replay_routes_[i].size(); ++k)
+      if (!replay_routes_[i][k].routes.empty() &&
+          (k >= delta_[i].logs.size() || !delta_[i].logs[k].complete))
+        return false;
+  for (std::size_t i = 0; i < o_.sources.size(); ++i) {
+    const DeltaSource& d = delta_[i];
+    for (std::size_t k = 0; k < d.logs.size() && k < replay_routes_[i].size(); ++k) {
+      const PairDeltaRoutes& list = replay_routes_[i][k];
+      if (list.routes.empty()) continue;
+      DeltaOptions opts;
+      opts.describe = list.describe();
+      REFIT_RETURN_IF_ERROR(o_.plane->delta_replay(list.routes, d.logs[k], opts)
+                                .with_context(fmt::format(
+                                    "{}: refit.staged: writing the changes trainer rank {} sent "
+                                    "in round {} into the parameters",
+                                    o_.who, o_.sources[i], k)));
+    }
+  }
+  return true;
+}
+
 Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*>& params) {
   const int g = o_.engine_rank;
   bytes_received_ = 0;
   apply_seconds_ = 0;
   delta_traffic_ = RankTraffic{};
+  // refit.staged: the applies log their writes when every source sends point to point to a base
+  // this rank offered; an apply that sends or scatters anything else clears replayable_.
+  logging_ = o_.config->refit.staged && !raw && peer_sources_ == 0;
+  for (std::size_t i = 0; i < o_.sources.size() && logging_; ++i)
+    logging_ = modes_[i] == PairExecutor::kP2p && delta_[i].offered;
+  replayable_ = logging_;
+  for (DeltaSource& d : delta_)
+    for (DeltaLog& l : d.logs) l.complete = false;
   std::vector<int> offers(o_.sources.size(), 0);
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
     offers[i] = modes_[i] == PairExecutor::kP2p && delta_[i].offered ? 1 : 0;

@@ -59,11 +59,13 @@ class RouteReceiver final : public EngineExecutor {
   void refit_failed() override {
     for (DeltaSource& d : delta_) d.version.clear();
   }
+  Result<bool> replay_deltas(const std::vector<void*>& params) override;
   bool checksums() const override { return true; }
   bool can_recover() const override { return true; }
   void invalidate() override {
     runs_.clear();
     checksum_runs_.clear();
+    replay_routes_.clear();
   }
   Result<std::uint64_t> checksum_from(std::size_t i, const std::vector<void*>& params) override;
   // A refit that failed in flight: no base of a delta is held any more.
@@ -101,13 +103,14 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<PairExecutor> modes_;
   std::vector<PairExecutor> built_for_;
   std::vector<std::unique_ptr<PlaneBuffer>> slots_;
-  std::vector<std::vector<P2POp>> recv_ops_;  // per round
-  std::vector<std::vector<CopyRun>> runs_;    // per round: slot -> parameters
+  std::vector<std::vector<P2POp>> recv_ops_;                 // per round
+  std::vector<std::vector<CopyRun>> runs_;                   // per round: slot -> parameters
   std::map<int, std::vector<ChecksumGroup>> checksum_runs_;  // per trainer rank (refit.checksum)
   // refit.delta, per source: what this rank holds of what it sent (docs/delta.md, "State").
   struct DeltaSource {
     std::vector<PairDeltaRoutes> rounds;  // per round, its routes into the parameters
     std::vector<std::uint64_t> digest;    // per round (point-to-point sources)
+    std::vector<DeltaLog> logs;           // per round, refit.staged: what its apply wrote
     std::string version;                  // the weight version they belong to; "" for none
     PairExecutor by = PairExecutor::kP2p;
     bool offered = false;  // this refit's pause answer offered its base (point to point: a word
@@ -135,6 +138,13 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<std::vector<std::size_t>> digest_after_;    // sources kept, not offered
   std::vector<std::unique_ptr<PlaneBuffer>> size_words_;  // per slot, 8 bytes per source
   RankTraffic delta_traffic_;                             // written on the apply thread
+  // refit.staged: whether the applies log what they write (replay_deltas), and whether every
+  // byte of the last refit landed through a logged apply (written on the apply thread).
+  bool logging_ = false;
+  bool replayable_ = false;
+  // replay_deltas' routes: per source, per round, into the parameters it was last given.
+  std::vector<std::vector<PairDeltaRoutes>> replay_routes_;
+  std::vector<void*> replay_params_;
   std::int64_t bytes_received_ = 0;
   int peer_sources_ = 0, p2p_sources_ = 0;
   double apply_seconds_ = 0;  // written on the apply thread

@@ -110,7 +110,8 @@ class PlaneDiagnostics {
       const RankModel& model, const std::vector<PieceTarget>& targets, int step, DType via,
       DType dtype) = 0;
   // Read+write bytes per second of a large copy within this plane's memory (median of a few
-  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (docs/design.md §7).
+  // copies of a 1 GiB buffer): the bandwidth behind the floor of a colocated refit (docs/design.md
+  // §7).
   virtual Result<double> measure_copy_bandwidth() = 0;
   // Payload bytes per second of a large copy from this plane's device to device `peer` (GPU:
   // copy engines over NVLink / PCIe; CPU, or peer == ordinal(): half the copy bandwidth, since
@@ -171,9 +172,8 @@ class DataPlane {
   // destinations. The GPU plane runs them at once on two streams: the cast takes the memory
   // bandwidth the quantize kernel leaves between its reads (docs/fp8.md). Returns when both are
   // complete.
-  virtual Status copy_and_quantize(const std::vector<CopyRun>& cast, DType cast_from,
-                                   DType cast_to, const std::vector<QuantRun>& quant,
-                                   DType quant_from) {
+  virtual Status copy_and_quantize(const std::vector<CopyRun>& cast, DType cast_from, DType cast_to,
+                                   const std::vector<QuantRun>& quant, DType quant_from) {
     REFIT_RETURN_IF_ERROR(copy(cast, cast_from, cast_to));
     return quantize(quant, quant_from);
   }
@@ -210,6 +210,11 @@ class DataPlane {
                                           const std::byte* stream, std::size_t bytes,
                                           std::uint64_t base_digest,
                                           const DeltaOptions& options) = 0;
+  // replay: writes what an apply logged (DeltaOptions::log, complete) onto `routes`, the logged
+  // list with other destinations that hold the same base. A plane that cannot log leaves every
+  // log incomplete, and refuses this (kUnsupported).
+  virtual Status delta_replay(const std::vector<DeltaRoute>& routes, const DeltaLog& log,
+                              const DeltaOptions& options) = 0;
   // patch (peer access, where the trainer writes the engine's memory): what changed is written to
   // the kept copy and to dst, nothing else.
   virtual Result<DeltaResult> delta_patch(const std::vector<DeltaRoute>& routes, std::byte* kept,
@@ -237,8 +242,8 @@ class DataPlane {
 // Trainer::create / Engine::create, the CLI) and passed in: REFIT_CPU_THREADS, REFIT_COPY_ENGINE
 // and REFIT_DEVICE (common/env.h). Default-constructed: the defaults, whatever the environment.
 struct PlaneSettings {
-  int cpu_threads = 0;  // CPU workers; 0: the number of cores, at most 8
-  int copy_engine = 2;  // env::CopyEngineUse as int: 0 kernel, 1 copy engines, 2 auto
+  int cpu_threads = 0;        // CPU workers; 0: the number of cores, at most 8
+  int copy_engine = 2;        // env::CopyEngineUse as int: 0 kernel, 1 copy engines, 2 auto
   std::optional<int> device;  // the GPU every rank of this process uses; nullopt: by placement
   // The settings this process's environment gives; a bad value is an InvalidArgument naming it.
   static Result<PlaneSettings> from_environment();

@@ -2,8 +2,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -20,9 +20,9 @@
 #include "delta/delta_cpu.h"
 #include "device/device.h"
 #include "plane/data_plane.h"
+#include "plane/shared_memory.h"
 #include "weights/materialize.h"
 #include "weights/setup.h"
-#include "plane/shared_memory.h"
 
 namespace refit {
 namespace {
@@ -187,7 +187,8 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
       DType dtype) override {
     std::vector<std::byte> expected;
     for (std::size_t i = 0; i < targets.size(); ++i)
-      if (auto k = first_host_mismatch(model, targets[i], step, via, dtype, targets[i].data, expected))
+      if (auto k =
+              first_host_mismatch(model, targets[i], step, via, dtype, targets[i].data, expected))
         return std::optional<std::pair<std::size_t, std::int64_t>>(std::make_pair(i, *k));
     return std::optional<std::pair<std::size_t, std::int64_t>>();
   }
@@ -234,8 +235,8 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
       std::vector<float> row(static_cast<std::size_t>(b.cols));
       auto* dst = reinterpret_cast<std::uint8_t*>(r.dst);
       for (std::int64_t i = first; i < last; ++i) {
-        convert_block(r.src, sdt, b.src_offset + i * b.src_stride, 0, row.data(),
-                      DType::kFloat32, 0, 0, 1, b.cols);
+        convert_block(r.src, sdt, b.src_offset + i * b.src_stride, 0, row.data(), DType::kFloat32,
+                      0, 0, 1, b.cols);
         std::uint8_t* out = dst + b.dst_offset + i * b.dst_stride;
         for (std::int64_t c = 0; c < b.cols; ++c)
           out[c] = quantize_fp8(row[static_cast<std::size_t>(c)], scales[q.block_index(i, c)]);
@@ -250,7 +251,8 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
     if (b.rows <= 0 || b.cols <= 0) return;
     auto* grid = reinterpret_cast<float*>(q.grid);
     std::vector<float> row;
-    for (std::int64_t kr = q.hf_row / q.block_rows; kr <= (q.hf_row + b.rows - 1) / q.block_rows; ++kr)
+    for (std::int64_t kr = q.hf_row / q.block_rows; kr <= (q.hf_row + b.rows - 1) / q.block_rows;
+         ++kr)
       for (std::int64_t kc = q.hf_col / q.block_cols; kc <= (q.hf_col + b.cols - 1) / q.block_cols;
            ++kc) {
         const std::int64_t k = kr * q.scale_cols + kc;
@@ -289,13 +291,16 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
                                   const DeltaOptions& options) override {
     return delta_apply_host(routes, stream, bytes, base_digest, options, workers());
   }
+  Status delta_replay(const std::vector<DeltaRoute>& routes, const DeltaLog& log,
+                      const DeltaOptions& options) override {
+    return delta_replay_host(routes, log, options, workers());
+  }
   Result<DeltaResult> delta_patch(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                   const DeltaOptions& options) override {
     return delta_patch_host(routes, kept, options, workers());
   }
 
-  Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,
-                                 DType as) override {
+  Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt, DType as) override {
     std::vector<std::uint64_t> sums(static_cast<std::size_t>(pool_.size()), 0);
     for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int w) {
       sums[static_cast<std::size_t>(w)] += checksum_rows(r, first, last, sdt, as);
@@ -362,8 +367,8 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
   }
 
   // Rows [row_begin, row_end) of a checksum run: converted in chunks on the stack, then summed.
-  static std::uint64_t checksum_rows(const CopyRun& r, std::int64_t row_begin,
-                                     std::int64_t row_end, DType sdt, DType as) {
+  static std::uint64_t checksum_rows(const CopyRun& r, std::int64_t row_begin, std::int64_t row_end,
+                                     DType sdt, DType as) {
     constexpr std::int64_t kChunk = 1024;
     alignas(16) std::byte buf[kChunk * 4];
     const Block2D& b = r.block;

@@ -6,18 +6,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <string>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "common/env.h"
 #include "common/log.h"
-#include "device/copy_kernels.h"
 #include "delta/delta_cpu.h"
+#include "device/copy_kernels.h"
 #include "device/cuda_ipc.h"
 #include "device/delta_kernels.h"
 #include "device/device.h"
@@ -233,7 +233,8 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
             static_cast<std::size_t>(matrix_shape(targets[i].shape).numel()) * dtype_size(dtype);
         actual.resize(bytes);
         REFIT_RETURN_IF_ERROR(copy_to_host(actual.data(), targets[i].data, bytes));
-        if (auto k = first_host_mismatch(model, targets[i], step, via, dtype, actual.data(), expected))
+        if (auto k =
+                first_host_mismatch(model, targets[i], step, via, dtype, actual.data(), expected))
           return Found(std::make_pair(i, *k));
       }
       return Found();
@@ -288,8 +289,8 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     Status launched = launch_fp8_quantize(*q, quant_from, stream_.handle());
     // Both streams are waited for, whatever failed: nothing may still write after this returns.
     Status quantized = sync("an fp8 quantize");
-    Status cast_done = synchronize_stream(side_stream_.handle(), timeout_,
-                                          "a block copy beside an fp8 quantize");
+    Status cast_done =
+        synchronize_stream(side_stream_.handle(), timeout_, "a block copy beside an fp8 quantize");
     REFIT_RETURN_IF_ERROR(launched);
     REFIT_RETURN_IF_ERROR(quantized);
     REFIT_RETURN_IF_ERROR(cast_done);
@@ -315,8 +316,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     return Status::Ok();
   }
 
-  Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt,
-                                 DType as) override {
+  Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt, DType as) override {
     REFIT_RETURN_IF_ERROR(on_device());
     if (runs.empty()) return std::uint64_t{0};
     REFIT_ASSIGN_OR_RETURN(SumTable * t, sum_table(runs, sdt));
@@ -347,11 +347,17 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     r.elements = delta_elements(routes);
     return r;
   }
+  Status delta_replay(const std::vector<DeltaRoute>&, const DeltaLog&,
+                      const DeltaOptions&) override {
+    return Status::Unsupported(
+        "delta: the CUDA plane does not log its applies, so it cannot replay one");
+  }
   // The header and directory are read to the host and checked there (read_stream_directory);
   // everything else runs on the GPU.
   Result<DeltaResult> delta_apply(const std::vector<DeltaRoute>& routes, const std::byte* stream,
                                   std::size_t bytes, std::uint64_t base_digest,
                                   const DeltaOptions& options) override {
+    if (options.log != nullptr) *options.log = DeltaLog{};  // the kernels do not log
     REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, options, false, true));
     REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
     if (reinterpret_cast<std::uintptr_t>(stream) % 8 != 0)
@@ -569,8 +575,8 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   //    (which a training step always has), the kernel holds 360 GB/s, and the two together
   //    reach 370 GB/s (docs/transfer-plan.md);
   //  - otherwise none.
-  Result<std::size_t> split_for_copy_engines(const std::vector<CopyRun>& runs, DType sdt,
-                                             DType ddt, const std::byte* src_base, CopyTable& t) {
+  Result<std::size_t> split_for_copy_engines(const std::vector<CopyRun>& runs, DType sdt, DType ddt,
+                                             const std::byte* src_base, CopyTable& t) {
     if (copy_engine_ == env::CopyEngineUse::kKernel || sdt != ddt || src_base != nullptr)
       return std::size_t{0};
     const auto esize = static_cast<std::int64_t>(dtype_size(sdt));
@@ -578,7 +584,8 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     if (copy_engine_ == env::CopyEngineUse::kAuto) {
       std::int64_t total = 0;
       for (const CopyRun& r : runs) {
-        REFIT_ASSIGN_OR_RETURN(const bool remote, on_another_gpu(r.dst + r.block.dst_offset * esize));
+        REFIT_ASSIGN_OR_RETURN(const bool remote,
+                               on_another_gpu(r.dst + r.block.dst_offset * esize));
         if (!remote) return std::size_t{0};
         total += r.block.numel();
       }
@@ -591,12 +598,15 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     const std::vector<CopyRun> head(runs.begin(), runs.begin() + static_cast<std::ptrdiff_t>(take));
     t.engine_copies = engine_stretches(head, esize);
     if (t.engine_copies.empty()) return std::size_t{0};
-    for (const auto& c : t.engine_copies) t.engine_bytes += static_cast<std::int64_t>(std::get<2>(c));
+    for (const auto& c : t.engine_copies)
+      t.engine_bytes += static_cast<std::int64_t>(std::get<2>(c));
     if (take < runs.size() && side_stream_.handle() == nullptr) {
       REFIT_ASSIGN_OR_RETURN(side_stream_, DeviceStream::create(device_));
     }
-    log::debug("copy list of {} runs: {} stretches ({} bytes) on the copy engines, {} runs by the "
-               "kernel", runs.size(), t.engine_copies.size(), t.engine_bytes, runs.size() - take);
+    log::debug(
+        "copy list of {} runs: {} stretches ({} bytes) on the copy engines, {} runs by the "
+        "kernel",
+        runs.size(), t.engine_copies.size(), t.engine_bytes, runs.size() - take);
     return take;
   }
 

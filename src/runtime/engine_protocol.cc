@@ -17,7 +17,8 @@ using enum MessageType;
 
 }  // namespace
 
-EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executor, EngineWeights& weights)
+EngineRefitProtocol::EngineRefitProtocol(RankCore& core, EngineExecutor& executor,
+                                         EngineWeights& weights)
     : core_(core),
       executor_(executor),
       weights_(weights),
@@ -119,9 +120,10 @@ Result<EngineRefitProtocol::Served> EngineRefitProtocol::serve_one(
     if (msg.status().code() == StatusCode::kTimeout) {
       if (stop_requested()) return Served{.stopped = true};
       if (bounded && Clock::now() >= until)
-        return Served{.refit = Status::Timeout(fmt::format("{}: no refit began within {:.3f} s (serve_one's "
-                                           "timeout); the weights and the session are unchanged",
-                                           core_.id(), wait->count() / 1000.0))};
+        return Served{.refit = Status::Timeout(
+                          fmt::format("{}: no refit began within {:.3f} s (serve_one's "
+                                      "timeout); the weights and the session are unchanged",
+                                      core_.id(), wait->count() / 1000.0))};
       if (Clock::now() >= quiet_until) {
         log::debug("{}: no refit for {} s; the trainer is alive, waiting on", core_.id(),
                    core_.config().refit.timeout_s);
@@ -273,7 +275,8 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                               .status());
     if (refused) {
       if (!raw)
-        weights_.abandon(step, paused.ok() && !staged, refused->rank.name() + ": " + refused->error);
+        weights_.abandon(step, paused.ok() && !staged,
+                         refused->rank.name() + ": " + refused->error);
       refit_failure = Status::Aborted(fmt::format("refit step {} was aborted before any byte "
                                                   "landed: {}: {}",
                                                   step, refused->rank.name(), refused->error))
@@ -329,8 +332,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   if (checksums) {
     landed_sum = 0;
     for (std::size_t i = 0; i < feeders_.size(); ++i) {
-      REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum,
-                             executor_.checksum_from(i, landing_->ptrs()));
+      REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_.checksum_from(i, landing_->ptrs()));
       landed[feeders_[i]] = fmt::format("{:016x}", sum);
       *landed_sum += sum;
     }
@@ -369,7 +371,10 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
           "{}: refit step {} failed in flight on another rank before this rank applied it; its "
           "parameters keep weight version '{}'",
           core_.id(), step, weights_.version().label()));
-    REFIT_RETURN_IF_ERROR(weights_.apply_staged(step, begin_.version, refused));
+    REFIT_RETURN_IF_ERROR(weights_.apply_staged(
+        step, begin_.version,
+        [this](const std::vector<void*>& params) { return executor_.replay_deltas(params); },
+        refused));
     if (refused.ok()) REFIT_RETURN_IF_ERROR(weights_.landed(step));
   }
   Status v = refused;
@@ -400,11 +405,11 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
     }
     weights_.publish(step, begin_.version);
   } else {
-    const Status why =
-        !v.ok() ? v
-                : Status::Corruption(fmt::format("refit step {} failed: {}: {}", step,
-                                                 failed->rank.name(), failed->error))
-                      .with_origin(*failed);
+    const Status why = !v.ok()
+                           ? v
+                           : Status::Corruption(fmt::format("refit step {} failed: {}: {}", step,
+                                                            failed->rank.name(), failed->error))
+                                 .with_origin(*failed);
     // A rank whose pause hook refused the staged apply holds its version still.
     refit_failure = refused.ok() ? weights_.fail(step, why) : why;
     executor_.refit_failed();
@@ -455,9 +460,10 @@ Status EngineRefitProtocol::reform() {
 // part (its weights are complete), or a peer already moved to the next refit epoch. This rank
 // moves on too.
 Status EngineRefitProtocol::catch_up() {
-  log::warn("{}: the refit of epoch {} failed in flight on another rank after this rank published "
-            "weight version '{}' (its bytes are complete); forming the groups anew",
-            core_.id(), core_.epochs().current(), weights_.version().label());
+  log::warn(
+      "{}: the refit of epoch {} failed in flight on another rank after this rank published "
+      "weight version '{}' (its bytes are complete); forming the groups anew",
+      core_.id(), core_.epochs().current(), weights_.version().label());
   core_.advance_epoch();
   inbox_.clear();
   return reform();
@@ -468,9 +474,10 @@ void EngineRefitProtocol::roll_back_at_the_end(const Status& why) {
   phase_ = Phase::kIdle;
   if (weights_.version().valid() || !weights_.has_kept()) return;
   if (executor_.traffic().peer_pairs > 0 && !weights_.staged()) {
-    log::warn("{}: refit.keep_previous: no rollback at the end of the session: feeders wrote in "
-              "place in refit step {}",
-              core_.id(), begin_.step);
+    log::warn(
+        "{}: refit.keep_previous: no rollback at the end of the session: feeders wrote in "
+        "place in refit step {}",
+        core_.id(), begin_.step);
     return;
   }
   (void)weights_.fail(begin_.step, why);

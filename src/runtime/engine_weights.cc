@@ -8,8 +8,7 @@
 
 namespace refit {
 
-EngineWeights::EngineWeights(const Config& config, RankId self, DataPlane& plane,
-                             Registry params)
+EngineWeights::EngineWeights(const Config& config, RankId self, DataPlane& plane, Registry params)
     : cfg_(config), self_(self), plane_(plane), params_(std::move(params)) {}
 
 Status EngineWeights::register_param(const std::string& name, void* data, DType dtype,
@@ -105,16 +104,26 @@ Status EngineWeights::pause(int step, const std::string& version) {
 void EngineWeights::abandon(int step, bool paused, const std::string& why) {
   // Nothing landed: the weights are the previous version's.
   if (paused) version_.set(prior_);
-  log::warn("{}: refit step {} was aborted before any byte landed; weight version '{}' stays{}: "
-            "{}",
-            self_.name(), step, version_.label(), paused ? " and generation resumes" : "", why);
+  log::warn(
+      "{}: refit step {} was aborted before any byte landed; weight version '{}' stays{}: "
+      "{}",
+      self_.name(), step, version_.label(), paused ? " and generation resumes" : "", why);
   if (paused) resume();
 }
 
-Status EngineWeights::apply_staged(int step, const std::string& version, Status& refused) {
+Status EngineWeights::apply_staged(int step, const std::string& version,
+                                   const StagedChanges& changes, Status& refused) {
   refused = pause(step, version);
   if (!refused.ok()) return Status::Ok();
-  log::debug("{}: refit.staged: applying refit step {} from the staging area", self_.name(), step);
+  if (in_step_ && changes) {
+    REFIT_ASSIGN_OR_RETURN(const bool written, changes(params_.ptrs()));
+    if (written) {
+      log::debug("{}: refit.staged: refit step {} applied as its changes only", self_.name(), step);
+      return Status::Ok();
+    }
+  }
+  log::debug("{}: refit.staged: refit step {} applied as a copy of the staging area", self_.name(),
+             step);
   return copy_staged();
 }
 
@@ -153,9 +162,10 @@ Status EngineWeights::fail(int step, const Status& why) {
     if (restored.ok()) restored = rewritten(step, "after the rollback");
     if (restored.ok()) {
       version_.set(*kept);
-      log::warn("{}: refit step {} failed; rolled back to weight version '{}' "
-                "(refit.keep_previous) and resumed generation: {}",
-                self_.name(), step, *kept, why.message());
+      log::warn(
+          "{}: refit step {} failed; rolled back to weight version '{}' "
+          "(refit.keep_previous) and resumed generation: {}",
+          self_.name(), step, *kept, why.message());
       resume();
       return why;
     }
@@ -163,9 +173,10 @@ Status EngineWeights::fail(int step, const Status& why) {
                restored.to_string());
   }
   version_.set(std::nullopt);
-  log::warn("{}: refit step {} failed; the weights are invalid and generation stays paused "
-            "until a refit succeeds: {}",
-            self_.name(), step, why.message());
+  log::warn(
+      "{}: refit step {} failed; the weights are invalid and generation stays paused "
+      "until a refit succeeds: {}",
+      self_.name(), step, why.message());
   return why;
 }
 

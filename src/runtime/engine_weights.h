@@ -83,7 +83,11 @@ class EngineWeights {
   // Bytes of refit `step` may land from now on: with refit.staged, the staging area holds no
   // complete version until the refit publishes.
   void landing_begins() {
-    if (staged()) staging_.set_holds(std::nullopt);
+    if (!staged()) return;
+    // The parameters take only what changed (apply_staged) when they hold what the staging area
+    // holds: the same complete version.
+    in_step_ = staging_.holds().has_value() && staging_.holds() == version_.get();
+    staging_.set_holds(std::nullopt);
   }
 
   // A refit's steps, in order:
@@ -99,10 +103,15 @@ class EngineWeights {
   //    generation resumes when this rank had paused.
   void abandon(int step, bool paused, const std::string& why);
   //  - refit.staged, every byte landed in the staging area: pause() (its hook, the kept copy),
-  //    then the staging area is copied into the parameters. A pause hook that refuses leaves the
-  //    parameters and their version as they were: `refused` gets its error, and the refit fails
-  //    (the caller reports it as this rank's verdict). Other errors end the session.
-  Status apply_staged(int step, const std::string& version, Status& refused);
+  //    then the parameters take the refit: through `changes` (which writes onto the parameters
+  //    what the refit changed in the staging area, or returns false when it cannot) when they
+  //    held the staging area's version before it, else a copy of the whole staging area. A
+  //    pause hook that refuses leaves the parameters and their version as they were: `refused`
+  //    gets its error, and the refit fails (the caller reports it as this rank's verdict). Other
+  //    errors end the session.
+  using StagedChanges = std::function<Result<bool>(const std::vector<void*>& params)>;
+  Status apply_staged(int step, const std::string& version, const StagedChanges& changes,
+                      Status& refused);
   // refit.staged, a bench's bare pass: the staging area copied into the parameters, no hook run.
   Status copy_staged() { return staging_.apply(plane_, self_.name()); }
   //  - every byte landed: the load_weights hook takes them, then the weights_changed hook hears
@@ -142,12 +151,13 @@ class EngineWeights {
   EngineHooks hooks_;
   WeightLoader loader_;
   WeightVersion version_;
-  std::optional<std::string> prior_;  // the version before the refit in flight
+  std::optional<std::string> prior_;      // the version before the refit in flight
   std::map<std::string, int> published_;  // every label published -> the step that published it
   ExportCache exports_;
   Rollback rollback_;
-  Staging staging_;  // refit.staged
-  Timer pause_timer_;  // since the pause hook of the refit in flight started
+  Staging staging_;       // refit.staged
+  bool in_step_ = false;  // refit.staged: the parameters held the staging area's version at landing
+  Timer pause_timer_;     // since the pause hook of the refit in flight started
   bool paused_ = false;
   double pause_s_ = 0;  // of the last refit
 

@@ -2,8 +2,10 @@
 // the engine keeps generating on the first (docs/runtime.md, "Staged apply"). It is exported
 // memory laid out as Engine::allocate_params lays out parameters, so that trainer ranks on the
 // same host write it by peer access whatever memory the caller registered; point-to-point pairs
-// receive into it, and a delta applies onto the base it holds. The apply copies it into the
-// parameters once generation paused. Costs one more copy of the rank's parameters in its memory.
+// receive into it, and a delta applies onto the base it holds. Once generation paused the
+// parameters take it: a copy (apply()), or only what the refit's deltas changed, written by the
+// executor from its applies' logs (EngineWeights::apply_staged). Costs one more copy of the rank's
+// parameters in its memory.
 #pragma once
 
 #include <memory>
