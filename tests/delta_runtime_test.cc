@@ -3,6 +3,7 @@
 // protocol, FSDP2 and Megatron, bf16 and FP8. Each test reads the JSON report's per-refit delta
 // record: the first refit moves in full, the later ones as deltas of fewer wire bytes; a base
 // either side no longer holds (a failed refit, a rollback) makes the next refit of the pair full.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -201,6 +202,48 @@ TEST(StagedRefits, MegatronP2pTwoEngines) {
   expect_staged(
       {.num_engines = 2, .executor = "p2p", .backend = "megatron", .megatron_tp = 2, .delta = "on"},
       true);
+}
+
+// refit.staged: an engine rank's parameters take only the changes when every byte of its refit
+// arrived as a delta; where one pair moved in full (engine rank 0 forgets trainer rank 1's base
+// before refit 3) that rank copies its staging area for that refit, and the other rank, whose
+// pairs both moved deltas, still writes only the changes. Every refit verified.
+TEST(StagedRefits, ARankWithOnePairInFullCopiesItsStagingArea) {
+  Cell c{.buffer = 4096, .executor = "p2p", .delta = "on"};
+  c.staged = true;
+  ::setenv("REFIT_LOG", "debug", 1);
+  const DeltaRun d = run_delta(
+      c, {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "forget-base:0:1:3"});
+  ::unsetenv("REFIT_LOG");
+  ASSERT_EQ(d.cli.exit_code, 0) << d.cli.output;
+  EXPECT_NE(d.cli.output.find("verified bit-exact"), std::string::npos) << d.cli.output;
+  const auto line = [](int rank, int step, bool changes) {
+    return fmt::format("engine 0 tp rank {}: refit.staged: refit step {} applied as {}", rank, step,
+                       changes ? "its changes only" : "a copy of the staging area");
+  };
+  for (int step = 1; step <= 4; ++step) {
+    const bool rank0_changes = step == 2 || step == 4, rank1_changes = step > 1;
+    EXPECT_EQ(count_of(d.cli.output, line(0, step, rank0_changes)), 1u) << step << d.cli.output;
+    EXPECT_EQ(count_of(d.cli.output, line(1, step, rank1_changes)), 1u) << step << d.cli.output;
+  }
+}
+
+// refit.staged: a refit that fails in flight never reaches the parameters; the next one moves in
+// full and copies the staging area, and the one after it writes only the changes again.
+TEST(StagedRefits, AfterARefitFailedInFlightTheNextCopies) {
+  Cell c{.timeout_s = 3, .executor = "p2p", .delta = "on"};
+  c.staged = true;
+  ::setenv("REFIT_LOG", "debug", 1);
+  const DeltaRun d = run_delta(
+      c, {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "stall-trainer:1:2"});
+  ::unsetenv("REFIT_LOG");
+  EXPECT_NE(d.cli.exit_code, 0) << d.cli.output;
+  EXPECT_NE(d.cli.output.find("1 of 4 refit(s) failed (steps 2)"), std::string::npos)
+      << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "refit step 2 applied as"), 0u) << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "refit step 3 applied as a copy of the staging area"), 2u)
+      << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "refit step 4 applied as its changes only"), 2u) << d.cli.output;
 }
 
 // FP8 weights reach the encoder only through the p2p staging segment: peer pairs move in full,
