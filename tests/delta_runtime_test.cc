@@ -345,10 +345,21 @@ TEST(DeltaRefits, CorruptedDeltaNamesTheTensor) {
 // stay invalid, or (refit.keep_previous) roll back to the version before. Either way the trainer
 // ranks offer a delta against what they sent, the engine ranks refuse it, and the next refit moves
 // in full, verified; deltas resume after.
-void expect_full_after_failed_refit(bool keep_previous) {
+// With refit.staged the copy to roll back to is taken while the bytes land, once per refit and
+// engine rank.
+void expect_full_after_failed_refit(bool keep_previous, bool staged = false) {
+  Cell c{.executor = "p2p", .keep_previous = keep_previous, .delta = "on"};
+  c.staged = staged;
+  if (staged) ::setenv("REFIT_LOG", "debug", 1);
   const DeltaRun d =
-      run_delta({.executor = "p2p", .keep_previous = keep_previous, .delta = "on"},
-                {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "corrupt:0:1"});
+      run_delta(c, {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "corrupt:0:1"});
+  ::unsetenv("REFIT_LOG");
+  if (staged) {
+    EXPECT_EQ(count_of(d.cli.output, "refit.keep_previous: kept weight version"), 8u)
+        << d.cli.output;
+    EXPECT_NE(d.cli.output.find("rolled back to weight version '0'"), std::string::npos)
+        << d.cli.output;
+  }
   EXPECT_NE(d.cli.exit_code, 0) << d.cli.output;
   EXPECT_NE(d.cli.output.find("1 of 4 refit(s) failed (steps 1)"), std::string::npos)
       << d.cli.output;
@@ -369,6 +380,7 @@ void expect_full_after_failed_refit(bool keep_previous) {
 }
 TEST(DeltaRefits, FailedFullRefitMakesTheNextFull) { expect_full_after_failed_refit(false); }
 TEST(DeltaRefits, RolledBackRefitMakesTheNextFull) { expect_full_after_failed_refit(true); }
+TEST(StagedRefits, RolledBackRefitMakesTheNextFull) { expect_full_after_failed_refit(true, true); }
 
 // A refit that fails in flight with every rank alive (trainer rank 1 stalls past the timeout in
 // refit 2): every rank forms its groups anew and forgets its bases, so refit 3 moves every pair in

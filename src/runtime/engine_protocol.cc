@@ -295,7 +295,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
   }
   phase_ = Phase::kProceeding;
   log::debug("{}: refit step {} proceeds", core_.id(), step);
-  weights_.landing_begins();
+  weights_.landing_begins(raw);
   REFIT_RETURN_IF_ERROR(executor_.receive(begin_, landing_->ptrs()));
   REFIT_RETURN_IF_ERROR(hear(kCommit, timeout, "the commit", [&](const Message& m) -> Status {
                           REFIT_ASSIGN_OR_RETURN(CommitMessage c, decode_commit(m.payload, m.from));

@@ -83,22 +83,44 @@ Status EngineWeights::pause(int step, const std::string& version) {
     }
   }
   // refit.keep_previous: a copy of a complete version to roll back to (nothing complete to keep
-  // when the weights are invalid).
+  // when the weights are invalid), unless landing_begins() took it. A copy that fails refuses the
+  // refit: generation resumes, the version stays.
   if (cfg_.refit.keep_previous) {
-    rollback_.forget();
-    // A copy that fails refuses the refit: generation resumes, the version stays.
-    if (version_.valid())
-      if (Status kept = rollback_.keep(plane_, params_, version_.label(), self_.name());
-          !kept.ok()) {
-        resume();
-        return kept;
-      }
+    Status kept = Status::Ok();
+    if (kept_at_landing_) {
+      kept = *kept_at_landing_;
+      kept_at_landing_.reset();
+    } else {
+      rollback_.forget();
+      if (version_.valid()) kept = rollback_.keep(plane_, params_, version_.label(), self_.name());
+    }
+    if (!kept.ok()) {
+      resume();
+      return kept;
+    }
   }
   // From here bytes may land: the old version no longer describes the weights until this refit
   // publishes its own.
   prior_ = version_.get();
   version_.set(std::nullopt);
   return Status::Ok();
+}
+
+void EngineWeights::landing_begins(bool raw) {
+  kept_at_landing_.reset();
+  if (!staged()) return;
+  // The parameters take only what changed (apply_staged) when they hold what the staging area
+  // holds: the same complete version.
+  in_step_ = staging_.holds().has_value() && staging_.holds() == version_.get();
+  staging_.set_holds(std::nullopt);
+  if (raw || !cfg_.refit.keep_previous) return;
+  rollback_.forget();
+  kept_at_landing_ = Status::Ok();
+  if (!version_.valid()) return;
+  kept_at_landing_ = rollback_.keep(plane_, params_, version_.label(), self_.name());
+  if (kept_at_landing_->ok())
+    log::debug("{}: refit.keep_previous: kept weight version '{}' while the bytes land",
+               self_.name(), version_.label());
 }
 
 void EngineWeights::abandon(int step, bool paused, const std::string& why) {

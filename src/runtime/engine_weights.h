@@ -80,15 +80,11 @@ class EngineWeights {
   const std::optional<std::string>& base() const {
     return staged() ? staging_.holds() : version_.get();
   }
-  // Bytes of refit `step` may land from now on: with refit.staged, the staging area holds no
-  // complete version until the refit publishes.
-  void landing_begins() {
-    if (!staged()) return;
-    // The parameters take only what changed (apply_staged) when they hold what the staging area
-    // holds: the same complete version.
-    in_step_ = staging_.holds().has_value() && staging_.holds() == version_.get();
-    staging_.set_holds(std::nullopt);
-  }
+  // Bytes of a refit may land from now on: with refit.staged, the staging area holds no complete
+  // version until the refit publishes, and with refit.keep_previous the copy to roll back to is
+  // taken now (not for a bench's raw pass), while the engine generates on parameters the refit
+  // does not touch before its pause, so that the pause holds only the apply.
+  void landing_begins(bool raw);
 
   // A refit's steps, in order:
   //  - admit: checks the registration and the version label (one published at another step is
@@ -157,7 +153,10 @@ class EngineWeights {
   Rollback rollback_;
   Staging staging_;       // refit.staged
   bool in_step_ = false;  // refit.staged: the parameters held the staging area's version at landing
-  Timer pause_timer_;     // since the pause hook of the refit in flight started
+  // refit.staged with refit.keep_previous: landing_begins() took the copy to roll back to, with
+  // this outcome (pause() refuses the refit when it failed).
+  std::optional<Status> kept_at_landing_;
+  Timer pause_timer_;  // since the pause hook of the refit in flight started
   bool paused_ = false;
   double pause_s_ = 0;  // of the last refit
 
