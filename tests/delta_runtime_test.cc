@@ -38,6 +38,15 @@ DeltaRun run_delta(const Cell& c, const std::vector<std::string>& extra) {
   return out;
 }
 
+// refit.staged, with the engine ranks' debug lines: how each apply went, what was kept.
+DeltaRun run_staged(Cell c, const std::vector<std::string>& extra) {
+  c.staged = true;
+  ::setenv("REFIT_LOG", "debug", 1);
+  DeltaRun d = run_delta(c, extra);
+  ::unsetenv("REFIT_LOG");
+  return d;
+}
+
 // Every (trainer rank, engine rank) pair of the last refit, from the report's ranks.
 int pairs_of(const nlohmann::json& report) {
   int n = 0;
@@ -209,12 +218,9 @@ TEST(StagedRefits, MegatronP2pTwoEngines) {
 // before refit 3) that rank copies its staging area for that refit, and the other rank, whose
 // pairs both moved deltas, still writes only the changes. Every refit verified.
 TEST(StagedRefits, ARankWithOnePairInFullCopiesItsStagingArea) {
-  Cell c{.buffer = 4096, .executor = "p2p", .delta = "on"};
-  c.staged = true;
-  ::setenv("REFIT_LOG", "debug", 1);
-  const DeltaRun d = run_delta(
-      c, {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "forget-base:0:1:3"});
-  ::unsetenv("REFIT_LOG");
+  const DeltaRun d = run_staged(
+      {.buffer = 4096, .executor = "p2p", .delta = "on"},
+      {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "forget-base:0:1:3"});
   ASSERT_EQ(d.cli.exit_code, 0) << d.cli.output;
   EXPECT_NE(d.cli.output.find("verified bit-exact"), std::string::npos) << d.cli.output;
   const auto line = [](int rank, int step, bool changes) {
@@ -231,12 +237,9 @@ TEST(StagedRefits, ARankWithOnePairInFullCopiesItsStagingArea) {
 // refit.staged: a refit that fails in flight never reaches the parameters; the next one moves in
 // full and copies the staging area, and the one after it writes only the changes again.
 TEST(StagedRefits, AfterARefitFailedInFlightTheNextCopies) {
-  Cell c{.timeout_s = 3, .executor = "p2p", .delta = "on"};
-  c.staged = true;
-  ::setenv("REFIT_LOG", "debug", 1);
-  const DeltaRun d = run_delta(
-      c, {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "stall-trainer:1:2"});
-  ::unsetenv("REFIT_LOG");
+  const DeltaRun d = run_staged(
+      {.timeout_s = 3, .executor = "p2p", .delta = "on"},
+      {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "stall-trainer:1:2"});
   EXPECT_NE(d.cli.exit_code, 0) << d.cli.output;
   EXPECT_NE(d.cli.output.find("1 of 4 refit(s) failed (steps 2)"), std::string::npos)
       << d.cli.output;
@@ -348,12 +351,10 @@ TEST(DeltaRefits, CorruptedDeltaNamesTheTensor) {
 // With refit.staged the copy to roll back to is taken while the bytes land, once per refit and
 // engine rank.
 void expect_full_after_failed_refit(bool keep_previous, bool staged = false) {
-  Cell c{.executor = "p2p", .keep_previous = keep_previous, .delta = "on"};
-  c.staged = staged;
-  if (staged) ::setenv("REFIT_LOG", "debug", 1);
-  const DeltaRun d =
-      run_delta(c, {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "corrupt:0:1"});
-  ::unsetenv("REFIT_LOG");
+  const Cell c{.executor = "p2p", .keep_previous = keep_previous, .delta = "on"};
+  const std::vector<std::string> args = {"--steps",   "4",       "--verify",   "--update",
+                                         "adam:1e-5", "--fault", "corrupt:0:1"};
+  const DeltaRun d = staged ? run_staged(c, args) : run_delta(c, args);
   if (staged) {
     EXPECT_EQ(count_of(d.cli.output, "refit.keep_previous: kept weight version"), 8u)
         << d.cli.output;
