@@ -234,21 +234,6 @@ TEST(StagedRefits, ARankWithOnePairInFullCopiesItsStagingArea) {
   }
 }
 
-// refit.staged: a refit that fails in flight never reaches the parameters; the next one moves in
-// full and copies the staging area, and the one after it writes only the changes again.
-TEST(StagedRefits, AfterARefitFailedInFlightTheNextCopies) {
-  const DeltaRun d = run_staged(
-      {.timeout_s = 3, .executor = "p2p", .delta = "on"},
-      {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "stall-trainer:1:2"});
-  EXPECT_NE(d.cli.exit_code, 0) << d.cli.output;
-  EXPECT_NE(d.cli.output.find("1 of 4 refit(s) failed (steps 2)"), std::string::npos)
-      << d.cli.output;
-  EXPECT_EQ(count_of(d.cli.output, "refit step 2 applied as"), 0u) << d.cli.output;
-  EXPECT_EQ(count_of(d.cli.output, "refit step 3 applied as a copy of the staging area"), 2u)
-      << d.cli.output;
-  EXPECT_EQ(count_of(d.cli.output, "refit step 4 applied as its changes only"), 2u) << d.cli.output;
-}
-
 // FP8 weights reach the encoder only through the p2p staging segment: peer pairs move in full,
 // verified, and say so in the report (no delta pairs).
 TEST(DeltaRefits, Fp8PeerMovesInFull) {
@@ -385,12 +370,21 @@ TEST(StagedRefits, RolledBackRefitMakesTheNextFull) { expect_full_after_failed_r
 
 // A refit that fails in flight with every rank alive (trainer rank 1 stalls past the timeout in
 // refit 2): every rank forms its groups anew and forgets its bases, so refit 3 moves every pair in
-// full, verified, and refit 4 is a delta again.
-TEST(DeltaRefits, RefitFailedInFlightMakesTheNextFull) {
-  const DeltaRun d = run_delta(
-      {.timeout_s = 3, .executor = "p2p", .delta = "on"},
-      {"--steps", "4", "--verify", "--update", "adam:1e-5", "--fault", "stall-trainer:1:2"});
+// full, verified, and refit 4 is a delta again. With refit.staged the failed refit never reaches
+// the parameters; refit 3 copies the staging area, and refit 4 writes only the changes again.
+void expect_full_after_failure_in_flight(bool staged) {
+  const Cell c{.timeout_s = 3, .executor = "p2p", .delta = "on"};
+  const std::vector<std::string> args = {"--steps",   "4",       "--verify",         "--update",
+                                         "adam:1e-5", "--fault", "stall-trainer:1:2"};
+  const DeltaRun d = staged ? run_staged(c, args) : run_delta(c, args);
   EXPECT_NE(d.cli.exit_code, 0) << d.cli.output;
+  if (staged) {
+    EXPECT_EQ(count_of(d.cli.output, "refit step 2 applied as"), 0u) << d.cli.output;
+    EXPECT_EQ(count_of(d.cli.output, "refit step 3 applied as a copy of the staging area"), 2u)
+        << d.cli.output;
+    EXPECT_EQ(count_of(d.cli.output, "refit step 4 applied as its changes only"), 2u)
+        << d.cli.output;
+  }
   EXPECT_NE(d.cli.output.find("1 of 4 refit(s) failed (steps 2)"), std::string::npos)
       << d.cli.output;
   EXPECT_NE(d.cli.output.find("step 1/4: refit.delta: 0 pair(s) as a delta"), std::string::npos)
@@ -407,6 +401,12 @@ TEST(DeltaRefits, RefitFailedInFlightMakesTheNextFull) {
   EXPECT_EQ(count_of(d.cli.output, "step 3: engine rank(s) 0, 1: this rank keeps no base for them"),
             2u)
       << d.cli.output;
+}
+TEST(DeltaRefits, RefitFailedInFlightMakesTheNextFull) {
+  expect_full_after_failure_in_flight(false);
+}
+TEST(StagedRefits, AfterARefitFailedInFlightTheNextCopies) {
+  expect_full_after_failure_in_flight(true);
 }
 
 // Trainer rank 0 coordinates every engine rank (docs/protocol.md, "Scale"): the engine ranks

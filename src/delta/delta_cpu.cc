@@ -1047,7 +1047,7 @@ Status delta_replay_host(const std::vector<DeltaRoute>& routes, const DeltaLog& 
   REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, o, false, true));
   if (!log.complete)
     return Status::InvalidArgument(
-        "delta: a replay needs a complete log (its apply wrote dense routes or chunks, or failed)");
+        "delta: a replay needs a complete log (one whose apply succeeded on a plane that logs)");
   // Every run within its route and the log's arrays before anything is written. Positions
   // increase within a run (they were decoded so), so its last is its largest.
   for (const DeltaLog::Run& run : log.runs) {

@@ -228,15 +228,12 @@ std::string RouteReceiver::routes_digest(std::size_t i) const {
 // rank keeps a base for taken from what landed.
 Status RouteReceiver::apply_round(std::size_t k) {
   Timer t;
-  if (!runs_[k].empty()) {
-    replayable_ = false;
+  if (!runs_[k].empty())
     REFIT_RETURN_IF_ERROR(o_.plane->copy(runs_[k], kByteCopyDType, kByteCopyDType));
-  }
   for (const DeltaRecv& dr : delta_recvs_[k]) {
     DeltaSource& d = delta_[dr.source];
     const PairDeltaRoutes& list = d.rounds[k];
     if (dr.full) {  // offered a base, sent in full: scattered, and its digest taken
-      replayable_ = false;
       if (!dr.runs.empty())
         REFIT_RETURN_IF_ERROR(o_.plane->copy(dr.runs, kByteCopyDType, kByteCopyDType));
       d.digest[k] = 0;
@@ -261,7 +258,6 @@ Status RouteReceiver::apply_round(std::size_t k) {
     if (!r.ok())
       return r.status().with_context(fmt::format("{}: the delta from trainer rank {}, round {}",
                                                  o_.who, o_.sources[dr.source], k));
-    if (opts.log == nullptr || !opts.log->complete) replayable_ = false;
     d.digest[k] += r->digest_delta;
     delta_traffic_.delta_elements += r->elements;
     delta_traffic_.delta_changed += r->changed;
@@ -330,8 +326,12 @@ Status RouteReceiver::receive(const BeginMessage& begin, const std::vector<void*
 // replay_deltas: the logs of the last refit's applies, onto the parameters through the same
 // routes with the parameters as their destination.
 Result<bool> RouteReceiver::replay_deltas(const std::vector<void*>& params) {
-  if (!replayable_) return false;
-  replayable_ = false;  // once per refit
+  if (!logging_) return false;
+  // Every list that received routes was applied through a complete log (a round that came in
+  // full, or an apply that failed, left its log incomplete), or nothing is written.
+  for (const DeltaSource& d : delta_)
+    for (std::size_t k = 0; k < d.rounds.size(); ++k)
+      if (!d.rounds[k].routes.empty() && (k >= d.logs.size() || !d.logs[k].complete)) return false;
   if (replay_params_ != params) replay_routes_.clear();
   if (replay_routes_.empty()) {
     const EngineShardLayout& lay = o_.setup->engine_layout(o_.engine_rank);
@@ -342,12 +342,6 @@ Result<bool> RouteReceiver::replay_deltas(const std::vector<void*>& params) {
             engine_delta_routes(o_.incoming, lay, o_.sources[i], params, static_cast<int>(k)));
     replay_params_ = params;
   }
-  // Every list that received routes was applied through a complete log, or nothing is written.
-  for (std::size_t i = 0; i < o_.sources.size(); ++i)
-    for (std::size_t k = 0; k < replay_routes_[i].size(); ++k)
-      if (!replay_routes_[i][k].routes.empty() &&
-          (k >= delta_[i].logs.size() || !delta_[i].logs[k].complete))
-        return false;
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
     const DeltaSource& d = delta_[i];
     for (std::size_t k = 0; k < d.logs.size() && k < replay_routes_[i].size(); ++k) {
@@ -371,11 +365,10 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
   apply_seconds_ = 0;
   delta_traffic_ = RankTraffic{};
   // refit.staged: the applies log their writes when every source sends point to point to a base
-  // this rank offered; an apply that sends or scatters anything else clears replayable_.
+  // this rank offered; each log counts once its apply in this refit succeeded.
   logging_ = o_.config->refit.staged && !raw && peer_sources_ == 0;
   for (std::size_t i = 0; i < o_.sources.size() && logging_; ++i)
     logging_ = modes_[i] == PairExecutor::kP2p && delta_[i].offered;
-  replayable_ = logging_;
   for (DeltaSource& d : delta_)
     for (DeltaLog& l : d.logs) l.complete = false;
   std::vector<int> offers(o_.sources.size(), 0);

@@ -138,10 +138,8 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<std::vector<std::size_t>> digest_after_;    // sources kept, not offered
   std::vector<std::unique_ptr<PlaneBuffer>> size_words_;  // per slot, 8 bytes per source
   RankTraffic delta_traffic_;                             // written on the apply thread
-  // refit.staged: whether the applies log what they write (replay_deltas), and whether every
-  // byte of the last refit landed through a logged apply (written on the apply thread).
+  // refit.staged: whether the last refit's applies logged what they wrote (replay_deltas).
   bool logging_ = false;
-  bool replayable_ = false;
   // replay_deltas' routes: per source, per round, into the parameters it was last given.
   std::vector<std::vector<PairDeltaRoutes>> replay_routes_;
   std::vector<void*> replay_params_;
