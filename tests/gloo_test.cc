@@ -1,5 +1,6 @@
 // The Gloo communicator: N ranks as threads over one in-process store server, and forked
 // processes where one rank dies.
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -99,8 +100,8 @@ int open_sockets() {
 TEST(GlooPeers, OnlyThePairsThatExchangeBytesAreConnected) {
   constexpr int n = 6;
   const auto peers_of = [](int r) {
-    std::vector<int> p = r < 3 ? std::vector<int>{3 + r, 3 + (r + 1) % 3}
-                               : std::vector<int>{r - 3, (r - 3 + 2) % 3};
+    std::vector<int> p =
+        r < 3 ? std::vector<int>{3 + r, 3 + (r + 1) % 3} : std::vector<int>{r - 3, (r - 3 + 2) % 3};
     std::sort(p.begin(), p.end());
     return p;
   };
@@ -147,12 +148,12 @@ TEST(GlooPeers, OnlyThePairsThatExchangeBytesAreConnected) {
     std::vector<P2POp> ops;
     for (std::size_t i = 0; i < peers.size(); ++i) {
       mine.push_back(pattern(4096, r * 10 + peers[i]));
-      ops.push_back({.kind = P2POp::Kind::kSend, .peer = peers[i], .buf = mine.back().data(),
-                     .bytes = 4096});
+      ops.push_back(
+          {.kind = P2POp::Kind::kSend, .peer = peers[i], .buf = mine.back().data(), .bytes = 4096});
     }
     for (std::size_t i = 0; i < peers.size(); ++i)
-      ops.push_back({.kind = P2POp::Kind::kRecv, .peer = peers[i], .buf = got[i].data(),
-                     .bytes = 4096});
+      ops.push_back(
+          {.kind = P2POp::Kind::kRecv, .peer = peers[i], .buf = got[i].data(), .bytes = 4096});
     const Status s = c.exchange(ops);
     ASSERT_TRUE(s.ok()) << s.to_string();
     for (std::size_t i = 0; i < peers.size(); ++i)
@@ -189,7 +190,8 @@ TEST(GlooPeers, BadPeerListsAreRefused) {
   ASSERT_TRUE(server.ok());
   auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
   ASSERT_TRUE(store.ok());
-  for (const std::vector<int>& bad : {std::vector<int>{0}, std::vector<int>{4}, std::vector<int>{1, 1}}) {
+  for (const std::vector<int>& bad :
+       {std::vector<int>{0}, std::vector<int>{4}, std::vector<int>{1, 1}}) {
     GlooOptions o = options("bad");
     o.rank = 0;
     o.size = 3;
@@ -227,11 +229,17 @@ TEST(Gloo, RendezvousValuesCarryNoUninitialisedBytes) {
   ASSERT_TRUE(store.ok());
   constexpr std::size_t kAddress = sizeof(sockaddr_storage) + sizeof(std::int64_t);
   for (int r = 0; r < kRanks; ++r) {
-    auto value = (*store)->try_get(fmt::format("gloo/scrub/{}", r));
+    auto value = (*store)->try_get(fmt::format("gloo/scrub/peers/{}", r));
     ASSERT_TRUE(value.ok() && value->has_value()) << "rank " << r << "'s rendezvous key";
+    // One entry per peer: its rank, the address's length, the address.
     const std::string& v = **value;
-    ASSERT_EQ(v.size(), (kRanks - 1) * kAddress) << "rank " << r;
-    for (std::size_t at = 0; at < v.size(); at += kAddress) {
+    constexpr std::size_t kEntry = 8 + kAddress;
+    ASSERT_EQ(v.size(), (kRanks - 1) * kEntry) << "rank " << r;
+    for (std::size_t entry = 0; entry < v.size(); entry += kEntry) {
+      std::int32_t length = 0;
+      std::memcpy(&length, v.data() + entry + 4, sizeof(length));
+      ASSERT_EQ(length, static_cast<std::int32_t>(kAddress));
+      const std::size_t at = entry + 8;
       sa_family_t family;
       std::memcpy(&family, v.data() + at, sizeof(family));
       ASSERT_EQ(family, AF_INET);
@@ -447,10 +455,53 @@ TEST(Gloo, ConnectTimesOutWhenAPeerNeverJoins) {
   EXPECT_EQ(comm.status().code(), StatusCode::kTimeout) << comm.status().to_string();
   EXPECT_TRUE(contains(comm.status().message(), "gloo[lonely] connect (rank 0 of 2)"))
       << comm.status().message();
-  EXPECT_TRUE(contains(comm.status().message(), "gloo/lonely/1")) << comm.status().message();
+  EXPECT_TRUE(contains(comm.status().message(), "gloo/lonely/peers/1")) << comm.status().message();
 
   o.rank = 2;
   EXPECT_EQ(make_gloo_communicator(**store, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A peer that published its addresses and died before it took its pair's connection: Gloo would
+// wait 5 x the group's timeout for it. The liveness check's failure ends the connect instead,
+// with its cause. The dead peer's key is written here by hand, with an address above this rank's
+// own, so that this rank is the pair's listening side and only the peer could complete the pair.
+TEST(Gloo, ConnectEndsWhenTheLivenessCheckFailsWhileAPairWaitsForItsPeer) {
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok());
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
+  ASSERT_TRUE(store.ok());
+  sockaddr_storage peer{};
+  auto* in = reinterpret_cast<sockaddr_in*>(&peer);
+  in->sin_family = AF_INET;
+  in->sin_port = htons(65000);
+  in->sin_addr.s_addr = htonl(0x7ffffffe);  // 127.255.255.254, above 127.0.0.1
+  std::string entry(8 + sizeof(sockaddr_storage) + sizeof(std::int64_t), '\0');
+  const std::int32_t to_rank = 0, length = sizeof(sockaddr_storage) + sizeof(std::int64_t);
+  std::memcpy(entry.data(), &to_rank, 4);
+  std::memcpy(entry.data() + 4, &length, 4);
+  std::memcpy(entry.data() + 8, &peer, sizeof(peer));
+  ASSERT_TRUE((*store)->set("gloo/orphan/peers/1", entry).ok());
+
+  // The peer "dies" once this rank has published its own addresses (its pair then listens).
+  std::atomic<int> checks{0};
+  auto probe = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
+  ASSERT_TRUE(probe.ok());
+  GlooOptions o = options("orphan");
+  o.size = 2;
+  o.timeout = 4s;  // Gloo's own connect wait: 20 s, then "Connect timeout"
+  o.liveness = [&]() -> Status {
+    ++checks;
+    auto mine = (*probe)->try_get("gloo/orphan/peers/0");
+    if (mine.ok() && mine->has_value()) return Status::Aborted("rank 1 died");
+    return Status::Ok();
+  };
+  auto comm = make_gloo_communicator(**store, o);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kAborted) << comm.status().to_string();
+  EXPECT_TRUE(contains(comm.status().message(), "gloo[orphan] connect (rank 0 of 2) to its peers"))
+      << comm.status().message();
+  EXPECT_TRUE(contains(comm.status().message(), "rank 1 died")) << comm.status().message();
+  EXPECT_GT(checks.load(), 0);
 }
 
 TEST(Gloo, AbortWakesAPendingCallAndFailsLaterOnes) {

@@ -1,4 +1,4 @@
-// The Gloo backend of Communicator: TCP transport, full mesh formed through the refit store.
+// The Gloo backend of Communicator: TCP transport, its pairs connected through the refit store.
 //
 // Gloo reports failures by throwing (gloo::IoException, gloo::EnforceNotMet, ...). Every Gloo
 // call runs inside run(), which turns any exception into a Status naming the group, the
@@ -16,12 +16,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -119,30 +122,101 @@ bool looks_like_timeout(const char* what) {
   return std::strstr(what, "Timed out") != nullptr || std::strstr(what, "timeout") != nullptr;
 }
 
-// Gloo's rendezvous connects every pair of a group (connectFullMesh): N - 1 connections and store
-// keys per rank. A group used only point to point connects the pairs that exchange bytes: each rank
-// publishes one key with its pairs' addresses, one per peer, and reads the keys of its peers.
+// A group's connect ended because the liveness check failed (a peer died, or the run failed).
+class ConnectAborted : public std::runtime_error {
+ public:
+  explicit ConnectAborted(Status why)
+      : std::runtime_error(why.to_string()), status(std::move(why)) {}
+  Status status;
+};
+
+// While a group's pairs connect, asks `alive` every 100 ms; once it fails, closes every pair, and
+// again on each later tick (a pair the connecting thread reached after a close is closed anew).
+// Gloo waits up to 5 x the group's timeout for a peer to take its pair's connection, and a peer
+// that died after the address exchange never does; closing the pair is the one way to wake it.
+class ConnectWatch {
+ public:
+  ConnectWatch(std::function<Status()> alive, std::vector<::gloo::transport::Pair*> pairs)
+      : alive_(std::move(alive)), pairs_(std::move(pairs)) {
+    if (alive_) thread_ = std::thread([this] { run(); });
+  }
+  ConnectWatch(const ConnectWatch&) = delete;
+  ConnectWatch& operator=(const ConnectWatch&) = delete;
+  ~ConnectWatch() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Throws ConnectAborted once the check failed.
+  void check() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.ok()) throw ConnectAborted(failure_);
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return done_; })) {
+      if (failure_.ok()) {
+        lock.unlock();
+        Status why = alive_();
+        lock.lock();
+        if (why.ok()) continue;
+        failure_ = std::move(why);
+      }
+      lock.unlock();
+      for (::gloo::transport::Pair* pair : pairs_) pair->close();
+      lock.lock();
+    }
+  }
+
+  const std::function<Status()> alive_;
+  const std::vector<::gloo::transport::Pair*> pairs_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  Status failure_;
+  std::thread thread_;
+};
+
+// Connects a group's pairs: each rank publishes one key with its pairs' addresses, one per peer,
+// and reads the keys of its peers. A group used only point to point connects the pairs that
+// exchange bytes; any other connects every pair (N - 1 connections and keys per rank, as Gloo's
+// connectFullMesh). Unlike connectFullMesh, the connect ends within 100 ms of `alive` failing.
 class PeerContext final : public ::gloo::rendezvous::Context {
  public:
   using ::gloo::rendezvous::Context::Context;
 
   void connect_peers(::gloo::rendezvous::Store& store,
                      std::shared_ptr<::gloo::transport::Device>& device,
-                     const std::vector<int>& peers) {
+                     const std::vector<int>& peers, const std::function<Status()>& alive) {
     auto transport = device->createContext(rank, size);
     transport->setTimeout(getTimeout());
     std::vector<char> mine;
+    std::vector<::gloo::transport::Pair*> pairs;
     for (int peer : peers) {
-      const std::vector<char> address = transport->createPair(peer)->address().bytes();
+      pairs.push_back(transport->createPair(peer).get());
+      const std::vector<char> raw = pairs.back()->address().bytes();
+      std::string address(raw.begin(), raw.end());
+      gloo_backend::scrub_tcp_addresses(address);
       append(mine, peer);
       append(mine, static_cast<std::int32_t>(address.size()));
       mine.insert(mine.end(), address.begin(), address.end());
     }
     store.set(key(rank), mine);
-    for (int peer : peers) {
-      store.wait({key(peer)}, getTimeout());
-      const std::vector<char> theirs = store.get(key(peer));
-      transport->getPair(peer)->connect(address_for(theirs, peer));
+    {
+      const ConnectWatch watch(alive, pairs);
+      for (std::size_t i = 0; i < peers.size(); ++i) {
+        store.wait({key(peers[i])}, getTimeout());
+        const std::vector<char> theirs = store.get(key(peers[i]));
+        watch.check();
+        pairs[i]->connect(address_for(theirs, peers[i]));
+        watch.check();
+      }
     }
     device_ = device;
     transportContext_ = std::move(transport);
@@ -163,8 +237,9 @@ class PeerContext final : public ::gloo::rendezvous::Context {
       std::memcpy(&n, entries.data() + at + 4, 4);
       at += 8;
       if (n < 0 || at + static_cast<std::size_t>(n) > entries.size()) break;
-      if (r == rank) return {entries.begin() + static_cast<std::ptrdiff_t>(at),
-                             entries.begin() + static_cast<std::ptrdiff_t>(at) + n};
+      if (r == rank)
+        return {entries.begin() + static_cast<std::ptrdiff_t>(at),
+                entries.begin() + static_cast<std::ptrdiff_t>(at) + n};
       at += static_cast<std::size_t>(n);
     }
     throw std::runtime_error(fmt::format(
@@ -180,9 +255,9 @@ class GlooCommunicator final : public Communicator {
       : options_(std::move(options)),
         device_(std::move(device)),
         context_(std::move(context)),
-        connected_(options_.peers ? std::unordered_set<int>(options_.peers->begin(),
-                                                            options_.peers->end())
-                                  : std::unordered_set<int>{}) {}
+        connected_(options_.peers
+                       ? std::unordered_set<int>(options_.peers->begin(), options_.peers->end())
+                       : std::unordered_set<int>{}) {}
 
   ~GlooCommunicator() override {
     // Context (and its pairs) before the device whose event loop serves them.
@@ -267,8 +342,8 @@ class GlooCommunicator final : public Communicator {
     std::size_t total = 0;
     for (const P2POp& o : ops) {
       if (o.peer < 0 || o.peer >= options_.size || o.peer == options_.rank)
-        return Status::InvalidArgument(fmt::format("{}exchange ({}): peer {} is not another rank",
-                                                   prefix(), where(), o.peer));
+        return Status::InvalidArgument(
+            fmt::format("{}exchange ({}): peer {} is not another rank", prefix(), where(), o.peer));
       if (options_.peers && !connected_.count(o.peer))
         return Status::InvalidArgument(fmt::format(
             "{}exchange ({}): rank {} is not among this rank's peers ({}); the group connects "
@@ -276,7 +351,8 @@ class GlooCommunicator final : public Communicator {
             prefix(), where(), o.peer, fmt::join(*options_.peers, ", ")));
       total += o.bytes;
     }
-    const std::string op = fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
+    const std::string op =
+        fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
     REFIT_RETURN_IF_ERROR(usable(op));
     return run(op, [&] {
       // Slots pair the k-th send of a rank to a peer with that peer's k-th receive from it.
@@ -431,15 +507,18 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
     auto context = std::make_shared<PeerContext>(options.rank, options.size);
     context->setTimeout(options.timeout);
     ::gloo::rendezvous::PrefixStore prefixed("gloo/" + options.name, adapter);
-    if (options.peers) {
-      context->connect_peers(prefixed, device, *options.peers);
+    std::vector<int> everyone;
+    for (int r = 0; r < options.size; ++r)
+      if (r != options.rank) everyone.push_back(r);
+    context->connect_peers(prefixed, device, options.peers ? *options.peers : everyone,
+                           options.liveness);
+    if (options.peers)
       log::debug("gloo[{}] rank {} of {}: connected to its {} peer(s) only", options.name,
                  options.rank, options.size, options.peers->size());
-    } else {
-      context->connectFullMesh(prefixed, device);
-    }
     return std::unique_ptr<Communicator>(
         std::make_unique<GlooCommunicator>(options, std::move(device), std::move(context)));
+  } catch (const ConnectAborted& e) {
+    return e.status.with_context(fmt::format("{} to its peers", op));
   } catch (const std::exception& e) {
     const Status store_error = adapter.last_error();
     if (!store_error.ok()) {

@@ -25,9 +25,7 @@ Status GlooStoreAdapter::last_error() const {
 }
 
 void GlooStoreAdapter::set(const std::string& key, const std::vector<char>& data) {
-  std::string value(data.begin(), data.end());
-  scrub_tcp_addresses(value);
-  Status s = store_.set(key, value);
+  Status s = store_.set(key, std::string(data.begin(), data.end()));
   if (!s.ok()) fail(s);
 }
 

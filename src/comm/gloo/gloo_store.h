@@ -1,4 +1,4 @@
-// Adapts a refit::Store to gloo::rendezvous::Store, the interface Gloo's connectFullMesh uses.
+// Adapts a refit::Store to gloo::rendezvous::Store, the interface Gloo's rendezvous uses.
 //
 // Gloo signals failures by throwing, so a failed refit call becomes a gloo::IoException; the
 // original Status (with its code) is kept and can be read back with last_error() at the boundary
@@ -46,9 +46,10 @@ class GlooStoreAdapter final : public ::gloo::rendezvous::Store {
   Status first_error_;
 };
 
-// Gloo's rendezvous values are lists of its TCP addresses, whose sockaddr_storage holds stack
-// bytes past the address getsockname wrote. Zeroes those bytes (and sin_zero) in place, so that no
-// uninitialised memory leaves the process; a value that is not such a list is left unchanged.
+// Gloo's TCP addresses are a sockaddr_storage that holds stack bytes past the address getsockname
+// wrote. Zeroes those bytes (and sin_zero) in place in a list of such addresses, so that no
+// uninitialised memory leaves the process (a group's connect publishes each address scrubbed); a
+// value that is not such a list is left unchanged.
 void scrub_tcp_addresses(std::string& value);
 
 }  // namespace refit::gloo_backend
