@@ -9,7 +9,8 @@
 #
 #   bench/control_scale.sh [REFIT] [PROCESSES...]      e.g. bench/control_scale.sh build/src/refit 32 256
 # STEPS (default 3) refits per run; CHECKSUM=false and VERIFY=0 take refit.checksum and --verify
-# out, to see what each adds.
+# out, to see what each adds. ENGINES=E keeps E engines of TP 4 at every size (the trainer ranks
+# take the other processes), so that every run moves the same bytes and only the ranks grow.
 #
 # A run of N processes needs about 32 N threads (ulimit -u) and 8 N file descriptors per rank's
 # peers (refit raises both soft limits when the hard ones allow).
@@ -28,17 +29,27 @@ trap 'rm -rf "$work"' EXIT
 rows=()
 base_msg="" base_req=""
 for n in "${sizes[@]}"; do
-  t=$((n / 2))
-  if [ $((t % 4)) -ne 0 ] || [ "$t" -lt 4 ]; then
-    echo "control_scale.sh: $n processes: needs a multiple of 8" >&2
-    exit 2
+  if [ -n "${ENGINES:-}" ]; then
+    e=$ENGINES
+    t=$((n - 4 * e))
+    if [ "$t" -lt 1 ]; then
+      echo "control_scale.sh: $n processes: fewer than the $((4 * e)) engine ranks of ENGINES=$e" >&2
+      exit 2
+    fi
+  else
+    t=$((n / 2))
+    e=$((t / 4))
+    if [ $((t % 4)) -ne 0 ] || [ "$t" -lt 4 ]; then
+      echo "control_scale.sh: $n processes: needs a multiple of 8" >&2
+      exit 2
+    fi
   fi
   cat > "$work/config-$n.yaml" <<YAML
 model: tiny-qwen3
 device: cpu
 seed: 11
 policy: {backend: fsdp2, world_size: $t, dtype: float32}
-generation: {backend: sglang, colocated: false, num_engines: $((t / 4)), tp_size: 4}
+generation: {backend: sglang, colocated: false, num_engines: $e, tp_size: 4}
 refit: {target_precision: bf16, buffer_size_bytes: 65536, timeout_s: 120, checksum: $checksum}
 YAML
   start=$(date +%s.%N)
@@ -70,7 +81,7 @@ PY
   rmed=$(awk -v a="$med" -v b="$base_med" 'BEGIN { printf "%.2f", a / b }')
   busy=$(awk -v b="$busy" -v s="$steps" 'BEGIN { printf "%.0f", b / s }')
   rows+=("$(printf '| %5d | %3d -> %2d x TP 4 | %8d | %8d | %6.3f | %5.2f | %5d | %6.3f | %5.2f | %7.2f | %5.2f | %6.3f | %5.2f | %6.1f |' \
-    "$n" "$t" "$((t / 4))" "$sr" "$mm" "$msg" "$rmsg" "$busy" "$req" "$rreq" "$rps" "$rrps" "$med" "$rmed" "$secs")")
+    "$n" "$t" "$e" "$sr" "$mm" "$msg" "$rmsg" "$busy" "$req" "$rreq" "$rps" "$rrps" "$med" "$rmed" "$secs")")
 done
 
 echo "refit control plane, $steps refits (${verify:-no --verify}, refit.checksum: $checksum), $(nproc) cores"
