@@ -153,11 +153,15 @@ class TrainerImpl final : public Trainer {
   }
 
  private:
-  // One refit or raw pass between the trainer group's barriers. Past the last barrier every
-  // trainer rank is done with it: a failure from there on (the store) is not one every rank would
-  // see.
+  // One refit or raw pass. With the transfer plan, trainer rank 0's messages order the trainer
+  // ranks: each moves its bytes after engines-paused and returns after refit-done, which trainer
+  // rank 0 sends once every rank's bytes moved and every engine rank answered. With gather, which
+  // has no such messages, the refit lies between two barriers of the trainer group; past the last
+  // one every trainer rank is done with it: a failure from there on (the store) is not one every
+  // rank would see.
   Status pass(const BeginMessage& begin, Status& failed) {
-    Communicator* group = core_.group(RankCore::Group::kTrainer);
+    Communicator* group =
+        core_.executor_kind().transfer_plan ? nullptr : core_.group(RankCore::Group::kTrainer);
     const RankCore::RefitScope counted = core_.refit_scope();
     in_flight_ = true;
     if (group) REFIT_RETURN_IF_ERROR(group->barrier());
@@ -165,10 +169,6 @@ class TrainerImpl final : public Trainer {
     TransferTimes times;
     double apply_s = 0;
     REFIT_RETURN_IF_ERROR(protocol_->run(begin, shards_.ptrs(), times, apply_s, failed));
-    // Before the barrier, so that every rank's traffic of this refit is in the store once any
-    // trainer rank returns (the harness reads them after each refit).
-    if (!begin.raw)
-      REFIT_RETURN_IF_ERROR(traffic_publisher_.publish(core_.store(), executor_->traffic()));
     if (group) REFIT_RETURN_IF_ERROR(group->barrier());
     in_flight_ = false;
     if (begin.raw) return Status::Ok();
@@ -289,10 +289,9 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<RankModel> model_;
   Registry shards_;
   std::map<std::string, int> published_;  // every version a refit of this rank published -> step
-  std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
+  std::unique_ptr<RouteSetup> routes_;    // the transfer plan (before the executor that uses it)
   std::unique_ptr<TrainerExecutor> executor_;
   std::unique_ptr<TrainerRefitProtocol> protocol_;
-  TrafficPublisher traffic_publisher_;
   RefitStats stats_;
   int raw_passes_ = 0;
   bool shut_down_ = false;

@@ -25,6 +25,7 @@
 #include "control/messages.h"
 #include "executor/executor.h"
 #include "runtime/rank_core.h"
+#include "runtime/traffic.h"
 
 namespace refit {
 
@@ -42,8 +43,7 @@ class TrainerRefitProtocol {
 
   // Setup: every target's hello, checked against this rank's own versions, `settings`, model size
   // and (vLLM) plan hash, then what the executor tells each target (SGLang route metadata).
-  Status attach(const std::map<std::string, std::string>& settings,
-                std::int64_t total_parameters);
+  Status attach(const std::map<std::string, std::string>& settings, std::int64_t total_parameters);
 
   // One refit of `begin.step` from `shards` (or, with begin.raw, the bench's bare pass). Ok with
   // `refit_failure` set when the refit failed but the session goes on: an engine rank refused it
@@ -71,6 +71,10 @@ class TrainerRefitProtocol {
               double& apply_s, Status& refit_failure);
   Status follow(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times,
                 double& apply_s, Status& refit_failure);
+  // The executor moved this rank's bytes of a refit (not a raw pass): records its traffic in the
+  // store, before this rank says so, so that every trainer rank's record of the refit is there
+  // once trainer rank 0 heard from all of them.
+  Status bytes_moved(const BeginMessage& begin);
   // Sends `payload` as `type` to trainer_down_.
   Status tell_trainers(MessageType type, const std::string& payload);
   // Every engine rank's answer to the begin of `step` (trainer rank 0), in engine rank order.
@@ -119,6 +123,7 @@ class TrainerRefitProtocol {
   // On trainer rank 0: where each phase's message to the engine ranks goes — their relays with
   // TP > 1 (runtime/relay.h), else every engine rank.
   std::vector<std::string> engine_relays_;
+  TrafficPublisher traffic_publisher_;
   Phase phase_ = Phase::kIdle;
   double pause_s_ = 0;  // pause_seconds()
   int outcomes_ = 0;  // refits of this epoch whose outcome the ranks shared: namespaces their keys
