@@ -61,10 +61,9 @@ ScaleRun run_scale(int trainers, int steps, const char* delta = "off") {
   const std::string cfg = dir.write("config.yaml", scale_config(trainers, 60, delta));
   const std::string json = dir.path() + "/report.json";
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> args = {"run", cfg, "--steps", std::to_string(steps), "--verify",
-                                   "--json", json};
-  if (std::string(delta) != "off")
-    args.insert(args.end(), {"--update", "adam:1e-5"});
+  std::vector<std::string> args = {"run",      cfg,      "--steps", std::to_string(steps),
+                                   "--verify", "--json", json};
+  if (std::string(delta) != "off") args.insert(args.end(), {"--update", "adam:1e-5"});
   auto r = run_cli(args, 600);
   ScaleRun s{
       .ranks = 2 * trainers, .steps = steps, .seconds = seconds_since(t0), .output = r.output};
@@ -133,6 +132,30 @@ TEST(RuntimeScale, ControlPlaneStaysFlat) { expect_flat("off"); }
 // relays each trainer rank its own pairs' offers: the same messages, per rank and refit as flat,
 // while the refits after the first move deltas of every pair.
 TEST(RuntimeScale, ControlPlaneStaysFlatWithDeltas) { expect_flat("on"); }
+
+// The trainer group forms only where a refit runs collectives of the trainer ranks: gather's
+// buckets and FP8's scales. The transfer plan otherwise forms none (its trainer ranks meet through
+// the store at setup and shutdown), and every kind still verifies.
+TEST(RuntimeScale, TheTrainerGroupFormsOnlyForItsCollectives) {
+  struct Case {
+    testing::RunConfig config;
+    std::size_t groups;  // trainer ranks that form it
+  };
+  const Case cases[] = {
+      {{.world_size = 4}, 0},
+      {{.world_size = 4, .executor = "gather"}, 4},
+      {{.world_size = 4, .executor = "p2p", .precision = "fp8", .fp8 = "{block: [16, 16]}"}, 4},
+  };
+  ::setenv("REFIT_LOG", "debug", 1);
+  for (const Case& c : cases) {
+    auto r = testing::run_config(c.config, {"--steps", "2", "--verify"});
+    SCOPED_TRACE(testing::config_yaml(c.config));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("verified bit-exact on every engine rank"), std::string::npos);
+    EXPECT_EQ(count_of(r.output, "formed the trainer group (4 ranks)"), c.groups) << r.output;
+  }
+  ::unsetenv("REFIT_LOG");
+}
 
 // An engine rank killed in the middle of a large run: the launcher names it, and every other
 // rank ends naming it as the cause (no rank exits 0), within the silence bound plus teardown.

@@ -117,6 +117,12 @@ class RankCore {
   void watch_peers();
   // Leaves on purpose: peers see "left", not a silent heartbeat.
   void leave();
+  // The trainer ranks meet at `name` (once per session) through the store: each adds itself to
+  // the count under `meet/<name>`, the last one sets `meet/<name>/all`, and with `wait` a rank
+  // waits for that key (refit.timeout_s, ending early when a peer or the store's host is gone).
+  // One add and one wait per rank, and no group: the transfer plan without FP8 forms no trainer
+  // group.
+  Status trainers_meet(const std::string& name, bool wait);
   // Publishes this rank's control-plane work (control_traffic()) for trainer rank 0's report:
   // each rank but trainer rank 0 does just before its last message or barrier of the session.
   Status publish_control_traffic();
@@ -198,7 +204,7 @@ class RankCore {
   const Endpoint ep_;
   RankServices services_;
   const ExecutorKind kind_;
-  std::unique_ptr<DataPlane> plane_;  // before every buffer and group made on it
+  std::unique_ptr<DataPlane> plane_;     // before every buffer and group made on it
   std::unique_ptr<StoreServer> server_;  // trainer rank 0
   std::unique_ptr<Store> store_;
   // Liveness checks and failure records: requests bounded by kBeatRequestTimeout.
@@ -211,9 +217,9 @@ class RankCore {
   RefitEpochs epochs_;
   mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread
   std::unique_ptr<Communicator> trainer_group_, p2p_group_;
-  std::vector<int> p2p_peers_;  // the p2p group ranks join_p2p connects to, for reform_groups
+  std::vector<int> p2p_peers_;        // the p2p group ranks join_p2p connects to, for reform_groups
   ExecutorBase* executor_ = nullptr;  // adopted: aborted with the groups
-  std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
+  std::uint32_t groups_epoch_ = 0;    // the refit epoch the groups were formed for
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;
 };

@@ -134,10 +134,10 @@ class TrainerImpl final : public Trainer {
   Status shutdown() override {
     return core_.guarded([&]() -> Status {
       REFIT_RETURN_IF_ERROR(protocol_->shutdown());
-      // Before the barrier, after which trainer rank 0 reads every rank's record.
-      if (core_.self().rank != 0) REFIT_RETURN_IF_ERROR(core_.publish_control_traffic());
-      if (Communicator* g = core_.group(RankCore::Group::kTrainer))
-        REFIT_RETURN_IF_ERROR(g->barrier());
+      // Before this rank counts itself in; trainer rank 0 reads every rank's record once all did.
+      const bool leader = core_.self().rank == 0;
+      if (!leader) REFIT_RETURN_IF_ERROR(core_.publish_control_traffic());
+      REFIT_RETURN_IF_ERROR(core_.trainers_meet("shutdown", /*wait=*/leader));
       core_.leave();
       shut_down_ = true;
       return Status::Ok();
@@ -200,7 +200,6 @@ class TrainerImpl final : public Trainer {
   Status setup() {
     const Config& cfg = core_.config();
     const int rank = core_.self().rank;
-    const int world = cfg.policy.world_size;
     REFIT_ASSIGN_OR_RETURN(model_, load_rank_model(cfg));
     // The caller registers the storage of each local shard, in the policy dtype.
     REFIT_ASSIGN_OR_RETURN(const TrainerShardLayout mine,
@@ -212,17 +211,25 @@ class TrainerImpl final : public Trainer {
     REFIT_RETURN_IF_ERROR(core_.connect());
     const auto settings = agreed_settings(cfg, model_->spec);
     REFIT_RETURN_IF_ERROR(check_trainer_versions(settings));
-    if (world > 1) {
-      REFIT_ASSIGN_OR_RETURN(auto group, core_.join_group("trainer", rank, world));
-      core_.hold(RankCore::Group::kTrainer, std::move(group));
-    }
     REFIT_RETURN_IF_ERROR(core_.executor_kind().transfer_plan ? setup_routes() : setup_gather());
     core_.adopt(*executor_);
     protocol_ = std::make_unique<TrainerRefitProtocol>(core_, *executor_);
     REFIT_RETURN_IF_ERROR(protocol_->attach(settings, model_->spec.total_parameters()));
     // Setup is complete on every trainer rank before the first refit.
-    if (Communicator* g = core_.group(RankCore::Group::kTrainer))
-      REFIT_RETURN_IF_ERROR(g->barrier());
+    return core_.trainers_meet("setup", /*wait=*/true);
+  }
+
+  // The trainer group (none with one rank): gather unshards its buckets over it, and FP8 scales
+  // are combined over it. The transfer plan without FP8 runs no collective of the trainer ranks
+  // and forms none: a group is a full mesh of the trainer ranks (N - 1 connections each) and, on
+  // the CPU, an event loop in every rank that wakes every 10 ms.
+  Status join_trainer_group() {
+    const int world = core_.config().policy.world_size;
+    if (world == 1) return Status::Ok();
+    REFIT_ASSIGN_OR_RETURN(auto group, core_.join_group("trainer", core_.self().rank, world));
+    core_.hold(RankCore::Group::kTrainer, std::move(group));
+    log::debug("{}: formed the trainer group ({} ranks) for {}", core_.id(), world,
+               core_.executor_kind().transfer_plan ? "the FP8 scales" : "gather's buckets");
     return Status::Ok();
   }
 
@@ -236,6 +243,7 @@ class TrainerImpl final : public Trainer {
       log::info("{}", plan_view_line(*routes_));
     else
       log::debug("{}: {}", core_.id(), plan_view_line(*routes_));
+    if (routes_->wire().fp8) REFIT_RETURN_IF_ERROR(join_trainer_group());
     RouteSenderOptions o;
     o.config = &cfg;
     o.rank = rank;
@@ -256,6 +264,7 @@ class TrainerImpl final : public Trainer {
 
   // Gather: every bucket unsharded over the trainer group and delivered whole.
   Status setup_gather() {
+    REFIT_RETURN_IF_ERROR(join_trainer_group());
     Communicator* unshard = core_.group(RankCore::Group::kTrainer);  // null with one rank
     REFIT_ASSIGN_OR_RETURN(
         executor_, GatherSender::create(GatherSenderOptions{.config = &core_.config(),

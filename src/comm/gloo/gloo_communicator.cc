@@ -21,6 +21,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
@@ -120,6 +121,21 @@ void ignore_sigpipe_once() {
 
 bool looks_like_timeout(const char* what) {
   return std::strstr(what, "Timed out") != nullptr || std::strstr(what, "timeout") != nullptr;
+}
+
+// One Gloo TCP device per address and process, shared by every group formed on it while any of
+// them lives. A device is an event-loop thread that wakes every 10 ms whether or not its pairs
+// have anything to do; with a few hundred ranks on one host each extra loop is CPU taken from the
+// refit.
+std::shared_ptr<::gloo::transport::Device> shared_device(const ::gloo::transport::tcp::attr& attr) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<::gloo::transport::Device>> devices;
+  std::lock_guard<std::mutex> lock(mu);
+  std::weak_ptr<::gloo::transport::Device>& slot = devices[attr.hostname];
+  if (auto device = slot.lock()) return device;
+  auto device = ::gloo::transport::tcp::CreateDevice(attr);
+  slot = device;
+  return device;
 }
 
 // A group's connect ended because the liveness check failed (a peer died, or the run failed).
@@ -503,7 +519,7 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
   try {
     ::gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
-    auto device = ::gloo::transport::tcp::CreateDevice(attr);
+    std::shared_ptr<::gloo::transport::Device> device = shared_device(attr);
     auto context = std::make_shared<PeerContext>(options.rank, options.size);
     context->setTimeout(options.timeout);
     ::gloo::rendezvous::PrefixStore prefixed("gloo/" + options.name, adapter);
