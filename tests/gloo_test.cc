@@ -1,8 +1,8 @@
 // The Gloo communicator: N ranks as threads over one in-process store server, and forked
 // processes where one rank dies.
-#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -100,8 +100,8 @@ int open_sockets() {
 TEST(GlooPeers, OnlyThePairsThatExchangeBytesAreConnected) {
   constexpr int n = 6;
   const auto peers_of = [](int r) {
-    std::vector<int> p =
-        r < 3 ? std::vector<int>{3 + r, 3 + (r + 1) % 3} : std::vector<int>{r - 3, (r - 3 + 2) % 3};
+    std::vector<int> p = r < 3 ? std::vector<int>{3 + r, 3 + (r + 1) % 3}
+                               : std::vector<int>{r - 3, (r - 3 + 2) % 3};
     std::sort(p.begin(), p.end());
     return p;
   };
@@ -148,12 +148,12 @@ TEST(GlooPeers, OnlyThePairsThatExchangeBytesAreConnected) {
     std::vector<P2POp> ops;
     for (std::size_t i = 0; i < peers.size(); ++i) {
       mine.push_back(pattern(4096, r * 10 + peers[i]));
-      ops.push_back(
-          {.kind = P2POp::Kind::kSend, .peer = peers[i], .buf = mine.back().data(), .bytes = 4096});
+      ops.push_back({.kind = P2POp::Kind::kSend, .peer = peers[i], .buf = mine.back().data(),
+                     .bytes = 4096});
     }
     for (std::size_t i = 0; i < peers.size(); ++i)
-      ops.push_back(
-          {.kind = P2POp::Kind::kRecv, .peer = peers[i], .buf = got[i].data(), .bytes = 4096});
+      ops.push_back({.kind = P2POp::Kind::kRecv, .peer = peers[i], .buf = got[i].data(),
+                     .bytes = 4096});
     const Status s = c.exchange(ops);
     ASSERT_TRUE(s.ok()) << s.to_string();
     for (std::size_t i = 0; i < peers.size(); ++i)
@@ -190,8 +190,7 @@ TEST(GlooPeers, BadPeerListsAreRefused) {
   ASSERT_TRUE(server.ok());
   auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
   ASSERT_TRUE(store.ok());
-  for (const std::vector<int>& bad :
-       {std::vector<int>{0}, std::vector<int>{4}, std::vector<int>{1, 1}}) {
+  for (const std::vector<int>& bad : {std::vector<int>{0}, std::vector<int>{4}, std::vector<int>{1, 1}}) {
     GlooOptions o = options("bad");
     o.rank = 0;
     o.size = 3;
@@ -455,7 +454,8 @@ TEST(Gloo, ConnectTimesOutWhenAPeerNeverJoins) {
   EXPECT_EQ(comm.status().code(), StatusCode::kTimeout) << comm.status().to_string();
   EXPECT_TRUE(contains(comm.status().message(), "gloo[lonely] connect (rank 0 of 2)"))
       << comm.status().message();
-  EXPECT_TRUE(contains(comm.status().message(), "gloo/lonely/peers/1")) << comm.status().message();
+  EXPECT_TRUE(contains(comm.status().message(), "gloo/lonely/peers/1"))
+      << comm.status().message();
 
   o.rank = 2;
   EXPECT_EQ(make_gloo_communicator(**store, o).status().code(), StatusCode::kInvalidArgument);

@@ -61,9 +61,10 @@ ScaleRun run_scale(int trainers, int steps, const char* delta = "off") {
   const std::string cfg = dir.write("config.yaml", scale_config(trainers, 60, delta));
   const std::string json = dir.path() + "/report.json";
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> args = {"run",      cfg,      "--steps", std::to_string(steps),
-                                   "--verify", "--json", json};
-  if (std::string(delta) != "off") args.insert(args.end(), {"--update", "adam:1e-5"});
+  std::vector<std::string> args = {"run", cfg, "--steps", std::to_string(steps), "--verify",
+                                   "--json", json};
+  if (std::string(delta) != "off")
+    args.insert(args.end(), {"--update", "adam:1e-5"});
   auto r = run_cli(args, 600);
   ScaleRun s{
       .ranks = 2 * trainers, .steps = steps, .seconds = seconds_since(t0), .output = r.output};

@@ -94,12 +94,12 @@ void linger_after_failure(const RankServices& services, const std::string& host,
                           const Config& cfg, const RankId& self) {
   if (!services.connect_store) return;
   const auto until = std::chrono::steady_clock::now() + kPeerSilence;
-  Result<std::unique_ptr<Store>> own =
-      services.connect_store(StoreClientOptions{.host = host,
-                                                .port = port,
-                                                .connect_timeout = std::chrono::seconds(1),
-                                                .request_timeout = std::chrono::seconds(1),
-                                                .auth = nullptr});
+  Result<std::unique_ptr<Store>> own = services.connect_store(
+      StoreClientOptions{.host = host,
+                         .port = port,
+                         .connect_timeout = std::chrono::seconds(1),
+                         .request_timeout = std::chrono::seconds(1),
+                         .auth = nullptr});
   if (!own.ok()) return;
   std::vector<std::string> keys;  // every other rank's heartbeat (runtime/failure.cc)
   for (const RankId& r : rank_ids(cfg))
@@ -159,7 +159,8 @@ Status RankCore::guarded(const std::function<Status()>& body) {
   // Chosen once the body ran:
   // a setup that failed after connecting (a disagreement) has a store to record it in.
   return latch_.guard(
-      [&] { return st; }, probe_store_.get(), self_, [this] { abort_collectives(); },
+      [&] { return st; }, probe_store_.get(), self_,
+      [this] { abort_collectives(); },
       [this] {
         // Before the heartbeat exists (early setup) there is no watch to wait for.
         return heartbeat_ ? heartbeat_->verdict() : Status::Unsupported("no heartbeat watch yet");
@@ -183,7 +184,8 @@ void RankCore::forget_noted_error() {
 }
 
 Status RankCore::connect() {
-  const int device = default_device(cfg_, self_.is_trainer(), self_.rank, services_.plane_settings);
+  const int device =
+      default_device(cfg_, self_.is_trainer(), self_.rank, services_.plane_settings);
   REFIT_ASSIGN_OR_RETURN(plane_, services_.make_plane(cfg_, device));
   const bool hosts_store = self_ == RankId::trainer(0);
   if (hosts_store) {
@@ -200,12 +202,12 @@ Status RankCore::connect() {
                   : "unauthenticated (loopback only; set REFIT_SECRET to authenticate)");
   }
   const int port = store_port();
-  REFIT_ASSIGN_OR_RETURN(store_,
-                         services_.connect_store(StoreClientOptions{.host = ep_.master_addr,
-                                                                    .port = port,
-                                                                    .connect_timeout = timeout(),
-                                                                    .request_timeout = timeout(),
-                                                                    .auth = nullptr}));
+  REFIT_ASSIGN_OR_RETURN(store_, services_.connect_store(StoreClientOptions{
+                                     .host = ep_.master_addr,
+                                     .port = port,
+                                     .connect_timeout = timeout(),
+                                     .request_timeout = timeout(),
+                                     .auth = nullptr}));
   REFIT_ASSIGN_OR_RETURN(
       LivenessConnections live,
       connect_liveness(services_.connect_store, ep_.master_addr, port, self_, timeout()));
@@ -219,13 +221,13 @@ Status RankCore::connect() {
         "run_id", services_.run_id.value_or(fmt::format("{}-{}", getpid(), time(nullptr)))));
   }
   REFIT_ASSIGN_OR_RETURN(run_id_, store_->get("run_id", timeout()));
-  REFIT_ASSIGN_OR_RETURN(mailbox_,
-                         services_.open_mailbox(*store_, MailboxOptions{.id = self_.mailbox(),
-                                                                        .host = ep_.host,
-                                                                        .timeout = timeout(),
-                                                                        .auth = nullptr,
-                                                                        .settings = {},
-                                                                        .lane_limits = {}}));
+  REFIT_ASSIGN_OR_RETURN(mailbox_, services_.open_mailbox(*store_, MailboxOptions{
+                                                            .id = self_.mailbox(),
+                                                            .host = ep_.host,
+                                                            .timeout = timeout(),
+                                                            .auth = nullptr,
+                                                            .settings = {},
+                                                            .lane_limits = {}}));
   mailbox_->set_liveness_check(alive(), std::chrono::milliseconds(500));
   probe().at_setup();
   return Status::Ok();
@@ -327,7 +329,8 @@ std::function<Status()> RankCore::alive() const {
 }
 
 Result<std::unique_ptr<Communicator>> RankCore::join_group(const std::string& name, int rank,
-                                                           int size, std::chrono::milliseconds wait,
+                                                           int size,
+                                                           std::chrono::milliseconds wait,
                                                            std::optional<std::vector<int>> peers) {
   return make_group(*store_,
                     GroupOptions{.name = name,
@@ -376,9 +379,9 @@ Result<Communicator*> RankCore::join_p2p(const std::vector<RankId>& byte_peers) 
                                         : p2p_rank_of_engine(cfg_, p.rank));
   std::sort(p2p_peers_.begin(), p2p_peers_.end());
   p2p_peers_.erase(std::unique(p2p_peers_.begin(), p2p_peers_.end()), p2p_peers_.end());
-  REFIT_ASSIGN_OR_RETURN(
-      auto p2p,
-      join_group("p2p", rank, cfg_.policy.world_size + cfg_.engine_ranks(), {}, p2p_peers_));
+  REFIT_ASSIGN_OR_RETURN(auto p2p, join_group("p2p", rank,
+                                              cfg_.policy.world_size + cfg_.engine_ranks(), {},
+                                              p2p_peers_));
   hold(Group::kP2p, std::move(p2p));
   return group(Group::kP2p);
 }
@@ -407,14 +410,14 @@ bool RankCore::behind() const {
 
 std::optional<FailureOrigin> RankCore::settle_in_flight(int step, const Status& failure) {
   if (!heartbeat_ || !probe_store_) return std::nullopt;
-  const std::optional<FailureOrigin> cause = in_flight_cause(
-      epochs_, *probe_store_, self_, failure, mailbox_->kept_epoch() > epochs_.current(),
-      [this] { return heartbeat_->verdict(); });
+  const std::optional<FailureOrigin> cause =
+      in_flight_cause(epochs_, *probe_store_, self_, failure,
+                      mailbox_->kept_epoch() > epochs_.current(),
+                      [this] { return heartbeat_->verdict(); });
   if (!cause) return std::nullopt;
-  log::warn(
-      "{}: refit step {} failed in flight with every rank alive ({}: {}); forming the "
-      "groups anew for refit epoch {}",
-      id(), step, cause->rank.name(), cause->error, epochs_.current() + 1);
+  log::warn("{}: refit step {} failed in flight with every rank alive ({}: {}); forming the "
+            "groups anew for refit epoch {}",
+            id(), step, cause->rank.name(), cause->error, epochs_.current() + 1);
   advance_epoch();
   return cause;
 }
@@ -431,15 +434,15 @@ Status RankCore::reform_groups(const std::function<Status(Communicator* p2p)>& r
   const auto wait = kReformWait * cfg_.refit.timeout();
   std::unique_ptr<Communicator> trainer, p2p;
   if (group(Group::kTrainer) != nullptr) {
-    REFIT_ASSIGN_OR_RETURN(trainer,
-                           join_group(named("trainer"), self_.rank, cfg_.policy.world_size, wait));
+    REFIT_ASSIGN_OR_RETURN(trainer, join_group(named("trainer"), self_.rank,
+                                               cfg_.policy.world_size, wait));
   }
   if (group(Group::kP2p) != nullptr) {
-    const int rank =
-        self_.is_trainer() ? p2p_rank_of_trainer(self_.rank) : p2p_rank_of_engine(cfg_, self_.rank);
-    REFIT_ASSIGN_OR_RETURN(
-        p2p, join_group(named("p2p"), rank, cfg_.policy.world_size + cfg_.engine_ranks(), wait,
-                        p2p_peers_));
+    const int rank = self_.is_trainer() ? p2p_rank_of_trainer(self_.rank)
+                                        : p2p_rank_of_engine(cfg_, self_.rank);
+    REFIT_ASSIGN_OR_RETURN(p2p, join_group(named("p2p"), rank,
+                                           cfg_.policy.world_size + cfg_.engine_ranks(), wait,
+                                           p2p_peers_));
   }
   REFIT_RETURN_IF_ERROR(recover(p2p.get()).with_context(id()));
   std::lock_guard<std::mutex> lock(groups_mu_);

@@ -204,7 +204,7 @@ class RankCore {
   const Endpoint ep_;
   RankServices services_;
   const ExecutorKind kind_;
-  std::unique_ptr<DataPlane> plane_;     // before every buffer and group made on it
+  std::unique_ptr<DataPlane> plane_;  // before every buffer and group made on it
   std::unique_ptr<StoreServer> server_;  // trainer rank 0
   std::unique_ptr<Store> store_;
   // Liveness checks and failure records: requests bounded by kBeatRequestTimeout.
@@ -217,9 +217,9 @@ class RankCore {
   RefitEpochs epochs_;
   mutable std::mutex groups_mu_;  // the groups: replaced here, aborted from the heartbeat's thread
   std::unique_ptr<Communicator> trainer_group_, p2p_group_;
-  std::vector<int> p2p_peers_;        // the p2p group ranks join_p2p connects to, for reform_groups
+  std::vector<int> p2p_peers_;  // the p2p group ranks join_p2p connects to, for reform_groups
   ExecutorBase* executor_ = nullptr;  // adopted: aborted with the groups
-  std::uint32_t groups_epoch_ = 0;    // the refit epoch the groups were formed for
+  std::uint32_t groups_epoch_ = 0;  // the refit epoch the groups were formed for
   // Last: destroyed first, so that its thread is gone before the collectives it may abort.
   std::unique_ptr<Heartbeat> heartbeat_;
 };

@@ -298,7 +298,7 @@ class TrainerImpl final : public Trainer {
   std::unique_ptr<RankModel> model_;
   Registry shards_;
   std::map<std::string, int> published_;  // every version a refit of this rank published -> step
-  std::unique_ptr<RouteSetup> routes_;    // the transfer plan (before the executor that uses it)
+  std::unique_ptr<RouteSetup> routes_;  // the transfer plan (before the executor that uses it)
   std::unique_ptr<TrainerExecutor> executor_;
   std::unique_ptr<TrainerRefitProtocol> protocol_;
   RefitStats stats_;

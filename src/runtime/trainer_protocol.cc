@@ -58,41 +58,41 @@ Status TrainerRefitProtocol::tell_trainers(MessageType type, const std::string& 
 }
 
 Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& settings,
-                                    std::int64_t total_parameters) {
+                               std::int64_t total_parameters) {
   const Config& cfg = core_.config();
   const std::string ours = executor_.plan_hash();
   REFIT_RETURN_IF_ERROR(
       inbox_
-          .collect(
-              kHello, targets_, core_.timeout(), "engine hellos", {},
-              [&](const Message& hello) -> Status {
-                // The versions first: a rank of another version is reported as such.
-                REFIT_RETURN_IF_ERROR(check_peer_versions(hello.payload, hello.from, core_.id()));
-                REFIT_ASSIGN_OR_RETURN(HelloMessage h, decode_hello(hello.payload, hello.from));
-                REFIT_RETURN_IF_ERROR(
-                    check_agreed_settings(settings, h.settings, hello.from, core_.id()));
-                if (h.total_parameters != total_parameters)
-                  return Status::InvalidArgument(fmt::format(
-                      "setup: {} serves a model of {} parameters, the trainer's has {}; "
-                      "both sides must load the same model",
-                      hello.from, h.total_parameters, total_parameters));
-                // vLLM agrees on its manifest at setup; SGLang engines place what the
-                // metadata says (per bucket with executor gather, per route from the trainer
-                // ranks with the transfer plan).
-                if (cfg.generation.backend == EngineProtocol::kVllm && h.plan_hash != ours)
-                  return Status::InvalidArgument(fmt::format(
-                      "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is "
-                      "{}; both sides must use the same model, layouts, "
-                      "refit.target_precision, refit.buffer_size_bytes and refit.executor",
-                      hello.from,
-                      executor_.answers_from().empty() ? "bucket plan" : "transfer plan",
-                      h.plan_hash, ours));
-                const auto at = std::find(targets_.begin(), targets_.end(), hello.from);
-                if (at != targets_.end())
-                  REFIT_RETURN_IF_ERROR(
-                      executor_.check_hello(static_cast<std::size_t>(at - targets_.begin()), h));
-                return Status::Ok();
-              })
+          .collect(kHello, targets_, core_.timeout(), "engine hellos", {},
+                   [&](const Message& hello) -> Status {
+                     // The versions first: a rank of another version is reported as such.
+                     REFIT_RETURN_IF_ERROR(
+                         check_peer_versions(hello.payload, hello.from, core_.id()));
+                     REFIT_ASSIGN_OR_RETURN(HelloMessage h, decode_hello(hello.payload, hello.from));
+                     REFIT_RETURN_IF_ERROR(
+                         check_agreed_settings(settings, h.settings, hello.from, core_.id()));
+                     if (h.total_parameters != total_parameters)
+                       return Status::InvalidArgument(fmt::format(
+                           "setup: {} serves a model of {} parameters, the trainer's has {}; "
+                           "both sides must load the same model",
+                           hello.from, h.total_parameters, total_parameters));
+                     // vLLM agrees on its manifest at setup; SGLang engines place what the
+                     // metadata says (per bucket with executor gather, per route from the trainer
+                     // ranks with the transfer plan).
+                     if (cfg.generation.backend == EngineProtocol::kVllm && h.plan_hash != ours)
+                       return Status::InvalidArgument(fmt::format(
+                           "setup: vllm manifest mismatch: {} derived {} {} but the trainer's is "
+                           "{}; both sides must use the same model, layouts, "
+                           "refit.target_precision, refit.buffer_size_bytes and refit.executor",
+                           hello.from, executor_.answers_from().empty() ? "bucket plan"
+                                                                        : "transfer plan",
+                           h.plan_hash, ours));
+                     const auto at = std::find(targets_.begin(), targets_.end(), hello.from);
+                     if (at != targets_.end())
+                       REFIT_RETURN_IF_ERROR(executor_.check_hello(
+                           static_cast<std::size_t>(at - targets_.begin()), h));
+                     return Status::Ok();
+                   })
           .status());
   executor_.targets_attached();
   for (std::size_t i = 0; i < targets_.size(); ++i)
@@ -130,8 +130,7 @@ Status TrainerRefitProtocol::run_fed(const BeginMessage& begin_in, const std::ve
   REFIT_RETURN_IF_ERROR(bytes_moved(begin_in));
   phase_ = Phase::kSent;
   std::optional<FailureOrigin> failure;
-  if (!targets_.empty())
-    REFIT_RETURN_IF_ERROR(commit(step, begin_in.raw, shards, apply_s, failure));
+  if (!targets_.empty()) REFIT_RETURN_IF_ERROR(commit(step, begin_in.raw, shards, apply_s, failure));
   phase_ = Phase::kCommitted;
   if (begin_in.verify) {
     REFIT_ASSIGN_OR_RETURN(const std::optional<FailureOrigin> verdict,
@@ -148,9 +147,9 @@ Status TrainerRefitProtocol::run_fed(const BeginMessage& begin_in, const std::ve
                                        encode(OutcomeMessage{.step = step, .failed = failure})));
     // Each engine acknowledges once it heard every feeder, so nothing this rank sends next can
     // reach an engine before another rank's outcome.
-    REFIT_ASSIGN_OR_RETURN(
-        const std::vector<Message> heard,
-        inbox_.collect(kOutcomeHeard, targets_, core_.timeout(), "outcome acknowledgements"));
+    REFIT_ASSIGN_OR_RETURN(const std::vector<Message> heard,
+                           inbox_.collect(kOutcomeHeard, targets_, core_.timeout(),
+                                          "outcome acknowledgements"));
     for (const Message& m : heard) {
       REFIT_ASSIGN_OR_RETURN(const OutcomeHeardMessage h, decode_outcome_heard(m.payload, m.from));
       pause_s_ = std::max(pause_s_, h.pause_s);
@@ -524,7 +523,7 @@ Status TrainerRefitProtocol::abort(int step, const FailureOrigin& refused) {
 // rank checksums what it sent each engine while the engines checksum what landed, and compares
 // their answer with its own.
 Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>& shards,
-                                    double& apply_s, std::optional<FailureOrigin>& failure) {
+                               double& apply_s, std::optional<FailureOrigin>& failure) {
   if (!raw) core_.probe().before_commit(step);
   REFIT_RETURN_IF_ERROR(
       send_to_each(core_.mailbox(), targets_, kCommit, encode(CommitMessage{.step = step})));
@@ -542,8 +541,7 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
                          inbox_.collect(kCommitted, targets_, core_.timeout(),
                                         "commit acknowledgements", {kVerified}));
   for (std::size_t i = 0; i < acks.size(); ++i) {
-    REFIT_ASSIGN_OR_RETURN(const CommittedMessage c,
-                           decode_committed(acks[i].payload, acks[i].from));
+    REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(acks[i].payload, acks[i].from));
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
     REFIT_ASSIGN_OR_RETURN(const auto by_feeder, decode_pair_checksums(c.checksums, acks[i].from));
@@ -601,9 +599,9 @@ Result<std::optional<FailureOrigin>> TrainerRefitProtocol::agree(
                                           mine ? "!" + encode_failure(*mine) : "ok"));
   std::optional<FailureOrigin> first;
   for (int r = 0; r < world; ++r) {
-    REFIT_ASSIGN_OR_RETURN(
-        std::string theirs,
-        get_while_alive(core_.store(), key + std::to_string(r), core_.timeout(), core_.alive()));
+    REFIT_ASSIGN_OR_RETURN(std::string theirs,
+                           get_while_alive(core_.store(), key + std::to_string(r), core_.timeout(),
+                                           core_.alive()));
     if (first || theirs.empty() || theirs.front() != '!') continue;
     REFIT_ASSIGN_OR_RETURN(first, decode_failure(theirs.substr(1), RankId::trainer(r).name()));
   }

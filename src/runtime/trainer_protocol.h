@@ -43,7 +43,8 @@ class TrainerRefitProtocol {
 
   // Setup: every target's hello, checked against this rank's own versions, `settings`, model size
   // and (vLLM) plan hash, then what the executor tells each target (SGLang route metadata).
-  Status attach(const std::map<std::string, std::string>& settings, std::int64_t total_parameters);
+  Status attach(const std::map<std::string, std::string>& settings,
+                std::int64_t total_parameters);
 
   // One refit of `begin.step` from `shards` (or, with begin.raw, the bench's bare pass). Ok with
   // `refit_failure` set when the refit failed but the session goes on: an engine rank refused it

@@ -253,9 +253,8 @@ class PeerContext final : public ::gloo::rendezvous::Context {
       std::memcpy(&n, entries.data() + at + 4, 4);
       at += 8;
       if (n < 0 || at + static_cast<std::size_t>(n) > entries.size()) break;
-      if (r == rank)
-        return {entries.begin() + static_cast<std::ptrdiff_t>(at),
-                entries.begin() + static_cast<std::ptrdiff_t>(at) + n};
+      if (r == rank) return {entries.begin() + static_cast<std::ptrdiff_t>(at),
+                             entries.begin() + static_cast<std::ptrdiff_t>(at) + n};
       at += static_cast<std::size_t>(n);
     }
     throw std::runtime_error(fmt::format(
@@ -271,9 +270,9 @@ class GlooCommunicator final : public Communicator {
       : options_(std::move(options)),
         device_(std::move(device)),
         context_(std::move(context)),
-        connected_(options_.peers
-                       ? std::unordered_set<int>(options_.peers->begin(), options_.peers->end())
-                       : std::unordered_set<int>{}) {}
+        connected_(options_.peers ? std::unordered_set<int>(options_.peers->begin(),
+                                                            options_.peers->end())
+                                  : std::unordered_set<int>{}) {}
 
   ~GlooCommunicator() override {
     // Context (and its pairs) before the device whose event loop serves them.
@@ -358,8 +357,8 @@ class GlooCommunicator final : public Communicator {
     std::size_t total = 0;
     for (const P2POp& o : ops) {
       if (o.peer < 0 || o.peer >= options_.size || o.peer == options_.rank)
-        return Status::InvalidArgument(
-            fmt::format("{}exchange ({}): peer {} is not another rank", prefix(), where(), o.peer));
+        return Status::InvalidArgument(fmt::format("{}exchange ({}): peer {} is not another rank",
+                                                   prefix(), where(), o.peer));
       if (options_.peers && !connected_.count(o.peer))
         return Status::InvalidArgument(fmt::format(
             "{}exchange ({}): rank {} is not among this rank's peers ({}); the group connects "
@@ -367,8 +366,7 @@ class GlooCommunicator final : public Communicator {
             prefix(), where(), o.peer, fmt::join(*options_.peers, ", ")));
       total += o.bytes;
     }
-    const std::string op =
-        fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
+    const std::string op = fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
     REFIT_RETURN_IF_ERROR(usable(op));
     return run(op, [&] {
       // Slots pair the k-th send of a rank to a peer with that peer's k-th receive from it.
