@@ -193,6 +193,35 @@ TEST(Store, WatchNamesTheCountersWhoseConnectionClosedWithoutLeaving) {
                                                  {"heartbeat/engine/1", true}}));
 }
 
+// A stretch in which the server heard no request at all (its own process stalled: every live rank
+// beats every 0.5 s) is not counted in a key's age beyond its first second; a key that stood still
+// while other connections went on talking is. Generous margins: a loaded machine only lengthens
+// the deaf stretch, which the first case leaves out, and the second needs a talker silent 2.5 s.
+TEST(Store, WatchLeavesOutTheStretchesInWhichTheServerHeardNothing) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto beats = connect(server->port());
+  auto talker = connect(server->port());
+  ASSERT_TRUE(beats && talker);
+  ASSERT_TRUE(beats->add("heartbeat/trainer/1", 1).ok());
+  std::this_thread::sleep_for(3s);  // nobody talks
+  auto deaf = beats->watch({}, "heartbeat/", 2500ms);
+  ASSERT_TRUE(deaf.ok()) << deaf.status().to_string();
+  EXPECT_TRUE(deaf->stale.empty()) << deaf->stale[0].key << " " << deaf->stale[0].age.count();
+
+  ASSERT_TRUE(beats->add("heartbeat/trainer/1", 1).ok());
+  const auto until = std::chrono::steady_clock::now() + 4s;
+  while (std::chrono::steady_clock::now() < until) {  // another connection talks all along
+    ASSERT_TRUE(talker->ping(5s).ok());
+    std::this_thread::sleep_for(100ms);
+  }
+  auto heard = beats->watch({}, "heartbeat/", 2500ms);
+  ASSERT_TRUE(heard.ok()) << heard.status().to_string();
+  ASSERT_EQ(heard->stale.size(), 1u);
+  EXPECT_EQ(heard->stale[0].key, "heartbeat/trainer/1");
+  EXPECT_GE(heard->stale[0].age.count(), 2500);
+}
+
 TEST(Store, GetBlocksUntilAnotherClientSets) {
   auto server = start_server();
   ASSERT_TRUE(server);

@@ -1,11 +1,22 @@
 // Page-aligned host memory owned by one object (RAII, move-only). Pages are faulted in at
-// allocation (MAP_POPULATE): buffers are registered at setup, and a refit must not pay for
+// allocation (populate_pages): buffers are registered at setup, and a refit must not pay for
 // first-touch page faults.
 #pragma once
 
 #include <cstddef>
 
 namespace refit {
+
+// Faults in every page of [data, data + bytes) of a mapping this process just made, writable,
+// without changing its contents, in chunks of kPopulateChunk. Not MAP_POPULATE: that holds the
+// process's memory-map lock for the whole range (seconds for gigabytes on a slow host), and every
+// other thread that maps, unmaps or grows its heap meanwhile waits, the heartbeat and the store
+// server among them; between chunks they get their turn. `shared`: the mapping is MAP_SHARED
+// (another process may already write it).
+inline constexpr std::size_t kPopulateChunk = std::size_t{16} << 20;
+void populate_pages(std::byte* data, std::size_t bytes, bool shared);
+// munmap of [data, data + bytes), in chunks of kPopulateChunk for the same reason.
+void unmap_pages(std::byte* data, std::size_t bytes);
 
 class HostBuffer {
  public:

@@ -229,6 +229,19 @@ class ZmqStoreServer final : public StoreServer {
                endpoint_, log::escape(key));
   }
 
+  // A request arrived at `now`: a deaf stretch before it (store_wire.h, kDeafGapMs) moves every
+  // key's last change forward by its length beyond kDeafGapMs, so that no age counts it.
+  void heard(Clock::time_point now) {
+    const auto gap = std::chrono::milliseconds(store_wire::kDeafGapMs);
+    if (last_heard_ != Clock::time_point{} && now - last_heard_ > gap) {
+      const auto deaf = now - last_heard_ - gap;
+      for (auto& [key, when] : changed_) when += deaf;
+      log::debug("store server {}: heard no request for {:.1f} s; heartbeat ages leave it out",
+                 endpoint_, std::chrono::duration<double>(now - last_heard_).count());
+    }
+    last_heard_ = now;
+  }
+
   void drain_requests() {
     for (;;) {
       std::vector<zmq::message_t> frames;
@@ -241,6 +254,7 @@ class ZmqStoreServer final : public StoreServer {
         return;
       }
       if (!frames.empty()) pending_.authenticated(zmq_msg_get(frames.back().handle(), ZMQ_SRCFD));
+      heard(Clock::now());
       handle(frames);
     }
   }
@@ -482,6 +496,7 @@ class ZmqStoreServer final : public StoreServer {
   std::unordered_map<std::string, std::string> data_;
   // When each key was last set or added to (kWatch: heartbeats that stood still).
   std::unordered_map<std::string, Clock::time_point> changed_;
+  Clock::time_point last_heard_{};  // when the last request arrived (heard())
   // The counter each connection last added to, by descriptor, and the counters whose connection
   // closed without leaving, since when (note_counter, note_closed).
   std::unordered_map<int, std::string> counter_of_fd_;

@@ -24,6 +24,11 @@
 //                                                    kClosedMark and the ms since the
 //                                                    connection that counted it closed without
 //                                                    leaving (reported whatever the silence)
+// A key's age in kWatch counts the server's time only while it hears requests: a stretch of more
+// than kDeafGap in which it received none at all, from any connection, is left out beyond its
+// first kDeafGap. Every live rank of a run beats every 0.5 s, so such a stretch is the server's
+// own (its process stalled: a fork, a long page-table operation, a stopped host; or it could not
+// read), and must not read as every rank's heartbeat standing still.
 // Integers are 8 bytes, little-endian (host order: the control plane runs on x86/arm64 hosts).
 #pragma once
 
@@ -34,6 +39,8 @@
 #include <vector>
 
 namespace refit::store_wire {
+
+inline constexpr std::int64_t kDeafGapMs = 1000;
 
 // In a kWatch reply, in front of the age of a key whose counting connection closed.
 inline constexpr char kClosedMark[] = "closed:";

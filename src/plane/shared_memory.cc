@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <random>
 
+#include "common/host_buffer.h"
+
 namespace refit {
 
 std::string unguessable_suffix() {
@@ -20,12 +22,13 @@ std::string unguessable_suffix() {
 }
 namespace {
 
-// MAP_POPULATE: every page is faulted in at setup, not during the first refit.
+// Every page is faulted in at setup, not during the first refit (populate_pages).
 Result<std::byte*> map_fd(int fd, const std::string& name, std::size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED)
     return Status::IOError(fmt::format("ipc: mmap of shared memory {} ({} bytes) failed: {}", name,
                                        bytes, std::strerror(errno)));
+  populate_pages(static_cast<std::byte*>(p), bytes, /*shared=*/true);
   return static_cast<std::byte*>(p);
 }
 
@@ -92,7 +95,7 @@ void SharedMemory::unlink() {
 }
 
 SharedMemory::~SharedMemory() {
-  if (data_ != nullptr) munmap(data_, size_);
+  if (data_ != nullptr) unmap_pages(data_, size_);
   if (owner_) shm_unlink(name_.c_str());
 }
 

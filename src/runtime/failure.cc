@@ -8,6 +8,7 @@
 #include <string_view>
 #include <thread>
 
+#include "common/log.h"
 #include "control/messages.h"
 #include "control/store.h"
 #include "refit/config.h"
@@ -103,13 +104,28 @@ Heartbeat::Heartbeat(std::unique_ptr<Store> store, const RankId& who) {
   Store& beats = *store;
   s_.reset(new State{std::move(store), beats, heartbeat_key(who), {}, {}, false, {}, {}, {}, {}});
   s_->thread = std::thread([s = s_.get()] {
+    using Clock = std::chrono::steady_clock;
     std::unique_lock<std::mutex> lock(s->mu);
+    Clock::time_point last_beat{};
+    double last_check = 0;  // seconds
     while (!s->stop) {
       std::function<Status()> check = s->check;
       lock.unlock();
+      const Clock::time_point beat = Clock::now();
       (void)s->store.add(s->key, 1);  // a store that is gone is the liveness check's to report
+      const Clock::time_point added = Clock::now();
+      // A beat this late is most of the way to kPeerSilence: say where the time went.
+      if (last_beat != Clock::time_point{} && beat - last_beat > kPeerSilence / 2)
+        log::warn("heartbeat '{}': {:.1f} s since the previous beat (the liveness check between "
+                  "took {:.2f} s, this add {:.2f} s); this process was starved or stopped, or "
+                  "the store answered late",
+                  s->key, std::chrono::duration<double>(beat - last_beat).count(), last_check,
+                  std::chrono::duration<double>(added - beat).count());
+      last_beat = beat;
+      last_check = 0;
       if (check) {
         const Status st = check();
+        last_check = std::chrono::duration<double>(Clock::now() - added).count();
         if (!st.ok()) {
           lock.lock();
           s->lost = st;
