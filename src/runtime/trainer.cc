@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string_view>
 
 #include "common/log.h"
 #include "common/timer.h"
@@ -223,13 +224,13 @@ class TrainerImpl final : public Trainer {
   // are combined over it. The transfer plan without FP8 runs no collective of the trainer ranks
   // and forms none: a group is a full mesh of the trainer ranks (N - 1 connections each) and, on
   // the CPU, an event loop in every rank that wakes every 10 ms.
-  Status join_trainer_group() {
+  // `purpose` says what it is for, in the debug log.
+  Status join_trainer_group(std::string_view purpose) {
     const int world = core_.config().policy.world_size;
     if (world == 1) return Status::Ok();
     REFIT_ASSIGN_OR_RETURN(auto group, core_.join_group("trainer", core_.self().rank, world));
     core_.hold(RankCore::Group::kTrainer, std::move(group));
-    log::debug("{}: formed the trainer group ({} ranks) for {}", core_.id(), world,
-               core_.executor_kind().transfer_plan ? "the FP8 scales" : "gather's buckets");
+    log::debug("{}: formed the trainer group ({} ranks) for {}", core_.id(), world, purpose);
     return Status::Ok();
   }
 
@@ -243,7 +244,7 @@ class TrainerImpl final : public Trainer {
       log::info("{}", plan_view_line(*routes_));
     else
       log::debug("{}: {}", core_.id(), plan_view_line(*routes_));
-    if (routes_->wire().fp8) REFIT_RETURN_IF_ERROR(join_trainer_group());
+    if (routes_->wire().fp8) REFIT_RETURN_IF_ERROR(join_trainer_group("the FP8 scales"));
     RouteSenderOptions o;
     o.config = &cfg;
     o.rank = rank;
@@ -264,7 +265,7 @@ class TrainerImpl final : public Trainer {
 
   // Gather: every bucket unsharded over the trainer group and delivered whole.
   Status setup_gather() {
-    REFIT_RETURN_IF_ERROR(join_trainer_group());
+    REFIT_RETURN_IF_ERROR(join_trainer_group("gather's buckets"));
     Communicator* unshard = core_.group(RankCore::Group::kTrainer);  // null with one rank
     REFIT_ASSIGN_OR_RETURN(
         executor_, GatherSender::create(GatherSenderOptions{.config = &core_.config(),

@@ -521,11 +521,14 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
     auto context = std::make_shared<PeerContext>(options.rank, options.size);
     context->setTimeout(options.timeout);
     ::gloo::rendezvous::PrefixStore prefixed("gloo/" + options.name, adapter);
-    std::vector<int> everyone;
-    for (int r = 0; r < options.size; ++r)
-      if (r != options.rank) everyone.push_back(r);
-    context->connect_peers(prefixed, device, options.peers ? *options.peers : everyone,
-                           options.liveness);
+    std::vector<int> peers;
+    if (options.peers) {
+      peers = *options.peers;
+    } else {  // a full mesh: every other member
+      for (int r = 0; r < options.size; ++r)
+        if (r != options.rank) peers.push_back(r);
+    }
+    context->connect_peers(prefixed, device, peers, options.liveness);
     if (options.peers)
       log::debug("gloo[{}] rank {} of {}: connected to its {} peer(s) only", options.name,
                  options.rank, options.size, options.peers->size());
