@@ -89,86 +89,101 @@ void RefitEpochs::advance() {
 
 struct Heartbeat::State {
   std::unique_ptr<Store> own;
-  Store& store;
+  Store& beats;
+  Store& checks;
   std::string key;
   std::mutex mu;
   std::condition_variable cv;
   bool stop = false;
-  std::thread thread;
+  std::thread beat_thread, check_thread;
   std::function<Status()> check;                // set by watch()
   std::function<void(const Status&)> on_lost;  // called once, when check fails
   Status lost;                                  // the failed check (guarded by mu)
-};
 
-Heartbeat::Heartbeat(std::unique_ptr<Store> store, const RankId& who) {
-  Store& beats = *store;
-  s_.reset(new State{std::move(store), beats, heartbeat_key(who), {}, {}, false, {}, {}, {}, {}});
-  s_->thread = std::thread([s = s_.get()] {
+  // Adds 1 to the key every kHeartbeatInterval, and nothing else: a check that waits on a slow
+  // store never holds up a beat.
+  void beat() {
     using Clock = std::chrono::steady_clock;
-    std::unique_lock<std::mutex> lock(s->mu);
-    Clock::time_point last_beat{};
-    double last_check = 0;  // seconds
-    while (!s->stop) {
-      std::function<Status()> check = s->check;
+    std::unique_lock<std::mutex> lock(mu);
+    Clock::time_point last{};
+    while (!stop) {
       lock.unlock();
-      const Clock::time_point beat = Clock::now();
-      (void)s->store.add(s->key, 1);  // a store that is gone is the liveness check's to report
-      const Clock::time_point added = Clock::now();
-      // A beat this late is most of the way to kPeerSilence: say where the time went.
-      if (last_beat != Clock::time_point{} && beat - last_beat > kPeerSilence / 2)
-        log::warn("heartbeat '{}': {:.1f} s since the previous beat (the liveness check between "
-                  "took {:.2f} s, this add {:.2f} s); this process was starved or stopped, or "
-                  "the store answered late",
-                  s->key, std::chrono::duration<double>(beat - last_beat).count(), last_check,
-                  std::chrono::duration<double>(added - beat).count());
-      last_beat = beat;
-      last_check = 0;
-      if (check) {
-        const Status st = check();
-        last_check = std::chrono::duration<double>(Clock::now() - added).count();
-        if (!st.ok()) {
-          lock.lock();
-          s->lost = st;
-          auto lost = std::move(s->on_lost);
-          s->check = nullptr;
-          s->on_lost = nullptr;
+      const Clock::time_point now = Clock::now();
+      (void)beats.add(key, 1);  // a store that is gone is the liveness check's to report
+      const double took = std::chrono::duration<double>(Clock::now() - now).count();
+      // A beat this late is most of the way to kPeerSilence: say so before a peer does.
+      if (last != Clock::time_point{} && now - last > kPeerSilence / 2)
+        log::warn("heartbeat '{}': {:.1f} s since the previous beat (this add took {:.2f} s); "
+                  "this process was starved or stopped, or the store answered late",
+                  key, std::chrono::duration<double>(now - last).count(), took);
+      last = now;
+      lock.lock();
+      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
+    }
+  }
+
+  // Runs the liveness check every kHeartbeatInterval once watch() set one, until it fails.
+  void run_checks() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!stop) {
+      if (std::function<Status()> now = check) {
+        lock.unlock();
+        const Status st = now();
+        lock.lock();
+        if (!st.ok() && check) {
+          lost = st;
+          auto tell = std::move(on_lost);
+          check = nullptr;
+          on_lost = nullptr;
           lock.unlock();
-          if (lost) lost(st);
+          if (tell) tell(st);
+          lock.lock();
         }
       }
-      lock.lock();
-      s->cv.wait_for(lock, kHeartbeatInterval, [s] { return s->stop; });
+      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
     }
-  });
+  }
+
+  void halt() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (beat_thread.joinable()) beat_thread.join();
+    if (check_thread.joinable()) check_thread.join();
+  }
+};
+
+Heartbeat::Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& who) {
+  Store& beats = *store;
+  s_.reset(new State{std::move(store), beats, checks != nullptr ? *checks : beats,
+                     heartbeat_key(who)});
+  s_->beat_thread = std::thread([s = s_.get()] { s->beat(); });
+  s_->check_thread = std::thread([s = s_.get()] { s->run_checks(); });
 }
 
-Heartbeat::~Heartbeat() {
-  {
-    std::lock_guard<std::mutex> lock(s_->mu);
-    s_->stop = true;
-  }
-  s_->cv.notify_all();
-  if (s_->thread.joinable()) s_->thread.join();
-}
+Heartbeat::~Heartbeat() { s_->halt(); }
 
 void Heartbeat::leave() {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     if (s_->stop) return;
-    s_->stop = true;
   }
-  s_->cv.notify_all();
-  if (s_->thread.joinable()) s_->thread.join();
-  (void)s_->store.set(s_->key, "left");
+  s_->halt();
+  (void)s_->beats.set(s_->key, "left");
 }
 
 void Heartbeat::watch(const RankId& who, std::vector<RankId> peers,
                       std::function<void(const Status&)> on_lost, RefitEpochs* epochs,
                       std::function<void(std::uint32_t)> on_refit_failed) {
-  std::lock_guard<std::mutex> lock(s_->mu);
-  s_->check =
-      liveness_check(s_->store, who, std::move(peers), epochs, std::move(on_refit_failed));
-  s_->on_lost = std::move(on_lost);
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->check =
+        liveness_check(s_->checks, who, std::move(peers), epochs, std::move(on_refit_failed));
+    s_->on_lost = std::move(on_lost);
+  }
+  s_->cv.notify_all();  // the first check now, not a beat interval later
 }
 
 Status Heartbeat::verdict() const {
@@ -187,7 +202,7 @@ Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
                              .auth = nullptr};
   REFIT_ASSIGN_OR_RETURN(c.probe, connect(o));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats, connect(o));
-  c.heartbeat = std::make_unique<Heartbeat>(std::move(beats), who);
+  c.heartbeat = std::make_unique<Heartbeat>(std::move(beats), c.probe.get(), who);
   return c;
 }
 

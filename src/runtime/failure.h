@@ -81,14 +81,16 @@ inline constexpr int kReformWait = 4;
 class Heartbeat {
  public:
   // Beats through `store`, a connection of its own whose requests time out within a couple of
-  // seconds, so that a stopped store host cannot hold up this process's exit.
-  Heartbeat(std::unique_ptr<Store> store, const RankId& who);
+  // seconds, so that a stopped store host cannot hold up this process's exit. The liveness
+  // check (watch()) runs on a thread of its own over `checks` (null: `store`), which must outlive
+  // this object: a check waiting on a slow store never delays a beat.
+  Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& who);
   ~Heartbeat();  // stops beating (without "left": call leave() for a clean exit)
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
   void leave();  // stops and marks this rank as gone on purpose
-  // From now on, after each beat, also runs liveness_check(who, peers) over the heartbeat's own
-  // connection, and on its first failure calls `on_lost` once (from the heartbeat's thread). The
+  // From now on runs liveness_check(who, peers) every beat interval (the first at once), over
+  // `checks`, and on its first failure calls `on_lost` once (from the checking thread). The
   // runtime aborts its collectives there, so that a rank blocked inside a Gloo or NCCL operation
   // with a peer that fell silent is woken instead of waiting out refit.timeout_s.
   // With `epochs`, each check also reads the current refit epoch's failure key, and calls
@@ -113,7 +115,7 @@ class Heartbeat {
 // once the store answers late, and a busy store is not a dead one.
 struct LivenessConnections {
   std::unique_ptr<Store> probe;
-  std::unique_ptr<Heartbeat> heartbeat;
+  std::unique_ptr<Heartbeat> heartbeat;  // checks over `probe`: keep it the longer
 };
 // Connects a store client (the run's keys are the connector's to add).
 using ConnectStoreFn = std::function<Result<std::unique_ptr<Store>>(const StoreClientOptions&)>;
