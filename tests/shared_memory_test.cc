@@ -2,8 +2,11 @@
 // names no other process can guess, and refused when the segment is smaller than asked.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <set>
@@ -56,6 +59,46 @@ TEST(SharedMemory, SegmentsOthersCanWriteAreRefused) {
                                          "created with mode 600"),
             std::string::npos)
       << open.status().to_string();
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// A /dev/shm too small for a segment (a container's default is 64 MB): create() fails naming the
+// segment, its size and /dev/shm, instead of a later write dying of SIGBUS. The child runs in a
+// mount namespace of its own with a 1 MiB tmpfs on /dev/shm (root only; skipped otherwise).
+TEST(SharedMemory, ASegmentTheFileSystemCannotHoldIsAnErrorNamingDevShm) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root for a mount namespace";
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string said = "skip: no mount namespace";
+    if (::unshare(CLONE_NEWNS) == 0 &&
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+        ::mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m") == 0) {
+      auto s = SharedMemory::create("/refit-test-" + unguessable_suffix(), std::size_t{8} << 20);
+      said = s.ok() ? "created" : s.status().to_string();
+    }
+    (void)!::write(fds[1], said.data(), said.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string said;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) said.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status) << ": " << said;
+  if (said.rfind("skip:", 0) == 0) GTEST_SKIP() << said;
+  EXPECT_NE(said.find("(8388608 bytes): cannot fault its pages in"), std::string::npos) << said;
+  EXPECT_NE(said.find("/dev/shm is full or too small"), std::string::npos) << said;
 }
 
 }  // namespace

@@ -12,9 +12,11 @@ namespace refit {
 // process's memory-map lock for the whole range (seconds for gigabytes on a slow host), and every
 // other thread that maps, unmaps or grows its heap meanwhile waits, the heartbeat and the store
 // server among them; between chunks they get their turn. `shared`: the mapping is MAP_SHARED
-// (another process may already write it).
+// (another process may already write it). Returns 0, or the errno of a page that cannot be had
+// (ENOMEM, or EFAULT when the file system behind a shared mapping is full): unlike MAP_POPULATE,
+// which ignores it until a later write dies of SIGBUS, the caller can say so.
 inline constexpr std::size_t kPopulateChunk = std::size_t{16} << 20;
-void populate_pages(std::byte* data, std::size_t bytes, bool shared);
+int populate_pages(std::byte* data, std::size_t bytes, bool shared);
 // munmap of [data, data + bytes), in chunks of kPopulateChunk for the same reason.
 void unmap_pages(std::byte* data, std::size_t bytes);
 

@@ -28,7 +28,15 @@ Result<std::byte*> map_fd(int fd, const std::string& name, std::size_t bytes) {
   if (p == MAP_FAILED)
     return Status::IOError(fmt::format("ipc: mmap of shared memory {} ({} bytes) failed: {}", name,
                                        bytes, std::strerror(errno)));
-  populate_pages(static_cast<std::byte*>(p), bytes, /*shared=*/true);
+  if (const int err = populate_pages(static_cast<std::byte*>(p), bytes, /*shared=*/true);
+      err != 0) {
+    unmap_pages(static_cast<std::byte*>(p), bytes);
+    return Status::IOError(fmt::format(
+        "ipc: shared memory {} ({} bytes): cannot fault its pages in: {}; the file system behind "
+        "/dev/shm is full or too small (`df -h /dev/shm`; a container's default is 64 MB: raise "
+        "it with docker run --shm-size)",
+        name, bytes, std::strerror(err)));
+  }
   return static_cast<std::byte*>(p);
 }
 
