@@ -97,6 +97,7 @@ struct Heartbeat::State {
   bool stop = false;
   std::thread beat_thread, check_thread;
   std::function<Status()> check;                // set by watch()
+  int watches = 0;                              // watch() calls so far: wakes run_checks()
   std::function<void(const Status&)> on_lost;  // called once, when check fails
   Status lost;                                  // the failed check (guarded by mu)
 
@@ -122,10 +123,12 @@ struct Heartbeat::State {
     }
   }
 
-  // Runs the liveness check every kHeartbeatInterval once watch() set one, until it fails.
+  // Runs the liveness check every kHeartbeatInterval once watch() set one, until it fails; a
+  // new watch() is checked at once.
   void run_checks() {
     std::unique_lock<std::mutex> lock(mu);
     while (!stop) {
+      const int seen = watches;
       if (std::function<Status()> now = check) {
         lock.unlock();
         const Status st = now();
@@ -140,7 +143,7 @@ struct Heartbeat::State {
           lock.lock();
         }
       }
-      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
+      cv.wait_for(lock, kHeartbeatInterval, [this, seen] { return stop || watches != seen; });
     }
   }
 
@@ -182,6 +185,7 @@ void Heartbeat::watch(const RankId& who, std::vector<RankId> peers,
     s_->check =
         liveness_check(s_->checks, who, std::move(peers), epochs, std::move(on_refit_failed));
     s_->on_lost = std::move(on_lost);
+    ++s_->watches;
   }
   s_->cv.notify_all();  // the first check now, not a beat interval later
 }
