@@ -165,6 +165,8 @@ Heartbeat::Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& 
 
 Heartbeat::~Heartbeat() { s_->halt(); }
 
+void Heartbeat::stop() { s_->halt(); }
+
 void Heartbeat::leave() {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
@@ -183,10 +185,7 @@ void Heartbeat::watch(const RankId& who, std::vector<RankId> peers,
         liveness_check(s_->checks, who, std::move(peers), epochs, std::move(on_refit_failed));
     s_->on_lost = std::move(on_lost);
   }
-  // The checking thread takes it up at its next round (within kHeartbeatInterval). Waking it
-  // at once was tried: it moves the engine's check into the moment a closing trainer rank 0 has
-  // closed its heartbeat connection but not yet its store, and the engine then names an exited
-  // rank instead of the lost control plane (the Python test of that wait).
+  // The checking thread takes it up at its next round (within kHeartbeatInterval).
 }
 
 Status Heartbeat::verdict() const {

@@ -89,7 +89,10 @@ class Heartbeat {
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
   void leave();  // stops and marks this rank as gone on purpose
-  // From now on runs liveness_check(who, peers) every beat interval (the first at once), over
+  // Stops beating and checking, and keeps its connection open until destroyed: a rank that
+  // closes stops its threads first, then takes down what they might touch.
+  void stop();
+  // From now on runs liveness_check(who, peers) every beat interval (the first within one), over
   // `checks`, and on its first failure calls `on_lost` once (from the checking thread). The
   // runtime aborts its collectives there, so that a rank blocked inside a Gloo or NCCL operation
   // with a peer that fell silent is woken instead of waiting out refit.timeout_s.

@@ -77,9 +77,16 @@ void linger_after_failure(const RankServices& services, const std::string& host,
 }  // namespace
 
 RankCore::~RankCore() {
-  heartbeat_.reset();  // its thread may abort the groups: gone before them
-  if (server_ && !latch_.status().ok())
-    linger_after_failure(services_, ep_.master_addr, server_->port(), cfg_, self_);
+  if (heartbeat_) heartbeat_->stop();  // its threads may abort the groups: stopped before them
+  if (server_) {
+    if (!latch_.status().ok())
+      linger_after_failure(services_, ep_.master_addr, server_->port(), cfg_, self_);
+    // The store goes before this rank's heartbeat connection closes. The other way round, a
+    // peer's check between the two would read an exited trainer rank 0 from a store that still
+    // answers; this way every peer reads the lost control plane.
+    server_.reset();
+  }
+  heartbeat_.reset();
 }
 
 namespace {
