@@ -553,17 +553,18 @@ TEST(Gloo, AbortWakesAPendingBarrier) {
       << pending.message();
 }
 
-// Forked ranks: rank `kDying` exits abruptly after the first barrier; the others' next collective
-// must fail within the timeout with a message naming the group, the operation and the rank.
-// The ranks are forked (no exec) from a process with no thread of its own: the store server runs
-// in a forked child too. A fork while another thread holds an allocator lock (the server's and
-// ZeroMQ's threads, under ASan's allocator) could leave a child deadlocked in malloc.
-TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
-  constexpr int kRanks = 3, kDying = 2;
+// Runs `body(rank, store port)` in `ranks` forked processes beside a store server in a forked
+// process of its own, and returns what each body returned: empty for a rank that exited without
+// returning, or that had not finished within `limit` (every process is killed then, so that a hang
+// fails the test, not the suite). The ranks are forked (no exec) from a process with no thread of
+// its own: a fork while another thread holds an allocator lock (the server's and ZeroMQ's threads,
+// under ASan's allocator) could leave a child deadlocked in malloc.
+std::vector<std::string> run_forked_ranks(int ranks, std::chrono::seconds limit,
+                                          const std::function<std::string(int, int)>& body) {
   int port_pipe[2];
-  ASSERT_EQ(pipe(port_pipe), 0);
+  if (pipe(port_pipe) != 0) return {};
   const pid_t server_pid = fork();
-  ASSERT_GE(server_pid, 0);
+  if (server_pid < 0) return {};
   if (server_pid == 0) {
     close(port_pipe[0]);
     auto server = StoreServer::start("127.0.0.1", 0, nullptr);
@@ -583,46 +584,31 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
   if (!got_port || port <= 0) {
     kill(server_pid, SIGKILL);
     waitpid(server_pid, nullptr, 0);
-    FAIL() << "the store server process did not start";
+    ADD_FAILURE() << "the store server process did not start";
+    return {};
   }
 
   std::vector<pid_t> pids;
   std::vector<int> pipes;  // read ends, one per rank
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < ranks; ++r) {
     int fds[2];
-    ASSERT_EQ(pipe(fds), 0);
+    if (pipe(fds) != 0) break;
     const pid_t pid = fork();
-    ASSERT_GE(pid, 0);
+    if (pid < 0) break;
     if (pid == 0) {
       close(fds[0]);
-      auto report = [&](const std::string& s) {
-        (void)!write(fds[1], s.data(), s.size());
-        _exit(0);
-      };
-      auto store = connect_store("127.0.0.1", port, 5s, nullptr);
-      if (!store.ok()) report("setup: " + store.status().to_string());
-      GlooOptions o = options("update");
-      o.rank = r;
-      o.size = kRanks;
-      o.timeout = 5s;
-      auto comm = make_gloo_communicator(**store, o);
-      if (!comm.ok()) report("setup: " + comm.status().to_string());
-      if (Status s = (*comm)->barrier(); !s.ok()) report("setup: " + s.to_string());
-      if (r == kDying) _exit(3);  // no destructors, no goodbye
-      std::vector<char> buf(1 << 20);
-      const auto t0 = Clock::now();
-      Status s = (*comm)->broadcast(buf.data(), buf.size(), kDying);
-      report(fmt::format("{:.3f}|{}", seconds_since(t0), s.to_string()));
+      const std::string report = body(r, port);
+      (void)!write(fds[1], report.data(), report.size());
+      _exit(0);
     }
     close(fds[1]);
     pids.push_back(pid);
     pipes.push_back(fds[0]);
   }
 
-  // Collect every report within 12 s; kill stragglers so a hang fails the test, not the suite.
-  std::vector<std::string> reports(kRanks);
-  const auto deadline = Clock::now() + 12s;
-  for (int r = 0; r < kRanks; ++r) {
+  std::vector<std::string> reports(static_cast<std::size_t>(ranks));
+  const auto deadline = Clock::now() + limit;
+  for (std::size_t r = 0; r < pipes.size(); ++r) {
     for (;;) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -640,7 +626,30 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
   }
+  return reports;
+}
 
+// Forked ranks: rank `kDying` exits abruptly after the first barrier; the others' next collective
+// must fail within the timeout with a message naming the group, the operation and the rank.
+TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
+  constexpr int kRanks = 3, kDying = 2;
+  const std::vector<std::string> reports = run_forked_ranks(kRanks, 12s, [](int r, int port) {
+    auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+    if (!store.ok()) return "setup: " + store.status().to_string();
+    GlooOptions o = options("update");
+    o.rank = r;
+    o.size = kRanks;
+    o.timeout = 5s;
+    auto comm = make_gloo_communicator(**store, o);
+    if (!comm.ok()) return "setup: " + comm.status().to_string();
+    if (Status s = (*comm)->barrier(); !s.ok()) return "setup: " + s.to_string();
+    if (r == kDying) _exit(3);  // no destructors, no goodbye
+    std::vector<char> buf(1 << 20);
+    const auto t0 = Clock::now();
+    Status s = (*comm)->broadcast(buf.data(), buf.size(), kDying);
+    return fmt::format("{:.3f}|{}", seconds_since(t0), s.to_string());
+  });
+  ASSERT_EQ(reports.size(), static_cast<std::size_t>(kRanks));
   EXPECT_TRUE(reports[kDying].empty()) << reports[kDying];
   for (int r = 0; r < kRanks; ++r) {
     if (r == kDying) continue;
@@ -656,6 +665,107 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
     EXPECT_TRUE(contains(
         status, fmt::format("gloo[update] broadcast (rank {} of {}, root {}", r, kRanks, kDying)));
   }
+}
+
+// A group that connects on first use, in separate processes (each its own Gloo device, so Gloo
+// orders each pair's two sides by the processes' addresses, as between hosts): forming it opens no
+// socket; 8 ranks, every pair among them, connect a third of their pairs with connect() (the peers
+// listed in an order of the rank's own) and exchange over them, then the rest inside an exchange
+// alone. Every byte arrives, no rank waits on another in a cycle, and each connected exactly its
+// seven pairs, in two batches.
+TEST(GlooProcesses, PairsConnectOnFirstUseInAnyOrder) {
+  constexpr int kRanks = 8;
+  const auto first = [](int a, int b) { return (a + b) % 3 == 0; };
+  const std::vector<std::string> reports = run_forked_ranks(kRanks, 60s, [&](int r, int port) {
+    auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+    if (!store.ok()) return "setup: " + store.status().to_string();
+    GlooOptions o = options("lazy");
+    o.rank = r;
+    o.size = kRanks;
+    o.timeout = 20s;
+    o.peers.emplace();
+    for (int p = 0; p < kRanks; ++p)
+      if (p != r) o.peers->push_back(p);
+    o.connect_on_first_use = true;
+    const int before = open_sockets();
+    auto comm = make_gloo_communicator(**store, o);
+    if (!comm.ok()) return "setup: " + comm.status().to_string();
+    if (open_sockets() != before)
+      return fmt::format("forming opened {} socket(s)", open_sockets() - before);
+    // Sends each peer of `batch` 64 KiB and checks what it sent back.
+    const auto swap = [&](const std::vector<int>& batch) -> std::string {
+      std::vector<std::vector<char>> mine, got;
+      std::vector<P2POp> ops;
+      for (int p : batch) {
+        mine.push_back(pattern(1 << 16, r * 16 + p));
+        got.emplace_back(1 << 16);
+      }
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        ops.push_back({.kind = P2POp::Kind::kSend, .peer = batch[i], .buf = mine[i].data(),
+                       .bytes = mine[i].size()});
+        ops.push_back({.kind = P2POp::Kind::kRecv, .peer = batch[i], .buf = got[i].data(),
+                       .bytes = got[i].size()});
+      }
+      if (Status s = (*comm)->exchange(ops); !s.ok()) return s.to_string();
+      for (std::size_t i = 0; i < batch.size(); ++i)
+        if (got[i] != pattern(1 << 16, batch[i] * 16 + r))
+          return fmt::format("wrong bytes from rank {}", batch[i]);
+      return "";
+    };
+    std::vector<int> one, two;
+    for (int k = 1; k < kRanks; ++k) {  // a rotation of the peers, different for every rank
+      const int p = (r + k * (r % 2 == 0 ? 1 : kRanks - 1) + kRanks) % kRanks;
+      (first(r, p) ? one : two).push_back(p);
+    }
+    if (Status s = (*comm)->connect(one); !s.ok()) return "connect: " + s.to_string();
+    if (std::string e = swap(one); !e.empty()) return "first batch: " + e;
+    if (std::string e = swap(two); !e.empty()) return "second batch: " + e;
+    if (Status s = (*comm)->connect(o.peers.value()); !s.ok()) return "again: " + s.to_string();
+    return fmt::format("ok {} {}", one.size(), two.size());
+  });
+  ASSERT_EQ(reports.size(), static_cast<std::size_t>(kRanks));
+  for (int r = 0; r < kRanks; ++r) {
+    int one = 0;
+    for (int p = 0; p < kRanks; ++p) one += p != r && first(r, p) ? 1 : 0;
+    EXPECT_EQ(reports[r], fmt::format("ok {} {}", one, kRanks - 1 - one))
+        << "rank " << r << (reports[r].empty() ? ": hung" : "");
+  }
+}
+
+// A pair whose peer never comes: the connect ends at abort() (within the 500 ms slices of its wait
+// for the peer's address), not at the group's timeout, and the group then fails every call at
+// once with that cause.
+TEST(GlooPeers, AConnectOnFirstUseEndsAtAbort) {
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  auto store = connect_store("127.0.0.1", (*server)->port(), 5s, nullptr);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  GlooOptions o = options("forsaken");
+  o.rank = 0;
+  o.size = 2;
+  o.timeout = 60s;
+  o.peers = std::vector<int>{1};
+  o.connect_on_first_use = true;
+  auto comm = make_gloo_communicator(**store, o);
+  ASSERT_TRUE(comm.ok()) << comm.status().to_string();
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(300ms);
+    (*comm)->abort();
+  });
+  const auto t0 = Clock::now();
+  const Status s = (*comm)->connect({1});
+  const double took = seconds_since(t0);
+  aborter.join();
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.to_string();
+  EXPECT_TRUE(contains(s.message(), "gloo[forsaken] connect (rank 0 of 2, 1 more pair(s))"))
+      << s.to_string();
+  EXPECT_LT(took, 5.0) << "the connect waited for its timeout, not for abort()";
+  std::vector<char> buf(8);
+  const Status later =
+      (*comm)->exchange({{.kind = P2POp::Kind::kSend, .peer = 1, .buf = buf.data(), .bytes = 8}});
+  EXPECT_EQ(later.code(), StatusCode::kAborted) << later.to_string();
+  const Status stranger = (*comm)->connect({0});
+  EXPECT_EQ(stranger.code(), StatusCode::kInvalidArgument) << stranger.to_string();
 }
 
 }  // namespace

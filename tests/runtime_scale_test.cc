@@ -158,6 +158,27 @@ TEST(RuntimeScale, TheTrainerGroupFormsOnlyForItsCollectives) {
   ::unsetenv("REFIT_LOG");
 }
 
+// The point-to-point group connects a pair on its first use. Where every pair moves by peer
+// access (executor auto, one host, exported parameters), no rank connects any (so none runs Gloo's
+// event loop); with executor p2p each of the 4 trainer and 2 engine ranks connects all its pairs in
+// one batch, at the first refit, and none again at the second. Every refit verifies.
+TEST(RuntimeScale, PairsConnectOnlyWhereTheyMoveBytesPointToPoint) {
+  struct Case {
+    std::string executor;
+    std::size_t batches;  // ranks that connect their pairs
+  };
+  ::setenv("REFIT_LOG", "debug", 1);
+  for (const Case& c : {Case{"auto", 0}, Case{"p2p", 6}}) {
+    const testing::RunConfig config{.world_size = 4, .executor = c.executor};
+    auto r = testing::run_config(config, {"--steps", "2", "--verify"});
+    SCOPED_TRACE(testing::config_yaml(config));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("verified bit-exact on every engine rank"), std::string::npos);
+    EXPECT_EQ(count_of(r.output, "more pair(s) on first use"), c.batches) << r.output;
+  }
+  ::unsetenv("REFIT_LOG");
+}
+
 // An engine rank killed in the middle of a large run: the launcher names it, and every other
 // rank ends naming it as the cause (no rank exits 0), within the silence bound plus teardown.
 TEST(RuntimeScale, KilledRankIsNamedByEveryRank) {

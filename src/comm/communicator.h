@@ -50,6 +50,11 @@ class Communicator {
   // the peers named take part. Between two ranks, the k-th send of one matches the k-th receive
   // of the other (over all exchanges), with equal sizes.
   virtual Status exchange(const std::vector<P2POp>& ops) = 0;
+  // Connects this rank's pairs with `peers` now, where the group connects its pairs on first use
+  // (GlooOptions::connect_on_first_use); no-op where they are connected already. Not collective:
+  // each peer connects its side of the pair in its own connect() or exchange(). A rank that
+  // exchanges with several peers calls this once with all of them before its first exchange.
+  virtual Status connect(const std::vector<int>& /*peers*/) { return Status::Ok(); }
   virtual void abort() = 0;
 };
 
@@ -70,6 +75,14 @@ struct GlooOptions {
   // exactly when that peer lists it. Collectives then fail, and so does an exchange with a member
   // not listed, naming it.
   std::optional<std::vector<int>> peers;
+  // With `peers`: the group connects a pair when it is first used (connect() or exchange()), not
+  // when it is formed. A group none of whose pairs is ever used opens no socket and runs no Gloo
+  // event loop (a thread that wakes every 10 ms). Each rank publishes, per pair, the address it
+  // listens on for that peer (key "gloo/<name>/pair/<rank>/<peer>"), all of them before it waits
+  // for any peer's: the side Gloo makes initiate a pair connects without waiting for its peer, and
+  // the side that waits always waits for a process higher in Gloo's order of addresses, so ranks
+  // connecting their pairs in any order cannot wait on each other in a cycle.
+  bool connect_on_first_use = false;
 };
 
 // Forms a Gloo group through `store` (keys under "gloo/<name>/"). Errors name the group and rank.

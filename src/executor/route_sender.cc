@@ -360,6 +360,13 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
   const Config& cfg = *o_.config;
   const PlanView& view = o_.setup->view;
   if (send_ops_.empty()) REFIT_RETURN_IF_ERROR(build_pack_runs(shards));
+  // The group connects a pair on its first use: every pair of this refit's at once, before the
+  // first exchange (Communicator::connect).
+  std::vector<int> peers;
+  for (std::size_t i = 0; i < targets_.size(); ++i)
+    if (modes_[i] == PairExecutor::kP2p) peers.push_back(p2p_rank_of_engine(cfg, o_.targets[i]));
+  REFIT_RETURN_IF_ERROR(
+      o_.p2p->connect(peers).with_context(fmt::format("trainer rank {}", o_.rank)));
   const auto timeout = cfg.refit.timeout();
   const auto nslots = static_cast<std::int64_t>(staging_.size());
   const std::int64_t base = sender_.completed();

@@ -16,6 +16,7 @@ Result<std::unique_ptr<Communicator>> make_group(Store& store, const GroupOption
       g.timeout = o.timeout;
       g.liveness = o.liveness;
       g.peers = o.peers;
+      g.connect_on_first_use = o.peers.has_value();
       return make_gloo_communicator(store, g);
     }
     case Device::kCuda: {

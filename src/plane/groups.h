@@ -23,7 +23,9 @@ struct GroupOptions {
   // NCCL: checked while a collective is waited for (Gloo notices a dead peer's closed sockets).
   std::function<Status()> liveness;
   // A group used only point to point: the members this rank exchanges bytes with (GlooOptions::
-  // peers; NCCL connects point-to-point pairs on first use anyway). nullopt: every member.
+  // peers; NCCL connects point-to-point pairs on first use anyway). On Gloo such a group connects
+  // each pair on its first use (GlooOptions::connect_on_first_use): a pair that always moves by
+  // peer access never opens a connection. nullopt: every member, connected when formed.
   std::optional<std::vector<int>> peers;
 };
 

@@ -199,47 +199,94 @@ class ConnectWatch {
   std::thread thread_;
 };
 
-// Connects a group's pairs: each rank publishes one key with its pairs' addresses, one per peer,
-// and reads the keys of its peers. A group used only point to point connects the pairs that
-// exchange bytes; any other connects every pair (N - 1 connections and keys per rank, as Gloo's
-// connectFullMesh). Unlike connectFullMesh, the connect ends within 100 ms of `alive` failing.
+// Connects a group's pairs. Every rank first creates its pairs and publishes their addresses,
+// then connects each pair to the address its peer made for it; unlike connectFullMesh, the connect
+// ends within 100 ms of `alive` failing. A group formed connected publishes one key per rank with
+// all its pairs' addresses: a group used only point to point connects the pairs that exchange
+// bytes, any other every pair (N - 1 connections and keys per rank, as Gloo's connectFullMesh). A
+// group that connects on first use publishes one key per pair, as its pairs come.
 class PeerContext final : public ::gloo::rendezvous::Context {
  public:
   using ::gloo::rendezvous::Context::Context;
 
+  // Every pair of `peers` at once, through one key per rank.
   void connect_peers(::gloo::rendezvous::Store& store,
                      std::shared_ptr<::gloo::transport::Device>& device,
                      const std::vector<int>& peers, const std::function<Status()>& alive) {
-    auto transport = device->createContext(rank, size);
-    transport->setTimeout(getTimeout());
+    const std::vector<::gloo::transport::Pair*> pairs = create_pairs(device, peers);
     std::vector<char> mine;
-    std::vector<::gloo::transport::Pair*> pairs;
-    for (int peer : peers) {
-      pairs.push_back(transport->createPair(peer).get());
-      const std::vector<char> raw = pairs.back()->address().bytes();
-      std::string address(raw.begin(), raw.end());
-      gloo_backend::scrub_tcp_addresses(address);
-      append(mine, peer);
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      const std::string address = address_of(*pairs[i]);
+      append(mine, peers[i]);
       append(mine, static_cast<std::int32_t>(address.size()));
       mine.insert(mine.end(), address.begin(), address.end());
     }
     store.set(key(rank), mine);
-    {
-      const ConnectWatch watch(alive, pairs);
-      for (std::size_t i = 0; i < peers.size(); ++i) {
-        store.wait({key(peers[i])}, getTimeout());
-        const std::vector<char> theirs = store.get(key(peers[i]));
-        watch.check();
-        pairs[i]->connect(address_for(theirs, peers[i]));
-        watch.check();
-      }
-    }
+    connect_pairs(pairs, peers, alive, [&](int peer) {
+      store.wait({key(peer)}, getTimeout());
+      return address_for(store.get(key(peer)), peer);
+    });
     device_ = device;
-    transportContext_ = std::move(transport);
+  }
+
+  // Pairs with `peers`, none of which this context has yet, through one key per pair. `created`
+  // runs under no lock once the pairs exist, before anything waits (the caller's abort() closes
+  // them from then on).
+  void connect_more(::gloo::rendezvous::Store& store,
+                    std::shared_ptr<::gloo::transport::Device>& device,
+                    const std::vector<int>& peers, const std::function<Status()>& alive,
+                    const std::function<void(const std::vector<::gloo::transport::Pair*>&)>&
+                        created) {
+    const std::vector<::gloo::transport::Pair*> pairs = create_pairs(device, peers);
+    created(pairs);
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      const std::string address = address_of(*pairs[i]);
+      store.set(pair_key(rank, peers[i]), std::vector<char>(address.begin(), address.end()));
+    }
+    connect_pairs(pairs, peers, alive, [&](int peer) {
+      store.wait({pair_key(peer, rank)}, getTimeout());
+      return store.get(pair_key(peer, rank));
+    });
+    device_ = device;
   }
 
  private:
+  std::vector<::gloo::transport::Pair*> create_pairs(
+      std::shared_ptr<::gloo::transport::Device>& device, const std::vector<int>& peers) {
+    if (!transportContext_) {
+      transportContext_ = device->createContext(rank, size);
+      transportContext_->setTimeout(getTimeout());
+    }
+    std::vector<::gloo::transport::Pair*> pairs;
+    for (int peer : peers) pairs.push_back(transportContext_->createPair(peer).get());
+    return pairs;
+  }
+
+  static std::string address_of(::gloo::transport::Pair& pair) {
+    const std::vector<char> raw = pair.address().bytes();
+    std::string address(raw.begin(), raw.end());
+    gloo_backend::scrub_tcp_addresses(address);
+    return address;
+  }
+
+  // Connects pairs[i] to theirs(peers[i]), in order, while a ConnectWatch closes them all once
+  // `alive` fails.
+  static void connect_pairs(const std::vector<::gloo::transport::Pair*>& pairs,
+                            const std::vector<int>& peers, const std::function<Status()>& alive,
+                            const std::function<std::vector<char>(int)>& theirs) {
+    const ConnectWatch watch(alive, pairs);
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      const std::vector<char> address = theirs(peers[i]);
+      watch.check();
+      pairs[i]->connect(address);
+      watch.check();
+    }
+  }
+
   static std::string key(int r) { return "peers/" + std::to_string(r); }
+  static std::string pair_key(int from, int to) {
+    return fmt::format("pair/{}/{}", from, to);
+  }
   static void append(std::vector<char>& out, std::int32_t v) {
     const char* b = reinterpret_cast<const char*>(&v);
     out.insert(out.end(), b, b + sizeof v);
@@ -263,16 +310,38 @@ class PeerContext final : public ::gloo::rendezvous::Context {
   }
 };
 
+// What a failed connect means: the liveness check's failure, the store's first error, or Gloo's
+// exception (a timeout or an I/O error), each naming `op`.
+Status connect_failure(const std::string& op, const std::string& host,
+                       const gloo_backend::GlooStoreAdapter& adapter) {
+  try {
+    throw;
+  } catch (const ConnectAborted& e) {
+    return e.status.with_context(fmt::format("{} to its peers", op));
+  } catch (const std::exception& e) {
+    const Status store_error = adapter.last_error();
+    if (!store_error.ok()) return store_error.with_context(fmt::format("{} via the store", op));
+    return Status(looks_like_timeout(e.what()) ? StatusCode::kTimeout : StatusCode::kIOError,
+                  fmt::format("{} on {}: {}", op, host, e.what()));
+  } catch (...) {
+    return Status::Internal(op + ": unknown exception");
+  }
+}
+
 class GlooCommunicator final : public Communicator {
  public:
+  // `device` null: a group that connects on first use, through `store` (which must outlive it).
   GlooCommunicator(GlooOptions options, std::shared_ptr<::gloo::transport::Device> device,
-                   std::shared_ptr<::gloo::rendezvous::Context> context)
+                   std::shared_ptr<PeerContext> context, Store* store)
       : options_(std::move(options)),
         device_(std::move(device)),
         context_(std::move(context)),
-        connected_(options_.peers ? std::unordered_set<int>(options_.peers->begin(),
-                                                            options_.peers->end())
-                                  : std::unordered_set<int>{}) {}
+        store_(store),
+        allowed_(options_.peers ? std::unordered_set<int>(options_.peers->begin(),
+                                                          options_.peers->end())
+                                : std::unordered_set<int>{}) {
+    if (!options_.connect_on_first_use) linked_ = allowed_;
+  }
 
   ~GlooCommunicator() override {
     // Context (and its pairs) before the device whose event loop serves them.
@@ -356,18 +425,17 @@ class GlooCommunicator final : public Communicator {
   Status exchange(const std::vector<P2POp>& ops) override {
     std::size_t total = 0;
     for (const P2POp& o : ops) {
-      if (o.peer < 0 || o.peer >= options_.size || o.peer == options_.rank)
-        return Status::InvalidArgument(fmt::format("{}exchange ({}): peer {} is not another rank",
-                                                   prefix(), where(), o.peer));
-      if (options_.peers && !connected_.count(o.peer))
-        return Status::InvalidArgument(fmt::format(
-            "{}exchange ({}): rank {} is not among this rank's peers ({}); the group connects "
-            "only the pairs that exchange bytes",
-            prefix(), where(), o.peer, fmt::join(*options_.peers, ", ")));
+      REFIT_RETURN_IF_ERROR(among_peers("exchange", o.peer));
       total += o.bytes;
     }
     const std::string op = fmt::format("exchange ({}, {} ops, {} bytes)", where(), ops.size(), total);
     REFIT_RETURN_IF_ERROR(usable(op));
+    if (options_.connect_on_first_use) {
+      std::vector<int> peers;
+      for (const P2POp& o : ops)
+        if (!linked_.count(o.peer)) peers.push_back(o.peer);
+      REFIT_RETURN_IF_ERROR(connect(peers));
+    }
     return run(op, [&] {
       // Slots pair the k-th send of a rank to a peer with that peer's k-th receive from it.
       std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> bufs;
@@ -394,18 +462,79 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
+  Status connect(const std::vector<int>& peers) override {
+    for (int peer : peers) REFIT_RETURN_IF_ERROR(among_peers("connect", peer));
+    if (!options_.connect_on_first_use) return Status::Ok();  // connected when formed
+    std::vector<int> fresh;
+    for (int peer : peers)
+      if (!linked_.count(peer)) fresh.push_back(peer);
+    std::sort(fresh.begin(), fresh.end());
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    if (fresh.empty()) return Status::Ok();
+    const std::string op = fmt::format("gloo[{}] connect (rank {} of {}, {} more pair(s))",
+                                       options_.name, options_.rank, options_.size, fresh.size());
+    REFIT_RETURN_IF_ERROR(usable(op));
+    // Its waits for the peers' addresses end within 500 ms of abort() or of the liveness check
+    // failing, its pair connects within 100 ms (ConnectWatch).
+    const std::function<Status()> alive = [this] {
+      if (abort_.aborted.load()) return Status::Aborted("the communicator was aborted");
+      return options_.liveness ? options_.liveness() : Status::Ok();
+    };
+    gloo_backend::GlooStoreAdapter adapter(*store_, options_.timeout, alive);
+    Status status;
+    try {
+      if (!device_) {
+        ::gloo::transport::tcp::attr attr;
+        attr.hostname = options_.hostname;
+        device_ = shared_device(attr);
+      }
+      ::gloo::rendezvous::PrefixStore prefixed("gloo/" + options_.name, adapter);
+      context_->connect_more(prefixed, device_, fresh, alive,
+                             [this](const std::vector<::gloo::transport::Pair*>& pairs) {
+                               std::lock_guard<std::mutex> lock(abort_.mu);
+                               created_.insert(created_.end(), pairs.begin(), pairs.end());
+                               if (abort_.aborted.load())  // abort() ran before they existed
+                                 for (::gloo::transport::Pair* pair : pairs) pair->close();
+                             });
+    } catch (...) {
+      status = connect_failure(op, options_.hostname, adapter);
+    }
+    if (!status.ok()) {
+      if (abort_.aborted.load()) status = Status::Aborted(status.message());
+      if (broken_.ok()) broken_ = status;
+      return status;
+    }
+    linked_.insert(fresh.begin(), fresh.end());
+    log::debug("gloo[{}] rank {} of {}: connected {} more pair(s) on first use, {} of its {} "
+               "peer(s) now",
+               options_.name, options_.rank, options_.size, fresh.size(), linked_.size(),
+               allowed_.size());
+    return Status::Ok();
+  }
+
   void abort() override {
     if (abort_.aborted.exchange(true)) return;
-    for (int peer = 0; peer < options_.size; ++peer) {
-      if (peer == options_.rank) continue;
-      try {
-        auto& pair = context_->getPair(peer);
-        if (pair) pair->close();
-      } catch (const std::exception&) {
-        // Best effort: a pair that cannot be closed is left to the timeout.
+    if (!options_.connect_on_first_use) {
+      for (int peer = 0; peer < options_.size; ++peer) {
+        if (peer == options_.rank) continue;
+        try {
+          auto& pair = context_->getPair(peer);
+          if (pair) pair->close();
+        } catch (const std::exception&) {
+          // Best effort: a pair that cannot be closed is left to the timeout.
+        }
       }
     }
     std::lock_guard<std::mutex> lock(abort_.mu);
+    // A group that connects on first use closes the pairs it made so far (connect() closes
+    // those it makes after this).
+    for (::gloo::transport::Pair* pair : created_) {
+      try {
+        pair->close();
+      } catch (const std::exception&) {
+        // Best effort, as above.
+      }
+    }
     for (auto* buffer : abort_.active) {
       buffer->abortWaitRecv();
       buffer->abortWaitSend();
@@ -415,6 +544,19 @@ class GlooCommunicator final : public Communicator {
  private:
   std::string prefix() const { return fmt::format("gloo[{}] ", options_.name); }
   std::string where() const { return fmt::format("rank {} of {}", options_.rank, options_.size); }
+
+  // `peer` is a member this rank may exchange with: any other member, or one of its peers.
+  Status among_peers(const char* what, int peer) const {
+    if (peer < 0 || peer >= options_.size || peer == options_.rank)
+      return Status::InvalidArgument(fmt::format("{}{} ({}): peer {} is not another rank",
+                                                 prefix(), what, where(), peer));
+    if (options_.peers && !allowed_.count(peer))
+      return Status::InvalidArgument(fmt::format(
+          "{}{} ({}): rank {} is not among this rank's peers ({}); the group connects only the "
+          "pairs that exchange bytes",
+          prefix(), what, where(), peer, fmt::join(*options_.peers, ", ")));
+    return Status::Ok();
+  }
 
   // Collectives need every pair.
   Status whole_mesh(const std::string& op) const {
@@ -477,16 +619,19 @@ class GlooCommunicator final : public Communicator {
   }
 
   const GlooOptions options_;
-  std::shared_ptr<::gloo::transport::Device> device_;
-  std::shared_ptr<::gloo::rendezvous::Context> context_;
+  std::shared_ptr<::gloo::transport::Device> device_;  // null until a pair connects on first use
+  std::shared_ptr<PeerContext> context_;
+  Store* const store_;  // connect_on_first_use
   AbortState abort_;
+  std::vector<::gloo::transport::Pair*> created_;  // connect_on_first_use; under abort_.mu
   Status broken_;  // the first failure; the context is unusable after it
   std::uint32_t tag_ = 0;
   // Point-to-point sequence numbers per peer; the slot prefix keeps them apart from the slots
   // Gloo's collectives derive from tags.
   static constexpr std::uint64_t kP2PSlotPrefix = std::uint64_t{0x7e} << 56;
   std::unordered_map<int, std::uint64_t> sent_, received_;
-  const std::unordered_set<int> connected_;  // options_.peers
+  const std::unordered_set<int> allowed_;  // options_.peers
+  std::unordered_set<int> linked_;         // the peers whose pairs are connected
 };
 
 }  // namespace
@@ -511,7 +656,15 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
         return Status::InvalidArgument(fmt::format(
             "{}: peer {} is not another member of the group, or is listed twice", op, p));
   }
+  if (options.connect_on_first_use && !options.peers)
+    return Status::InvalidArgument(op + ": connect_on_first_use needs the list of peers");
   ignore_sigpipe_once();
+  if (options.connect_on_first_use) {
+    auto context = std::make_shared<PeerContext>(options.rank, options.size);
+    context->setTimeout(options.timeout);
+    return std::unique_ptr<Communicator>(
+        std::make_unique<GlooCommunicator>(options, nullptr, std::move(context), &store));
+  }
 
   gloo_backend::GlooStoreAdapter adapter(store, options.timeout, options.liveness);
   try {
@@ -532,19 +685,10 @@ Result<std::unique_ptr<Communicator>> make_gloo_communicator(Store& store,
     if (options.peers)
       log::debug("gloo[{}] rank {} of {}: connected to its {} peer(s) only", options.name,
                  options.rank, options.size, options.peers->size());
-    return std::unique_ptr<Communicator>(
-        std::make_unique<GlooCommunicator>(options, std::move(device), std::move(context)));
-  } catch (const ConnectAborted& e) {
-    return e.status.with_context(fmt::format("{} to its peers", op));
-  } catch (const std::exception& e) {
-    const Status store_error = adapter.last_error();
-    if (!store_error.ok()) {
-      return store_error.with_context(fmt::format("{} via the store", op));
-    }
-    return Status(looks_like_timeout(e.what()) ? StatusCode::kTimeout : StatusCode::kIOError,
-                  fmt::format("{} on {}: {}", op, options.hostname, e.what()));
+    return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
+        options, std::move(device), std::move(context), nullptr));
   } catch (...) {
-    return Status::Internal(op + ": unknown exception");
+    return connect_failure(op, options.hostname, adapter);
   }
 }
 
