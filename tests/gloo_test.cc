@@ -81,6 +81,20 @@ GlooOptions options(const std::string& name) {
   return o;
 }
 
+// Rank `rank` of `size`, its own store connection to `port` (a forked rank's).
+struct ForkedRank {
+  Result<std::unique_ptr<Store>> store;
+  GlooOptions options;
+};
+ForkedRank forked_rank(const std::string& name, int rank, int size, int port,
+                       std::chrono::milliseconds timeout) {
+  ForkedRank f{connect_store("127.0.0.1", port, 5s, nullptr), options(name)};
+  f.options.rank = rank;
+  f.options.size = size;
+  f.options.timeout = timeout;
+  return f;
+}
+
 // Sockets this process holds now.
 int open_sockets() {
   int n = 0;
@@ -634,12 +648,8 @@ std::vector<std::string> run_forked_ranks(int ranks, std::chrono::seconds limit,
 TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
   constexpr int kRanks = 3, kDying = 2;
   const std::vector<std::string> reports = run_forked_ranks(kRanks, 12s, [](int r, int port) {
-    auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+    auto [store, o] = forked_rank("update", r, kRanks, port, 5s);
     if (!store.ok()) return "setup: " + store.status().to_string();
-    GlooOptions o = options("update");
-    o.rank = r;
-    o.size = kRanks;
-    o.timeout = 5s;
     auto comm = make_gloo_communicator(**store, o);
     if (!comm.ok()) return "setup: " + comm.status().to_string();
     if (Status s = (*comm)->barrier(); !s.ok()) return "setup: " + s.to_string();
@@ -677,12 +687,8 @@ TEST(GlooProcesses, PairsConnectOnFirstUseInAnyOrder) {
   constexpr int kRanks = 8;
   const auto first = [](int a, int b) { return (a + b) % 3 == 0; };
   const std::vector<std::string> reports = run_forked_ranks(kRanks, 60s, [&](int r, int port) {
-    auto store = connect_store("127.0.0.1", port, 5s, nullptr);
+    auto [store, o] = forked_rank("lazy", r, kRanks, port, 20s);
     if (!store.ok()) return "setup: " + store.status().to_string();
-    GlooOptions o = options("lazy");
-    o.rank = r;
-    o.size = kRanks;
-    o.timeout = 20s;
     o.peers.emplace();
     for (int p = 0; p < kRanks; ++p)
       if (p != r) o.peers->push_back(p);
