@@ -677,13 +677,13 @@ TEST(GlooProcesses, DeadRankMakesOthersFailWithinTheTimeout) {
   }
 }
 
-// A group that connects on first use, in separate processes (each its own Gloo device, so Gloo
-// orders each pair's two sides by the processes' addresses, as between hosts): forming it opens no
-// socket; 8 ranks, every pair among them, connect a third of their pairs with connect() (the peers
-// listed in an order of the rank's own) and exchange over them, then the rest inside an exchange
-// alone. Every byte arrives, no rank waits on another in a cycle, and each connected exactly its
-// seven pairs, in two batches.
-TEST(GlooProcesses, PairsConnectOnFirstUseInAnyOrder) {
+// A group that connects on first use, in separate processes (each its own Gloo device and
+// addresses, as between hosts): forming it opens no socket; 8 ranks, every pair among them,
+// connect a third of their pairs with one connect() each (the peers listed in an order of the
+// rank's own) and exchange over them, then the rest inside an exchange alone; both sides of a pair
+// put it in the same batch. Every byte of every pair arrives, so no rank waited on another in a
+// cycle, and a third connect() of pairs already connected does nothing.
+TEST(GlooProcesses, PairsConnectOnFirstUseInBatchesBothSidesAgreeOn) {
   constexpr int kRanks = 8;
   const auto first = [](int a, int b) { return (a + b) % 3 == 0; };
   const std::vector<std::string> reports = run_forked_ranks(kRanks, 60s, [&](int r, int port) {
@@ -763,7 +763,8 @@ TEST(GlooPeers, AConnectOnFirstUseEndsAtAbort) {
   const double took = seconds_since(t0);
   aborter.join();
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s.to_string();
-  EXPECT_TRUE(contains(s.message(), "gloo[forsaken] connect (rank 0 of 2, 1 more pair(s))"))
+  EXPECT_TRUE(
+      contains(s.message(), "gloo[forsaken] connect (rank 0 of 2, 1 more pair(s): with rank(s) 1)"))
       << s.to_string();
   EXPECT_LT(took, 5.0) << "the connect waited for its timeout, not for abort()";
   std::vector<char> buf(8);
@@ -772,6 +773,16 @@ TEST(GlooPeers, AConnectOnFirstUseEndsAtAbort) {
   EXPECT_EQ(later.code(), StatusCode::kAborted) << later.to_string();
   const Status stranger = (*comm)->connect({0});
   EXPECT_EQ(stranger.code(), StatusCode::kInvalidArgument) << stranger.to_string();
+
+  // Aborted before anything connected: a connect fails at once.
+  o.name = "forsaken-early";
+  auto early = make_gloo_communicator(**store, o);
+  ASSERT_TRUE(early.ok()) << early.status().to_string();
+  (*early)->abort();
+  const auto t1 = Clock::now();
+  const Status none = (*early)->connect({1});
+  EXPECT_EQ(none.code(), StatusCode::kAborted) << none.to_string();
+  EXPECT_LT(seconds_since(t1), 1.0);
 }
 
 }  // namespace

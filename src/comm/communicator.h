@@ -52,8 +52,10 @@ class Communicator {
   virtual Status exchange(const std::vector<P2POp>& ops) = 0;
   // Connects this rank's pairs with `peers` now, where the group connects its pairs on first use
   // (GlooOptions::connect_on_first_use); no-op where they are connected already. Not collective:
-  // each peer connects its side of the pair in its own connect() or exchange(). A rank that
-  // exchanges with several peers calls this once with all of them before its first exchange.
+  // each peer connects its side of the pair in its own connect() or exchange(). Both sides of a
+  // pair must connect it in corresponding calls (GlooOptions::connect_on_first_use says why): a
+  // rank that exchanges with several peers calls this once with all of them before its first
+  // exchange, and its peers do the same.
   virtual Status connect(const std::vector<int>& /*peers*/) { return Status::Ok(); }
   virtual void abort() = 0;
 };
@@ -77,11 +79,15 @@ struct GlooOptions {
   std::optional<std::vector<int>> peers;
   // With `peers`: the group connects a pair when it is first used (connect() or exchange()), not
   // when it is formed. A group none of whose pairs is ever used opens no socket and runs no Gloo
-  // event loop (a thread that wakes every 10 ms). Each rank publishes, per pair, the address it
-  // listens on for that peer (key "gloo/<name>/pair/<rank>/<peer>"), all of them before it waits
-  // for any peer's: the side Gloo makes initiate a pair connects without waiting for its peer, and
-  // the side that waits always waits for a process higher in Gloo's order of addresses, so ranks
-  // connecting their pairs in any order cannot wait on each other in a cycle.
+  // event loop (a thread that wakes every 10 ms). Each call publishes, per new pair, the address
+  // it listens on for that peer (key "gloo/<name>/pair/<rank>/<peer>"), all of them before it
+  // waits for any peer's, then connects them in ascending peer order. Gloo makes one side of a
+  // pair initiate (it connects without waiting for its peer) and the other wait for it. Rank a
+  // waits for peer b only while b is stuck on a pair with a peer below a, so, provided both
+  // sides of every pair connect it in corresponding calls (the k-th call of each that names the
+  // other; the executors connect all of a refit's new pairs in one call per rank), no ranks can
+  // wait on each other in a cycle. Pairs split over calls that do not correspond can: rank r
+  // connecting r+1 first and r+2 second, of three ranks, waits forever.
   bool connect_on_first_use = false;
 };
 

@@ -389,12 +389,16 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
     return Status::Ok();
   }
   if (runs_.empty()) REFIT_RETURN_IF_ERROR(build(params));
-  // The group connects a pair on its first use: every pair of this refit's at once, before the
-  // first exchange (Communicator::connect).
+  // The group connects a pair on its first use: every pair this refit's rounds exchange with, at
+  // once, before the first exchange (Communicator::connect).
   std::vector<int> peers;
-  for (std::size_t i = 0; i < o_.sources.size(); ++i)
-    if (modes_[i] == PairExecutor::kP2p) peers.push_back(p2p_rank_of_trainer(o_.sources[i]));
-  REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(o_.who));
+  for (std::size_t k = 0; k < recv_ops_.size(); ++k) {
+    if (recv_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
+    for (const P2POp& op : recv_ops_[k]) peers.push_back(op.peer);
+    for (const P2POp& op : size_ops_[k]) peers.push_back(op.peer);
+  }
+  REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
+      "{}: connecting to the trainer ranks that send to it point to point", o_.who)));
   const auto nslots = static_cast<std::int64_t>(o_.config->refit.num_buffers);
   const auto timeout = o_.config->refit.timeout();
   const std::int64_t base = applier_.completed();

@@ -360,13 +360,16 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
   const Config& cfg = *o_.config;
   const PlanView& view = o_.setup->view;
   if (send_ops_.empty()) REFIT_RETURN_IF_ERROR(build_pack_runs(shards));
-  // The group connects a pair on its first use: every pair of this refit's at once, before the
-  // first exchange (Communicator::connect).
+  // The group connects a pair on its first use: every pair this refit's rounds exchange with, at
+  // once, before the first exchange (Communicator::connect).
   std::vector<int> peers;
-  for (std::size_t i = 0; i < targets_.size(); ++i)
-    if (modes_[i] == PairExecutor::kP2p) peers.push_back(p2p_rank_of_engine(cfg, o_.targets[i]));
-  REFIT_RETURN_IF_ERROR(
-      o_.p2p->connect(peers).with_context(fmt::format("trainer rank {}", o_.rank)));
+  for (std::size_t k = 0; k < send_ops_.size(); ++k) {
+    if (send_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
+    for (const P2POp& op : send_ops_[k]) peers.push_back(op.peer);
+    for (const P2POp& op : delta_.size_ops(k)) peers.push_back(op.peer);
+  }
+  REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
+      "trainer rank {}: connecting to the engine ranks it sends to point to point", o_.rank)));
   const auto timeout = cfg.refit.timeout();
   const auto nslots = static_cast<std::int64_t>(staging_.size());
   const std::int64_t base = sender_.completed();

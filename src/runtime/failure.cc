@@ -94,7 +94,8 @@ struct Heartbeat::State {
   std::string key;
   std::mutex mu;
   std::condition_variable cv;
-  bool stop = false;
+  bool stop = false;         // both threads
+  bool stop_checks = false;  // the checking thread alone
   std::thread beat_thread, check_thread;
   std::function<Status()> check;                // set by watch()
   std::function<void(const Status&)> on_lost;  // called once, when check fails
@@ -125,7 +126,7 @@ struct Heartbeat::State {
   // Runs the liveness check every kHeartbeatInterval once watch() set one, until it fails.
   void run_checks() {
     std::unique_lock<std::mutex> lock(mu);
-    while (!stop) {
+    while (!stop && !stop_checks) {
       if (std::function<Status()> now = check) {
         lock.unlock();
         const Status st = now();
@@ -140,8 +141,18 @@ struct Heartbeat::State {
           lock.lock();
         }
       }
-      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
+      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop || stop_checks; });
     }
+  }
+
+  // Ends the checks: on_lost is not called from here on. The beats go on.
+  void halt_checks() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop_checks = true;
+    }
+    cv.notify_all();
+    if (check_thread.joinable()) check_thread.join();
   }
 
   void halt() {
@@ -166,6 +177,8 @@ Heartbeat::Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& 
 Heartbeat::~Heartbeat() { s_->halt(); }
 
 void Heartbeat::stop() { s_->halt(); }
+
+void Heartbeat::stop_checks() { s_->halt_checks(); }
 
 void Heartbeat::leave() {
   {

@@ -92,6 +92,9 @@ class Heartbeat {
   // Stops beating and checking, and keeps its connection open until destroyed: a rank that
   // closes stops its threads first, then takes down what they might touch.
   void stop();
+  // Stops the checks alone (the only thread that calls `on_lost`); the beats go on, so that peers
+  // see this rank alive until it stops beating or closes its connection.
+  void stop_checks();
   // From now on runs liveness_check(who, peers) every beat interval (the first within one), over
   // `checks`, and on its first failure calls `on_lost` once (from the checking thread). The
   // runtime aborts its collectives there, so that a rank blocked inside a Gloo or NCCL operation

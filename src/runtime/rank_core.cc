@@ -77,10 +77,19 @@ void linger_after_failure(const RankServices& services, const std::string& host,
 }  // namespace
 
 RankCore::~RankCore() {
-  if (heartbeat_) heartbeat_->stop();  // its threads may abort the groups: stopped before them
+  // Its checking thread may abort the groups: stopped before them (the owner's stop_watching()
+  // usually did). Its beats go on while trainer rank 0 lingers after a failure.
+  stop_watching();
   if (server_) {
     if (!latch_.status().ok())
       linger_after_failure(services_, ep_.master_addr, server_->port(), cfg_, self_);
+    {
+      // Before the store: their liveness function (alive()) reads the server.
+      std::lock_guard<std::mutex> lock(groups_mu_);
+      trainer_group_.reset();
+      p2p_group_.reset();
+    }
+    if (heartbeat_) heartbeat_->stop();
     // The store goes before this rank's heartbeat connection closes. The other way round, a
     // peer's check between the two would read an exited trainer rank 0 from a store that still
     // answers; this way every peer reads the lost control plane.

@@ -144,9 +144,12 @@ class RankCore {
   RefitScope refit_scope() { return RefitScope(*this); }
   // Every rank's published control-plane work, summed (trainer rank 0, once every rank left).
   Result<ControlTraffic> read_control_traffic();
-  // Stops the heartbeat and its watch: the owner calls this first when it is destroyed, so that
-  // the watch cannot abort an executor being torn down.
-  void stop_watching() { heartbeat_.reset(); }
+  // Stops the heartbeat's watch: the owner calls this first when it is destroyed, so that the
+  // watch cannot abort an executor being torn down. The beats go on until ~RankCore, which on
+  // trainer rank 0 stops its store before it closes the heartbeat's connection.
+  void stop_watching() {
+    if (heartbeat_) heartbeat_->stop_checks();
+  }
 
   DataPlane& plane() { return *plane_; }
   Store& store() { return *store_; }

@@ -243,8 +243,13 @@ class PeerContext final : public ::gloo::rendezvous::Context {
       const std::string address = address_of(*pairs[i]);
       store.set(pair_key(rank, peers[i]), std::vector<char>(address.begin(), address.end()));
     }
+    // One deadline for the whole batch's waits: peers that each come just within the timeout
+    // do not add up to several.
+    const auto deadline = std::chrono::steady_clock::now() + getTimeout();
     connect_pairs(pairs, peers, alive, [&](int peer) {
-      store.wait({pair_key(peer, rank)}, getTimeout());
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      store.wait({pair_key(peer, rank)}, std::max(left, std::chrono::milliseconds(1)));
       return store.get(pair_key(peer, rank));
     });
     device_ = device;
@@ -471,8 +476,9 @@ class GlooCommunicator final : public Communicator {
     std::sort(fresh.begin(), fresh.end());
     fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
     if (fresh.empty()) return Status::Ok();
-    const std::string op = fmt::format("gloo[{}] connect (rank {} of {}, {} more pair(s))",
-                                       options_.name, options_.rank, options_.size, fresh.size());
+    const std::string op =
+        fmt::format("gloo[{}] connect (rank {} of {}, {} more pair(s): with rank(s) {})",
+                    options_.name, options_.rank, options_.size, fresh.size(), fmt::join(fresh, ", "));
     REFIT_RETURN_IF_ERROR(usable(op));
     // Its waits for the peers' addresses end within 500 ms of abort() or of the liveness check
     // failing, its pair connects within 100 ms (ConnectWatch).
@@ -499,8 +505,13 @@ class GlooCommunicator final : public Communicator {
     } catch (...) {
       status = connect_failure(op, options_.hostname, adapter);
     }
+    // abort() closes a pair that waits for its peer, and Gloo counts a closed pair as done.
+    if (status.ok() && abort_.aborted.load())
+      status = Status::Aborted(op + ": the communicator was aborted");
     if (!status.ok()) {
-      if (abort_.aborted.load()) status = Status::Aborted(status.message());
+      // A failed liveness check is already kAborted, naming its origin: kept as it is.
+      if (abort_.aborted.load() && status.code() != StatusCode::kAborted)
+        status = Status::Aborted(status.message());
       if (broken_.ok()) broken_ = status;
       return status;
     }
