@@ -376,10 +376,14 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
     REFIT_ASSIGN_OR_RETURN(std::vector<Message> all_sent,
                            inbox_.collect(kSent, group, core_.timeout(),
                                           fmt::format("its group's bytes of refit step {}", step)));
-    // Its own sums become the group's: trainer rank 0 adds the relay's sums alone.
-    for (const Message& m : all_sent) {
-      REFIT_ASSIGN_OR_RETURN(const SentMessage theirs, decode_sent(m.payload, m.from));
+    // Its own sums become the group's: trainer rank 0 adds the relay's sums alone, so the
+    // members' go on without theirs (one per target each: T x E in all).
+    for (Message& m : all_sent) {
+      REFIT_ASSIGN_OR_RETURN(SentMessage theirs, decode_sent(m.payload, m.from));
+      if (theirs.sums.empty()) continue;
       for (const auto& [target, sum] : theirs.sums) sent.sums[target] += sum;
+      theirs.sums.clear();
+      m.payload = encode(theirs);
     }
     all_sent.insert(
         all_sent.begin(),
