@@ -476,9 +476,9 @@ class GlooCommunicator final : public Communicator {
     std::sort(fresh.begin(), fresh.end());
     fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
     if (fresh.empty()) return Status::Ok();
-    const std::string op =
-        fmt::format("gloo[{}] connect (rank {} of {}, {} more pair(s): with rank(s) {})",
-                    options_.name, options_.rank, options_.size, fresh.size(), fmt::join(fresh, ", "));
+    const std::string op = fmt::format(
+        "gloo[{}] connect (rank {} of {}, {} more pair(s): with rank(s) {})", options_.name,
+        options_.rank, options_.size, fresh.size(), fmt::join(fresh, ", "));
     REFIT_RETURN_IF_ERROR(usable(op));
     // Its waits for the peers' addresses end within 500 ms of abort() or of the liveness check
     // failing, its pair connects within 100 ms (ConnectWatch).
