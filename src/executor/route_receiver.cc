@@ -388,17 +388,24 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
     if (!raw) probe_->before_round(step, RefitProbe::kEveryRound);
     return Status::Ok();
   }
-  if (runs_.empty()) REFIT_RETURN_IF_ERROR(build(params));
-  // The group connects a pair on its first use: every pair this refit's rounds exchange with, at
-  // once, before the first exchange (Communicator::connect).
-  std::vector<int> peers;
-  for (std::size_t k = 0; k < recv_ops_.size(); ++k) {
-    if (recv_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
-    for (const P2POp& op : recv_ops_[k]) peers.push_back(op.peer);
-    for (const P2POp& op : size_ops_[k]) peers.push_back(op.peer);
+  if (runs_.empty()) {
+    REFIT_RETURN_IF_ERROR(build(params));
+    p2p_connected_ = false;
   }
-  REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
-      "{}: connecting to the trainer ranks that send to it point to point", o_.who)));
+  // The group connects a pair on its first use: every pair the rounds exchange with, at once,
+  // before the first exchange (Communicator::connect); again only once the rounds are rebuilt or
+  // the group is formed anew (recover()).
+  if (!p2p_connected_) {
+    std::vector<int> peers;
+    for (std::size_t k = 0; k < recv_ops_.size(); ++k) {
+      if (recv_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
+      for (const P2POp& op : recv_ops_[k]) peers.push_back(op.peer);
+      for (const P2POp& op : size_ops_[k]) peers.push_back(op.peer);
+    }
+    REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
+        "{}: connecting to the trainer ranks that send to it point to point", o_.who)));
+    p2p_connected_ = true;
+  }
   const auto nslots = static_cast<std::int64_t>(o_.config->refit.num_buffers);
   const auto timeout = o_.config->refit.timeout();
   const std::int64_t base = applier_.completed();

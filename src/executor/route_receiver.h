@@ -72,6 +72,7 @@ class RouteReceiver final : public EngineExecutor {
   Status recover(Communicator* p2p, std::chrono::milliseconds timeout) override {
     REFIT_RETURN_IF_ERROR(applier_.reset(timeout));
     o_.p2p = p2p;
+    p2p_connected_ = false;
     refit_failed();
     return Status::Ok();
   }
@@ -104,6 +105,7 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<PairExecutor> built_for_;
   std::vector<std::unique_ptr<PlaneBuffer>> slots_;
   std::vector<std::vector<P2POp>> recv_ops_;                 // per round
+  bool p2p_connected_ = false;  // its rounds' pairs, on o_.p2p (receive_rounds)
   std::vector<std::vector<CopyRun>> runs_;                   // per round: slot -> parameters
   std::map<int, std::vector<ChecksumGroup>> checksum_runs_;  // per trainer rank (refit.checksum)
   // refit.delta, per source: what this rank holds of what it sent (docs/delta.md, "State").

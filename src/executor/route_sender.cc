@@ -359,17 +359,24 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
                             TransferTimes& times) {
   const Config& cfg = *o_.config;
   const PlanView& view = o_.setup->view;
-  if (send_ops_.empty()) REFIT_RETURN_IF_ERROR(build_pack_runs(shards));
-  // The group connects a pair on its first use: every pair this refit's rounds exchange with, at
-  // once, before the first exchange (Communicator::connect).
-  std::vector<int> peers;
-  for (std::size_t k = 0; k < send_ops_.size(); ++k) {
-    if (send_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
-    for (const P2POp& op : send_ops_[k]) peers.push_back(op.peer);
-    for (const P2POp& op : delta_.size_ops(k)) peers.push_back(op.peer);
+  if (send_ops_.empty()) {
+    REFIT_RETURN_IF_ERROR(build_pack_runs(shards));
+    p2p_connected_ = false;
   }
-  REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
-      "trainer rank {}: connecting to the engine ranks it sends to point to point", o_.rank)));
+  // The group connects a pair on its first use: every pair the rounds exchange with, at once,
+  // before the first exchange (Communicator::connect); again only once the rounds are rebuilt or
+  // the group is formed anew (recover()).
+  if (!p2p_connected_) {
+    std::vector<int> peers;
+    for (std::size_t k = 0; k < send_ops_.size(); ++k) {
+      if (send_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
+      for (const P2POp& op : send_ops_[k]) peers.push_back(op.peer);
+      for (const P2POp& op : delta_.size_ops(k)) peers.push_back(op.peer);
+    }
+    REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
+        "trainer rank {}: connecting to the engine ranks it sends to point to point", o_.rank)));
+    p2p_connected_ = true;
+  }
   const auto timeout = cfg.refit.timeout();
   const auto nslots = static_cast<std::int64_t>(staging_.size());
   const std::int64_t base = sender_.completed();

@@ -74,6 +74,7 @@ class RouteSender final : public TrainerExecutor {
   Status recover(Communicator* p2p, std::chrono::milliseconds timeout) override {
     REFIT_RETURN_IF_ERROR(sender_.reset(timeout));
     o_.p2p = p2p;
+    p2p_connected_ = false;
     delta_.forget();
     return Status::Ok();
   }
@@ -121,6 +122,7 @@ class RouteSender final : public TrainerExecutor {
   std::unique_ptr<TrainerScales> scales_;                            // FP8 only
   std::vector<void*> all_shards_;             // the caller's shards, then the FP8 scale tensors
   std::vector<std::vector<P2POp>> send_ops_;  // per round
+  bool p2p_connected_ = false;  // its rounds' pairs, on o_.p2p (run_p2p)
   DeltaSender delta_;                         // refit.delta (docs/delta.md, "Wiring")
   bool peer_built_ = false;                   // peer_runs_ and the peer targets' delta lists
   // num_buffers staging slots; rounds with sends rotate over them, so packing round k+1 overlaps
