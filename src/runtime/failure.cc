@@ -94,8 +94,8 @@ struct Heartbeat::State {
   std::string key;
   std::mutex mu;
   std::condition_variable cv;
-  bool stop = false;         // both threads
-  bool stop_checks = false;  // the checking thread alone
+  bool stop = false;         // the beats
+  bool stop_checks = false;  // the checks (set whenever `stop` is)
   std::thread beat_thread, check_thread;
   std::function<Status()> check;                // set by watch()
   std::function<void(const Status&)> on_lost;  // called once, when check fails
@@ -126,7 +126,7 @@ struct Heartbeat::State {
   // Runs the liveness check every kHeartbeatInterval once watch() set one, until it fails.
   void run_checks() {
     std::unique_lock<std::mutex> lock(mu);
-    while (!stop && !stop_checks) {
+    while (!stop_checks) {
       if (std::function<Status()> now = check) {
         lock.unlock();
         const Status st = now();
@@ -141,27 +141,19 @@ struct Heartbeat::State {
           lock.lock();
         }
       }
-      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop || stop_checks; });
+      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop_checks; });
     }
   }
 
-  // Ends the checks: on_lost is not called from here on. The beats go on.
-  void halt_checks() {
+  // Ends the checks (on_lost is not called from here on) and, with `beats`, the beats too.
+  void halt(bool beats) {
     {
       std::lock_guard<std::mutex> lock(mu);
       stop_checks = true;
+      stop = stop || beats;
     }
     cv.notify_all();
-    if (check_thread.joinable()) check_thread.join();
-  }
-
-  void halt() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      stop = true;
-    }
-    cv.notify_all();
-    if (beat_thread.joinable()) beat_thread.join();
+    if (beats && beat_thread.joinable()) beat_thread.join();
     if (check_thread.joinable()) check_thread.join();
   }
 };
@@ -174,18 +166,18 @@ Heartbeat::Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& 
   s_->check_thread = std::thread([s = s_.get()] { s->run_checks(); });
 }
 
-Heartbeat::~Heartbeat() { s_->halt(); }
+Heartbeat::~Heartbeat() { s_->halt(/*beats=*/true); }
 
-void Heartbeat::stop() { s_->halt(); }
+void Heartbeat::stop() { s_->halt(/*beats=*/true); }
 
-void Heartbeat::stop_checks() { s_->halt_checks(); }
+void Heartbeat::stop_checks() { s_->halt(/*beats=*/false); }
 
 void Heartbeat::leave() {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     if (s_->stop) return;
   }
-  s_->halt();
+  s_->halt(/*beats=*/true);
   (void)s_->beats.set(s_->key, "left");
 }
 
