@@ -726,7 +726,10 @@ TEST(GlooProcesses, PairsConnectOnFirstUseInBatchesBothSidesAgreeOn) {
     if (Status s = (*comm)->connect(one); !s.ok()) return "connect: " + s.to_string();
     if (std::string e = swap(one); !e.empty()) return "first batch: " + e;
     if (std::string e = swap(two); !e.empty()) return "second batch: " + e;
+    const int held = open_sockets();
     if (Status s = (*comm)->connect(o.peers.value()); !s.ok()) return "again: " + s.to_string();
+    if (open_sockets() != held)
+      return fmt::format("connecting again opened {} socket(s)", open_sockets() - held);
     return fmt::format("ok {} {}", one.size(), two.size());
   });
   ASSERT_EQ(reports.size(), static_cast<std::size_t>(kRanks));

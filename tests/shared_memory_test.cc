@@ -61,12 +61,6 @@ TEST(SharedMemory, SegmentsOthersCanWriteAreRefused) {
       << open.status().to_string();
 }
 
-}  // namespace
-}  // namespace refit
-
-namespace refit {
-namespace {
-
 // A /dev/shm too small for a segment (a container's default is 64 MB): create() fails naming the
 // segment, its size and /dev/shm, instead of a later write dying of SIGBUS. The child runs in a
 // mount namespace of its own with a 1 MiB tmpfs on /dev/shm (root only; skipped otherwise).
