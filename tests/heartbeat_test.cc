@@ -1,5 +1,5 @@
-// A rank's heartbeat and its liveness check run on threads of their own: a check that waits on a
-// store slow to answer never holds up a beat (docs/runtime.md, "Heartbeats").
+// A rank's heartbeat and its liveness check: one store request per beat carries both, and a check
+// busy with a failure never holds up a beat (docs/runtime.md, "Heartbeats").
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -16,11 +16,12 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A store whose ping and watch answer `delay` late (a store host busy with others), counting
-// them; every other request goes straight through.
-class SlowChecks final : public Store {
+// A store whose try_get answers `delay` late (a store host busy with others), counting them;
+// every other request goes straight through. The liveness check reads a lost peer's kept error
+// with it.
+class SlowFollowUps final : public Store {
  public:
-  SlowChecks(Store& base, std::chrono::milliseconds delay) : base_(base), delay_(delay) {}
+  SlowFollowUps(Store& base, std::chrono::milliseconds delay) : base_(base), delay_(delay) {}
   Status set(const std::string& key, const std::string& value) override {
     return base_.set(key, value);
   }
@@ -28,6 +29,8 @@ class SlowChecks final : public Store {
     return base_.get(key, timeout);
   }
   Result<std::optional<std::string>> try_get(const std::string& key) override {
+    std::this_thread::sleep_for(delay_);
+    ++slow_;
     return base_.try_get(key);
   }
   Status wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
@@ -35,17 +38,6 @@ class SlowChecks final : public Store {
   }
   Result<std::int64_t> add(const std::string& key, std::int64_t delta) override {
     return base_.add(key, delta);
-  }
-  Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
-                        std::chrono::milliseconds silence) override {
-    std::this_thread::sleep_for(delay_);
-    ++slow_;
-    return base_.watch(keys, prefix, silence);
-  }
-  Status ping(std::chrono::milliseconds timeout) override {
-    std::this_thread::sleep_for(delay_);
-    ++slow_;
-    return base_.ping(timeout);
   }
   int slow() const { return slow_.load(); }
 
@@ -61,10 +53,11 @@ std::unique_ptr<Store> client(int port) {
   return c.ok() ? std::move(c).value() : nullptr;
 }
 
-// Each check of trainer rank 1 takes 3 s (a ping and a watch, 1.5 s each). Had the beats waited
-// for the checks, trainer rank 1's counter would stand still for 3 s at a time; the watcher asks
-// for counters still for 2 s. The check must have run meanwhile and found every peer alive.
-TEST(Heartbeat, BeatsOnWhileItsLivenessCheckWaitsOnASlowStore) {
+// Trainer rank 0 beats for a while, then falls silent. Trainer rank 1's check then names it, and
+// is slow about it: the follow-up read of its kept error takes 1.5 s and on_lost (where the
+// runtime closes its collectives) 3 s more. Had the beats waited for the check, trainer rank 1's
+// counter would stand still for 4.5 s; the watcher asks for counters still for 2 s.
+TEST(Heartbeat, BeatsOnWhileItsCheckIsBusyWithAFailure) {
   auto server = StoreServer::start("127.0.0.1", 0, nullptr);
   ASSERT_TRUE(server.ok()) << server.status().to_string();
   auto probe = client((*server)->port());
@@ -72,24 +65,74 @@ TEST(Heartbeat, BeatsOnWhileItsLivenessCheckWaitsOnASlowStore) {
   auto peer = client((*server)->port());
   auto watcher = client((*server)->port());
   ASSERT_TRUE(probe && beats && peer && watcher);
-  SlowChecks slow(*probe, 1500ms);
+  SlowFollowUps slow(*probe, 1500ms);
   Heartbeat heartbeat(std::move(beats), &slow, RankId::trainer(1));
-  std::atomic<bool> lost{false};
+  std::atomic<int> lost{0};
   heartbeat.watch(RankId::trainer(1), {RankId::trainer(0), RankId::trainer(1)},
-                  [&](const Status&) { lost = true; });
+                  [&](const Status&) {
+                    ++lost;
+                    std::this_thread::sleep_for(3000ms);
+                  });
   int stale = 0;
-  for (int k = 0; k < 14; ++k) {  // 7 s: two checks and more
-    ASSERT_TRUE(peer->add("heartbeat/trainer/0", 1).ok());  // trainer rank 0 beats too
+  for (int k = 0; k < 28; ++k) {  // 14 s: trainer rank 0 beats for the first 1 s
+    if (k < 2) {
+      ASSERT_TRUE(peer->add("heartbeat/trainer/0", 1).ok());
+    }
     auto w = watcher->watch({}, "heartbeat/", 2000ms);
     ASSERT_TRUE(w.ok()) << w.status().to_string();
     for (const Store::Stale& s : w->stale)
       if (s.key == "heartbeat/trainer/1") ++stale;
     std::this_thread::sleep_for(500ms);
   }
-  EXPECT_EQ(stale, 0) << "trainer rank 1's beats waited for its checks";
-  EXPECT_GE(slow.slow(), 4) << "the liveness check did not run";
-  EXPECT_FALSE(lost.load());
-  EXPECT_TRUE(heartbeat.verdict().ok()) << heartbeat.verdict().to_string();
+  EXPECT_EQ(stale, 0) << "trainer rank 1's beats waited for its check";
+  EXPECT_EQ(slow.slow(), 1) << "the check did not read the lost rank's kept error";
+  EXPECT_EQ(lost.load(), 1);
+  const Status verdict = heartbeat.verdict();
+  EXPECT_NE(verdict.to_string().find("trainer rank 0: aborted: stopped: no heartbeat"),
+            std::string::npos)
+      << verdict.to_string();
+}
+
+// Once it watches, each beat is the rank's one liveness request: the beat connection's requests
+// are exactly the beats the store counted, and the probe connection serves nothing until a check
+// fails. Then a peer that exits is named from those reads alone.
+TEST(Heartbeat, OneStoreRequestPerBeatCarriesTheLivenessCheck) {
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  auto probe = client((*server)->port());
+  auto beats = client((*server)->port());
+  auto peer = client((*server)->port());
+  auto watcher = client((*server)->port());
+  ASSERT_TRUE(probe && beats && peer && watcher);
+  const Store* beat_connection = beats.get();
+  const std::int64_t beats_before = beat_connection->requests();
+  const std::int64_t probe_before = probe->requests();
+  Heartbeat heartbeat(std::move(beats), probe.get(), RankId::engine(0, 1));
+  std::atomic<int> lost{0};
+  heartbeat.watch(RankId::engine(0, 1), {RankId::trainer(0), RankId::engine(0, 1)},
+                  [&](const Status&) { ++lost; });
+  for (int k = 0; k < 5; ++k) {  // trainer rank 0 beats for 2.5 s, every check finds it alive
+    ASSERT_TRUE(peer->add("heartbeat/trainer/0", 1).ok());
+    std::this_thread::sleep_for(500ms);
+  }
+  EXPECT_EQ(lost.load(), 0);
+  EXPECT_EQ(probe->requests(), probe_before) << "the checks made requests of their own";
+  peer.reset();  // trainer rank 0 exits: its connection closes without leaving
+  for (int k = 0; k < 40 && lost.load() == 0; ++k) std::this_thread::sleep_for(100ms);
+  heartbeat.stop();
+  ASSERT_EQ(lost.load(), 1) << "the exit was not noticed within 4 s";
+  EXPECT_NE(heartbeat.verdict().to_string().find(
+                "trainer rank 0: aborted: exited: its connection to the control plane closed"),
+            std::string::npos)
+      << heartbeat.verdict().to_string();
+  auto counted = watcher->try_get("heartbeat/" + RankId::engine(0, 1).mailbox());
+  ASSERT_TRUE(counted.ok() && counted->has_value());
+  const std::int64_t beaten = std::stoll(**counted);
+  EXPECT_GE(beaten, 5);
+  EXPECT_EQ(beat_connection->requests() - beats_before, beaten)
+      << "a beat connection request that was not a beat";
+  // The failure's follow-ups: the lost rank's kept error and the failure record.
+  EXPECT_GT(probe->requests(), probe_before);
 }
 
 }  // namespace

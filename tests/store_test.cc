@@ -193,6 +193,51 @@ TEST(Store, WatchNamesTheCountersWhoseConnectionClosedWithoutLeaving) {
                                                  {"heartbeat/engine/1", true}}));
 }
 
+// A rank's beat carries its liveness read (Store::beat_and_watch): one request that adds to the
+// rank's counter before it reads, and makes that connection the counter's, so that its close reads
+// as the rank's exit. A beat on a key that holds no integer fails naming the key, and reads nothing.
+TEST(Store, ABeatCarriesTheWatchInOneRequestAndCountsForItsConnection) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto watcher = connect(server->port());
+  auto rank = connect(server->port());
+  ASSERT_TRUE(watcher && rank);
+  ASSERT_TRUE(watcher->set("error/first", "boom").ok());
+  const std::int64_t before = rank->requests();
+  auto w = rank->beat_and_watch("heartbeat/engine/1", {"error/first", "heartbeat/engine/1"},
+                                "heartbeat/", std::chrono::hours(1));
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  EXPECT_EQ(rank->requests(), before + 1);
+  EXPECT_EQ(w->values, (std::vector<std::optional<std::string>>{"boom", "1"}));
+  EXPECT_TRUE(w->stale.empty());
+  // Through a prefix store, the beat and the keys are the group's own.
+  auto member = connect(server->port());
+  ASSERT_TRUE(member);
+  PrefixStore group("run", *member);
+  auto g = group.beat_and_watch("heartbeat/engine/1", {"heartbeat/engine/1"}, "heartbeat/", 0ms);
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_EQ(g->values, (std::vector<std::optional<std::string>>{"1"}));
+  ASSERT_EQ(g->stale.size(), 1u);  // a silence of 0: the key just beaten, as the group names it
+  EXPECT_EQ(g->stale[0].key, "heartbeat/engine/1");
+  ASSERT_TRUE(watcher->set("heartbeat/engine/7", "left").ok());
+  auto bad = rank->beat_and_watch("heartbeat/engine/7", {}, "heartbeat/", 0ms);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'heartbeat/engine/7' is not an integer"),
+            std::string::npos)
+      << bad.status().to_string();
+  rank.reset();  // exits without leaving
+  std::vector<Store::Stale> stale;
+  for (int round = 0; round < 100 && stale.empty(); ++round) {
+    auto r = watcher->watch({}, "heartbeat/", std::chrono::hours(1));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    stale = r->stale;
+    if (stale.empty()) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_EQ(stale.size(), 1u);
+  EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
+  EXPECT_TRUE(stale[0].closed);
+}
+
 // A stretch in which the server heard no request at all (its own process stalled: every live rank
 // beats every 0.5 s) is not counted in a key's age beyond its first second; a key that stood still
 // while other connections went on talking is. Generous margins: a loaded machine only lengthens

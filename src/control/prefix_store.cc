@@ -40,9 +40,19 @@ Result<std::int64_t> PrefixStore::add(const std::string& key, std::int64_t delta
 Result<Store::Watched> PrefixStore::watch(const std::vector<std::string>& keys,
                                           const std::string& prefix,
                                           std::chrono::milliseconds silence) {
+  return beat_and_watch({}, keys, prefix, silence);
+}
+
+Result<Store::Watched> PrefixStore::beat_and_watch(const std::string& beat,
+                                                   const std::vector<std::string>& keys,
+                                                   const std::string& prefix,
+                                                   std::chrono::milliseconds silence) {
   std::vector<std::string> full;
   for (const std::string& k : keys) full.push_back(prefix_ + k);
-  REFIT_ASSIGN_OR_RETURN(Watched w, base_.watch(full, prefix_ + prefix, silence));
+  Result<Watched> r = beat.empty() ? base_.watch(full, prefix_ + prefix, silence)
+                                   : base_.beat_and_watch(prefix_ + beat, full, prefix_ + prefix,
+                                                          silence);
+  REFIT_ASSIGN_OR_RETURN(Watched w, std::move(r));
   for (Stale& s : w.stale) s.key = s.key.substr(prefix_.size());
   return w;
 }

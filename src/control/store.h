@@ -66,6 +66,15 @@ class Store {
                                 std::chrono::milliseconds /*silence*/) {
     return Status::Unsupported("this store cannot report stale keys");
   }
+  // add(beat, 1), then watch(keys, prefix, silence), in one request where the store allows: a
+  // rank's heartbeat and its liveness read (runtime/failure.h).
+  virtual Result<Watched> beat_and_watch(const std::string& beat,
+                                         const std::vector<std::string>& keys,
+                                         const std::string& prefix,
+                                         std::chrono::milliseconds silence) {
+    REFIT_RETURN_IF_ERROR(add(beat, 1).status());
+    return watch(keys, prefix, silence);
+  }
   // Requests this client sent so far (0 where a store does not count).
   virtual std::int64_t requests() const { return 0; }
   // Whether the server answers within `timeout` (kTimeout when it does not: stopped or hung).
@@ -95,6 +104,9 @@ class PrefixStore : public Store {
   Result<std::int64_t> add(const std::string& key, std::int64_t delta) override;
   Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
                         std::chrono::milliseconds silence) override;
+  Result<Watched> beat_and_watch(const std::string& beat, const std::vector<std::string>& keys,
+                                 const std::string& prefix,
+                                 std::chrono::milliseconds silence) override;
   std::int64_t requests() const override { return base_.requests(); }
   Status ping(std::chrono::milliseconds timeout) override { return base_.ping(timeout); }
   void abort(const Status& why) override { base_.abort(why); }

@@ -138,11 +138,19 @@ class StoreClient final : public Store {
 
   Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
                         std::chrono::milliseconds silence) override {
-    std::vector<std::string> args{store_wire::encode_i64(silence.count()), prefix};
+    return beat_and_watch({}, keys, prefix, silence);
+  }
+
+  Result<Watched> beat_and_watch(const std::string& beat, const std::vector<std::string>& keys,
+                                 const std::string& prefix,
+                                 std::chrono::milliseconds silence) override {
+    std::vector<std::string> args{store_wire::encode_i64(silence.count()), prefix, beat};
     args.insert(args.end(), keys.begin(), keys.end());
-    Result<std::string> reply =
-        request(Op::kWatch, args, request_timeout_,
-                fmt::format("watch '{}' and {} key(s)", prefix, keys.size()));
+    Result<std::string> reply = request(
+        Op::kWatch, args, request_timeout_,
+        beat.empty() ? fmt::format("watch '{}' and {} key(s)", prefix, keys.size())
+                     : fmt::format("beat '{}' and watch '{}' and {} key(s)", beat, prefix,
+                                   keys.size()));
     if (!reply.ok()) return reply.status();
     const std::string payload = std::move(reply).value();
     std::int64_t stale = 0;

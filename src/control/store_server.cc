@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <list>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -327,38 +328,16 @@ class ZmqStoreServer final : public StoreServer {
       }
       case Op::kWatch: {
         std::int64_t silence_ms = 0;
-        if (nargs < 2 || !store_wire::decode_i64(arg(0), &silence_ms)) return malformed("watch");
-        std::vector<std::optional<std::string>> values;
-        for (std::size_t i = 2; i < nargs; ++i) {
-          auto it = data_.find(arg(i));
-          values.push_back(it == data_.end() ? std::nullopt
-                                             : std::optional<std::string>(it->second));
+        if (nargs < 3 || !store_wire::decode_i64(arg(0), &silence_ms)) return malformed("watch");
+        std::vector<std::string> keys;
+        for (std::size_t i = 3; i < nargs; ++i) keys.push_back(arg(i));
+        // The beat first, so that the rank's own key is fresh in the answer.
+        if (const std::string beat = arg(2); !beat.empty()) {
+          Result<std::int64_t> n = add_to(beat, 1, frames.back());
+          if (!n.ok()) return reply(identity, request_id, Reply::kError, n.status().message());
+          wake_waiters();
         }
-        const std::string prefix = arg(1);
-        const auto now = Clock::now();
-        std::int64_t stale = 0;
-        // Closed without leaving: reported at once, whatever `silence` is (store_wire.h).
-        for (const auto& [key, when] : closed_) {
-          if (key.compare(0, prefix.size(), prefix) != 0) continue;
-          const auto v = data_.find(key);
-          if (v != data_.end() && v->second == "left") continue;
-          const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
-          values.emplace_back(key);
-          values.emplace_back(std::string(store_wire::kClosedMark) + std::to_string(age.count()));
-          ++stale;
-        }
-        for (const auto& [key, when] : changed_) {
-          if (key.compare(0, prefix.size(), prefix) != 0 || closed_.count(key) != 0) continue;
-          const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
-          if (age.count() < silence_ms) continue;
-          const auto v = data_.find(key);
-          if (v == data_.end() || v->second == "left") continue;
-          values.emplace_back(key);
-          values.emplace_back(std::to_string(age.count()));
-          ++stale;
-        }
-        return reply(identity, request_id, Reply::kOk,
-                     store_wire::encode_i64(stale) + store_wire::encode_values(values));
+        return reply(identity, request_id, Reply::kOk, watch_payload(silence_ms, arg(1), keys));
       }
       case Op::kGet:
       case Op::kWait: {
@@ -380,29 +359,70 @@ class ZmqStoreServer final : public StoreServer {
       case Op::kAdd: {
         std::int64_t delta = 0;
         if (nargs != 2 || !store_wire::decode_i64(arg(1), &delta)) return malformed("add");
-        const std::string key = arg(0);
-        std::int64_t current = 0;
-        auto it = data_.find(key);
-        if (it != data_.end()) {
-          const std::string& s = it->second;
-          auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), current);
-          if (ec != std::errc() || end != s.data() + s.size()) {
-            return reply(
-                identity, request_id, Reply::kError,
-                fmt::format("the value of key '{}' is not an integer: '{}'", key, s.substr(0, 64)));
-          }
-        }
-        current += delta;
-        data_[key] = std::to_string(current);
-        changed_[key] = Clock::now();
-        note_counter(frames.back(), key);
-        reply(identity, request_id, Reply::kOk, store_wire::encode_i64(current));
+        Result<std::int64_t> n = add_to(arg(0), delta, frames.back());
+        if (!n.ok()) return reply(identity, request_id, Reply::kError, n.status().message());
+        reply(identity, request_id, Reply::kOk, store_wire::encode_i64(*n));
         wake_waiters();
         return;
       }
     }
     reply(identity, request_id, Reply::kError,
           fmt::format("unknown store op {}", static_cast<int>(op)));
+  }
+
+  // kAdd (and a kWatch's beat): adds `delta` to the integer at `key` (absent: 0), the request's
+  // connection (`frame`'s) counting it from now on.
+  Result<std::int64_t> add_to(const std::string& key, std::int64_t delta, zmq::message_t& frame) {
+    std::int64_t current = 0;
+    auto it = data_.find(key);
+    if (it != data_.end()) {
+      const std::string& s = it->second;
+      auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), current);
+      if (ec != std::errc() || end != s.data() + s.size())
+        return Status::InvalidArgument(
+            fmt::format("the value of key '{}' is not an integer: '{}'", key, s.substr(0, 64)));
+    }
+    current += delta;
+    data_[key] = std::to_string(current);
+    changed_[key] = Clock::now();
+    note_counter(frame, key);
+    return current;
+  }
+
+  // A kWatch reply (store_wire.h): the keys' values, then every stale key under `prefix`.
+  std::string watch_payload(std::int64_t silence_ms, const std::string& prefix,
+                            const std::vector<std::string>& keys) const {
+    std::vector<std::optional<std::string>> values;
+    for (const std::string& k : keys) {
+      auto it = data_.find(k);
+      values.push_back(it == data_.end() ? std::nullopt : std::optional<std::string>(it->second));
+    }
+    const auto now = Clock::now();
+    std::int64_t stale = 0;
+    // Closed without leaving: reported at once, whatever `silence` is (store_wire.h).
+    for (const auto& [key, when] : closed_) {
+      if (key.compare(0, prefix.size(), prefix) != 0) continue;
+      const auto v = data_.find(key);
+      if (v != data_.end() && v->second == "left") continue;
+      const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
+      values.emplace_back(key);
+      values.emplace_back(std::string(store_wire::kClosedMark) + std::to_string(age.count()));
+      ++stale;
+    }
+    // The keys under `prefix` only (changed_ is ordered by key), not every key of the run.
+    for (auto it = changed_.lower_bound(prefix);
+         it != changed_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+      const auto& [key, when] = *it;
+      if (closed_.count(key) != 0) continue;
+      const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
+      if (age.count() < silence_ms) continue;
+      const auto v = data_.find(key);
+      if (v == data_.end() || v->second == "left") continue;
+      values.emplace_back(key);
+      values.emplace_back(std::to_string(age.count()));
+      ++stale;
+    }
+    return store_wire::encode_i64(stale) + store_wire::encode_values(values);
   }
 
   bool ready(const Waiter& w) const {
@@ -495,7 +515,7 @@ class ZmqStoreServer final : public StoreServer {
   // Owned by the serving thread.
   std::unordered_map<std::string, std::string> data_;
   // When each key was last set or added to (kWatch: heartbeats that stood still).
-  std::unordered_map<std::string, Clock::time_point> changed_;
+  std::map<std::string, Clock::time_point> changed_;
   Clock::time_point last_heard_{};  // when the last request arrived (heard())
   // The counter each connection last added to, by descriptor, and the counters whose connection
   // closed without leaving, since when (note_counter, note_closed).

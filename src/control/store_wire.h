@@ -17,13 +17,17 @@
 //   kTryGetMany key, key, ...                        per key: 1 byte (1: present, 0: absent),
 //                                                    then when present its length (int64) and
 //                                                    value (encode_values)
-//   kWatch    silence ms (int64), prefix, key, ...   the number of stale keys (int64), then
+//   kWatch    silence ms (int64), prefix, beat,      the number of stale keys (int64), then
 //                                                    encode_values of the keys' values and of
 //                                                    [key, age] for each stale key: age is the
 //                                                    decimal ms since it last changed, or
 //                                                    kClosedMark and the ms since the
 //                                                    connection that counted it closed without
 //                                                    leaving (reported whatever the silence)
+//             key, ...                               A non-empty `beat` is a heartbeat: the
+//                                                    server first adds 1 to it as kAdd does
+//                                                    (a rank's beat and liveness read in one
+//                                                    request)
 // A key's age in kWatch counts the server's time only while it hears requests: a stretch of more
 // than kDeafGap in which it received none at all, from any connection, is left out beyond its
 // first kDeafGap. Every live rank of a run beats every 0.5 s, so such a stretch is the server's

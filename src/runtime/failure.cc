@@ -17,8 +17,9 @@ namespace refit {
 namespace {
 
 constexpr const char* kFirstFailure = "error/first";
+constexpr const char* kHeartbeatPrefix = "heartbeat/";
 
-std::string heartbeat_key(const RankId& rank) { return "heartbeat/" + rank.mailbox(); }
+std::string heartbeat_key(const RankId& rank) { return kHeartbeatPrefix + rank.mailbox(); }
 
 // The store's record of a failure; a record this build cannot read (a bug) is kept as its text.
 FailureOrigin read_record(const std::string& encoded) {
@@ -87,61 +88,208 @@ void RefitEpochs::advance() {
   failed_.reset();
 }
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One rank's liveness check: the keys its read asks the store for, and what each answer means
+// (liveness verdicts: failure.h, Heartbeat::watch). The heartbeat thread makes the reads, the
+// checking thread judges them.
+class LivenessCheck {
+ public:
+  LivenessCheck(const RankId& who, std::vector<RankId> peers, RefitEpochs* epochs,
+                std::function<void(std::uint32_t)> on_refit_failed)
+      : who_(who), epochs_(epochs), on_refit_failed_(std::move(on_refit_failed)) {
+    std::erase(peers, who);
+    // The peers by heartbeat key: the store names the stale keys, this check names their ranks.
+    for (const RankId& peer : peers) by_key_.emplace(heartbeat_key(peer), peer);
+  }
+
+  // The keys of the next read: the run's first failure and, with epochs, the current refit
+  // epoch's (`*epoch`). Safe from any thread.
+  std::vector<std::string> keys(std::uint32_t* epoch) const {
+    std::vector<std::string> keys{kFirstFailure};
+    *epoch = epochs_ != nullptr ? epochs_->current() : 0;
+    if (epochs_ != nullptr) keys.push_back(RefitEpochs::key(*epoch));
+    return keys;
+  }
+
+  // The verdict on one read, made for `epoch`. `store` (the probe connection) serves what a
+  // failure needs besides: the error a lost peer noted, the failure's record. Called from one
+  // thread at a time.
+  Status judge(Store& store, const Result<Store::Watched>& read, std::uint32_t epoch) {
+    if (!read.ok()) return failed(store, read.status());
+    answered_ = Clock::now();
+    const std::vector<std::optional<std::string>>& values = read->values;
+    if (values.size() != (epochs_ != nullptr ? 2u : 1u))
+      return Status::Internal(fmt::format("liveness read of {}: {} values for its keys",
+                                          who_.name(), values.size()));
+    if (epochs_ != nullptr) {
+      const std::optional<std::string>& refit = values.back();
+      if (refit.has_value() && epochs_->seen(epoch, *refit) && on_refit_failed_)
+        on_refit_failed_(epoch);
+    }
+    if (const std::optional<std::string>& first = values[0]; first.has_value()) {
+      const FailureOrigin o = read_record(*first);
+      if (!(o.rank == who_))
+        return Status::Aborted("aborted because " + o.describe()).with_origin(o);
+    }
+    for (const Store::Stale& s : read->stale) {
+      const auto it = by_key_.find(s.key);
+      if (it == by_key_.end()) continue;  // this rank, or no rank of this run
+      const FailureOrigin gone = lost_peer(store, it->second, s);
+      announce_failure(&store, gone);
+      // The same words as every rank that reads the record: one line to grep for, whoever saw it.
+      return Status::Aborted("aborted because " + gone.describe()).with_origin(gone);
+    }
+    return Status::Ok();
+  }
+
+ private:
+  // A read that failed: the connection is gone (fatal), or the store is slow (fatal only once it
+  // has not answered for kPeerSilence; until then the read is skipped).
+  Status failed(Store& store, const Status& why) {
+    const RankId store_host = RankId::trainer(0);
+    if (why.code() != StatusCode::kTimeout) {
+      // Blamed on the store's host: its process is gone or cut off (had it failed on its own,
+      // its store would have outlived it until this rank read why: linger_after_failure).
+      const FailureOrigin o{
+          .rank = store_host,
+          .code = StatusCode::kAborted,
+          .kind = FailureKind::kPeerLost,
+          .error = fmt::format("lost the control plane (the store it hosts; seen by {}): {}",
+                               who_.name(), why.to_string())};
+      return Status::Aborted("aborted because " + o.describe()).with_origin(o);
+    }
+    if (Clock::now() - answered_ < kPeerSilence) return Status::Ok();
+    const FailureOrigin o{
+        .rank = store_host,
+        .code = StatusCode::kAborted,
+        .kind = FailureKind::kPeerLost,
+        .error = fmt::format("the store it hosts did not answer for {:.1f} s (stopped, hung or "
+                             "cut off; seen by {}): {}",
+                             kPeerSilence.count() / 1000.0, who_.name(), why.to_string())};
+    const Status silent =
+        Status::Aborted("aborted because " + o.rank.name() + ": " + o.error).with_origin(o);
+    // A failing rank's last words (its failure record, the root cause) then fail at once instead
+    // of each waiting out its own timeout.
+    store.abort(silent);
+    return silent;
+  }
+
+  // Peer `peer`, whose heartbeat the store reported stale as `s`, with the error it kept before
+  // it went (a refused registration), when it kept one.
+  FailureOrigin lost_peer(Store& store, const RankId& peer, const Store::Stale& s) const {
+    // Closed: the kernel closed its connections (it exited or was killed), told at once.
+    // Otherwise its heartbeat stood still with the connection open.
+    const char* state = s.closed ? "exited" : "stopped";
+    const std::string detail =
+        s.closed ? fmt::format("its connection to the control plane closed without leaving "
+                               "(seen by {}; the process exited or was killed)",
+                               who_.name())
+                 : fmt::format("no heartbeat for {:.1f} s (seen by {}; the process is stopped, "
+                               "hung or cut off)",
+                               std::chrono::duration<double>(s.age).count(), who_.name());
+    std::string noted_error;
+    if (auto noted = store.try_get(noted_error_key(peer));
+        noted.ok() && noted->has_value() && !(*noted)->empty())
+      noted_error = fmt::format(" after its error: {};", read_record(**noted).error);
+    return FailureOrigin{.rank = peer,
+                         .code = StatusCode::kAborted,
+                         .kind = FailureKind::kPeerLost,
+                         .error = noted_error.empty()
+                                      ? fmt::format("aborted: {}: {}", state, detail)
+                                      : fmt::format("aborted: {}{} {}", state, noted_error, detail)};
+  }
+
+  const RankId who_;
+  std::map<std::string, RankId> by_key_;
+  RefitEpochs* const epochs_;
+  const std::function<void(std::uint32_t)> on_refit_failed_;
+  Clock::time_point answered_ = Clock::now();  // when the store last answered a read
+};
+
+}  // namespace
+
 struct Heartbeat::State {
   std::unique_ptr<Store> own;
   Store& beats;
   Store& checks;
   std::string key;
   std::mutex mu;
-  std::condition_variable cv;
+  std::condition_variable beat_cv, check_cv;
   bool stop = false;         // the beats
   bool stop_checks = false;  // the checks (set whenever `stop` is)
   std::thread beat_thread, check_thread;
-  std::function<Status()> check;                // set by watch()
+  std::shared_ptr<LivenessCheck> check;         // set by watch(), until it fails
   std::function<void(const Status&)> on_lost;  // called once, when check fails
   Status lost;                                  // the failed check (guarded by mu)
+  // The latest read the beat thread made for `check`, until the checking thread takes it.
+  struct Read {
+    std::shared_ptr<LivenessCheck> check;
+    std::uint32_t epoch;
+    Result<Store::Watched> answer;
+  };
+  std::optional<Read> read;
 
-  // Adds 1 to the key every kHeartbeatInterval, and nothing else: a check that waits on a slow
-  // store never holds up a beat.
+  // Every kHeartbeatInterval, one request: adds 1 to the key and, once watch() set a check, reads
+  // what the check needs in the same request, for the checking thread to judge. Nothing else
+  // runs here: a check busy with a failure (its follow-up requests, on_lost) never holds up a
+  // beat.
   void beat() {
-    using Clock = std::chrono::steady_clock;
     std::unique_lock<std::mutex> lock(mu);
     Clock::time_point last{};
     while (!stop) {
+      const std::shared_ptr<LivenessCheck> c = stop_checks ? nullptr : check;
       lock.unlock();
       const Clock::time_point now = Clock::now();
-      (void)beats.add(key, 1);  // a store that is gone is the liveness check's to report
+      if (c != nullptr) {
+        std::uint32_t epoch = 0;
+        const std::vector<std::string> keys = c->keys(&epoch);
+        Result<Store::Watched> answer =
+            beats.beat_and_watch(key, keys, kHeartbeatPrefix, kPeerSilence);
+        lock.lock();
+        if (check == c && !stop_checks) {
+          read.emplace(Read{c, epoch, std::move(answer)});
+          check_cv.notify_one();
+        }
+        lock.unlock();
+      } else {
+        (void)beats.add(key, 1);  // a store that is gone is the liveness check's to report
+      }
       const double took = std::chrono::duration<double>(Clock::now() - now).count();
       // A beat this late is most of the way to kPeerSilence: say so before a peer does.
       if (last != Clock::time_point{} && now - last > kPeerSilence / 2)
-        log::warn("heartbeat '{}': {:.1f} s since the previous beat (this add took {:.2f} s); "
+        log::warn("heartbeat '{}': {:.1f} s since the previous beat (this request took {:.2f} s); "
                   "this process was starved or stopped, or the store answered late",
                   key, std::chrono::duration<double>(now - last).count(), took);
       last = now;
       lock.lock();
-      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
+      beat_cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
     }
   }
 
-  // Runs the liveness check every kHeartbeatInterval once watch() set one, until it fails.
+  // Judges each read the beat thread hands over, until a check fails or the checks stop.
   void run_checks() {
     std::unique_lock<std::mutex> lock(mu);
-    while (!stop_checks) {
-      if (std::function<Status()> now = check) {
+    for (;;) {
+      check_cv.wait(lock, [this] { return stop_checks || read.has_value(); });
+      if (stop_checks) return;
+      Read r = std::move(*read);
+      read.reset();
+      if (r.check != check) continue;  // made for a check watch() replaced since
+      lock.unlock();
+      const Status st = r.check->judge(checks, r.answer, r.epoch);
+      lock.lock();
+      if (!st.ok() && check) {
+        lost = st;
+        auto tell = std::move(on_lost);
+        check = nullptr;
+        on_lost = nullptr;
         lock.unlock();
-        const Status st = now();
+        if (tell) tell(st);
         lock.lock();
-        if (!st.ok() && check) {
-          lost = st;
-          auto tell = std::move(on_lost);
-          check = nullptr;
-          on_lost = nullptr;
-          lock.unlock();
-          if (tell) tell(st);
-          lock.lock();
-        }
       }
-      cv.wait_for(lock, kHeartbeatInterval, [this] { return stop_checks; });
     }
   }
 
@@ -152,7 +300,8 @@ struct Heartbeat::State {
       stop_checks = true;
       stop = stop || beats;
     }
-    cv.notify_all();
+    beat_cv.notify_all();
+    check_cv.notify_all();
     if (beats && beat_thread.joinable()) beat_thread.join();
     if (check_thread.joinable()) check_thread.join();
   }
@@ -186,11 +335,11 @@ void Heartbeat::watch(const RankId& who, std::vector<RankId> peers,
                       std::function<void(std::uint32_t)> on_refit_failed) {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
-    s_->check =
-        liveness_check(s_->checks, who, std::move(peers), epochs, std::move(on_refit_failed));
+    s_->check = std::make_shared<LivenessCheck>(who, std::move(peers), epochs,
+                                                std::move(on_refit_failed));
     s_->on_lost = std::move(on_lost);
   }
-  // The checking thread takes it up at its next round (within kHeartbeatInterval).
+  // The next beat (within kHeartbeatInterval) reads for it.
 }
 
 Status Heartbeat::verdict() const {
@@ -219,104 +368,6 @@ std::vector<RankId> rank_ids(const Config& config) {
   for (int g = 0; g < config.engine_ranks(); ++g)
     ids.push_back(RankId::engine(g, config.generation.tp_size));
   return ids;
-}
-
-std::function<Status()> liveness_check(Store& store, const RankId& who,
-                                       std::vector<RankId> peers, RefitEpochs* epochs,
-                                       std::function<void(std::uint32_t)> on_refit_failed) {
-  using Clock = std::chrono::steady_clock;
-  // When the store last answered: a request that times out (a busy host) is fatal only once the
-  // store has not answered for kPeerSilence.
-  auto answered = std::make_shared<Clock::time_point>(Clock::now());
-  std::erase(peers, who);
-  // The peers by heartbeat key: the store names the stale keys, this check names their ranks.
-  std::map<std::string, RankId> by_key;
-  for (const RankId& peer : peers) by_key.emplace(heartbeat_key(peer), peer);
-  std::vector<std::string> keys{kFirstFailure};
-  return [&store, who, by_key = std::move(by_key), keys = std::move(keys), answered, epochs,
-          on_refit_failed = std::move(on_refit_failed)]() mutable -> Status {
-    const RankId store_host = RankId::trainer(0);
-    const auto silent = [&](const Status& why) {
-      const FailureOrigin o{
-          .rank = store_host,
-          .code = StatusCode::kAborted,
-          .kind = FailureKind::kPeerLost,
-          .error = fmt::format("the store it hosts did not answer for {:.1f} s (stopped, hung or "
-                               "cut off; seen by {}): {}",
-                               kPeerSilence.count() / 1000.0, who.name(), why.to_string())};
-      return Status::Aborted("aborted because " + o.rank.name() + ": " + o.error).with_origin(o);
-    };
-    // A failed request: the connection is gone (fatal), or the store is slow (fatal only after
-    // kPeerSilence without an answer; else this round is skipped).
-    const auto failed = [&](const Status& why) {
-      if (why.code() != StatusCode::kTimeout) {
-        // Blamed on the store's host: its process is gone or cut off (had it failed on its own,
-        // its store would have outlived it until this rank read why: linger_after_failure).
-        const FailureOrigin o{
-            .rank = store_host,
-            .code = StatusCode::kAborted,
-            .kind = FailureKind::kPeerLost,
-            .error = fmt::format("lost the control plane (the store it hosts; seen by {}): {}",
-                                 who.name(), why.to_string())};
-        return Status::Aborted("aborted because " + o.describe()).with_origin(o);
-      }
-      if (Clock::now() - *answered >= kPeerSilence) return silent(why);
-      return Status::Ok();
-    };
-    const Status reachable = store.ping(kPeerSilence);
-    if (!reachable.ok() && reachable.code() != StatusCode::kTimeout) return failed(reachable);
-    if (!reachable.ok()) return silent(reachable);
-    *answered = Clock::now();
-    // The run's first failure, the current refit epoch's failure and every heartbeat that stood
-    // still for kPeerSilence, in one request whose answer does not grow with the live ranks.
-    const std::uint32_t epoch = epochs != nullptr ? epochs->current() : 0;
-    if (epochs != nullptr) keys.push_back(RefitEpochs::key(epoch));
-    auto watched = store.watch(keys, "heartbeat/", kPeerSilence);
-    if (epochs != nullptr) keys.pop_back();
-    if (!watched.ok()) return failed(watched.status());
-    const std::vector<std::optional<std::string>>& values = watched->values;
-    if (epochs != nullptr) {
-      const std::optional<std::string>& refit = values.back();
-      if (refit.has_value() && epochs->seen(epoch, *refit) && on_refit_failed)
-        on_refit_failed(epoch);
-    }
-    if (const std::optional<std::string>& first = values[0]; first.has_value()) {
-      const FailureOrigin o = read_record(*first);
-      if (!(o.rank == who))
-        return Status::Aborted("aborted because " + o.describe()).with_origin(o);
-    }
-    for (const Store::Stale& s : watched->stale) {
-      const auto it = by_key.find(s.key);
-      if (it == by_key.end()) continue;  // this rank, or no rank of this run
-      const RankId& peer = it->second;
-      // Closed: the kernel closed its connections (it exited or was killed), told at once.
-      // Otherwise its heartbeat stood still with the connection open.
-      const char* state = s.closed ? "exited" : "stopped";
-      const std::string detail =
-          s.closed ? fmt::format("its connection to the control plane closed without leaving "
-                                 "(seen by {}; the process exited or was killed)",
-                                 who.name())
-                   : fmt::format("no heartbeat for {:.1f} s (seen by {}; the process is stopped, "
-                                 "hung or cut off)",
-                                 std::chrono::duration<double>(s.age).count(), who.name());
-      // The error it kept before it went (a refused registration), when it kept one.
-      std::string noted_error;
-      if (auto noted = store.try_get(noted_error_key(peer));
-          noted.ok() && noted->has_value() && !(*noted)->empty())
-        noted_error = fmt::format(" after its error: {};", read_record(**noted).error);
-      const FailureOrigin gone{
-          .rank = peer,
-          .code = StatusCode::kAborted,
-          .kind = FailureKind::kPeerLost,
-          .error = noted_error.empty()
-                       ? fmt::format("aborted: {}: {}", state, detail)
-                       : fmt::format("aborted: {}{} {}", state, noted_error, detail)};
-      announce_failure(&store, gone);
-      // The same words as every rank that reads the record: one line to grep for, whoever saw it.
-      return Status::Aborted("aborted because " + gone.describe()).with_origin(gone);
-    }
-    return Status::Ok();
-  };
 }
 
 Status with_root_cause(Store* store, const RankId& who, const Status& status) {

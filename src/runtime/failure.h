@@ -39,9 +39,10 @@ std::string noted_error_key(const RankId& who);
 
 // Heartbeats: every rank adds 1 to "heartbeat/<its mailbox id>" every kHeartbeatInterval from a
 // thread of its own, for as long as it lives (a stopped or hung process stops beating; a busy one
-// does not). A rank that leaves cleanly sets the key to "left".
+// does not). A rank that leaves cleanly sets the key to "left". Once it watches its peers, each
+// beat carries its liveness read: one store request per rank and interval.
 inline constexpr std::chrono::milliseconds kHeartbeatInterval{500};
-// A peer whose heartbeat stood still this long, or a store that did not answer a ping this long,
+// A peer whose heartbeat stood still this long, or a store that did not answer a beat this long,
 // counts as gone. Every waiting rank checks every 500 ms, so a stopped peer is noticed within
 // kPeerSilence + 0.5 s.
 inline constexpr std::chrono::milliseconds kPeerSilence{5000};
@@ -82,8 +83,9 @@ class Heartbeat {
  public:
   // Beats through `store`, a connection of its own whose requests time out within a couple of
   // seconds, so that a stopped store host cannot hold up this process's exit. The liveness
-  // check (watch()) runs on a thread of its own over `checks` (null: `store`), which must outlive
-  // this object: a check waiting on a slow store never delays a beat.
+  // check (watch()) judges what the beats read on a thread of its own, and makes a failure's
+  // follow-up requests over `checks` (null: `store`), which must outlive this object: a check
+  // busy with a failure never delays a beat.
   Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& who);
   ~Heartbeat();  // stops beating (without "left": call leave() for a clean exit)
   Heartbeat(const Heartbeat&) = delete;
@@ -95,12 +97,23 @@ class Heartbeat {
   // Stops the checks alone (the only thread that calls `on_lost`); the beats go on, so that peers
   // see this rank alive until it stops beating or closes its connection.
   void stop_checks();
-  // From now on runs liveness_check(who, peers) every beat interval (the first within one), over
-  // `checks`, and on its first failure calls `on_lost` once (from the checking thread). The
-  // runtime aborts its collectives there, so that a rank blocked inside a Gloo or NCCL operation
-  // with a peer that fell silent is woken instead of waiting out refit.timeout_s.
-  // With `epochs`, each check also reads the current refit epoch's failure key, and calls
-  // `on_refit_failed(epoch)` once when it appears.
+  // From now on each beat also reads what the liveness check of `who` among `peers` needs
+  // (Store::beat_and_watch, the first within one interval), and the checking thread judges it
+  // (`checks` serves a failure's follow-up requests). The check fails when:
+  //  - another process recorded the run's first failure;
+  //  - the store (hosted by trainer rank 0) did not answer for kPeerSilence, which is blamed on
+  //    trainer rank 0; a read that times out before that is skipped (a busy store is not a dead
+  //    one), and a connection that breaks is fatal at once;
+  //  - one of `peers` beat at least once and then not for kPeerSilence, or its connections
+  //    closed without leaving. This is recorded as that peer's failure ("<peer>: aborted:
+  //    stopped: no heartbeat for 5.0 s (seen by <who>; ...)", or "exited: ..."), with the error
+  //    it kept under noted_error_key(peer) when it kept one ("exited after its error: ...").
+  // On its first failure it calls `on_lost` once (from the checking thread). The runtime aborts
+  // its collectives there, so that a rank blocked inside a Gloo or NCCL operation with a peer
+  // that fell silent is woken instead of waiting out refit.timeout_s.
+  // The read does not grow with the number of live ranks: the store keeps when each heartbeat
+  // last changed and answers with the stale ones. With `epochs`, it also reads the current refit
+  // epoch's failure key, and `on_refit_failed(epoch)` runs once when it appears.
   void watch(const RankId& who, std::vector<RankId> peers,
              std::function<void(const Status&)> on_lost, RefitEpochs* epochs = nullptr,
              std::function<void(std::uint32_t)> on_refit_failed = {});
@@ -116,12 +129,12 @@ class Heartbeat {
 
 // The connections a rank's liveness needs besides its main store connection, both with requests
 // bounded by kBeatRequestTimeout so that a stopped store host cannot hold the rank: `probe` for
-// liveness checks and failure records, and the heartbeat of rank `who`, which has its own. Their
+// failure records (and what a failed liveness check asks besides), and the heartbeat of rank `who`, which has its own. Their
 // first contact waits up to `connect_timeout` (refit.timeout_s): under a burst of ranks starting at
 // once the store answers late, and a busy store is not a dead one.
 struct LivenessConnections {
   std::unique_ptr<Store> probe;
-  std::unique_ptr<Heartbeat> heartbeat;  // checks over `probe`: keep it the longer
+  std::unique_ptr<Heartbeat> heartbeat;  // its checks' follow-ups over `probe`: keep it the longer
 };
 // Connects a store client (the run's keys are the connector's to add).
 using ConnectStoreFn = std::function<Result<std::unique_ptr<Store>>(const StoreClientOptions&)>;
@@ -131,26 +144,6 @@ Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
 
 // Every rank of the run `config` describes: trainer ranks, then engine ranks.
 std::vector<RankId> rank_ids(const Config& config);
-
-// A liveness check for waits on the control plane (mailboxes, store gets, group rendezvous). It
-// fails when:
-//  - another process recorded the run's first failure;
-//  - the store (hosted by trainer rank 0) does not answer a ping within kPeerSilence, which is
-//    blamed on trainer rank 0;
-//  - one of `peers` beat at least once and then not for kPeerSilence, or its connections closed
-//    without leaving. This is recorded as that peer's failure ("<peer>: aborted: stopped: no
-//    heartbeat for 5.0 s (seen by <who>; ...)", or "exited: ..."), with the error it kept under
-//    noted_error_key(peer) when it kept one ("exited after its error: <error>; ...").
-// Call it every few hundred ms. A check costs two store requests (a ping, and one Store::watch
-// that reads the first failure and asks the store for every heartbeat that stood still), and
-// neither request nor answer grows with the number of live ranks: the store keeps when each
-// heartbeat last changed.
-// With `epochs`, the same request reads the current refit epoch's failure key (RefitEpochs), and
-// `on_refit_failed(epoch)` runs once when it appears.
-std::function<Status()> liveness_check(Store& store, const RankId& who,
-                                       std::vector<RankId> peers = {},
-                                       RefitEpochs* epochs = nullptr,
-                                       std::function<void(std::uint32_t)> on_refit_failed = {});
 
 // The check a rank's waits run (mailboxes, store gets, group rendezvous): the heartbeat watch's
 // verdict, then the current refit epoch's failure once another rank recorded it (kAborted).
