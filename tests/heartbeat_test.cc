@@ -135,5 +135,27 @@ TEST(Heartbeat, OneStoreRequestPerBeatCarriesTheLivenessCheck) {
   EXPECT_GT(probe->requests(), probe_before);
 }
 
+// A rank whose heartbeat key holds no counter (another process of the same rank left under it) is
+// refused by the store: its check fails in its own name, not as a lost store.
+TEST(Heartbeat, ABeatTheStoreRefusesFailsTheRankItself) {
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  auto probe = client((*server)->port());
+  auto beats = client((*server)->port());
+  ASSERT_TRUE(probe && beats);
+  ASSERT_TRUE(probe->set("heartbeat/" + RankId::trainer(1).mailbox(), "left").ok());
+  Heartbeat heartbeat(std::move(beats), probe.get(), RankId::trainer(1));
+  std::atomic<int> lost{0};
+  heartbeat.watch(RankId::trainer(1), {RankId::trainer(0), RankId::trainer(1)},
+                  [&](const Status&) { ++lost; });
+  for (int k = 0; k < 40 && lost.load() == 0; ++k) std::this_thread::sleep_for(100ms);
+  ASSERT_EQ(lost.load(), 1) << "the refused beat was not noticed within 4 s";
+  const std::string verdict = heartbeat.verdict().to_string();
+  EXPECT_NE(verdict.find("trainer rank 1: the store refused its heartbeat"), std::string::npos)
+      << verdict;
+  EXPECT_NE(verdict.find("is not an integer: 'left'"), std::string::npos) << verdict;
+  EXPECT_EQ(verdict.find("lost the control plane"), std::string::npos) << verdict;
+}
+
 }  // namespace
 }  // namespace refit

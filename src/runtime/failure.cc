@@ -150,6 +150,11 @@ class LivenessCheck {
   // has not answered for kPeerSilence; until then the read is skipped).
   Status failed(Store& store, const Status& why) {
     const RankId store_host = RankId::trainer(0);
+    // Refused, not lost: this rank's heartbeat key holds no counter (another process of the same
+    // rank left under it). This rank's own failure.
+    if (why.code() == StatusCode::kInvalidArgument)
+      return Status::Aborted(fmt::format("{}: the store refused its heartbeat: {}", who_.name(),
+                                         why.message()));
     if (why.code() != StatusCode::kTimeout) {
       // Blamed on the store's host: its process is gone or cut off (had it failed on its own,
       // its store would have outlived it until this rank read why: linger_after_failure).
