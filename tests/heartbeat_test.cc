@@ -53,18 +53,35 @@ std::unique_ptr<Store> client(int port) {
   return c.ok() ? std::move(c).value() : nullptr;
 }
 
+// A store server and a test's connections to it: the rank's liveness probe and heartbeat, a peer
+// rank's, and a watcher's.
+struct Connections {
+  std::unique_ptr<StoreServer> server;
+  std::unique_ptr<Store> probe, beats, peer, watcher;
+  bool ok() const { return server && probe && beats && peer && watcher; }
+};
+
+Connections connect_all() {
+  Connections c;
+  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+  EXPECT_TRUE(server.ok()) << server.status().to_string();
+  if (!server.ok()) return c;
+  c.server = std::move(server).value();
+  c.probe = client(c.server->port());
+  c.beats = client(c.server->port());
+  c.peer = client(c.server->port());
+  c.watcher = client(c.server->port());
+  return c;
+}
+
 // Trainer rank 0 beats for a while, then falls silent. Trainer rank 1's check then names it, and
 // is slow about it: the follow-up read of its kept error takes 1.5 s and on_lost (where the
 // runtime closes its collectives) 3 s more. Had the beats waited for the check, trainer rank 1's
 // counter would stand still for 4.5 s; the watcher asks for counters still for 2 s.
 TEST(Heartbeat, BeatsOnWhileItsCheckIsBusyWithAFailure) {
-  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
-  ASSERT_TRUE(server.ok()) << server.status().to_string();
-  auto probe = client((*server)->port());
-  auto beats = client((*server)->port());
-  auto peer = client((*server)->port());
-  auto watcher = client((*server)->port());
-  ASSERT_TRUE(probe && beats && peer && watcher);
+  Connections c = connect_all();
+  ASSERT_TRUE(c.ok());
+  auto& [server, probe, beats, peer, watcher] = c;
   SlowFollowUps slow(*probe, 1500ms);
   Heartbeat heartbeat(std::move(beats), &slow, RankId::trainer(1));
   std::atomic<int> lost{0};
@@ -97,13 +114,9 @@ TEST(Heartbeat, BeatsOnWhileItsCheckIsBusyWithAFailure) {
 // are exactly the beats the store counted, and the probe connection serves nothing until a check
 // fails. Then a peer that exits is named from those reads alone.
 TEST(Heartbeat, OneStoreRequestPerBeatCarriesTheLivenessCheck) {
-  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
-  ASSERT_TRUE(server.ok()) << server.status().to_string();
-  auto probe = client((*server)->port());
-  auto beats = client((*server)->port());
-  auto peer = client((*server)->port());
-  auto watcher = client((*server)->port());
-  ASSERT_TRUE(probe && beats && peer && watcher);
+  Connections c = connect_all();
+  ASSERT_TRUE(c.ok());
+  auto& [server, probe, beats, peer, watcher] = c;
   const Store* beat_connection = beats.get();
   const std::int64_t beats_before = beat_connection->requests();
   const std::int64_t probe_before = probe->requests();
@@ -138,11 +151,9 @@ TEST(Heartbeat, OneStoreRequestPerBeatCarriesTheLivenessCheck) {
 // A rank whose heartbeat key holds no counter (another process of the same rank left under it) is
 // refused by the store: its check fails in its own name, not as a lost store.
 TEST(Heartbeat, ABeatTheStoreRefusesFailsTheRankItself) {
-  auto server = StoreServer::start("127.0.0.1", 0, nullptr);
-  ASSERT_TRUE(server.ok()) << server.status().to_string();
-  auto probe = client((*server)->port());
-  auto beats = client((*server)->port());
-  ASSERT_TRUE(probe && beats);
+  Connections c = connect_all();
+  ASSERT_TRUE(c.ok());
+  auto& [server, probe, beats, peer, watcher] = c;
   ASSERT_TRUE(probe->set("heartbeat/" + RankId::trainer(1).mailbox(), "left").ok());
   Heartbeat heartbeat(std::move(beats), probe.get(), RankId::trainer(1));
   std::atomic<int> lost{0};

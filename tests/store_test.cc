@@ -44,6 +44,18 @@ std::unique_ptr<Store> connect(int port, std::chrono::milliseconds timeout = 5s)
 }
 
 // A port that was just free: a server bound it and went away.
+// The counters under "heartbeat/" a watch reports, once it reports any: a closed connection
+// reaches the server as a connection event, so this waits for it in rounds (at most 5 s).
+std::vector<Store::Stale> closed_counters(Store& watcher) {
+  for (int round = 0; round < 100; ++round) {
+    auto w = watcher.watch({}, "heartbeat/", std::chrono::hours(1));
+    EXPECT_TRUE(w.ok()) << w.status().to_string();
+    if (!w.ok() || !w->stale.empty()) return w.ok() ? w->stale : std::vector<Store::Stale>{};
+    std::this_thread::sleep_for(50ms);
+  }
+  return {};
+}
+
 int vacated_port() {
   auto server = start_server();
   return server ? server->port() : 0;
@@ -172,14 +184,7 @@ TEST(Store, WatchNamesTheCountersWhoseConnectionClosedWithoutLeaving) {
   ASSERT_TRUE(leaver->set("heartbeat/engine/2", "left").ok());
   gone.reset();
   leaver.reset();
-  std::vector<Store::Stale> stale;
-  // The close reaches the server as a connection event: bounded wait for it, in rounds.
-  for (int round = 0; round < 100 && stale.empty(); ++round) {
-    auto w = watcher->watch({}, "heartbeat/", std::chrono::hours(1));
-    ASSERT_TRUE(w.ok()) << w.status().to_string();
-    stale = w->stale;
-    if (stale.empty()) std::this_thread::sleep_for(50ms);
-  }
+  const std::vector<Store::Stale> stale = closed_counters(*watcher);
   ASSERT_EQ(stale.size(), 1u);
   EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
   EXPECT_TRUE(stale[0].closed);
@@ -226,13 +231,7 @@ TEST(Store, ABeatCarriesTheWatchInOneRequestAndCountsForItsConnection) {
             std::string::npos)
       << bad.status().to_string();
   rank.reset();  // exits without leaving
-  std::vector<Store::Stale> stale;
-  for (int round = 0; round < 100 && stale.empty(); ++round) {
-    auto r = watcher->watch({}, "heartbeat/", std::chrono::hours(1));
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
-    stale = r->stale;
-    if (stale.empty()) std::this_thread::sleep_for(50ms);
-  }
+  const std::vector<Store::Stale> stale = closed_counters(*watcher);
   ASSERT_EQ(stale.size(), 1u);
   EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
   EXPECT_TRUE(stale[0].closed);
