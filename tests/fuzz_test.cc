@@ -157,7 +157,7 @@ TEST(Fuzz, ControlMessageDecoders) {
       "committed",
       fuzz(105,
            encode(CommittedMessage{
-               .step = 2, .apply_s = 0.5, .checksums = "trainer/0=ab", .checksum_sum = 0xab}),
+               .step = 2, .apply_s = 0.5, .checksums = "trainer/0=ab", .checksum_sums = PairSums(0xab, 0xcd, 0xef)}),
            true, [&](const std::string& p) { return decode_committed(p, from).ok(); }));
   const FailureOrigin failed{
       .rank = RankId::engine(3, 2), .code = StatusCode::kCorruption, .error = "x"};

@@ -12,6 +12,46 @@
 namespace refit {
 namespace {
 
+// refit.checksum's sums (common/pair_sums.h): 300 feeders' checksums, as sent and as landed. One
+// damaged pair is named whichever it is, however it changed; several are not taken for one (two
+// damaged alike among them); the sums do not depend on the order of the pairs.
+TEST(PairSums, NameTheOneDamagedPairAndNoPairForSeveral) {
+  std::vector<std::uint64_t> checksums;
+  std::uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (int t = 0; t < 300; ++t) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    checksums.push_back(x);
+  }
+  PairSums sent, reversed;
+  for (int t = 0; t < 300; ++t) sent.add(checksums[static_cast<std::size_t>(t)], t);
+  for (int t = 299; t >= 0; --t) reversed.add(checksums[static_cast<std::size_t>(t)], t);
+  EXPECT_EQ(sent, reversed);
+  EXPECT_TRUE(sent.valid());
+  EXPECT_EQ(PairSums::damaged_feeder(sent, sent), std::nullopt);
+  const auto landed_with = [&](const std::map<int, std::uint64_t>& damage) {
+    PairSums landed;
+    for (int t = 0; t < 300; ++t) {
+      const auto d = damage.find(t);
+      landed.add(checksums[static_cast<std::size_t>(t)] + (d != damage.end() ? d->second : 0), t);
+    }
+    return landed;
+  };
+  for (int t : {0, 1, 137, 299})
+    for (std::uint64_t by : {std::uint64_t{1}, std::uint64_t{0x12345}, ~std::uint64_t{0}}) {
+      const PairSums landed = landed_with({{t, by}});
+      EXPECT_NE(landed, sent);
+      EXPECT_EQ(PairSums::damaged_feeder(sent, landed), std::optional<int>(t)) << t << " " << by;
+    }
+  // {10, 20} by the same amount: the first weighted sum alone would name trainer rank 15.
+  for (const auto& several : std::vector<std::map<int, std::uint64_t>>{
+           {{3, 1}, {4, 1}}, {{10, 9}, {20, 9}}, {{0, 77}, {299, 5}}, {{10, 1}, {20, 2}, {30, 3}}}) {
+    const PairSums landed = landed_with(several);
+    EXPECT_NE(landed, sent);
+    const std::optional<int> named = PairSums::damaged_feeder(sent, landed);
+    EXPECT_TRUE(!named || *named >= 300) << "several damaged pairs named trainer rank " << *named;
+  }
+}
+
 TEST(Messages, RoundTrip) {
   const BeginMessage b{.step = 7, .version = "v7", .verify = true, .raw = false, .buckets = 3};
   auto b2 = decode_begin(encode(b), "trainer/0");
@@ -105,18 +145,22 @@ TEST(Messages, RoundTrip) {
                            .step = 2,
                            .apply_s = 0.25,
                            .checksums = encode_pair_checksums({{"trainer/1", "00000000000000ff"}}),
-                           .checksum_sum = 0xff}),
+                           .checksum_sums = PairSums(0xff, 0x1fe, 0x3fc)}),
                        "engine/0");
   ASSERT_TRUE(cd.ok());
   EXPECT_EQ(cd->step, 2);
   EXPECT_DOUBLE_EQ(cd->apply_s, 0.25);
-  EXPECT_EQ(cd->checksum_sum, std::optional<std::uint64_t>(0xff));
+  EXPECT_EQ(cd->checksum_sums, std::optional<PairSums>(PairSums(0xff, 0x1fe, 0x3fc)));
   auto by_feeder = decode_pair_checksums(cd->checksums, "engine/0");
   ASSERT_TRUE(by_feeder.ok()) << by_feeder.status().to_string();
   EXPECT_EQ(*by_feeder, (std::map<std::string, std::string>{{"trainer/1", "00000000000000ff"}}));
   auto unsummed = decode_committed(encode(CommittedMessage{.step = 2}), "engine/0");
   ASSERT_TRUE(unsummed.ok()) << unsummed.status().to_string();
-  EXPECT_FALSE(unsummed->checksum_sum.has_value());
+  EXPECT_FALSE(unsummed->checksum_sums.has_value());
+  // Sums at or past 2^61 - 1 are no sums of pair checksums.
+  auto past = nlohmann::json::parse(encode(CommittedMessage{.step = 2}));
+  past["checksum_sums"] = {PairSums::kPrime, 1, 1};
+  EXPECT_FALSE(decode_committed(past.dump(), "engine/0").ok());
 
   // Between trainer ranks (transfer plan).
   const FailureOrigin refused{
@@ -174,13 +218,13 @@ TEST(Messages, RoundTrip) {
   no_delta.erase("delta");
   EXPECT_FALSE(decode_engines_paused(no_delta.dump(), "trainer/0").ok());
 
-  auto sent = decode_sent(encode(SentMessage{.step = 4,
-                                             .checksums = "engine/1=00000000000000ff",
-                                             .sums = {{"engine/1", ~std::uint64_t{0}}}}),
-                          "trainer/2");
+  const PairSums top(PairSums::kPrime - 1, 7, 0);
+  auto sent = decode_sent(encode(SentMessage{.step = 4, .sums = {{"engine/1", top}}}), "trainer/2");
   ASSERT_TRUE(sent.ok()) << sent.status().to_string();
-  EXPECT_EQ(sent->checksums, "engine/1=00000000000000ff");
-  EXPECT_EQ(sent->sums.at("engine/1"), ~std::uint64_t{0});
+  EXPECT_EQ(sent->sums.at("engine/1"), top);
+  auto one_sum = nlohmann::json::parse(encode(SentMessage{.step = 4}));
+  one_sum["sums"] = {{"engine/1", 5}};
+  EXPECT_FALSE(decode_sent(one_sum.dump(), "trainer/2").ok());
   auto done = decode_refit_done(
       encode(RefitDoneMessage{.step = 4, .failed = std::nullopt, .apply_s = 0.5}), "trainer/0");
   ASSERT_TRUE(done.ok()) << done.status().to_string();

@@ -91,12 +91,14 @@ TEST(RuntimeRecovery, ChecksumMismatchP2pThenRecovers) {
   expect_recovers({.executor = "p2p", .checksum = true}, "corrupt:1", 1,
                   "checksum mismatch in refit step 1");
 }
-// Trainer rank 0 compares each engine rank's sum of its feeders' checksums with the sum the
-// feeders sent, summed on the way up by the trainer relays (5 trainer ranks: groups {0, 1, 2} and
-// {3, 4}, trainer rank 3 relaying); only a sum that differs is taken apart, to name the pair.
+// Trainer rank 0 compares each engine rank's sums of its feeders' checksums with the sums the
+// feeders sent, added up on the way by the trainer relays (5 trainer ranks: groups {0, 1, 2} and
+// {3, 4}, trainer rank 3 relaying); no per-pair checksum travels, and the weighted sums still name
+// the pair (common/pair_sums.h).
 TEST(RuntimeRecovery, ChecksumMismatchThroughTrainerRelaysNamesThePair) {
   expect_recovers({.world_size = 5, .num_engines = 2, .checksum = true}, "corrupt:1", 1,
-                  "checksum mismatch in refit step 1: the bytes trainer rank 2 sent (checksum ");
+                  "checksum mismatch in refit step 1: the bytes trainer rank 2 sent did not "
+                  "arrive as sent");
 }
 TEST(RuntimeRecovery, FailedVerificationThenRecovers) {
   // The verification hook's failure is the refit's, not the session's.

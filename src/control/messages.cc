@@ -25,6 +25,21 @@ std::string dump(Json j) {
   return j.dump();
 }
 
+// PairSums on the wire: [sum, first, second], each below PairSums::kPrime.
+Json pair_sums_json(const PairSums& s) { return Json::array({s.sum(), s.first(), s.second()}); }
+
+Result<PairSums> pair_sums_from(const Json& j, const char* message, const std::string& field,
+                                const std::string& from) {
+  if (j.is_array() && j.size() == 3 && j[0].is_number_unsigned() && j[1].is_number_unsigned() &&
+      j[2].is_number_unsigned()) {
+    const PairSums s(j[0].get<std::uint64_t>(), j[1].get<std::uint64_t>(),
+                     j[2].get<std::uint64_t>());
+    if (s.valid()) return s;
+  }
+  return protocol_error(fmt::format(
+      "{} message from {}: {} is not three checksum sums below 2^61 - 1", message, from, field));
+}
+
 Result<FailureOrigin> decode_failure_json(const Json& j, const char* message,
                                           const std::string& from);
 
@@ -277,7 +292,9 @@ std::string encode(const EnginesPausedMessage& m) {
                {"group_delta", std::move(group)}});
 }
 std::string encode(const SentMessage& m) {
-  return dump({{"step", m.step}, {"checksums", m.checksums}, {"sums", m.sums}});
+  Json sums = Json::object();
+  for (const auto& [target, s] : m.sums) sums[target] = pair_sums_json(s);
+  return dump({{"step", m.step}, {"sums", std::move(sums)}});
 }
 std::string encode(const RefitDoneMessage& m) {
   return dump({{"step", m.step},
@@ -302,7 +319,7 @@ std::string encode(const CommittedMessage& m) {
                {"apply_s", m.apply_s},
                {"pause_s", m.pause_s},
                {"checksums", m.checksums},
-               {"checksum_sum", m.checksum_sum ? Json(*m.checksum_sum) : Json()}});
+               {"checksum_sums", m.checksum_sums ? pair_sums_json(*m.checksum_sums) : Json()}});
 }
 std::string encode(const VerifiedMessage& m) {
   return dump({{"step", m.step}, {"failed", failure_json(m.failed)}});
@@ -520,16 +537,13 @@ Result<SentMessage> decode_sent(const std::string& payload, const std::string& f
   Reader r(payload, "sent", from);
   SentMessage m;
   r.get("step", m.step);
-  r.get("checksums", m.checksums);
   if (!r.status().ok()) return r.status();
   const auto sums = r.json().find("sums");
   if (sums == r.json().end() || !sums->is_object())
     return protocol_error(fmt::format("sent message from {} has no object 'sums'", from));
-  for (const auto& [target, sum] : sums->items()) {
-    if (!sum.is_number_unsigned())
-      return protocol_error(fmt::format(
-          "sent message from {}: the sum for '{}' is not an unsigned integer", from, target));
-    m.sums[target] = sum.get<std::uint64_t>();
+  for (const auto& [target, s] : sums->items()) {
+    REFIT_ASSIGN_OR_RETURN(m.sums[target],
+                           pair_sums_from(s, "sent", fmt::format("sums of '{}'", target), from));
   }
   return m;
 }
@@ -591,12 +605,15 @@ Result<CommittedMessage> decode_committed(const std::string& payload, const std:
   r.get("pause_s", m.pause_s);
   r.get("checksums", m.checksums);
   if (!r.status().ok()) return r.status();
-  const auto sum = r.json().find("checksum_sum");
-  if (sum == r.json().end() || !(sum->is_null() || sum->is_number_unsigned()))
-    return protocol_error(fmt::format(
-        "committed message from {} has no field 'checksum_sum' (an unsigned integer or null)",
-        from));
-  if (!sum->is_null()) m.checksum_sum = sum->get<std::uint64_t>();
+  const auto sums = r.json().find("checksum_sums");
+  if (sums == r.json().end())
+    return protocol_error(
+        fmt::format("committed message from {} has no field 'checksum_sums'", from));
+  if (!sums->is_null()) {
+    REFIT_ASSIGN_OR_RETURN(PairSums s,
+                           pair_sums_from(*sums, "committed", "checksum_sums", from));
+    m.checksum_sums = s;
+  }
   return m;
 }
 

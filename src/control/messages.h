@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/pair_sums.h"
 #include "control/message_types.h"
 #include "refit/status.h"
 #include "refit/version.h"
@@ -147,22 +148,19 @@ struct EnginesPausedMessage {
   std::map<int, std::vector<DeltaBase>> group_delta;
 };
 
-// refit.checksum's checksums of the pairs of one rank as they travel (SentMessage,
-// CommittedMessage): "<peer mailbox id>=<16 hex digits>" joined by ',', one string, so that a rank
-// that compares only their sums never takes them apart (docs/protocol.md, "Relays").
+// refit.checksum's checksums of the pairs of one engine rank as they travel without the transfer
+// plan (CommittedMessage, to its feeders): "<peer mailbox id>=<16 hex digits>" joined by ','.
 std::string encode_pair_checksums(const std::map<std::string, std::string>& by_peer);
 Result<std::map<std::string, std::string>> decode_pair_checksums(const std::string& encoded,
                                                                  const std::string& from);
 
 // trainer rank -> trainer rank 0 (transfer plan; through its group's relay): every byte this rank
-// sends in refit `step` moved. With refit.checksum, `checksums` holds its checksum of what it sent
-// each target (encode_pair_checksums), and `sums` per target the sum (mod 2^64) of the checksums
-// of its pairs — a trainer relay's, of its whole group's pairs — which trainer rank 0 compares
-// with each engine rank's sum.
+// sends in refit `step` moved. With refit.checksum, `sums` holds per target the PairSums of its
+// checksums of what it sent there — a trainer relay's, of its whole group's pairs, and none in
+// the members' sent it hands on — which trainer rank 0 compares with each engine rank's.
 struct SentMessage {
   int step = 0;
-  std::string checksums;
-  std::map<std::string, std::uint64_t> sums;
+  std::map<std::string, PairSums> sums;
 };
 
 // trainer rank 0 -> every other trainer rank (transfer plan): refit `step` is over on every
@@ -210,12 +208,13 @@ struct CommittedMessage {
   // Seconds generation has been paused in this refit so far (complete when the engine published
   // at its commit; else the outcome-heard carries the whole pause).
   double pause_s = 0;
-  // refit.checksum: this engine rank's checksum (common/checksum.h) of every byte each feeder sent
-  // it in this refit, by the feeder's mailbox id (encode_pair_checksums), and their sum (mod
-  // 2^64); empty and unset when checksums are off. Trainer rank 0 compares the sum with what the
-  // feeders sent (SentMessage), and each checksum with its feeder's only when the sums differ.
+  // refit.checksum: this engine rank's checksums (common/checksum.h) of the bytes each feeder sent
+  // it in this refit, added up (PairSums; unset when checksums are off), which trainer rank 0
+  // compares with the feeders' (SentMessage) under the transfer plan; without it, the checksums
+  // themselves by feeder mailbox id (encode_pair_checksums; empty with the transfer plan), which
+  // each feeder compares with its own.
   std::string checksums;
-  std::optional<std::uint64_t> checksum_sum;
+  std::optional<PairSums> checksum_sums;
 };
 
 // engine -> feeder: the verification verdict of refit `step`.

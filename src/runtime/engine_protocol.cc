@@ -327,14 +327,18 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   // refit.staged: every engine rank of the refit applies, or the refit fails on every one.
   const bool staged = weights_.staged();
   const bool agreed = !raw && (begin_.verify || checksums || staged);
-  std::map<std::string, std::string> landed;  // per feeder
-  std::optional<std::uint64_t> landed_sum;    // of every feeder's (mod 2^64)
+  // With the transfer plan, trainer rank 0 compares the sums; without it, each feeder its own.
+  std::map<std::string, std::string> landed;  // per feeder, without the transfer plan
+  std::optional<PairSums> landed_sums;        // with it
   if (checksums) {
-    landed_sum = 0;
+    const bool plan = executor_.pause_handshake();
+    if (plan) landed_sums.emplace();
     for (std::size_t i = 0; i < feeders_.size(); ++i) {
       REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_.checksum_from(i, landing_->ptrs()));
-      landed[feeders_[i]] = fmt::format("{:016x}", sum);
-      *landed_sum += sum;
+      if (plan)
+        landed_sums->add(sum, executor_.feeders()[i].rank);
+      else
+        landed[feeders_[i]] = fmt::format("{:016x}", sum);
     }
   }
   // A bench's bare pass copies the staging area in without hooks.
@@ -354,7 +358,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
                                                       .apply_s = stats_.apply_s,
                                                       .pause_s = stats_.pause_s,
                                                       .checksums = encode_pair_checksums(landed),
-                                                      .checksum_sum = landed_sum}),
+                                                      .checksum_sums = landed_sums}),
                               core_.timeout(), {kVerified}));
   phase_ = Phase::kCommitted;
   log::debug("{}: acknowledged the commit of refit step {}", core_.id(), step);

@@ -223,15 +223,12 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   REFIT_RETURN_IF_ERROR(bytes_moved(begin));
   phase_ = Phase::kSent;
   const bool checksums = core_.config().refit.checksum && executor_.checksums() && !begin.raw;
-  // refit.checksum: what every trainer rank sent each target (encoded, by trainer mailbox id), and
-  // per target the sum of its pairs' checksums. The sums come from the ranks trainer rank 0 hears
-  // directly: a trainer relay's covers its whole group.
-  std::map<std::string, std::string> sent;
-  std::map<std::string, std::uint64_t> expected;
-  auto take_sent = [&](const std::string& from, SentMessage s) {
+  // refit.checksum: per target, the PairSums of what every trainer rank sent it. They come from
+  // the ranks trainer rank 0 hears directly: a trainer relay's cover its whole group.
+  std::map<std::string, PairSums> expected;
+  auto take_sent = [&](const std::string& from, const SentMessage& s) {
     if (sums_from_.count(from) != 0)
-      for (const auto& [target, sum] : s.sums) expected[target] += sum;
-    sent[from] = std::move(s.checksums);
+      for (const auto& [target, sums] : s.sums) expected[target].add(sums);
   };
   REFIT_RETURN_IF_ERROR(
       inbox_
@@ -243,14 +240,14 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
                        return Status::Corruption(
                            fmt::format("{}: {} sent the bytes of refit step {} in step {}",
                                        core_.id(), m.from, s.step, step));
-                     take_sent(m.from, std::move(s));
+                     take_sent(m.from, s);
                      return Status::Ok();
                    })
           .status());
   if (!begin.raw) core_.probe().before_commit(step);
   if (checksums) {
     REFIT_ASSIGN_OR_RETURN(SentMessage mine, sent_message(step, shards));
-    take_sent(core_.self().mailbox(), std::move(mine));
+    take_sent(core_.self().mailbox(), mine);
   }
   REFIT_RETURN_IF_ERROR(
       send_to_each(core_.mailbox(), engine_relays_, kCommit, encode(CommitMessage{.step = step})));
@@ -266,10 +263,11 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
     if (!checksums || failure) continue;
-    // An engine rank no trainer rank sent to expects the empty sum.
+    // An engine rank no trainer rank sent to expects the empty sums.
     const auto want = expected.find(ack.from);
-    if (c.checksum_sum && *c.checksum_sum == (want != expected.end() ? want->second : 0)) continue;
-    REFIT_ASSIGN_OR_RETURN(failure, checksum_mismatch(step, ack.from, c, sent));
+    const PairSums sent = want != expected.end() ? want->second : PairSums();
+    if (c.checksum_sums == sent) continue;
+    failure = checksum_mismatch(step, ack.from, c.checksum_sums, sent);
   }
   log::debug("{}: every engine rank acknowledged the commit of refit step {}", core_.id(), step);
   phase_ = Phase::kCommitted;
@@ -381,7 +379,7 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
     for (Message& m : all_sent) {
       REFIT_ASSIGN_OR_RETURN(SentMessage theirs, decode_sent(m.payload, m.from));
       if (theirs.sums.empty()) continue;
-      for (const auto& [target, sum] : theirs.sums) sent.sums[target] += sum;
+      for (const auto& [target, sums] : theirs.sums) sent.sums[target].add(sums);
       theirs.sums.clear();
       m.payload = encode(theirs);
     }
@@ -444,43 +442,40 @@ Status TrainerRefitProtocol::take_answers(int step, std::vector<PausedMessage>& 
 
 Result<SentMessage> TrainerRefitProtocol::sent_message(int step, const std::vector<void*>& shards) {
   SentMessage sent{.step = step};
-  std::map<std::string, std::string> pairs;
   for (std::size_t i = 0; i < targets_.size(); ++i) {
     REFIT_ASSIGN_OR_RETURN(const std::uint64_t sum, executor_.checksum_to(i, shards));
-    pairs[targets_[i]] = fmt::format("{:016x}", sum);
-    sent.sums[targets_[i]] += sum;
+    sent.sums[targets_[i]].add(sum, core_.self().rank);
   }
-  sent.checksums = encode_pair_checksums(pairs);
   return sent;
 }
 
-// The sums of engine rank `engine`'s pairs differ (or it sent none): its checksum of each feeder's
-// bytes against that feeder's own, the first that differs named.
-Result<FailureOrigin> TrainerRefitProtocol::checksum_mismatch(
-    int step, const std::string& engine, const CommittedMessage& c,
-    const std::map<std::string, std::string>& sent) {
+// Engine rank `engine`'s sums of what landed (`landed`; unset: it sent none) differ from its
+// feeders' (`sent`): the pair that alone explains the difference is named (PairSums), else the
+// engine rank.
+FailureOrigin TrainerRefitProtocol::checksum_mismatch(int step, const std::string& engine,
+                                                      const std::optional<PairSums>& landed,
+                                                      const PairSums& sent) const {
   const int tp = core_.config().generation.tp_size;
   FailureOrigin failure{.rank = *RankId::from_mailbox(engine, tp), .code = StatusCode::kCorruption};
-  REFIT_ASSIGN_OR_RETURN(const auto landed, decode_pair_checksums(c.checksums, engine));
-  for (const auto& [feeder, got] : landed) {
-    std::optional<std::string> mine;
-    if (const auto by_feeder = sent.find(feeder); by_feeder != sent.end()) {
-      REFIT_ASSIGN_OR_RETURN(const auto theirs, decode_pair_checksums(by_feeder->second, feeder));
-      if (const auto it = theirs.find(engine); it != theirs.end()) mine = it->second;
-    }
-    if (mine == got) continue;
-    const std::optional<RankId> f = RankId::from_mailbox(feeder, 1);
+  if (!landed) {
+    failure.error = fmt::format("checksum mismatch in refit step {}: it sent no checksums of what "
+                                "landed (refit.checksum)",
+                                step);
+    return failure;
+  }
+  // Several damaged pairs give a quotient that names a trainer rank of the run with probability
+  // about world / 2^61.
+  const std::optional<int> feeder = PairSums::damaged_feeder(sent, *landed);
+  if (feeder && *feeder < core_.config().policy.world_size) {
     failure.error = fmt::format(
-        "checksum mismatch in refit step {}: the bytes {} sent (checksum {}) arrived as checksum "
-        "{} (refit.checksum)",
-        step, f ? f->name() : feeder, mine.value_or("(none)"), got.empty() ? "(none)" : got);
+        "checksum mismatch in refit step {}: the bytes {} sent did not arrive as sent (refit.checksum)",
+        step, RankId::trainer(*feeder).name());
     return failure;
   }
   failure.error = fmt::format(
-      "checksum mismatch in refit step {}: the checksums of the bytes {} feeder(s) sent add up to "
-      "another sum than those that arrived, though each one agrees: a feeder sent bytes this "
-      "engine rank does not count as its (refit.checksum)",
-      step, landed.size());
+      "checksum mismatch in refit step {}: the bytes of more than one of its feeders did not "
+      "arrive as sent (refit.checksum)",
+      step);
   return failure;
 }
 

@@ -87,15 +87,14 @@ class TrainerRefitProtocol {
   // Every target commits; with refit.checksum the first checksum mismatch is `failure`.
   Status commit(int step, bool raw, const std::vector<void*>& shards, double& apply_s,
                 std::optional<FailureOrigin>& failure);
-  // This rank's sent of refit `step` with refit.checksum: its checksum of what it sends each
-  // target, and per target its sum (SentMessage).
+  // This rank's sent of refit `step` with refit.checksum: per target, the PairSums of its
+  // checksum of what it sent there (SentMessage).
   Result<SentMessage> sent_message(int step, const std::vector<void*>& shards);
-  // Engine rank `engine`'s checksums (`c`) differ in sum from what its feeders sent (`sent`: each
-  // trainer rank's encoded checksums, by mailbox id): the failure naming the first pair that
-  // differs.
-  Result<FailureOrigin> checksum_mismatch(int step, const std::string& engine,
-                                          const CommittedMessage& c,
-                                          const std::map<std::string, std::string>& sent);
+  // Engine rank `engine`'s sums of what landed (`landed`) differ from what its feeders sent
+  // (`sent`): the failure, naming the damaged pair where one pair alone explains it.
+  FailureOrigin checksum_mismatch(int step, const std::string& engine,
+                                  const std::optional<PairSums>& landed,
+                                  const PairSums& sent) const;
   // The first failing verdict of `from`.
   Result<std::optional<FailureOrigin>> collect_verdicts(int step,
                                                         const std::vector<std::string>& from);
