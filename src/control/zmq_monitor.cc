@@ -121,6 +121,9 @@ void PendingHandshakes::authenticated(int fd) {
 }
 
 int PendingHandshakes::young() const {
+  // Every open connection spoke (spoke_ holds open ones only): none can be waiting, whatever the
+  // time. A mailbox's receive loop asks after every message, so this case reads no clock.
+  if (spoke_.size() == open_.size()) return 0;
   const auto now = std::chrono::steady_clock::now();
   int n = 0;
   for (const auto& [fd, o] : open_)
@@ -138,8 +141,8 @@ int PendingHandshakes::enforce(log::Throttle& throttle) {
   // Nothing accepted is in its handshake any more: every connection shut down has ended.
   if (young() == 0) closing_ = 0;
   int now_shut = 0;
-  const auto now = std::chrono::steady_clock::now();
   for (int waiting = pending(); waiting > cap_; waiting = pending()) {
+    const auto now = std::chrono::steady_clock::now();
     // The newest connection still waiting, that this socket accepted.
     auto newest = open_.end();
     for (auto it = open_.begin(); it != open_.end(); ++it)
