@@ -43,7 +43,6 @@ std::unique_ptr<Store> connect(int port, std::chrono::milliseconds timeout = 5s)
   return client.ok() ? std::move(client).value() : nullptr;
 }
 
-// A port that was just free: a server bound it and went away.
 // The counters under "heartbeat/" a watch reports, once it reports any: a closed connection
 // reaches the server as a connection event, so this waits for it in rounds (at most 5 s).
 std::vector<Store::Stale> closed_counters(Store& watcher) {
@@ -56,6 +55,7 @@ std::vector<Store::Stale> closed_counters(Store& watcher) {
   return {};
 }
 
+// A port that was just free: a server bound it and went away.
 int vacated_port() {
   auto server = start_server();
   return server ? server->port() : 0;
@@ -210,7 +210,7 @@ TEST(Store, ABeatCarriesTheWatchInOneRequestAndCountsForItsConnection) {
   ASSERT_TRUE(watcher->set("error/first", "boom").ok());
   const std::int64_t before = rank->requests();
   auto w = rank->beat_and_watch("heartbeat/engine/1", {"error/first", "heartbeat/engine/1"},
-                                "heartbeat/", std::chrono::hours(1));
+                                "heartbeat/", std::chrono::hours(1), 5s);
   ASSERT_TRUE(w.ok()) << w.status().to_string();
   EXPECT_EQ(rank->requests(), before + 1);
   EXPECT_EQ(w->values, (std::vector<std::optional<std::string>>{"boom", "1"}));
@@ -219,13 +219,14 @@ TEST(Store, ABeatCarriesTheWatchInOneRequestAndCountsForItsConnection) {
   auto member = connect(server->port());
   ASSERT_TRUE(member);
   PrefixStore group("run", *member);
-  auto g = group.beat_and_watch("heartbeat/engine/1", {"heartbeat/engine/1"}, "heartbeat/", 0ms);
+  auto g = group.beat_and_watch("heartbeat/engine/1", {"heartbeat/engine/1"}, "heartbeat/", 0ms,
+                                5s);
   ASSERT_TRUE(g.ok()) << g.status().to_string();
   EXPECT_EQ(g->values, (std::vector<std::optional<std::string>>{"1"}));
   ASSERT_EQ(g->stale.size(), 1u);  // a silence of 0: the key just beaten, as the group names it
   EXPECT_EQ(g->stale[0].key, "heartbeat/engine/1");
   ASSERT_TRUE(watcher->set("heartbeat/engine/7", "left").ok());
-  auto bad = rank->beat_and_watch("heartbeat/engine/7", {}, "heartbeat/", 0ms);
+  auto bad = rank->beat_and_watch("heartbeat/engine/7", {}, "heartbeat/", 0ms, 5s);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("'heartbeat/engine/7' is not an integer"),
             std::string::npos)

@@ -37,24 +37,39 @@ Result<std::int64_t> PrefixStore::add(const std::string& key, std::int64_t delta
   return base_.add(prefix_ + key, delta);
 }
 
+namespace {
+
+// A watch through PrefixStore `prefix`: `read` gets the keys and the watched prefix with it, and
+// the stale keys come back without it.
+Result<Store::Watched> prefixed_watch(
+    const std::string& prefix, const std::vector<std::string>& keys, const std::string& under,
+    const std::function<Result<Store::Watched>(const std::vector<std::string>&,
+                                               const std::string&)>& read) {
+  std::vector<std::string> full;
+  for (const std::string& k : keys) full.push_back(prefix + k);
+  REFIT_ASSIGN_OR_RETURN(Store::Watched w, read(full, prefix + under));
+  for (Store::Stale& s : w.stale) s.key = s.key.substr(prefix.size());
+  return w;
+}
+
+}  // namespace
+
 Result<Store::Watched> PrefixStore::watch(const std::vector<std::string>& keys,
                                           const std::string& prefix,
                                           std::chrono::milliseconds silence) {
-  return beat_and_watch({}, keys, prefix, silence);
+  return prefixed_watch(prefix_, keys, prefix, [&](const auto& full, const std::string& under) {
+    return base_.watch(full, under, silence);
+  });
 }
 
 Result<Store::Watched> PrefixStore::beat_and_watch(const std::string& beat,
                                                    const std::vector<std::string>& keys,
                                                    const std::string& prefix,
-                                                   std::chrono::milliseconds silence) {
-  std::vector<std::string> full;
-  for (const std::string& k : keys) full.push_back(prefix_ + k);
-  Result<Watched> r = beat.empty() ? base_.watch(full, prefix_ + prefix, silence)
-                                   : base_.beat_and_watch(prefix_ + beat, full, prefix_ + prefix,
-                                                          silence);
-  REFIT_ASSIGN_OR_RETURN(Watched w, std::move(r));
-  for (Stale& s : w.stale) s.key = s.key.substr(prefix_.size());
-  return w;
+                                                   std::chrono::milliseconds silence,
+                                                   std::chrono::milliseconds timeout) {
+  return prefixed_watch(prefix_, keys, prefix, [&](const auto& full, const std::string& under) {
+    return base_.beat_and_watch(prefix_ + beat, full, under, silence, timeout);
+  });
 }
 
 Result<std::string> get_while_alive(Store& store, const std::string& key,

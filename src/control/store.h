@@ -66,12 +66,14 @@ class Store {
                                 std::chrono::milliseconds /*silence*/) {
     return Status::Unsupported("this store cannot report stale keys");
   }
-  // add(beat, 1), then watch(keys, prefix, silence), in one request where the store allows: a
-  // rank's heartbeat and its liveness read (runtime/failure.h).
+  // add(beat, 1), then watch(keys, prefix, silence), in one request where the store allows (that
+  // request waits up to `timeout` for its answer, at least 1 s): a rank's heartbeat and its
+  // liveness read (runtime/failure.h).
   virtual Result<Watched> beat_and_watch(const std::string& beat,
                                          const std::vector<std::string>& keys,
                                          const std::string& prefix,
-                                         std::chrono::milliseconds silence) {
+                                         std::chrono::milliseconds silence,
+                                         std::chrono::milliseconds /*timeout*/) {
     REFIT_RETURN_IF_ERROR(add(beat, 1).status());
     return watch(keys, prefix, silence);
   }
@@ -105,8 +107,8 @@ class PrefixStore : public Store {
   Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
                         std::chrono::milliseconds silence) override;
   Result<Watched> beat_and_watch(const std::string& beat, const std::vector<std::string>& keys,
-                                 const std::string& prefix,
-                                 std::chrono::milliseconds silence) override;
+                                 const std::string& prefix, std::chrono::milliseconds silence,
+                                 std::chrono::milliseconds timeout) override;
   std::int64_t requests() const override { return base_.requests(); }
   Status ping(std::chrono::milliseconds timeout) override { return base_.ping(timeout); }
   void abort(const Status& why) override { base_.abort(why); }

@@ -138,16 +138,24 @@ class StoreClient final : public Store {
 
   Result<Watched> watch(const std::vector<std::string>& keys, const std::string& prefix,
                         std::chrono::milliseconds silence) override {
-    return beat_and_watch({}, keys, prefix, silence);
+    return watch_request({}, keys, prefix, silence, request_timeout_);
   }
 
   Result<Watched> beat_and_watch(const std::string& beat, const std::vector<std::string>& keys,
-                                 const std::string& prefix,
-                                 std::chrono::milliseconds silence) override {
+                                 const std::string& prefix, std::chrono::milliseconds silence,
+                                 std::chrono::milliseconds timeout) override {
+    return watch_request(beat, keys, prefix, silence,
+                         std::max(timeout, std::chrono::milliseconds(1000)));
+  }
+
+  // kWatch, with `beat` (a heartbeat to add to first) or none ("").
+  Result<Watched> watch_request(const std::string& beat, const std::vector<std::string>& keys,
+                                const std::string& prefix, std::chrono::milliseconds silence,
+                                std::chrono::milliseconds timeout) {
     std::vector<std::string> args{store_wire::encode_i64(silence.count()), prefix, beat};
     args.insert(args.end(), keys.begin(), keys.end());
     Result<std::string> reply = request(
-        Op::kWatch, args, request_timeout_,
+        Op::kWatch, args, timeout,
         beat.empty() ? fmt::format("watch '{}' and {} key(s)", prefix, keys.size())
                      : fmt::format("beat '{}' and watch '{}' and {} key(s)", beat, prefix,
                                    keys.size()));

@@ -119,7 +119,6 @@ class LivenessCheck {
   // thread at a time.
   Status judge(Store& store, const Result<Store::Watched>& read, std::uint32_t epoch) {
     if (!read.ok()) return failed(store, read.status());
-    answered_ = Clock::now();
     const std::vector<std::optional<std::string>>& values = read->values;
     if (values.size() != (epochs_ != nullptr ? 2u : 1u))
       return Status::Internal(fmt::format("liveness read of {}: {} values for its keys",
@@ -146,13 +145,15 @@ class LivenessCheck {
   }
 
  private:
-  // A read that failed: the connection is gone (fatal), or the store is slow (fatal only once it
-  // has not answered for kPeerSilence; until then the read is skipped).
+  // A read that failed: the connection is gone, or the store did not answer it within
+  // kPeerSilence (the read's own timeout: a busy store answers late, and only a store silent that
+  // long is taken for stopped). Both fatal.
   Status failed(Store& store, const Status& why) {
     const RankId store_host = RankId::trainer(0);
     // Refused, not lost: this rank's heartbeat key holds no counter (another process of the same
     // rank left under it). This rank's own failure.
-    if (why.code() == StatusCode::kInvalidArgument)
+    if (why.code() == StatusCode::kInvalidArgument &&
+        why.message().find("is not an integer") != std::string::npos)
       return Status::Aborted(fmt::format("{}: the store refused its heartbeat: {}", who_.name(),
                                          why.message()));
     if (why.code() != StatusCode::kTimeout) {
@@ -166,7 +167,6 @@ class LivenessCheck {
                                who_.name(), why.to_string())};
       return Status::Aborted("aborted because " + o.describe()).with_origin(o);
     }
-    if (Clock::now() - answered_ < kPeerSilence) return Status::Ok();
     const FailureOrigin o{
         .rank = store_host,
         .code = StatusCode::kAborted,
@@ -211,7 +211,6 @@ class LivenessCheck {
   std::map<std::string, RankId> by_key_;
   RefitEpochs* const epochs_;
   const std::function<void(std::uint32_t)> on_refit_failed_;
-  Clock::time_point answered_ = Clock::now();  // when the store last answered a read
 };
 
 }  // namespace
@@ -244,6 +243,7 @@ struct Heartbeat::State {
   void beat() {
     std::unique_lock<std::mutex> lock(mu);
     Clock::time_point last{};
+    double last_took = 0;  // seconds the previous beat's request took
     while (!stop) {
       const std::shared_ptr<LivenessCheck> c = stop_checks ? nullptr : check;
       lock.unlock();
@@ -252,7 +252,7 @@ struct Heartbeat::State {
         std::uint32_t epoch = 0;
         const std::vector<std::string> keys = c->keys(&epoch);
         Result<Store::Watched> answer =
-            beats.beat_and_watch(key, keys, kHeartbeatPrefix, kPeerSilence);
+            beats.beat_and_watch(key, keys, kHeartbeatPrefix, kPeerSilence, kPeerSilence);
         lock.lock();
         if (check == c && !stop_checks) {
           read.emplace(Read{c, epoch, std::move(answer)});
@@ -262,13 +262,13 @@ struct Heartbeat::State {
       } else {
         (void)beats.add(key, 1);  // a store that is gone is the liveness check's to report
       }
-      const double took = std::chrono::duration<double>(Clock::now() - now).count();
       // A beat this late is most of the way to kPeerSilence: say so before a peer does.
       if (last != Clock::time_point{} && now - last > kPeerSilence / 2)
-        log::warn("heartbeat '{}': {:.1f} s since the previous beat (this request took {:.2f} s); "
-                  "this process was starved or stopped, or the store answered late",
-                  key, std::chrono::duration<double>(now - last).count(), took);
+        log::warn("heartbeat '{}': {:.1f} s since the previous beat (whose request took {:.2f} "
+                  "s); this process was starved or stopped, or the store answered late",
+                  key, std::chrono::duration<double>(now - last).count(), last_took);
       last = now;
+      last_took = std::chrono::duration<double>(Clock::now() - now).count();
       lock.lock();
       beat_cv.wait_for(lock, kHeartbeatInterval, [this] { return stop; });
     }

@@ -42,11 +42,12 @@ std::string noted_error_key(const RankId& who);
 // does not). A rank that leaves cleanly sets the key to "left". Once it watches its peers, each
 // beat carries its liveness read: one store request per rank and interval.
 inline constexpr std::chrono::milliseconds kHeartbeatInterval{500};
-// A peer whose heartbeat stood still this long, or a store that did not answer a beat this long,
-// counts as gone. Every waiting rank checks every 500 ms, so a stopped peer is noticed within
+// A peer whose heartbeat stood still this long, or a store that did not answer a liveness read
+// this long, counts as gone. Every waiting rank checks every 500 ms, so a stopped peer is noticed within
 // kPeerSilence + 0.5 s.
 inline constexpr std::chrono::milliseconds kPeerSilence{5000};
-// How long one heartbeat request may take (the heartbeat's own store connection).
+// How long one plain heartbeat request may take (the heartbeat's own store connection: a beat
+// before the rank watches its peers, and the "left" of a clean exit).
 inline constexpr std::chrono::milliseconds kBeatRequestTimeout{2000};
 
 // Refits that fail in flight with every rank alive (docs/runtime.md, "A refit that fails in
@@ -81,11 +82,12 @@ inline constexpr int kReformWait = 4;
 
 class Heartbeat {
  public:
-  // Beats through `store`, a connection of its own whose requests time out within a couple of
-  // seconds, so that a stopped store host cannot hold up this process's exit. The liveness
-  // check (watch()) judges what the beats read on a thread of its own, and makes a failure's
-  // follow-up requests over `checks` (null: `store`), which must outlive this object: a check
-  // busy with a failure never delays a beat.
+  // Beats through `store`, a connection of its own whose requests time out within
+  // kBeatRequestTimeout (a beat that carries a liveness read: within kPeerSilence), so that a
+  // stopped store host cannot hold up this process's exit for longer. The liveness check
+  // (watch()) judges what the beats read on a thread of its own, and makes a failure's follow-up
+  // requests over `checks` (null: `store`), which must outlive this object: a check busy with a
+  // failure never delays a beat.
   Heartbeat(std::unique_ptr<Store> store, Store* checks, const RankId& who);
   ~Heartbeat();  // stops beating (without "left": call leave() for a clean exit)
   Heartbeat(const Heartbeat&) = delete;
@@ -101,9 +103,9 @@ class Heartbeat {
   // (Store::beat_and_watch, the first within one interval), and the checking thread judges it
   // (`checks` serves a failure's follow-up requests). The check fails when:
   //  - another process recorded the run's first failure;
-  //  - the store (hosted by trainer rank 0) did not answer for kPeerSilence, which is blamed on
-  //    trainer rank 0; a read that times out before that is skipped (a busy store is not a dead
-  //    one), and a connection that breaks is fatal at once;
+  //  - the store (hosted by trainer rank 0) did not answer a read within kPeerSilence (a busy
+  //    store is not a dead one: it answers within that), which is blamed on trainer rank 0, or
+  //    the connection to it broke;
   //  - one of `peers` beat at least once and then not for kPeerSilence, or its connections
   //    closed without leaving. This is recorded as that peer's failure ("<peer>: aborted:
   //    stopped: no heartbeat for 5.0 s (seen by <who>; ...)", or "exited: ..."), with the error
