@@ -575,32 +575,12 @@ TEST(Gloo, AbortWakesAPendingBarrier) {
 // under ASan's allocator) could leave a child deadlocked in malloc.
 std::vector<std::string> run_forked_ranks(int ranks, std::chrono::seconds limit,
                                           const std::function<std::string(int, int)>& body) {
-  int port_pipe[2];
-  if (pipe(port_pipe) != 0) return {};
-  const pid_t server_pid = fork();
-  if (server_pid < 0) return {};
-  if (server_pid == 0) {
-    close(port_pipe[0]);
-    auto server = StoreServer::start("127.0.0.1", 0, nullptr);
-    const int p = server.ok() ? (*server)->port() : -1;
-    (void)!write(port_pipe[1], &p, sizeof p);
-    close(port_pipe[1]);
-    if (!server.ok()) _exit(1);
-    for (int i = 0; i < 600; ++i) sleep(1);  // killed by the parent; bounded regardless
-    _exit(0);
-  }
-  close(port_pipe[1]);
-  int port = -1;
-  pollfd port_fd{port_pipe[0], POLLIN, 0};
-  const bool got_port = poll(&port_fd, 1, 10000) > 0 &&
-                        read(port_pipe[0], &port, sizeof port) == static_cast<ssize_t>(sizeof port);
-  close(port_pipe[0]);
-  if (!got_port || port <= 0) {
-    kill(server_pid, SIGKILL);
-    waitpid(server_pid, nullptr, 0);
+  testing::ForkedStoreServer server;
+  if (!server.ok()) {
     ADD_FAILURE() << "the store server process did not start";
     return {};
   }
+  const int port = server.port();
 
   std::vector<pid_t> pids;
   std::vector<int> pipes;  // read ends, one per rank
@@ -635,7 +615,6 @@ std::vector<std::string> run_forked_ranks(int ranks, std::chrono::seconds limit,
     }
     close(pipes[r]);
   }
-  pids.push_back(server_pid);
   for (pid_t pid : pids) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);

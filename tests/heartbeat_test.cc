@@ -1,10 +1,7 @@
 // A rank's heartbeat and its liveness check: one store request per beat carries both, and a check
 // busy with a failure never holds up a beat (docs/runtime.md, "Heartbeats").
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,6 +11,7 @@
 #include "control/store.h"
 #include "refit/status.h"
 #include "runtime/failure.h"
+#include "test_util.h"
 
 namespace refit {
 namespace {
@@ -177,60 +175,33 @@ TEST(Heartbeat, ABeatTheStoreRefusesFailsTheRankItself) {
 // taken for a stopped store. Then it stops for good: the check names trainer rank 0's store,
 // within kPeerSilence of its last answer and a beat interval.
 TEST(Heartbeat, AStoreThatAnswersLateIsNotTakenForStoppedAndOneThatStopsIs) {
-  int port_pipe[2];
-  ASSERT_EQ(pipe(port_pipe), 0);
-  const pid_t server_pid = fork();
-  ASSERT_GE(server_pid, 0);
-  if (server_pid == 0) {
-    close(port_pipe[0]);
-    auto server = StoreServer::start("127.0.0.1", 0, nullptr);
-    const int p = server.ok() ? (*server)->port() : -1;
-    (void)!write(port_pipe[1], &p, sizeof p);
-    close(port_pipe[1]);
-    for (int i = 0; server.ok() && i < 120; ++i) sleep(1);  // killed by the parent; bounded
-    _exit(0);
-  }
-  close(port_pipe[1]);
-  int port = -1;
-  pollfd port_fd{port_pipe[0], POLLIN, 0};
-  const bool got_port = poll(&port_fd, 1, 10000) > 0 &&
-                        read(port_pipe[0], &port, sizeof port) == static_cast<ssize_t>(sizeof port);
-  close(port_pipe[0]);
-  const auto end_server = [&] {
-    kill(server_pid, SIGKILL);
-    waitpid(server_pid, nullptr, 0);
-  };
-  if (!got_port || port <= 0) {
-    end_server();
-    FAIL() << "the store server process did not start";
-  }
+  testing::ForkedStoreServer server(120);
+  ASSERT_TRUE(server.ok()) << "the store server process did not start";
+  const int port = server.port();
   auto probe = client(port);
   auto beats = client(port);
-  if (!probe || !beats) {
-    end_server();
-    FAIL() << "cannot connect to the store";
-  }
+  ASSERT_TRUE(probe && beats) << "cannot connect to the store";
   std::atomic<int> lost{0};
   {
     Heartbeat heartbeat(std::move(beats), probe.get(), RankId::trainer(1));
     heartbeat.watch(RankId::trainer(1), {RankId::trainer(1)}, [&](const Status&) { ++lost; });
     std::this_thread::sleep_for(1000ms);
     for (int k = 0; k < 3; ++k) {
-      kill(server_pid, SIGSTOP);
+      kill(server.pid(), SIGSTOP);
       std::this_thread::sleep_for(2000ms);
-      kill(server_pid, SIGCONT);
+      kill(server.pid(), SIGCONT);
       std::this_thread::sleep_for(1000ms);
     }
     EXPECT_EQ(lost.load(), 0) << "a store answering 2 s late was taken for stopped: "
                               << heartbeat.verdict().to_string();
-    kill(server_pid, SIGSTOP);  // for good
+    kill(server.pid(), SIGSTOP);  // for good
     for (int k = 0; k < 100 && lost.load() == 0; ++k) std::this_thread::sleep_for(100ms);
     EXPECT_EQ(lost.load(), 1) << "the stopped store was not noticed within 10 s";
     EXPECT_NE(heartbeat.verdict().to_string().find(
                   "trainer rank 0: the store it hosts did not answer for 5.0 s"),
               std::string::npos)
         << heartbeat.verdict().to_string();
-    end_server();  // the heartbeat's last request in flight fails at once with its connection
+    server.kill();  // the heartbeat's last request in flight fails at once with its connection
   }
 }
 

@@ -3,6 +3,7 @@
 #include <spawn.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +15,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+
+#include "control/store.h"
 
 namespace refit::testing {
 
@@ -34,6 +37,39 @@ std::string TempDir::write(const std::string& name, const std::string& text) con
   std::filesystem::create_directories(std::filesystem::path(p).parent_path());
   std::ofstream(p, std::ios::binary) << text;
   return p;
+}
+
+ForkedStoreServer::ForkedStoreServer(int lifetime_s) {
+  int port_pipe[2];
+  if (pipe(port_pipe) != 0) return;
+  pid_ = fork();
+  if (pid_ < 0) {
+    close(port_pipe[0]);
+    close(port_pipe[1]);
+    return;
+  }
+  if (pid_ == 0) {
+    close(port_pipe[0]);
+    auto server = StoreServer::start("127.0.0.1", 0, nullptr);
+    const int p = server.ok() ? (*server)->port() : -1;
+    (void)!write(port_pipe[1], &p, sizeof p);
+    close(port_pipe[1]);
+    for (int i = 0; server.ok() && i < lifetime_s; ++i) sleep(1);  // bounded if never killed
+    _exit(0);
+  }
+  close(port_pipe[1]);
+  pollfd port_fd{port_pipe[0], POLLIN, 0};
+  if (poll(&port_fd, 1, 10000) <= 0 ||
+      read(port_pipe[0], &port_, sizeof port_) != static_cast<ssize_t>(sizeof port_))
+    port_ = -1;
+  close(port_pipe[0]);
+}
+
+void ForkedStoreServer::kill() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
 }
 
 CliResult run_cli(const std::vector<std::string>& args, double timeout_s) {

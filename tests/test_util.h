@@ -40,6 +40,26 @@ class TempDir {
   std::string path_;
 };
 
+// A store server (control/store.h) in a forked process of its own, which a test can stop,
+// resume or kill (`pid`) as a host that stalls or dies. Fork it before the test starts a thread of
+// its own: a fork while another thread holds an allocator lock could leave the child deadlocked.
+// The child serves for at most `lifetime_s`; the destructor kills it and reaps it.
+class ForkedStoreServer {
+ public:
+  explicit ForkedStoreServer(int lifetime_s = 600);
+  ~ForkedStoreServer() { kill(); }
+  ForkedStoreServer(const ForkedStoreServer&) = delete;
+  ForkedStoreServer& operator=(const ForkedStoreServer&) = delete;
+  bool ok() const { return pid_ > 0 && port_ > 0; }
+  int pid() const { return pid_; }
+  int port() const { return port_; }
+  void kill();  // SIGKILL and reap; again: nothing
+
+ private:
+  int pid_ = -1;
+  int port_ = -1;
+};
+
 struct CliResult {
   int exit_code = -1;  // exit status, or 128+signal
   std::string output;  // stdout and stderr together
