@@ -32,6 +32,21 @@ struct P2POp {
   std::size_t bytes = 0;
 };
 
+// The peers of a plan's rounds that exchange bytes (rounds[k] not empty), with those of the size
+// words sent ahead of them (size_ops[k], where there is one): what a rank passes to
+// Communicator::connect before its first exchange.
+inline std::vector<int> round_peers(const std::vector<std::vector<P2POp>>& rounds,
+                                    const std::vector<std::vector<P2POp>>& size_ops) {
+  std::vector<int> peers;
+  for (std::size_t k = 0; k < rounds.size(); ++k) {
+    if (rounds[k].empty()) continue;  // such a round exchanges nothing, its size words included
+    for (const P2POp& op : rounds[k]) peers.push_back(op.peer);
+    if (k < size_ops.size())
+      for (const P2POp& op : size_ops[k]) peers.push_back(op.peer);
+  }
+  return peers;
+}
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

@@ -112,6 +112,7 @@ class DeltaSender {
   Status write_round(int step, int k, std::vector<P2POp>& ops, RefitProbe& probe);
   // Round k's size words, sent before its segments and streams.
   const std::vector<P2POp>& size_ops(std::size_t k) const { return size_ops_[k]; }
+  const std::vector<std::vector<P2POp>>& size_ops() const { return size_ops_; }
   // While round k is sent: the kept copies of the tracked p2p targets that get it in full.
   Status capture_full_round(int k, const std::vector<PairExecutor>& modes);
   // refit.delta auto, after a refit's point-to-point sends (`send_seconds` long).

@@ -396,14 +396,10 @@ Status RouteReceiver::receive_rounds(int step, bool raw, const std::vector<void*
   // before the first exchange (Communicator::connect); again only once the rounds are rebuilt or
   // the group is formed anew (recover()).
   if (!p2p_connected_) {
-    std::vector<int> peers;
-    for (std::size_t k = 0; k < recv_ops_.size(); ++k) {
-      if (recv_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
-      for (const P2POp& op : recv_ops_[k]) peers.push_back(op.peer);
-      for (const P2POp& op : size_ops_[k]) peers.push_back(op.peer);
-    }
-    REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
-        "{}: connecting to the trainer ranks that send to it point to point", o_.who)));
+    REFIT_RETURN_IF_ERROR(
+        o_.p2p->connect(round_peers(recv_ops_, size_ops_))
+            .with_context(fmt::format(
+                "{}: connecting to the trainer ranks that send to it point to point", o_.who)));
     p2p_connected_ = true;
   }
   const auto nslots = static_cast<std::int64_t>(o_.config->refit.num_buffers);

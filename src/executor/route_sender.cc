@@ -367,14 +367,11 @@ Status RouteSender::run_p2p(const BeginMessage& begin, const std::vector<void*>&
   // before the first exchange (Communicator::connect); again only once the rounds are rebuilt or
   // the group is formed anew (recover()).
   if (!p2p_connected_) {
-    std::vector<int> peers;
-    for (std::size_t k = 0; k < send_ops_.size(); ++k) {
-      if (send_ops_[k].empty()) continue;  // as below: such a round exchanges nothing
-      for (const P2POp& op : send_ops_[k]) peers.push_back(op.peer);
-      for (const P2POp& op : delta_.size_ops(k)) peers.push_back(op.peer);
-    }
-    REFIT_RETURN_IF_ERROR(o_.p2p->connect(peers).with_context(fmt::format(
-        "trainer rank {}: connecting to the engine ranks it sends to point to point", o_.rank)));
+    REFIT_RETURN_IF_ERROR(
+        o_.p2p->connect(round_peers(send_ops_, delta_.size_ops()))
+            .with_context(fmt::format(
+                "trainer rank {}: connecting to the engine ranks it sends to point to point",
+                o_.rank)));
     p2p_connected_ = true;
   }
   const auto timeout = cfg.refit.timeout();
