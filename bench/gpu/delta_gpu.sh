@@ -60,16 +60,18 @@ done
 # refit.delta through the executors: colocated peer on one GPU; p2p across two GPUs when present.
 ngpu=$(nvidia-smi -L | wc -l)
 # "staged": the peer cell with refit.staged (the bytes land in the engine's staging area, CUDA IPC;
-# generation pauses only to copy it in; pause_s per step).
-cells="peer staged"
-[ "$ngpu" -ge 2 ] && cells="peer staged p2p"
+# generation pauses only to copy it in; pause_s per step). "fp8peer": the peer cell with FP8
+# weights (each pair's codes and scales packed on the trainer's GPU, then patched).
+cells="peer staged fp8peer"
+[ "$ngpu" -ge 2 ] && cells="peer staged fp8peer p2p"
 for cell in $cells; do
-  colocated=true executor=$cell staged=false
+  colocated=true executor=$cell staged=false precision=bf16
   [ "$cell" = p2p ] && colocated=false
   [ "$cell" = staged ] && executor=peer staged=true
+  [ "$cell" = fp8peer ] && executor=peer precision=fp8
   c=$work/run-$cell.yaml
-  printf 'model: qwen2.5-0.5b\ndevice: cuda\npolicy: {backend: fsdp2, world_size: 1, dtype: float32}\ngeneration: {backend: sglang, colocated: %s, num_engines: 1, tp_size: 1}\nrefit: {timeout_s: 300, executor: %s, delta: on, staged: %s}\n' \
-    "$colocated" "$executor" "$staged" > "$c"
+  printf 'model: qwen2.5-0.5b\ndevice: cuda\npolicy: {backend: fsdp2, world_size: 1, dtype: float32}\ngeneration: {backend: sglang, colocated: %s, num_engines: 1, tp_size: 1}\nrefit: {timeout_s: 300, executor: %s, delta: on, staged: %s, target_precision: %s}\n' \
+    "$colocated" "$executor" "$staged" "$precision" > "$c"
   timeout 900 "$R" run "$c" --steps 5 --verify --update adam:1e-5 --json "$out/run-$cell.json" \
     > "$out/run-$cell.log" 2>&1
   rc=$?

@@ -53,14 +53,11 @@ class DeltaSender {
  public:
   explicit DeltaSender(DeltaSenderOptions o);
 
-  // Whether this rank keeps copies of what it sends pairs moved by `mode` (refit.delta on or
-  // auto; not FP8 by peer access).
-  bool tracks(PairExecutor mode) const;
-  // Whether it keeps one of what it sends target i, moved by `mode`: tracks(mode), and not a
-  // pair `auto` gave up on (a delta can never beat its full refit).
-  bool tracks(std::size_t i, PairExecutor mode) const {
-    return tracks(mode) && !pairs_[i].retired;
-  }
+  // Whether this rank keeps copies of what it sends its pairs (refit.delta on or auto).
+  bool tracks() const { return o_.config->refit.delta != DeltaMode::kOff; }
+  // Whether it keeps one of what it sends target i: tracks(), and not a pair `auto` gave up on
+  // (a delta can never beat its full refit).
+  bool tracks(std::size_t i) const { return tracks() && !pairs_[i].retired; }
   // Whether this refit sends target i a delta (decided in prepare).
   bool sends_delta(std::size_t i) const { return pairs_[i].use; }
 
@@ -80,9 +77,14 @@ class DeltaSender {
   // After a refit that succeeded on this side: every kept copy holds what it sent.
   void note_sent(const std::string& version, const std::vector<PairExecutor>& modes);
 
-  // Peer access: target i's lists write the mapped `params` (they patch them).
+  // Peer access: target i's lists write the mapped `params` (they patch them) and read `shards`,
+  // or (FP8) the pair's packed segment of each round, `segments[round]`.
   void build_peer_lists(std::size_t i, const std::vector<void*>& shards,
-                        const std::vector<void*>& params);
+                        const std::vector<void*>& params,
+                        const std::vector<const std::byte*>& segments);
+  // Target i's routes in full by peer access, as byte copies of what its lists read (FP8: the
+  // packed segments) into the mapped parameters, appended to `runs`.
+  void append_peer_copies(std::size_t i, std::vector<CopyRun>& runs) const;
   // A delta to target i by peer access: only the changed elements are written. The bytes that
   // counts as sent.
   Result<std::int64_t> patch_peer(std::size_t i);

@@ -95,7 +95,8 @@ class RouteReceiver final : public EngineExecutor {
  private:
   explicit RouteReceiver(const RouteReceiverOptions& o);
   Status build(const std::vector<void*>& params);
-  bool tracks(std::size_t i) const;
+  // Whether this rank keeps what its sources send (refit.delta on or auto).
+  bool tracks() const { return o_.config->refit.delta != DeltaMode::kOff; }
   Status apply_round(std::size_t round);
   Status receive_rounds(int step, bool raw, const std::vector<void*>& params);
 

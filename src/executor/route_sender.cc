@@ -106,19 +106,28 @@ Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
 // Every route of this rank to a peer target: read from the shard, cast, written in place. One
 // list, in model order with the targets interleaved tensor by tensor, so that one copy call keeps
 // local writes and writes over the link to other devices in flight at the same time.
-void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
+Status RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   peer_runs_.clear();
+  peer_pack_runs_.clear();
+  peer_segment_copies_.clear();
   const PlanView& view = o_.setup->view;
   const TrainerShardLayout& mine = o_.setup->trainer;
   std::vector<std::pair<Route, std::size_t>> routes;  // one member each, target index
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
     if (modes_[i] != PairExecutor::kPeer) continue;
     // The pair's delta lists write the mapped parameters (patch).
-    if (delta_.tracks(i, PairExecutor::kPeer)) {
+    if (delta_.tracks(i)) {
       const Mapped& m = mapped_.at(i);
-      delta_.build_peer_lists(i, shards, std::vector<void*>(m.params.begin(), m.params.end()));
+      REFIT_ASSIGN_OR_RETURN(const std::vector<const std::byte*> segments,
+                             pack_peer_segments(i, shards));
+      delta_.build_peer_lists(i, shards, std::vector<void*>(m.params.begin(), m.params.end()),
+                              segments);
+      if (delta_.sends_delta(i)) continue;  // patched, not copied
+      if (!segments.empty()) {  // FP8: copied from its packed segments, quantized once
+        delta_.append_peer_copies(i, peer_segment_copies_);
+        continue;
+      }
     }
-    if (delta_.sends_delta(i)) continue;  // patched, not copied
     const PairPlan* pair = view.pair_with(o_.targets[i]);
     if (pair == nullptr) continue;
     for (const Route& r : pair->routes)
@@ -142,6 +151,62 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
                     .cols = r.cols},
                    scales_.get());
   }
+  return Status::Ok();
+}
+
+// refit.delta with FP8 weights, peer target i: its routes packed each refit into segments of its
+// own, laid out as the p2p sender lays out a round's (a quantization is not a cast, so the encoder
+// reads the packed codes). The segment of each round (none without FP8: the lists read the shards).
+Result<std::vector<const std::byte*>> RouteSender::pack_peer_segments(
+    std::size_t i, const std::vector<void*>& shards) {
+  std::vector<const std::byte*> out;
+  const PairPlan* pair = o_.setup->view.pair_with(o_.targets[i]);
+  if (!o_.setup->wire().fp8 || pair == nullptr) return out;
+  const std::size_t rounds = pair->round_bytes.size();
+  std::vector<std::int64_t> base;
+  std::int64_t bytes = 0;
+  for (std::int64_t b : pair->round_bytes) {
+    base.push_back(bytes);
+    bytes += aligned_segment_bytes(b);
+  }
+  std::unique_ptr<PlaneBuffer>& segment = peer_segments_[i];
+  if (!segment || segment->size() < static_cast<std::size_t>(bytes)) {
+    segment.reset();
+    REFIT_ASSIGN_OR_RETURN(
+        segment, o_.plane->allocate(static_cast<std::size_t>(std::max<std::int64_t>(bytes, 1))));
+  }
+  add_pack_runs(*pair, shards, std::vector<std::byte*>(rounds, segment->data()), base,
+                std::vector<RouteCopies*>(rounds, &peer_pack_runs_));
+  for (std::size_t k = 0; k < rounds; ++k) out.push_back(segment->data() + base[k]);
+  return out;
+}
+
+// The copies that pack `pair`'s routes from `shards` into segments: round k's slices into
+// `runs[k]`, written at `dst[k]` + `base[k]` + the slice's segment offset, member after member.
+void RouteSender::add_pack_runs(const PairPlan& pair, const std::vector<void*>& shards,
+                                const std::vector<std::byte*>& dst,
+                                const std::vector<std::int64_t>& base,
+                                const std::vector<RouteCopies*>& runs) const {
+  const PlanView& view = o_.setup->view;
+  const TrainerShardLayout& mine = o_.setup->trainer;
+  for_each_slice(view, pair, [&](const Route& s) {
+    const auto k = static_cast<std::size_t>(s.round);
+    const auto esize = static_cast<std::int64_t>(dtype_size(view.dtype_of(s)));
+    std::int64_t at = base[k] + s.segment_offset;
+    for (std::int32_t j = 0; j < s.count; ++j) {
+      const Route r = s.member(j);
+      const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
+      runs[k]->add(*o_.setup, r, static_cast<const std::byte*>(shards[r.trainer_tensor]), dst[k],
+                   {.src_offset = r.trainer_row * src_cols + r.trainer_col,
+                    .src_stride = src_cols,
+                    .dst_offset = at / esize,
+                    .dst_stride = r.cols,
+                    .rows = r.rows,
+                    .cols = r.cols},
+                   scales_.get());
+      at += r.numel() * esize;
+    }
+  });
 }
 
 // Per round: this rank's routes to p2p targets, cast into their segments of the round's staging
@@ -153,7 +218,6 @@ void RouteSender::build_peer_runs(const std::vector<void*>& shards) {
 Status RouteSender::build_pack_runs(const std::vector<void*>& shards) {
   const Config& cfg = *o_.config;
   const PlanView& view = o_.setup->view;
-  const TrainerShardLayout& mine = o_.setup->trainer;
   const bool fp8 = o_.setup->wire().fp8.has_value();
   const auto rounds = static_cast<std::size_t>(view.rounds);
   pack_runs_.assign(rounds, {});
@@ -214,25 +278,9 @@ Status RouteSender::build_pack_runs(const std::vector<void*>& shards) {
                                    .bytes = static_cast<std::size_t>(pair.round_bytes[k])});
     }
     if (use && !fp8) continue;  // encoded from the shards: nothing packed
-    for_each_slice(view, pair, [&](const Route& s) {
-      const auto k = static_cast<std::size_t>(s.round);
-      const auto esize = static_cast<std::int64_t>(dtype_size(view.dtype_of(s)));
-      std::int64_t at = base[q][k] + s.segment_offset;
-      for (std::int32_t j = 0; j < s.count; ++j) {
-        const Route r = s.member(j);
-        const std::int64_t src_cols = matrix_shape(mine.tensors[r.trainer_tensor].shape).cols;
-        pack_runs_[k].add(*o_.setup, r, static_cast<const std::byte*>(shards[r.trainer_tensor]),
-                          slot[k],
-                          {.src_offset = r.trainer_row * src_cols + r.trainer_col,
-                           .src_stride = src_cols,
-                           .dst_offset = at / esize,
-                           .dst_stride = r.cols,
-                           .rows = r.rows,
-                           .cols = r.cols},
-                          scales_.get());
-        at += r.numel() * esize;
-      }
-    });
+    std::vector<RouteCopies*> runs;
+    for (RouteCopies& r : pack_runs_) runs.push_back(&r);
+    add_pack_runs(pair, shards, slot, base[q], runs);
   }
   return Status::Ok();
 }
@@ -318,14 +366,20 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
 
   if (peer_targets_ > 0) {
     if (!peer_built_) {
-      build_peer_runs(shards);
+      REFIT_RETURN_IF_ERROR(build_peer_runs(shards));
       peer_built_ = true;
     }
     // With point-to-point targets too, the rounds below are this rank's probe points.
     if (!begin.raw && p2p_targets_ == 0) probe_->before_round(begin.step, RefitProbe::kEveryRound);
     Timer t;
+    // FP8 with refit.delta: each kept peer pair's codes and scales, which its patch, or its copy
+    // and capture, read.
+    if (!peer_pack_runs_.empty())
+      REFIT_RETURN_IF_ERROR(peer_pack_runs_.run(*o_.plane, cfg.policy.dtype, begin.raw));
     if (!peer_runs_.empty())
       REFIT_RETURN_IF_ERROR(peer_runs_.run(*o_.plane, cfg.policy.dtype, begin.raw));
+    if (!peer_segment_copies_.empty())
+      REFIT_RETURN_IF_ERROR(o_.plane->copy(peer_segment_copies_, kByteCopyDType, kByteCopyDType));
     if (scales_ && !begin.raw) REFIT_RETURN_IF_ERROR(scales_->check_in_pass());
     const double copy_s = t.seconds();
     for (std::size_t i = 0; i < targets_.size(); ++i) {
@@ -336,7 +390,7 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
         continue;
       }
       bytes_sent_ += pair_bytes(*o_.setup, o_.targets[i]);
-      if (begin.raw || !delta_.tracks(i, PairExecutor::kPeer)) continue;
+      if (begin.raw || !delta_.tracks(i)) continue;
       REFIT_RETURN_IF_ERROR(delta_.capture_peer(i, copy_s));
     }
     times.cast_pack += t.seconds();
@@ -346,6 +400,9 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
       const auto [written, dtype] = peer_runs_.written();
       REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, RefitProbe::kEveryRound, *o_.plane,
                                                 *written, dtype));
+    } else if (!begin.raw && !peer_segment_copies_.empty()) {
+      REFIT_RETURN_IF_ERROR(probe_->after_write(begin.step, RefitProbe::kEveryRound, *o_.plane,
+                                                peer_segment_copies_, kByteCopyDType));
     }
   }
   if (p2p_targets_ > 0) REFIT_RETURN_IF_ERROR(run_p2p(begin, shards, times));

@@ -96,8 +96,13 @@ class RouteSender final : public TrainerExecutor {
   explicit RouteSender(const RouteSenderOptions& o);
   Status resolve_export(std::size_t i, PausedMessage& answer);
   Status map_engine(std::size_t i, const ExportedParams& direct);
-  void build_peer_runs(const std::vector<void*>& shards);
+  Status build_peer_runs(const std::vector<void*>& shards);
+  Result<std::vector<const std::byte*>> pack_peer_segments(std::size_t i,
+                                                           const std::vector<void*>& shards);
   Status build_pack_runs(const std::vector<void*>& shards);
+  void add_pack_runs(const PairPlan& pair, const std::vector<void*>& shards,
+                     const std::vector<std::byte*>& dst, const std::vector<std::int64_t>& base,
+                     const std::vector<RouteCopies*>& runs) const;
   Status run_p2p(const BeginMessage& begin, const std::vector<void*>& shards, TransferTimes& times);
 
   // An engine rank's parameters as mapped here: the exported region(s) and each parameter's
@@ -117,6 +122,11 @@ class RouteSender final : public TrainerExecutor {
   // Per target: the last export it sent whole (its answers then leave it out; resolve_export).
   std::vector<std::optional<ExportedParams>> held_;
   RouteCopies peer_runs_;
+  // refit.delta with FP8: each kept peer pair's routes packed into its segments (peer_segments_,
+  // by target index), which its patch or capture reads.
+  RouteCopies peer_pack_runs_;
+  std::map<std::size_t, std::unique_ptr<PlaneBuffer>> peer_segments_;
+  std::vector<CopyRun> peer_segment_copies_;  // those sent in full: their segments, as bytes
   std::map<std::size_t, std::vector<ChecksumGroup>> checksum_runs_;  // per target index
   std::vector<RouteCopies> pack_runs_;                               // per round (p2p targets only)
   std::unique_ptr<TrainerScales> scales_;                            // FP8 only
