@@ -93,6 +93,14 @@ void expect_deltas(const Cell& c, const std::string& update = "adam:1e-5", int s
   EXPECT_EQ(sent, d.report["delta"]["wire_bytes"].get<std::int64_t>());
 }
 
+// The cell with FP8 weights in blocks of 16 x 16 (the test models' shapes) and an update that
+// moves their codes at these sizes.
+void expect_fp8_deltas(Cell c) {
+  c.precision = "fp8";
+  c.fp8 = "{block: [16, 16]}";
+  expect_deltas(c, "adam:1e-4");
+}
+
 TEST(DeltaRefits, P2pSglang) { expect_deltas({.executor = "p2p", .delta = "on"}); }
 TEST(DeltaRefits, P2pVllm) { expect_deltas({.engine = "vllm", .executor = "p2p", .delta = "on"}); }
 TEST(DeltaRefits, PeerSglang) {
@@ -117,39 +125,23 @@ TEST(DeltaRefits, MegatronPeerVllm) {
                  .megatron_tp = 2,
                  .delta = "on"});
 }
-TEST(DeltaRefits, Fp8P2pSglang) {
-  expect_deltas({.executor = "p2p", .delta = "on", .precision = "fp8", .fp8 = "{block: [16, 16]}"},
-                "adam:1e-4");
-}
+TEST(DeltaRefits, Fp8P2pSglang) { expect_fp8_deltas({.executor = "p2p", .delta = "on"}); }
 TEST(DeltaRefits, Fp8P2pVllm) {
-  expect_deltas({.engine = "vllm",
-                 .executor = "p2p",
-                 .delta = "on",
-                 .precision = "fp8",
-                 .fp8 = "{block: [16, 16]}"},
-                "adam:1e-4");
+  expect_fp8_deltas({.engine = "vllm", .executor = "p2p", .delta = "on"});
 }
 // FP8 over peer access: each kept pair's routes are packed every refit into segments of the
 // trainer rank's own (a quantization is not a cast), and the patch writes into the engine's
 // parameters only the codes and scales that changed.
 TEST(DeltaRefits, Fp8PeerSglang) {
-  expect_deltas({.colocated = true,
-                 .executor = "peer",
-                 .delta = "on",
-                 .precision = "fp8",
-                 .fp8 = "{block: [16, 16]}"},
-                "adam:1e-4");
+  expect_fp8_deltas({.colocated = true, .executor = "peer", .delta = "on"});
 }
 TEST(DeltaRefits, Fp8MegatronPeerVllm) {
-  expect_deltas({.engine = "vllm",
-                 .colocated = true,
-                 .executor = "peer",
-                 .backend = "megatron",
-                 .megatron_tp = 2,
-                 .delta = "on",
-                 .precision = "fp8",
-                 .fp8 = "{block: [16, 16]}"},
-                "adam:1e-4");
+  expect_fp8_deltas({.engine = "vllm",
+                     .colocated = true,
+                     .executor = "peer",
+                     .backend = "megatron",
+                     .megatron_tp = 2,
+                     .delta = "on"});
 }
 
 // MoE and frontier models: stacked experts (compact routes) and MLA's kv_b_proj.
@@ -184,13 +176,7 @@ TEST(DeltaRefits, MegatronTpPpTwoEnginesP2pVllm) {
                  .delta = "on"});
 }
 TEST(DeltaRefits, Fp8MegatronP2pSglang) {
-  expect_deltas({.executor = "p2p",
-                 .backend = "megatron",
-                 .megatron_tp = 2,
-                 .delta = "on",
-                 .precision = "fp8",
-                 .fp8 = "{block: [16, 16]}"},
-                "adam:1e-4");
+  expect_fp8_deltas({.executor = "p2p", .backend = "megatron", .megatron_tp = 2, .delta = "on"});
 }
 
 // refit.staged: the bytes of each refit, full or delta, land in the staging area while the
