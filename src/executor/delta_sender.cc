@@ -310,7 +310,7 @@ Status DeltaSender::capture_round(std::size_t i, int round) {
 
 // Peer access: only the changed elements are written, to the kept copy and the engine's
 // parameters. What moved is counted as the changed elements' bytes.
-Result<std::int64_t> DeltaSender::patch_peer(std::size_t i) {
+Result<std::int64_t> DeltaSender::patch_peer(std::size_t i, double pack_s) {
   DeltaPair& d = pairs_[i];
   std::int64_t elements = 0, changed = 0;
   Timer t;
@@ -328,8 +328,8 @@ Result<std::int64_t> DeltaSender::patch_peer(std::size_t i) {
   }
   d.refit_elements = elements;
   d.refit_changed = changed;
-  d.refit_encode_s = t.seconds();
-  traffic_.encode_s += t.seconds();
+  d.refit_encode_s = t.seconds() + pack_s;
+  traffic_.encode_s += d.refit_encode_s;
   traffic_.delta_elements += elements;
   traffic_.delta_changed += changed;
   const std::int64_t full = pair_bytes(i);

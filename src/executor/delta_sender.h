@@ -86,8 +86,8 @@ class DeltaSender {
   // packed segments) into the mapped parameters, appended to `runs`.
   void append_peer_copies(std::size_t i, std::vector<CopyRun>& runs) const;
   // A delta to target i by peer access: only the changed elements are written. The bytes that
-  // counts as sent.
-  Result<std::int64_t> patch_peer(std::size_t i);
+  // counts as sent. `pack_s`: the pair's share of packing its FP8 routes, counted in its encode.
+  Result<std::int64_t> patch_peer(std::size_t i, double pack_s = 0);
   // Target i's routes went in full by peer access in `copy_s` seconds: the kept copy takes them.
   Status capture_peer(std::size_t i, double copy_s);
 

@@ -110,13 +110,17 @@ Status RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   peer_runs_.clear();
   peer_pack_runs_.clear();
   peer_segment_copies_.clear();
+  peer_packed_bytes_ = 0;
   const PlanView& view = o_.setup->view;
   const TrainerShardLayout& mine = o_.setup->trainer;
   std::vector<std::pair<Route, std::size_t>> routes;  // one member each, target index
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
     if (modes_[i] != PairExecutor::kPeer) continue;
-    // The pair's delta lists write the mapped parameters (patch).
-    if (delta_.tracks(i)) {
+    // The pair's delta lists write the mapped parameters (patch). A pair not kept (auto gave up
+    // on it) needs no segments.
+    if (!delta_.tracks(i)) {
+      peer_segments_.erase(i);
+    } else {
       const Mapped& m = mapped_.at(i);
       REFIT_ASSIGN_OR_RETURN(const std::vector<const std::byte*> segments,
                              pack_peer_segments(i, shards));
@@ -177,6 +181,7 @@ Result<std::vector<const std::byte*>> RouteSender::pack_peer_segments(
   }
   add_pack_runs(*pair, shards, std::vector<std::byte*>(rounds, segment->data()), base,
                 std::vector<RouteCopies*>(rounds, &peer_pack_runs_));
+  peer_packed_bytes_ += pair_bytes(*o_.setup, o_.targets[i]);
   for (std::size_t k = 0; k < rounds; ++k) out.push_back(segment->data() + base[k]);
   return out;
 }
@@ -373,19 +378,28 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
     if (!begin.raw && p2p_targets_ == 0) probe_->before_round(begin.step, RefitProbe::kEveryRound);
     Timer t;
     // FP8 with refit.delta: each kept peer pair's codes and scales, which its patch, or its copy
-    // and capture, read.
-    if (!peer_pack_runs_.empty())
+    // and capture, read. A delta's encode includes its share of the pack (refit.delta auto weighs
+    // it against the copy alone).
+    double pack_s = 0;
+    if (!peer_pack_runs_.empty()) {
       REFIT_RETURN_IF_ERROR(peer_pack_runs_.run(*o_.plane, cfg.policy.dtype, begin.raw));
+      pack_s = t.seconds();
+    }
     if (!peer_runs_.empty())
       REFIT_RETURN_IF_ERROR(peer_runs_.run(*o_.plane, cfg.policy.dtype, begin.raw));
     if (!peer_segment_copies_.empty())
       REFIT_RETURN_IF_ERROR(o_.plane->copy(peer_segment_copies_, kByteCopyDType, kByteCopyDType));
     if (scales_ && !begin.raw) REFIT_RETURN_IF_ERROR(scales_->check_in_pass());
-    const double copy_s = t.seconds();
+    const double copy_s = t.seconds() - pack_s;
     for (std::size_t i = 0; i < targets_.size(); ++i) {
       if (modes_[i] != PairExecutor::kPeer) continue;
       if (delta_.sends_delta(i)) {
-        REFIT_ASSIGN_OR_RETURN(const std::int64_t written, delta_.patch_peer(i));
+        const double share =
+            peer_packed_bytes_ > 0 && peer_segments_.count(i) != 0
+                ? pack_s * static_cast<double>(pair_bytes(*o_.setup, o_.targets[i])) /
+                      static_cast<double>(peer_packed_bytes_)
+                : 0.0;
+        REFIT_ASSIGN_OR_RETURN(const std::int64_t written, delta_.patch_peer(i, share));
         bytes_sent_ += written;
         continue;
       }

@@ -127,6 +127,7 @@ class RouteSender final : public TrainerExecutor {
   RouteCopies peer_pack_runs_;
   std::map<std::size_t, std::unique_ptr<PlaneBuffer>> peer_segments_;
   std::vector<CopyRun> peer_segment_copies_;  // those sent in full: their segments, as bytes
+  std::int64_t peer_packed_bytes_ = 0;        // the plan's bytes of the pairs packed
   std::map<std::size_t, std::vector<ChecksumGroup>> checksum_runs_;  // per target index
   std::vector<RouteCopies> pack_runs_;                               // per round (p2p targets only)
   std::unique_ptr<TrainerScales> scales_;                            // FP8 only
