@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "common/log_throttle.h"
 #include "control/auth.h"
 #include "control/mailbox.h"
 #include "control/store.h"
@@ -154,6 +156,46 @@ TEST(ControlAuth, MalformedMessagesAreDroppedNotFatal) {
 
 // The secret as a file: it must be private to its owner, and only one of the two variables may
 // be set. Checked through the CLI, where the setting is read (once per process).
+// The ZAP handler's thread sleeps until a handshake asks it something: idle, it never wakes; each
+// CURVE connection wakes it (once, or twice where ZeroMQ signals its socket again).
+TEST(ControlAuth, ZapHandlerWakesOnlyForHandshakes) {
+  const auto auth = auth_of("a secret of at least sixteen bytes");
+  zmq::context_t ctx;
+  log::Throttle throttle;
+  auto zap = ZapHandler::start(
+      ctx.handle(), [&](const std::string& key) { return key == auth->member_public(); },
+      "zap-test", throttle);
+  ASSERT_TRUE(zap.ok()) << zap.status().to_string();
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ((*zap)->wakeups(), 0u);
+
+  zmq::socket_t server(ctx, zmq::socket_type::pull);
+  server.set(zmq::sockopt::curve_server, 1);
+  server.set(zmq::sockopt::curve_secretkey, auth->server_secret());
+  server.bind("tcp://127.0.0.1:*");
+  const std::string endpoint = server.get(zmq::sockopt::last_endpoint);
+  constexpr int kClients = 3;
+  for (int c = 0; c < kClients; ++c) {
+    zmq::context_t client_ctx;
+    zmq::socket_t client(client_ctx, zmq::socket_type::push);
+    client.set(zmq::sockopt::linger, 1000);
+    client.set(zmq::sockopt::curve_serverkey, auth->server_public());
+    client.set(zmq::sockopt::curve_publickey, auth->member_public());
+    client.set(zmq::sockopt::curve_secretkey, auth->member_secret());
+    client.connect(endpoint);
+    ASSERT_TRUE(client.send(zmq::str_buffer("hello"), zmq::send_flags::none));
+    server.set(zmq::sockopt::rcvtimeo, 5000);
+    zmq::message_t got;
+    ASSERT_TRUE(server.recv(got)) << "client " << c;  // its handshake was accepted
+    EXPECT_EQ(got.to_string(), "hello");
+  }
+  // (A handshake is answered before its connection carries a message.)
+  EXPECT_GE((*zap)->wakeups(), static_cast<std::uint64_t>(kClients));
+  EXPECT_LE((*zap)->wakeups(), static_cast<std::uint64_t>(2 * kClients));
+  server.close();
+  zap->reset();  // before the context
+}
+
 TEST(ControlAuth, SecretFileMustBePrivate) {
   testing::TempDir dir;
   const std::string path = dir.write("secret", "file-secret-0123456789abcdef\n");

@@ -109,6 +109,8 @@ class ZmqZapHandler final : public ZapHandler {
     if (handle_ != nullptr) zmq_close(handle_);
   }
 
+  std::uint64_t wakeups() const override { return wakeups_.load(); }
+
   Status bind() {
     const int linger = 0;
     if (handle_ == nullptr || zmq_setsockopt(handle_, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
@@ -127,9 +129,9 @@ class ZmqZapHandler final : public ZapHandler {
     while (!stop_.load()) {
       std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{socket_.handle(), 0, ZMQ_POLLIN, 0},
                                           zmq_pollitem_t{nullptr, wake_, ZMQ_POLLIN, 0}};
-      if (zmq_poll(items.data(), wake_ >= 0 ? 2 : 1, wake_ >= 0 ? -1 : 100) <= 0 ||
-          (items[0].revents & ZMQ_POLLIN) == 0)
-        continue;
+      const int ready = zmq_poll(items.data(), wake_ >= 0 ? 2 : 1, wake_ >= 0 ? -1 : 100);
+      wakeups_.fetch_add(1);
+      if (ready <= 0 || (items[0].revents & ZMQ_POLLIN) == 0) continue;
       std::vector<zmq::message_t> req;
       try {
         if (!zmq::recv_multipart(socket_, std::back_inserter(req), zmq::recv_flags::dontwait))
@@ -180,6 +182,7 @@ class ZmqZapHandler final : public ZapHandler {
   log::Throttle& throttle_;  // the owner's
   const int wake_;           // an eventfd the destructor writes to end serve(), or -1
   std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> wakeups_{0};
   std::thread thread_;
 };
 

@@ -76,6 +76,8 @@ class ZapHandler {
                                                    std::function<bool(const std::string&)> accept,
                                                    std::string who, log::Throttle& throttle);
   virtual ~ZapHandler() = default;
+  // How many times its thread woke so far (a request each, while it has a wake-up descriptor).
+  virtual std::uint64_t wakeups() const = 0;
 };
 
 }  // namespace refit
