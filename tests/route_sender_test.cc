@@ -16,6 +16,22 @@
 namespace refit {
 namespace {
 
+// A list rebuilt for new mappings starts empty, the casts to an engine's own dtypes included (a
+// group left behind would write the old mapping at every refit).
+TEST(RouteCopies, ClearLeavesNoGroup) {
+  RouteCopies c;
+  std::byte src[8] = {}, dst[8] = {};
+  const CopyRun run{.src = src, .dst = dst, .block = {.rows = 1, .cols = 2}};
+  c.cast.push_back(run);
+  c.apart.push_back({DType::kFloat32, {run}});
+  c.scales.push_back(run);
+  c.quant_runs.push_back(run);
+  c.clear();
+  EXPECT_TRUE(c.empty());
+  EXPECT_TRUE(c.apart.empty());
+  EXPECT_TRUE(c.quant_runs.empty());
+}
+
 TEST(RouteSender, RefusesExportedOffsetsOutsideTheRegion) {
   Config cfg;
   cfg.model = "tiny-qwen3";

@@ -234,6 +234,7 @@ std::string fp8_plan_summary(const RouteSetup& s) {
 
 void RouteCopies::clear() {
   cast.clear();
+  apart.clear();
   scales.clear();
   quant.clear();
   quant_runs.clear();
