@@ -5,6 +5,7 @@
 // Needs a GPU (runs on the device machine: bench/gpu/delta_gpu.sh); skips elsewhere.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -245,6 +246,29 @@ const std::vector<Shape> kShapes = {
      .wire = DType::kBFloat16},
 };
 
+// The most data bytes of one sparse chunk in a stream (format.h): past 2 KB the CUDA encode codes
+// the chunk with a block (pack_kernel) instead of a warp (pack_warp_kernel).
+std::uint64_t largest_sparse_chunk(const std::vector<std::byte>& stream) {
+  df::StreamHeader h;
+  std::memcpy(&h, stream.data(), sizeof h);
+  std::uint64_t most = 0;
+  for (std::uint32_t i = 0; i < h.routes; ++i) {
+    df::RouteEntry e;
+    std::memcpy(&e, stream.data() + df::kHeaderBytes + i * sizeof e, sizeof e);
+    if (e.mode != df::kSparse) continue;
+    const std::uint64_t nchunks = df::chunk_count(e.elements, e.chunk_log2);
+    const std::uint64_t data = e.bytes - nchunks * sizeof(df::ChunkEntry);
+    std::vector<df::ChunkEntry> table(nchunks);
+    std::memcpy(table.data(), stream.data() + e.offset, nchunks * sizeof(df::ChunkEntry));
+    for (std::uint64_t k = 0; k < nchunks; ++k) {  // (a chunk without data ends where it starts)
+      if ((table[k].info & df::kChunkDense) != 0) continue;
+      const std::uint64_t end = k + 1 < nchunks ? table[k + 1].offset : data;
+      most = std::max<std::uint64_t>(most, end - table[k].offset);
+    }
+  }
+  return most;
+}
+
 TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
   REFIT_REQUIRE_GPU();
   auto cpu = plane_of(Device::kCpu);
@@ -274,7 +298,8 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
       EXPECT_EQ(*held, base[p]);
     }
     t.expect_same_params();
-    for (double density : {0.0, 0.00001, 0.01, 0.05, 0.3, 1.0}) {
+    std::uint64_t largest = 0;  // of a sparse chunk, over the densities
+    for (double density : {0.0, 0.00001, 0.01, 0.05, 0.3, 0.5, 1.0}) {
       SCOPED_TRACE(::testing::Message() << "chunk 2^" << chunk_log2 << " density " << density);
       for (std::size_t i = 0; i < kShapes.size(); ++i) move_source(t, i, kShapes[i], density, rng);
       t.push_sources();
@@ -289,9 +314,10 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
       EXPECT_EQ(enc[0].changed, enc[1].changed);
       EXPECT_EQ(enc[0].digest_delta, enc[1].digest_delta);
       EXPECT_EQ(enc[0].routes_dense, enc[1].routes_dense);
-      EXPECT_TRUE(t.read(0, t.stream(0), enc[0].stream_bytes) ==
-                  t.read(1, t.stream(1), enc[1].stream_bytes))
+      const std::vector<std::byte> cpu_stream = t.read(0, t.stream(0), enc[0].stream_bytes);
+      EXPECT_TRUE(cpu_stream == t.read(1, t.stream(1), enc[1].stream_bytes))
           << "the CUDA stream differs from the CPU's";
+      largest = std::max(largest, largest_sparse_chunk(cpu_stream));
       t.expect_same_kept();
       for (int p = 0; p < 2; ++p) {
         auto a = t.plane(p).delta_apply(t.routes(p), t.stream(p).data(), enc[p].stream_bytes,
@@ -305,6 +331,11 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
         EXPECT_EQ(*held, base[p]);
       }
       t.expect_same_params();
+    }
+    // Both of the CUDA encode's coders ran: a warp's for the small chunks, and, with the largest
+    // chunks at 2^13 elements, a block's.
+    if (chunk_log2 == 13) {
+      EXPECT_GT(largest, 2048u);
     }
   }
 }

@@ -201,6 +201,9 @@ constexpr int kScanUnroll = 2;  // steps whose loads are in flight together
 constexpr int kScanMinBlocks = 6;
 constexpr int kScanStep = kScanThreads * kScanVec;
 constexpr int kPackThreads = 256;
+// Blocks of pack_kernel, which loops over the chunks a warp could not code (their count is known
+// only on the device).
+constexpr int kPackDeferredBlocks = 1024;
 constexpr std::uint32_t kMaskWords = (1u << kDeviceDeltaMaxChunkLog2) / 32;  // a bit per element
 static_assert(kMaskWords == kPackThreads, "pack_kernel gives each 32 positions a thread");
 // A chunk's mask area: a 16-bit entry per kScanVec elements.
@@ -387,13 +390,34 @@ __device__ __forceinline__ std::uint32_t positions_of(const uint4& w, int shift)
   return two(w.x) | two(w.y) << 8 | two(w.z) << 16 | two(w.w) << 24;
 }
 
+// A chunk that goes raw: its new bits, which the kept copy holds (scan_kernel wrote them), as
+// the slot's `words` words; thread `t` of `threads` copies every threads-th word.
+template <class DT>
+__device__ __forceinline__ void copy_raw_chunk(const std::byte* kept, std::uint32_t k, int log2,
+                                               std::uint32_t elems, std::uint32_t* slot,
+                                               std::uint32_t words, std::uint32_t t,
+                                               std::uint32_t threads) {
+  const auto* kb = reinterpret_cast<const unsigned char*>(
+      kept + (static_cast<std::uint64_t>(k) << log2) * sizeof(DT));
+  const std::uint32_t raw = elems * static_cast<std::uint32_t>(sizeof(DT));
+  for (std::uint32_t w = t; w < words; w += threads) {
+    std::uint32_t v = 0;
+    for (std::uint32_t b = 0; b < 4; ++b)
+      if (4 * w + b < raw) v |= static_cast<std::uint32_t>(kb[4 * w + b]) << (8 * b);
+    slot[w] = v;
+  }
+}
+
+// The chunks pack_warp_kernel leaves to a block (`list`, `*list_count` of them): a block per
+// chunk in turn. Every pass of the loop starts with the block scan's barriers, so the shared
+// fields and bits of one chunk are not overwritten while a thread still reads the last's.
 template <class D>
 __global__ void __launch_bounds__(kPackThreads)
     pack_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
-                const std::uint32_t* __restrict__ group_chunks, int log2,
-                const std::byte* __restrict__ kept_base, const std::uint32_t* __restrict__ masks,
-                std::uint32_t* __restrict__ slots, std::uint64_t slot_words,
-                const std::uint32_t* __restrict__ chunk_width,
+                const std::uint32_t* __restrict__ list, const unsigned int* __restrict__ list_count,
+                int log2, const std::byte* __restrict__ kept_base,
+                const std::uint32_t* __restrict__ masks, std::uint32_t* __restrict__ slots,
+                std::uint64_t slot_words, const std::uint32_t* __restrict__ chunk_width,
                 std::uint32_t* __restrict__ chunk_info, std::uint32_t* __restrict__ chunk_bytes) {
   using DT = typename D::T;
   extern __shared__ std::uint32_t bits[];
@@ -402,79 +426,179 @@ __global__ void __launch_bounds__(kPackThreads)
   __shared__ alignas(8) unsigned char s_fields[sizeof(df::ChunkFields)];
   __shared__ bool s_dense;
 
-  const std::uint32_t g = group_chunks[blockIdx.x];
-  const DevChunk ch = chunks[g];
-  const DevRoute r = routes[ch.route];
-  const std::uint32_t elems = chunk_elems(r, ch.k, log2);
-  const std::uint32_t t = threadIdx.x;
-  const auto* mw = reinterpret_cast<const uint4*>(masks + std::uint64_t{kMaskAreaWords} * g);
-  std::uint32_t bc = 0, bn = 0, bx = 0;
-  if (t * 32 < elems) {
-    const uint4 w = mw[t];
-    bc = positions_of(w, 0);
-    bn = positions_of(w, 4);
-    bx = positions_of(w, 8);
+  const unsigned int count = *list_count;
+  for (unsigned int idx = blockIdx.x; idx < count; idx += gridDim.x) {
+    const std::uint32_t g = list[idx];
+    const DevChunk ch = chunks[g];
+    const DevRoute r = routes[ch.route];
+    const std::uint32_t elems = chunk_elems(r, ch.k, log2);
+    const std::uint32_t t = threadIdx.x;
+    const auto* mw = reinterpret_cast<const uint4*>(masks + std::uint64_t{kMaskAreaWords} * g);
+    std::uint32_t bc = 0, bn = 0, bx = 0;
+    if (t * 32 < elems) {
+      const uint4 w = mw[t];
+      bc = positions_of(w, 0);
+      bn = positions_of(w, 4);
+      bx = positions_of(w, 8);
+    }
+    // Changes and exceptions before this thread's positions, in one scan (each count < 2^32).
+    unsigned long long total = 0;
+    const unsigned long long before = block_exclusive_scan<kPackThreads>(
+        static_cast<unsigned long long>(__popc(bc)) << 32 | static_cast<unsigned>(__popc(bx)),
+        scratch, total);
+    const auto n = static_cast<std::uint32_t>(total >> 32), m = static_cast<std::uint32_t>(total);
+    if (n == 0) {
+      if (t == 0) chunk_info[g] = 0, chunk_bytes[g] = 0;
+      continue;
+    }
+    const int W = static_cast<int>(chunk_width[g]);
+    if (t == 0) {
+      const df::ChunkFields fields = df::chunk_fields(n, m, W, elems);
+      memcpy(s_fields, &fields, sizeof(fields));
+      s_dense = df::chunk_goes_dense(fields.bits, elems, static_cast<int>(sizeof(DT)));
+    }
+    __syncthreads();
+    df::ChunkFields f;
+    memcpy(&f, s_fields, sizeof(f));
+    const bool dense = s_dense;
+    const std::uint64_t nbytes =
+        df::chunk_data_bytes(n, dense, f.bits, elems, static_cast<int>(sizeof(DT)));
+    const auto words = static_cast<std::uint32_t>(nbytes / 4);
+    std::uint32_t* slot = slots + static_cast<std::uint64_t>(g) * slot_words;
+    if (dense) {
+      copy_raw_chunk<DT>(kept_base + r.kept, ch.k, log2, elems, slot, words, t, kPackThreads);
+    } else {
+      for (std::uint32_t w = t; w < words; w += kPackThreads) bits[w] = 0;
+      __syncthreads();
+      if (t == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, W);
+      const DT* exc_mag = reinterpret_cast<const DT*>(slot);
+      const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
+      auto j = static_cast<std::uint32_t>(before >> 32), e = static_cast<std::uint32_t>(before);
+      for (std::uint32_t left = bc; left != 0; left &= left - 1) {
+        const int b = __ffs(static_cast<int>(left)) - 1;
+        const std::uint32_t p = t * 32 + static_cast<std::uint32_t>(b);
+        put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
+        if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
+        put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
+        if ((bx >> b) & 1u) {
+          put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask,
+                          f.Le);
+          put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
+          put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
+          ++e;
+        }
+        ++j;
+      }
+      __syncthreads();  // every exception's magnitude is read before the slot is overwritten
+      for (std::uint32_t w = t; w < words; w += kPackThreads) slot[w] = bits[w];
+    }
+    if (t == 0) {
+      chunk_info[g] = df::chunk_info(n, f.L, m > 0 && !dense, dense);
+      chunk_bytes[g] = static_cast<std::uint32_t>(nbytes);
+    }
   }
-  // Changes and exceptions before this thread's positions, in one scan (each count < 2^32).
-  unsigned long long total = 0;
-  const unsigned long long before = block_exclusive_scan<kPackThreads>(
-      static_cast<unsigned long long>(__popc(bc)) << 32 | static_cast<unsigned>(__popc(bx)),
-      scratch, total);
-  const auto n = static_cast<std::uint32_t>(total >> 32), m = static_cast<std::uint32_t>(total);
+}
+
+// A warp per chunk: the same coding as pack_kernel without block barriers, its bits in a share of
+// the block's shared memory. Lane l takes positions 256 l .. 256 l + 255 (eight groups of 32, an
+// entry area's 16-byte word each); a warp scan of the lanes' counts gives each change its index.
+// A chunk whose coding needs more than kPackWarpWords words (dense ones aside: they are copied
+// from the kept copy here) goes on `deferred` for pack_kernel. At the densities of an RL step
+// (up to about 20 % changed) every chunk fits.
+constexpr int kPackWarps = 8;
+constexpr std::uint32_t kPackWarpWords = 512;  // 2 KB of coded bits per warp
+constexpr int kPackGroups = kMaskWords / 32;   // a lane's 32-position groups
+template <class D>
+__global__ void __launch_bounds__(kPackWarps * 32)
+    pack_warp_kernel(const DevRoute* __restrict__ routes, const DevChunk* __restrict__ chunks,
+                     const std::uint32_t* __restrict__ group_chunks, std::uint64_t count, int log2,
+                     const std::byte* __restrict__ kept_base,
+                     const std::uint32_t* __restrict__ masks, std::uint32_t* __restrict__ slots,
+                     std::uint64_t slot_words, const std::uint32_t* __restrict__ chunk_width,
+                     std::uint32_t* __restrict__ chunk_info,
+                     std::uint32_t* __restrict__ chunk_bytes, std::uint32_t* __restrict__ deferred,
+                     unsigned int* __restrict__ deferred_count) {
+  using DT = typename D::T;
+  __shared__ std::uint32_t s_bits[kPackWarps][kPackWarpWords];
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const std::uint64_t gi = static_cast<std::uint64_t>(blockIdx.x) * kPackWarps + warp;
+  if (gi >= count) return;  // (no block barriers below)
+  const std::uint32_t g = group_chunks[gi];
+  const DevChunk ch = chunks[g];
+  const DevRoute& r = routes[ch.route];
+  const std::uint32_t elems = chunk_elems(r, ch.k, log2);
+  const auto* mw = reinterpret_cast<const uint4*>(masks + std::uint64_t{kMaskAreaWords} * g);
+  const auto group_of = [&](int q, int shift) -> std::uint32_t {
+    const std::uint32_t t = lane * kPackGroups + static_cast<std::uint32_t>(q);
+    return t * 32 < elems ? positions_of(mw[t], shift) : 0u;
+  };
+  // Changes (high half) and exceptions (low half) of this lane, then before it (each <= 2^13).
+  std::uint32_t mine = 0;
+#pragma unroll
+  for (int q = 0; q < kPackGroups; ++q) {
+    const std::uint32_t t = lane * kPackGroups + static_cast<std::uint32_t>(q);
+    if (t * 32 < elems) {
+      const uint4 w = mw[t];
+      mine += static_cast<std::uint32_t>(__popc(positions_of(w, 0))) << 16 |
+              static_cast<std::uint32_t>(__popc(positions_of(w, 8)));
+    }
+  }
+  std::uint32_t upto = mine;
+  for (int o = 1; o < 32; o <<= 1) {
+    const std::uint32_t v = __shfl_up_sync(kFull, upto, o);
+    if (lane >= static_cast<unsigned>(o)) upto += v;
+  }
+  const std::uint32_t total = __shfl_sync(kFull, upto, 31), before = upto - mine;
+  const std::uint32_t n = total >> 16, m = total & 0xFFFFu;
   if (n == 0) {
-    if (t == 0) chunk_info[g] = 0, chunk_bytes[g] = 0;
+    if (lane == 0) chunk_info[g] = 0, chunk_bytes[g] = 0;
     return;
   }
   const int W = static_cast<int>(chunk_width[g]);
-  if (t == 0) {
-    const df::ChunkFields fields = df::chunk_fields(n, m, W, elems);
-    memcpy(s_fields, &fields, sizeof(fields));
-    s_dense = df::chunk_goes_dense(fields.bits, elems, static_cast<int>(sizeof(DT)));
-  }
-  __syncthreads();
-  df::ChunkFields f;
-  memcpy(&f, s_fields, sizeof(f));
-  const bool dense = s_dense;
+  const df::ChunkFields f = df::chunk_fields(n, m, W, elems);
+  const bool dense = df::chunk_goes_dense(f.bits, elems, static_cast<int>(sizeof(DT)));
   const std::uint64_t nbytes =
       df::chunk_data_bytes(n, dense, f.bits, elems, static_cast<int>(sizeof(DT)));
   const auto words = static_cast<std::uint32_t>(nbytes / 4);
   std::uint32_t* slot = slots + static_cast<std::uint64_t>(g) * slot_words;
   if (dense) {
-    // The kept copy holds every new value of the chunk (scan_kernel wrote it).
-    const auto* kb = reinterpret_cast<const unsigned char*>(
-        kept_base + r.kept + (static_cast<std::uint64_t>(ch.k) << log2) * sizeof(DT));
-    const std::uint32_t raw = elems * static_cast<std::uint32_t>(sizeof(DT));
-    for (std::uint32_t w = t; w < words; w += kPackThreads) {
-      std::uint32_t v = 0;
-      for (std::uint32_t b = 0; b < 4; ++b)
-        if (4 * w + b < raw) v |= static_cast<std::uint32_t>(kb[4 * w + b]) << (8 * b);
-      slot[w] = v;
-    }
+    copy_raw_chunk<DT>(kept_base + r.kept, ch.k, log2, elems, slot, words, lane, 32);
+  } else if (words > kPackWarpWords) {
+    if (lane == 0) deferred[atomicAdd(deferred_count, 1u)] = g;
+    return;
   } else {
-    for (std::uint32_t w = t; w < words; w += kPackThreads) bits[w] = 0;
-    __syncthreads();
-    if (t == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, W);
+    std::uint32_t* bits = s_bits[warp];
+    for (std::uint32_t w = lane; w < words; w += 32) bits[w] = 0;
+    __syncwarp();
+    if (lane == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, W);
     const DT* exc_mag = reinterpret_cast<const DT*>(slot);
     const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
-    auto j = static_cast<std::uint32_t>(before >> 32), e = static_cast<std::uint32_t>(before);
-    for (std::uint32_t left = bc; left != 0; left &= left - 1) {
-      const int b = __ffs(static_cast<int>(left)) - 1;
-      const std::uint32_t p = t * 32 + static_cast<std::uint32_t>(b);
-      put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
-      if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
-      put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
-      if ((bx >> b) & 1u) {
-        put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask, f.Le);
-        put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
-        put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
-        ++e;
+    std::uint32_t j = before >> 16, e = before & 0xFFFFu;
+    for (int q = 0; q < kPackGroups; ++q) {
+      const std::uint32_t bc = group_of(q, 0);
+      if (bc == 0) continue;
+      const std::uint32_t bn = group_of(q, 4), bx = group_of(q, 8);
+      const std::uint32_t p0 = (lane * kPackGroups + static_cast<std::uint32_t>(q)) * 32;
+      for (std::uint32_t left = bc; left != 0; left &= left - 1) {
+        const int b = __ffs(static_cast<int>(left)) - 1;
+        const std::uint32_t p = p0 + static_cast<std::uint32_t>(b);
+        put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
+        if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
+        put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
+        if ((bx >> b) & 1u) {
+          put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask,
+                          f.Le);
+          put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
+          put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
+          ++e;
+        }
+        ++j;
       }
-      ++j;
     }
-    __syncthreads();  // every exception's magnitude is read before the slot is overwritten
-    for (std::uint32_t w = t; w < words; w += kPackThreads) slot[w] = bits[w];
+    __syncwarp();  // every exception's magnitude is read before the slot is overwritten
+    for (std::uint32_t w = lane; w < words; w += 32) slot[w] = bits[w];
   }
-  if (t == 0) {
+  if (lane == 0) {
     chunk_info[g] = df::chunk_info(n, f.L, m > 0 && !dense, dense);
     chunk_bytes[g] = static_cast<std::uint32_t>(nbytes);
   }
@@ -898,8 +1022,8 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
                                                  const df::ChunkView& v, std::uint64_t first,
                                                  std::uint32_t elems, std::uint32_t* exc_bits,
                                                  std::uint32_t* exc_rank, std::uint32_t* round,
-                                                 int lane,
-                                                 std::uint32_t& count, unsigned long long& digest) {
+                                                 int lane, std::uint32_t& count,
+                                                 unsigned long long& digest) {
   constexpr int kWidth = 8 * static_cast<int>(sizeof(DT));
   const df::ChunkFields& f = v.f;
   const std::uint32_t n = v.n, m = v.m;
@@ -983,10 +1107,10 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
     DT old[kApplyWindow] = {};
 #pragma unroll
     for (int i = 0; i < kApplyWindow; ++i) {
-      const std::uint32_t t = static_cast<std::uint32_t>(lane) + 32u * static_cast<std::uint32_t>(i);
+      const std::uint32_t t =
+          static_cast<std::uint32_t>(lane) + 32u * static_cast<std::uint32_t>(i);
       entry[i] = t < in_round ? round[t] : kSkipEntry;
-      if (entry[i] != kSkipEntry)
-        old[i] = dst[dst_index(r, first + (entry[i] & kEntryPosition))];
+      if (entry[i] != kSkipEntry) old[i] = dst[dst_index(r, first + (entry[i] & kEntryPosition))];
     }
 #pragma unroll
     for (int i = 0; i < kApplyWindow; ++i) {
@@ -1232,7 +1356,8 @@ struct DeviceDelta::Impl {
   // scratch
   DeviceBuffer chunk_info, chunk_bytes, chunk_offset, chunk_digest, plans, totals;
   DeviceBuffer route_sum, route_counted;
-  DeviceBuffer dense_list, dense_count;  // apply: the chunks held raw
+  // apply: the chunks held raw; encode: the chunks pack_warp_kernel leaves to pack_kernel
+  DeviceBuffer dense_list, dense_count;
   // encode only, allocated at the first encode: each chunk's coded data (and, between the two
   // kernels, its exceptions' magnitudes), and its mask entries (scan_kernel's bits per element)
   DeviceBuffer slots, masks;
@@ -1371,6 +1496,8 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
   auto* slots = static_cast<std::uint32_t*>(m.slots.data());
   auto* masks = static_cast<std::uint32_t*>(m.masks.data());
   auto* width = static_cast<std::uint32_t*>(m.chunk_width.data());
+  auto* deferred = static_cast<std::uint32_t*>(m.dense_list.data());
+  auto* deferred_count = static_cast<unsigned int*>(m.dense_count.data());
   for (const Impl::Group& g : m.groups) {
     REFIT_RETURN_IF_ERROR(check_grid(g.count, "delta encode"));
     const auto* list = static_cast<const std::uint32_t*>(m.group_chunks.data()) + g.begin;
@@ -1380,8 +1507,15 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
       scan_kernel<S, D, false><<<static_cast<unsigned>(g.count), kScanThreads, 0, s>>>(
           routes, chunks, list, m.log2, kept, masks, slots, slot_words, nullptr, width, digest);
       REFIT_CUDA_CHECK_LAUNCH("delta scan_kernel launch");
-      pack_kernel<D><<<static_cast<unsigned>(g.count), kPackThreads, slot_words * 4, s>>>(
-          routes, chunks, list, m.log2, kept, masks, slots, slot_words, width, info, bytes);
+      REFIT_CUDA_CHECK(cudaMemsetAsync(deferred_count, 0, sizeof(unsigned int), s));
+      pack_warp_kernel<D><<<static_cast<unsigned>((g.count + kPackWarps - 1) / kPackWarps),
+                            kPackWarps * 32, 0, s>>>(routes, chunks, list, g.count, m.log2, kept,
+                                                     masks, slots, slot_words, width, info, bytes,
+                                                     deferred, deferred_count);
+      REFIT_CUDA_CHECK_LAUNCH("delta pack_warp_kernel launch");
+      pack_kernel<D><<<kPackDeferredBlocks, kPackThreads, slot_words * 4, s>>>(
+          routes, chunks, deferred, deferred_count, m.log2, kept, masks, slots, slot_words, width,
+          info, bytes);
       REFIT_CUDA_CHECK_LAUNCH("delta pack_kernel launch");
       return Status::Ok();
     }));
