@@ -118,7 +118,7 @@ Status RouteSender::build_peer_runs(const std::vector<void*>& shards) {
     if (modes_[i] != PairExecutor::kPeer) continue;
     // The pair's delta lists write the mapped parameters (patch). A pair not kept (auto gave up
     // on it) needs no segments.
-    if (!delta_.tracks(i)) {
+    if (!delta_.tracks(i, PairExecutor::kPeer)) {
       peer_segments_.erase(i);
     } else {
       const Mapped& m = mapped_.at(i);
@@ -404,7 +404,7 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
         continue;
       }
       bytes_sent_ += pair_bytes(*o_.setup, o_.targets[i]);
-      if (begin.raw || !delta_.tracks(i)) continue;
+      if (begin.raw || !delta_.tracks(i, PairExecutor::kPeer)) continue;
       REFIT_RETURN_IF_ERROR(delta_.capture_peer(i, copy_s));
     }
     times.cast_pack += t.seconds();
