@@ -61,7 +61,8 @@ done
 ngpu=$(nvidia-smi -L | wc -l)
 # "staged": the peer cell with refit.staged (the bytes land in the engine's staging area, CUDA IPC;
 # generation pauses only to copy it in; pause_s per step). "fp8peer": the peer cell with FP8
-# weights (each pair's codes and scales packed on the trainer's GPU, then patched).
+# weights, which on the CUDA plane move in full whatever refit.delta says (docs/delta.md, "Left"):
+# every step verified, 0 pairs as a delta.
 cells="peer staged fp8peer"
 [ "$ngpu" -ge 2 ] && cells="peer staged fp8peer p2p"
 for cell in $cells; do
