@@ -154,8 +154,6 @@ TEST(ControlAuth, MalformedMessagesAreDroppedNotFatal) {
   EXPECT_EQ(m->type, MessageType::kCommit);
 }
 
-// The secret as a file: it must be private to its owner, and only one of the two variables may
-// be set. Checked through the CLI, where the setting is read (once per process).
 // The ZAP handler's thread sleeps until a handshake asks it something: idle, it never wakes; each
 // CURVE connection wakes it (once, or twice where ZeroMQ signals its socket again).
 TEST(ControlAuth, ZapHandlerWakesOnlyForHandshakes) {
@@ -196,6 +194,8 @@ TEST(ControlAuth, ZapHandlerWakesOnlyForHandshakes) {
   zap->reset();  // before the context
 }
 
+// The secret as a file: it must be private to its owner, and only one of the two variables may
+// be set. Checked through the CLI, where the setting is read (once per process).
 TEST(ControlAuth, SecretFileMustBePrivate) {
   testing::TempDir dir;
   const std::string path = dir.write("secret", "file-secret-0123456789abcdef\n");

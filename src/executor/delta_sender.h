@@ -61,6 +61,8 @@ class DeltaSender {
   bool tracks(std::size_t i, PairExecutor mode) const {
     return tracks(mode) && !pairs_[i].retired;
   }
+  // Whether it holds a kept copy of target i's pair (none before the pair's first refit).
+  bool keeps(std::size_t i) const { return pairs_[i].kept != nullptr; }
   // Whether this refit sends target i a delta (decided in prepare).
   bool sends_delta(std::size_t i) const { return pairs_[i].use; }
 

@@ -115,10 +115,13 @@ Status RouteSender::build_peer_runs(const std::vector<void*>& shards) {
   const TrainerShardLayout& mine = o_.setup->trainer;
   std::vector<std::pair<Route, std::size_t>> routes;  // one member each, target index
   for (std::size_t i = 0; i < o_.targets.size(); ++i) {
-    if (modes_[i] != PairExecutor::kPeer) continue;
-    // The pair's delta lists write the mapped parameters (patch). A pair not kept (auto gave up
-    // on it) needs no segments.
-    if (!delta_.tracks(i, PairExecutor::kPeer)) {
+    if (modes_[i] != PairExecutor::kPeer) {
+      peer_segments_.erase(i);
+      continue;
+    }
+    // The pair's delta lists write the mapped parameters (patch). A pair with no kept copy (auto
+    // gave up on it, or a bare pass before its first refit) needs no segments: it is copied.
+    if (!delta_.tracks(i, PairExecutor::kPeer) || !delta_.keeps(i)) {
       peer_segments_.erase(i);
     } else {
       const Mapped& m = mapped_.at(i);
