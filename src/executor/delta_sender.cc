@@ -121,6 +121,7 @@ bool DeltaSender::wants_delta(std::size_t i) {
 // log says why.
 Status DeltaSender::decide_delta(int step, const std::vector<PairExecutor>& modes) {
   std::map<std::string, std::vector<int>> full;  // why -> engine ranks
+  std::vector<int> retired_offers;
   for (std::size_t i = 0; i < pairs_.size(); ++i) {
     DeltaPair& d = pairs_[i];
     d.use = false;
@@ -133,9 +134,8 @@ Status DeltaSender::decide_delta(int step, const std::vector<PairExecutor>& mode
           o_.rank, o_.targets[i], d.offer->digest ? "point-to-point" : "peer-access",
           p2p ? "point to point" : "peer access", tracked ? "" : " and keeps no base for it"));
     if (!tracked) continue;
-    if (d.retired) {
-      if (d.offer) full["refit.delta auto found a delta never faster for them"].push_back(
-          o_.targets[i]);
+    if (d.retired) {  // said once, when auto retired the pair; its engine rank still offers
+      if (d.offer) retired_offers.push_back(o_.targets[i]);
       continue;
     }
     std::uint64_t sum = 0;
@@ -166,6 +166,11 @@ Status DeltaSender::decide_delta(int step, const std::vector<PairExecutor>& mode
         "trainer rank {}: refit.delta: step {}: engine rank(s) {}: {}: their routes move "
         "in full",
         o_.rank, step, fmt::join(engines, ", "), why);
+  if (!retired_offers.empty())
+    log::debug(
+        "trainer rank {}: refit.delta: step {}: engine rank(s) {} offered a base; refit.delta "
+        "auto found a delta never faster for them, so their routes move in full",
+        o_.rank, step, fmt::join(retired_offers, ", "));
   return Status::Ok();
 }
 
