@@ -19,6 +19,7 @@ constexpr int kThreads = 256;
 
 using elem::BF16;
 using elem::convert_elem;
+using elem::dtype_code;
 using elem::F16;
 using elem::F32;
 using elem::FP8;
@@ -367,20 +368,6 @@ __device__ __forceinline__ std::uint32_t weight_bits(std::uint64_t key, std::int
   }
 }
 
-int via_code(DType via) {
-  switch (via) {
-    case DType::kFloat32:
-      return 0;
-    case DType::kBFloat16:
-      return 1;
-    case DType::kFloat16:
-      return 2;
-    case DType::kFloat8E4M3:
-      return 3;
-  }
-  return 0;
-}
-
 __device__ __forceinline__ std::uint64_t tensor_key(std::uint64_t seed, std::uint32_t tag) {
   return mix(seed * 0x9e3779b97f4a7c15ull + tag + 1);
 }
@@ -549,7 +536,7 @@ Status launch_generate_range(const DeviceBlockTable& table, std::int64_t t0, std
     using D = decltype(d);
     generate_kernel<D>
         <<<static_cast<unsigned>(t1 - t0), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            table.tiles(), t0, p.seed, static_cast<float>(p.step), via_code(p.via), p.adam_lr,
+            table.tiles(), t0, p.seed, static_cast<float>(p.step), dtype_code(p.via), p.adam_lr,
             static_cast<typename D::T*>(dst));
     REFIT_CUDA_CHECK_LAUNCH("generate_kernel launch");
     return Status::Ok();
@@ -621,7 +608,7 @@ Result<VerifyResult> verify_generated(const DeviceBlockTable& table, const Weigh
     using D = decltype(d);
     verify_kernel<D>
         <<<static_cast<unsigned>(tiles), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            table.tiles(), 0, params.seed, static_cast<float>(params.step), via_code(params.via),
+            table.tiles(), 0, params.seed, static_cast<float>(params.step), dtype_code(params.via),
             params.adam_lr, static_cast<const typename D::T*>(actual),
             static_cast<VerifyCounters*>(counters.data()));
     REFIT_CUDA_CHECK_LAUNCH("verify_kernel launch");

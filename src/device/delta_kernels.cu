@@ -22,6 +22,7 @@ namespace {
 namespace df = delta_format;
 using elem::BF16;
 using elem::convert_elem;
+using elem::dtype_code;
 using elem::F16;
 using elem::F32;
 using elem::FP8;
@@ -408,6 +409,31 @@ __device__ __forceinline__ void copy_raw_chunk(const std::byte* kept, std::uint3
   }
 }
 
+// Codes the changes of one 32-position group into a chunk's bits (shared memory): positions p0 +
+// b for each bit b of `bc` (changed), with its sign (`bn`) and exception (`bx`) bits; `j` and `e`
+// are the indices of the group's first change and first exception in the chunk, and advance.
+template <class DT>
+__device__ __forceinline__ void code_group(std::uint32_t* bits, const df::ChunkFields& f, int W,
+                                           std::uint32_t p0, std::uint32_t bc, std::uint32_t bn,
+                                           std::uint32_t bx, const DT* exc_mag, std::uint32_t& j,
+                                           std::uint32_t& e) {
+  const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
+  for (std::uint32_t left = bc; left != 0; left &= left - 1) {
+    const int b = __ffs(static_cast<int>(left)) - 1;
+    const std::uint32_t p = p0 + static_cast<std::uint32_t>(b);
+    put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
+    if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
+    put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
+    if ((bx >> b) & 1u) {
+      put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask, f.Le);
+      put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
+      put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
+      ++e;
+    }
+    ++j;
+  }
+}
+
 // The chunks pack_warp_kernel leaves to a block (`list`, `*list_count` of them): a block per
 // chunk in turn. Every pass of the loop starts with the block scan's barriers, so the shared
 // fields and bits of one chunk are not overwritten while a thread still reads the last's.
@@ -472,23 +498,8 @@ __global__ void __launch_bounds__(kPackThreads)
       __syncthreads();
       if (t == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, W);
       const DT* exc_mag = reinterpret_cast<const DT*>(slot);
-      const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
       auto j = static_cast<std::uint32_t>(before >> 32), e = static_cast<std::uint32_t>(before);
-      for (std::uint32_t left = bc; left != 0; left &= left - 1) {
-        const int b = __ffs(static_cast<int>(left)) - 1;
-        const std::uint32_t p = t * 32 + static_cast<std::uint32_t>(b);
-        put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
-        if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
-        put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
-        if ((bx >> b) & 1u) {
-          put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask,
-                          f.Le);
-          put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
-          put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
-          ++e;
-        }
-        ++j;
-      }
+      code_group(bits, f, W, t * 32, bc, bn, bx, exc_mag, j, e);
       __syncthreads();  // every exception's magnitude is read before the slot is overwritten
       for (std::uint32_t w = t; w < words; w += kPackThreads) slot[w] = bits[w];
     }
@@ -572,28 +583,13 @@ __global__ void __launch_bounds__(kPackWarps * 32)
     __syncwarp();
     if (lane == 0 && m > 0) bits[0] = df::exceptions_word(m, f.Le, W);
     const DT* exc_mag = reinterpret_cast<const DT*>(slot);
-    const std::uint32_t low_mask = (1u << f.L) - 1u, exc_mask = (1u << f.Le) - 1u;
     std::uint32_t j = before >> 16, e = before & 0xFFFFu;
     for (int q = 0; q < kPackGroups; ++q) {
       const std::uint32_t bc = group_of(q, 0);
       if (bc == 0) continue;
       const std::uint32_t bn = group_of(q, 4), bx = group_of(q, 8);
-      const std::uint32_t p0 = (lane * kPackGroups + static_cast<std::uint32_t>(q)) * 32;
-      for (std::uint32_t left = bc; left != 0; left &= left - 1) {
-        const int b = __ffs(static_cast<int>(left)) - 1;
-        const std::uint32_t p = p0 + static_cast<std::uint32_t>(b);
-        put_bits_shared(bits, f.low + static_cast<std::uint64_t>(j) * f.L, p & low_mask, f.L);
-        if ((bn >> b) & 1u) put_bits_shared(bits, f.sign + j, 1, 1);
-        put_bits_shared(bits, f.high + (p >> f.L) + j, 1, 1);
-        if ((bx >> b) & 1u) {
-          put_bits_shared(bits, f.exc_low + static_cast<std::uint64_t>(e) * f.Le, j & exc_mask,
-                          f.Le);
-          put_bits_shared(bits, f.exc_mag + static_cast<std::uint64_t>(e) * W, exc_mag[p], W);
-          put_bits_shared(bits, f.exc_high + (j >> f.Le) + e, 1, 1);
-          ++e;
-        }
-        ++j;
-      }
+      code_group(bits, f, W, (lane * kPackGroups + static_cast<std::uint32_t>(q)) * 32, bc, bn, bx,
+                 exc_mag, j, e);
     }
     __syncwarp();  // every exception's magnitude is read before the slot is overwritten
     for (std::uint32_t w = lane; w < words; w += 32) slot[w] = bits[w];
@@ -1283,20 +1279,6 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- dispatch ----
 
-int dtype_code(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return 0;
-    case DType::kBFloat16:
-      return 1;
-    case DType::kFloat16:
-      return 2;
-    case DType::kFloat8E4M3:
-      return 3;
-  }
-  return 0;
-}
-
 // The (source, wire) pairs the kernels are built for: every dtype as itself, and float32 to the
 // 16-bit types (a trainer's master cast). Others are refused at create.
 bool pair_supported(int src, int wire) {
@@ -1322,7 +1304,6 @@ Status with_pair(int src, int wire, F&& f) {
       return Status::Unsupported("delta: a dtype pair the CUDA kernels are not built for");
   }
 }
-
 template <class T>
 Result<DeviceBuffer> upload_vector(const std::vector<T>& v, int device) {
   REFIT_ASSIGN_OR_RETURN(

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "refit/dtype.h"
+
 namespace refit::elem {
 
 struct F32 {
@@ -102,6 +104,21 @@ __device__ __forceinline__ typename D::T convert_elem(typename S::T x) {
   } else {
     return from_f32<D>(to_f32<S>(x));
   }
+}
+
+// A dtype as the kernels' runtime switches name it: float32 0, bfloat16 1, float16 2, fp8 3.
+inline int dtype_code(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return 0;
+    case DType::kBFloat16:
+      return 1;
+    case DType::kFloat16:
+      return 2;
+    case DType::kFloat8E4M3:
+      return 3;
+  }
+  return 0;
 }
 
 }  // namespace refit::elem
