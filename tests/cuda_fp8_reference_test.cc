@@ -194,10 +194,12 @@ struct EngineOnGpu {
   std::vector<std::vector<std::byte>> want;
 };
 
-void load_engine(const Config& cfg, int tp_rank, int step, EngineOnGpu& e) {
+void load_engine(const Config& cfg, int tp_rank, int step, const WeightUpdate& update,
+                 EngineOnGpu& e) {
   auto model = load_rank_model(cfg);
   ASSERT_TRUE(model.ok()) << model.status().to_string();
   e.model = std::move(*model);
+  e.model->weights->set_update(update);
   auto wire = wire_model(cfg, e.model->spec);
   ASSERT_TRUE(wire.ok()) << wire.status().to_string();
   e.wire = std::move(*wire);
@@ -221,10 +223,12 @@ void load_engine(const Config& cfg, int tp_rank, int step, EngineOnGpu& e) {
 }
 
 // Verifies, then damages one element of the first parameter of each kind (fp8 codes, float32
-// scales, bf16) and expects exactly that element reported, with both values.
-void expect_gpu_verify_agrees(const Config& cfg, int tp_rank, int step, const std::string& what) {
+// scales, bf16) and expects exactly that element reported, with both values. `update`: the
+// weights' update (refit run --update), which the GPU reference must generate as the CPU does.
+void expect_gpu_verify_agrees(const Config& cfg, int tp_rank, int step, const std::string& what,
+                              const WeightUpdate& update = {}) {
   EngineOnGpu e;
-  load_engine(cfg, tp_rank, step, e);
+  load_engine(cfg, tp_rank, step, update, e);
   if (::testing::Test::HasFatalFailure()) return;
   auto verify = [&]() {
     return find_fp8_mismatch_on_device(*e.plane, *e.model, e.wire, e.layout, e.params,
@@ -290,6 +294,13 @@ TEST(CudaFp8Reference, GpuVerificationAgreesWithTheCpuReference) {
       cuda_fp8_config("tiny-qwen3", "world_size: 1", "backend: vllm, tp_size: 2, layout: hf",
                       "{block: [16, 16]}"),
       0, 1, "tiny-qwen3 hf layout");
+  // --update adam:LR: each step moves every element by about LR from its base, and the reference
+  // generates the same (with drift's weights instead, every code differs).
+  for (const int step : {1, 4})
+    expect_gpu_verify_agrees(cuda_fp8_config("tiny-qwen3", "world_size: 1",
+                                             "backend: sglang, tp_size: 1", "{block: [16, 16]}"),
+                             0, step, fmt::format("tiny-qwen3 adam:1e-5 step {}", step),
+                             WeightUpdate{.kind = WeightUpdate::Kind::kAdam, .lr = 1e-5f});
 }
 
 TEST(CudaFp8Reference, GpuVerificationOfACheckpoint) {

@@ -8,10 +8,6 @@ namespace refit {
 
 std::string digest_hex(std::uint64_t digest) { return fmt::format("{:016x}", digest); }
 
-bool fp8_peer_moves_in_full(const Config& config, const RouteSetup& setup) {
-  return setup.wire().fp8.has_value() && config.device == Device::kCuda;
-}
-
 std::size_t delta_directory_bytes(std::size_t routes) {
   return delta_format::kHeaderBytes + sizeof(delta_format::RouteEntry) * routes;
 }

@@ -45,10 +45,6 @@ std::string digest_hex(std::uint64_t digest);
 // engine rank that offered it a base — the size of the delta stream that follows, or this value:
 // the round's segment follows in full (the trainer rank decided so).
 inline constexpr std::uint64_t kDeltaFullSegment = ~std::uint64_t{0};
-// Whether pairs moved by peer access with FP8 weights move in full whatever refit.delta says: on
-// the CUDA plane, where their deltas are not yet verified (docs/delta.md, "Left"). The CPU plane
-// sends them deltas.
-bool fp8_peer_moves_in_full(const Config& config, const RouteSetup& setup);
 // The bytes of a stream of `routes` routes before its first payload: its header and directory.
 std::size_t delta_directory_bytes(std::size_t routes);
 

@@ -43,12 +43,6 @@ DeltaSender::DeltaSender(DeltaSenderOptions o) : o_(std::move(o)) {
   pairs_.resize(o_.targets.size());
 }
 
-bool DeltaSender::tracks(PairExecutor mode) const {
-  if (o_.config->refit.delta == DeltaMode::kOff) return false;
-  return mode != PairExecutor::kPeer || !fp8_peer_moves_in_full(*o_.config, *o_.setup);
-}
-
-
 void DeltaSender::begin(const BeginMessage& begin, RefitProbe& probe) {
   for (std::size_t i = 0; i < pairs_.size(); ++i) {
     DeltaPair& d = pairs_[i];
@@ -126,7 +120,7 @@ Status DeltaSender::decide_delta(int step, const std::vector<PairExecutor>& mode
     DeltaPair& d = pairs_[i];
     d.use = false;
     const bool p2p = modes[i] == PairExecutor::kP2p;
-    const bool tracked = tracks(modes[i]);
+    const bool tracked = tracks();
     if (d.offer && (!tracked || d.offer->digest.has_value() != p2p))
       return Status::Corruption(fmt::format(
           "trainer rank {}: engine rank {} offered a delta base as a {} pair; this rank moves "
@@ -185,7 +179,7 @@ Result<bool> DeltaSender::prepare(const BeginMessage& begin,
     d.refit_elements = d.refit_changed = d.refit_wire_bytes = 0;
     d.refit_encode_s = 0;
     traffic_.full_bytes += pair_bytes(i);
-    if (tracks(i, modes[i]) && !begin.raw && !d.kept) {
+    if (tracks(i) && !begin.raw && !d.kept) {
       REFIT_RETURN_IF_ERROR(ensure_kept(i));
       kept_new = true;  // the lists of its rounds are built with the runs
     }
@@ -212,7 +206,7 @@ void DeltaSender::forget() {
 
 void DeltaSender::note_sent(const std::string& version, const std::vector<PairExecutor>& modes) {
   for (std::size_t i = 0; i < pairs_.size(); ++i) {
-    if (!tracks(i, modes[i])) continue;
+    if (!tracks(i)) continue;
     DeltaPair& d = pairs_[i];
     d.version = version;
     d.kept_by = modes[i];
@@ -366,7 +360,7 @@ void DeltaSender::lay_out(std::size_t rounds, const std::vector<void*>& shards,
   // The kept targets' lists of each round, read from the shards (FP8: rebuilt from the packed
   // segments, lay_out_round): what a capture reads, and what a stream of them takes at most.
   for (std::size_t i = 0; i < pairs_.size(); ++i)
-    if (modes[i] == PairExecutor::kP2p && tracks(i, modes[i]))
+    if (modes[i] == PairExecutor::kP2p && tracks(i))
       for (int k = 0; k < o_.setup->view.rounds; ++k)
         build_delta_round(i, k, shards, nullptr, nullptr);
 }
@@ -396,7 +390,7 @@ bool DeltaSender::lay_out_round(std::size_t i, std::size_t k, int peer, std::byt
         P2POp{.kind = P2POp::Kind::kSend, .peer = peer, .buf = word, .bytes = 8});
     if (!d.use) full_words_[k].push_back(word);
   }
-  if (o_.setup->wire().fp8 && tracks(PairExecutor::kP2p))  // FP8: the lists read the packed codes
+  if (o_.setup->wire().fp8 && tracks())  // FP8: the lists read the packed codes
     build_delta_round(i, static_cast<int>(k), shards, segment, nullptr);
   if (!d.use) return false;
   sends_[k].push_back(DeltaSend{.target = i,
@@ -440,7 +434,7 @@ Status DeltaSender::write_round(int step, int k, std::vector<P2POp>& ops, RefitP
 Status DeltaSender::capture_full_round(int k, const std::vector<PairExecutor>& modes) {
   const auto kk = static_cast<std::size_t>(k);
   for (std::size_t i = 0; i < pairs_.size(); ++i)
-    if (modes[i] == PairExecutor::kP2p && tracks(i, modes[i]) && !pairs_[i].use &&
+    if (modes[i] == PairExecutor::kP2p && tracks(i) && !pairs_[i].use &&
         kk < pairs_[i].rounds.size())
       REFIT_RETURN_IF_ERROR(capture_round(i, k));
   return Status::Ok();

@@ -53,14 +53,12 @@ class DeltaSender {
  public:
   explicit DeltaSender(DeltaSenderOptions o);
 
-  // Whether this rank keeps copies of what it sends pairs moved by `mode` (refit.delta on or
-  // auto; not FP8 weights by peer access where fp8_peer_moves_in_full).
-  bool tracks(PairExecutor mode) const;
-  // Whether it keeps one of what it sends target i, moved by `mode`: tracks(mode), and not a pair
-  // `auto` gave up on (a delta can never beat its full refit).
-  bool tracks(std::size_t i, PairExecutor mode) const {
-    return tracks(mode) && !pairs_[i].retired;
-  }
+  // Whether this rank keeps copies of what it sends (refit.delta on or auto), whatever executor
+  // moves the pair.
+  bool tracks() const { return o_.config->refit.delta != DeltaMode::kOff; }
+  // Whether it keeps one of what it sends target i: tracks(), and not a pair `auto` gave up on (a
+  // delta can never beat its full refit).
+  bool tracks(std::size_t i) const { return tracks() && !pairs_[i].retired; }
   // Whether it holds a kept copy of target i's pair (none before the pair's first refit).
   bool keeps(std::size_t i) const { return pairs_[i].kept != nullptr; }
   // Whether this refit sends target i a delta (decided in prepare).

@@ -39,12 +39,6 @@ Status RouteReceiver::prepare(bool params_exported) {
   return Status::Ok();
 }
 
-bool RouteReceiver::tracks(std::size_t i) const {
-  if (o_.config->refit.delta == DeltaMode::kOff) return false;
-  return i >= modes_.size() || modes_[i] != PairExecutor::kPeer ||
-         !fp8_peer_moves_in_full(*o_.config, *o_.setup);
-}
-
 void RouteReceiver::offer_delta(const BeginMessage& begin, const std::optional<std::string>& held,
                                 PausedMessage& answer) {
   if (o_.config->refit.delta == DeltaMode::kOff) return;
@@ -53,7 +47,6 @@ void RouteReceiver::offer_delta(const BeginMessage& begin, const std::optional<s
     DeltaSource& d = delta_[i];
     d.offered = false;
     d.use = -1;
-    if (!tracks(i)) continue;
     if (begin.raw) {  // a bare pass leaves the parameters as no refit sent them
       d.version.clear();
       continue;
@@ -109,7 +102,7 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
   digest_after_.assign(rounds, {});
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
     delta_[i].rounds.clear();
-    if (!tracks(i) || modes_[i] != PairExecutor::kP2p) continue;
+    if (!tracks() || modes_[i] != PairExecutor::kP2p) continue;
     delta_[i].digest.resize(rounds, 0);
     for (std::size_t k = 0; k < rounds; ++k)
       delta_[i].rounds.push_back(
@@ -176,7 +169,7 @@ Status RouteReceiver::build(const std::vector<void*>& params) {
       if (!offered) {
         recv_ops_[k].push_back(
             P2POp{.kind = P2POp::Kind::kRecv, .peer = peer, .buf = at, .bytes = full});
-        if (tracks(i) && !delta_[i].rounds[k].routes.empty()) digest_after_[k].push_back(i);
+        if (tracks() && !delta_[i].rounds[k].routes.empty()) digest_after_[k].push_back(i);
         continue;
       }
       std::byte* word = words[k] + 8 * i;
@@ -306,7 +299,7 @@ Status RouteReceiver::receive(const BeginMessage& begin, const std::vector<void*
   // What this rank holds of every source it keeps a base for is now this refit's.
   std::vector<int> in_full;  // offered a base, sent in full
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
-    if (!tracks(i)) continue;
+    if (!tracks()) continue;
     DeltaSource& d = delta_[i];
     d.version = begin.version;
     d.by = modes_[i];

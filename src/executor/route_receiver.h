@@ -95,9 +95,8 @@ class RouteReceiver final : public EngineExecutor {
  private:
   explicit RouteReceiver(const RouteReceiverOptions& o);
   Status build(const std::vector<void*>& params);
-  // Whether this rank keeps what source i sends (refit.delta on or auto; not FP8 weights by peer
-  // access where fp8_peer_moves_in_full).
-  bool tracks(std::size_t i) const;
+  // Whether this rank keeps what its sources send (refit.delta on or auto).
+  bool tracks() const { return o_.config->refit.delta != DeltaMode::kOff; }
   Status apply_round(std::size_t round);
   Status receive_rounds(int step, bool raw, const std::vector<void*>& params);
 

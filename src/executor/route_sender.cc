@@ -121,7 +121,7 @@ Status RouteSender::build_peer_runs(const std::vector<void*>& shards) {
     }
     // The pair's delta lists write the mapped parameters (patch). A pair with no kept copy (auto
     // gave up on it, or a bare pass before its first refit) needs no segments: it is copied.
-    if (!delta_.tracks(i, PairExecutor::kPeer) || !delta_.keeps(i)) {
+    if (!delta_.tracks(i) || !delta_.keeps(i)) {
       peer_segments_.erase(i);
     } else {
       const Mapped& m = mapped_.at(i);
@@ -407,7 +407,7 @@ Status RouteSender::send(const BeginMessage& begin, const std::vector<void*>& /*
         continue;
       }
       bytes_sent_ += pair_bytes(*o_.setup, o_.targets[i]);
-      if (begin.raw || !delta_.tracks(i, PairExecutor::kPeer)) continue;
+      if (begin.raw || !delta_.tracks(i)) continue;
       REFIT_RETURN_IF_ERROR(delta_.capture_peer(i, copy_s));
     }
     times.cast_pack += t.seconds();

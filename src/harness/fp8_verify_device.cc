@@ -103,8 +103,12 @@ class DeviceReference {
       std::vector<std::vector<std::uint32_t>> tags(1);
       append_piece_runs(model_.spec, whole, ts.shape, 0, nullptr, runs[0], tags[0]);
       REFIT_ASSIGN_OR_RETURN(e.generate, DeviceBlockTable::upload(runs, device_, &tags));
-      REFIT_RETURN_IF_ERROR(launch_generate(e.generate, WeightsParams{seed_, step_, policy_}, x,
-                                            DType::kFloat32, stream_));
+      // The update of the run (--update): the weights the trainer ranks generated.
+      const WeightsParams params{.seed = seed_,
+                                 .step = step_,
+                                 .via = policy_,
+                                 .adam_lr = model_.weights->update().adam_lr()};
+      REFIT_RETURN_IF_ERROR(launch_generate(e.generate, params, x, DType::kFloat32, stream_));
     }
     REFIT_ASSIGN_OR_RETURN(e.codes, DeviceBuffer::allocate(n, device_));
     REFIT_ASSIGN_OR_RETURN(

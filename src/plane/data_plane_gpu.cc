@@ -414,11 +414,8 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   Status sync(const char* what) { return synchronize_stream(stream_.handle(), timeout_, what); }
 
   WeightsParams weights_params(const RankModel& model, int step, DType via) const {
-    const WeightUpdate& u = model.weights->update();
-    return WeightsParams{.seed = model_seed_,
-                         .step = step,
-                         .via = via,
-                         .adam_lr = u.kind == WeightUpdate::Kind::kAdam ? u.lr : 0.0f};
+    return WeightsParams{
+        .seed = model_seed_, .step = step, .via = via, .adam_lr = model.weights->update().adam_lr()};
   }
 
   // A run list's identity and content (lists are built once and reused by every refit).

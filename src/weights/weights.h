@@ -39,6 +39,9 @@ struct WeightUpdate {
   enum class Kind { kDrift, kAdam };
   Kind kind = Kind::kDrift;
   float lr = 0;  // adam: the step per element, about
+  // What the CUDA generator takes (WeightsParams::adam_lr, device/copy_kernels.h): the step of
+  // adam, 0 for drift.
+  float adam_lr() const { return kind == Kind::kAdam ? lr : 0.0f; }
   bool operator==(const WeightUpdate&) const = default;
 };
 // "drift" or "adam:LR"; errors name --update and what is accepted.
