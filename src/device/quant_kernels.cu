@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "device/cuda_check.h"
+#include "device/element_convert.cuh"
 #include "device/quant_kernels.h"
 
 namespace refit {
@@ -437,29 +438,16 @@ __global__ void __launch_bounds__(kThreads, kQuantBlocksPerSm)
   quantize_tile<kSrc>(t, runs[t.run], stage);
 }
 
-int src_code(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return 0;
-    case DType::kBFloat16:
-      return 1;
-    case DType::kFloat16:
-      return 2;
-    default:
-      return -1;
-  }
-}
-
 template <template <int> class K>
 Status launch(const DeviceQuantTable& table, DType src_dtype, void* stream, const char* what) {
   if (table.num_tiles() == 0) return Status::Ok();
-  const int code = src_code(src_dtype);
-  if (code < 0)
+  if (src_dtype == DType::kFloat8E4M3)
     return Status::InvalidArgument(std::string(what) + ": source dtype " +
                                    std::string(dtype_name(src_dtype)) +
                                    " (float32, bfloat16 or float16 expected)");
   if (table.num_tiles() > std::numeric_limits<int>::max())
     return Status::InvalidArgument(std::string(what) + ": too many tiles for one launch");
+  const int code = elem::dtype_code(src_dtype);  // 0 float32, 1 bfloat16, 2 float16
   const auto* tiles = static_cast<const QuantTile*>(table.data());
   const auto* runs = reinterpret_cast<const DeviceQuantRun*>(
       static_cast<const std::byte*>(table.data()) +
