@@ -308,6 +308,11 @@ TEST(DeltaRefits, AutoFallsBackToFullPastBreakEven) {
                      "base"),
             0u)
       << d.cli.output;
+  // Each engine rank says so at info once, at the first of those refits; the same trainer ranks
+  // sending in full again are logged at debug only.
+  EXPECT_GT(count_of(d.cli.output, "refit.delta: step 3: trainer rank(s)"), 0u) << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "refit.delta: step 4: trainer rank(s)"), 0u) << d.cli.output;
+  EXPECT_EQ(count_of(d.cli.output, "refit.delta: step 5: trainer rank(s)"), 0u) << d.cli.output;
 }
 
 // A corrupted delta stream is refused before any byte of it is written, naming the route and its

@@ -16,8 +16,9 @@
 # writes the engine's parameters) and, with 2 GPUs, trainer on GPU 0 and engine on GPU 1 with
 # executor p2p (NCCL: size words then streams); each prints per step the pairs sent as a delta,
 # the changed fraction, the wire bytes against the full refit and the refit seconds. Expected:
-# step 1 full (0 pairs, wire = full), steps 2-5 every pair a delta, about 9 % changed, wire about
-# 5 % of full (p2p) / the changed elements' bytes (peer), every step verified.
+# step 1 full (0 pairs, wire = full), steps 2-5 every pair a delta (a cell that did not fails the
+# script), about 9 % changed in bf16 (about 3 % of the codes and scales with FP8), wire about 5 % of
+# full (p2p) / the changed elements' bytes (peer), every step verified.
 # One table last; logs in $REFIT_BENCH_OUT (default /tmp/refit-delta_gpu).
 #
 #   bash scripts/build.sh && bash bench/gpu/delta_gpu.sh
@@ -88,9 +89,9 @@ for s, t, p in zip(d, r["refit_seconds"], r["pause_seconds"]):
     print(f"{s['step']:>4} {s['pairs']:>5} {100 * s['changed_fraction']:>7.2f}% {s['wire_bytes']:>12} {s['full_bytes']:>12}"
           f" {s['wire_bytes'] / max(1, s['full_bytes']):>9.4f} {t:>8.3f} {p:>8.3f} {s['encode_seconds']:>8.3f} {s['apply_seconds']:>8.3f}")
 print(f"verified: {r['verified']}")
-# Every step after the first is a delta of every pair (refit.delta on), and every step verified.
+# The run succeeded (every step verified: --verify), and every step after the first sent deltas.
 late = [s for s in d if s["step"] > 1]
-if not r["verified"] or not late or any(s["pairs"] == 0 for s in late):
+if not r.get("ok") or not r["verified"] or not late or any(s["pairs"] == 0 for s in late):
     print("FAILED: expected every step verified and steps 2 on sent as deltas")
     sys.exit(1)
 PY

@@ -1304,6 +1304,7 @@ Status with_pair(int src, int wire, F&& f) {
       return Status::Unsupported("delta: a dtype pair the CUDA kernels are not built for");
   }
 }
+
 template <class T>
 Result<DeviceBuffer> upload_vector(const std::vector<T>& v, int device) {
   REFIT_ASSIGN_OR_RETURN(

@@ -441,7 +441,8 @@ __global__ void __launch_bounds__(kThreads, kQuantBlocksPerSm)
 template <template <int> class K>
 Status launch(const DeviceQuantTable& table, DType src_dtype, void* stream, const char* what) {
   if (table.num_tiles() == 0) return Status::Ok();
-  if (src_dtype == DType::kFloat8E4M3)
+  if (src_dtype != DType::kFloat32 && src_dtype != DType::kBFloat16 &&
+      src_dtype != DType::kFloat16)
     return Status::InvalidArgument(std::string(what) + ": source dtype " +
                                    std::string(dtype_name(src_dtype)) +
                                    " (float32, bfloat16 or float16 expected)");

@@ -307,11 +307,15 @@ Status RouteReceiver::receive(const BeginMessage& begin, const std::vector<void*
     if (d.use == 1) ++delta_traffic_.delta_pairs;
     if (d.use == 0) in_full.push_back(o_.sources[i]);
   }
-  if (!in_full.empty())
-    log::info(
-        "{}: refit.delta: step {}: trainer rank(s) {} sent their routes in full, though "
-        "this rank offered them its base (their logs say why)",
-        o_.who, begin.step, fmt::join(in_full, ", "));
+  // At info when the set changes (a trainer rank that went on sending in full, as one whose
+  // refit.delta auto retired the pair does, is said once), at debug while it stays the same.
+  const log::Level level = in_full != last_in_full_ ? log::Level::kInfo : log::Level::kDebug;
+  if (!in_full.empty() && log::enabled(level))
+    log::write(level, fmt::format("{}: refit.delta: step {}: trainer rank(s) {} sent their routes "
+                                  "in full, though this rank offered them its base (their logs "
+                                  "say why)",
+                                  o_.who, begin.step, fmt::join(in_full, ", ")));
+  last_in_full_ = std::move(in_full);
   return Status::Ok();
 }
 

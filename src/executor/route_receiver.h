@@ -147,6 +147,7 @@ class RouteReceiver final : public EngineExecutor {
   std::vector<std::vector<PairDeltaRoutes>> replay_routes_;
   std::vector<void*> replay_params_;
   std::int64_t bytes_received_ = 0;
+  std::vector<int> last_in_full_;  // the sources the last refit's log line named (receive)
   int peer_sources_ = 0, p2p_sources_ = 0;
   double apply_seconds_ = 0;  // written on the apply thread
   Applier applier_;
