@@ -41,7 +41,7 @@ Status RouteReceiver::prepare(bool params_exported) {
 
 void RouteReceiver::offer_delta(const BeginMessage& begin, const std::optional<std::string>& held,
                                 PausedMessage& answer) {
-  if (o_.config->refit.delta == DeltaMode::kOff) return;
+  if (!tracks()) return;
   std::map<std::string, std::vector<int>> full;  // why -> trainer ranks
   for (std::size_t i = 0; i < o_.sources.size(); ++i) {
     DeltaSource& d = delta_[i];
