@@ -311,6 +311,8 @@ TEST(DeltaGpu, SameStreamsAndEnginesAsTheCpuAtEveryDensity) {
         enc[p] = *e;
       }
       EXPECT_EQ(enc[0].stream_bytes, enc[1].stream_bytes);
+      EXPECT_GT(enc[0].elements, 0);  // what refit.delta: auto measures its density against
+      EXPECT_EQ(enc[0].elements, enc[1].elements);
       EXPECT_EQ(enc[0].changed, enc[1].changed);
       EXPECT_EQ(enc[0].digest_delta, enc[1].digest_delta);
       EXPECT_EQ(enc[0].routes_dense, enc[1].routes_dense);

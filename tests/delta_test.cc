@@ -666,6 +666,18 @@ TEST(DeltaHost, CorruptedStreamFailsNamingTheTensorAndWritesNothing) {
   auto truncated = h.apply(w, enc->stream_bytes - 8, base);
   ASSERT_FALSE(truncated.ok());
   EXPECT_TRUE(h.param(1).bytes == before);
+  // Chunks other than the session's (its checksums intact) are refused before any work.
+  std::memcpy(h.stream(), good.data(), good.size());
+  h.options().chunk_log2 = 9;
+  auto other = h.apply(w, enc->stream_bytes, base);
+  h.options().chunk_log2 = 8;
+  ASSERT_FALSE(other.ok());
+  EXPECT_NE(other.status().message().find("tensor-101"), std::string::npos)
+      << other.status().message();
+  EXPECT_NE(other.status().message().find("chunks of 2^8 elements, not the session's 2^9"),
+            std::string::npos)
+      << other.status().message();
+  EXPECT_TRUE(h.param(1).bytes == before);
   // The intact stream still applies.
   ASSERT_TRUE(h.apply(w, enc->stream_bytes, base).ok());
   h.expect_engine_holds_cast(0);
@@ -863,6 +875,12 @@ TEST(DeltaHost, BadListsAreRefusedNamingTheRoute) {
   h.routes()[0].kept = 0;
   h.options().chunk_log2 = 3;
   EXPECT_FALSE(h.encode(HostWorkers::inline_only(), 0).ok());
+  h.options().chunk_log2 = 8;
+  h.options().dense_ratio = 1.5;  // a chunk could code longer than its raw bytes
+  auto ratio = h.encode(HostWorkers::inline_only(), 0);
+  ASSERT_FALSE(ratio.ok());
+  EXPECT_NE(ratio.status().message().find("dense_ratio 1.5"), std::string::npos)
+      << ratio.status().message();
 }
 
 }  // namespace

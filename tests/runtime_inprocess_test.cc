@@ -372,6 +372,41 @@ TEST(RuntimeInProcess, OverlappingRegistrationsAreRefusedNamingBoth) {
   p.shutdown();
 }
 
+// refit.delta: an engine rank that registers a parameter anew between refits (its storage moved:
+// a reallocation, a freshly loaded copy) holds no base of a delta any more. The next refit moves
+// in full, so the new storage holds every element, also those no step changed.
+TEST(RuntimeInProcess, ParameterRegisteredAnewMakesTheNextDeltaRefitFull) {
+  Pair p([](Config& c) {
+    c.refit.executor = Executor::kP2p;
+    c.refit.delta = DeltaMode::kOn;
+  });
+  ASSERT_TRUE(p.ok());
+  auto delta_pairs = [&p] {
+    Result<std::vector<RankTraffic>> t = p.trainer->traffic();
+    EXPECT_TRUE(t.ok()) << t.status().to_string();
+    return t.ok() && !t->empty() ? (*t)[0].delta_pairs : -1;
+  };
+  p.refit_publishes(1, false);
+  EXPECT_EQ(delta_pairs(), 0) << "the first refit moves in full";
+  p.refit_publishes(2, false);
+  EXPECT_EQ(delta_pairs(), 1) << "the second refit is a delta";
+
+  // The first parameter moves to new storage that holds nothing of the old.
+  const TensorSlot slot = p.engine->params()[0];
+  std::vector<std::uint16_t> moved(p.params[0].size(), 0);
+  ASSERT_TRUE(p.engine->register_param(slot.name, moved.data(), slot.dtype, slot.shape).ok());
+  p.params[0].swap(moved);  // p.params[0] is the registered storage now; `moved` keeps the old
+
+  // Step 3 trains nothing new: a delta would move no element and leave the new storage zero.
+  p.train(2);
+  auto [st, served] = p.refit(3, false);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_TRUE(served.ok()) << served.status().to_string();
+  EXPECT_EQ(delta_pairs(), 0) << "the refit after the registration moves in full";
+  EXPECT_TRUE(p.holds(2));
+  p.shutdown();
+}
+
 // A version a refit already published is refused before any message, and the session goes on; a
 // failed refit published nothing, so its retry may reuse its version.
 TEST(RuntimeInProcess, AVersionAlreadyPublishedIsRefusedAndARetryMayReuseAFailedOne) {

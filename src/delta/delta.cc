@@ -48,9 +48,10 @@ Status check_delta_routes(const std::vector<DeltaRoute>& routes, const DeltaOpti
     return Status::InvalidArgument(fmt::format("delta: chunk_log2 {} is outside {}..{}",
                                                options.chunk_log2, df::kMinChunkLog2,
                                                df::kMaxChunkLog2));
-  if (!(options.dense_ratio > 0))
+  // Above 1 a chunk could code longer than its raw bytes, past delta_stream_capacity.
+  if (!(options.dense_ratio > 0 && options.dense_ratio <= 1))
     return Status::InvalidArgument(
-        fmt::format("delta: dense_ratio {} must be positive", options.dense_ratio));
+        fmt::format("delta: dense_ratio {} must be in (0, 1]", options.dense_ratio));
   for (const DeltaRoute& r : routes) {
     const Block2D& b = r.block;
     auto bad = [&](const std::string& what) {

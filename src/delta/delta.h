@@ -85,7 +85,7 @@ struct DeltaOptions {
   int chunk_log2 = 13;
   // A route is sent dense (every element's new bits) when its sparse payload would take at least
   // this fraction of its raw bytes.
-  double dense_ratio = 1.0;
+  double dense_ratio = 1.0;  // in (0, 1]: above 1 a stream could outgrow delta_stream_capacity
   // CPU plane: lists of fewer elements run on the caller's thread alone (waking the workers costs
   // more). Tests lower it to cross into the parallel path.
   std::int64_t parallel_min_elements = std::int64_t{1} << 20;

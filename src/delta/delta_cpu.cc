@@ -698,8 +698,11 @@ Result<std::vector<df::RouteEntry>> read_stream_directory(const std::vector<Delt
           return bad(fmt::format("a dense payload of {} bytes, not {}", e.bytes, raw));
         break;
       case df::kSparse:
-        if (e.chunk_log2 < df::kMinChunkLog2 || e.chunk_log2 > df::kMaxChunkLog2)
-          return bad(fmt::format("chunks of 2^{} elements", e.chunk_log2));
+        // Both ends code with the session's chunk size; any other would only change how much
+        // work (and host memory) the apply spends per element.
+        if (e.chunk_log2 != o.chunk_log2)
+          return bad(fmt::format("chunks of 2^{} elements, not the session's 2^{}", e.chunk_log2,
+                                 o.chunk_log2));
         if (e.bytes < sizeof(df::ChunkEntry) * df::chunk_count(e.elements, e.chunk_log2))
           return bad(
               fmt::format("a sparse payload of {} bytes is shorter than its table", e.bytes));

@@ -1340,9 +1340,6 @@ struct DeviceDelta::Impl {
   DeviceBuffer route_sum, route_counted;
   // apply: the chunks held raw; encode: the chunks pack_warp_kernel leaves to pack_kernel
   DeviceBuffer dense_list, dense_count;
-  // encode only, allocated at the first encode: each chunk's coded data (and, between the two
-  // kernels, its exceptions' magnitudes), and its mask entries (scan_kernel's bits per element)
-  DeviceBuffer slots, masks;
   DeviceBuffer chunk_width;  // encode: bits of the chunk's largest |d| - 2
   DeviceBuffer pieces;
 
@@ -1449,23 +1446,30 @@ Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<Delta
 
 DeviceDelta::~DeviceDelta() = default;
 
+Status DeviceDeltaScratch::reserve(std::size_t slot_bytes, std::size_t mask_bytes, int device) {
+  if (slots_.size() < slot_bytes) {
+    slots_ = DeviceBuffer();
+    REFIT_ASSIGN_OR_RETURN(slots_, DeviceBuffer::allocate(slot_bytes, device));
+  }
+  if (masks_.size() < mask_bytes) {
+    masks_ = DeviceBuffer();
+    REFIT_ASSIGN_OR_RETURN(masks_, DeviceBuffer::allocate(mask_bytes, device));
+  }
+  return Status::Ok();
+}
+
 Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::size_t capacity,
                                         std::uint64_t base_digest, double dense_ratio, void* stream,
-                                        std::chrono::milliseconds timeout) {
+                                        std::chrono::milliseconds timeout,
+                                        DeviceDeltaScratch& scratch) {
   Impl& m = *impl_;
   REFIT_RETURN_IF_ERROR(set_device(m.device));
   const auto s = static_cast<cudaStream_t>(stream);
   const std::uint64_t slot_words = m.slot_words();
-  if (m.slots.size() < std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4) {
-    m.slots = DeviceBuffer();
-    REFIT_ASSIGN_OR_RETURN(
-        m.slots,
-        DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * slot_words * 4, m.device));
-    m.masks = DeviceBuffer();
-    REFIT_ASSIGN_OR_RETURN(
-        m.masks, DeviceBuffer::allocate(std::max<std::uint64_t>(m.n_chunks, 1) * kMaskAreaWords * 4,
-                                        m.device));
-  }
+  const std::uint64_t G = std::max<std::uint64_t>(m.n_chunks, 1);
+  // Each chunk's coded data (and, between the two kernels, its exceptions' magnitudes), and its
+  // mask entries (scan_kernel's bits per element).
+  REFIT_RETURN_IF_ERROR(scratch.reserve(G * slot_words * 4, G * kMaskAreaWords * 4, m.device));
   REFIT_RETURN_IF_ERROR(m.reset_totals(stream));
   const auto* routes = static_cast<const DevRoute*>(m.routes.data());
   const auto* chunks = static_cast<const DevChunk*>(m.chunks.data());
@@ -1475,8 +1479,8 @@ Result<DeltaResult> DeviceDelta::encode(std::byte* kept, std::byte* out, std::si
   auto* digest = static_cast<unsigned long long*>(m.chunk_digest.data());
   auto* plans = static_cast<RoutePlan*>(m.plans.data());
   auto* totals = static_cast<Totals*>(m.totals.data());
-  auto* slots = static_cast<std::uint32_t*>(m.slots.data());
-  auto* masks = static_cast<std::uint32_t*>(m.masks.data());
+  auto* slots = static_cast<std::uint32_t*>(scratch.slots());
+  auto* masks = static_cast<std::uint32_t*>(scratch.masks());
   auto* width = static_cast<std::uint32_t*>(m.chunk_width.data());
   auto* deferred = static_cast<std::uint32_t*>(m.dense_list.data());
   auto* deferred_count = static_cast<unsigned int*>(m.dense_count.data());

@@ -37,6 +37,23 @@ namespace refit {
 // memory.
 inline constexpr int kDeviceDeltaMaxChunkLog2 = 13;
 
+// The encode's scratch, grown to the largest list it served: each chunk's coded data and its
+// mask entries (about 1.5 bytes per raw byte of the list). Encodes that run one after another on
+// one CUDA stream share one, so a rank's lists cost their tables, not a scratch each.
+class DeviceDeltaScratch {
+ public:
+  DeviceDeltaScratch() = default;
+  DeviceDeltaScratch(const DeviceDeltaScratch&) = delete;
+  DeviceDeltaScratch& operator=(const DeviceDeltaScratch&) = delete;
+  // Device memory of at least `slot_bytes` and `mask_bytes` (the old contents are not kept).
+  Status reserve(std::size_t slot_bytes, std::size_t mask_bytes, int device);
+  void* slots() const { return slots_.data(); }
+  void* masks() const { return masks_.data(); }
+
+ private:
+  DeviceBuffer slots_, masks_;
+};
+
 class DeviceDelta {
  public:
   // `routes` as delta/delta.h describes them (device pointers; checked with check_delta_routes by
@@ -47,9 +64,10 @@ class DeviceDelta {
   DeviceDelta(const DeviceDelta&) = delete;
   DeviceDelta& operator=(const DeviceDelta&) = delete;
 
+  // `scratch` is used by no other list's encode until this one's work on `stream` is done.
   Result<DeltaResult> encode(std::byte* kept, std::byte* out, std::size_t capacity,
                              std::uint64_t base_digest, double dense_ratio, void* stream,
-                             std::chrono::milliseconds timeout);
+                             std::chrono::milliseconds timeout, DeviceDeltaScratch& scratch);
   Result<DeltaResult> capture(std::byte* kept, void* stream, std::chrono::milliseconds timeout);
   Result<DeltaResult> patch(std::byte* kept, void* stream, std::chrono::milliseconds timeout);
 

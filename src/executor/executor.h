@@ -166,6 +166,8 @@ class EngineExecutor : public ExecutorBase {
   // The refit failed once bytes may have landed (rolled back, or the weights stay invalid): no
   // base of a delta is held any more.
   virtual void refit_failed() {}
+  // The registered storage changed (register_param, allocate_params): copy lists are rebuilt at
+  // the next refit, and no base of a delta is held any more.
   virtual void invalidate() = 0;
   // refit.staged, once every byte of the last refit landed in the staging area: writes onto
   // `params` (the parameters, which hold the base the staging area held before the refit) what

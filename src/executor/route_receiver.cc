@@ -58,7 +58,8 @@ void RouteReceiver::offer_delta(const BeginMessage& begin, const std::optional<s
     }
     std::string why;
     if (d.version.empty())
-      why = "this rank holds no base from them (the first refit, a failed one since, or a restart)";
+      why = "this rank holds no base from them (the first refit, a failed one since, a restart, or its "
+            "parameters registered anew)";
     else if (!held || *held != d.version)
       why = fmt::format("this rank holds weight version '{}', what it holds from them is of '{}'",
                         held ? *held : "(none complete)", d.version);

@@ -62,10 +62,13 @@ class RouteReceiver final : public EngineExecutor {
   Result<bool> replay_deltas(const std::vector<void*>& params) override;
   bool checksums() const override { return true; }
   bool can_recover() const override { return true; }
+  // The registered storage changed: what it holds is not what any feeder sent, so no base of a
+  // delta is held either.
   void invalidate() override {
     runs_.clear();
     checksum_runs_.clear();
     replay_routes_.clear();
+    refit_failed();
   }
   Result<std::uint64_t> checksum_from(std::size_t i, const std::vector<void*>& params) override;
   // A refit that failed in flight: no base of a delta is held any more.

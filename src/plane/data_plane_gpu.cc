@@ -328,8 +328,11 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
                                    const DeltaOptions& options) override {
     REFIT_RETURN_IF_ERROR(check_delta_pointers(routes, options, true, false));
     REFIT_ASSIGN_OR_RETURN(DeviceDelta * d, device_delta(routes, options));
-    return d->encode(kept, out, capacity, base_digest, options.dense_ratio, stream_.handle(),
-                     timeout_);
+    REFIT_ASSIGN_OR_RETURN(DeltaResult r, d->encode(kept, out, capacity, base_digest,
+                                                    options.dense_ratio, stream_.handle(),
+                                                    timeout_, delta_scratch_));
+    r.elements = delta_elements(routes);
+    return r;
   }
   Result<DeltaResult> delta_capture(const std::vector<DeltaRoute>& routes, std::byte* kept,
                                     const DeltaOptions& options) override {
@@ -695,7 +698,10 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
     auto it = deltas_.find(key);
     if (it != deltas_.end()) return it->second.get();
     REFIT_RETURN_IF_ERROR(check_delta_routes(routes, options));
-    if (deltas_.size() >= 64) deltas_.clear();  // lists rebuilt: drop the stale uploads
+    // A rank holds a list per pair and round it sends or receives, each a few bytes per chunk
+    // (the encode's scratch is the plane's, shared); as for the other tables, a cache this large
+    // means lists are being rebuilt (re-registration): drop the stale ones.
+    if (deltas_.size() >= kMaxCachedTables) deltas_.clear();
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDelta> d,
                            DeviceDelta::create(routes, options.chunk_log2, device_));
     return deltas_.emplace(key, std::move(d)).first->second.get();
@@ -716,6 +722,7 @@ class CudaDataPlane final : public DataPlane, public PlaneDiagnostics {
   std::map<RunsKey, DeviceQuantTable> quant_;
   std::map<std::pair<std::size_t, std::uint64_t>, Table> tables_;
   std::map<RunsKey, std::unique_ptr<DeviceDelta>> deltas_;
+  DeviceDeltaScratch delta_scratch_;  // every list's encode runs on stream_, one after another
 };
 
 }  // namespace
