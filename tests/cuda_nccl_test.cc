@@ -27,6 +27,11 @@ class MemoryStore : public Store {
     cv_.notify_all();
     return Status::Ok();
   }
+  Status erase(const std::string& key) override {
+    std::lock_guard<std::mutex> l(mu_);
+    kv_.erase(key);
+    return Status::Ok();
+  }
   Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> l(mu_);
     if (!cv_.wait_for(l, timeout, [&] { return kv_.count(key) > 0; }))

@@ -27,6 +27,7 @@ class SlowFollowUps final : public Store {
   Status set(const std::string& key, const std::string& value) override {
     return base_.set(key, value);
   }
+  Status erase(const std::string& key) override { return base_.erase(key); }
   Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
     return base_.get(key, timeout);
   }

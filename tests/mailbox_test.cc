@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -164,6 +165,37 @@ TEST_F(MailboxTest, ReceiveTimesOut) {
   EXPECT_NE(m.status().message().find("engine/0/0"), std::string::npos);
   EXPECT_GE(s, 0.14);
   EXPECT_LT(s, 1.5);
+}
+
+// A wait for one phase's messages is a deadline: messages a peer keeps sending for a later phase
+// (kept for it) do not extend it.
+TEST_F(MailboxTest, AStreamOfLaterMessagesDoesNotExtendAWait) {
+  auto trainer = open("trainer/0");
+  auto engine = open("engine/0");
+  ASSERT_TRUE(trainer && engine);
+  Inbox inbox(*trainer);
+  std::atomic<bool> stop{false}, ran_out{false};
+  std::thread flood([&] {  // a verdict every 20 ms, for at most 10 s
+    const auto until = Clock::now() + 10s;
+    while (!stop.load()) {
+      if (Clock::now() >= until) {
+        ran_out = true;
+        return;
+      }
+      (void)engine->send("trainer/0", MessageType::kVerified, "{}");
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  auto r = inbox.collect(MessageType::kCommitted, {"engine/0"}, 400ms, "commit acknowledgements",
+                         {MessageType::kVerified});
+  stop = true;
+  flood.join();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kTimeout);
+  EXPECT_NE(r.status().message().find("no message within 400 ms"), std::string::npos)
+      << r.status().to_string();
+  EXPECT_GT(inbox.kept(), 0u) << "the later phase's messages arrived during the wait";
+  EXPECT_FALSE(ran_out.load()) << "the wait lasted as long as the stream";
 }
 
 TEST_F(MailboxTest, SendToAPeerThatNeverAppearsFailsNamingIt) {

@@ -98,6 +98,16 @@ TEST(Messages, RoundTrip) {
   EXPECT_EQ(p3->refused->rank.name(), "engine 1 tp rank 1");
   EXPECT_EQ(p3->refused->code, StatusCode::kTimeout);
   EXPECT_EQ(p3->refused->error, "hook failed");
+  // An error text that is not UTF-8 (a hook's Latin-1 path) still travels: the bad bytes are
+  // replaced, and the encode does not throw.
+  const FailureOrigin latin1{
+      .rank = RankId::engine(5, 4), .code = StatusCode::kIOError, .error = "cannot open /d\xe9j\xe0"};
+  std::string latin1_wire;
+  ASSERT_NO_THROW(latin1_wire = encode(PausedMessage{.step = 4, .refused = latin1}));
+  auto p5 = decode_paused(latin1_wire, "engine/1");
+  ASSERT_TRUE(p5.ok()) << p5.status().to_string();
+  ASSERT_TRUE(p5->refused.has_value());
+  EXPECT_EQ(p5->refused->error, "cannot open /d\xef\xbf\xbdj\xef\xbf\xbd");
   auto go = decode_proceed(encode(ProceedMessage{.step = 9}), "trainer/1");
   ASSERT_TRUE(go.ok()) << go.status().to_string();
   EXPECT_EQ(go->step, 9);
@@ -401,6 +411,18 @@ TEST(Messages, MistypedFieldIsNamed) {
   auto r2 = decode_paused(k.dump(), "engine/2");
   ASSERT_FALSE(r2.ok());
   EXPECT_NE(r2.status().message().find("'offsets'"), std::string::npos) << r2.status().to_string();
+}
+
+// A message of another refit step than the one in flight is a protocol violation naming both
+// ranks, what it carried and both steps.
+TEST(Messages, AnotherStepIsAProtocolViolationNamingBothRanks) {
+  EXPECT_TRUE(check_step("trainer 0", "engine/3", "the commit acknowledgement", 7, 7).ok());
+  const Status st = check_step("trainer 0", "engine/3", "the commit acknowledgement", 6, 7);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kCorruption);
+  EXPECT_EQ(st.kind(), FailureKind::kProtocol);
+  EXPECT_EQ(st.message(),
+            "trainer 0: engine/3 sent the commit acknowledgement of refit step 6 in step 7");
 }
 
 TEST(Messages, OtherWireVersionOrGarbageIsRefused) {

@@ -114,6 +114,18 @@ TEST(RuntimeGather, Fsdp2VllmBroadcastTwoEngines) {
 TEST(RuntimeGather, Fsdp2SglangIpcSmallBuffers) {
   expect_verified({.colocated = true, .buffer = 4096, .executor = "gather"});
 }
+// With verification the trainer ranks of ipc slots agree on each outcome through the store, a
+// key per rank and refit; each rank erases its key of two outcomes before (steps 3 and 4 here),
+// so a long run does not grow the store.
+TEST(RuntimeGather, TrainerRanksEraseTheirOutcomeKeysOfEarlierRefits) {
+  setenv("REFIT_LOG", "debug", 1);
+  auto r = run_cell({.colocated = true, .buffer = 4096, .executor = "gather"},
+                    {"--steps", "4", "--verify"});
+  unsetenv("REFIT_LOG");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, ", verified\n"), 4u) << r.output;
+  EXPECT_EQ(count_of(r.output, "erased its outcome key 'outcome/0/"), 4u) << r.output;
+}
 
 // The transfer plan over point-to-point (Gloo send/recv), across world sizes, TP sizes and
 // replicas, with buffers smaller than a tensor (routes split, many rounds).

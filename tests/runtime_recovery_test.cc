@@ -164,6 +164,20 @@ TEST(RuntimeRecovery, FailedPauseHookAbortsBeforeAnyByteThenRecovers) {
       2, "engine 1 tp rank 1 reported: " + cause);
 }
 
+// The other trainer ranks return a refused refit only once trainer rank 0 heard every engine
+// rank's abort-heard (its refit-done): were one late, the refit would fail in flight on every
+// trainer rank alike, not end as aborted on some and in flight on trainer rank 0.
+TEST(RuntimeRecovery, OtherTrainerRanksReturnAnAbortOnceEveryEngineRankHeardIt) {
+  setenv("REFIT_LOG", "debug", 1);
+  auto r = run_cell({.model = "tiny-qwen2", .world_size = 3, .num_engines = 2, .buffer = 4096},
+                    {"--steps", "3", "--verify", "--fault", "fail-pause:3:2"});
+  unsetenv("REFIT_LOG");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(count_of(r.output, ", verified\n"), 2u) << r.output;
+  EXPECT_EQ(count_of(r.output, "every engine rank heard the abort of refit step 2"), 2u)
+      << r.output;
+}
+
 TEST(RuntimeRecovery, PauseHookOutlastingTheTimeoutAbortsThenRecovers) {
   // The hook takes 4.5 s against a timeout of 3 s: the engine rank refuses the refit (the same to
   // every feeder, which wait longer), resumes, and the next step runs in the same session.

@@ -101,6 +101,33 @@ TEST(Store, SetGetTryGetAcrossClients) {
 }
 
 // One request reads many keys: present, absent, empty and binary values, in order (the liveness
+// A key erased is gone for every client (an absent one erases without error, and a PrefixStore
+// erases its own); a live connection's counter is refused, naming the key.
+TEST(Store, EraseRemovesAKeyButNotALiveCounter) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto a = connect(server->port());
+  auto b = connect(server->port());
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(a->set("export/engine/0/abc", std::string(1 << 20, 'h')).ok());
+  ASSERT_TRUE(b->erase("export/engine/0/abc").ok());
+  auto gone = a->try_get("export/engine/0/abc");
+  ASSERT_TRUE(gone.ok()) << gone.status().to_string();
+  EXPECT_FALSE(gone->has_value());
+  EXPECT_TRUE(a->erase("never/set").ok());
+  PrefixStore group("run", *a);
+  ASSERT_TRUE(group.set("outcome/0/1/3", "ok").ok());
+  ASSERT_TRUE(group.erase("outcome/0/1/3").ok());
+  EXPECT_FALSE(b->try_get("run/outcome/0/1/3")->has_value());
+  ASSERT_TRUE(b->add("heartbeat/trainer/1", 1).ok());
+  const Status counted = a->erase("heartbeat/trainer/1");
+  ASSERT_FALSE(counted.ok());
+  EXPECT_NE(counted.message().find("'heartbeat/trainer/1' is the counter of a live connection"),
+            std::string::npos)
+      << counted.to_string();
+  EXPECT_EQ(*a->try_get("heartbeat/trainer/1"), std::optional<std::string>("1"));
+}
+
 // check reads every peer's heartbeat this way); the same through a PrefixStore.
 TEST(Store, TryGetManyReadsEveryKeyInOneRequest) {
   auto server = start_server();

@@ -15,6 +15,14 @@ bool listed(std::initializer_list<MessageType> types, MessageType t) {
   return std::find(types.begin(), types.end(), t) != types.end();
 }
 
+// What is left of a wait that ends at `deadline` (0 once it passed: whatever is queued is still
+// read, nothing more is waited for).
+std::chrono::milliseconds left_until(std::chrono::steady_clock::time_point deadline) {
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  return std::max(left, std::chrono::milliseconds(0));
+}
+
 }  // namespace
 
 Status send_to_each(Mailbox& mailbox, const std::vector<std::string>& to, MessageType type,
@@ -59,9 +67,16 @@ void Inbox::accept_relayed(const std::map<std::string, std::vector<std::string>>
     relays_[relay] = std::set<std::string>(members.begin(), members.end());
 }
 
-Result<Message> Inbox::receive(std::chrono::milliseconds timeout) {
+Result<Message> Inbox::receive(std::chrono::steady_clock::time_point deadline,
+                               std::chrono::milliseconds timeout) {
   while (relayed_.empty()) {
-    Result<Message> r = mailbox_.receive(timeout);
+    Result<Message> r = mailbox_.receive(left_until(deadline));
+    // The mailbox names what was left of the wait; the wait was `timeout`.
+    if (!r.ok() && r.status().code() == StatusCode::kTimeout &&
+        r.status().message().starts_with(fmt::format("mailbox '{}': no message within",
+                                                     mailbox_.id())))
+      return Status::Timeout(
+          fmt::format("mailbox '{}': no message within {} ms", mailbox_.id(), timeout.count()));
     if (!r.ok() || r->type != MessageType::kRelayed) return r;
     const auto group = relays_.find(r->from);
     if (group == relays_.end())
@@ -103,8 +118,9 @@ Result<Message> Inbox::next(std::initializer_list<MessageType> types,
   Message m;
   for (MessageType t : types)
     if (take_kept(t, "", m)) return m;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
-    Result<Message> r = receive(timeout);
+    Result<Message> r = receive(deadline, timeout);
     if (!r.ok())
       return r.status().with_context(fmt::format("{} waiting for {}", mailbox_.id(), what));
     if (listed(types, r->type)) return r;
@@ -141,8 +157,9 @@ Result<std::vector<Message>> Inbox::collect(MessageType type, const std::vector<
     Message m;
     if (take_kept(type, from[i], m)) REFIT_RETURN_IF_ERROR(place(std::move(m)));
   }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (count < from.size()) {
-    Result<Message> r = receive(timeout);
+    Result<Message> r = receive(deadline, timeout);
     if (!r.ok()) {
       std::string missing;
       int named = 0;
@@ -171,12 +188,14 @@ Result<std::vector<Message>> Inbox::collect(MessageType type, const std::vector<
 }
 
 Status Inbox::expect_none_kept(std::string_view when) const {
-  if (kept_.empty()) return Status::Ok();
+  // A relayed message's answers not yet read count too: none was asked for.
+  const std::deque<Message>& left = kept_.empty() ? relayed_ : kept_;
+  if (left.empty()) return Status::Ok();
   return Status::Internal(fmt::format("{} {}: {} message(s) arrived for a phase that never came, "
                                       "the first {} from {}",
-                                      mailbox_.id(), when, kept_.size(),
-                                      message_type_name(kept_.front().type),
-                                      kept_.front().from)).with_kind(FailureKind::kProtocol);
+                                      mailbox_.id(), when, kept_.size() + relayed_.size(),
+                                      message_type_name(left.front().type),
+                                      left.front().from)).with_kind(FailureKind::kProtocol);
 }
 
 }  // namespace refit

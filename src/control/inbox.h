@@ -48,13 +48,15 @@ class Inbox {
   Inbox& operator=(const Inbox&) = delete;
 
   // The next message of one of `types`, from anyone (a kept one first). Messages of the `later`
-  // types are kept for their phase. Each wait on the mailbox is bounded by `timeout`.
+  // types are kept for their phase. The whole wait is bounded by `timeout`, however many
+  // messages of other phases arrive meanwhile.
   Result<Message> next(std::initializer_list<MessageType> types, std::chrono::milliseconds timeout,
                        std::string_view what, std::initializer_list<MessageType> later = {});
 
   // One message of `type` from each of `from` (mailbox ids), in any order; returned in the order
   // of `from`. `check` sees each as it arrives; a second one from the same sender, or one from
-  // anyone else, is a protocol violation. Messages of the `later` types are kept.
+  // anyone else, is a protocol violation. Messages of the `later` types are kept. The whole wait
+  // is bounded by `timeout`, not each gap between two messages.
   Result<std::vector<Message>> collect(MessageType type, const std::vector<std::string>& from,
                                        std::chrono::milliseconds timeout, std::string_view what,
                                        std::initializer_list<MessageType> later = {},
@@ -69,7 +71,8 @@ class Inbox {
 
   // How many messages are kept for a later phase.
   std::size_t kept() const { return kept_.size(); }
-  // A phase that is over must have taken what was kept for it: kInternal naming the first left.
+  // A phase that is over must have taken what was kept for it, and every answer of a relayed
+  // message: kInternal naming the first left.
   Status expect_none_kept(std::string_view when) const;
   // Drops what is kept (a refit that failed: its messages mean nothing now).
   void clear() {
@@ -80,8 +83,10 @@ class Inbox {
  private:
   // A kept message of `type` (from `sender`, when not empty), removed from the kept ones.
   bool take_kept(MessageType type, const std::string& sender, Message& out);
-  // The next message off the mailbox, relayed answers handed on one by one.
-  Result<Message> receive(std::chrono::milliseconds timeout);
+  // The next message off the mailbox before `deadline`, relayed answers handed on one by one;
+  // kTimeout names the wait's whole `timeout`.
+  Result<Message> receive(std::chrono::steady_clock::time_point deadline,
+                          std::chrono::milliseconds timeout);
 
   Mailbox& mailbox_;
   const int tp_size_;

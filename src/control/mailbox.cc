@@ -423,6 +423,10 @@ class ZmqMailbox final : public Mailbox {
       return m;
     }
     for (;;) {
+      // A message dropped below (malformed, of a failed refit's epoch) is followed by the deadline
+      // and liveness checks before the next is read, so that a stream of them neither outlasts
+      // the timeout nor hides a dead peer.
+      bool dropped = false;
       try {
         zmq_in_.drain_monitor();
         if (lanes_in_) lanes_in_->pump(lane_queue_);
@@ -431,19 +435,20 @@ class ZmqMailbox final : public Mailbox {
           m = std::move(lane_queue_.front());
           lane_queue_.pop_front();
         } else if (std::optional<std::optional<Message>> z = zmq_in_.next()) {
-          if (!*z) continue;  // dropped
-          m = std::move(*z);
+          if (*z)
+            m = std::move(*z);
+          else
+            dropped = true;
         }
-        if (m) {
-          const std::uint32_t mine = epoch_.load();
-          if (m->epoch < mine) {
-            // Of a refit that failed in flight: its peers moved on, so must we. Not counted in
-            // dropped(): it passed every check (an authenticated sender, well formed), and every
-            // refit that fails in flight leaves some.
-            log::debug("mailbox '{}': dropped a {} message from '{}' of refit epoch {} (now {})",
-                       o_.id, message_type_name(m->type), log::escape(m->from), m->epoch, mine);
-            continue;
-          }
+        const std::uint32_t mine = epoch_.load();
+        if (m && m->epoch < mine) {
+          // Of a refit that failed in flight: its peers moved on, so must we. Not counted in
+          // dropped(): it passed every check (an authenticated sender, well formed), and every
+          // refit that fails in flight leaves some.
+          log::debug("mailbox '{}': dropped a {} message from '{}' of refit epoch {} (now {})",
+                     o_.id, message_type_name(m->type), log::escape(m->from), m->epoch, mine);
+          dropped = true;
+        } else if (m) {
           if (m->epoch > mine) {
             kept_ = std::move(*m);
             return later_epoch(*kept_);
@@ -472,6 +477,7 @@ class ZmqMailbox final : public Mailbox {
         left = std::min(left, liveness_interval_);
         spin_until = std::min(spin_until, next_check_);
       }
+      if (dropped) continue;  // more may be queued: read them before waiting
       std::vector<zmq_pollitem_t>& items = poll_items();
       if (spin_.wait(items, spin_until)) continue;
       const int polled =

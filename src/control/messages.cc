@@ -22,7 +22,9 @@ using Json = nlohmann::json;
 
 std::string dump(Json j) {
   j["v"] = kMessageWireVersion;
-  return j.dump();
+  // Error texts carry what hooks and the system said, which need not be UTF-8: replaced, not
+  // thrown (an encode never fails).
+  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
 // PairSums on the wire: [sum, first, second], each below PairSums::kPrime.
@@ -449,6 +451,13 @@ Status decode_delta_bases(const Json& j, const char* message, const char* field,
 
 }  // namespace
 
+Status check_step(const std::string& who, const std::string& from, std::string_view what, int got,
+                  int step) {
+  if (got == step) return Status::Ok();
+  return protocol_error(
+      fmt::format("{}: {} sent {} of refit step {} in step {}", who, from, what, got, step));
+}
+
 Result<PausedMessage> decode_paused(const std::string& payload, const std::string& from) {
   Reader r(payload, "paused", from);
   PausedMessage m;
@@ -503,11 +512,11 @@ Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
   if (!r.status().ok()) return r.status();
   const auto it = r.json().find("exports");
   if (it == r.json().end() || !it->is_array())
-    return Status::Corruption(
+    return protocol_error(
         fmt::format("engines-paused message from {} has no array 'exports'", from));
   for (const Json& e : *it) {
     if (!e.is_null() && !e.is_string())
-      return Status::Corruption(fmt::format(
+      return protocol_error(fmt::format(
           "engines-paused message from {}: an entry of 'exports' is neither a digest nor null",
           from));
     m.exports.push_back(e.is_null() ? std::nullopt

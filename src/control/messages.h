@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/pair_sums.h"
@@ -300,5 +301,11 @@ Result<OutcomeHeardMessage> decode_outcome_heard(const std::string& payload,
 Result<ShutdownMessage> decode_shutdown(const std::string& payload, const std::string& from);
 Result<LeavingMessage> decode_leaving(const std::string& payload, const std::string& from);
 Result<RelayedMessage> decode_relayed(const std::string& payload, const std::string& from);
+
+// A message of refit step `got` from `from` reached `who` while refit step `step` is in flight:
+// OK when they agree, else a protocol violation (kCorruption, FailureKind::kProtocol) naming
+// both ranks, `what` the message carried ("the proceed") and both steps.
+Status check_step(const std::string& who, const std::string& from, std::string_view what, int got,
+                  int step);
 
 }  // namespace refit

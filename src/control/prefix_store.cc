@@ -10,6 +10,8 @@ Status PrefixStore::set(const std::string& key, const std::string& value) {
   return base_.set(prefix_ + key, value);
 }
 
+Status PrefixStore::erase(const std::string& key) { return base_.erase(prefix_ + key); }
+
 Result<std::string> PrefixStore::get(const std::string& key, std::chrono::milliseconds timeout) {
   return base_.get(prefix_ + key, timeout);
 }

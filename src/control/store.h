@@ -26,6 +26,10 @@ class Store {
  public:
   virtual ~Store() = default;
   virtual Status set(const std::string& key, const std::string& value) = 0;
+  // Removes `key` (nothing when it is absent): what a run writes once per refit or per export
+  // does not stay for the run's life. A key that can be set only once, or a live connection's
+  // counter (a heartbeat), is not erased: an error.
+  virtual Status erase(const std::string& key) = 0;
   // Waits until `key` exists, then returns its value.
   virtual Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
   // The value, or nullopt right away when the key is absent.
@@ -98,6 +102,7 @@ class PrefixStore : public Store {
  public:
   PrefixStore(std::string prefix, Store& base) : prefix_(std::move(prefix) + "/"), base_(base) {}
   Status set(const std::string& key, const std::string& value) override;
+  Status erase(const std::string& key) override;
   Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override;
   Result<std::optional<std::string>> try_get(const std::string& key) override;
   Result<std::vector<std::optional<std::string>>> try_get_many(

@@ -108,6 +108,11 @@ class StoreClient final : public Store {
     return r.ok() ? Status::Ok() : r.status();
   }
 
+  Status erase(const std::string& key) override {
+    auto r = request(Op::kErase, {key}, request_timeout_, fmt::format("erase '{}'", key));
+    return r.ok() ? Status::Ok() : r.status();
+  }
+
   Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
     return request(Op::kGet, {store_wire::encode_i64(timeout.count()), key}, timeout + kReplyGrace,
                    fmt::format("get '{}' (timeout {} ms)", key, timeout.count()));

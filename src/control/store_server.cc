@@ -356,6 +356,21 @@ class ZmqStoreServer final : public StoreServer {
         waiters_.push_back(std::move(w));
         return;
       }
+      case Op::kErase: {
+        if (nargs != 1) return malformed("erase");
+        const std::string key = arg(0);
+        if (auth_ && is_set_once_key(key))
+          return reply(identity, request_id, Reply::kError,
+                       fmt::format("'{}' can be set only once and is never erased", key));
+        for (const auto& [fd, counted] : counter_of_fd_)
+          if (counted == key)
+            return reply(identity, request_id, Reply::kError,
+                         fmt::format("'{}' is the counter of a live connection", key));
+        data_.erase(key);
+        changed_.erase(key);
+        closed_.erase(key);
+        return reply(identity, request_id, Reply::kOk, {});
+      }
       case Op::kAdd: {
         std::int64_t delta = 0;
         if (nargs != 2 || !store_wire::decode_i64(arg(1), &delta)) return malformed("add");

@@ -14,6 +14,7 @@
 //   kTryGet   key                                    value            (or kAbsent)
 //   kWait     timeout ms (int64), key, key, ...      -                (or kTimeout: missing keys)
 //   kAdd      key, delta (int64)                     new value (int64)
+//   kErase    key                                    -                (absent keys too)
 //   kTryGetMany key, key, ...                        per key: 1 byte (1: present, 0: absent),
 //                                                    then when present its length (int64) and
 //                                                    value (encode_values)
@@ -58,6 +59,7 @@ enum class Op : std::uint8_t {
   kAdd,
   kTryGetMany,
   kWatch,
+  kErase,
 };
 
 enum class Reply : std::uint8_t {

@@ -248,6 +248,11 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
         REFIT_RETURN_IF_ERROR(core_.store().set(
             export_key(core_.self().mailbox(), exported->digest),
             encode(PausedMessage{.step = step, .direct = *exported, .refused = std::nullopt})));
+        // The export before it (up to megabytes of handles) was read, if at all, in the refit it
+        // was answered in; every trainer rank finished that refit before this begin.
+        if (!published_export_.empty())
+          REFIT_RETURN_IF_ERROR(
+              core_.store().erase(export_key(core_.self().mailbox(), published_export_)));
         published_export_ = exported->digest;
       }
       answer.direct = ExportedParams{.digest = exported->digest, .elided = true};
@@ -265,10 +270,8 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
                                [&](const Message& m) -> Status {
                                  REFIT_ASSIGN_OR_RETURN(ProceedMessage p,
                                                         decode_proceed(m.payload, m.from));
-                                 if (p.step != step)
-                                   return Status::Corruption(fmt::format(
-                                       "{}: {} sent the proceed of refit step {} in step {}",
-                                       core_.id(), m.from, p.step, step));
+                                 REFIT_RETURN_IF_ERROR(check_step(core_.id(), m.from,
+                                                                  "the proceed", p.step, step));
                                  if (p.refused && !refused) refused = p.refused;
                                  return Status::Ok();
                                })
@@ -299,10 +302,7 @@ Status EngineRefitProtocol::run_refit(const std::string& first_from, Status& ref
   REFIT_RETURN_IF_ERROR(executor_.receive(begin_, landing_->ptrs()));
   REFIT_RETURN_IF_ERROR(hear(kCommit, timeout, "the commit", [&](const Message& m) -> Status {
                           REFIT_ASSIGN_OR_RETURN(CommitMessage c, decode_commit(m.payload, m.from));
-                          if (c.step == step) return Status::Ok();
-                          return Status::Corruption(
-                              fmt::format("{}: {} committed refit step {} in step {}", core_.id(),
-                                          m.from, c.step, step));
+                          return check_step(core_.id(), m.from, "the commit", c.step, step);
                         }).status());
   phase_ = Phase::kLanded;
   log::debug("{}: refit step {} committed", core_.id(), step);
@@ -398,6 +398,7 @@ Status EngineRefitProtocol::finish(Status& refit_failure) {
   REFIT_RETURN_IF_ERROR(
       hear(kOutcome, core_.timeout() * 5, "the outcome", [&](const Message& m) -> Status {
         REFIT_ASSIGN_OR_RETURN(OutcomeMessage o, decode_outcome(m.payload, m.from));
+        REFIT_RETURN_IF_ERROR(check_step(core_.id(), m.from, "the outcome", o.step, step));
         if (o.failed && !failed) failed = o.failed;
         return Status::Ok();
       }).status());

@@ -57,6 +57,20 @@ Status TrainerRefitProtocol::tell_trainers(MessageType type, const std::string& 
   return Status::Ok();
 }
 
+Result<RefitDoneMessage> TrainerRefitProtocol::hear_refit_done(int step) {
+  // Trainer rank 0 waits for every trainer rank's bytes, then each engine rank's commit, verdict
+  // and outcome, each wait bounded by refit.timeout_s (the verdicts: 4 x): longer than that.
+  REFIT_ASSIGN_OR_RETURN(
+      const std::vector<Message> done,
+      inbox_.collect(kRefitDone, {leader_}, core_.timeout() * 8 + std::chrono::seconds(5),
+                     fmt::format("the end of refit step {}", step)));
+  // Checked before a trainer relay hands it on: its group hears only a refit-done of this step.
+  REFIT_ASSIGN_OR_RETURN(RefitDoneMessage d, decode_refit_done(done[0].payload, done[0].from));
+  REFIT_RETURN_IF_ERROR(check_step(core_.id(), leader_, "the end", d.step, step));
+  REFIT_RETURN_IF_ERROR(tell_trainers(kRefitDone, done[0].payload));
+  return d;
+}
+
 Status TrainerRefitProtocol::attach(const std::map<std::string, std::string>& settings,
                                std::int64_t total_parameters) {
   const Config& cfg = core_.config();
@@ -152,6 +166,8 @@ Status TrainerRefitProtocol::run_fed(const BeginMessage& begin_in, const std::ve
                                           "outcome acknowledgements"));
     for (const Message& m : heard) {
       REFIT_ASSIGN_OR_RETURN(const OutcomeHeardMessage h, decode_outcome_heard(m.payload, m.from));
+      REFIT_RETURN_IF_ERROR(
+          check_step(core_.id(), m.from, "the outcome acknowledgement", h.step, step));
       pause_s_ = std::max(pause_s_, h.pause_s);
     }
   }
@@ -213,6 +229,9 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   }
   if (all.refused) {
     REFIT_RETURN_IF_ERROR(abort(step, *all.refused));
+    // Every engine rank heard the abort: the other trainer ranks return the refusal now.
+    REFIT_RETURN_IF_ERROR(tell_trainers(
+        kRefitDone, encode(RefitDoneMessage{.step = step, .failed = all.refused})));
     refit_failure = failed_refit(StatusCode::kAborted, step, begin.version, *all.refused);
     return Status::Ok();
   }
@@ -236,10 +255,8 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
                    fmt::format("the other trainer ranks' bytes of refit step {}", step), {},
                    [&](const Message& m) -> Status {
                      REFIT_ASSIGN_OR_RETURN(SentMessage s, decode_sent(m.payload, m.from));
-                     if (s.step != step)
-                       return Status::Corruption(
-                           fmt::format("{}: {} sent the bytes of refit step {} in step {}",
-                                       core_.id(), m.from, s.step, step));
+                     REFIT_RETURN_IF_ERROR(
+                         check_step(core_.id(), m.from, "the bytes", s.step, step));
                      take_sent(m.from, s);
                      return Status::Ok();
                    })
@@ -260,6 +277,8 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
   std::optional<FailureOrigin> failure;
   for (const Message& ack : acks) {
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(ack.payload, ack.from));
+    REFIT_RETURN_IF_ERROR(check_step(core_.id(), ack.from, "the commit acknowledgement", c.step,
+                                     step));
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
     if (!checksums || failure) continue;
@@ -288,6 +307,8 @@ Status TrainerRefitProtocol::lead(const BeginMessage& begin, const std::vector<v
         inbox_.collect(kOutcomeHeard, engines, core_.timeout(), "outcome acknowledgements"));
     for (const Message& m : heard) {
       REFIT_ASSIGN_OR_RETURN(const OutcomeHeardMessage h, decode_outcome_heard(m.payload, m.from));
+      REFIT_RETURN_IF_ERROR(
+          check_step(core_.id(), m.from, "the outcome acknowledgement", h.step, step));
       pause_s_ = std::max(pause_s_, h.pause_s);
       log::debug("{}: {} holds weight version '{}' after refit step {}{}", core_.id(), m.from,
                  h.weight_version, h.step, h.valid ? "" : " (invalid)");
@@ -335,6 +356,10 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
   if (all.refused) {
     log::warn("{}: refit step {} aborted before any byte moved: {}: {}", core_.id(), step,
               all.refused->rank.name(), all.refused->error);
+    // Not over before every engine rank acknowledged the abort: should that fail, trainer rank 0
+    // fails the refit in flight, and every trainer rank with it, still in this call.
+    REFIT_RETURN_IF_ERROR(hear_refit_done(step).status());
+    log::debug("{}: every engine rank heard the abort of refit step {}", core_.id(), step);
     refit_failure = failed_refit(StatusCode::kAborted, step, begin.version, *all.refused);
     return Status::Ok();
   }
@@ -388,18 +413,7 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
         Message{.type = kSent, .from = core_.self().mailbox(), .payload = encode(sent)});
     REFIT_RETURN_IF_ERROR(send_relayed(core_.mailbox(), leader_, all_sent));
   }
-  // Trainer rank 0 waits for every trainer rank's bytes, then each engine rank's commit, verdict
-  // and outcome, each wait bounded by refit.timeout_s (the verdicts: 4 x): longer than that.
-  REFIT_ASSIGN_OR_RETURN(
-      const std::vector<Message> done,
-      inbox_.collect(kRefitDone, {leader_}, core_.timeout() * 8 + std::chrono::seconds(5),
-                     fmt::format("the end of refit step {}", step)));
-  REFIT_RETURN_IF_ERROR(tell_trainers(kRefitDone, done[0].payload));
-  REFIT_ASSIGN_OR_RETURN(const RefitDoneMessage d,
-                         decode_refit_done(done[0].payload, done[0].from));
-  if (d.step != step)
-    return Status::Corruption(
-        fmt::format("{}: {} ended refit step {} in step {}", core_.id(), leader_, d.step, step));
+  REFIT_ASSIGN_OR_RETURN(const RefitDoneMessage d, hear_refit_done(step));
   phase_ = Phase::kCommitted;
   apply_s = d.apply_s;
   pause_s_ = d.pause_s;
@@ -497,11 +511,7 @@ Result<std::vector<PausedMessage>> TrainerRefitProtocol::collect_paused(int step
     REFIT_ASSIGN_OR_RETURN(PausedMessage p, decode_paused(m.payload, m.from));
     // Each engine rank answers each begin once, before the refit goes on or is aborted; answers
     // of a refit that failed in flight are dropped by their epoch (Mailbox::set_epoch).
-    if (p.step != step)
-      return Status::Corruption(
-          fmt::format("{}: {} paused for refit step {} while refit step {} "
-                      "is in flight",
-                      core_.id(), m.from, p.step, step));
+    REFIT_RETURN_IF_ERROR(check_step(core_.id(), m.from, "its pause", p.step, step));
     answers.push_back(std::move(p));
   }
   log::debug("{}: every engine rank answered the begin of step {}", core_.id(), step);
@@ -514,7 +524,12 @@ Status TrainerRefitProtocol::abort(int step, const FailureOrigin& refused) {
             refused.rank.name(), refused.error);
   return inbox_
       .collect(kAbortHeard, answers_from_, core_.timeout(),
-               fmt::format("the engines to abort refit step {}", step))
+               fmt::format("the engines to abort refit step {}", step), {},
+               [&](const Message& m) -> Status {
+                 REFIT_ASSIGN_OR_RETURN(const AbortHeardMessage h,
+                                        decode_abort_heard(m.payload, m.from));
+                 return check_step(core_.id(), m.from, "the abort acknowledgement", h.step, step);
+               })
       .status();
 }
 
@@ -541,6 +556,8 @@ Status TrainerRefitProtocol::commit(int step, bool raw, const std::vector<void*>
                                         "commit acknowledgements", {kVerified}));
   for (std::size_t i = 0; i < acks.size(); ++i) {
     REFIT_ASSIGN_OR_RETURN(const CommittedMessage c, decode_committed(acks[i].payload, acks[i].from));
+    REFIT_RETURN_IF_ERROR(check_step(core_.id(), acks[i].from, "the commit acknowledgement",
+                                     c.step, step));
     apply_s = std::max(apply_s, c.apply_s);
     pause_s_ = std::max(pause_s_, c.pause_s);
     REFIT_ASSIGN_OR_RETURN(const auto by_feeder, decode_pair_checksums(c.checksums, acks[i].from));
@@ -576,9 +593,7 @@ Result<std::optional<FailureOrigin>> TrainerRefitProtocol::collect_verdicts(
                                 .error = v.status().message()};
       continue;
     }
-    if (v->step != step)
-      return Status::Corruption(fmt::format("{}: {} sent the verdict of refit step {} in step {}",
-                                            core_.id(), m.from, v->step, step));
+    REFIT_RETURN_IF_ERROR(check_step(core_.id(), m.from, "the verdict", v->step, step));
     if (!verdict && v->failed) verdict = v->failed;
   }
   return verdict;
@@ -596,6 +611,14 @@ Result<std::optional<FailureOrigin>> TrainerRefitProtocol::agree(
   // "ok", or "!" + the failure record (a key must hold something to exist).
   REFIT_RETURN_IF_ERROR(core_.store().set(key + std::to_string(core_.self().rank),
                                           mine ? "!" + encode_failure(*mine) : "ok"));
+  // The key of two outcomes ago goes: every rank read it before it wrote its key of the last
+  // outcome, which this rank read before it came here.
+  outcome_keys_.push_back(key + std::to_string(core_.self().rank));
+  if (outcome_keys_.size() > 2) {
+    REFIT_RETURN_IF_ERROR(core_.store().erase(outcome_keys_.front()));
+    log::debug("{}: erased its outcome key '{}'", core_.id(), outcome_keys_.front());
+    outcome_keys_.pop_front();
+  }
   std::optional<FailureOrigin> first;
   for (int r = 0; r < world; ++r) {
     REFIT_ASSIGN_OR_RETURN(std::string theirs,

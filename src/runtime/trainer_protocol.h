@@ -15,6 +15,7 @@
 // gather each engine rank has one feeder, which talks to it directly.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -78,6 +79,9 @@ class TrainerRefitProtocol {
   Status bytes_moved(const BeginMessage& begin);
   // Sends `payload` as `type` to trainer_down_.
   Status tell_trainers(MessageType type, const std::string& payload);
+  // Every trainer rank but 0: trainer rank 0's refit-done of `step` (checked, then handed on to
+  // trainer_down_).
+  Result<RefitDoneMessage> hear_refit_done(int step);
   // Every engine rank's answer to the begin of `step` (trainer rank 0), in engine rank order.
   Result<std::vector<PausedMessage>> collect_paused(int step);
   // Hands the executor every engine rank's answer, the exports it does not hold read in full
@@ -128,6 +132,7 @@ class TrainerRefitProtocol {
   double pause_s_ = 0;  // pause_seconds()
   int outcomes_ = 0;  // refits of this epoch whose outcome the ranks shared: namespaces their keys
   std::uint32_t outcomes_epoch_ = 0;
+  std::deque<std::string> outcome_keys_;  // the keys this rank wrote for its last two outcomes
 };
 
 }  // namespace refit

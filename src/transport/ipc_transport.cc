@@ -94,9 +94,10 @@ class IpcReceiver final : public BucketReceiver {
     if (in.slot < 0 || in.slot >= static_cast<int>(slots_.size()) ||
         in.header.bytes > slots_[in.slot]->size())
       return Status::Corruption(fmt::format(
-          "ipc: bucket {} names slot {} with {} bytes; this "
-          "engine mapped {} slots of {} bytes",
-          in.header.bucket, in.slot, in.header.bytes, slots_.size(), slots_[0]->size()));
+          "ipc: bucket {} from {} names slot {} with {} bytes; this engine mapped {} slots of {} "
+          "bytes",
+          in.header.bucket, peer_, in.slot, in.header.bytes, slots_.size(),
+          slots_.empty() ? 0 : slots_[0]->size()));
     if (expected) in.header.meta = expected->meta;
     in.data = slots_[in.slot]->data();
     return in;
