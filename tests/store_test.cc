@@ -102,8 +102,9 @@ TEST(Store, SetGetTryGetAcrossClients) {
 
 // One request reads many keys: present, absent, empty and binary values, in order (the liveness
 // A key erased is gone for every client (an absent one erases without error, and a PrefixStore
-// erases its own); a live connection's counter is refused, naming the key.
-TEST(Store, EraseRemovesAKeyButNotALiveCounter) {
+// erases its own); only export/ and outcome/ keys may go: a heartbeat, an address or a recorded
+// failure is refused, naming the key.
+TEST(Store, EraseRemovesExportAndOutcomeKeysOnly) {
   auto server = start_server();
   ASSERT_TRUE(server);
   auto a = connect(server->port());
@@ -114,18 +115,24 @@ TEST(Store, EraseRemovesAKeyButNotALiveCounter) {
   auto gone = a->try_get("export/engine/0/abc");
   ASSERT_TRUE(gone.ok()) << gone.status().to_string();
   EXPECT_FALSE(gone->has_value());
-  EXPECT_TRUE(a->erase("never/set").ok());
+  EXPECT_TRUE(a->erase("outcome/0/9/1").ok());  // never set
   PrefixStore group("run", *a);
   ASSERT_TRUE(group.set("outcome/0/1/3", "ok").ok());
   ASSERT_TRUE(group.erase("outcome/0/1/3").ok());
   EXPECT_FALSE(b->try_get("run/outcome/0/1/3")->has_value());
   ASSERT_TRUE(b->add("heartbeat/trainer/1", 1).ok());
-  const Status counted = a->erase("heartbeat/trainer/1");
-  ASSERT_FALSE(counted.ok());
-  EXPECT_NE(counted.message().find("'heartbeat/trainer/1' is the counter of a live connection"),
-            std::string::npos)
-      << counted.to_string();
+  ASSERT_TRUE(b->set("error/first", "boom").ok());
+  ASSERT_TRUE(b->set("mailbox/engine/0", "tcp://127.0.0.1:1").ok());
+  for (const char* kept : {"heartbeat/trainer/1", "error/first", "mailbox/engine/0",
+                           "run/mailbox/exported/x", "myexport/1"}) {
+    const Status refused = a->erase(kept);
+    ASSERT_FALSE(refused.ok()) << kept;
+    EXPECT_NE(refused.message().find(std::string("'") + kept + "' is not erasable"),
+              std::string::npos)
+        << refused.to_string();
+  }
   EXPECT_EQ(*a->try_get("heartbeat/trainer/1"), std::optional<std::string>("1"));
+  EXPECT_EQ(*a->try_get("error/first"), std::optional<std::string>("boom"));
 }
 
 // check reads every peer's heartbeat this way); the same through a PrefixStore.

@@ -205,12 +205,13 @@ class TorchTrainer:
         slots = {s.name: s for s in self.trainer.tensors}
         missing = set(slots) - set(params)
         if missing:
-            self.trainer.close()
-            raise setup_error(
+            error = setup_error(
                 f"trainer rank {rank}: the module lacks tensors refit expects: "
                 f"{_summarize(missing)}",
                 "invalid_argument",
             )
+            self.trainer.close(error)  # the peers learn why, not only that this rank left
+            raise error
         self._params = params
         self._direct: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
         self._staged: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
@@ -243,8 +244,8 @@ class TorchTrainer:
                     staging = torch.empty(tuple(slot.shape), dtype=want, pin_memory=pin)
                     self.trainer.register(name, staging)
                     self._staged[name] = (p, staging)
-        except BaseException:
-            self.trainer.close()
+        except BaseException as error:
+            self.trainer.close(error)  # the peers learn why, not only that this rank left
             raise
 
     @property
@@ -259,6 +260,9 @@ class TorchTrainer:
         """Brings the registered storage up to date with the module's current shards."""
         world = self.config.world_size
         params = module_tensors(self.module)  # parameters may have been replaced since
+        # refit's kernels run on streams of their own: the optimizer's work queued on torch's
+        # streams must be done before they read a shard registered in place.
+        devices = set()
         with torch.no_grad():
             for name, (p, local) in list(self._direct.items()):
                 now = _local_shard(name, params[name], self.rank, world, name in self._buffers)
@@ -272,7 +276,8 @@ class TorchTrainer:
                         )
                     self.trainer.register(name, now)  # the module swapped its storage
                     self._direct[name] = (params[name], now)
-            devices = set()
+                if now.device.type == "cuda":
+                    devices.add(now.device)
             for name, (p, staging) in self._staged.items():
                 src = _local_shard(name, params[name], self.rank, world, name in self._buffers)
                 staging.copy_(src, non_blocking=True)
@@ -393,8 +398,8 @@ class HFEngine:
                 self.engine.register(slot.name, t)
                 self.staging[slot.name] = t
                 self._targets[slot.name] = target
-        except BaseException:
-            self.engine.close()
+        except BaseException as error:
+            self.engine.close(error)  # the peers learn why, not only that this rank left
             raise
         if self.staging or load_weights is not None:
             self.engine.on_load_weights(self._load)

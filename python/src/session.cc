@@ -53,6 +53,25 @@ py::list slot_list(const std::vector<TensorSlot>& slots) {
   return out;
 }
 
+// Runs `f` without the GIL where this thread holds it and the interpreter is not shutting down:
+// a rank dropped without close() may wait seconds as it goes (trainer rank 0 keeps its store up
+// until its peers read a failure), and other Python threads run meanwhile. At shutdown the GIL is
+// kept (another thread must not run then).
+template <class F>
+void without_gil(F&& f) {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (finalizing || !PyGILState_Check()) {
+    f();
+    return;
+  }
+  py::gil_scoped_release nogil;
+  f();
+}
+
 // Raises the Python exception object `exc` (with the traceback it carries).
 [[noreturn]] void reraise(const py::object& exc) {
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
@@ -260,7 +279,7 @@ class PyTrainer {
   }
 
   ~PyTrainer() {
-    trainer_.reset();  // before the storage it reads
+    without_gil([this] { trainer_.reset(); });  // before the storage it reads
     registry_.clear();
   }
 
@@ -420,7 +439,7 @@ class PyEngine {
   }
 
   ~PyEngine() {
-    engine_.reset();
+    without_gil([this] { engine_.reset(); });
     registry_.clear();
   }
 
@@ -813,11 +832,18 @@ False once a failure ended the session (every later call raises it; create every
 A refit that moved every byte but failed at its end (refit.checksum mismatch, failed verification)
 raises refit.Error on every trainer rank and leaves this True: the next refit() runs normally.)doc")
       .def(
-          "unregistered", [](PyTrainer& t) { return t.registry().unregistered(); },
+          "unregistered",
+          [](PyTrainer& t) {
+            t.open("unregistered");
+            return t.registry().unregistered();
+          },
           "Names of the tensors not registered yet (refit() refuses to run while any is left).")
       .def(
           "registered",
-          [](PyTrainer& t, const std::string& name) { return t.registry().registered(name); },
+          [](PyTrainer& t, const std::string& name) {
+            t.open("registered");
+            return t.registry().registered(name);
+          },
           py::arg("name"), "The object registered for `name`, or None.")
       .def("shutdown", &PyTrainer::shutdown, R"doc(
 Tells the engines this rank feeds that no refit follows and waits until they left. Collective.
@@ -920,7 +946,9 @@ Trainer.last_stats.
 )doc")
       .def("serve", &PyEngine::serve, R"doc(
 Serves refits until the trainer shuts down or request_stop() is called; returns how many
-committed. Ctrl-C is honoured between refits.
+committed. A Ctrl-C is acted on once the serve_one() in progress returns: after the next refit,
+since between refits it waits for the next one (request_stop() from another thread ends it at
+once).
 )doc")
       .def("request_stop", &PyEngine::request_stop, R"doc(
 Makes serve() (or serve_one()) on another thread return: from any thread, at any time, without
@@ -953,11 +981,18 @@ raises refit.Error and this stays True; serve() goes on.)doc")
       .def_property_readonly("engine_index", &PyEngine::engine_index)
       .def_property_readonly("tp_rank", &PyEngine::tp_rank)
       .def(
-          "unregistered", [](PyEngine& e) { return e.registry().unregistered(); },
+          "unregistered",
+          [](PyEngine& e) {
+            e.open("unregistered");
+            return e.registry().unregistered();
+          },
           "Names of the parameters not registered yet (a refit fails while any is left).")
       .def(
           "registered",
-          [](PyEngine& e, const std::string& name) { return e.registry().registered(name); },
+          [](PyEngine& e, const std::string& name) {
+            e.open("registered");
+            return e.registry().registered(name);
+          },
           py::arg("name"), "The object registered for `name`, or None.")
       .def("close", &PyEngine::close, py::arg("error") = py::none(), R"doc(
 Destroys the rank and drops the registered tensors (no message to the peers). With `error` (an

@@ -243,6 +243,14 @@ bool is_set_once_key(std::string_view key) {
   return key.rfind("auth/", 0) == 0 || key.find("/auth/") != std::string_view::npos;
 }
 
+bool is_erasable_key(std::string_view key) {
+  for (std::string_view area : {"export/", "outcome/"}) {
+    const std::size_t at = key.find(area);
+    if (at == 0 || (at != std::string_view::npos && key[at - 1] == '/')) return true;
+  }
+  return false;
+}
+
 Result<std::unique_ptr<ZapHandler>> ZapHandler::start(
     void* zmq_context, std::function<bool(const std::string&)> accept, std::string who,
     log::Throttle& throttle) {

@@ -64,6 +64,10 @@ std::pair<std::string, std::string> curve_keypair();
 std::string auth_key_name(const std::string& id);
 // Whether `key` may be set only once (the server refuses to overwrite it).
 bool is_set_once_key(std::string_view key);
+// Whether a member may erase `key` (under any group's prefix): only what a run writes per export
+// or per refit (export/, outcome/); never an address, a heartbeat or a recorded failure, whose
+// loss would hang a peer or misattribute a failure.
+bool is_erasable_key(std::string_view key);
 
 // A ZAP handler (RFC 27) for one ZeroMQ context: answers the handshakes of that context's CURVE
 // server sockets. `accept` sees the client's public key (Z85); an accepted connection gets the

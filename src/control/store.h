@@ -27,8 +27,8 @@ class Store {
   virtual ~Store() = default;
   virtual Status set(const std::string& key, const std::string& value) = 0;
   // Removes `key` (nothing when it is absent): what a run writes once per refit or per export
-  // does not stay for the run's life. A key that can be set only once, or a live connection's
-  // counter (a heartbeat), is not erased: an error.
+  // does not stay for the run's life. Only such keys may go (is_erasable_key: export/, outcome/);
+  // any other is an error, so no member can erase an address, a heartbeat or a failure.
   virtual Status erase(const std::string& key) = 0;
   // Waits until `key` exists, then returns its value.
   virtual Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) = 0;

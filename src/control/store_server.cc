@@ -302,7 +302,8 @@ class ZmqStoreServer final : public StoreServer {
                               "once)",
                               log::escape(arg(0)));
           return reply(identity, request_id, Reply::kError,
-                       fmt::format("'{}' is already set and can be set only once", arg(0)));
+                       fmt::format("'{}' is already set and can be set only once",
+                                   log::escape(arg(0))));
         }
         data_[arg(0)] = arg(1);
         changed_[arg(0)] = Clock::now();
@@ -359,13 +360,10 @@ class ZmqStoreServer final : public StoreServer {
       case Op::kErase: {
         if (nargs != 1) return malformed("erase");
         const std::string key = arg(0);
-        if (auth_ && is_set_once_key(key))
+        if (!is_erasable_key(key))
           return reply(identity, request_id, Reply::kError,
-                       fmt::format("'{}' can be set only once and is never erased", key));
-        for (const auto& [fd, counted] : counter_of_fd_)
-          if (counted == key)
-            return reply(identity, request_id, Reply::kError,
-                         fmt::format("'{}' is the counter of a live connection", key));
+                       fmt::format("'{}' is not erasable (only export/ and outcome/ keys are)",
+                                   log::escape(key)));
         data_.erase(key);
         changed_.erase(key);
         closed_.erase(key);
@@ -395,7 +393,8 @@ class ZmqStoreServer final : public StoreServer {
       auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), current);
       if (ec != std::errc() || end != s.data() + s.size())
         return Status::InvalidArgument(
-            fmt::format("the value of key '{}' is not an integer: '{}'", key, s.substr(0, 64)));
+            fmt::format("the value of key '{}' is not an integer: '{}'", log::escape(key),
+                        log::escape(s.substr(0, 64))));
     }
     current += delta;
     data_[key] = std::to_string(current);

@@ -122,6 +122,13 @@ def test_close_releases_every_export(ranks):
     ranks.trainer.register(norm, producer)
     ranks.trainer.close()
     assert producer.deleted == 1
+    # What was registered is gone with the rank: asking raises, as every call after close() does.
+    for ask in (lambda: ranks.trainer.unregistered(), lambda: ranks.trainer.registered(norm)):
+        with pytest.raises(RuntimeError, match=r"after close\(\)"):
+            ask()
+    ranks.engine.close()
+    with pytest.raises(RuntimeError, match=r"unregistered\(\) after close\(\)"):
+        ranks.engine.unregistered()
 
 
 def test_refused_capsules_name_the_tensor(ranks):
