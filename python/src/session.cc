@@ -617,6 +617,13 @@ class PyEngine {
     }
     py::object pending = std::move(pending_);
     pending_ = py::object();
+    // A Ctrl-C or SystemExit raised in a hook goes on as it was raised: not as the __cause__ of a
+    // refit.Error, and never taken by serve() for a refit that failed (the refit, aborted or
+    // failed at its end, leaves the session usable as ever).
+    if (pending && PyObject_IsInstance(pending.ptr(), PyExc_Exception) == 0) {
+      refit_failed_ = false;
+      reraise(pending);
+    }
     refit_failed_ = !st.ok() && e.session_ok();
     if (!st.ok()) raise_status(st, pending);
     // A pause/resume hook failed: the refit itself committed (those hooks cannot fail it), but

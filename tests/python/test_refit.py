@@ -348,6 +348,44 @@ def test_ranks_take_torchrun_variables_when_arguments_are_left_out(monkeypatch):
         refit.Trainer(cfg, 0)
 
 
+def test_a_keyboard_interrupt_in_a_hook_reaches_the_caller_as_raised():
+    # Ctrl-C while the pause hook drains requests: the refit is aborted as for any exception, but
+    # serve() does not take the interrupt for a failed refit and go on serving; it raises it.
+    ranks = Ranks()
+    try:
+        ranks.register_all()
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        ranks.engine.on_pause(interrupted)
+        ranks.engine.on_verify(None)
+        result = {}
+
+        def train():
+            try:
+                ranks.trainer.refit(1)
+            except refit.Error as e:
+                result["t"] = e
+
+        thread = threading.Thread(target=train)
+        thread.start()
+        # Bounded: were the interrupt swallowed, serve() would wait for a refit that never comes.
+        stopper = threading.Timer(30, ranks.engine.request_stop)
+        stopper.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ranks.engine.serve()
+        finally:
+            stopper.cancel()
+        thread.join(timeout=30)
+        assert isinstance(result.get("t"), refit.Error), result
+        assert result["t"].code == "aborted"
+        assert ranks.engine.session_ok and ranks.engine.weight_version == "0"
+    finally:
+        ranks.close()
+
+
 def test_a_raising_pause_hook_aborts_the_refit_before_any_byte_is_written():
     # The refit fails on both sides before any byte is written; the session stays usable and the
     # next refit publishes.
