@@ -3,6 +3,7 @@
 // a lane's gate keeps before a hello proves the sender (deadline, first-frame size, pending
 // connections, descriptors). Every refused connection must be counted in dropped(), and every
 // string a peer supplied must reach the log escaped.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sodium.h>
@@ -229,6 +230,44 @@ TEST(MailboxLane, StrangersAreRefused) {
   EXPECT_EQ(m->payload, "real");
   EXPECT_EQ(rig.engine->lane_messages(), 1);
   EXPECT_EQ(rig.engine->dropped(), expected);
+}
+
+// A sender writes only to a lane whose listener is a process of its own user: a name a rank freed
+// as it exited may be bound by anyone in the network namespace.
+TEST(MailboxLane, AListenerOfAnotherUserIsNotWrittenTo) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to become another user";
+  const std::string name = fmt::format("refit-test-squatter-{}", ::getpid());
+  sockaddr_un addr;
+  const socklen_t len = lane::abstract_address(name, addr);
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // only async-signal-safe calls from here
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0 || ::listen(fd, 4) != 0)
+      ::_exit(4);
+    const char one = 1;
+    if (::write(ready[1], &one, 1) != 1) ::_exit(5);
+    const int c = ::accept(fd, nullptr, nullptr);
+    char b;
+    ::_exit(c >= 0 && ::read(c, &b, 1) == 0 ? 0 : 6);  // the sender left without a byte
+  }
+  ::close(ready[1]);
+  char b = 0;
+  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the other user's listener did not start";
+  ::close(ready[0]);
+  const std::string key(32, '\0');
+  auto lane = lane::connect(lane::Address{.name = name, .key = key}, "trainer/0", "engine/0",
+                            nullptr, 2s);
+  ASSERT_FALSE(lane.ok());
+  EXPECT_NE(lane.status().message().find("its listener is not a process of this user (uid 65534"),
+            std::string::npos)
+      << lane.status().to_string();
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 // A hello is good for the one connection whose challenge it answers, frames after it must carry

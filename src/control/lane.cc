@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "common/log.h"
 #include "control/fd_limit.h"
 
 namespace refit::lane {
@@ -269,6 +270,15 @@ Result<Outgoing> connect(const Address& a, const std::string& sender, const std:
   ::setsockopt(out.fd.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
   if (::connect(out.fd.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0)
     return Status::IOError(fmt::format("lane @{}: {}", a.name, errno_text(errno)));
+  // Only a process of this user listens on a rank's lane: the frames are sealed, not encrypted,
+  // and a name a rank freed as it exited can be bound by anyone in the network namespace.
+  ucred cred{};
+  socklen_t cred_len = sizeof cred;
+  if (::getsockopt(out.fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
+      cred.uid != ::getuid())
+    return Status::IOError(fmt::format(
+        "lane @{}: its listener is not a process of this user (uid {}, this process's {})",
+        log::escape(a.name), cred.uid, ::getuid()));
   std::array<char, 4 + 5 + kChallengeBytes> challenge{};
   REFIT_RETURN_IF_ERROR(read_exactly(out.fd.get(), challenge.data(), challenge.size(), deadline)
                             .with_context(fmt::format("lane @{}", a.name)));
