@@ -179,6 +179,26 @@ TEST(ZmqBounds, StoreCapsTheConnectionsWaitingForTheirHandshake) {
   EXPECT_TRUE((*client)->set("k", "v").ok());
 }
 
+// A flood that holds the cap's worth of connections silent does not keep a member out: the
+// connection that waited longest is the one shut down, not the member's, which just arrived.
+TEST(ZmqBounds, AMemberGetsInWhileAFloodHoldsItsConnectionsSilent) {
+  constexpr int kCap = 4;
+  auto server = StoreServer::start(StoreServerOptions{
+      .host = "127.0.0.1", .port = 0, .auth = auth(), .max_pending_handshakes = kCap});
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  ::testing::internal::CaptureStderr();
+  std::vector<int> flood;
+  for (int i = 0; i < kCap; ++i) flood.push_back(connect_tcp((*server)->port()));
+  EXPECT_TRUE(eventually([&] { return (*server)->pending_high_water() >= kCap; }));
+  // Well inside the flood's 10 s: each of its connections is held until the handshake interval.
+  auto client = connect_store("127.0.0.1", (*server)->port(), 3s, auth());
+  const bool in = client.ok() && (*client)->set("k", "v").ok();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  for (int fd : flood) ::close(fd);
+  EXPECT_TRUE(in) << (client.ok() ? "set failed" : client.status().to_string()) << "\n" << log;
+  EXPECT_GE(count_of(log, "closed a connection before its handshake"), 1u) << log;
+}
+
 struct MailboxRig {
   MailboxRig(int max_pending = 0) {
     auto s = StoreServer::start(StoreServerOptions{.host = "127.0.0.1", .port = 0, .auth = auth()});

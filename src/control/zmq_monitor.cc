@@ -143,21 +143,24 @@ int PendingHandshakes::enforce(log::Throttle& throttle) {
   int now_shut = 0;
   for (int waiting = pending(); waiting > cap_; waiting = pending()) {
     const auto now = std::chrono::steady_clock::now();
-    // The newest connection still waiting, that this socket accepted.
-    auto newest = open_.end();
+    // The oldest connection still waiting, that this socket accepted: a member's handshake takes
+    // milliseconds, so the one that waited longest is the likeliest to be a flood's (which holds
+    // each connection silent for as long as the handshake interval allows). Closing the newest
+    // instead closed every member connecting while the flood held its connections open.
+    auto oldest = open_.end();
     for (auto it = open_.begin(); it != open_.end(); ++it)
       if (now - it->second.when < kMayBePending && spoke_.count(it->first) == 0 &&
-          (newest == open_.end() || it->second.order > newest->second.order))
-        newest = it;
-    if (newest == open_.end()) break;
-    const int fd = newest->first;
+          (oldest == open_.end() || it->second.order < oldest->second.order))
+        oldest = it;
+    if (oldest == open_.end()) break;
+    const int fd = oldest->first;
     sockaddr_storage peer{};
     socklen_t len = sizeof peer;
-    const bool same = newest->second.peer_len != 0 && (port_ == 0 || local_port(fd) == port_) &&
+    const bool same = oldest->second.peer_len != 0 && (port_ == 0 || local_port(fd) == port_) &&
                       ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0 &&
-                      len == newest->second.peer_len &&
-                      std::memcmp(&peer, &newest->second.peer, len) == 0;
-    open_.erase(newest);
+                      len == oldest->second.peer_len &&
+                      std::memcmp(&peer, &oldest->second.peer, len) == 0;
+    open_.erase(oldest);
     if (!same || ::shutdown(fd, SHUT_RDWR) != 0) continue;
     ++closing_;
     ++shut_down_;

@@ -42,7 +42,7 @@ struct ConnectionEvent {
 
 // The connections a listening ZeroMQ socket accepted that have not completed their handshake
 // (docs/security.md, "Bounds and malformed input"), read from its monitor's events, and a cap on
-// them: over `cap`, the newest is shut down (shutdown(2) on its descriptor: ZeroMQ itself then
+// them: over `cap`, the oldest is shut down (shutdown(2) on its descriptor: ZeroMQ itself then
 // closes it as a connection that ended during its handshake, so no descriptor is closed behind
 // ZeroMQ's back). Used by the thread that reads the monitor.
 //
@@ -70,7 +70,7 @@ class PendingHandshakes {
   std::string silent_refusal() const;
   // A message arrived on descriptor `fd` (ZMQ_SRCFD): that connection completed its handshake.
   void authenticated(int fd);
-  // Shuts down the newest waiting connections while more than the cap wait; logs each (through
+  // Shuts down the oldest waiting connections while more than the cap wait; logs each (through
   // `throttle`). Returns how many it shut down.
   int enforce(log::Throttle& throttle);
   // Whether the refused connection `e` (ConnectionEvent::refused) is one that enforce() shut down:
