@@ -28,8 +28,11 @@ Result<std::unique_ptr<DeviceDelta>> DeviceDelta::create(const std::vector<Delta
 }
 DeviceDelta::~DeviceDelta() = default;
 Result<DeltaResult> DeviceDelta::encode(std::byte*, std::byte*, std::size_t, std::uint64_t, double,
-                                        void*, std::chrono::milliseconds) {
+                                        void*, std::chrono::milliseconds, DeviceDeltaScratch&) {
   return no_cuda("DeviceDelta::encode");
+}
+Status DeviceDeltaScratch::reserve(std::size_t, std::size_t, int) {
+  return no_cuda("DeviceDeltaScratch::reserve");
 }
 Result<DeltaResult> DeviceDelta::capture(std::byte*, void*, std::chrono::milliseconds) {
   return no_cuda("DeviceDelta::capture");
