@@ -94,7 +94,10 @@ CASES = {
                     dict(moe_intermediate_size=64, first_k_dense_replace=1, n_routed_experts=4,
                          n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                          q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                         v_head_dim=16, num_key_value_heads=4, tie_word_embeddings=False), ("hf",), "cpu"),
+                         v_head_dim=16, num_key_value_heads=4, tie_word_embeddings=False,
+                         # as DeepSeek-V3's published config.json says (transformers 5 does not
+                         # write it; refit refuses a config without it: docs/models.md)
+                         topk_method="noaux_tc"), ("hf",), "cpu"),
     "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(tie_word_embeddings=False), ("hf",), "cpu"),
 }
 TOKENS = [[1, 17, 256, 511, 3, 999, 42, 7, 128, 64, 300, 5]]
