@@ -80,6 +80,18 @@ def _storage_key(t: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
     return base, local.data_ptr(), tuple(t.shape)
 
 
+def _locations(module: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[str, Tuple[str, str]]:
+    """For each name of ``module_tensors(module)``: the path of the submodule that holds it and
+    its attribute there (under its first name when shared)."""
+    out: Dict[str, Tuple[str, str]] = {}
+    for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+        hf = _hf_name(name)
+        if hf in tensors and hf not in out:
+            path, _, attr = name.rpartition(".")
+            out[hf] = (path, attr)
+    return out
+
+
 def module_tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
     """The module's weights by HF name (wrapper prefixes dropped), in registration order.
 
@@ -354,7 +366,7 @@ class HFEngine:
         host: Optional[str] = None,
     ) -> None:
         self.module = module
-        who = f"engine rank {engine_rank}"
+        who = self._who = f"engine rank {engine_rank}"
         if config.layout != "hf":
             raise setup_error(
                 f"engine_from_hf: {who}: generation.layout is {config.layout}; a module takes "
@@ -372,21 +384,20 @@ class HFEngine:
         )
         self.zero_copy: List[str] = []
         self.staging: Dict[str, torch.Tensor] = {}
-        self._targets: Dict[str, torch.Tensor] = {}
+        # Where each tensor lives in the module (its submodule's path and attribute): a refit
+        # writes the module's tensors as they are then, not as they were at construction.
+        self._where = _locations(module, tensors)
+        self._registered: Dict[str, torch.Tensor] = {}  # in place: the storage refit writes
+        self._swapped: Dict[str, torch.Tensor] = {}  # in place, replaced in the module since
+        self._on_gpu = False
         try:
-            on_gpu = _refit.accepts_device_memory(config)
+            on_gpu = self._on_gpu = _refit.accepts_device_memory(config)
             for slot in self.engine.params:
                 target = tensors[slot.name]
                 want = torch_dtype(slot.dtype)
-                writable = target.device.type == "cuda" if on_gpu else target.device.type == "cpu"
-                if (
-                    load_weights is None
-                    and not _is_dtensor(target)
-                    and target.dtype == want
-                    and writable
-                    and target.is_contiguous()
-                ):
+                if load_weights is None and self._in_place(target, want):
                     self.engine.register(slot.name, target.detach())
+                    self._registered[slot.name] = target.detach()
                     self.zero_copy.append(slot.name)
                     continue
                 device = target.device if on_gpu and target.device.type == "cuda" else None
@@ -397,12 +408,63 @@ class HFEngine:
                     t = torch.zeros(tuple(slot.shape), dtype=want, pin_memory=pin)
                 self.engine.register(slot.name, t)
                 self.staging[slot.name] = t
-                self._targets[slot.name] = target
         except BaseException as error:
             self.engine.close(error)  # the peers learn why, not only that this rank left
             raise
         if self.staging or load_weights is not None:
             self.engine.on_load_weights(self._load)
+        if self.zero_copy:
+            self.engine.on_weights_changed(self._follow_swaps)
+
+    def _in_place(self, t: torch.Tensor, want: torch.dtype) -> bool:
+        """Whether refit can write `t` itself: the target precision, contiguous, on a device
+        this config writes."""
+        writable = t.device.type == "cuda" if self._on_gpu else t.device.type == "cpu"
+        return not _is_dtensor(t) and t.dtype == want and writable and t.is_contiguous()
+
+    def _current(self, name: str) -> torch.Tensor:
+        """The module's tensor `name` now (a parameter may have been replaced since)."""
+        path, attr = self._where[name]
+        owner = self.module.get_submodule(path) if path else self.module
+        return getattr(owner, attr)
+
+    def _follow_swaps(self, names: List[str]) -> None:
+        # After every byte of a refit (or a rollback) landed in the registered storage, before
+        # verification: a tensor registered in place whose storage the module replaced since
+        # (`load_state_dict(assign=True)`, `p.data = ...`, `module.to(...)`) takes a copy of it,
+        # so that the module never keeps stale weights. serve_one() re-registers it in place.
+        devices = set()
+        with torch.no_grad():
+            for name in self.zero_copy:
+                registered = self._registered[name]
+                now = self._current(name)
+                if now.data_ptr() == registered.data_ptr() and now.dtype == registered.dtype:
+                    continue
+                if tuple(now.shape) != tuple(registered.shape):
+                    raise setup_error(
+                        f"{self._who}: parameter {name} was replaced by a "
+                        f"tensor of shape {list(now.shape)} after registration; refit writes "
+                        f"{list(registered.shape)}",
+                        "invalid_argument",
+                    )
+                now.copy_(registered, non_blocking=True)
+                self._swapped[name] = now
+                for t in (now, registered):
+                    if t.device.type == "cuda":
+                        devices.add(t.device)
+        for dev in devices:
+            torch.cuda.synchronize(dev)
+
+    def _register_swapped(self) -> None:
+        """Between refits: registers in place again the tensors the module replaced, where refit
+        can write the new storage (the next refit sends them in full); the others keep being
+        copied after every refit."""
+        for name in list(self._swapped):
+            now = self._current(name)
+            del self._swapped[name]
+            if self._in_place(now, self._registered[name].dtype):
+                self.engine.register(name, now.detach())
+                self._registered[name] = now.detach()
 
     def _load(self, batch: List[Tuple[str, torch.Tensor]]) -> None:
         # On the serving thread, after every byte of the refit landed and before it is verified
@@ -413,9 +475,9 @@ class HFEngine:
         devices = set()
         with torch.no_grad():
             for name, staged in batch:
-                target = self._targets.get(name)
-                if target is None:  # registered in place: already there
+                if name not in self.staging:  # registered in place: already there
                     continue
+                target = self._current(name)
                 target.copy_(staged, non_blocking=True)
                 if target.device.type == "cuda":
                     devices.add(target.device)
@@ -437,9 +499,11 @@ class HFEngine:
         self.engine.on_verify(hook)
 
     def serve_one(self) -> bool:
+        self._register_swapped()
         return self.engine.serve_one()
 
     def serve(self) -> int:
+        self._register_swapped()
         return self.engine.serve()
 
     @property

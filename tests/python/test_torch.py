@@ -87,7 +87,7 @@ def shut_down(trainer, thread, box, served):
 
 def assert_module_is_bf16_of(engine_module, values):
     for name, p in engine_module.named_parameters():
-        got = p.detach().view(torch.int16).numpy().view(np.uint16)
+        got = p.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         np.testing.assert_array_equal(got, bf16_bits(values[name]), err_msg=name)
 
 
@@ -217,6 +217,68 @@ def test_trainer_module_to_hf_engine_module(model):
         assert_module_is_bf16_of(engine_module, step2)
         assert resumed == ["step-1", "step-2"] and engine.weight_version == "step-2"
         shut_down(trainer, thread, box, served=2)
+    finally:
+        trainer.close()
+        engine.close()
+
+
+def test_engine_module_that_replaced_a_parameter_gets_every_refit():
+    """A module may replace a parameter's storage after engine_from_hf registered it in place
+    (`p.data = ...`, a new Parameter, `load_state_dict(assign=True)`, `.to(...)`). The next refit
+    still reaches the module (a copy after every byte landed, before verification), and the one
+    after writes the new storage in place where it can; a new dtype keeps taking the copy."""
+    spec = refit.model_spec("tiny-qwen3")
+    trainer_module = module_from_spec(spec, torch.float32, step=1)
+    engine_module = module_from_spec(spec, torch.bfloat16)
+    cfg = config("tiny-qwen3")
+    trainer, engine = start(trainer_module, engine_module, cfg)
+
+    def owner(name):
+        *path, leaf = name.split(".")
+        return engine_module.get_submodule(".".join(path)), leaf
+
+    def refit_step(step):
+        values = hf_weights(spec, step)
+        with torch.no_grad():
+            for name, p in trainer_module.named_parameters():
+                p.copy_(torch.from_numpy(values[name]))
+        box = {}
+
+        def run():
+            try:
+                box["served"] = engine.serve_one()
+            except BaseException as e:  # noqa: BLE001
+                box["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        trainer.refit(step)
+        thread.join(timeout=30)
+        assert "error" not in box, box.get("error")
+        assert box["served"] is True
+        assert_module_is_bf16_of(engine_module, values)
+
+    try:
+        assert sorted(engine.zero_copy) == sorted(n for n, _ in spec.tensors)
+        refit_step(1)
+        norm = "model.norm.weight"
+        q = next(n for n, _ in spec.tensors if n.endswith("q_proj.weight"))
+        # Same Parameter, new storage (in place again from the refit after next).
+        mod, leaf = owner(norm)
+        getattr(mod, leaf).data = getattr(mod, leaf).data.clone()
+        new_norm = getattr(mod, leaf)
+        # A new Parameter of another dtype (never in place: copied after every refit).
+        mod, leaf = owner(q)
+        setattr(mod, leaf, torch.nn.Parameter(getattr(mod, leaf).detach().float()))
+        new_q = getattr(mod, leaf)
+        assert engine.engine.registered(norm).data_ptr() != new_norm.data_ptr()
+        refit_step(2)  # before: the module kept step 1 in both
+        assert new_norm.dtype == torch.bfloat16 and new_q.dtype == torch.float32
+        refit_step(3)
+        assert engine.engine.registered(norm).data_ptr() == new_norm.data_ptr()
+        assert engine.engine.registered(q).data_ptr() != new_q.data_ptr()
+        refit_step(4)
+        assert engine.weight_version == "step-4"
     finally:
         trainer.close()
         engine.close()
