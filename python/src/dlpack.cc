@@ -203,7 +203,22 @@ std::string ExportedTensor::strides_text() const {
 
 Result<TensorDevice> ExportedTensor::device_of(PyObject* obj, const std::string& what) {
   TensorDevice dev;
-  if (PyCapsule_CheckExact(obj)) return dev;  // a bare capsule: its DLTensor says where it is
+  if (PyCapsule_CheckExact(obj)) {
+    // A bare capsule: its DLTensor says where it is (read without consuming it; one that is not
+    // a tensor capsule is refused by from_object, naming what it is).
+    const dlpack::Tensor* t = nullptr;
+    if (PyCapsule_IsValid(obj, "dltensor_versioned")) {
+      auto* m = static_cast<dlpack::ManagedTensorVersioned*>(
+          PyCapsule_GetPointer(obj, "dltensor_versioned"));
+      if (m != nullptr && m->version.major == 1) t = &m->dl_tensor;
+    } else if (PyCapsule_IsValid(obj, "dltensor")) {
+      auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(obj, "dltensor"));
+      if (m != nullptr) t = &m->dl_tensor;
+    }
+    take_python_error();
+    if (t != nullptr) dev = TensorDevice{t->device.device_type, t->device.device_id};
+    return dev;
+  }
   if (!PyObject_HasAttrString(obj, "__dlpack_device__")) return dev;
   Ref result(PyObject_CallMethod(obj, "__dlpack_device__", nullptr));
   if (!result)

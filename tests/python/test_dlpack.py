@@ -61,13 +61,14 @@ PyCapsule_New.argtypes = [c_void_p, ctypes.c_char_p, c_void_p]
 class Producer:
     """A hand-made DLPack producer over a NumPy float32 array, counting deleter calls."""
 
-    def __init__(self, array, versioned=True, major=1, flags=0, code=2, bits=32):
+    def __init__(self, array, versioned=True, major=1, flags=0, code=2, bits=32, device=(1, 0)):
         self.array = array
         self.deleted = 0
         self.shape = (c_int64 * array.ndim)(*array.shape)
         self.versioned = versioned
+        self.device = device
         tensor = DLTensor(
-            array.ctypes.data, DLDevice(1, 0), array.ndim, DLDataType(code, bits, 1), self.shape, None, 0
+            array.ctypes.data, DLDevice(*device), array.ndim, DLDataType(code, bits, 1), self.shape, None, 0
         )
         if versioned:
             self.deleter = VersionedDeleter(self._delete)
@@ -80,7 +81,7 @@ class Producer:
         self.deleted += 1
 
     def __dlpack_device__(self):
-        return (1, 0)
+        return self.device
 
     def __dlpack__(self, *, stream=None, max_version=None):
         name = b"dltensor_versioned" if self.versioned else b"dltensor"
@@ -146,3 +147,26 @@ def test_refused_capsules_name_the_tensor(ranks):
     ranks.engine.register(norm, Producer(np.zeros(shape, np.uint16), code=4, bits=16))
     with pytest.raises(refit.SetupError, match=f"{norm} registered as int16"):
         ranks.engine.register(norm, Producer(np.zeros(shape, np.int16), code=0, bits=16))
+
+
+@pytest.mark.parametrize("versioned", [True, False], ids=["versioned", "legacy"])
+def test_a_bare_capsule_is_placed_by_its_own_device_before_it_is_consumed(ranks, versioned):
+    """A capsule passed as is (not an object with __dlpack__) says where its tensor is only in its
+    DLTensor: refit reads that before taking the capsule, so a capsule on a device this config
+    does not read is refused naming that device, and stays the caller's (not consumed, no
+    deleter call)."""
+    norm = "model.norm.weight"
+    producer = Producer(np.zeros(ranks.shards[norm].shape, np.float32), versioned=versioned,
+                        device=(2, 0))  # kDLCUDA, device 0
+    capsule = producer.__dlpack__(max_version=(1, 0))
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    with pytest.raises(refit.SetupError, match=f"{norm} is on cuda:0; with device: cpu"):
+        ranks.trainer.register(norm, capsule)
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    assert get_name(capsule) == name
+    assert producer.deleted == 0
+    # The same capsule, on the host, is taken as it is.
+    producer.managed.dl_tensor.device = DLDevice(1, 0)
+    ranks.trainer.register(norm, capsule)
+    assert get_name(capsule) == b"used_" + name
