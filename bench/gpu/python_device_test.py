@@ -78,6 +78,10 @@ CASES = {
               ("hf", "fused"), "cpu"),
     "qwen3-cuda": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False),
                    ("hf",), "cuda"),
+    # FSDP2 with CPUOffloadPolicy: the shards live in host memory; with device: cuda refit.torch
+    # stages them on the GPU (none is registered in place).
+    "qwen3-offload": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False),
+                      ("hf",), "cuda"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=48, query_pre_attn_scalar=48),
                ("hf", "fused"), "cpu"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
@@ -168,7 +172,7 @@ def trainer_main(case, rank, world, cfg_yaml, port, steps, lr, delta, out_dir, q
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         refit = import_refit()
         import refit.torch as rt
@@ -177,9 +181,12 @@ def trainer_main(case, rank, world, cfg_yaml, port, steps, lr, delta, out_dir, q
         dist.init_process_group("nccl", rank=rank, world_size=world)
         model = build_model(case, seed=1).to("cuda")
         mesh = init_device_mesh("cuda", (world,))
+        shard = dict(mesh=mesh)
+        if case.endswith("-offload"):
+            shard.update(offload_policy=CPUOffloadPolicy())
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, **shard)
+        fully_shard(model, **shard)
         cfg = refit.Config.from_yaml(cfg_yaml)
         trainer = rt.trainer_from_fsdp(model, cfg, rank, master_port=port)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -353,6 +360,9 @@ def run_case(refit, case, layout, steps, world, delta="off", lr=1e-2):
             summary.update(passed=False, problems=errors)
             return summary
         problems, details = compare(case, layout, tmp, steps)
+        if case.endswith("-offload") and results.get("trainer0", {}).get("zero_copy") != 0:
+            problems.append("host shards of a device: cuda trainer were registered in place "
+                            f"({results.get('trainer0', {}).get('zero_copy')} of them)")
         summary.update(passed=not problems, problems=problems, checks=details)
         return summary
 

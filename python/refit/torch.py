@@ -214,6 +214,7 @@ class TorchTrainer:
         self.trainer = _refit.Trainer(
             config, rank, master_addr=master_addr, master_port=master_port, host=host
         )
+        self._on_gpu = _refit.accepts_device_memory(config)
         slots = {s.name: s for s in self.trainer.tensors}
         missing = set(slots) - set(params)
         if missing:
@@ -229,7 +230,7 @@ class TorchTrainer:
         self._staged: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
         self.zero_copy: List[str] = []
         try:
-            direct_ok = _refit.accepts_device_memory(config)
+            direct_ok = self._on_gpu
             for name, slot in slots.items():
                 p = params[name]
                 local = _local_shard(name, p, rank, config.world_size, name in self._buffers)
@@ -247,10 +248,18 @@ class TorchTrainer:
                         "with torch.chunk semantics over policy.world_size ranks)",
                         "invalid_argument",
                     )
-                if (local.device.type == "cpu" or direct_ok) and local.is_contiguous():
+                if self._in_place(local):
                     self.trainer.register(name, local)
                     self._direct[name] = (p, local)
                     self.zero_copy.append(name)
+                elif direct_ok:
+                    # device: cuda with a host shard (FSDP2's CPU offload) or a non-contiguous
+                    # one: staged on the GPU the shard is on, else the current one.
+                    gpu = local.device if local.device.type == "cuda" else torch.device(
+                        "cuda", torch.cuda.current_device())
+                    staging = torch.empty(tuple(slot.shape), dtype=want, device=gpu)
+                    self.trainer.register(name, staging)
+                    self._staged[name] = (p, staging)
                 else:
                     pin = local.device.type == "cuda"
                     staging = torch.empty(tuple(slot.shape), dtype=want, pin_memory=pin)
@@ -259,6 +268,11 @@ class TorchTrainer:
         except BaseException as error:
             self.trainer.close(error)  # the peers learn why, not only that this rank left
             raise
+
+    def _in_place(self, local: torch.Tensor) -> bool:
+        """Whether refit reads this shard itself: contiguous, on the device this config reads
+        (host memory with ``device: cpu``, a GPU with ``device: cuda``)."""
+        return local.is_contiguous() and local.device.type == ("cuda" if self._on_gpu else "cpu")
 
     @property
     def tensors(self) -> List[Any]:
@@ -279,7 +293,7 @@ class TorchTrainer:
             for name, (p, local) in list(self._direct.items()):
                 now = _local_shard(name, params[name], self.rank, world, name in self._buffers)
                 if now.data_ptr() != local.data_ptr() or now.shape != local.shape:
-                    if not now.is_contiguous() or not (now.device.type == "cpu" or _refit.accepts_device_memory(self.config)):
+                    if not self._in_place(now):
                         raise setup_error(
                             f"trainer rank {self.rank}: parameter {name} was replaced by a "
                             f"{'non-contiguous' if not now.is_contiguous() else now.device.type} "
@@ -293,8 +307,9 @@ class TorchTrainer:
             for name, (p, staging) in self._staged.items():
                 src = _local_shard(name, params[name], self.rank, world, name in self._buffers)
                 staging.copy_(src, non_blocking=True)
-                if src.device.type == "cuda":
-                    devices.add(src.device)
+                for t in (src, staging):
+                    if t.device.type == "cuda":
+                        devices.add(t.device)
             for dev in devices:
                 torch.cuda.synchronize(dev)
 
