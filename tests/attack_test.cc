@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -84,17 +85,23 @@ lane::Fd connect_lane(const std::string& name, bool nonblocking = false) {
   return fd;
 }
 
-std::string read_challenge(int fd) {
+// Up to `n` bytes from `fd`, within 5 s (fewer when it closes).
+std::string read_bytes(int fd, std::size_t n) {
   std::string got;
   const auto end = Clock::now() + 5s;
-  while (got.size() < 41 && Clock::now() < end) {
+  while (got.size() < n && Clock::now() < end) {
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, 100) != 1) continue;
-    char buf[41];
-    const ssize_t n = ::recv(fd, buf, 41 - got.size(), MSG_DONTWAIT);
-    if (n <= 0) break;
-    got.append(buf, static_cast<std::size_t>(n));
+    char buf[64];
+    const ssize_t r = ::recv(fd, buf, std::min(sizeof buf, n - got.size()), MSG_DONTWAIT);
+    if (r <= 0) break;
+    got.append(buf, static_cast<std::size_t>(r));
   }
+  return got;
+}
+
+std::string read_challenge(int fd) {
+  const std::string got = read_bytes(fd, 41);
   if (got.size() != 41 || get_u32(got.data()) != 37) return {};
   return got.substr(9);
 }
@@ -359,6 +366,14 @@ TEST(Attack, AStrangerCannotPassTheLanesOfARun) {
     captured = hello_frame("intruder/0",
                            lane::make_proof("intruder/0", "engine/0", challenge, at->key, sk, key));
     ASSERT_TRUE(write_all(fd.get(), captured));
+    // The gate's accept, keyed with the lane key the hello carried (a sender writes nothing
+    // before it).
+    const std::string accept = read_bytes(fd.get(), 4 + 5 + lane::kTagBytes);
+    ASSERT_EQ(accept.size(), 4 + 5 + lane::kTagBytes);
+    EXPECT_EQ(static_cast<std::uint8_t>(accept[4]), lane::kAcceptFrame);
+    unsigned char tag[lane::kTagBytes];
+    lane::accept_tag(key, challenge, tag);
+    EXPECT_EQ(accept.substr(9), std::string(reinterpret_cast<const char*>(tag), sizeof tag));
   }
   insider->reset();
 

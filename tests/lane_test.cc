@@ -185,13 +185,14 @@ TEST(MailboxLane, StrangersAreRefused) {
   LaneRig rig;
   const std::string begin = encode(BeginMessage{.step = 7, .version = "evil-v7"});
   std::int64_t expected = 0;
-  {  // A hello claiming trainer/0, proved with a stranger's key, then a forged begin.
+  {  // A hello claiming trainer/0, proved with a stranger's key: the gate never accepts it, so
+     // the connect fails before a frame could be written into the closed lane.
     unsigned char pk[32], sk[32];
     crypto_box_keypair(pk, sk);
     auto lane = lane::connect(rig.at, "trainer/0", "engine/0", sk, 2s);
-    ASSERT_TRUE(lane.ok()) << lane.status().to_string();  // the gate reads the hello afterwards
-    (void)lane::write_frame(*lane, static_cast<std::uint8_t>(MessageType::kBegin), 0, begin, 1s);
-    EXPECT_TRUE(closed_within(lane->fd.get(), 5s));
+    ASSERT_FALSE(lane.ok());
+    EXPECT_NE(lane.status().message().find("the receiver refused the hello"), std::string::npos)
+        << lane.status().to_string();
     rig.drops_reach(++expected);
     EXPECT_EQ(rig.engine->dropped(), expected);
   }
@@ -268,6 +269,69 @@ TEST(MailboxLane, AListenerOfAnotherUserIsNotWrittenTo) {
   ::waitpid(pid, &status, 0);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// A listener of the same user that did not publish the lane (it bound a name the lane's mailbox
+// freed, and copied its published key) cannot open the hello, so it cannot answer with the accept
+// the lane key makes: the sender writes it nothing after the hello.
+TEST(MailboxLane, AListenerWithoutTheLaneKeyIsNotWrittenTo) {
+  LaneRig rig;
+  const std::vector<unsigned char> sk = rig.member("trainer/7");
+  const std::string name = fmt::format("refit-test-impostor-{}", ::getpid());
+  sockaddr_un addr;
+  const socklen_t len = lane::abstract_address(name, addr);
+  lane::Fd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<const sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(::listen(listener.get(), 4), 0);
+  std::size_t after_hello = 0;
+  bool answered = false;
+  std::thread impostor([&] {
+    lane::Fd c(::accept(listener.get(), nullptr, nullptr));
+    if (!c) return;
+    if (!lane::write_raw_frame(c.get(), lane::kChallengeFrame, 0, std::string(32, 'c'), 1s).ok())
+      return;
+    // The hello: its length field, then the rest.
+    std::string got;
+    const auto end = Clock::now() + 3s;
+    char buf[4096];
+    while (Clock::now() < end && (got.size() < 4 || got.size() < 4 + get_u32(got.data()))) {
+      pollfd p{c.get(), POLLIN, 0};
+      if (::poll(&p, 1, 50) != 1) continue;
+      const ssize_t n = ::recv(c.get(), buf, sizeof buf, 0);
+      if (n <= 0) return;
+      got.append(buf, static_cast<std::size_t>(n));
+    }
+    if (got.size() < 4) return;
+    const std::size_t hello = 4 + get_u32(got.data());
+    answered = lane::write_raw_frame(c.get(), lane::kAcceptFrame, 0, std::string(16, '\0'), 1s).ok();
+    // Whatever the sender writes after its hello, until it closes.
+    after_hello = got.size() - std::min(got.size(), hello);
+    while (Clock::now() < end + 2s) {
+      pollfd p{c.get(), POLLIN, 0};
+      if (::poll(&p, 1, 50) != 1) continue;
+      const ssize_t n = ::recv(c.get(), buf, sizeof buf, 0);
+      if (n <= 0) break;
+      after_hello += static_cast<std::size_t>(n);
+    }
+  });
+  bool connected = false;
+  std::string error;
+  {
+    auto lane = lane::connect(lane::Address{.name = name, .key = rig.at.key}, "trainer/7",
+                              "engine/0", sk.data(), 2s);
+    connected = lane.ok();
+    if (connected)
+      (void)lane::write_frame(*lane, static_cast<std::uint8_t>(MessageType::kBegin), 0, "secret",
+                              1s);
+    else
+      error = lane.status().message();
+  }  // the sender's end closes: the impostor's reads end
+  impostor.join();
+  EXPECT_TRUE(answered);
+  EXPECT_FALSE(connected);
+  EXPECT_NE(error.find("the receiver's accept does not carry the lane key"), std::string::npos)
+      << error;
+  EXPECT_EQ(after_hello, 0u);
 }
 
 // A hello is good for the one connection whose challenge it answers, frames after it must carry

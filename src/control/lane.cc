@@ -91,8 +91,10 @@ Status write_all(int fd, std::array<iovec, 3> parts, Clock::time_point deadline)
   return Status::Ok();
 }
 
-// Reads exactly `n` bytes by `deadline`.
-Status read_exactly(int fd, char* out, std::size_t n, Clock::time_point deadline) {
+// Reads exactly `n` bytes by `deadline`; `closed` and `late` say what the receiver's close and
+// the deadline mean at this step.
+Status read_exactly(int fd, char* out, std::size_t n, Clock::time_point deadline,
+                    const char* closed, const char* late) {
   std::size_t got = 0;
   while (got < n) {
     const ssize_t r = ::recv(fd, out + got, n - got, MSG_DONTWAIT);
@@ -100,12 +102,11 @@ Status read_exactly(int fd, char* out, std::size_t n, Clock::time_point deadline
       got += static_cast<std::size_t>(r);
       continue;
     }
-    if (r == 0) return Status::IOError("the receiver closed the lane");
+    if (r == 0) return Status::IOError(closed);
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       return Status::IOError(errno_text(errno));
     const int wait = millis_left(deadline);
-    if (wait <= 0)
-      return Status::Timeout("no challenge from the receiver in time (its gate is full or busy)");
+    if (wait <= 0) return Status::Timeout(late);
     pollfd p{fd, POLLIN, 0};
     ::poll(&p, 1, wait);
   }
@@ -280,8 +281,11 @@ Result<Outgoing> connect(const Address& a, const std::string& sender, const std:
         "lane @{}: its listener is not a process of this user (uid {}, this process's {})",
         log::escape(a.name), cred.uid, ::getuid()));
   std::array<char, 4 + 5 + kChallengeBytes> challenge{};
-  REFIT_RETURN_IF_ERROR(read_exactly(out.fd.get(), challenge.data(), challenge.size(), deadline)
-                            .with_context(fmt::format("lane @{}", a.name)));
+  REFIT_RETURN_IF_ERROR(
+      read_exactly(out.fd.get(), challenge.data(), challenge.size(), deadline,
+                   "the receiver closed the lane",
+                   "no challenge from the receiver in time (its gate is full or busy)")
+          .with_context(fmt::format("lane @{}", a.name)));
   if (get_u32(challenge.data()) != 5 + kChallengeBytes ||
       static_cast<std::uint8_t>(challenge[4]) != kChallengeFrame)
     return Status::IOError(fmt::format("lane @{}: the receiver sent no challenge", a.name));
@@ -295,10 +299,40 @@ Result<Outgoing> connect(const Address& a, const std::string& sender, const std:
     if (proof.empty()) return Status::Internal("lane: crypto_box failed");
     hello += proof;
   }
-  REFIT_RETURN_IF_ERROR(write_raw_frame(out.fd.get(), kHelloFrame, 0, hello, timeout));
-  if (sender_secret != nullptr) out.seal = FrameSeal(key);
+  Status sent = write_raw_frame(out.fd.get(), kHelloFrame, 0, hello, timeout);
+  // The gate's accept: until it arrives the hello may still be refused, and a frame written now
+  // would be lost with the connection.
+  const std::size_t accept_bytes = 4 + 5 + (sender_secret != nullptr ? kTagBytes : 0);
+  std::array<char, 4 + 5 + kTagBytes> accept{};
+  if (sent.ok())
+    sent = read_exactly(out.fd.get(), accept.data(), accept_bytes, deadline,
+                        "the receiver refused the hello (its log says why)",
+                        "no answer to the hello in time (the receiver's gate is busy)");
+  if (sent.ok() && (get_u32(accept.data()) != accept_bytes - 4 ||
+                    static_cast<std::uint8_t>(accept[4]) != kAcceptFrame))
+    sent = Status::IOError("the receiver answered the hello with something else than an accept");
+  if (sent.ok() && sender_secret != nullptr) {
+    unsigned char want[kTagBytes];
+    accept_tag(key, nonce, want);
+    if (sodium_memcmp(want, accept.data() + 9, kTagBytes) != 0)
+      sent = Status::IOError(
+          "the receiver's accept does not carry the lane key: its listener is not the mailbox "
+          "that published the lane");
+  }
+  if (sent.ok() && sender_secret != nullptr) out.seal = FrameSeal(key);
   sodium_memzero(key, sizeof key);
+  if (!sent.ok()) return sent.with_context(fmt::format("lane @{}", log::escape(a.name)));
   return out;
+}
+
+void accept_tag(const unsigned char* lane_key, std::string_view challenge, unsigned char* out) {
+  static constexpr char kLabel[] = "refit lane accept 1";
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, lane_key, kKeyBytes, kTagBytes);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(kLabel), sizeof kLabel - 1);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(challenge.data()),
+                            challenge.size());
+  crypto_generichash_final(&st, out, kTagBytes);
 }
 
 Status write_raw_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_view payload,

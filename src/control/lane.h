@@ -21,7 +21,7 @@
 // Frames: [u32 length of the rest, little-endian][u8 type][u32 epoch, little-endian][payload]
 // [tag: 16 bytes, only on an authenticated lane after the hello]. The challenge's type is
 // kChallengeFrame and its payload 32 random bytes; the hello's type is kHelloFrame and its
-// payload [u8 id length][sender id][proof].
+// payload [u8 id length][sender id][proof]; the accept's type is kAcceptFrame (below).
 #pragma once
 
 #include <sys/socket.h>
@@ -39,6 +39,13 @@ namespace refit::lane {
 
 inline constexpr std::uint8_t kChallengeFrame = 0xFE;
 inline constexpr std::uint8_t kHelloFrame = 0xFF;
+// The gate's answer to a hello it accepted, the last frame of the handshake: connect() returns
+// only after it, so a hello the gate refuses (forged, late, from a sender whose key it cannot
+// read) fails the connect instead of losing the first frame written behind it. On an
+// authenticated lane its payload is accept_tag(lane key, challenge): only the mailbox holding the
+// lane's secret half can open the hello and learn that key, so the sender also knows that it
+// writes to that mailbox. Without a run secret the payload is empty.
+inline constexpr std::uint8_t kAcceptFrame = 0xFD;
 inline constexpr std::size_t kChallengeBytes = 32;
 inline constexpr std::size_t kKeyBytes = 32;
 inline constexpr std::size_t kTagBytes = 16;
@@ -120,12 +127,16 @@ struct Outgoing {
   FrameSeal seal;
 };
 
-// Connects (blocking, local) to the lane at `a` as `sender`, reads the gate's challenge and
-// answers with the hello. With `sender_secret` (32 bytes: the secret half of the key pair
+// Connects (blocking, local) to the lane at `a` as `sender`, reads the gate's challenge, answers
+// with the hello and waits for the gate's accept. With `sender_secret` (32 bytes: the secret half of the key pair
 // `sender` registered; nullptr without a run secret) the hello proves it and the lane's frames are
 // sealed with a fresh key. Every step is bounded by `timeout`.
 Result<Outgoing> connect(const Address& a, const std::string& sender, const std::string& receiver,
                          const unsigned char* sender_secret, std::chrono::milliseconds timeout);
+
+// The accept frame's payload on an authenticated lane: BLAKE2b-128 keyed with the lane key over
+// [label][challenge].
+void accept_tag(const unsigned char* lane_key, std::string_view challenge, unsigned char* out);
 
 // Writes one frame, all of it, within `timeout` (MSG_NOSIGNAL: a closed peer is an error, not a
 // signal); sealed when the lane is keyed.

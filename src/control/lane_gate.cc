@@ -223,14 +223,16 @@ class GateImpl final : public Gate {
     if (!hello) return refuse(p, "its hello names no sender");
     Accepted a;
     a.from = hello->from;
+    const std::string_view challenge(p.challenge.data(), p.challenge.size());
+    unsigned char tag[kTagBytes];
+    std::string_view accept;  // the accept frame's payload: empty without a run secret
     if (o_.keys) {
       const std::optional<std::array<unsigned char, 32>> key = o_.keys(hello->from);
       if (!key)
         return refuse(p, fmt::format("its hello claims to come from '{}', which registered no key",
                                      log::escape(hello->from)));
       unsigned char lane_key[kKeyBytes];
-      const ProofCheck proof = open_proof(hello->proof, hello->from, o_.receiver,
-                                          std::string_view(p.challenge.data(), p.challenge.size()),
+      const ProofCheck proof = open_proof(hello->proof, hello->from, o_.receiver, challenge,
                                           key->data(), sk_, lane_key);
       switch (proof) {
         case ProofCheck::kValid:
@@ -245,8 +247,14 @@ class GateImpl final : public Gate {
                                        log::escape(hello->from)));
       }
       a.seal = FrameSeal(lane_key);
+      accept_tag(lane_key, challenge, tag);
+      accept = std::string_view(reinterpret_cast<const char*>(tag), kTagBytes);
       sodium_memzero(lane_key, sizeof lane_key);
     }
+    // The sender's connect waits for this before it writes. Only the challenge went this way
+    // before: the accept fits the socket's buffer at once.
+    if (!write_raw_frame(p.fd.get(), kAcceptFrame, 0, accept, std::chrono::milliseconds(0)).ok())
+      return refuse(p, "it closed before its hello was accepted");
     a.fd = std::move(p.fd);
     p.done = true;
     {
