@@ -27,6 +27,7 @@
 #include "control/auth.h"
 #include "control/lane.h"
 #include "control/mailbox.h"
+#include "control/mailbox_parts.h"
 #include "control/messages.h"
 #include "control/store.h"
 
@@ -532,6 +533,47 @@ TEST(MailboxLane, PendingConnectionsAreCappedAndCounted) {
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   EXPECT_EQ(m->payload, "real");
   EXPECT_EQ(rig.engine->lane_messages(), 1);
+}
+
+// A hello naming a sender the mailbox does not know costs it a store lookup, which anyone of the
+// same user can cause: past a small budget per second such hellos are refused without one, and a
+// real sender whose key the mailbox already read still gets through.
+TEST(MailboxLane, HellosFromUnknownSendersCostABoundedNumberOfStoreLookups) {
+  LaneRig rig;
+  // The real sender's key, read once before the flood.
+  ASSERT_TRUE(rig.trainer->send("engine/0", MessageType::kBegin, "before").ok());
+  auto first = rig.engine->receive(3s);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  constexpr int kGhosts = 64;
+  const std::int64_t requests_before = rig.store->requests();
+  const auto start = Clock::now();
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < kGhosts; ++i) {
+    lane::Fd fd = raw_connect(rig.at);
+    ASSERT_EQ(read_challenge(fd.get()).size(), 32u);
+    std::string proof(24 + 16 + 120, '\0');
+    randombytes_buf(proof.data(), proof.size());
+    ASSERT_TRUE(write_all(fd.get(), hello_frame(fmt::format("ghost/{}", i), proof)));
+    EXPECT_TRUE(closed_within(fd.get(), 5s)) << "ghost " << i;
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  rig.drops_reach(kGhosts);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  const std::int64_t lookups = rig.store->requests() - requests_before;
+  // At most the budget per started second of the flood (before: one per hello).
+  const double bound = mailbox_parts::SenderKeys::kMissBudget * (seconds + 1);
+  EXPECT_LE(static_cast<double>(lookups), bound) << seconds << " s";
+  EXPECT_LT(bound, kGhosts) << "the flood took " << seconds << " s: too slow to tell";
+  EXPECT_NE(log.find("its hello claims to come from 'ghost/0', which registered no key"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(rig.engine->dropped(), kGhosts);
+  // The real sender's lane is untouched.
+  ASSERT_TRUE(rig.trainer->send("engine/0", MessageType::kBegin, "after").ok());
+  auto m = rig.engine->receive(3s);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(m->payload, "after");
+  EXPECT_EQ(rig.engine->lane_messages(), 2);
 }
 
 // Out of descriptors, the gate names the limit and the connection waits in the listen queue; once

@@ -227,10 +227,10 @@ class GateImpl final : public Gate {
     unsigned char tag[kTagBytes];
     std::string_view accept;  // the accept frame's payload: empty without a run secret
     if (o_.keys) {
-      const std::optional<std::array<unsigned char, 32>> key = o_.keys(hello->from);
-      if (!key)
-        return refuse(p, fmt::format("its hello claims to come from '{}', which registered no key",
-                                     log::escape(hello->from)));
+      const Result<std::array<unsigned char, 32>> key = o_.keys(hello->from);
+      if (!key.ok())
+        return refuse(p, fmt::format("its hello claims to come from '{}', {}",
+                                     log::escape(hello->from), key.status().message()));
       unsigned char lane_key[kKeyBytes];
       const ProofCheck proof = open_proof(hello->proof, hello->from, o_.receiver, challenge,
                                           key->data(), sk_, lane_key);

@@ -21,8 +21,9 @@
 
 namespace refit::lane {
 
-// The public key `sender` registered (32 bytes), or nullopt when it registered none.
-using KeyLookup = std::function<std::optional<std::array<unsigned char, 32>>(const std::string&)>;
+// The public key `sender` registered (32 bytes), or an error saying why there is none to check
+// a hello against ("registered no key", a lookup refused for its cost).
+using KeyLookup = std::function<Result<std::array<unsigned char, 32>>(const std::string& sender)>;
 
 struct GateOptions {
   std::string who;            // names the mailbox in log lines: "mailbox 'engine/0'"

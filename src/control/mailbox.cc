@@ -42,16 +42,36 @@ namespace mailbox_parts {
 
 bool is_known_type(std::uint8_t t) { return is_message_type(t); }
 
-std::optional<std::string> SenderKeys::z85_of(const std::string& id) {
+Result<std::string> SenderKeys::z85_of(const std::string& id, bool budgeted) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = keys_.find(id);
     if (it != keys_.end()) return it->second;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - window_start_ >= kMissWindow) {
+      window_start_ = now;
+      misses_ = 0;
+    }
+    if (budgeted && misses_ >= kMissBudget) {
+      ++skipped_;
+      return Status::Aborted(fmt::format(
+          "which is not a sender this mailbox knows, and it looked up {} unknown senders in the "
+          "last {} s (the most it does; docs/security.md)",
+          misses_, kMissWindow.count()));
+    }
   }
   auto key = store_.try_get(auth_key_name(id));
-  if (!key.ok() || !key->has_value()) return std::nullopt;
   std::lock_guard<std::mutex> lock(mu_);
+  const bool found = key.ok() && key->has_value();
+  if (budgeted && !found) ++misses_;
+  if (!key.ok()) return Status::IOError("whose key could not be read: " + key.status().message());
+  if (!found) return Status::NotFound("which registered no key");
   return keys_.emplace(id, std::move(**key)).first->second;
+}
+
+std::int64_t SenderKeys::skipped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return skipped_;
 }
 
 Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options, SenderKeys* keys,
@@ -63,10 +83,11 @@ Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options
                       .keys = {},
                       .throttle = &throttle};
   if (keys != nullptr)
-    g.keys = [keys](const std::string& from) -> std::optional<std::array<unsigned char, 32>> {
-      const std::optional<std::string> z85 = keys->z85_of(from);
+    g.keys = [keys](const std::string& from) -> Result<std::array<unsigned char, 32>> {
+      REFIT_ASSIGN_OR_RETURN(const std::string z85, keys->z85_of(from, /*budgeted=*/true));
       std::array<unsigned char, 32> key{};
-      if (!z85 || !lane::z85_key(*z85, key.data())) return std::nullopt;
+      if (!lane::z85_key(z85, key.data()))
+        return Status::Corruption("whose registered key is malformed");
       return key;
     };
   std::string who = g.who;
@@ -275,15 +296,15 @@ class ZmqInbox {
     if (o_.auth) {
       const char* user = frames[0].gets("User-Id");
       const std::string key = user != nullptr ? user : "";
-      const std::optional<std::string> want = keys_->z85_of(m.from);
-      if (!want || key != *want) {
+      const Result<std::string> want = keys_->z85_of(m.from, /*budgeted=*/false);
+      if (!want.ok() || key != *want) {
         ++dropped_;
         log::warn_throttled(
             throttle_,
             "mailbox '{}': dropped a {} message claiming to come from '{}' (from "
             "{}): {}",
             o_.id, message_type_name(m.type), log::escape(m.from), origin(),
-            !want ? "no such sender registered a key" : "it was sent with another sender's key");
+            !want.ok() ? "no such sender registered a key" : "it was sent with another sender's key");
         return std::nullopt;
       }
     }

@@ -28,14 +28,28 @@ bool is_known_type(std::uint8_t type);
 // once and kept. Thread-safe: the lane gate's thread and the receiving thread both ask.
 class SenderKeys {
  public:
+  // A key found is kept for the mailbox's life. A lookup that finds none costs a store request
+  // that anyone who can reach the mailbox can cause (a hello naming a sender that never
+  // registered), so at most kMissBudget of them are made per kMissWindow; past it, an id not yet
+  // known is refused without a lookup (a real sender then falls back to ZeroMQ for that peer).
+  static constexpr int kMissBudget = 8;
+  static constexpr std::chrono::seconds kMissWindow{1};
   explicit SenderKeys(Store& store) : store_(store) {}
-  // nullopt while `id` has registered none.
-  std::optional<std::string> z85_of(const std::string& id);
+  // The Z85 key `id` registered; an error naming why there is none. `budgeted`: a lookup that
+  // anyone who can reach the mailbox can cause (a lane's hello), subject to the budget; the
+  // ZeroMQ socket's messages come only from CURVE clients of the run and are not. (A key is set
+  // once per id in the store, so a key found stays right.)
+  Result<std::string> z85_of(const std::string& id, bool budgeted);
+  // Lookups refused for the budget, over the mailbox's life.
+  std::int64_t skipped() const;
 
  private:
   Store& store_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::unordered_map<std::string, std::string> keys_;  // guarded by mu_
+  std::chrono::steady_clock::time_point window_start_{};  // guarded by mu_
+  int misses_ = 0;                                        // in this window; guarded by mu_
+  std::int64_t skipped_ = 0;                              // guarded by mu_
 };
 
 // The sending side: one path per peer, chosen at the first message to it and kept, so one peer's
