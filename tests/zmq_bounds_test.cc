@@ -258,6 +258,19 @@ TEST(ZmqBounds, MailboxCapsTheConnectionsWaitingForTheirHandshake) {
   EXPECT_GE(closed, kFlood - kCap);
 }
 
+// The cap holds while the rank is busy elsewhere (a training step between refits): nothing
+// calls receive() during the flood.
+TEST(ZmqBounds, MailboxCapsWaitingConnectionsWhileItsRankDoesNotReceive) {
+  constexpr int kCap = 4, kFlood = 12;
+  MailboxRig rig(kCap);
+  ::testing::internal::CaptureStderr();
+  const int closed = flood_of_silent_connections(
+      rig.port, kFlood, [&] { return rig.mailbox->dropped() >= kFlood - kCap; }, [] {});
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(log, "closed a connection before its handshake"), kFlood - kCap) << log;
+  EXPECT_GE(closed, kFlood - kCap);
+}
+
 // A message longer than kMaxMailboxMessageBytes is refused when it is sent, naming its size.
 TEST(ZmqBounds, AMessageOverTheLimitIsRefusedAtItsSender) {
   MailboxRig rig;

@@ -12,6 +12,8 @@
 #include <fmt/format.h>
 
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -21,6 +23,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -185,7 +188,9 @@ using mailbox_parts::SenderKeys;
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
 
 // The ZeroMQ receiving side: the PULL socket, its ZAP handler and the monitor that reports
-// connections whose handshake failed, and caps those waiting for it.
+// connections whose handshake failed, and caps those waiting for it. The monitor is read by a
+// thread of its own (the watcher), so that the cap holds while the rank does something else than
+// wait for a message (a training step between refits), not only inside receive().
 class ZmqInbox {
  public:
   ZmqInbox(zmq::context_t& ctx, const MailboxOptions& o, SenderKeys* keys, log::Throttle& throttle)
@@ -196,6 +201,11 @@ class ZmqInbox {
                                               : kZmqMaxPendingHandshakes),
         throttle_(throttle) {}
   ~ZmqInbox() {
+    if (watcher_.joinable()) {
+      const std::uint64_t one = 1;
+      (void)!::write(stop_.get(), &one, sizeof one);
+      watcher_.join();
+    }
     monitor_.close();
     pull_.close();
     zap_.reset();
@@ -230,12 +240,14 @@ class ZmqInbox {
     pending_.listening(fmt::format("mailbox '{}' {}", o_.id, endpoint_),
                        std::atoi(endpoint_.substr(endpoint_.rfind(':') + 1).c_str()),
                        kMaxMailboxMessageBytes);
+    stop_ = lane::Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!stop_) return Status::IOError(fmt::format("{}: eventfd: {}", who, errno_text(errno)));
+    watcher_ = std::thread([this] { watch(); });
     return Status::Ok();
   }
 
   const std::string& endpoint() const { return endpoint_; }
   void* socket() { return pull_.handle(); }
-  void* monitor() { return monitor_.handle(); }
   std::int64_t dropped() const { return dropped_.load(); }
 
   // The next message on the PULL socket: nullopt when none is there; an empty Message (type 0)
@@ -244,14 +256,47 @@ class ZmqInbox {
     std::vector<zmq::message_t> frames;
     if (!zmq::recv_multipart(pull_, std::back_inserter(frames), zmq::recv_flags::dontwait))
       return std::nullopt;
-    if (!frames.empty()) pending_.authenticated(zmq_msg_get(frames[0].handle(), ZMQ_SRCFD));
+    if (!frames.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.authenticated(zmq_msg_get(frames[0].handle(), ZMQ_SRCFD));
+    }
     return accept(frames);
+  }
+
+  int pending_high_water() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_.high_water();
+  }
+
+ private:
+  // The watcher: waits for the monitor's events (or the stop) and handles them.
+  void watch() {
+    for (;;) {
+      std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{monitor_.handle(), 0, ZMQ_POLLIN, 0},
+                                          zmq_pollitem_t{nullptr, stop_.get(), ZMQ_POLLIN, 0}};
+      // No timeout: what the cap counts changes only with the monitor's events, and an idle
+      // rank's watcher should not wake (hundreds of ranks may share a host's cores).
+      const int polled = zmq_poll(items.data(), static_cast<int>(items.size()), -1);
+      if (polled < 0 && zmq_errno() != EINTR) {
+        log::warn("mailbox '{}': its connection monitor stopped: {}", o_.id,
+                  zmq_strerror(zmq_errno()));
+        return;
+      }
+      if ((items[1].revents & ZMQ_POLLIN) != 0) return;
+      try {
+        drain_monitor();
+      } catch (const zmq::error_t& e) {
+        log::warn("mailbox '{}': its connection monitor stopped: {}", o_.id, errno_text(e.num()));
+        return;
+      }
+    }
   }
 
   // Counts and logs the connections the monitor saw refused, and caps those waiting for their
   // handshake. A connection the ZAP handler refused is logged there; one shut down for the cap,
   // when it was.
   void drain_monitor() {
+    std::lock_guard<std::mutex> lock(mu_);
     for (const ConnectionEvent& e : read_connection_events(monitor_)) {
       if (pending_.see(e)) {
         ++dropped_;
@@ -266,9 +311,7 @@ class ZmqInbox {
     }
     pending_.enforce(throttle_);
   }
-  int pending_high_water() const { return pending_.high_water(); }
 
- private:
   // The message, or nullopt when it is dropped (and logged with its origin): malformed, or, with
   // authentication, sent by a key other than the one its claimed sender registered.
   std::optional<Message> accept(std::vector<zmq::message_t>& frames) {
@@ -316,9 +359,12 @@ class ZmqInbox {
   SenderKeys* keys_;  // with auth
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t pull_;
-  zmq::socket_t monitor_;
+  zmq::socket_t monitor_;  // the watcher's
   std::string endpoint_;
-  PendingHandshakes pending_;  // the receiving thread's
+  mutable std::mutex mu_;
+  PendingHandshakes pending_;  // guarded by mu_
+  lane::Fd stop_;              // an eventfd: written to stop the watcher
+  std::thread watcher_;
   std::atomic<std::int64_t> dropped_{0};
   log::Throttle& throttle_;  // the mailbox's
 };
@@ -449,7 +495,6 @@ class ZmqMailbox final : public Mailbox {
       // the timeout nor hides a dead peer.
       bool dropped = false;
       try {
-        zmq_in_.drain_monitor();
         if (lanes_in_) lanes_in_->pump(lane_queue_);
         std::optional<Message> m;
         if (!lane_queue_.empty()) {
@@ -527,12 +572,11 @@ class ZmqMailbox final : public Mailbox {
   std::int64_t lane_messages() const override { return lanes_in_ ? lanes_in_->messages() : 0; }
 
  private:
-  // What receive() waits on: the PULL socket and its monitor, and the lanes' epoll set (the lane
-  // gate and every lane).
+  // What receive() waits on: the PULL socket and the lanes' epoll set (the lane gate and every
+  // lane).
   std::vector<zmq_pollitem_t>& poll_items() {
     if (items_.empty()) {
-      items_.assign({zmq_pollitem_t{zmq_in_.socket(), 0, ZMQ_POLLIN, 0},
-                     zmq_pollitem_t{zmq_in_.monitor(), 0, ZMQ_POLLIN, 0}});
+      items_.assign({zmq_pollitem_t{zmq_in_.socket(), 0, ZMQ_POLLIN, 0}});
       if (lanes_in_) items_.push_back(zmq_pollitem_t{nullptr, lanes_in_->poll_fd(), ZMQ_POLLIN, 0});
     }
     return items_;
