@@ -65,10 +65,11 @@ def start(trainer_module, engine_module, cfg, load_weights=None):
     return trainer, box["engine"]
 
 
-def serve(engine, box):
+def serve(engine, box, one=False):
+    """engine.serve() (or serve_one()) on a thread of its own; its result or error lands in box."""
     def run():
         try:
-            box["served"] = engine.serve()
+            box["served"] = engine.serve_one() if one else engine.serve()
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
 
@@ -243,15 +244,7 @@ def test_engine_module_that_replaced_a_parameter_gets_every_refit():
             for name, p in trainer_module.named_parameters():
                 p.copy_(torch.from_numpy(values[name]))
         box = {}
-
-        def run():
-            try:
-                box["served"] = engine.serve_one()
-            except BaseException as e:  # noqa: BLE001
-                box["error"] = e
-
-        thread = threading.Thread(target=run)
-        thread.start()
+        thread = serve(engine, box, one=True)
         trainer.refit(step)
         thread.join(timeout=30)
         assert "error" not in box, box.get("error")
