@@ -1,7 +1,10 @@
 // Mailboxes over an in-process store: ordering, timeouts, dead and missing peers, same-host lanes
 // and the strangers they refuse.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sodium.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -9,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -228,6 +232,108 @@ TEST_F(MailboxTest, SendToAPeerThatClosedFailsWithinTheTimeout) {
   ASSERT_FALSE(s.ok()) << "sends to a closed mailbox kept succeeding";
   EXPECT_LT(seconds_since(t0), 3.0);
   EXPECT_NE(s.message().find("engine/0/0"), std::string::npos) << s.message();
+}
+
+// A TCP relay on 127.0.0.1: it takes connections at once, but forwards their bytes to `to_port`
+// (both ways) only `hold` after the first arrived: a peer whose handshake is slow (a host where
+// many ranks start at once).
+class SlowRelay {
+ public:
+  SlowRelay(int to_port, std::chrono::milliseconds hold) : to_port_(to_port), hold_(hold) {
+    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    EXPECT_EQ(::bind(listen_, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(::listen(listen_, 16), 0);
+    EXPECT_EQ(::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~SlowRelay() {
+    stop_ = true;
+    thread_.join();
+    ::close(listen_);
+  }
+  int port() const { return port_; }
+
+ private:
+  void run() {
+    const auto end = Clock::now() + 30s;  // every loop below is bounded by this
+    int client = -1;
+    while (client < 0 && !stop_ && Clock::now() < end) {
+      pollfd p{listen_, POLLIN, 0};
+      if (::poll(&p, 1, 50) == 1) client = ::accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
+    }
+    const auto forward_at = Clock::now() + hold_;
+    while (!stop_ && Clock::now() < forward_at) std::this_thread::sleep_for(10ms);
+    const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(to_port_));
+    const bool up = client >= 0 && !stop_ &&
+                    ::connect(server, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    char buf[65536];
+    while (up && !stop_ && Clock::now() < end) {
+      pollfd p[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+      if (::poll(p, 2, 50) <= 0) continue;
+      bool closed = false;
+      for (int i = 0; i < 2; ++i) {
+        if (p[i].revents == 0) continue;
+        const ssize_t n = ::recv(p[i].fd, buf, sizeof buf, 0);
+        if (n <= 0 || ::send(p[1 - i].fd, buf, static_cast<std::size_t>(n), MSG_NOSIGNAL) != n)
+          closed = true;
+      }
+      if (closed) break;
+    }
+    ::close(server);
+    if (client >= 0) ::close(client);
+  }
+  const int to_port_;
+  const std::chrono::milliseconds hold_;
+  int listen_ = -1, port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A peer that takes no message within the send timeout (3 s) is probed: one whose port accepts
+// connections is alive, only slow (its handshake), and is waited for up to the mailbox's whole
+// timeout; one whose port refuses has exited, and the send fails at once.
+TEST_F(MailboxTest, APeerSlowToCompleteItsHandshakeIsWaitedForAndAGoneOneIsNot) {
+  auto trainer = open("trainer/0", 10s);
+  auto engine = open("engine/0");
+  ASSERT_TRUE(trainer && engine);
+  auto published = store_->get("mailbox/engine/0", 1s);
+  ASSERT_TRUE(published.ok());
+  SlowRelay relay(std::atoi(published->c_str() + published->rfind(':') + 1), 4500ms);
+  // "engine/slow" is engine/0 behind the relay (no lane: its messages go over ZeroMQ).
+  ASSERT_TRUE(
+      store_->set("mailbox/engine/slow", fmt::format("tcp://127.0.0.1:{}", relay.port())).ok());
+  const Status slow = trainer->send("engine/slow", MessageType::kBegin, "late but there");
+  ASSERT_TRUE(slow.ok()) << slow.to_string();
+  auto m = engine->receive(5s);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(m->from, "trainer/0");
+  EXPECT_EQ(m->payload, "late but there");
+
+  // A port nothing listens on (taken, then freed): the peer exited.
+  const int probe = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(probe, reinterpret_cast<sockaddr*>(&a), len), 0);
+  ASSERT_EQ(::getsockname(probe, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(probe);
+  ASSERT_TRUE(
+      store_->set("mailbox/engine/gone", fmt::format("tcp://127.0.0.1:{}", ntohs(a.sin_port)))
+          .ok());
+  const Status gone = trainer->send("engine/gone", MessageType::kBegin, "x");
+  ASSERT_FALSE(gone.ok());
+  EXPECT_NE(gone.message().find("its port refuses connections (exited?)"), std::string::npos)
+      << gone.to_string();
 }
 
 TEST_F(MailboxTest, ConcurrentSendAndReceiveThreads) {

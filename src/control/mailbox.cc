@@ -561,6 +561,7 @@ class ZmqMailbox final : public Mailbox {
 
   void set_liveness_check(std::function<Status()> check,
                           std::chrono::milliseconds interval) override {
+    out_->set_liveness_check(check);
     liveness_ = std::move(check);
     liveness_interval_ = interval;
     next_check_ = Clock::now() + interval;

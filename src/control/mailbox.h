@@ -103,6 +103,7 @@ class Mailbox {
   // The epoch of the message kept for later (0 when none is kept).
   virtual std::uint32_t kept_epoch() const = 0;
   // While receive() waits, `check` runs every `interval`; a non-ok Status ends the wait with it.
+  // A send still waiting for a live but slow peer after its first few seconds asks it too.
   // (The runtime checks that the store is reachable and that no other rank has failed.)
   virtual void set_liveness_check(std::function<Status()> check,
                                   std::chrono::milliseconds interval) = 0;

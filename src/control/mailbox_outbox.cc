@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <cstdlib>
 #include <zmq_addon.hpp>
 
 #include "common/log.h"
@@ -11,11 +13,14 @@
 #include "control/fd_limit.h"
 #include "control/mailbox_parts.h"
 #include "control/store.h"
+#include "control/zmq_monitor.h"
 
 namespace refit::mailbox_parts {
 namespace {
 
 constexpr std::chrono::milliseconds kSendLinger{2000};
+// How long a probe of a peer that took no message waits for its greeting.
+constexpr int kProbeWaitMs = 500;
 
 std::string mailbox_key(const std::string& id) { return "mailbox/" + id; }
 
@@ -33,6 +38,11 @@ Outbox::Outbox(Store& store, const MailboxOptions& options, zmq::context_t& ctx,
 Outbox::~Outbox() {
   std::lock_guard<std::mutex> lock(mu_);
   peers_.clear();  // sockets before the context (whose destruction waits for their linger)
+}
+
+void Outbox::set_liveness_check(std::function<Status()> check) {
+  std::lock_guard<std::mutex> lock(mu_);
+  liveness_ = std::move(check);
 }
 
 std::chrono::milliseconds Outbox::send_timeout() const {
@@ -81,11 +91,41 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
     std::array<zmq::const_buffer, 3> parts{zmq::const_buffer(head.data(), head.size()),
                                            zmq::buffer(options_.id), zmq::buffer(payload)};
     try {
-      // Multipart delivery is atomic: the first frame is the one that may time out.
-      if (!zmq::send_multipart(it->second.socket, parts))
+      // Multipart delivery is atomic: the first frame is the one that may time out. A peer that
+      // took nothing within send_timeout() is probed: one whose port still accepts connections is
+      // alive, only slow to complete its handshake (a host where many ranks start at once) or to
+      // read, and is waited for up to the mailbox's whole timeout; one whose port refuses has
+      // exited, and the send fails now.
+      const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+      bool sent = zmq::send_multipart(it->second.socket, parts).has_value();
+      Status probe;
+      Status alive;
+      while (!sent) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) break;
+        if (liveness_ && !(alive = liveness_()).ok()) break;  // a stopped peer's heartbeat, say
+        probe = probe_peer(it->second.address);
+        if (probe.code() == StatusCode::kNotFound || probe.code() == StatusCode::kIOError) break;
+        it->second.socket.set(zmq::sockopt::sndtimeo,
+                              static_cast<int>(std::min(left, send_timeout()).count()));
+        sent = zmq::send_multipart(it->second.socket, parts).has_value();
+      }
+      it->second.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
+      if (!sent && !alive.ok())
+        status = alive.with_context(fmt::format(
+            "{} at {}: not delivered within {} ms, and stopped waiting", what,
+            it->second.address, send_timeout().count()));
+      else if (!sent)
         status = Status::Timeout(
-            fmt::format("{} at {}: not delivered within {} ms; the peer is not connected (exited?)",
-                        what, it->second.address, send_timeout().count()));
+            probe.code() == StatusCode::kNotFound || probe.code() == StatusCode::kIOError
+                ? fmt::format("{} at {}: not delivered within {} ms; the peer is not connected "
+                              "and its port refuses connections (exited?)",
+                              what, it->second.address, send_timeout().count())
+                : fmt::format("{} at {}: not delivered within {} ms; the peer's port accepts "
+                              "connections, but it completed no handshake and read nothing (is "
+                              "its process stopped or hung?)",
+                              what, it->second.address, options_.timeout.count()));
     } catch (const zmq::error_t& e) {
       status = Status::IOError(
           fmt::format("{} at {}: {}", what, it->second.address, errno_text(e.num())));
@@ -114,6 +154,17 @@ Status Outbox::open_zmq(Peer& peer, const std::string& what) {
         fmt::format("{}: cannot connect to {}: {}", what, peer.address, errno_text(e.num())));
   }
   return Status::Ok();
+}
+
+// Whether the process behind a peer's ZeroMQ address ("tcp://HOST:PORT") still listens
+// (probe_zmtp: kNotFound when its port refuses connections).
+Status Outbox::probe_peer(const std::string& address) {
+  const std::size_t colon = address.rfind(':');
+  const std::size_t scheme = address.find("://");
+  if (colon == std::string::npos || scheme == std::string::npos || colon < scheme + 3)
+    return Status::InvalidArgument("not a tcp://HOST:PORT address: " + address);
+  return probe_zmtp(address.substr(scheme + 3, colon - scheme - 3),
+                    std::atoi(address.c_str() + colon + 1), kProbeWaitMs);
 }
 
 // A lane to `to` when it published one for this host identity, else nullopt (ZeroMQ carries the

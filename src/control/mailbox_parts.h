@@ -8,6 +8,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -66,11 +67,17 @@ class Outbox {
   Outbox& operator=(const Outbox&) = delete;
   Status send(const std::string& to, MessageType type, std::uint32_t epoch,
               const std::string& payload);
-  // Once a peer's address is known, a live peer takes a message at once; one that has not after
-  // a few seconds is gone, so a process whose peer died does not sit out the whole timeout.
+  // Once a peer's address is known, a live peer takes a message at once. One that has not after
+  // send_timeout() is probed: a port that refuses connections (the peer exited) fails the send
+  // then, so a process whose peer died does not sit out the whole timeout; a port that accepts
+  // (a peer slow to complete its handshake or to read) is waited for up to the whole timeout.
   std::chrono::milliseconds send_timeout() const;
+  // The mailbox's liveness check (Mailbox::set_liveness_check): a send waiting for a slow peer
+  // past send_timeout() asks it between slices and stops when it fails.
+  void set_liveness_check(std::function<Status()> check);
 
  private:
+  static Status probe_peer(const std::string& address);
   struct Peer {
     std::string address;
     zmq::socket_t socket;
@@ -86,6 +93,7 @@ class Outbox {
   const bool lanes_;
   std::mutex mu_;
   std::unordered_map<std::string, Peer> peers_;  // guarded by mu_
+  std::function<Status()> liveness_;              // guarded by mu_
 };
 
 // The receiving side of the mailbox's same-host lane: its gate (the handshake, on a thread of
