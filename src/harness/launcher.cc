@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 namespace refit {
@@ -173,23 +174,41 @@ Result<LaunchResult> launch_and_wait(
       continue;
     }
     if (pid > 0) {
-      for (std::size_t i = 0; i < pids.size(); ++i) {
-        if (pids[i] != pid) continue;
-        pids[i] = -1;
-        stopped[i] = false;
-        statuses[i] = status;
-        --alive;
-        const bool bad = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-        if (bad && !failed) {
-          failed = true;
-          result.summary = fmt::format("{} {}", children[i].name, describe_exit(status));
-          result.first_failed = static_cast<int>(i);
-          result.first_how = describe_exit(status);
-          result.first_killed = WIFSIGNALED(status);
-          if (on_failure) on_failure(children[i].name, describe_exit(status));
-          deadline = std::chrono::steady_clock::now() +
-                     std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000) + 5000);
+      // Every child that has ended by now: a rank killed by a signal and the ranks that exited
+      // because of it (they name it in their own errors) can end between two polls, and the
+      // kernel hands them back in the order they were started, not the order they ended. The
+      // run's failure is the first one a signal ended, else the first that failed.
+      std::vector<std::size_t> ended;
+      const auto take = [&](pid_t p, int st) {
+        for (std::size_t i = 0; i < pids.size(); ++i) {
+          if (pids[i] != p) continue;
+          pids[i] = -1;
+          stopped[i] = false;
+          statuses[i] = st;
+          --alive;
+          ended.push_back(i);
         }
+      };
+      take(pid, status);
+      for (pid_t more; (more = waitpid(-1, &status, WNOHANG)) > 0;) take(more, status);
+      const auto bad = [&](std::size_t i) {
+        return !(WIFEXITED(statuses[i]) && WEXITSTATUS(statuses[i]) == 0);
+      };
+      std::optional<std::size_t> first;
+      for (std::size_t i : ended)
+        if (bad(i) && WIFSIGNALED(statuses[i]) && !first) first = i;
+      for (std::size_t i : ended)
+        if (bad(i) && !first) first = i;
+      if (first && !failed) {
+        const std::size_t i = *first;
+        failed = true;
+        result.summary = fmt::format("{} {}", children[i].name, describe_exit(statuses[i]));
+        result.first_failed = static_cast<int>(i);
+        result.first_how = describe_exit(statuses[i]);
+        result.first_killed = WIFSIGNALED(statuses[i]);
+        if (on_failure) on_failure(children[i].name, describe_exit(statuses[i]));
+        deadline = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000) + 5000);
       }
       continue;
     }
