@@ -707,8 +707,10 @@ TEST(GlooProcesses, PairsConnectOnFirstUseInBatchesBothSidesAgreeOn) {
     if (std::string e = swap(two); !e.empty()) return "second batch: " + e;
     const int held = open_sockets();
     if (Status s = (*comm)->connect(o.peers.value()); !s.ok()) return "again: " + s.to_string();
-    if (open_sockets() != held)
-      return fmt::format("connecting again opened {} socket(s)", open_sockets() - held);
+    // Opened: a socket that closes meanwhile (a pair's listener, which Gloo's loop thread closes
+    // once its peer connected, in its own time) is not what this counts.
+    if (const int now = open_sockets(); now > held)
+      return fmt::format("connecting again opened {} socket(s)", now - held);
     return fmt::format("ok {} {}", one.size(), two.size());
   });
   ASSERT_EQ(reports.size(), static_cast<std::size_t>(kRanks));
