@@ -56,7 +56,6 @@ Result<std::string> SenderKeys::z85_of(const std::string& id, bool budgeted) {
       misses_ = 0;
     }
     if (budgeted && misses_ >= kMissBudget) {
-      ++skipped_;
       return Status::Aborted(fmt::format(
           "which is not a sender this mailbox knows, and it looked up {} unknown senders in the "
           "last {} s (the most it does; docs/security.md)",
@@ -70,11 +69,6 @@ Result<std::string> SenderKeys::z85_of(const std::string& id, bool budgeted) {
   if (!key.ok()) return Status::IOError("whose key could not be read: " + key.status().message());
   if (!found) return Status::NotFound("which registered no key");
   return keys_.emplace(id, std::move(**key)).first->second;
-}
-
-std::int64_t SenderKeys::skipped() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return skipped_;
 }
 
 Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options, SenderKeys* keys,

@@ -98,6 +98,11 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
       // exited, and the send fails now.
       const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
       bool sent = zmq::send_multipart(it->second.socket, parts).has_value();
+      // Refused, unreachable, or no address to probe: the peer is gone.
+      const auto gone = [](const Status& p) {
+        return p.code() == StatusCode::kNotFound || p.code() == StatusCode::kIOError ||
+               p.code() == StatusCode::kInvalidArgument;
+      };
       Status probe;
       Status alive;
       while (!sent) {
@@ -106,7 +111,7 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
         if (left.count() <= 0) break;
         if (liveness_ && !(alive = liveness_()).ok()) break;  // a stopped peer's heartbeat, say
         probe = probe_peer(it->second.address);
-        if (probe.code() == StatusCode::kNotFound || probe.code() == StatusCode::kIOError) break;
+        if (gone(probe)) break;
         it->second.socket.set(zmq::sockopt::sndtimeo,
                               static_cast<int>(std::min(left, send_timeout()).count()));
         sent = zmq::send_multipart(it->second.socket, parts).has_value();
@@ -118,7 +123,7 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
             it->second.address, send_timeout().count()));
       else if (!sent)
         status = Status::Timeout(
-            probe.code() == StatusCode::kNotFound || probe.code() == StatusCode::kIOError
+            gone(probe)
                 ? fmt::format("{} at {}: not delivered within {} ms; the peer is not connected "
                               "and its port refuses connections (exited?)",
                               what, it->second.address, send_timeout().count())

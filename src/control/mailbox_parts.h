@@ -41,16 +41,13 @@ class SenderKeys {
   // ZeroMQ socket's messages come only from CURVE clients of the run and are not. (A key is set
   // once per id in the store, so a key found stays right.)
   Result<std::string> z85_of(const std::string& id, bool budgeted);
-  // Lookups refused for the budget, over the mailbox's life.
-  std::int64_t skipped() const;
 
  private:
   Store& store_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::unordered_map<std::string, std::string> keys_;  // guarded by mu_
   std::chrono::steady_clock::time_point window_start_{};  // guarded by mu_
   int misses_ = 0;                                        // in this window; guarded by mu_
-  std::int64_t skipped_ = 0;                              // guarded by mu_
 };
 
 // The sending side: one path per peer, chosen at the first message to it and kept, so one peer's
