@@ -3,14 +3,13 @@
 // update, and an engine started with another one is refused at setup naming the flag.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <cmath>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
 #include "common/convert.h"
+#include "control/ports.h"
 #include "refit/model_spec.h"
 #include "test_util.h"
 #include "weights/weights.h"
@@ -104,10 +103,13 @@ TEST(WeightUpdate, RunVerifiesAdamWeights) {
 TEST(WeightUpdate, EngineWithAnotherUpdateIsRefused) {
   TempDir dir;
   const std::string cfg = dir.write("c.yaml", kConfig);
-  const int port = 21000 + static_cast<int>(getpid() % 20000);
+  // A store port below the ephemeral range (control/ports.h): a rank that dials a port from that
+  // range before the store listens can be connected to itself.
+  auto port = pick_free_port();
+  ASSERT_TRUE(port.ok()) << port.status().to_string();
   const std::string exe = REFIT_CLI_PATH;
   std::ostringstream sh;
-  sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 MASTER_PORT=" << port << "; "
+  sh << "cd " << dir.path() << " && export MASTER_ADDR=127.0.0.1 REFIT_PORT=" << *port << "; "
      << "RANK=0 WORLD_SIZE=2 " << exe << " trainer " << cfg
      << " --steps 2 --verify --update adam:1e-5"
      << " > t0.log 2>&1 & p0=$!; RANK=1 WORLD_SIZE=2 " << exe << " trainer " << cfg
