@@ -244,14 +244,24 @@ TEST(DeltaFormat, OrderedKeysAreABijectionAndDifferencesRoundTrip) {
     }
 }
 
+// ef_low_bits is the smallest L from 0 to 15 that makes the coding shortest: every count of every
+// universe up to 2^11, then counts spread over larger universes.
 TEST(DeltaFormat, EliasFanoLowBitsMinimiseTheCoding) {
-  for (std::uint64_t universe : {32ull, 1000ull, 8192ull, 65536ull})
-    for (std::uint64_t n = 1; n <= universe; n = n * 3 + 1) {
-      const int L = df::ef_low_bits(n, universe);
-      for (int other = 0; other <= 15; ++other)
+  auto check = [](std::uint64_t n, std::uint64_t universe) {
+    const int L = df::ef_low_bits(n, universe);
+    for (int other = 0; other <= 15; ++other) {
+      if (other < L)
+        ASSERT_GT(df::ef_bits(n, universe, other), df::ef_bits(n, universe, L))
+            << n << " of " << universe << ": L " << L << " vs " << other;
+      else
         ASSERT_LE(df::ef_bits(n, universe, L), df::ef_bits(n, universe, other))
             << n << " of " << universe << ": L " << L << " vs " << other;
     }
+  };
+  for (std::uint64_t universe = 1; universe <= 2048; ++universe)
+    for (std::uint64_t n = 1; n <= universe; ++n) ASSERT_NO_FATAL_FAILURE(check(n, universe));
+  for (std::uint64_t universe : {8191ull, 8192ull, 65536ull, 1ull << 24, 1ull << 31})
+    for (std::uint64_t n = 1; n <= universe; n = n * 3 + 1) ASSERT_NO_FATAL_FAILURE(check(n, universe));
 }
 
 // A bf16 route (same dtype on both sides) at every density the brief names; the engine ends bit

@@ -167,17 +167,23 @@ REFIT_DELTA_HD std::uint64_t ef_bits(std::uint64_t count, std::uint64_t universe
   if (count == 0) return 0;
   return count * static_cast<std::uint64_t>(low) + count + ((universe - 1) >> low) + 1;
 }
-// The low-bit count that makes ef_bits smallest (ties: the smaller), from 0 to 15.
+// The low-bit count that makes ef_bits smallest (ties: the smaller), from 0 to 15. One more low
+// bit changes the coding by count - g(L) bits, g(L) = (v >> L) - (v >> (L + 1)) with v =
+// universe - 1; g does not grow with L, so the coding is convex in L and the answer is the first
+// L at which another bit stops paying: the smallest L below 15 with g(L) <= count, else 15 (a
+// binary search, as every sparse chunk's check computes it twice).
 REFIT_DELTA_HD int ef_low_bits(std::uint64_t count, std::uint64_t universe) {
   if (count == 0 || universe <= count) return 0;
-  int best = 0;
-  std::uint64_t best_bits = ef_bits(count, universe, 0);
-  for (int L = 1; L <= 15; ++L) {
-    const std::uint64_t b = ef_bits(count, universe, L);
-    if (b < best_bits) best = L, best_bits = b;
-    if ((universe >> L) == 0) break;
+  const std::uint64_t v = universe - 1;
+  int lo = 0, hi = 15;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if ((v >> mid) - (v >> (mid + 1)) <= count)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
-  return best;
+  return lo;
 }
 
 // Where each field of a sparse chunk starts (bits from the chunk data's first bit) and how many

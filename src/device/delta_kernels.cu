@@ -931,15 +931,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 // changes, enough set bits); nothing outside the chunk is ever written.
 
 constexpr int kApplyWarps = 8;
-constexpr int kApplyWindow = 8;
-// A round's changes: at most one per bit of the lanes' windows. An entry is the change's position
-// in its chunk (below 2^16) with its sign in bit 31, or kSkipEntry for a code that is not written.
-constexpr int kApplyRound = 32 * kApplyWindow;
-// Three blocks per SM: 80 registers, no spills (the default took 94 and ran 1.15x slower; four
-// blocks spilled).
-constexpr int kApplyMinBlocks = 3;
-constexpr std::uint32_t kEntryPosition = 0xFFFFu;
-constexpr std::uint32_t kSkipEntry = 0x7FFFFFFFu;
+// Blocks per SM the apply is compiled for (registers at most 65536 / (kApplyWarps * 32 * 4)).
+constexpr int kApplyMinBlocks = 4;
 
 __device__ __forceinline__ std::uint32_t warp_inclusive_sum(std::uint32_t v, int lane) {
   for (int o = 1; o < 32; o <<= 1) {
@@ -967,6 +960,30 @@ __device__ __forceinline__ bool warp_round_increases(T first, T last, T& before,
   const bool ok = first < 0 || first > max(prior, before);
   before = max(before, __shfl_sync(kFull, upto, 31));
   return ok;
+}
+
+// `width` (0 ..= 32) bits of a chunk's data at bit `at` (df::get_bits in 32-bit offsets).
+__device__ __forceinline__ std::uint32_t bits_at(const std::uint32_t* w, std::uint32_t at,
+                                                 std::uint32_t width) {
+  if (width == 0) return 0;
+  const std::uint32_t off = at & 31;
+  const std::uint32_t hi = off + width > 32 ? w[(at >> 5) + 1] : 0u;
+  const std::uint32_t x = __funnelshift_r(w[at >> 5], hi, off);
+  return width == 32 ? x : x & ((1u << width) - 1u);
+}
+
+// The position of the set bit of rank `r` (from 0) in `v`, which has more than r set bits.
+__device__ __forceinline__ int select_bit(std::uint32_t v, std::uint32_t r) {
+  int pos = 0;
+  for (int half = 16; half >= 1; half >>= 1) {
+    const auto below = static_cast<std::uint32_t>(__popc(v & ((1u << half) - 1u)));
+    if (r >= below) {
+      r -= below;
+      v >>= half;
+      pos += half;
+    }
+  }
+  return pos;
 }
 
 // Visits the first `count` set bits of the `len` bits at bit `start` of `words`, in order within
@@ -1012,13 +1029,12 @@ __device__ __forceinline__ bool warp_elias_fano(const std::uint32_t* words, std:
 // malformed (positions not increasing or past the chunk, exception indices not increasing or past
 // the changes, too few set bits). Exceptions are checked before anything is written; a position
 // that is out of order or out of the chunk is not written, but the others of the chunk may be.
-// exc_bits and exc_rank: the warp's shared memory, kMaskWords words each; round: kApplyRound.
+// exc_bits and exc_rank: the warp's shared memory, kMaskWords words each.
 template <class DT>
 __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::uint32_t* words,
                                                  const df::ChunkView& v, std::uint64_t first,
                                                  std::uint32_t elems, std::uint32_t* exc_bits,
-                                                 std::uint32_t* exc_rank, std::uint32_t* round,
-                                                 int lane, std::uint32_t& count,
+                                                 std::uint32_t* exc_rank, int lane, std::uint32_t& count,
                                                  unsigned long long& digest) {
   constexpr int kWidth = 8 * static_cast<int>(sizeof(DT));
   const df::ChunkFields& f = v.f;
@@ -1050,86 +1066,73 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
     }
     __syncwarp();
   }
-  // The positions: a round gives each lane kApplyWindow bits of the upper array, so at most
-  // kApplyWindow changes. The lanes decode their positions and signs into the warp's `round`
-  // buffer (in change order), then take its entries lane after lane, so that every lane does the
-  // gathers, digest terms and writes of about as many changes as any other: their old values
-  // load together before any is written.
-  const std::uint64_t hlen = df::ef_bits(n, elems, f.L) - static_cast<std::uint64_t>(n) * f.L;
+  // The positions: a round gives each lane 32 bits of the upper array, and a scan of their counts
+  // the index of every set bit. The round's changes are then taken 32 at a time, change t by lane
+  // t mod 32: it finds the lane whose window holds the t-th set bit (a binary search over the
+  // lanes' counts), the bit in that window, and from it the position. Every lane has a change in
+  // every pass but the round's last, and one load instruction's addresses are 32 consecutive
+  // changes. Each position must be above the one before it (the lane before, or the last of the
+  // previous pass) and inside the chunk; one that is not is not written, and fails the chunk.
+  // A sparse chunk's data is at most its raw bytes (else it goes raw): bit offsets fit 32 bits.
+  const auto hlen = static_cast<std::uint32_t>(df::ef_bits(n, elems, f.L)) - n * f.L;
+  const auto high = static_cast<std::uint32_t>(f.high), low = static_cast<std::uint32_t>(f.low);
+  const auto sign = static_cast<std::uint32_t>(f.sign);
   DT* dst = static_cast<DT*>(r.dst);
   std::uint32_t found = 0;
-  int before_round = -1;
+  int last = -1;  // the position of the change before the pass's first
   bool ok = true;
-  for (std::uint64_t w0 = 0; w0 * kApplyWindow < hlen && found < n; w0 += 32) {
-    const std::uint64_t w = w0 + static_cast<std::uint64_t>(lane);
-    std::uint32_t bits = 0;
-    if (w * kApplyWindow < hlen) {
-      const std::uint64_t left = hlen - kApplyWindow * w;
-      bits = df::get_bits(words, f.high + kApplyWindow * w,
-                          static_cast<int>(left < kApplyWindow ? left : kApplyWindow));
-    }
+  for (std::uint32_t w0 = 0; w0 * 32 < hlen && found < n; w0 += 32) {
+    const std::uint32_t w = w0 + static_cast<std::uint32_t>(lane);
+    const std::uint32_t bits = w * 32 < hlen ? bits_at(words, high + 32 * w, min(hlen - 32 * w, 32u)) : 0u;
     const std::uint32_t c = __popc(bits);
-    const std::uint32_t incl = warp_inclusive_sum(c, lane);
-    const std::uint32_t j0 = found + incl - c;
-    const std::uint32_t mine = j0 < n ? min(c, n - j0) : 0u;
-    const std::uint32_t signs =
-        mine > 0 ? df::get_bits(words, f.sign + j0, static_cast<int>(mine)) : 0u;
-    int first_p = -1, last_p = -1;
+    const std::uint32_t before = warp_inclusive_sum(c, lane) - c;  // set bits of the lanes before
+    const std::uint32_t total = __shfl_sync(kFull, before + c, 31);
+    const std::uint32_t in_round = min(total, n - found);
+    for (std::uint32_t t0 = 0; t0 < in_round; t0 += 32) {
+      const std::uint32_t t = t0 + static_cast<std::uint32_t>(lane);
+      int owner = 0;
 #pragma unroll
-    for (int i = 0; i < kApplyWindow; ++i) {
-      if (static_cast<std::uint32_t>(i) < mine) {
-        const int b = __ffs(static_cast<int>(bits)) - 1;
-        bits &= bits - 1;
-        const std::uint32_t j = j0 + static_cast<std::uint32_t>(i);
-        const std::uint64_t pos =
-            ((kApplyWindow * w + static_cast<std::uint64_t>(b) - j) << f.L) |
-            df::get_bits(words, f.low + static_cast<std::uint64_t>(j) * f.L, f.L);
-        std::uint32_t entry = kSkipEntry;
-        if (static_cast<int>(pos) > last_p && pos < elems) {
-          entry = static_cast<std::uint32_t>(pos) | (((signs >> i) & 1u) << 31);
-          if (first_p < 0) first_p = static_cast<int>(pos);
-          last_p = static_cast<int>(pos);
-        } else {
-          ok = false;  // out of the chunk, or not above the change before: not written
-        }
-        round[j - found] = entry;
+      for (int step = 16; step >= 1; step >>= 1) {
+        const std::uint32_t b = __shfl_sync(kFull, before, owner + step);
+        if (b <= t) owner += step;
       }
-    }
-    if (!warp_round_increases(first_p, last_p, before_round, lane)) ok = false;
-    const std::uint32_t total = __shfl_sync(kFull, incl, 31);
-    const std::uint32_t in_round = found < n ? min(total, n - found) : 0u;
-    __syncwarp();
-    std::uint32_t entry[kApplyWindow];
-    DT old[kApplyWindow] = {};
-#pragma unroll
-    for (int i = 0; i < kApplyWindow; ++i) {
-      const std::uint32_t t =
-          static_cast<std::uint32_t>(lane) + 32u * static_cast<std::uint32_t>(i);
-      entry[i] = t < in_round ? round[t] : kSkipEntry;
-      if (entry[i] != kSkipEntry) old[i] = dst[dst_index(r, first + (entry[i] & kEntryPosition))];
-    }
-#pragma unroll
-    for (int i = 0; i < kApplyWindow; ++i) {
-      if (entry[i] == kSkipEntry) continue;
-      const std::uint32_t j =
-          found + static_cast<std::uint32_t>(lane) + 32u * static_cast<std::uint32_t>(i);
+      const std::uint32_t window = __shfl_sync(kFull, bits, owner);
+      const std::uint32_t rank = t - __shfl_sync(kFull, before, owner);
+      int pos = -1;
+      bool neg = false;
+      const std::uint32_t j = found + t;
+      if (t < in_round) {
+        const std::uint32_t upper = 32 * (w0 + static_cast<std::uint32_t>(owner)) +
+                                    static_cast<std::uint32_t>(select_bit(window, rank));
+        // upper - j < 2^14 and L < 16: below 2^31
+        pos = static_cast<int>(((upper - j) << f.L) | bits_at(words, low + j * f.L, f.L));
+        neg = bits_at(words, sign + j, 1) != 0;
+      }
+      int prior = __shfl_up_sync(kFull, pos, 1);
+      if (lane == 0) prior = last;
+      last = __shfl_sync(kFull, pos, static_cast<int>(min(in_round - t0, 32u)) - 1);
+      if (t >= in_round) continue;
+      if (pos <= prior || pos >= static_cast<int>(elems)) {
+        ok = false;  // out of the chunk, or not above the change before: not written
+        continue;
+      }
       std::uint32_t mag = 1;
       if (m > 0 && ((exc_bits[j >> 5] >> (j & 31)) & 1u)) {
         const std::uint32_t e =
             exc_rank[j >> 5] + __popc(exc_bits[j >> 5] & ((1u << (j & 31)) - 1u));
-        mag = 2 + df::get_bits(words, f.exc_mag + static_cast<std::uint64_t>(e) * f.W, f.W);
+        mag = 2 + bits_at(words, static_cast<std::uint32_t>(f.exc_mag) + e * f.W, f.W);
       }
-      const bool neg = (entry[i] >> 31) != 0;
-      const std::uint64_t pe = first + (entry[i] & kEntryPosition);
+      const std::uint64_t pe = first + static_cast<std::uint64_t>(pos);
+      DT* at = dst + dst_index(r, pe);
+      const DT old = *at;
       const auto nv = static_cast<DT>(df::add_ordered(
-          old[i], neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag), kWidth));
+          old, neg ? -static_cast<std::int64_t>(mag) : static_cast<std::int64_t>(mag), kWidth));
       const std::uint64_t key = key_of(r, pe);
-      digest += checksum_term(key, nv) - checksum_term(key, old[i]);
-      dst[dst_index(r, pe)] = nv;
+      digest += checksum_term(key, nv) - checksum_term(key, old);
+      *at = nv;
       ++count;
     }
     found += total;
-    __syncwarp();  // the round buffer is read before the next round writes it
   }
   return __all_sync(kFull, ok) && found >= n;
 }
@@ -1141,7 +1144,6 @@ __global__ void __launch_bounds__(kApplyWarps * 32, kApplyMinBlocks)
                         std::uint32_t* __restrict__ chunk_changed,
                         unsigned long long* __restrict__ chunk_digest, Totals* totals) {
   __shared__ std::uint32_t exc_bits[kApplyWarps][kMaskWords], exc_rank[kApplyWarps][kMaskWords];
-  __shared__ std::uint32_t round[kApplyWarps][kApplyRound];
   if (totals->bad != ~0ull) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const std::uint64_t g = static_cast<std::uint64_t>(blockIdx.x) * kApplyWarps + warp;
@@ -1163,15 +1165,15 @@ __global__ void __launch_bounds__(kApplyWarps * 32, kApplyMinBlocks)
   switch (r.esize) {
     case 1:
       ok = warp_apply_chunk<std::uint8_t>(r, words, v, first, elems, exc_bits[warp], exc_rank[warp],
-                                          round[warp], lane, count, digest);
+                                          lane, count, digest);
       break;
     case 2:
       ok = warp_apply_chunk<std::uint16_t>(r, words, v, first, elems, exc_bits[warp],
-                                           exc_rank[warp], round[warp], lane, count, digest);
+                                           exc_rank[warp], lane, count, digest);
       break;
     default:
       ok = warp_apply_chunk<std::uint32_t>(r, words, v, first, elems, exc_bits[warp],
-                                           exc_rank[warp], round[warp], lane, count, digest);
+                                           exc_rank[warp], lane, count, digest);
       break;
   }
   count = warp_sum(count);
