@@ -261,7 +261,8 @@ TEST(DeltaFormat, EliasFanoLowBitsMinimiseTheCoding) {
   for (std::uint64_t universe = 1; universe <= 2048; ++universe)
     for (std::uint64_t n = 1; n <= universe; ++n) ASSERT_NO_FATAL_FAILURE(check(n, universe));
   for (std::uint64_t universe : {8191ull, 8192ull, 65536ull, 1ull << 24, 1ull << 31})
-    for (std::uint64_t n = 1; n <= universe; n = n * 3 + 1) ASSERT_NO_FATAL_FAILURE(check(n, universe));
+    for (std::uint64_t n = 1; n <= universe; n = n * 3 + 1)
+      ASSERT_NO_FATAL_FAILURE(check(n, universe));
 }
 
 // A bf16 route (same dtype on both sides) at every density the brief names; the engine ends bit

@@ -1034,8 +1034,8 @@ template <class DT>
 __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::uint32_t* words,
                                                  const df::ChunkView& v, std::uint64_t first,
                                                  std::uint32_t elems, std::uint32_t* exc_bits,
-                                                 std::uint32_t* exc_rank, int lane, std::uint32_t& count,
-                                                 unsigned long long& digest) {
+                                                 std::uint32_t* exc_rank, int lane,
+                                                 std::uint32_t& count, unsigned long long& digest) {
   constexpr int kWidth = 8 * static_cast<int>(sizeof(DT));
   const df::ChunkFields& f = v.f;
   const std::uint32_t n = v.n, m = v.m;
@@ -1083,7 +1083,8 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
   bool ok = true;
   for (std::uint32_t w0 = 0; w0 * 32 < hlen && found < n; w0 += 32) {
     const std::uint32_t w = w0 + static_cast<std::uint32_t>(lane);
-    const std::uint32_t bits = w * 32 < hlen ? bits_at(words, high + 32 * w, min(hlen - 32 * w, 32u)) : 0u;
+    const std::uint32_t bits =
+        w * 32 < hlen ? bits_at(words, high + 32 * w, min(hlen - 32 * w, 32u)) : 0u;
     const std::uint32_t c = __popc(bits);
     const std::uint32_t before = warp_inclusive_sum(c, lane) - c;  // set bits of the lanes before
     const std::uint32_t total = __shfl_sync(kFull, before + c, 31);
