@@ -506,6 +506,132 @@ TEST(Store, BindingAPortInUseFails) {
   EXPECT_NE(second.status().message().find(std::to_string(server->port())), std::string::npos);
 }
 
+// A TCP relay on 127.0.0.1 in front of `to_port`: it forwards every connection both ways but the
+// `cut`-th (from 1), which it closes when that connection's first bytes arrive, as a server's cap
+// on waiting handshakes cuts one. Every loop is bounded by 30 s.
+class CuttingRelay {
+ public:
+  CuttingRelay(int to_port, int cut) : to_port_(to_port), cut_(cut) {
+    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    EXPECT_EQ(::bind(listen_, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(::listen(listen_, 16), 0);
+    EXPECT_EQ(::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~CuttingRelay() {
+    stop_ = true;
+    thread_.join();
+    ::close(listen_);
+  }
+  int port() const { return port_; }
+  int accepted() const { return accepted_.load(); }
+  bool cut_done() const { return cut_done_.load(); }
+
+ private:
+  void run() {
+    const auto end = Clock::now() + 30s;
+    std::vector<std::pair<int, int>> pairs;  // client, server; -1 once closed
+    int cut_fd = -1;
+    char buf[65536];
+    while (!stop_ && Clock::now() < end) {
+      std::vector<pollfd> p{{listen_, POLLIN, 0}, {cut_fd, POLLIN, 0}};
+      for (const auto& [c, s] : pairs) {
+        p.push_back({c, POLLIN, 0});
+        p.push_back({s, POLLIN, 0});
+      }
+      if (::poll(p.data(), p.size(), 50) <= 0) continue;
+      const std::size_t polled = pairs.size();  // a pair accepted below was not polled
+      if (p[0].revents & POLLIN) {
+        const int c = ::accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c >= 0 && ++accepted_ == cut_) {
+          cut_fd = c;
+        } else if (c >= 0) {
+          const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+          sockaddr_in a{};
+          a.sin_family = AF_INET;
+          a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+          a.sin_port = htons(static_cast<std::uint16_t>(to_port_));
+          if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+            pairs.emplace_back(c, s);
+          } else {
+            ::close(s);
+            ::close(c);
+          }
+        }
+      }
+      if (cut_fd >= 0 && p[1].revents != 0) {
+        (void)::recv(cut_fd, buf, sizeof buf, 0);
+        ::close(cut_fd);
+        cut_fd = -1;
+        cut_done_ = true;
+      }
+      for (std::size_t k = 0; k < polled; ++k) {
+        auto& [c, s] = pairs[k];
+        if (c < 0) continue;
+        bool closed = false;
+        for (int side = 0; side < 2; ++side) {
+          if (p[2 + 2 * k + side].revents == 0) continue;
+          const int from = side == 0 ? c : s, to = side == 0 ? s : c;
+          const ssize_t n = ::recv(from, buf, sizeof buf, 0);
+          if (n <= 0 || ::send(to, buf, static_cast<std::size_t>(n), MSG_NOSIGNAL) != n)
+            closed = true;
+        }
+        if (closed) {
+          ::close(c);
+          ::close(s);
+          c = s = -1;
+        }
+      }
+    }
+    for (const auto& [c, s] : pairs) {
+      if (c >= 0) ::close(c);
+      if (s >= 0) ::close(s);
+    }
+    if (cut_fd >= 0) ::close(cut_fd);
+  }
+  const int to_port_;
+  const int cut_;
+  int listen_ = -1, port_ = 0;
+  std::atomic<int> accepted_{0};
+  std::atomic<bool> cut_done_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// The server cuts a handshake (its cap on waiting handshakes) of a second connection of a client
+// whose first connection it serves: the server is alive, so the client's calls go on (ZeroMQ
+// connects again) instead of failing as if the server had exited.
+TEST(Store, AConnectionCutInItsHandshakeWhileAnotherIsServedIsNotALostServer) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  CuttingRelay relay(server->port(), 2);
+  auto c = connect(relay.port());  // its ping: the relay's first connection
+  ASSERT_TRUE(c);
+  ASSERT_EQ(relay.accepted(), 1);
+  auto writer = connect(server->port());
+  ASSERT_TRUE(writer);
+  // The first connection parked in a get, the next call opens the second, which the relay cuts.
+  Result<std::string> parked = Status::Internal("unset");
+  std::thread waiter([&] { parked = c->get("parked", 10s); });
+  std::this_thread::sleep_for(200ms);
+  const Status set = c->set("k", "v");
+  EXPECT_TRUE(relay.cut_done()) << "the relay cut no connection: the test did not run its case";
+  EXPECT_TRUE(set.ok()) << set.to_string();
+  ASSERT_TRUE(writer->set("parked", "1").ok());
+  waiter.join();
+  ASSERT_TRUE(parked.ok()) << parked.status().to_string();
+  auto got = writer->try_get("k");
+  ASSERT_TRUE(got.ok() && got->has_value());
+  EXPECT_EQ(**got, "v");
+  // A later call still works.
+  EXPECT_TRUE(c->set("k2", "v").ok());
+}
+
 TEST(Store, DeadServerFailsPendingAndLaterCallsPromptly) {
   auto server = start_server();
   ASSERT_TRUE(server);

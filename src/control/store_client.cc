@@ -55,7 +55,8 @@ std::string quote_keys(const std::vector<std::string>& keys) {
 
 struct Connection {
   zmq::socket_t dealer;
-  zmq::socket_t monitor;  // PAIR receiving the dealer's connect/disconnect events
+  zmq::socket_t monitor;     // PAIR receiving the dealer's connect/disconnect events
+  bool established = false;  // its handshake succeeded
 };
 
 class StoreClient final : public Store {
@@ -352,16 +353,21 @@ class StoreClient final : public Store {
   // Reads the monitor's pending events: a connection lost after its handshake marks the whole
   // client as lost; a handshake refused for its keys as refused; one that broke the protocol as
   // foreign (not a refit store). Handshakes cut without a reason, again and again, are looked into
-  // (why_handshakes_fail).
+  // (why_handshakes_fail). A connection cut during its handshake while another one of this client
+  // was served is lost only if the server's port now refuses connections: a live server cuts
+  // handshakes too (its cap on those waiting), and ZeroMQ then connects again.
   void drain_events(Connection& conn) {
     for (const ConnectionEvent& e : read_connection_events(conn.monitor)) {
       switch (e.event) {
         case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
+          conn.established = true;
           established_.store(true);
           silent_failures_.store(0);
           break;
         case ZMQ_EVENT_DISCONNECTED:
-          if (established_.load()) lost_.store(true);
+          if (conn.established || (established_.load() &&
+                                   probe_zmtp(host_, port_, 500).code() == StatusCode::kNotFound))
+            lost_.store(true);
           break;
         case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
           if (!established_.load() && ++silent_failures_ >= kSilentHandshakeFailures)
