@@ -240,15 +240,8 @@ TEST_F(MailboxTest, SendToAPeerThatClosedFailsWithinTheTimeout) {
 class SlowRelay {
  public:
   SlowRelay(int to_port, std::chrono::milliseconds hold) : to_port_(to_port), hold_(hold) {
-    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    EXPECT_EQ(::bind(listen_, reinterpret_cast<sockaddr*>(&a), len), 0);
-    EXPECT_EQ(::listen(listen_, 16), 0);
-    EXPECT_EQ(::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len), 0);
-    port_ = ntohs(a.sin_port);
+    listen_ = testing::listen_on_loopback(port_);
+    EXPECT_GE(listen_, 0);
     thread_ = std::thread([this] { run(); });
   }
   ~SlowRelay() {
@@ -268,13 +261,8 @@ class SlowRelay {
     }
     const auto forward_at = Clock::now() + hold_;
     while (!stop_ && Clock::now() < forward_at) std::this_thread::sleep_for(10ms);
-    const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<std::uint16_t>(to_port_));
-    const bool up = client >= 0 && !stop_ &&
-                    ::connect(server, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    const int server = client >= 0 && !stop_ ? testing::connect_to_loopback(to_port_) : -1;
+    const bool up = server >= 0;
     char buf[65536];
     while (up && !stop_ && Clock::now() < end) {
       pollfd p[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
@@ -288,7 +276,7 @@ class SlowRelay {
       }
       if (closed) break;
     }
-    ::close(server);
+    if (server >= 0) ::close(server);
     if (client >= 0) ::close(client);
   }
   const int to_port_;

@@ -512,15 +512,8 @@ TEST(Store, BindingAPortInUseFails) {
 class CuttingRelay {
  public:
   CuttingRelay(int to_port, int cut) : to_port_(to_port), cut_(cut) {
-    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    EXPECT_EQ(::bind(listen_, reinterpret_cast<sockaddr*>(&a), len), 0);
-    EXPECT_EQ(::listen(listen_, 16), 0);
-    EXPECT_EQ(::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len), 0);
-    port_ = ntohs(a.sin_port);
+    listen_ = testing::listen_on_loopback(port_);
+    EXPECT_GE(listen_, 0);
     thread_ = std::thread([this] { run(); });
   }
   ~CuttingRelay() {
@@ -551,17 +544,11 @@ class CuttingRelay {
         if (c >= 0 && ++accepted_ == cut_) {
           cut_fd = c;
         } else if (c >= 0) {
-          const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-          sockaddr_in a{};
-          a.sin_family = AF_INET;
-          a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-          a.sin_port = htons(static_cast<std::uint16_t>(to_port_));
-          if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+          const int s = testing::connect_to_loopback(to_port_);
+          if (s >= 0)
             pairs.emplace_back(c, s);
-          } else {
-            ::close(s);
+          else
             ::close(c);
-          }
         }
       }
       if (cut_fd >= 0 && p[1].revents != 0) {

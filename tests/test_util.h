@@ -60,6 +60,11 @@ class ForkedStoreServer {
   int port_ = -1;
 };
 
+// A TCP socket listening on 127.0.0.1 at a port the system picks (set in `port`); -1 on failure.
+int listen_on_loopback(int& port);
+// A TCP connection to 127.0.0.1:`port`; -1 when it is refused.
+int connect_to_loopback(int port);
+
 struct CliResult {
   int exit_code = -1;  // exit status, or 128+signal
   std::string output;  // stdout and stderr together
