@@ -239,51 +239,36 @@ TEST_F(MailboxTest, SendToAPeerThatClosedFailsWithinTheTimeout) {
 // many ranks start at once).
 class SlowRelay {
  public:
-  SlowRelay(int to_port, std::chrono::milliseconds hold) : to_port_(to_port), hold_(hold) {
-    listen_ = testing::listen_on_loopback(port_);
-    EXPECT_GE(listen_, 0);
-    thread_ = std::thread([this] { run(); });
-  }
-  ~SlowRelay() {
-    stop_ = true;
-    thread_.join();
-    ::close(listen_);
-  }
-  int port() const { return port_; }
+  SlowRelay(int to_port, std::chrono::milliseconds hold) : to_port_(to_port), hold_(hold) {}
+  int port() const { return relay_.port(); }
 
  private:
-  void run() {
+  void serve(const testing::LoopbackRelay& relay) const {
     const auto end = Clock::now() + 30s;  // every loop below is bounded by this
     int client = -1;
-    while (client < 0 && !stop_ && Clock::now() < end) {
-      pollfd p{listen_, POLLIN, 0};
-      if (::poll(&p, 1, 50) == 1) client = ::accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
+    while (client < 0 && !relay.stopping() && Clock::now() < end) {
+      pollfd p{relay.listen_fd(), POLLIN, 0};
+      if (::poll(&p, 1, 50) == 1)
+        client = ::accept4(relay.listen_fd(), nullptr, nullptr, SOCK_CLOEXEC);
     }
     const auto forward_at = Clock::now() + hold_;
-    while (!stop_ && Clock::now() < forward_at) std::this_thread::sleep_for(10ms);
-    const int server = client >= 0 && !stop_ ? testing::connect_to_loopback(to_port_) : -1;
-    const bool up = server >= 0;
-    char buf[65536];
-    while (up && !stop_ && Clock::now() < end) {
+    while (!relay.stopping() && Clock::now() < forward_at) std::this_thread::sleep_for(10ms);
+    const int server =
+        client >= 0 && !relay.stopping() ? testing::connect_to_loopback(to_port_) : -1;
+    bool open = server >= 0;
+    while (open && !relay.stopping() && Clock::now() < end) {
       pollfd p[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
       if (::poll(p, 2, 50) <= 0) continue;
-      bool closed = false;
-      for (int i = 0; i < 2; ++i) {
-        if (p[i].revents == 0) continue;
-        const ssize_t n = ::recv(p[i].fd, buf, sizeof buf, 0);
-        if (n <= 0 || ::send(p[1 - i].fd, buf, static_cast<std::size_t>(n), MSG_NOSIGNAL) != n)
-          closed = true;
-      }
-      if (closed) break;
+      for (int i = 0; i < 2; ++i)
+        if (p[i].revents != 0 && !testing::LoopbackRelay::forward(p[i].fd, p[1 - i].fd))
+          open = false;
     }
     if (server >= 0) ::close(server);
     if (client >= 0) ::close(client);
   }
   const int to_port_;
   const std::chrono::milliseconds hold_;
-  int listen_ = -1, port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
+  testing::LoopbackRelay relay_{[this](const testing::LoopbackRelay& r) { serve(r); }};  // last
 };
 
 // A peer that takes no message within the send timeout (3 s) is probed: one whose port accepts

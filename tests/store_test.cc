@@ -511,28 +511,18 @@ TEST(Store, BindingAPortInUseFails) {
 // on waiting handshakes cuts one. Every loop is bounded by 30 s.
 class CuttingRelay {
  public:
-  CuttingRelay(int to_port, int cut) : to_port_(to_port), cut_(cut) {
-    listen_ = testing::listen_on_loopback(port_);
-    EXPECT_GE(listen_, 0);
-    thread_ = std::thread([this] { run(); });
-  }
-  ~CuttingRelay() {
-    stop_ = true;
-    thread_.join();
-    ::close(listen_);
-  }
-  int port() const { return port_; }
+  CuttingRelay(int to_port, int cut) : to_port_(to_port), cut_(cut) {}
+  int port() const { return relay_.port(); }
   int accepted() const { return accepted_.load(); }
   bool cut_done() const { return cut_done_.load(); }
 
  private:
-  void run() {
+  void serve(const testing::LoopbackRelay& relay) {
     const auto end = Clock::now() + 30s;
     std::vector<std::pair<int, int>> pairs;  // client, server; -1 once closed
     int cut_fd = -1;
-    char buf[65536];
-    while (!stop_ && Clock::now() < end) {
-      std::vector<pollfd> p{{listen_, POLLIN, 0}, {cut_fd, POLLIN, 0}};
+    while (!relay.stopping() && Clock::now() < end) {
+      std::vector<pollfd> p{{relay.listen_fd(), POLLIN, 0}, {cut_fd, POLLIN, 0}};
       for (const auto& [c, s] : pairs) {
         p.push_back({c, POLLIN, 0});
         p.push_back({s, POLLIN, 0});
@@ -540,7 +530,7 @@ class CuttingRelay {
       if (::poll(p.data(), p.size(), 50) <= 0) continue;
       const std::size_t polled = pairs.size();  // a pair accepted below was not polled
       if (p[0].revents & POLLIN) {
-        const int c = ::accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
+        const int c = ::accept4(relay.listen_fd(), nullptr, nullptr, SOCK_CLOEXEC);
         if (c >= 0 && ++accepted_ == cut_) {
           cut_fd = c;
         } else if (c >= 0) {
@@ -552,6 +542,7 @@ class CuttingRelay {
         }
       }
       if (cut_fd >= 0 && p[1].revents != 0) {
+        char buf[4096];
         (void)::recv(cut_fd, buf, sizeof buf, 0);
         ::close(cut_fd);
         cut_fd = -1;
@@ -560,15 +551,12 @@ class CuttingRelay {
       for (std::size_t k = 0; k < polled; ++k) {
         auto& [c, s] = pairs[k];
         if (c < 0) continue;
-        bool closed = false;
-        for (int side = 0; side < 2; ++side) {
-          if (p[2 + 2 * k + side].revents == 0) continue;
-          const int from = side == 0 ? c : s, to = side == 0 ? s : c;
-          const ssize_t n = ::recv(from, buf, sizeof buf, 0);
-          if (n <= 0 || ::send(to, buf, static_cast<std::size_t>(n), MSG_NOSIGNAL) != n)
-            closed = true;
-        }
-        if (closed) {
+        bool open = true;
+        for (int side = 0; side < 2; ++side)
+          if (p[2 + 2 * k + side].revents != 0 &&
+              !testing::LoopbackRelay::forward(side == 0 ? c : s, side == 0 ? s : c))
+            open = false;
+        if (!open) {
           ::close(c);
           ::close(s);
           c = s = -1;
@@ -583,11 +571,9 @@ class CuttingRelay {
   }
   const int to_port_;
   const int cut_;
-  int listen_ = -1, port_ = 0;
   std::atomic<int> accepted_{0};
   std::atomic<bool> cut_done_{false};
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
+  testing::LoopbackRelay relay_{[this](const testing::LoopbackRelay& r) { serve(r); }};  // last
 };
 
 // The server cuts a handshake (its cap on waiting handshakes) of a second connection of a client

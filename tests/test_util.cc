@@ -49,6 +49,24 @@ int connect_to_loopback(int port) {
   return -1;
 }
 
+LoopbackRelay::LoopbackRelay(std::function<void(const LoopbackRelay&)> serve) {
+  listen_ = listen_on_loopback(port_);
+  if (listen_ < 0) throw std::runtime_error("LoopbackRelay: cannot listen on 127.0.0.1");
+  thread_ = std::thread([this, serve = std::move(serve)] { serve(*this); });
+}
+
+LoopbackRelay::~LoopbackRelay() {
+  stop_ = true;
+  thread_.join();
+  ::close(listen_);
+}
+
+bool LoopbackRelay::forward(int from, int to) {
+  char buf[65536];
+  const ssize_t n = ::recv(from, buf, sizeof buf, 0);
+  return n > 0 && ::send(to, buf, static_cast<std::size_t>(n), MSG_NOSIGNAL) == n;
+}
+
 TempDir::TempDir() {
   const char* base = std::getenv("TMPDIR");
   std::string templ = std::string(base ? base : "/tmp") + "/refit-test-XXXXXX";

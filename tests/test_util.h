@@ -1,12 +1,15 @@
 // Helpers shared by the tests: temporary directories, running the refit CLI (and `refit run` on a
-// config of the multi-process tests) as a process, time measured since a point, and skipping a
-// test that needs a GPU.
+// config of the multi-process tests) as a process, time measured since a point, loopback sockets
+// and relays, and skipping a test that needs a GPU.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device/device.h"
@@ -64,6 +67,29 @@ class ForkedStoreServer {
 int listen_on_loopback(int& port);
 // A TCP connection to 127.0.0.1:`port`; -1 when it is refused.
 int connect_to_loopback(int port);
+
+// A TCP relay's listening socket on 127.0.0.1 and the thread that serves it, for tests that put
+// a relay in front of a server to delay or cut its connections. `serve` runs on the thread (it
+// polls stopping() and bounds its own loops); the destructor stops the thread, joins it and
+// closes the socket. Make it the last member of the class whose state `serve` uses, so that the
+// thread is joined before that state goes.
+class LoopbackRelay {
+ public:
+  explicit LoopbackRelay(std::function<void(const LoopbackRelay&)> serve);
+  ~LoopbackRelay();
+  LoopbackRelay(const LoopbackRelay&) = delete;
+  LoopbackRelay& operator=(const LoopbackRelay&) = delete;
+  int port() const { return port_; }
+  int listen_fd() const { return listen_; }
+  bool stopping() const { return stop_.load(); }
+  // One read from `from` written whole to `to`; false when either side closed or failed.
+  static bool forward(int from, int to);
+
+ private:
+  int listen_ = -1, port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 struct CliResult {
   int exit_code = -1;  // exit status, or 128+signal

@@ -191,14 +191,13 @@ Result<LaunchResult> launch_and_wait(
       };
       take(pid, status);
       for (pid_t more; (more = waitpid(-1, &status, WNOHANG)) > 0;) take(more, status);
-      const auto bad = [&](std::size_t i) {
-        return !(WIFEXITED(statuses[i]) && WEXITSTATUS(statuses[i]) == 0);
-      };
-      std::optional<std::size_t> first;
-      for (std::size_t i : ended)
-        if (bad(i) && WIFSIGNALED(statuses[i]) && !first) first = i;
-      for (std::size_t i : ended)
-        if (bad(i) && !first) first = i;
+      std::optional<std::size_t> first;  // the first signalled, else the first that failed
+      for (std::size_t i : ended) {
+        const bool signalled = WIFSIGNALED(statuses[i]);
+        const bool bad = signalled || WEXITSTATUS(statuses[i]) != 0;
+        if (bad && (!first || (signalled && !WIFSIGNALED(statuses[*first])))) first = i;
+        if (first && WIFSIGNALED(statuses[*first])) break;
+      }
       if (first && !failed) {
         const std::size_t i = *first;
         failed = true;
