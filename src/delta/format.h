@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #ifdef __CUDACC__
 #define REFIT_DELTA_HD __host__ __device__ __forceinline__
@@ -232,14 +233,23 @@ REFIT_DELTA_HD std::uint64_t chunk_count(std::uint64_t elements, int chunk_log2)
   return (elements + (std::uint64_t{1} << chunk_log2) - 1) >> chunk_log2;
 }
 
-// `width` (0 ..= 32) bits of a bit stream at bit `at` (words read: those the bits lie in).
-REFIT_DELTA_HD std::uint32_t get_bits(const std::uint32_t* w, std::uint64_t at, int width) {
+// `width` (0 ..= 32) bits of a bit stream at bit `at` (words read: those the bits lie in). The
+// offset is 64 bits within a route's payload, 32 within one chunk's data (the GPU apply, where the
+// narrower type saves registers).
+template <class Offset>
+REFIT_DELTA_HD std::uint32_t get_bits(const std::uint32_t* w, Offset at, int width) {
+  static_assert(std::is_unsigned<Offset>::value, "a bit offset is unsigned");
   if (width == 0) return 0;
-  const std::uint64_t word = at >> 5;
-  const int off = static_cast<int>(at & 31);
-  std::uint64_t x = w[word] >> off;
-  if (off + width > 32) x |= static_cast<std::uint64_t>(w[word + 1]) << (32 - off);
-  return static_cast<std::uint32_t>(x & ((std::uint64_t{1} << width) - 1));
+  const Offset word = at >> 5;
+  const auto off = static_cast<std::uint32_t>(at & 31u);
+  const std::uint32_t hi = off + static_cast<std::uint32_t>(width) > 32 ? w[word + 1] : 0u;
+#ifdef __CUDA_ARCH__
+  const std::uint32_t x = __funnelshift_r(w[word], hi, off);
+#else
+  const auto x =
+      static_cast<std::uint32_t>(((static_cast<std::uint64_t>(hi) << 32) | w[word]) >> off);
+#endif
+  return width == 32 ? x : x & ((1u << width) - 1u);
 }
 
 REFIT_DELTA_HD int lowest_bit(std::uint32_t v) {

@@ -962,16 +962,6 @@ __device__ __forceinline__ bool warp_round_increases(T first, T last, T& before,
   return ok;
 }
 
-// `width` (0 ..= 32) bits of a chunk's data at bit `at` (df::get_bits in 32-bit offsets).
-__device__ __forceinline__ std::uint32_t bits_at(const std::uint32_t* w, std::uint32_t at,
-                                                 std::uint32_t width) {
-  if (width == 0) return 0;
-  const std::uint32_t off = at & 31;
-  const std::uint32_t hi = off + width > 32 ? w[(at >> 5) + 1] : 0u;
-  const std::uint32_t x = __funnelshift_r(w[at >> 5], hi, off);
-  return width == 32 ? x : x & ((1u << width) - 1u);
-}
-
 // The position of the set bit of rank `r` (from 0) in `v`, which has more than r set bits.
 __device__ __forceinline__ int select_bit(std::uint32_t v, std::uint32_t r) {
   int pos = 0;
@@ -1084,7 +1074,9 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
   for (std::uint32_t w0 = 0; w0 * 32 < hlen && found < n; w0 += 32) {
     const std::uint32_t w = w0 + static_cast<std::uint32_t>(lane);
     const std::uint32_t bits =
-        w * 32 < hlen ? bits_at(words, high + 32 * w, min(hlen - 32 * w, 32u)) : 0u;
+        w * 32 < hlen
+            ? df::get_bits(words, high + 32 * w, static_cast<int>(min(hlen - 32 * w, 32u)))
+            : 0u;
     const std::uint32_t c = __popc(bits);
     const std::uint32_t before = warp_inclusive_sum(c, lane) - c;  // set bits of the lanes before
     const std::uint32_t total = __shfl_sync(kFull, before + c, 31);
@@ -1106,8 +1098,8 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
         const std::uint32_t upper = 32 * (w0 + static_cast<std::uint32_t>(owner)) +
                                     static_cast<std::uint32_t>(select_bit(window, rank));
         // upper - j < 2^14 and L < 16: below 2^31
-        pos = static_cast<int>(((upper - j) << f.L) | bits_at(words, low + j * f.L, f.L));
-        neg = bits_at(words, sign + j, 1) != 0;
+        pos = static_cast<int>(((upper - j) << f.L) | df::get_bits(words, low + j * f.L, f.L));
+        neg = df::get_bits(words, sign + j, 1) != 0;
       }
       int prior = __shfl_up_sync(kFull, pos, 1);
       if (lane == 0) prior = last;
@@ -1121,7 +1113,7 @@ __device__ __forceinline__ bool warp_apply_chunk(const DevRoute& r, const std::u
       if (m > 0 && ((exc_bits[j >> 5] >> (j & 31)) & 1u)) {
         const std::uint32_t e =
             exc_rank[j >> 5] + __popc(exc_bits[j >> 5] & ((1u << (j & 31)) - 1u));
-        mag = 2 + bits_at(words, static_cast<std::uint32_t>(f.exc_mag) + e * f.W, f.W);
+        mag = 2 + df::get_bits(words, static_cast<std::uint32_t>(f.exc_mag) + e * f.W, f.W);
       }
       const std::uint64_t pe = first + static_cast<std::uint64_t>(pos);
       DT* at = dst + dst_index(r, pe);
