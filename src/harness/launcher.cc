@@ -193,10 +193,11 @@ Result<LaunchResult> launch_and_wait(
       for (pid_t more; (more = waitpid(-1, &status, WNOHANG)) > 0;) take(more, status);
       std::optional<std::size_t> first;  // the first signalled, else the first that failed
       for (std::size_t i : ended) {
-        const bool signalled = WIFSIGNALED(statuses[i]);
-        const bool bad = signalled || WEXITSTATUS(statuses[i]) != 0;
-        if (bad && (!first || (signalled && !WIFSIGNALED(statuses[*first])))) first = i;
-        if (first && WIFSIGNALED(statuses[*first])) break;
+        if (WIFSIGNALED(statuses[i])) {
+          first = i;
+          break;
+        }
+        if (!first && WEXITSTATUS(statuses[i]) != 0) first = i;
       }
       if (first && !failed) {
         const std::size_t i = *first;
