@@ -187,9 +187,9 @@ TEST(Messages, RoundTrip) {
   ASSERT_EQ(ep->exports.size(), 2u);
   EXPECT_EQ(ep->exports[0], std::optional<std::string>("0123456789abcdef"));
   EXPECT_FALSE(ep->exports[1].has_value());
-  auto bad_exports = decode_engines_paused(R"({"v":)" + std::to_string(kMessageWireVersion) +
-                                               R"(,"step":1,"refused":null,"exports":[3]})",
-                                           "trainer/0");
+  // An export that is neither a digest nor absent.
+  auto bad_exports =
+      decode_engines_paused(std::to_string(kMessageWireVersion) + " 1 - 1 3 0 0", "trainer/0");
   ASSERT_FALSE(bad_exports.ok());
   EXPECT_NE(bad_exports.status().message().find("exports"), std::string::npos);
   EXPECT_TRUE(ep->delta.empty());
@@ -224,17 +224,23 @@ TEST(Messages, RoundTrip) {
   auto er = decode_engines_paused(encode(relayed), "trainer/0");
   ASSERT_TRUE(er.ok()) << er.status().to_string();
   EXPECT_EQ(er->delta, relayed.delta);
-  auto no_delta = nlohmann::json::parse(encode(relayed));
-  no_delta.erase("delta");
-  EXPECT_FALSE(decode_engines_paused(no_delta.dump(), "trainer/0").ok());
+  auto no_delta =
+      decode_engines_paused(std::to_string(kMessageWireVersion) + " 6 - 2 - -", "trainer/0");
+  ASSERT_FALSE(no_delta.ok());
+  EXPECT_NE(no_delta.status().message().find("'delta' is missing"), std::string::npos)
+      << no_delta.status().to_string();
 
   const PairSums top(PairSums::kPrime - 1, 7, 0);
   auto sent = decode_sent(encode(SentMessage{.step = 4, .sums = {{"engine/1", top}}}), "trainer/2");
   ASSERT_TRUE(sent.ok()) << sent.status().to_string();
   EXPECT_EQ(sent->sums.at("engine/1"), top);
-  auto one_sum = nlohmann::json::parse(encode(SentMessage{.step = 4}));
-  one_sum["sums"] = {{"engine/1", 5}};
-  EXPECT_FALSE(decode_sent(one_sum.dump(), "trainer/2").ok());
+  // One sum where three belong; sums at or past 2^61 - 1.
+  const std::string wire = std::to_string(kMessageWireVersion);
+  EXPECT_FALSE(decode_sent(wire + " 4 1 8:engine/1 5", "trainer/2").ok());
+  auto past_sent = decode_sent(
+      wire + " 4 1 8:engine/1 " + std::to_string(PairSums::kPrime) + " 1 1", "trainer/2");
+  ASSERT_FALSE(past_sent.ok());
+  EXPECT_NE(past_sent.status().message().find("below 2^61 - 1"), std::string::npos);
   auto done = decode_refit_done(
       encode(RefitDoneMessage{.step = 4, .failed = std::nullopt, .apply_s = 0.5}), "trainer/0");
   ASSERT_TRUE(done.ok()) << done.status().to_string();
@@ -347,9 +353,8 @@ TEST(Messages, EnginesPausedCarriesAGroupsOffers) {
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->delta, m.delta);
   EXPECT_EQ(r->group_delta, m.group_delta);
-  auto bad = nlohmann::json::parse(encode(m));
-  bad["group_delta"] = {{"five", nlohmann::json::array()}};
-  auto refused = decode_engines_paused(bad.dump(), "trainer/0");
+  auto refused = decode_engines_paused(std::to_string(kMessageWireVersion) + " 2 - 1 - 0 1 five 0",
+                                       "trainer/0");
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("'five'"), std::string::npos)
       << refused.status().to_string();

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
+#include "control/fields.h"
 
 namespace refit {
 namespace {
@@ -274,35 +275,80 @@ std::string export_key(const std::string& mailbox, const std::string& digest) {
 std::string encode(const ProceedMessage& m) {
   return dump({{"step", m.step}, {"refused", failure_json(m.refused)}});
 }
-std::string encode(const EnginesPausedMessage& m) {
-  Json exports = Json::array();
-  for (const std::optional<std::string>& e : m.exports) exports.push_back(e ? Json(*e) : Json());
-  Json delta = Json::array();
-  for (const DeltaBase& b : m.delta)
-    delta.push_back(Json::array({b.rank, b.version, b.digest ? Json(*b.digest) : Json()}));
-  Json group = Json::object();
-  for (const auto& [rank, bases] : m.group_delta) {
-    Json g = Json::array();
-    for (const DeltaBase& b : bases)
-      g.push_back(Json::array({b.rank, b.version, b.digest ? Json(*b.digest) : Json()}));
-    group[std::to_string(rank)] = std::move(g);
+namespace {
+
+// The compact messages (control/fields.h): a failure travels as its JSON record, in a text.
+void put_failure(FieldWriter& w, const std::optional<FailureOrigin>& f) {
+  if (!f) {
+    w.maybe_text(std::nullopt);
+    return;
   }
-  return dump({{"step", m.step},
-               {"refused", failure_json(m.refused)},
-               {"exports", std::move(exports)},
-               {"delta", std::move(delta)},
-               {"group_delta", std::move(group)}});
+  w.text(std::string_view(failure_json(*f).dump(-1, ' ', false, Json::error_handler_t::replace)));
+}
+bool get_failure(FieldReader& r, const char* field, const char* message, const std::string& from,
+                 std::optional<FailureOrigin>& out) {
+  std::optional<std::string> text;
+  if (!r.maybe_text(field, text)) return false;
+  out.reset();
+  if (!text) return true;
+  const Json j = Json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return r.fail(field, "is not a failure record");
+  Result<FailureOrigin> f = decode_failure_json(j, message, from);
+  if (!f.ok()) return r.fail(field, f.status().message());
+  out = std::move(f).value();
+  return true;
+}
+
+// engines-paused's offers: the count, then per offer the engine rank, the weight version and the
+// digest (or - for peer access).
+void put_offers(FieldWriter& w, const std::vector<DeltaBase>& offers) {
+  w.natural(offers.size());
+  for (const DeltaBase& b : offers) w.integer(b.rank).text(b.version).maybe_text(b.digest);
+}
+bool get_offers(FieldReader& r, const char* field, std::vector<DeltaBase>& out) {
+  std::size_t n = 0;
+  if (!r.count(field, n)) return false;
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    DeltaBase b;
+    if (!r.integer(field, b.rank) || !r.text(field, b.version) || !r.maybe_text(field, b.digest))
+      return false;
+    for (const DeltaBase& x : out)
+      if (x.rank == b.rank) return r.fail(field, fmt::format("names engine rank {} twice", b.rank));
+    out.push_back(std::move(b));
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string encode(const EnginesPausedMessage& m) {
+  FieldWriter w(kMessageWireVersion);
+  w.integer(m.step);
+  put_failure(w, m.refused);
+  w.natural(m.exports.size());
+  for (const std::optional<std::string>& e : m.exports) w.maybe_text(e);
+  put_offers(w, m.delta);
+  w.natural(m.group_delta.size());
+  for (const auto& [rank, offers] : m.group_delta) {
+    w.integer(rank);
+    put_offers(w, offers);
+  }
+  return w.take();
 }
 std::string encode(const SentMessage& m) {
-  Json sums = Json::object();
-  for (const auto& [target, s] : m.sums) sums[target] = pair_sums_json(s);
-  return dump({{"step", m.step}, {"sums", std::move(sums)}});
+  FieldWriter w(kMessageWireVersion);
+  w.integer(m.step).natural(m.sums.size());
+  for (const auto& [target, s] : m.sums)
+    w.text(target).natural(s.sum()).natural(s.first()).natural(s.second());
+  return w.take();
 }
 std::string encode(const RefitDoneMessage& m) {
-  return dump({{"step", m.step},
-               {"failed", failure_json(m.failed)},
-               {"apply_s", m.apply_s},
-               {"pause_s", m.pause_s}});
+  FieldWriter w(kMessageWireVersion);
+  w.integer(m.step);
+  put_failure(w, m.failed);
+  w.real(m.apply_s).real(m.pause_s);
+  return w.take();
 }
 std::string encode(const AbortHeardMessage& m) { return dump({{"step", m.step}}); }
 std::string encode(const BucketMessage& m) {
@@ -505,66 +551,64 @@ Result<ProceedMessage> decode_proceed(const std::string& payload, const std::str
 
 Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
                                                    const std::string& from) {
-  Reader r(payload, "engines-paused", from);
+  FieldReader r(payload, "engines-paused", from, kMessageWireVersion);
   EnginesPausedMessage m;
-  r.get("step", m.step);
-  r.get_failure("refused", m.refused);
-  if (!r.status().ok()) return r.status();
-  const auto it = r.json().find("exports");
-  if (it == r.json().end() || !it->is_array())
-    return protocol_error(
-        fmt::format("engines-paused message from {} has no array 'exports'", from));
-  for (const Json& e : *it) {
-    if (!e.is_null() && !e.is_string())
-      return protocol_error(fmt::format(
-          "engines-paused message from {}: an entry of 'exports' is neither a digest nor null",
-          from));
-    m.exports.push_back(e.is_null() ? std::nullopt
-                                    : std::optional<std::string>(e.get<std::string>()));
+  std::size_t n = 0;
+  if (r.integer("step", m.step) && get_failure(r, "refused", "engines-paused", from, m.refused) &&
+      r.count("exports", n)) {
+    m.exports.reserve(n);
+    for (std::size_t i = 0; i < n && r.maybe_text("exports", m.exports.emplace_back()); ++i) {
+    }
   }
-  REFIT_RETURN_IF_ERROR(
-      decode_delta_bases(r.json(), "engines-paused", "delta", true, from, m.delta));
-  const auto group = r.json().find("group_delta");
-  if (group == r.json().end() || !group->is_object())
-    return protocol_error(
-        fmt::format("engines-paused message from {} has no object 'group_delta'", from));
-  for (const auto& [key, bases] : group->items()) {
-    int rank = -1;
-    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), rank);
-    if (ec != std::errc() || end != key.data() + key.size() || rank < 0)
-      return protocol_error(fmt::format(
-          "engines-paused message from {}: 'group_delta' has a key that is no trainer rank ('{}')",
-          from, key));
-    REFIT_RETURN_IF_ERROR(decode_delta_bases(Json::object({{"group_delta", bases}}),
-                                             "engines-paused", "group_delta", true, from,
-                                             m.group_delta[rank]));
+  if (r.status().ok() && get_offers(r, "delta", m.delta) && r.count("group_delta", n)) {
+    for (std::size_t i = 0; i < n; ++i) {
+      int rank = 0;
+      if (!r.integer("group_delta", rank)) break;
+      if (m.group_delta.contains(rank)) {
+        r.fail("group_delta", fmt::format("names trainer rank {} twice", rank));
+        break;
+      }
+      if (!get_offers(r, "group_delta", m.group_delta[rank])) break;
+    }
   }
+  REFIT_RETURN_IF_ERROR(r.finish());
   return m;
 }
 
 Result<SentMessage> decode_sent(const std::string& payload, const std::string& from) {
-  Reader r(payload, "sent", from);
+  FieldReader r(payload, "sent", from, kMessageWireVersion);
   SentMessage m;
-  r.get("step", m.step);
-  if (!r.status().ok()) return r.status();
-  const auto sums = r.json().find("sums");
-  if (sums == r.json().end() || !sums->is_object())
-    return protocol_error(fmt::format("sent message from {} has no object 'sums'", from));
-  for (const auto& [target, s] : sums->items()) {
-    REFIT_ASSIGN_OR_RETURN(m.sums[target],
-                           pair_sums_from(s, "sent", fmt::format("sums of '{}'", target), from));
+  std::size_t n = 0;
+  if (r.integer("step", m.step) && r.count("sums", n)) {
+    for (std::size_t i = 0; i < n; ++i) {
+      std::string target;
+      std::uint64_t sum = 0, first = 0, second = 0;
+      if (!r.text("sums", target) || !r.natural("sums", sum) || !r.natural("sums", first) ||
+          !r.natural("sums", second))
+        break;
+      const PairSums sums(sum, first, second);
+      if (!sums.valid()) {
+        r.fail("sums", fmt::format("of '{}' are not three checksum sums below 2^61 - 1", target));
+        break;
+      }
+      if (!m.sums.emplace(std::move(target), sums).second) {
+        r.fail("sums", "names one target twice");
+        break;
+      }
+    }
   }
+  REFIT_RETURN_IF_ERROR(r.finish());
   return m;
 }
 
 Result<RefitDoneMessage> decode_refit_done(const std::string& payload, const std::string& from) {
-  Reader r(payload, "refit-done", from);
+  FieldReader r(payload, "refit-done", from, kMessageWireVersion);
   RefitDoneMessage m;
-  r.get("step", m.step);
-  r.get_failure("failed", m.failed);
-  r.get("apply_s", m.apply_s);
-  r.get("pause_s", m.pause_s);
-  if (!r.status().ok()) return r.status();
+  if (r.integer("step", m.step)) {
+    get_failure(r, "failed", "refit-done", from, m.failed) && r.real("apply_s", m.apply_s) &&
+        r.real("pause_s", m.pause_s);
+  }
+  REFIT_RETURN_IF_ERROR(r.finish());
   return m;
 }
 
