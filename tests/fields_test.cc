@@ -112,6 +112,10 @@ TEST(Fields, RefitDoneCarriesAFailureAndExactTimes) {
   EXPECT_EQ(r->apply_s, m.apply_s);
   EXPECT_EQ(r->pause_s, m.pause_s);
   const std::string v = std::to_string(kMessageWireVersion);
+  // The examples of docs/protocol.md, "Encoding".
+  EXPECT_EQ(encode(RefitDoneMessage{.step = 7, .apply_s = 0.0012}), v + " 7 - 0.0012 0");
+  EXPECT_EQ(encode(SentMessage{.step = 7, .sums = {{"engine/3", PairSums(1234, 5678, 9012)}}}),
+            v + " 7 1 8:engine/3 1234 5678 9012");
   auto bad = decode_refit_done(v + " 9 7:{\"a\":1} 0 0", "trainer/0");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("'failed'"), std::string::npos) << bad.status().to_string();
