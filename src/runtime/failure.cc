@@ -114,6 +114,15 @@ class LivenessCheck {
     return keys;
   }
 
+  // Whether `read` says nothing but that every peer lives: no failure, no stale heartbeat. Such
+  // a read needs no verdict (judge() would return Ok and do nothing else), so the beat thread
+  // does not wake the checking thread for it.
+  bool quiet(const Result<Store::Watched>& read) const {
+    return read.ok() && read->values.size() == (epochs_ != nullptr ? 2u : 1u) &&
+           !read->values[0].has_value() &&
+           (epochs_ == nullptr || !read->values.back().has_value()) && read->stale.empty();
+  }
+
   // The verdict on one read, made for `epoch`. `store` (the probe connection) serves what a
   // failure needs besides: the error a lost peer noted, the failure's record. Called from one
   // thread at a time.
@@ -237,9 +246,9 @@ struct Heartbeat::State {
   std::optional<Read> read;
 
   // Every kHeartbeatInterval, one request: adds 1 to the key and, once watch() set a check, reads
-  // what the check needs in the same request, for the checking thread to judge. Nothing else
-  // runs here: a check busy with a failure (its follow-up requests, on_lost) never holds up a
-  // beat.
+  // what the check needs in the same request, for the checking thread to judge (a quiet read,
+  // every peer alive, needs no judging). Nothing else runs here: a check busy with a failure (its
+  // follow-up requests, on_lost) never holds up a beat.
   void beat() {
     std::unique_lock<std::mutex> lock(mu);
     Clock::time_point last{};
@@ -253,12 +262,14 @@ struct Heartbeat::State {
         const std::vector<std::string> keys = c->keys(&epoch);
         Result<Store::Watched> answer =
             beats.beat_and_watch(key, keys, kHeartbeatPrefix, kPeerSilence, kPeerSilence);
-        lock.lock();
-        if (check == c && !stop_checks) {
-          read.emplace(Read{c, epoch, std::move(answer)});
-          check_cv.notify_one();
+        if (!c->quiet(answer)) {
+          lock.lock();
+          if (check == c && !stop_checks) {
+            read.emplace(Read{c, epoch, std::move(answer)});
+            check_cv.notify_one();
+          }
+          lock.unlock();
         }
-        lock.unlock();
       } else {
         (void)beats.add(key, 1);  // a store that is gone is the liveness check's to report
       }

@@ -363,11 +363,11 @@ Status TrainerRefitProtocol::follow(const BeginMessage& begin, const std::vector
     refit_failure = failed_refit(StatusCode::kAborted, step, begin.version, *all.refused);
     return Status::Ok();
   }
-  std::vector<PausedMessage> answers;
-  for (const std::optional<std::string>& digest : all.exports) {
-    PausedMessage p{.step = step};
-    if (digest) p.direct = ExportedParams{.digest = *digest, .elided = true};
-    answers.push_back(std::move(p));
+  std::vector<PausedMessage> answers(all.exports.size());
+  for (std::size_t g = 0; g < answers.size(); ++g) {
+    answers[g].step = step;
+    if (all.exports[g])
+      answers[g].direct = ExportedParams{.digest = std::move(*all.exports[g]), .elided = true};
   }
   // refit.delta: the offers of this rank's engine ranks, as each engine rank made them.
   for (const DeltaBase& b : all.delta) {
