@@ -1,5 +1,6 @@
 // The compact payload of engines-paused, sent and refit-done (control/fields.h).
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -50,49 +51,40 @@ TEST(Fields, EveryKindOfFieldReadsBackExactly) {
 
 // Each malformed payload is refused, naming the message, its sender and the field.
 TEST(Fields, MalformedPayloadsAreRefusedNamingTheField) {
-  const std::string from = "trainer/3";
-  const auto refusal = [&](const std::string& payload, auto&& read) {
-    FieldReader r(payload, "test", from, 7);
-    read(r);
-    const Status s = r.finish();
-    EXPECT_FALSE(s.ok()) << payload;
-    EXPECT_EQ(s.kind(), FailureKind::kProtocol) << s.to_string();
-    EXPECT_NE(s.message().find("test message from trainer/3"), std::string::npos) << s.to_string();
-    return s.message();
-  };
   std::string text;
   std::int64_t i = 0;
   std::size_t n = 0;
-  EXPECT_NE(refusal(R"({"v":7,"step":1})", [](FieldReader&) {}).find("no wire version"),
-            std::string::npos);
-  EXPECT_NE(refusal("3 1", [](FieldReader&) {}).find("has wire version 3, this build speaks 7"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 1 2", [&](FieldReader& r) { r.integer("step", i, 0, 9); })
-                .find("2 byte(s) after its last field"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 10:abc", [&](FieldReader& r) { r.text("name", text); })
-                .find("field 'name' claims 10 bytes, 3 are left"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 1000000 1 2", [&](FieldReader& r) { r.count("exports", n); })
-                .find("field 'exports' claims 1000000 entries"),
-            std::string::npos);
-  EXPECT_NE(refusal("7  1", [&](FieldReader& r) { r.integer("step", i, 0, 9); })
-                .find("field 'step' is missing"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 12", [&](FieldReader& r) { r.integer("step", i, 0, 9); })
-                .find("field 'step' is 12, outside [0, 9]"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 abc", [&](FieldReader& r) { r.text("name", text); })
-                .find("field 'name' is neither a text"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 -", [&](FieldReader& r) { r.text("name", text); })
-                .find("field 'name' is absent"),
-            std::string::npos);
-  EXPECT_NE(refusal("7 1", [&](FieldReader& r) {
-              r.integer("step", i, 0, 9);
-              r.text("name", text);
-            }).find("field 'name' is missing (the message ends before it)"),
-            std::string::npos);
+  const auto none = [](FieldReader&) {};
+  const auto step = [&](FieldReader& r) { r.integer("step", i, 0, 9); };
+  const auto name = [&](FieldReader& r) { r.text("name", text); };
+  const auto exports = [&](FieldReader& r) { r.count("exports", n); };
+  const auto step_then_name = [&](FieldReader& r) { step(r), name(r); };
+  const struct {
+    std::string payload;
+    std::function<void(FieldReader&)> read;
+    std::string says;
+  } cases[] = {
+      {R"({"v":7,"step":1})", none, "no wire version"},
+      {"3 1", none, "has wire version 3, this build speaks 7"},
+      {"7 1 2", step, "2 byte(s) after its last field"},
+      {"7 10:abc", name, "field 'name' claims 10 bytes, 3 are left"},
+      {"7 1000000 1 2", exports, "field 'exports' claims 1000000 entries"},
+      {"7  1", step, "field 'step' is missing"},
+      {"7 12", step, "field 'step' is 12, outside [0, 9]"},
+      {"7 x1", step, "field 'step' is not an integer ('x1')"},
+      {"7 abc", name, "field 'name' is neither a text"},
+      {"7 -", name, "field 'name' is absent"},
+      {"7 1", step_then_name, "field 'name' is missing (the message ends before it)"},
+  };
+  for (const auto& c : cases) {
+    FieldReader r(c.payload, "test", "trainer/3", 7);
+    c.read(r);
+    const Status s = r.finish();
+    ASSERT_FALSE(s.ok()) << c.payload;
+    EXPECT_EQ(s.kind(), FailureKind::kProtocol) << s.to_string();
+    EXPECT_NE(s.message().find("test message from trainer/3"), std::string::npos) << s.to_string();
+    EXPECT_NE(s.message().find(c.says), std::string::npos) << c.payload << ": " << s.to_string();
+  }
 }
 
 // A failure record travels inside refit-done's text field, whatever its error says.

@@ -17,35 +17,21 @@ void FieldWriter::separate() {
   if (!out_.empty()) out_.push_back(' ');
 }
 
-FieldWriter& FieldWriter::integer(std::int64_t v) {
-  separate();
-  char buf[24];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  out_.append(buf, r.ptr);
-  return *this;
-}
-
-FieldWriter& FieldWriter::natural(std::uint64_t v) {
-  separate();
-  char buf[24];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  out_.append(buf, r.ptr);
-  return *this;
-}
-
-FieldWriter& FieldWriter::real(double v) {
+template <typename T>
+FieldWriter& FieldWriter::number(T v) {
   separate();
   char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest round trip
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);  // a double: the shortest round trip
   out_.append(buf, r.ptr);
   return *this;
 }
 
+FieldWriter& FieldWriter::integer(std::int64_t v) { return number(v); }
+FieldWriter& FieldWriter::natural(std::uint64_t v) { return number(v); }
+FieldWriter& FieldWriter::real(double v) { return number(v); }
+
 FieldWriter& FieldWriter::text(std::string_view s) {
-  separate();
-  char buf[24];
-  const auto r = std::to_chars(buf, buf + sizeof buf, s.size());
-  out_.append(buf, r.ptr);
+  number(s.size());
   out_.push_back(':');
   out_.append(s);
   return *this;
@@ -82,29 +68,34 @@ bool FieldReader::fail(const char* field, std::string_view what) {
   return false;
 }
 
-bool FieldReader::token(const char* field, std::string_view& out) {
+bool FieldReader::separator(const char* field) {
   if (!error_.ok()) return false;
-  if (!first_) {
-    if (rest_.empty()) return fail(field, "is missing (the message ends before it)");
-    if (rest_.front() != ' ') return fail(field, "does not follow the field before it");
-    rest_.remove_prefix(1);
+  if (first_) {
+    first_ = false;
+    return true;
   }
-  first_ = false;
-  const std::size_t end = rest_.find(' ');
-  out = rest_.substr(0, end);
-  rest_.remove_prefix(out.size());
-  if (out.empty()) return fail(field, "is missing");
+  if (rest_.empty()) return fail(field, "is missing (the message ends before it)");
+  if (rest_.front() != ' ') return fail(field, "does not follow the field before it");
+  rest_.remove_prefix(1);
+  return true;
+}
+
+template <typename T>
+bool FieldReader::number(const char* field, T& out, const char* what) {
+  if (!separator(field)) return false;
+  const std::string_view t = rest_.substr(0, rest_.find(' '));
+  rest_.remove_prefix(t.size());
+  if (t.empty()) return fail(field, "is missing");
+  const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  if (ec != std::errc() || end != t.data() + t.size())
+    return fail(field, fmt::format("is not {} ('{}')", what, t.substr(0, 32)));
   return true;
 }
 
 bool FieldReader::integer(const char* field, std::int64_t& out, std::int64_t min,
                           std::int64_t max) {
-  std::string_view t;
-  if (!token(field, t)) return false;
   std::int64_t v = 0;
-  const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
-  if (ec != std::errc() || end != t.data() + t.size())
-    return fail(field, fmt::format("is not an integer ('{}')", t.substr(0, 32)));
+  if (!number(field, v, "an integer")) return false;
   if (v < min || v > max)
     return fail(field, fmt::format("is {}, outside [{}, {}]", v, min, max));
   out = v;
@@ -119,22 +110,10 @@ bool FieldReader::integer(const char* field, int& out, int min) {
 }
 
 bool FieldReader::natural(const char* field, std::uint64_t& out) {
-  std::string_view t;
-  if (!token(field, t)) return false;
-  const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
-  if (ec != std::errc() || end != t.data() + t.size())
-    return fail(field, fmt::format("is not an unsigned integer ('{}')", t.substr(0, 32)));
-  return true;
+  return number(field, out, "an unsigned integer");
 }
 
-bool FieldReader::real(const char* field, double& out) {
-  std::string_view t;
-  if (!token(field, t)) return false;
-  const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
-  if (ec != std::errc() || end != t.data() + t.size())
-    return fail(field, fmt::format("is not a number ('{}')", t.substr(0, 32)));
-  return true;
-}
+bool FieldReader::real(const char* field, double& out) { return number(field, out, "a number"); }
 
 bool FieldReader::text(const char* field, std::string& out) {
   std::optional<std::string> t;
@@ -145,13 +124,7 @@ bool FieldReader::text(const char* field, std::string& out) {
 }
 
 bool FieldReader::maybe_text(const char* field, std::optional<std::string>& out) {
-  if (!error_.ok()) return false;
-  if (!first_) {
-    if (rest_.empty()) return fail(field, "is missing (the message ends before it)");
-    if (rest_.front() != ' ') return fail(field, "does not follow the field before it");
-    rest_.remove_prefix(1);
-  }
-  first_ = false;
+  if (!separator(field)) return false;
   if (!rest_.empty() && rest_.front() == '-' && (rest_.size() == 1 || rest_[1] == ' ')) {
     rest_.remove_prefix(1);
     out.reset();

@@ -31,6 +31,8 @@ class FieldWriter {
 
  private:
   void separate();
+  template <typename T>
+  FieldWriter& number(T v);
   std::string out_;
 };
 
@@ -56,13 +58,16 @@ class FieldReader {
   bool fail(const char* field, std::string_view what);
 
  private:
-  // The next field up to the next space (or the end); false when none is left.
-  bool token(const char* field, std::string_view& out);
+  // The space before every field but the first.
+  bool separator(const char* field);
+  // A number up to the next space (or the end); `what` names its kind in the error.
+  template <typename T>
+  bool number(const char* field, T& out, const char* what);
 
   std::string_view rest_;
   bool first_ = true;
   const char* message_;
-  const std::string& from_;
+  const std::string from_;  // a copy: a short mailbox id, and callers may pass a temporary
   Status error_;
 };
 
