@@ -190,6 +190,24 @@ TEST(Fuzz, ControlMessageDecoders) {
   expect_both("version stamp",
               fuzz(108, encode_version_stamp(version(), {{"refit.executor", "auto"}}), true,
                    [&](const std::string& p) { return decode_stamp_settings(p, from).ok(); }));
+  // The compact ones (control/fields.h): byte mutations only, they are no JSON.
+  EnginesPausedMessage paused_all{.step = 5,
+                                  .refused = failed,
+                                  .exports = {std::string("0123456789abcdef"), std::nullopt}};
+  paused_all.delta = {DeltaBase{.rank = 1, .digest = "00000000000000ff", .version = "4"}};
+  paused_all.group_delta[3] = {DeltaBase{.rank = 0, .digest = std::nullopt, .version = "4"}};
+  expect_both("engines-paused", fuzz(116, encode(paused_all), false, [&](const std::string& p) {
+                return decode_engines_paused(p, from).ok();
+              }));
+  expect_both("sent",
+              fuzz(117,
+                   encode(SentMessage{.step = 5,
+                                      .sums = {{"engine/0", PairSums(1, 2, 3)},
+                                               {"engine/1", PairSums(4, 5, 6)}}}),
+                   false, [&](const std::string& p) { return decode_sent(p, from).ok(); }));
+  expect_both("refit-done",
+              fuzz(118, encode(RefitDoneMessage{.step = 5, .failed = failed, .apply_s = 0.25}),
+                   false, [&](const std::string& p) { return decode_refit_done(p, from).ok(); }));
 }
 
 TEST(Fuzz, SglangBucketMetadata) {
