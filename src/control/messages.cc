@@ -466,28 +466,23 @@ Result<BeginMessage> decode_begin(const std::string& payload, const std::string&
 
 namespace {
 
-// refit.delta's bases: an array of [rank, digest | null] (paused) or [rank, version, digest |
-// null] (engines-paused), each rank at most once.
-Status decode_delta_bases(const Json& j, const char* message, const char* field, bool versioned,
-                          const std::string& from, std::vector<DeltaBase>& out) {
+// refit.delta's bases in a paused message: an array of [trainer rank, digest | null], each rank
+// at most once.
+Status decode_delta_bases(const Json& j, const char* field, const std::string& from,
+                          std::vector<DeltaBase>& out) {
   auto bad = [&](const std::string& what) {
-    return protocol_error(
-        fmt::format("{} message from {}: field '{}' {}", message, from, field, what));
+    return protocol_error(fmt::format("paused message from {}: field '{}' {}", from, field, what));
   };
   const auto it = j.find(field);
   if (it == j.end())
-    return protocol_error(
-        fmt::format("{} message from {} has no field '{}'", message, from, field));
+    return protocol_error(fmt::format("paused message from {} has no field '{}'", from, field));
   if (!it->is_array()) return bad("is not an array");
-  const std::size_t n = versioned ? 3 : 2;
   for (const Json& e : *it) {
-    if (!e.is_array() || e.size() != n || !e[0].is_number_integer() || e[0].get<int>() < 0 ||
-        (versioned && !e[1].is_string()) || !(e[n - 1].is_null() || e[n - 1].is_string()))
-      return bad(versioned ? "has an entry other than [engine rank, version, digest or null]"
-                           : "has an entry other than [trainer rank, digest or null]");
+    if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() || e[0].get<int>() < 0 ||
+        !(e[1].is_null() || e[1].is_string()))
+      return bad("has an entry other than [trainer rank, digest or null]");
     DeltaBase b{.rank = e[0].get<int>()};
-    if (versioned) b.version = e[1].get<std::string>();
-    if (e[n - 1].is_string()) b.digest = e[n - 1].get<std::string>();
+    if (e[1].is_string()) b.digest = e[1].get<std::string>();
     for (const DeltaBase& x : out)
       if (x.rank == b.rank) return bad(fmt::format("names rank {} twice", b.rank));
     out.push_back(std::move(b));
@@ -512,7 +507,7 @@ Result<PausedMessage> decode_paused(const std::string& payload, const std::strin
   r.get("delta_version", m.delta_version);
   if (r.status().ok())
     REFIT_RETURN_IF_ERROR(
-        decode_delta_bases(r.json(), "paused", "delta_bases", false, from, m.delta_bases));
+        decode_delta_bases(r.json(), "delta_bases", from, m.delta_bases));
   if (r.status().ok() && m.delta_version.empty() && !m.delta_bases.empty())
     return protocol_error(
         fmt::format("paused message from {} offers delta bases of no weight version", from));
@@ -604,10 +599,11 @@ Result<SentMessage> decode_sent(const std::string& payload, const std::string& f
 Result<RefitDoneMessage> decode_refit_done(const std::string& payload, const std::string& from) {
   FieldReader r(payload, "refit-done", from, kMessageWireVersion);
   RefitDoneMessage m;
-  if (r.integer("step", m.step)) {
-    get_failure(r, "failed", "refit-done", from, m.failed) && r.real("apply_s", m.apply_s) &&
-        r.real("pause_s", m.pause_s);
-  }
+  // After the first problem every read fails: no need to test each.
+  r.integer("step", m.step);
+  get_failure(r, "failed", "refit-done", from, m.failed);
+  r.real("apply_s", m.apply_s);
+  r.real("pause_s", m.pause_s);
   REFIT_RETURN_IF_ERROR(r.finish());
   return m;
 }
