@@ -4,6 +4,7 @@
 #include <limits>
 #include <string>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "control/fields.h"
@@ -110,7 +111,20 @@ TEST(Fields, RefitDoneCarriesAFailureAndExactTimes) {
             v + " 7 1 8:engine/3 1234 5678 9012");
   auto bad = decode_refit_done(v + " 9 7:{\"a\":1} 0 0", "trainer/0");
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("'failed'"), std::string::npos) << bad.status().to_string();
+  EXPECT_NE(bad.status().message().find(
+                "refit-done message from trainer/0: field 'failed' is a failure without field "
+                "'rank'"),
+            std::string::npos)
+      << bad.status().to_string();
+  // A record that names no rank is refused once, in the compact message's words.
+  const std::string record = R"({"rank":"launcher","tp_size":1,"code":3,"kind":0,"error":"x"})";
+  auto norank = decode_refit_done(
+      fmt::format("{} 9 {}:{} 0 0", v, record.size(), record), "trainer/0");
+  ASSERT_FALSE(norank.ok());
+  EXPECT_EQ(norank.status().message(),
+            "refit-done message from trainer/0: field 'failed' is a failure of 'launcher', which "
+            "is no rank")
+      << norank.status().to_string();
 }
 
 // A trainer relay hands its group's sent on inside its relayed message (JSON): the compact

@@ -115,7 +115,8 @@ TEST(Heartbeat, BeatsOnWhileItsCheckIsBusyWithAFailure) {
 
 // Once it watches, each beat is the rank's one liveness request: the beat connection's requests
 // are exactly the beats the store counted, and the probe connection serves nothing until a check
-// fails. Then a peer that exits is named from those reads alone.
+// fails. Reads that find every peer alive are not handed to the checking thread. Then a peer that
+// exits is named from those reads alone.
 TEST(Heartbeat, OneStoreRequestPerBeatCarriesTheLivenessCheck) {
   Connections c = connect_all();
   ASSERT_TRUE(c.ok());
@@ -133,10 +134,12 @@ TEST(Heartbeat, OneStoreRequestPerBeatCarriesTheLivenessCheck) {
   }
   EXPECT_EQ(lost.load(), 0);
   EXPECT_EQ(probe->requests(), probe_before) << "the checks made requests of their own";
+  EXPECT_EQ(heartbeat.judged(), 0) << "a read that found every peer alive woke the checking thread";
   peer.reset();  // trainer rank 0 exits: its connection closes without leaving
   for (int k = 0; k < 40 && lost.load() == 0; ++k) std::this_thread::sleep_for(100ms);
   heartbeat.stop();
   ASSERT_EQ(lost.load(), 1) << "the exit was not noticed within 4 s";
+  EXPECT_GE(heartbeat.judged(), 1);
   EXPECT_NE(heartbeat.verdict().to_string().find(
                 "trainer rank 0: aborted: exited: its connection to the control plane closed"),
             std::string::npos)

@@ -151,32 +151,40 @@ Json failure_json(const std::optional<FailureOrigin>& f) {
   return f ? failure_json(*f) : Json(nullptr);
 }
 
+// A failure record read from `j`. What is wrong with it is said as words that follow "failure"
+// ("without field 'rank'", "with unknown code 99"), so that the JSON and the compact messages
+// each name it once, in their own frame.
+Result<FailureOrigin> failure_from_json(const Json& j) {
+  auto refuse = [](std::string what) { return protocol_error(std::move(what)); };
+  if (!j.is_object()) return refuse("that is not a JSON object");
+  for (const char* field : {"rank", "tp_size", "code", "kind", "error"}) {
+    const auto it = j.find(field);
+    if (it == j.end()) return refuse(fmt::format("without field '{}'", field));
+    const bool text = field == std::string_view("rank") || field == std::string_view("error");
+    if (text ? !it->is_string() : !it->is_number_integer())
+      return refuse(fmt::format("whose field '{}' is a {}", field, it->type_name()));
+  }
+  const std::string rank = j["rank"].get<std::string>();
+  const std::optional<RankId> id = RankId::from_mailbox(rank, j["tp_size"].get<int>());
+  if (!id) return refuse(fmt::format("of '{}', which is no rank", rank));
+  const std::int64_t code = j["code"].get<std::int64_t>();
+  if (code <= static_cast<int>(StatusCode::kOk) || code > static_cast<int>(StatusCode::kInternal))
+    return refuse(fmt::format("with unknown code {}", code));
+  const std::int64_t kind = j["kind"].get<std::int64_t>();
+  if (kind < 0 || kind > static_cast<int>(FailureKind::kProtocol))
+    return refuse(fmt::format("with unknown kind {}", kind));
+  return FailureOrigin{.rank = *id,
+                       .code = static_cast<StatusCode>(code),
+                       .kind = static_cast<FailureKind>(kind),
+                       .error = j["error"].get<std::string>()};
+}
+
 Result<FailureOrigin> decode_failure_json(const Json& j, const char* message,
                                           const std::string& from) {
-  const std::string what = std::string(message) + " failure";
-  Reader r(Reader::Nested{}, j, what.c_str(), from);
-  std::string rank;
-  int code = 0, tp_size = 0, kind = 0;
-  FailureOrigin f;
-  r.get("rank", rank);
-  r.get("tp_size", tp_size);
-  r.get("code", code);
-  r.get("kind", kind);
-  r.get("error", f.error);
-  if (!r.status().ok()) return r.status();
-  const std::optional<RankId> id = RankId::from_mailbox(rank, tp_size);
-  if (!id)
-    return protocol_error(fmt::format("{} message from {}: failure of '{}', which is no rank",
-                                          message, from, rank));
-  if (code <= static_cast<int>(StatusCode::kOk) || code > static_cast<int>(StatusCode::kInternal))
-    return protocol_error(fmt::format("{} message from {}: failure with unknown code {}",
-                                          message, from, code));
-  if (kind < 0 || kind > static_cast<int>(FailureKind::kProtocol))
-    return protocol_error(fmt::format("{} message from {}: failure with unknown kind {}",
-                                          message, from, kind));
-  f.rank = *id;
-  f.code = static_cast<StatusCode>(code);
-  f.kind = static_cast<FailureKind>(kind);
+  Result<FailureOrigin> f = failure_from_json(j);
+  if (!f.ok())
+    return protocol_error(
+        fmt::format("{} message from {}: failure {}", message, from, f.status().message()));
   return f;
 }
 
@@ -285,16 +293,15 @@ void put_failure(FieldWriter& w, const std::optional<FailureOrigin>& f) {
   }
   w.text(std::string_view(failure_json(*f).dump(-1, ' ', false, Json::error_handler_t::replace)));
 }
-bool get_failure(FieldReader& r, const char* field, const char* message, const std::string& from,
-                 std::optional<FailureOrigin>& out) {
+bool get_failure(FieldReader& r, const char* field, std::optional<FailureOrigin>& out) {
   std::optional<std::string> text;
   if (!r.maybe_text(field, text)) return false;
   out.reset();
   if (!text) return true;
   const Json j = Json::parse(*text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return r.fail(field, "is not a failure record");
-  Result<FailureOrigin> f = decode_failure_json(j, message, from);
-  if (!f.ok()) return r.fail(field, f.status().message());
+  Result<FailureOrigin> f = failure_from_json(j);
+  if (!f.ok()) return r.fail(field, fmt::format("is a failure {}", f.status().message()));
   out = std::move(f).value();
   return true;
 }
@@ -549,7 +556,7 @@ Result<EnginesPausedMessage> decode_engines_paused(const std::string& payload,
   FieldReader r(payload, "engines-paused", from, kMessageWireVersion);
   EnginesPausedMessage m;
   std::size_t n = 0;
-  if (r.integer("step", m.step) && get_failure(r, "refused", "engines-paused", from, m.refused) &&
+  if (r.integer("step", m.step) && get_failure(r, "refused", m.refused) &&
       r.count("exports", n)) {
     m.exports.reserve(n);
     for (std::size_t i = 0; i < n && r.maybe_text("exports", m.exports.emplace_back()); ++i) {
@@ -601,7 +608,7 @@ Result<RefitDoneMessage> decode_refit_done(const std::string& payload, const std
   RefitDoneMessage m;
   // After the first problem every read fails: no need to test each.
   r.integer("step", m.step);
-  get_failure(r, "failed", "refit-done", from, m.failed);
+  get_failure(r, "failed", m.failed);
   r.real("apply_s", m.apply_s);
   r.real("pause_s", m.pause_s);
   REFIT_RETURN_IF_ERROR(r.finish());

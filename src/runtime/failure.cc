@@ -244,6 +244,7 @@ struct Heartbeat::State {
     Result<Store::Watched> answer;
   };
   std::optional<Read> read;
+  std::int64_t judged = 0;  // reads handed to the checking thread (guarded by mu)
 
   // Every kHeartbeatInterval, one request: adds 1 to the key and, once watch() set a check, reads
   // what the check needs in the same request, for the checking thread to judge (a quiet read,
@@ -266,6 +267,7 @@ struct Heartbeat::State {
           lock.lock();
           if (check == c && !stop_checks) {
             read.emplace(Read{c, epoch, std::move(answer)});
+            ++judged;
             check_cv.notify_one();
           }
           lock.unlock();
@@ -361,6 +363,11 @@ void Heartbeat::watch(const RankId& who, std::vector<RankId> peers,
 Status Heartbeat::verdict() const {
   std::lock_guard<std::mutex> lock(s_->mu);
   return s_->lost;
+}
+
+std::int64_t Heartbeat::judged() const {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return s_->judged;
 }
 
 Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,

@@ -123,6 +123,9 @@ class Heartbeat {
   // 0.5 s, old). The rank's waits poll this instead of checking the store themselves, so each
   // rank checks its peers once per beat, not once per waiting thread.
   Status verdict() const;
+  // How many liveness reads the beats handed to the checking thread: those that report a failure
+  // or a stale peer. A read that says every peer lives is not handed over.
+  std::int64_t judged() const;
 
  private:
   struct State;
