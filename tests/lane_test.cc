@@ -35,6 +35,41 @@ namespace refit {
 namespace {
 
 using namespace std::chrono_literals;
+
+// A frame's tag is BLAKE2b-128 keyed with the lane key over [sequence number: 8 bytes LE][type]
+// [epoch: 4 bytes LE][payload] (docs/security.md, "Sealed frames"): each seal computes it from
+// its keyed state, the sequence number advancing per frame, and checks what a seal with the same
+// key wrote in the same order.
+TEST(LaneSeal, TagsAreKeyedBlake2bOverSequenceTypeEpochAndPayload) {
+  ASSERT_GE(sodium_init(), 0);
+  unsigned char key[lane::kKeyBytes];
+  for (std::size_t i = 0; i < sizeof key; ++i) key[i] = static_cast<unsigned char>(3 * i + 1);
+  lane::FrameSeal sender(key);
+  lane::FrameSeal moved(key);
+  lane::FrameSeal receiver(std::move(moved));  // a moved seal tags as its source would
+  const std::string payloads[] = {"", "11 7 - 0.0012 0", std::string(300, 'x')};
+  for (std::uint64_t seq = 0; seq < 3; ++seq) {
+    const std::string& payload = payloads[seq];
+    const std::uint8_t type = static_cast<std::uint8_t>(5 + seq);
+    const std::uint32_t epoch = 0x01020304u + static_cast<std::uint32_t>(seq);
+    std::string input;
+    for (int i = 0; i < 8; ++i) input.push_back(static_cast<char>(seq >> (8 * i)));
+    input.push_back(static_cast<char>(type));
+    for (int i = 0; i < 4; ++i) input.push_back(static_cast<char>(epoch >> (8 * i)));
+    input += payload;
+    unsigned char want[lane::kTagBytes], got[lane::kTagBytes];
+    crypto_generichash(want, sizeof want, reinterpret_cast<const unsigned char*>(input.data()),
+                       input.size(), key, sizeof key);
+    sender.tag(type, epoch, payload, got);
+    EXPECT_EQ(std::memcmp(want, got, sizeof want), 0) << "frame " << seq;
+    EXPECT_TRUE(receiver.check(type, epoch, payload, got)) << "frame " << seq;
+  }
+  // Out of order: the receiver is at frame 3, the tag is frame 0's again.
+  unsigned char first[lane::kTagBytes];
+  lane::FrameSeal again(key);
+  again.tag(5, 0x01020304u, payloads[0], first);
+  EXPECT_FALSE(receiver.check(5, 0x01020304u, payloads[0], first));
+}
 using Clock = std::chrono::steady_clock;
 
 constexpr char kSecret[] = "lane-test-secret-0123456789abcdef";

@@ -116,7 +116,8 @@ class FrameSeal {
              const unsigned char* got);
 
  private:
-  unsigned char key_[kKeyBytes] = {};
+  // BLAKE2b keyed with the lane key, before any input: each tag starts from a copy of it.
+  alignas(64) unsigned char keyed_state_[384] = {};
   std::uint64_t seq_ = 0;
   bool keyed_ = false;
 };

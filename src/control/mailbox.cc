@@ -135,7 +135,7 @@ void LaneInbox::pump(std::deque<Message>& out) {
   const int n = ::epoll_wait(ready_.get(), ready.data(), static_cast<int>(ready.size()), 0);
   for (int i = 0; i < n; ++i) {
     const int fd = ready[static_cast<std::size_t>(i)].data.fd;
-    if (fd == gate_->ready_fd()) {
+    if (fd == gate_fd_) {
       take_accepted(out);
       continue;
     }

@@ -124,6 +124,7 @@ class LaneInbox {
             log::Throttle& throttle)
       : who_(std::move(who)),
         gate_(std::move(gate)),
+        gate_fd_(gate_->ready_fd()),
         ready_(std::move(ready)),
         throttle_(throttle) {}
   // Reads `lane`'s frames into `out`; false when it is to be closed.
@@ -134,6 +135,7 @@ class LaneInbox {
 
   const std::string who_;
   std::unique_ptr<lane::Gate> gate_;
+  const int gate_fd_;          // the gate's ready descriptor, in the epoll set
   lane::Fd ready_;             // the epoll set (poll_fd)
   std::map<int, Lane> lanes_;  // by descriptor; receive thread
   std::atomic<std::int64_t> closed_{0};

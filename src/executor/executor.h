@@ -100,7 +100,8 @@ class TrainerExecutor : public ExecutorBase {
   virtual void prepare_begin(std::size_t /*i*/, BeginMessage& /*begin*/) const {}
   // The transfer plan: the digest of target `i`'s export this rank holds ("" for none); an answer
   // with another digest makes the runtime read that export from the store (export_key).
-  virtual std::string export_held(std::size_t /*i*/) const { return {}; }
+  // The view lasts until the next take_answers.
+  virtual std::string_view export_held(std::size_t /*i*/) const { return {}; }
   // Work before any engine pauses (FP8 scales): a failure refuses the refit on this rank before
   // the engines stop generating.
   virtual Status before_begin(const BeginMessage& /*begin*/, const std::vector<void*>& /*shards*/,

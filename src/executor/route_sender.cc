@@ -306,8 +306,8 @@ Status RouteSender::check_hello(std::size_t i, const HelloMessage& hello) const 
   return routes_digest_mismatch(o_.rank, targets_[i], ours, hello.routes_digest);
 }
 
-std::string RouteSender::export_held(std::size_t i) const {
-  return i < held_.size() && held_[i] ? held_[i]->digest : std::string();
+std::string_view RouteSender::export_held(std::size_t i) const {
+  return i < held_.size() && held_[i] ? std::string_view(held_[i]->digest) : std::string_view();
 }
 
 Result<std::uint64_t> RouteSender::checksum_to(std::size_t i, const std::vector<void*>& shards) {

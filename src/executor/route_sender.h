@@ -47,7 +47,7 @@ class RouteSender final : public TrainerExecutor {
   // mismatch, naming both ranks).
   Status check_hello(std::size_t i, const HelloMessage& hello) const override;
   // The digest of target i's export this rank holds, so that the target answers without it.
-  std::string export_held(std::size_t i) const override;
+  std::string_view export_held(std::size_t i) const override;
   // FP8: every scale, before any engine pauses (a non-finite block refuses the refit here, on
   // every trainer rank alike, and nothing moves).
   Status before_begin(const BeginMessage& begin, const std::vector<void*>& shards,

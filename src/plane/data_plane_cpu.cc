@@ -301,6 +301,11 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
   }
 
   Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt, DType as) override {
+    if (!parallel(runs)) {  // most calls: a few small runs, summed here
+      std::uint64_t sum = 0;
+      for (const CopyRun& r : runs) sum += checksum_rows(r, 0, r.block.rows, sdt, as);
+      return sum;
+    }
     std::vector<std::uint64_t> sums(static_cast<std::size_t>(pool_.size()), 0);
     for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int w) {
       sums[static_cast<std::size_t>(w)] += checksum_rows(r, first, last, sdt, as);
@@ -337,14 +342,18 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
   // worker w takes elements [w*share, (w+1)*share) of the concatenated runs, cut at row
   // boundaries, so every worker handles about the same number of elements. Small lists are not
   // worth waking the workers.
+  bool parallel(const std::vector<CopyRun>& runs) const {
+    constexpr std::int64_t kParallelMin = 1 << 20;
+    return pool_.size() > 1 && total_elements(runs) >= kParallelMin;
+  }
+
   template <class F>
   void for_rows(const std::vector<CopyRun>& runs, F&& fn) {
-    const std::int64_t total = total_elements(runs);
-    constexpr std::int64_t kParallelMin = 1 << 20;
-    if (pool_.size() == 1 || total < kParallelMin) {
+    if (!parallel(runs)) {
       for (const CopyRun& r : runs) fn(r, 0, r.block.rows, 0);
       return;
     }
+    const std::int64_t total = total_elements(runs);
     const int workers = pool_.size();
     const std::int64_t share = (total + workers - 1) / workers;
     pool_.run([&](int w) {

@@ -22,8 +22,16 @@ void materialize_pieces(const ModelSpec& spec, const std::vector<Piece>& pieces,
     longest = std::max(longest, p.cols == hf_cols && p.cols == dst_cols ? p.rows * p.cols : p.cols);
   }
   const auto scratch = static_cast<std::size_t>(std::min(kChunk, longest));
-  const auto f32 = std::make_unique_for_overwrite<float[]>(scratch);
-  const auto rounded = std::make_unique_for_overwrite<std::byte[]>(scratch * dtype_size(via));
+  // Kept by the thread between calls (a rank fills every tensor on every step), grown as needed.
+  thread_local std::unique_ptr<float[]> f32;
+  thread_local std::unique_ptr<std::byte[]> rounded;
+  thread_local std::size_t held = 0;
+  if (held < scratch) {
+    f32 = std::make_unique_for_overwrite<float[]>(scratch);
+    // No dtype is wider than float32, so any `via` fits.
+    rounded = std::make_unique_for_overwrite<std::byte[]>(scratch * sizeof(float));
+    held = scratch;
+  }
   // Values of HF elements [begin, begin+n) → out at flat position dst (contiguous).
   auto emit = [&](std::uint32_t hf, std::int64_t begin, std::int64_t n, std::int64_t dst) {
     for (std::int64_t done = 0; done < n; done += kChunk) {
