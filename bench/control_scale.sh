@@ -11,6 +11,10 @@
 # STEPS (default 3) refits per run; CHECKSUM=false and VERIFY=0 take refit.checksum and --verify
 # out, to see what each adds. ENGINES=E keeps E engines of TP 4 at every size (the trainer ranks
 # take the other processes), so that every run moves the same bytes and only the ranks grow.
+# ROUNDS=R (default 1) runs every size R times, the sizes taking turns, and prints besides each
+# round's median refits and their ratio to the first size, and the median of those ratios: runs
+# next to each other in time share the host's speed, which drifts from minute to minute on a
+# shared machine by more than most changes move a median.
 #
 # A run of N processes needs about 32 N threads (ulimit -u) and 8 N file descriptors per rank's
 # peers (refit raises both soft limits when the hard ones allow).
@@ -21,12 +25,23 @@ shift || true
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(32 256)
 steps=${STEPS:-3}
+rounds=${ROUNDS:-1}
 checksum=${CHECKSUM:-true}                  # refit.checksum
 verify=--verify; [ "${VERIFY:-1}" = 1 ] || verify=""
 work=$(mktemp -d "${TMPDIR:-/tmp}/refit-control-scale-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
+# One run of the size whose config is written: its report and log under $work.
+run_size() {
+  "$refit" run "$work/config-$1.yaml" --steps "$steps" ${verify:+"$verify"} \
+    --json "$work/report-$1.json" > "$work/log-$1.txt" 2>&1
+}
+median_of() {
+  python3 -c 'import json, statistics, sys; print(statistics.median(json.load(open(sys.argv[1]))["refit_seconds"]))' "$1"
+}
+
 rows=()
+declare -A medians=()
 base_msg="" base_req=""
 for n in "${sizes[@]}"; do
   if [ -n "${ENGINES:-}" ]; then
@@ -53,8 +68,7 @@ generation: {backend: sglang, colocated: false, num_engines: $e, tp_size: 4}
 refit: {target_precision: bf16, buffer_size_bytes: 65536, timeout_s: 120, checksum: $checksum}
 YAML
   start=$(date +%s.%N)
-  if ! "$refit" run "$work/config-$n.yaml" --steps "$steps" ${verify:+"$verify"} --json "$work/report-$n.json" \
-      > "$work/log-$n.txt" 2>&1; then
+  if ! run_size "$n"; then
     echo "control_scale.sh: the run of $n processes failed; its first errors:" >&2
     grep -m 15 -E "error|refused|cannot|limit" "$work/log-$n.txt" >&2 || tail -20 "$work/log-$n.txt" >&2
     for r in "${rows[@]}"; do echo "$r"; done
@@ -80,6 +94,7 @@ PY
   rrps=$(awk -v a="$rps" -v b="$base_rps" 'BEGIN { printf "%.2f", b == 0 ? 0 : a / b }')
   rmed=$(awk -v a="$med" -v b="$base_med" 'BEGIN { printf "%.2f", a / b }')
   busy=$(awk -v b="$busy" -v s="$steps" 'BEGIN { printf "%.0f", b / s }')
+  medians[$n]=$med
   rows+=("$(printf '| %5d | %3d -> %2d x TP 4 | %8d | %8d | %6.3f | %5.2f | %5d | %6.3f | %5.2f | %7.2f | %5.2f | %6.3f | %5.2f | %6.1f |' \
     "$n" "$t" "$e" "$sr" "$mm" "$msg" "$rmsg" "$busy" "$req" "$rreq" "$rps" "$rrps" "$med" "$rmed" "$secs")")
 done
@@ -89,3 +104,29 @@ echo
 echo "| processes | ranks | store requests | mailbox messages | msgs / rank / refit | ratio | busiest rank's msgs / refit | store reqs / rank / refit | ratio | store reqs / rank / s in refits | ratio | median refit s | ratio | run s |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do echo "$r"; done
+
+[ "$rounds" -gt 1 ] || exit 0
+echo
+echo "| round | $(printf '%s processes: median refit s | ' "${sizes[@]}")ratio, ${sizes[${#sizes[@]}-1]} to ${sizes[0]} |"
+echo "|---|$(printf -- '---|%.0s' "${sizes[@]}")---|"
+ratios=()
+for ((k = 1; k <= rounds; k++)); do
+  if [ "$k" -gt 1 ]; then
+    for n in "${sizes[@]}"; do
+      if ! run_size "$n"; then
+        echo "control_scale.sh: round $k: the run of $n processes failed; its first errors:" >&2
+        grep -m 15 -E "error|refused|cannot|limit" "$work/log-$n.txt" >&2 || tail -20 "$work/log-$n.txt" >&2
+        exit 1
+      fi
+      medians[$n]=$(median_of "$work/report-$n.json")
+    done
+  fi
+  line="| $k |"
+  for n in "${sizes[@]}"; do line+=$(printf ' %.4f |' "${medians[$n]}"); done
+  last=${sizes[${#sizes[@]}-1]}
+  ratio=$(awk -v a="${medians[$last]}" -v b="${medians[${sizes[0]}]}" 'BEGIN { printf "%.2f", a / b }')
+  ratios+=("$ratio")
+  echo "$line $ratio |"
+done
+echo
+echo "median over $rounds rounds of the ratio of ${sizes[${#sizes[@]}-1]} to ${sizes[0]} processes: $(printf '%s\n' "${ratios[@]}" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
