@@ -301,17 +301,16 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
   }
 
   Result<std::uint64_t> checksum(const std::vector<CopyRun>& runs, DType sdt, DType as) override {
-    if (!parallel(runs)) {  // most calls: a few small runs, summed here
-      std::uint64_t sum = 0;
-      for (const CopyRun& r : runs) sum += checksum_rows(r, 0, r.block.rows, sdt, as);
-      return sum;
-    }
-    std::vector<std::uint64_t> sums(static_cast<std::size_t>(pool_.size()), 0);
-    for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int w) {
-      sums[static_cast<std::size_t>(w)] += checksum_rows(r, first, last, sdt, as);
-    });
+    // One sum per worker when the pool splits the runs; most calls are a few small runs that
+    // this thread sums alone, with no buffer.
     std::uint64_t sum = 0;
-    for (std::uint64_t s : sums) sum += s;
+    std::vector<std::uint64_t> per_worker;
+    if (parallel(runs)) per_worker.assign(static_cast<std::size_t>(pool_.size()), 0);
+    for_rows(runs, [&](const CopyRun& r, std::int64_t first, std::int64_t last, int w) {
+      (per_worker.empty() ? sum : per_worker[static_cast<std::size_t>(w)]) +=
+          checksum_rows(r, first, last, sdt, as);
+    });
+    for (std::uint64_t s : per_worker) sum += s;
     return sum;
   }
 
