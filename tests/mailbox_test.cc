@@ -380,6 +380,64 @@ TEST_F(MailboxTest, SameHostMessagesTakeTheLane) {
   EXPECT_EQ(engine->dropped(), 0);
 }
 
+// A waiting mailbox wakes for a message on either of its two ways in: a lane, or its ZeroMQ
+// socket (a sender with lanes off). Each ping is answered while the other side already waits, so
+// a wake-up the wait missed would show as a receive that times out; with the spin on and off.
+TEST_F(MailboxTest, AWaitWakesForLaneAndZeroMqMessagesAlike) {
+  for (const auto spin : {0us, 20000us}) {
+    SCOPED_TRACE(fmt::format("spin {} us", spin.count()));
+    const std::string tag = std::to_string(spin.count());
+    MailboxOptions hub_options = box_options("trainer/" + tag, 5s, nullptr);
+    hub_options.settings.spin = spin;
+    auto hub = Mailbox::open(*store_, std::move(hub_options));
+    ASSERT_TRUE(hub.ok()) << hub.status().to_string();
+    auto by_lane = open("engine/lane/" + tag, 5s);
+    MailboxOptions zmq_options = box_options("engine/zmq/" + tag, 5s, nullptr);
+    zmq_options.settings.lanes = false;
+    auto by_zmq = Mailbox::open(*store_, std::move(zmq_options));
+    ASSERT_TRUE(by_lane && by_zmq.ok()) << by_zmq.status().to_string();
+    constexpr int kRounds = 200;
+    // Each peer answers every ping with its payload.
+    auto echo = [&](Mailbox& self, Status* status) {
+      for (int i = 0; i < kRounds / 2 && status->ok(); ++i) {
+        auto m = self.receive(5s);
+        if (!m.ok()) {
+          *status = m.status();
+          return;
+        }
+        *status = self.send(m->from, MessageType::kCommitted, m->payload);
+      }
+    };
+    Status lane_status, zmq_status;
+    std::thread lane_peer([&] { echo(*by_lane, &lane_status); });
+    std::thread zmq_peer([&] { echo(**by_zmq, &zmq_status); });
+    int answered = 0;
+    for (int i = 0; i < kRounds; ++i) {
+      const std::string peer = (i % 2 == 0 ? "engine/lane/" : "engine/zmq/") + tag;
+      const Status sent = (*hub)->send(peer, MessageType::kBegin, std::to_string(i));
+      auto m = (*hub)->receive(5s);
+      if (!sent.ok() || !m.ok()) {  // the peers' threads end at their own timeout
+        ADD_FAILURE() << "round " << i << ": " << sent.to_string() << "; "
+                      << m.status().to_string();
+        break;
+      }
+      EXPECT_EQ(m->from, peer);
+      EXPECT_EQ(m->payload, std::to_string(i));
+      ++answered;
+    }
+    lane_peer.join();
+    zmq_peer.join();
+    EXPECT_TRUE(lane_status.ok()) << lane_status.to_string();
+    EXPECT_TRUE(zmq_status.ok()) << zmq_status.to_string();
+    EXPECT_EQ(answered, kRounds);
+    // Half of the answers came over the lane, the other half over ZeroMQ.
+    EXPECT_EQ((*hub)->lane_messages(), kRounds / 2);
+    EXPECT_EQ(by_lane->lane_messages(), kRounds / 2);
+    EXPECT_EQ((*by_zmq)->lane_messages(), 0);
+    EXPECT_EQ((*hub)->dropped(), 0);
+  }
+}
+
 // A relay's answers reach the inbox one by one, each with its own sender; answers too large for
 // one message travel in several. A relayed message from a rank that relays for no one, or with an
 // answer of a rank outside the relay's group, is a protocol violation naming the relay.

@@ -372,11 +372,14 @@ Status write_frame(Outgoing& lane, std::uint8_t type, std::uint32_t epoch, std::
 
 bool Reader::fill() {
   char chunk[65536];
-  // At most 4 MiB per call: the frames it holds are taken before more is read.
+  // At most 4 MiB per call: the frames it holds are taken before more is read. A short read
+  // emptied the socket; what arrives later makes it readable again (its epoll set is level
+  // triggered), so it is not asked once more only to say so.
   for (int k = 0; k < 64; ++k) {
     const ssize_t n = ::recv(fd_.get(), chunk, sizeof chunk, MSG_DONTWAIT);
     if (n > 0) {
       buf_.append(chunk, static_cast<std::size_t>(n));
+      if (static_cast<std::size_t>(n) < sizeof chunk) return true;
       continue;
     }
     if (n == 0) return false;

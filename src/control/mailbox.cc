@@ -241,7 +241,12 @@ class ZmqInbox {
   }
 
   const std::string& endpoint() const { return endpoint_; }
-  void* socket() { return pull_.handle(); }
+  // The PULL socket's descriptor for a wait outside ZeroMQ (ZMQ_FD): it becomes readable when
+  // ZeroMQ has work for the socket, which readable() then does.
+  int signal_fd() { return pull_.get(zmq::sockopt::fd); }
+  // Whether a message is there to read (ZMQ_EVENTS: handles what ZeroMQ queued for the socket,
+  // which drains signal_fd()).
+  bool readable() { return (pull_.get(zmq::sockopt::events) & ZMQ_POLLIN) != 0; }
   std::int64_t dropped() const { return dropped_.load(); }
 
   // The next message on the PULL socket: nullopt when none is there; an empty Message (type 0)
@@ -336,12 +341,12 @@ class ZmqInbox {
       const Result<std::string> want = keys_->z85_of(m.from, /*budgeted=*/false);
       if (!want.ok() || key != *want) {
         ++dropped_;
-        log::warn_throttled(
-            throttle_,
-            "mailbox '{}': dropped a {} message claiming to come from '{}' (from "
-            "{}): {}",
-            o_.id, message_type_name(m.type), log::escape(m.from), origin(),
-            !want.ok() ? "no such sender registered a key" : "it was sent with another sender's key");
+        log::warn_throttled(throttle_,
+                            "mailbox '{}': dropped a {} message claiming to come from '{}' (from "
+                            "{}): {}",
+                            o_.id, message_type_name(m.type), log::escape(m.from), origin(),
+                            !want.ok() ? "no such sender registered a key"
+                                       : "it was sent with another sender's key");
         return std::nullopt;
       }
     }
@@ -373,13 +378,15 @@ class Spin {
  public:
   explicit Spin(std::chrono::microseconds window) : window_(window) {}
   void touch() { active_.store(Clock::now().time_since_epoch().count()); }
-  // Polls `items` until one is ready (true) or the window or `until` passed (false).
-  bool wait(std::vector<zmq_pollitem_t>& items, Clock::time_point until) {
+  // Calls `ready` (a check that does not block) until it is true (true) or the window or `until`
+  // passed (false).
+  template <typename Ready>
+  bool wait(Ready&& ready, Clock::time_point until) {
     if (window_.count() == 0) return false;
     const Clock::time_point last{Clock::duration(active_.load())};
     const Clock::time_point end = std::min(until, last + window_);
     while (Clock::now() < end) {
-      if (zmq_poll(items.data(), static_cast<int>(items.size()), 0) > 0) {
+      if (ready()) {
         ++spun_;
         return true;
       }
@@ -456,8 +463,23 @@ class ZmqMailbox final : public Mailbox {
                   l.status().message());
       }
     }
+    REFIT_RETURN_IF_ERROR(open_wait_set(who));
     return store_.set(mailbox_key(o_.id), zmq_in_.endpoint())
         .with_context(fmt::format("{}: publishing its address {}", who, zmq_in_.endpoint()));
+  }
+
+  Status open_wait_set(const std::string& who) {
+    wait_ = lane::Fd(::epoll_create1(EPOLL_CLOEXEC));
+    if (!wait_)
+      return Status::IOError(fmt::format("{}: epoll_create1: {}", who, errno_text(errno)));
+    const auto add = [&](int fd, std::uint32_t what) {
+      epoll_event ev{.events = EPOLLIN, .data = {.u32 = what}};
+      return ::epoll_ctl(wait_.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
+    };
+    if (!add(zmq_in_.signal_fd(), kZmqReady) ||
+        (lanes_in_ && !add(lanes_in_->poll_fd(), kLanesReady)))
+      return Status::IOError(fmt::format("{}: epoll_ctl: {}", who, errno_text(errno)));
+    return Status::Ok();
   }
 
   const std::string& id() const override { return o_.id; }
@@ -489,16 +511,23 @@ class ZmqMailbox final : public Mailbox {
       // the timeout nor hides a dead peer.
       bool dropped = false;
       try {
-        if (lanes_in_) lanes_in_->pump(lane_queue_);
+        if (lanes_in_ && lane_queue_.empty() && lanes_ready_) {
+          lanes_in_->pump(lane_queue_);
+          lanes_ready_ = false;
+        }
         std::optional<Message> m;
         if (!lane_queue_.empty()) {
           m = std::move(lane_queue_.front());
           lane_queue_.pop_front();
-        } else if (std::optional<std::optional<Message>> z = zmq_in_.next()) {
-          if (*z)
-            m = std::move(*z);
-          else
-            dropped = true;
+        } else if (zmq_ready_) {
+          if (std::optional<std::optional<Message>> z = zmq_in_.next()) {
+            if (*z)
+              m = std::move(*z);
+            else
+              dropped = true;
+          } else {
+            zmq_ready_ = false;
+          }
         }
         const std::uint32_t mine = epoch_.load();
         if (m && m->epoch < mine) {
@@ -538,13 +567,10 @@ class ZmqMailbox final : public Mailbox {
         spin_until = std::min(spin_until, next_check_);
       }
       if (dropped) continue;  // more may be queued: read them before waiting
-      std::vector<zmq_pollitem_t>& items = poll_items();
-      if (spin_.wait(items, spin_until)) continue;
-      const int polled =
-          zmq_poll(items.data(), static_cast<int>(items.size()), static_cast<long>(left.count()));
-      if (polled < 0 && zmq_errno() != EINTR) {
+      if (spin_.wait([this] { return wait_ready(0) > 0; }, spin_until)) continue;
+      if (wait_ready(static_cast<int>(left.count())) < 0 && errno != EINTR) {
         return Status::IOError(
-            fmt::format("mailbox '{}': poll failed: {}", o_.id, zmq_strerror(zmq_errno())));
+            fmt::format("mailbox '{}': wait failed: {}", o_.id, errno_text(errno)));
       }
     }
   }
@@ -567,14 +593,23 @@ class ZmqMailbox final : public Mailbox {
   std::int64_t lane_messages() const override { return lanes_in_ ? lanes_in_->messages() : 0; }
 
  private:
-  // What receive() waits on: the PULL socket and the lanes' epoll set (the lane gate and every
-  // lane).
-  std::vector<zmq_pollitem_t>& poll_items() {
-    if (items_.empty()) {
-      items_.assign({zmq_pollitem_t{zmq_in_.socket(), 0, ZMQ_POLLIN, 0}});
-      if (lanes_in_) items_.push_back(zmq_pollitem_t{nullptr, lanes_in_->poll_fd(), ZMQ_POLLIN, 0});
+  // Waits up to `ms` (0: only looks) for the PULL socket or a lane, and notes which of them may
+  // hold a message (zmq_ready_, lanes_ready_). Returns what epoll_wait returns.
+  int wait_ready(int ms) {
+    std::array<epoll_event, 2> ready{};
+    const int n = ::epoll_wait(wait_.get(), ready.data(), static_cast<int>(ready.size()), ms);
+    for (int i = 0; i < n; ++i) {
+      if (ready[static_cast<std::size_t>(i)].data.u32 == kLanesReady) {
+        lanes_ready_ = true;
+        continue;
+      }
+      try {
+        zmq_ready_ = zmq_ready_ || zmq_in_.readable();
+      } catch (const zmq::error_t&) {
+        zmq_ready_ = true;  // the read says what failed
+      }
     }
-    return items_;
+    return n;
   }
 
   // A message of a later refit epoch than ours: a peer saw the refit in flight fail before we did.
@@ -595,11 +630,17 @@ class ZmqMailbox final : public Mailbox {
   std::function<Status()> liveness_;
   std::chrono::milliseconds liveness_interval_{1000};
   Clock::time_point next_check_{};
-  std::deque<Message> lane_queue_;     // frames read from lanes, not yet returned
-  std::vector<zmq_pollitem_t> items_;  // poll_items()
+  std::deque<Message> lane_queue_;  // frames read from lanes, not yet returned
+  // What receive() waits on, one epoll set: the PULL socket's signal_fd() and the lanes' own
+  // epoll set (their gate and every lane). A wait is one system call; the socket is read only
+  // after it signalled or returned a message, the lanes only after their set was ready.
+  static constexpr std::uint32_t kZmqReady = 0, kLanesReady = 1;
+  lane::Fd wait_;
+  bool zmq_ready_ = true;    // the PULL socket may hold a message: read it before waiting
+  bool lanes_ready_ = true;  // a lane may hold a frame
   // One rate limit for every line a peer can cause, of every part: declared before them.
   log::Throttle throttle_;
-  zmq::context_t ctx_{1};              // declared before the sockets: destroyed after them
+  zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
   ZmqInbox zmq_in_;
   std::unique_ptr<LaneInbox> lanes_in_;  // this mailbox's same-host lane (ControlSettings::lanes)
   std::unique_ptr<Outbox> out_;
