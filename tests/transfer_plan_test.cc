@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/convert.h"
 #include "executor/routes.h"
 #include "plan/transfer_plan.h"
@@ -714,6 +715,34 @@ TEST(TransferPlan, ChecksumDoesNotDependOnHowElementsAreSplit) {
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_EQ(*a, *b) << dtype_name(as);
     EXPECT_NE(*a, 0u);
+  }
+}
+
+// The CPU plane's checksum is its definition (common/checksum.h): the sum over the elements of
+// checksum_term(the element's index in the destination, the bits of its cast value), for every
+// width of cast value, on strided blocks.
+TEST(TransferPlan, ChecksumIsTheSumOfItsTerms) {
+  Config cfg;
+  auto plane = make_data_plane(cfg);
+  ASSERT_TRUE(plane.ok());
+  constexpr std::int64_t kRows = 37, kCols = 45, kSrcStride = 50, kDstStride = 61, kDstAt = 7;
+  std::vector<float> data(static_cast<std::size_t>(kRows * kSrcStride));
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-3.f, 3.f);
+  for (float& v : data) v = u(rng);
+  const std::vector<CopyRun> runs = {{reinterpret_cast<const std::byte*>(data.data()), nullptr,
+                                      {0, kSrcStride, kDstAt, kDstStride, kRows, kCols}}};
+  for (DType as : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}) {
+    std::uint64_t want = 0;
+    for (std::int64_t r = 0; r < kRows; ++r)
+      for (std::int64_t c = 0; c < kCols; ++c) {
+        std::uint32_t bits = 0;  // little endian: the cast value's bytes, zero-extended
+        convert(&data[static_cast<std::size_t>(r * kSrcStride + c)], DType::kFloat32, &bits, as, 1);
+        want += checksum_term(static_cast<std::uint64_t>(kDstAt + r * kDstStride + c), bits);
+      }
+    auto got = (*plane)->checksum(runs, DType::kFloat32, as);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    EXPECT_EQ(*got, want) << dtype_name(as);
   }
 }
 

@@ -51,13 +51,15 @@ std::chrono::milliseconds Outbox::send_timeout() const {
 
 Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch,
                     const std::string& payload) {
-  const std::string what =
-      fmt::format("mailbox '{}': send {} to '{}'", options_.id, message_type_name(type), to);
+  // Formatted only for an error (or a first contact): a send is on every hop of every refit.
+  const auto what = [&] {
+    return fmt::format("mailbox '{}': send {} to '{}'", options_.id, message_type_name(type), to);
+  };
   if (static_cast<std::int64_t>(payload.size()) > kMaxMailboxMessageBytes)
     return Status::InvalidArgument(
         fmt::format("{}: the message has {} bytes, more than a mailbox message may have ({}: "
                     "kMaxMailboxMessageBytes, docs/security.md)",
-                    what, payload.size(), kMaxMailboxMessageBytes));
+                    what(), payload.size(), kMaxMailboxMessageBytes));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(to);
   if (it == peers_.end()) {
@@ -65,12 +67,12 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
     if (!address.ok()) {
       return address.status().with_context(
           fmt::format("{}: the peer did not publish its mailbox within {} ms (has it started?)",
-                      what, options_.timeout.count()));
+                      what(), options_.timeout.count()));
     }
     Peer peer;
     peer.address = *address;
     if (lanes_) peer.lane = open_lane(to);
-    if (!peer.lane) REFIT_RETURN_IF_ERROR(open_zmq(peer, what));
+    if (!peer.lane) REFIT_RETURN_IF_ERROR(open_zmq(peer, what()));
     it = peers_.emplace(to, std::move(peer)).first;
   }
   Status status;
@@ -82,7 +84,7 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
     if (!sent.ok())
       status = Status(sent.code(), fmt::format("{} over its same-host lane: {}; the peer closed "
                                                "it (exited?)",
-                                               what, sent.message()));
+                                               what(), sent.message()));
   } else {
     const std::array<std::uint8_t, 5> head{
         static_cast<std::uint8_t>(type), static_cast<std::uint8_t>(epoch),
@@ -119,21 +121,21 @@ Status Outbox::send(const std::string& to, MessageType type, std::uint32_t epoch
       it->second.socket.set(zmq::sockopt::sndtimeo, static_cast<int>(send_timeout().count()));
       if (!sent && !alive.ok())
         status = alive.with_context(fmt::format(
-            "{} at {}: not delivered within {} ms, and stopped waiting", what,
+            "{} at {}: not delivered within {} ms, and stopped waiting", what(),
             it->second.address, send_timeout().count()));
       else if (!sent)
         status = Status::Timeout(
             gone(probe)
                 ? fmt::format("{} at {}: not delivered within {} ms; the peer is not connected "
                               "and its port refuses connections (exited?)",
-                              what, it->second.address, send_timeout().count())
+                              what(), it->second.address, send_timeout().count())
                 : fmt::format("{} at {}: not delivered within {} ms; the peer's port accepts "
                               "connections, but it completed no handshake and read nothing (is "
                               "its process stopped or hung?)",
-                              what, it->second.address, options_.timeout.count()));
+                              what(), it->second.address, options_.timeout.count()));
     } catch (const zmq::error_t& e) {
       status = Status::IOError(
-          fmt::format("{} at {}: {}", what, it->second.address, errno_text(e.num())));
+          fmt::format("{} at {}: {}", what(), it->second.address, errno_text(e.num())));
     }
   }
   // Look the peer up again next time: it may have restarted under a new address.

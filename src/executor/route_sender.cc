@@ -52,7 +52,10 @@ Status RouteSender::resolve_export(std::size_t i, PausedMessage& answer) {
 }
 
 Status RouteSender::map_engine(std::size_t i, const ExportedParams& direct) {
-  const std::string key = direct.digest.empty() ? export_digest(direct) : direct.digest;
+  // Called for every peer target in every refit: the digest is compared in place.
+  std::string computed;
+  const std::string& key =
+      direct.digest.empty() ? (computed = export_digest(direct)) : direct.digest;
   Mapped& m = mapped_[i];
   if (!m.params.empty() && m.key == key) return Status::Ok();
   const int g = o_.targets[i];

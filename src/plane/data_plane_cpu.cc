@@ -377,6 +377,20 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
   // Rows [row_begin, row_end) of a checksum run: converted in chunks on the stack, then summed.
   static std::uint64_t checksum_rows(const CopyRun& r, std::int64_t row_begin, std::int64_t row_end,
                                      DType sdt, DType as) {
+    switch (dtype_size(as)) {  // once per call, not per element
+      case 4:
+        return checksum_rows_of<std::uint32_t>(r, row_begin, row_end, sdt, as);
+      case 2:
+        return checksum_rows_of<std::uint16_t>(r, row_begin, row_end, sdt, as);
+      default:
+        return checksum_rows_of<std::uint8_t>(r, row_begin, row_end, sdt, as);
+    }
+  }
+
+  // checksum_rows with the elements' bits read as `Bits` (an unsigned integer of `as`'s width).
+  template <typename Bits>
+  static std::uint64_t checksum_rows_of(const CopyRun& r, std::int64_t row_begin,
+                                        std::int64_t row_end, DType sdt, DType as) {
     constexpr std::int64_t kChunk = 1024;
     alignas(16) std::byte buf[kChunk * 4];
     const Block2D& b = r.block;
@@ -386,28 +400,14 @@ class CpuDataPlane final : public DataPlane, public PlaneDiagnostics {
         const std::int64_t n = std::min(kChunk, b.cols - c0);
         convert_block(r.src, sdt, b.src_offset + row * b.src_stride + c0, 0, buf, as, 0, 0, 1, n);
         const auto key0 = static_cast<std::uint64_t>(b.dst_offset + row * b.dst_stride + c0);
-        for (std::int64_t i = 0; i < n; ++i)
-          sum += checksum_term(key0 + static_cast<std::uint64_t>(i), element_bits(buf, as, i));
+        for (std::int64_t i = 0; i < n; ++i) {
+          Bits v;
+          std::memcpy(&v, buf + i * static_cast<std::int64_t>(sizeof(Bits)), sizeof(Bits));
+          sum += checksum_term(key0 + static_cast<std::uint64_t>(i), static_cast<std::uint32_t>(v));
+        }
       }
     }
     return sum;
-  }
-
-  static std::uint32_t element_bits(const std::byte* buf, DType dtype, std::int64_t i) {
-    switch (dtype_size(dtype)) {
-      case 4: {
-        std::uint32_t v;
-        std::memcpy(&v, buf + i * 4, 4);
-        return v;
-      }
-      case 2: {
-        std::uint16_t v;
-        std::memcpy(&v, buf + i * 2, 2);
-        return v;
-      }
-      default:
-        return static_cast<std::uint32_t>(buf[i]);
-    }
   }
 
   static void run_rows(const CopyRun& r, const std::byte* src_base, std::int64_t row_begin,
