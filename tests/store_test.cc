@@ -1,4 +1,5 @@
 // The rendezvous store: a server in-process, clients on threads.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -270,6 +271,39 @@ TEST(Store, ABeatCarriesTheWatchInOneRequestAndCountsForItsConnection) {
   ASSERT_EQ(stale.size(), 1u);
   EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
   EXPECT_TRUE(stale[0].closed);
+}
+
+// A liveness read looks at the heartbeats that stood still (and those of ranks that left), not at
+// every live rank's: the server keeps each directory of keys oldest first and stops at the first
+// that changed within the silence. Prefixes that end inside a key's last part still match.
+TEST(Store, AWatchVisitsTheKeysThatStoodStillNotEveryLiveOne) {
+  auto server = start_server();
+  ASSERT_TRUE(server);
+  auto a = connect(server->port());
+  ASSERT_TRUE(a);
+  for (int i = 0; i < 300; ++i) ASSERT_TRUE(a->add(fmt::format("heartbeat/trainer/{}", i), 1).ok());
+  ASSERT_TRUE(a->set("mailbox/trainer/0", "set once, outside the prefix").ok());
+  std::int64_t before = server->watch_visits();
+  auto live = a->watch({}, "heartbeat/", std::chrono::hours(1));
+  ASSERT_TRUE(live.ok()) << live.status().to_string();
+  EXPECT_TRUE(live->stale.empty());
+  EXPECT_EQ(server->watch_visits() - before, 1);  // the oldest heartbeat, which is young
+  before = server->watch_visits();
+  auto all = a->watch({}, "heartbeat/", 0ms);
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  EXPECT_EQ(all->stale.size(), 300u);
+  EXPECT_EQ(server->watch_visits() - before, 300);
+  // A prefix that ends inside a key's last part: the keys of the directory it ends in match, and
+  // those of the directories under it.
+  ASSERT_TRUE(a->add("heartbeat/engine0", 1).ok());
+  ASSERT_TRUE(a->add("heartbeat/engine/1", 1).ok());
+  ASSERT_TRUE(a->add("heartbeat/other", 1).ok());
+  auto partial = a->watch({}, "heartbeat/eng", 0ms);
+  ASSERT_TRUE(partial.ok()) << partial.status().to_string();
+  std::vector<std::string> names;
+  for (const Store::Stale& k : partial->stale) names.push_back(k.key);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"heartbeat/engine/1", "heartbeat/engine0"}));
 }
 
 // A stretch in which the server heard no request at all (its own process stalled: every live rank

@@ -180,6 +180,9 @@ class StoreServer {
   // connection it could not accept ("too many open files: this process's RLIMIT_NOFILE is N").
   // Trainer rank 0, which hosts the store, fails with it (its liveness check).
   virtual Status failure() const = 0;
+  // The keys the liveness reads (kWatch) looked at so far: the heartbeats that stood still and
+  // the ranks that left, not every live rank's heartbeat.
+  virtual std::int64_t watch_visits() const = 0;
 };
 
 struct StoreClientOptions {

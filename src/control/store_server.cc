@@ -45,6 +45,70 @@ constexpr std::chrono::milliseconds kStopPollInterval{50};
 // How long a bind is tried again while a connection, not a server, holds the port.
 constexpr std::chrono::seconds kConnectionHeldWait{2};
 
+// When each key was last set or added to, on the server's clock (ZmqStoreServer::heard), kept
+// oldest first within each directory of keys (a key up to its last '/'). A watch walks the
+// directories its prefix can match, and each only until the first key that changed within the
+// silence: it visits the keys that stood still and the ranks that left, not every live rank's
+// heartbeat, so what the store does per beat does not grow with the run.
+class ChangeRecord {
+ public:
+  // `key` changed at `when`, no earlier than any change recorded before.
+  void touch(const std::string& key, Clock::time_point when) {
+    erase(key);
+    const std::size_t slash = key.rfind('/');
+    const std::string dir = slash == std::string::npos ? std::string() : key.substr(0, slash + 1);
+    auto d = dirs_.try_emplace(dir).first;
+    d->second.push_back(Entry{key, when});
+    where_.emplace(key, Where{d, std::prev(d->second.end())});
+  }
+  void erase(const std::string& key) {
+    const auto it = where_.find(key);
+    if (it == where_.end()) return;
+    const Where w = it->second;
+    where_.erase(it);
+    w.dir->second.erase(w.entry);
+    if (w.dir->second.empty()) dirs_.erase(w.dir);
+  }
+  // Calls fn(key, when) for every key under `prefix` that last changed at or before `before`, in
+  // no particular order; returns how many keys it looked at.
+  template <typename Fn>
+  std::int64_t each_before(const std::string& prefix, Clock::time_point before, Fn&& fn) const {
+    std::int64_t visits = 0;
+    const auto walk = [&](const List& keys) {
+      for (const Entry& e : keys) {
+        ++visits;
+        if (e.when > before) return;  // every later key changed later
+        if (e.key.compare(0, prefix.size(), prefix) == 0) fn(e.key, e.when);
+      }
+    };
+    // The directories that start with the prefix, and the one a key must be in to match a prefix
+    // that ends inside its last part (the prefix up to its last '/').
+    for (auto d = dirs_.lower_bound(prefix);
+         d != dirs_.end() && d->first.compare(0, prefix.size(), prefix) == 0; ++d)
+      walk(d->second);
+    const std::size_t slash = prefix.rfind('/');
+    const std::string_view under =
+        std::string_view(prefix).substr(0, slash == std::string::npos ? 0 : slash + 1);
+    if (under.size() < prefix.size())
+      if (const auto d = dirs_.find(under); d != dirs_.end()) walk(d->second);
+    return visits;
+  }
+
+ private:
+  struct Entry {
+    std::string key;
+    Clock::time_point when;
+  };
+  using List = std::list<Entry>;
+  using Dirs = std::map<std::string, List, std::less<>>;
+  struct Where {
+    Dirs::iterator dir;
+    List::iterator entry;
+  };
+  Dirs dirs_;
+  std::unordered_map<std::string, Where> where_;
+};
+
 class ZmqStoreServer final : public StoreServer {
  public:
   ZmqStoreServer(std::shared_ptr<const ControlAuth> auth, int max_pending)
@@ -125,6 +189,7 @@ class ZmqStoreServer final : public StoreServer {
   }
 
   int port() const override { return port_; }
+  std::int64_t watch_visits() const override { return watch_visits_.load(); }
   std::int64_t refused() const override { return refused_.load(); }
   int pending_high_water() const override { return high_water_.load(); }
   Status failure() const override {
@@ -230,13 +295,15 @@ class ZmqStoreServer final : public StoreServer {
                endpoint_, log::escape(key));
   }
 
-  // A request arrived at `now`: a deaf stretch before it (store_wire.h, kDeafGapMs) moves every
-  // key's last change forward by its length beyond kDeafGapMs, so that no age counts it.
+  // The server's clock: steady time less the deaf stretches (heard()).
+  Clock::time_point clock() const { return Clock::now() - deaf_; }
+
+  // A request arrived at `now`: a deaf stretch before it (store_wire.h, kDeafGapMs) stops the
+  // server's clock (clock()) for its length beyond kDeafGapMs, so that no key's age counts it.
   void heard(Clock::time_point now) {
     const auto gap = std::chrono::milliseconds(store_wire::kDeafGapMs);
     if (last_heard_ != Clock::time_point{} && now - last_heard_ > gap) {
-      const auto deaf = now - last_heard_ - gap;
-      for (auto& [key, when] : changed_) when += deaf;
+      deaf_ += now - last_heard_ - gap;
       log::debug("store server {}: heard no request for {:.1f} s; heartbeat ages leave it out",
                  endpoint_, std::chrono::duration<double>(now - last_heard_).count());
     }
@@ -306,7 +373,7 @@ class ZmqStoreServer final : public StoreServer {
                                    log::escape(arg(0))));
         }
         data_[arg(0)] = arg(1);
-        changed_[arg(0)] = Clock::now();
+        changed_.touch(arg(0), clock());
         reply(identity, request_id, Reply::kOk, {});
         wake_waiters();
         return;
@@ -398,14 +465,14 @@ class ZmqStoreServer final : public StoreServer {
     }
     current += delta;
     data_[key] = std::to_string(current);
-    changed_[key] = Clock::now();
+    changed_.touch(key, clock());
     note_counter(frame, key);
     return current;
   }
 
   // A kWatch reply (store_wire.h): the keys' values, then every stale key under `prefix`.
   std::string watch_payload(std::int64_t silence_ms, const std::string& prefix,
-                            const std::vector<std::string>& keys) const {
+                            const std::vector<std::string>& keys) {
     std::vector<std::optional<std::string>> values;
     for (const std::string& k : keys) {
       auto it = data_.find(k);
@@ -423,19 +490,18 @@ class ZmqStoreServer final : public StoreServer {
       values.emplace_back(std::string(store_wire::kClosedMark) + std::to_string(age.count()));
       ++stale;
     }
-    // The keys under `prefix` only (changed_ is ordered by key), not every key of the run.
-    for (auto it = changed_.lower_bound(prefix);
-         it != changed_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
-      const auto& [key, when] = *it;
-      if (closed_.count(key) != 0) continue;
-      const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - when);
-      if (age.count() < silence_ms) continue;
-      const auto v = data_.find(key);
-      if (v == data_.end() || v->second == "left") continue;
-      values.emplace_back(key);
-      values.emplace_back(std::to_string(age.count()));
-      ++stale;
-    }
+    const Clock::time_point at = clock();
+    watch_visits_ += changed_.each_before(
+        prefix, at - std::chrono::milliseconds(silence_ms),
+        [&](const std::string& key, Clock::time_point when) {
+          if (closed_.count(key) != 0) return;
+          const auto v = data_.find(key);
+          if (v == data_.end() || v->second == "left") return;
+          values.emplace_back(key);
+          values.emplace_back(std::to_string(
+              std::chrono::duration_cast<std::chrono::milliseconds>(at - when).count()));
+          ++stale;
+        });
     return store_wire::encode_i64(stale) + store_wire::encode_values(values);
   }
 
@@ -517,6 +583,7 @@ class ZmqStoreServer final : public StoreServer {
   zmq::socket_t router_;
   zmq::socket_t monitor_;  // router_'s connection events
   std::atomic<std::int64_t> refused_{0};
+  std::atomic<std::int64_t> watch_visits_{0};  // keys the watches looked at (watch_visits())
   std::atomic<int> high_water_{0};
   PendingHandshakes pending_;         // the serving thread's
   std::int64_t accept_failures_ = 0;  // in a row, since the last accepted connection
@@ -529,7 +596,8 @@ class ZmqStoreServer final : public StoreServer {
   // Owned by the serving thread.
   std::unordered_map<std::string, std::string> data_;
   // When each key was last set or added to (kWatch: heartbeats that stood still).
-  std::map<std::string, Clock::time_point> changed_;
+  ChangeRecord changed_;
+  Clock::duration deaf_{0};  // the deaf stretches so far, beyond kDeafGapMs each (heard())
   Clock::time_point last_heard_{};  // when the last request arrived (heard())
   // The counter each connection last added to, by descriptor, and the counters whose connection
   // closed without leaving, since when (note_counter, note_closed).
