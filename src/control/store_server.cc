@@ -52,8 +52,12 @@ constexpr std::chrono::seconds kConnectionHeldWait{2};
 // heartbeat, so what the store does per beat does not grow with the run.
 class ChangeRecord {
  public:
-  // `key` changed at `when`, no earlier than any change recorded before.
+  // `key` changed at `when`, taken as no earlier than the latest change recorded: the server's
+  // clock steps back when a request took longer than kDeafGapMs to serve (the deaf stretch is
+  // counted from its arrival), and every directory must stay in order.
   void touch(const std::string& key, Clock::time_point when) {
+    latest_ = std::max(latest_, when);
+    when = latest_;
     erase(key);
     const std::size_t slash = key.rfind('/');
     const std::string dir = slash == std::string::npos ? std::string() : key.substr(0, slash + 1);
@@ -107,6 +111,7 @@ class ChangeRecord {
   };
   Dirs dirs_;
   std::unordered_map<std::string, Where> where_;
+  Clock::time_point latest_{};
 };
 
 class ZmqStoreServer final : public StoreServer {
@@ -597,7 +602,7 @@ class ZmqStoreServer final : public StoreServer {
   std::unordered_map<std::string, std::string> data_;
   // When each key was last set or added to (kWatch: heartbeats that stood still).
   ChangeRecord changed_;
-  Clock::duration deaf_{0};  // the deaf stretches so far, beyond kDeafGapMs each (heard())
+  Clock::duration deaf_{0};         // the deaf stretches so far, beyond kDeafGapMs each (heard())
   Clock::time_point last_heard_{};  // when the last request arrived (heard())
   // The counter each connection last added to, by descriptor, and the counters whose connection
   // closed without leaving, since when (note_counter, note_closed).
