@@ -382,7 +382,8 @@ TEST_F(MailboxTest, SameHostMessagesTakeTheLane) {
 
 // A waiting mailbox wakes for a message on either of its two ways in: a lane, or its ZeroMQ
 // socket (a sender with lanes off). Each ping is answered while the other side already waits, so
-// a wake-up the wait missed would show as a receive that times out; with the spin on and off.
+// a wake-up the wait missed would show as a receive that times out; with the spin on and off
+// (that the spin catches messages is asserted by EnvCli.ControlSpinCatchesTheRefitsMessages).
 TEST_F(MailboxTest, AWaitWakesForLaneAndZeroMqMessagesAlike) {
   for (const auto spin : {0us, 20000us}) {
     SCOPED_TRACE(fmt::format("spin {} us", spin.count()));

@@ -479,6 +479,7 @@ class ZmqMailbox final : public Mailbox {
     if (!add(zmq_in_.signal_fd(), kZmqReady) ||
         (lanes_in_ && !add(lanes_in_->poll_fd(), kLanesReady)))
       return Status::IOError(fmt::format("{}: epoll_ctl: {}", who, errno_text(errno)));
+    lanes_ready_ = lanes_in_ != nullptr;
     return Status::Ok();
   }
 
@@ -567,7 +568,11 @@ class ZmqMailbox final : public Mailbox {
         spin_until = std::min(spin_until, next_check_);
       }
       if (dropped) continue;  // more may be queued: read them before waiting
-      if (spin_.wait([this] { return wait_ready(0) > 0; }, spin_until)) continue;
+      // The spin counts messages: a ready descriptor that brought none (ZeroMQ's own commands)
+      // spins on.
+      if (spin_.wait([this] { return wait_ready(0) > 0 && (zmq_ready_ || lanes_ready_); },
+                     spin_until))
+        continue;
       if (wait_ready(static_cast<int>(left.count())) < 0 && errno != EINTR) {
         return Status::IOError(
             fmt::format("mailbox '{}': wait failed: {}", o_.id, errno_text(errno)));
@@ -637,7 +642,7 @@ class ZmqMailbox final : public Mailbox {
   static constexpr std::uint32_t kZmqReady = 0, kLanesReady = 1;
   lane::Fd wait_;
   bool zmq_ready_ = true;    // the PULL socket may hold a message: read it before waiting
-  bool lanes_ready_ = true;  // a lane may hold a frame
+  bool lanes_ready_ = true;  // a lane may hold a frame (never without lanes)
   // One rate limit for every line a peer can cause, of every part: declared before them.
   log::Throttle throttle_;
   zmq::context_t ctx_{1};  // declared before the sockets: destroyed after them
