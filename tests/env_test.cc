@@ -8,6 +8,7 @@
 #include <cctype>
 #include <functional>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -201,6 +202,16 @@ TEST(EnvCli, GoodValuesAreUsedAndLoggedAtDebug) {
 }
 
 // The sum of N over the lines "...N<tail>" of `output`.
+// Whether a line of `output` holds `first` and, after it, `then`.
+bool a_line_has(const std::string& output, const std::string& first, const std::string& then) {
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);)
+    if (const std::size_t at = line.find(first);
+        at != std::string::npos && line.find(then, at) != std::string::npos)
+      return true;
+  return false;
+}
+
 std::int64_t count_in_lines(const std::string& output, const std::string& tail) {
   std::int64_t n = 0;
   for (std::size_t at = output.find(tail); at != std::string::npos;
@@ -233,8 +244,9 @@ TEST(EnvCli, ControlSpinCatchesTheRefitsMessages) {
 }
 
 // REFIT_CONTROL_LANES: ranks on one host exchange the refit's messages over same-host lanes
-// (control/lane.h), each mailbox counting at exit what came that way; with 0, none does, and the
-// refit runs over ZeroMQ alone.
+// (control/lane.h), each mailbox counting at exit what came that way, and the ranks on the store's
+// host beat over a lane to it (control/store_lanes.h), which the store logs for each; with 0, none
+// does, and the refit runs over ZeroMQ alone.
 TEST(EnvCli, SameHostLanesCarryTheRefitsMessages) {
   EXPECT_TRUE(*env::parse_control_lanes(env::Text()));
   EXPECT_FALSE(*env::parse_control_lanes("0"));
@@ -248,6 +260,9 @@ TEST(EnvCli, SameHostLanesCarryTheRefitsMessages) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_GT(count_in_lines(r.output, tail), 0) << r.output;
     EXPECT_NE(r.output.find("over its same-host lane"), std::string::npos) << r.output;
+    for (const std::string rank : {"trainer/0", "engine/0"})
+      EXPECT_TRUE(a_line_has(r.output, "store server ", "'" + rank + "' beats over a same-host lane"))
+          << rank << ":\n" << r.output;
   }
   ScopedEnv off("REFIT_CONTROL_LANES", "0");
   auto r = run_cli({"run", cfg, "--steps", "3", "--verify"}, 120);
@@ -255,6 +270,7 @@ TEST(EnvCli, SameHostLanesCarryTheRefitsMessages) {
   EXPECT_NE(r.output.find("environment: REFIT_CONTROL_LANES=0"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find(tail), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("over its same-host lane"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("beats over a same-host lane"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -23,6 +23,8 @@
 #include "control/fd_limit.h"
 #include "control/ports.h"
 #include "control/store.h"
+#include "control/store_lanes.h"
+#include "control/store_wire.h"
 #include "test_util.h"
 
 namespace refit {
@@ -901,6 +903,141 @@ TEST(Store, TheStoresHostCheckItsDescriptorLimit) {
     EXPECT_GE(fd_limit().soft, 4 * ranks + 256);
   }
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
+}
+
+// Same-host lanes to the store (control/store_lanes.h): the host identity both sides are given.
+constexpr char kLaneHost[] = "store-test-host";
+
+std::unique_ptr<StoreServer> start_lane_server(std::shared_ptr<const ControlAuth> auth) {
+  auto server = StoreServer::start(StoreServerOptions{
+      .host = "127.0.0.1", .port = 0, .auth = std::move(auth), .lane_host_identity = kLaneHost});
+  EXPECT_TRUE(server.ok()) << server.status().to_string();
+  return server.ok() ? std::move(server).value() : nullptr;
+}
+
+// A heartbeat's client: it beats over a lane as `id` when `host` is the store's.
+std::unique_ptr<Store> connect_beats(int port, const std::string& id, const std::string& host,
+                                     std::shared_ptr<const ControlAuth> auth) {
+  auto client = connect_store(StoreClientOptions{.host = "127.0.0.1",
+                                                 .port = port,
+                                                 .connect_timeout = 5s,
+                                                 .request_timeout = 5s,
+                                                 .auth = std::move(auth),
+                                                 .lane_id = id,
+                                                 .lane_host_identity = host});
+  EXPECT_TRUE(client.ok()) << client.status().to_string();
+  return client.ok() ? std::move(client).value() : nullptr;
+}
+
+// A rank on the store's host beats over a lane to the store's process: its beats and liveness
+// reads, and nothing else, are answered there (a refused one with the same error as over ZeroMQ),
+// they count the key for the lane, and the lane's close without "left" (its process exited or was
+// killed) reads as the rank's exit. A rank on another host beats over ZeroMQ. With and without a
+// run secret.
+TEST(Store, BeatsFromTheStoresHostTakeALaneThatCountsForTheRank) {
+  for (const std::shared_ptr<const ControlAuth>& auth :
+       {std::shared_ptr<const ControlAuth>(), auth_of("a-secret-0123456789abcdef")}) {
+    SCOPED_TRACE(auth ? "with a run secret" : "without one");
+    auto server = start_lane_server(auth);
+    ASSERT_TRUE(server);
+    EXPECT_FALSE(server->lane_address().empty());
+    auto watcher = connect_store("127.0.0.1", server->port(), 5s, auth);
+    ASSERT_TRUE(watcher.ok()) << watcher.status().to_string();
+    auto rank = connect_beats(server->port(), "engine/1", kLaneHost, auth);
+    auto far = connect_beats(server->port(), "engine/2", "another-host", auth);
+    ASSERT_TRUE(rank && far);
+    ASSERT_TRUE((*watcher)->set("error/first", "boom").ok());
+    auto w = rank->beat_and_watch("heartbeat/engine/1", {"error/first", "heartbeat/engine/1"},
+                                  "heartbeat/", std::chrono::hours(1), 5s);
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    EXPECT_EQ(w->values, (std::vector<std::optional<std::string>>{"boom", "1"}));
+    EXPECT_TRUE(w->stale.empty());
+    auto n = rank->add("heartbeat/engine/1", 1);
+    ASSERT_TRUE(n.ok()) << n.status().to_string();
+    EXPECT_EQ(*n, 2);
+    EXPECT_EQ(server->lane_requests(), 2);
+    ASSERT_TRUE((*watcher)->set("heartbeat/engine/9", "left").ok());
+    auto bad = rank->beat_and_watch("heartbeat/engine/9", {}, "heartbeat/", 0ms, 5s);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("'heartbeat/engine/9' is not an integer"),
+              std::string::npos)
+        << bad.status().to_string();
+    EXPECT_EQ(server->lane_requests(), 3);
+    // Every other request takes ZeroMQ, and so do the beats of a rank on another host.
+    ASSERT_TRUE(rank->set("note/engine/1", "x").ok());
+    auto far_beat = far->beat_and_watch("heartbeat/engine/2", {}, "heartbeat/",
+                                        std::chrono::hours(1), 5s);
+    ASSERT_TRUE(far_beat.ok()) << far_beat.status().to_string();
+    EXPECT_EQ(server->lane_requests(), 3);
+    rank.reset();  // exits without leaving: its lane closes
+    const std::vector<Store::Stale> stale = closed_counters(**watcher);
+    ASSERT_EQ(stale.size(), 1u);
+    EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
+    EXPECT_TRUE(stale[0].closed);
+  }
+}
+
+// A key counts for the connection that added to it last: a heartbeat that moved from its lane to
+// ZeroMQ (a lane that broke) does not read as an exit when the lane closes, and does once the
+// connection that took it over closes.
+TEST(Store, AKeyCountsForTheConnectionThatAddedToItLast) {
+  auto server = start_lane_server(nullptr);
+  ASSERT_TRUE(server);
+  auto watcher = connect(server->port());
+  auto by_lane = connect_beats(server->port(), "trainer/1", kLaneHost, nullptr);
+  auto by_zmq = connect(server->port());
+  ASSERT_TRUE(watcher && by_lane && by_zmq);
+  ASSERT_TRUE(by_lane->add("heartbeat/trainer/1", 1).ok());
+  ASSERT_EQ(server->lane_requests(), 1);
+  ASSERT_TRUE(by_zmq->add("heartbeat/trainer/1", 1).ok());
+  by_lane.reset();
+  // The lane's close reaches the store's thread at once; a request on another lane after it is
+  // served after it.
+  auto later = connect_beats(server->port(), "trainer/2", kLaneHost, nullptr);
+  ASSERT_TRUE(later);
+  ASSERT_TRUE(later->add("heartbeat/trainer/2", 1).ok());
+  std::this_thread::sleep_for(200ms);
+  auto w = watcher->watch({}, "heartbeat/", std::chrono::hours(1));
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  EXPECT_TRUE(w->stale.empty()) << w->stale[0].key;
+  by_zmq.reset();
+  const std::vector<Store::Stale> stale = closed_counters(*watcher);
+  ASSERT_EQ(stale.size(), 1u);
+  EXPECT_EQ(stale[0].key, "heartbeat/trainer/1");
+  EXPECT_TRUE(stale[0].closed);
+}
+
+// A store's lanes take only holders of the run secret: a hello made with another secret's keys,
+// or with none, is refused (counted with the store's refused connections) and opens no lane. A
+// client on another host opens none.
+TEST(Store, AStoreLaneRefusesAHelloWithoutTheRunSecret) {
+  const auto mine = auth_of("the-run-secret-0123456789abcdef");
+  auto server = start_lane_server(mine);
+  ASSERT_TRUE(server);
+  const std::string at = server->lane_address();
+  const std::int64_t before = server->refused();
+  for (const std::shared_ptr<const ControlAuth>& wrong :
+       {auth_of("another-secret-0123456789abcdef"), std::shared_ptr<const ControlAuth>()}) {
+    auto lane = store_lanes::Client::open(at, kLaneHost, "engine/1", wrong.get(), 2s);
+    ASSERT_FALSE(lane.ok());
+    EXPECT_NE(lane.status().message().find("refused the hello"), std::string::npos)
+        << lane.status().to_string();
+  }
+  for (int i = 0; i < 100 && server->refused() < before + 2; ++i) std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(server->refused(), before + 2);
+  auto far = store_lanes::Client::open(at, "another-host", "engine/1", mine.get(), 2s);
+  ASSERT_TRUE(far.ok()) << far.status().to_string();
+  EXPECT_EQ(*far, nullptr);
+  auto good = store_lanes::Client::open(at, kLaneHost, "engine/1", mine.get(), 2s);
+  ASSERT_TRUE(good.ok() && *good) << good.status().to_string();
+  auto a = (*good)->exchange(store_wire::Op::kAdd,
+                             {"heartbeat/engine/1", store_wire::encode_i64(1)},
+                             Clock::now() + 5s, [] { return false; });
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  EXPECT_EQ(a->code, store_wire::Reply::kOk);
+  EXPECT_EQ(a->payload, store_wire::encode_i64(1));
+  EXPECT_EQ(server->lane_requests(), 1);
+  EXPECT_EQ(server->refused(), before + 2);
 }
 
 }  // namespace

@@ -167,6 +167,16 @@ FrameSeal::FrameSeal(const unsigned char* key) : keyed_(true) {
                           kKeyBytes, kTagBytes);
 }
 
+FrameSeal FrameSeal::answers(const unsigned char* lane_key) {
+  static constexpr char kLabel[] = "refit lane answers 1";
+  unsigned char key[kKeyBytes];
+  crypto_generichash(key, sizeof key, reinterpret_cast<const unsigned char*>(kLabel),
+                     sizeof kLabel - 1, lane_key, kKeyBytes);
+  FrameSeal seal(key);
+  sodium_memzero(key, sizeof key);
+  return seal;
+}
+
 FrameSeal::FrameSeal(FrameSeal&& o) noexcept : seq_(o.seq_), keyed_(o.keyed_) {
   std::memcpy(keyed_state_, o.keyed_state_, sizeof keyed_state_);
   sodium_memzero(o.keyed_state_, sizeof o.keyed_state_);
@@ -326,7 +336,10 @@ Result<Outgoing> connect(const Address& a, const std::string& sender, const std:
           "the receiver's accept does not carry the lane key: its listener is not the mailbox "
           "that published the lane");
   }
-  if (sent.ok() && sender_secret != nullptr) out.seal = FrameSeal(key);
+  if (sent.ok() && sender_secret != nullptr) {
+    out.seal = FrameSeal(key);
+    out.answers = FrameSeal::answers(key);
+  }
   sodium_memzero(key, sizeof key);
   if (!sent.ok()) return sent.with_context(fmt::format("lane @{}", log::escape(a.name)));
   return out;
@@ -356,15 +369,20 @@ Status write_raw_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::stri
 
 Status write_frame(Outgoing& lane, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
                    std::chrono::milliseconds timeout) {
-  if (!lane.seal.keyed()) return write_raw_frame(lane.fd.get(), type, epoch, payload, timeout);
+  return write_frame(lane.fd.get(), lane.seal, type, epoch, payload, timeout);
+}
+
+Status write_frame(int fd, FrameSeal& seal, std::uint8_t type, std::uint32_t epoch,
+                   std::string_view payload, std::chrono::milliseconds timeout) {
+  if (!seal.keyed()) return write_raw_frame(fd, type, epoch, payload, timeout);
   std::string head;
   put_u32(head, static_cast<std::uint32_t>(5 + payload.size() + kTagBytes));
   head.push_back(static_cast<char>(type));
   put_u32(head, epoch);
   unsigned char tag[kTagBytes];
-  lane.seal.tag(type, epoch, payload, tag);
+  seal.tag(type, epoch, payload, tag);
   return write_all(
-      lane.fd.get(),
+      fd,
       {iovec{head.data(), head.size()}, iovec{const_cast<char*>(payload.data()), payload.size()},
        iovec{tag, kTagBytes}},
       Clock::now() + timeout);

@@ -105,6 +105,10 @@ class FrameSeal {
  public:
   FrameSeal() = default;
   explicit FrameSeal(const unsigned char* key);
+  // The seal of the frames the receiver writes back on a lane that carries answers too (the
+  // store's, control/store_lanes.h): keyed with BLAKE2b of the lane key under a label of its own,
+  // so that a frame of one direction never passes for one of the other.
+  static FrameSeal answers(const unsigned char* lane_key);
   FrameSeal(FrameSeal&& o) noexcept;
   FrameSeal& operator=(FrameSeal&& o) noexcept;
   ~FrameSeal();
@@ -126,6 +130,7 @@ class FrameSeal {
 struct Outgoing {
   Fd fd;
   FrameSeal seal;
+  FrameSeal answers;  // of the frames the receiver writes back (FrameSeal::answers)
 };
 
 // Connects (blocking, local) to the lane at `a` as `sender`, reads the gate's challenge, answers
@@ -143,6 +148,9 @@ void accept_tag(const unsigned char* lane_key, std::string_view challenge, unsig
 // signal); sealed when the lane is keyed.
 Status write_frame(Outgoing& lane, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
                    std::chrono::milliseconds timeout);
+// The same on socket `fd` with `seal`: an answer written back on a lane, with its answers' seal.
+Status write_frame(int fd, FrameSeal& seal, std::uint8_t type, std::uint32_t epoch,
+                   std::string_view payload, std::chrono::milliseconds timeout);
 // The same on a bare socket, never sealed (the gate's challenge; tests).
 Status write_raw_frame(int fd, std::uint8_t type, std::uint32_t epoch, std::string_view payload,
                        std::chrono::milliseconds timeout);

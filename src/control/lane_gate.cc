@@ -247,6 +247,7 @@ class GateImpl final : public Gate {
                                        log::escape(hello->from)));
       }
       a.seal = FrameSeal(lane_key);
+      a.answers = FrameSeal::answers(lane_key);
       accept_tag(lane_key, challenge, tag);
       accept = std::string_view(reinterpret_cast<const char*>(tag), kTagBytes);
       sodium_memzero(lane_key, sizeof lane_key);

@@ -43,6 +43,7 @@ struct Accepted {
   Fd fd;
   std::string from;
   FrameSeal seal;
+  FrameSeal answers;  // of frames written back to the sender (FrameSeal::answers)
 };
 
 class Gate {

@@ -141,7 +141,8 @@ inline constexpr int kZmqBacklog = 4096;
 inline constexpr int kZmqMaxPendingHandshakes = 256;
 
 // How many connections one rank may hold to the store: its main client (a connection per thread
-// that uses it at once), the liveness probe and the heartbeat.
+// that uses it at once), the liveness probe and the heartbeat; a store that takes same-host lanes
+// (StoreServerOptions::lane_host_identity) counts one descriptor more per rank.
 inline constexpr int kStoreConnectionsPerRank = 4;
 
 struct StoreServerOptions {
@@ -157,6 +158,10 @@ struct StoreServerOptions {
   // Connections that may wait for their handshake at once; 0: kZmqMaxPendingHandshakes, or the
   // ranks' connections when there are more.
   int max_pending_handshakes = 0;
+  // This host's identity (ControlSettings::host_identity) where same-host lanes are on: the
+  // server then also takes heartbeats over lanes from the ranks on its host
+  // (control/store_lanes.h). Empty: ZeroMQ only.
+  std::string lane_host_identity;
 };
 
 class StoreServer {
@@ -183,6 +188,10 @@ class StoreServer {
   // The keys the liveness reads (kWatch) looked at so far: the heartbeats that stood still and
   // the ranks that left, not every live rank's heartbeat.
   virtual std::int64_t watch_visits() const = 0;
+  // Requests answered over same-host lanes so far (heartbeats and liveness reads), and where its
+  // lanes' gate listens (what a ping answers: lane::publish_address; empty without lanes).
+  virtual std::int64_t lane_requests() const = 0;
+  virtual std::string lane_address() const = 0;
 };
 
 struct StoreClientOptions {
@@ -195,6 +204,13 @@ struct StoreClientOptions {
   std::chrono::milliseconds request_timeout{60000};
   // With auth, the connection is CURVE-authenticated both ways with the run's keys.
   std::shared_ptr<const ControlAuth> auth;
+  // With an id (1 to 255 bytes: the rank's name in the store's log lines) and this host's
+  // identity (ControlSettings::host_identity, where same-host lanes are on): the client's
+  // heartbeats and liveness reads (add, beat_and_watch, watch) take a lane to the store's
+  // process when it runs on this host (control/store_lanes.h), and ZeroMQ when there is none or
+  // it breaks. Every other request takes ZeroMQ.
+  std::string lane_id;
+  std::string lane_host_identity;
 };
 
 // Connects to a StoreServer, then fails naming the address and what was found there: nothing

@@ -25,6 +25,7 @@
 #include "control/auth.h"
 #include "control/fd_limit.h"
 #include "control/store.h"
+#include "control/store_lanes.h"
 #include "control/store_wire.h"
 #include "control/zmq_monitor.h"
 
@@ -86,7 +87,7 @@ class StoreClient final : public Store {
 
   // One ping, retried by ZeroMQ's reconnects until `timeout`.
   Status ping(std::chrono::milliseconds timeout) override {
-    auto reply = request(Op::kPing, {}, timeout, "connect");
+    Result<std::string> reply = request(Op::kPing, {}, timeout, "connect");
     if (!reply.ok()) {
       if (reply.status().code() == StatusCode::kTimeout) {
         // A server that does not answer a ping is stopped or hung: later calls fail at once
@@ -100,8 +101,33 @@ class StoreClient final : public Store {
       }
       return reply.status();
     }
-    pinged_.store(true);
+    // The first ping is connect_store's, before the client is shared.
+    if (!pinged_.exchange(true)) lanes_at_ = std::move(reply).value();
     return Status::Ok();
+  }
+
+  // From now on this client's heartbeats and liveness reads take a lane, as `id`, to the store's
+  // process when the first ping found it on this host (`host_identity`), and ZeroMQ otherwise.
+  void open_lane(const std::string& id, const std::string& host_identity,
+                 std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(lane_mu_);
+    Result<std::unique_ptr<store_lanes::Client>> lane =
+        store_lanes::Client::open(lanes_at_, host_identity, id, auth_.get(), timeout);
+    if (!lane.ok()) {
+      // Another network namespace refuses at once (debug); a gate that does not answer in time
+      // (busy) is worth a line.
+      const std::string line =
+          fmt::format("store {}: no same-host lane to the store for '{}' ({}); its heartbeats go "
+                      "over ZeroMQ",
+                      address_, id, lane.status().message());
+      if (lane.status().code() == StatusCode::kTimeout)
+        log::info("{}", line);
+      else
+        log::debug("{}", line);
+      return;
+    }
+    lane_ = std::move(lane).value();
+    if (lane_) log::debug("store {}: '{}' beats over a same-host lane", address_, id);
   }
 
   Status set(const std::string& key, const std::string& value) override {
@@ -230,6 +256,8 @@ class StoreClient final : public Store {
                               bool* absent = nullptr) {
     if (dead()) return lost_status(what);
     requests_.fetch_add(1, std::memory_order_relaxed);
+    if (op == Op::kAdd || op == Op::kWatch)
+      if (std::optional<Result<std::string>> r = over_lane(op, args, wait, what, absent)) return *r;
     std::unique_ptr<Connection> conn;
     try {
       conn = acquire();
@@ -248,6 +276,30 @@ class StoreClient final : public Store {
     }
     if (reusable && !lost_.load()) release(std::move(conn));
     return result;
+  }
+
+  // The request over this client's same-host lane: nullopt when it has none (or another thread
+  // uses it), or when it broke (then dropped: ZeroMQ carries this request and every later one).
+  std::optional<Result<std::string>> over_lane(Op op, const std::vector<std::string>& args,
+                                               std::chrono::milliseconds wait,
+                                               const std::string& what, bool* absent) {
+    std::unique_lock<std::mutex> lock(lane_mu_, std::try_to_lock);
+    if (!lock.owns_lock() || !lane_) return std::nullopt;
+    Result<store_lanes::Answer> a =
+        lane_->exchange(op, args, Clock::now() + wait, [this] { return aborted_.load(); });
+    if (a.ok()) return answer(op, a->code, std::move(a->payload), what, absent);
+    if (aborted_.load()) return lost_status(what);
+    if (a.status().code() == StatusCode::kTimeout) return no_reply(what, wait);
+    log::info("store {}: the same-host lane to the store broke ({}); heartbeats go over ZeroMQ",
+              address_, a.status().message());
+    lane_.reset();
+    return std::nullopt;
+  }
+
+  Status no_reply(const std::string& what, std::chrono::milliseconds wait) const {
+    return Status::Timeout(fmt::format(
+        "store {}: no reply to {} within {} ms (is the store server alive?)", address_, what,
+        wait.count()));
   }
 
   Result<std::string> exchange(Connection& conn, Op op, const std::vector<std::string>& args,
@@ -270,11 +322,7 @@ class StoreClient final : public Store {
       if (aborted_.load()) return lost_status(what);
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) {
-        return Status::Timeout(
-            fmt::format("store {}: no reply to {} within {} ms (is the store server alive?)",
-                        address_, what, wait.count()));
-      }
+      if (left.count() <= 0) return no_reply(what, wait);
       std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{conn.dealer.handle(), 0, ZMQ_POLLIN, 0},
                                           zmq_pollitem_t{conn.monitor.handle(), 0, ZMQ_POLLIN, 0}};
       // In slices, so that abort() ends the wait.
@@ -298,28 +346,33 @@ class StoreClient final : public Store {
                                               address_, frames.size(), what));
       }
       if (frames[0].to_string() != id) continue;  // a late reply to an earlier, timed-out call
-      const auto code = static_cast<Reply>(*frames[1].data<std::uint8_t>());
-      switch (code) {
-        case Reply::kOk:
-          return frames[2].to_string();
-        case Reply::kAbsent:
-          if (absent) {
-            *absent = true;
-            return std::string();
-          }
-          return Status::NotFound(fmt::format("store {}: {}: key not found", address_, what));
-        case Reply::kTimeout:
-          if (op == Op::kGet)
-            return Status::Timeout(fmt::format("store {}: {} timed out", address_, what));
-          return Status::Timeout(fmt::format("store {}: {} timed out; still missing: '{}'",
-                                             address_, what, frames[2].to_string()));
-        case Reply::kError:
-          return Status::InvalidArgument(
-              fmt::format("store {}: {}: {}", address_, what, frames[2].to_string()));
-      }
-      return Status::Corruption(fmt::format("store {}: unknown reply code {} to {}", address_,
-                                            static_cast<int>(code), what));
+      return answer(op, static_cast<Reply>(*frames[1].data<std::uint8_t>()), frames[2].to_string(),
+                    what, absent);
     }
+  }
+
+  // What a reply means to the caller of `op`.
+  Result<std::string> answer(Op op, Reply code, std::string payload, const std::string& what,
+                             bool* absent) {
+    switch (code) {
+      case Reply::kOk:
+        return payload;
+      case Reply::kAbsent:
+        if (absent) {
+          *absent = true;
+          return std::string();
+        }
+        return Status::NotFound(fmt::format("store {}: {}: key not found", address_, what));
+      case Reply::kTimeout:
+        if (op == Op::kGet)
+          return Status::Timeout(fmt::format("store {}: {} timed out", address_, what));
+        return Status::Timeout(fmt::format("store {}: {} timed out; still missing: '{}'",
+                                           address_, what, payload));
+      case Reply::kError:
+        return Status::InvalidArgument(fmt::format("store {}: {}: {}", address_, what, payload));
+    }
+    return Status::Corruption(fmt::format("store {}: unknown reply code {} to {}", address_,
+                                          static_cast<int>(code), what));
   }
 
   // Requests fail at once: the connection was lost, refused, found stalled, or aborted.
@@ -505,6 +558,9 @@ class StoreClient final : public Store {
   Status aborted_why_;       // guarded by mu_
   std::string refused_why_;  // guarded by mu_
   std::vector<std::unique_ptr<Connection>> idle_;
+  std::mutex lane_mu_;
+  std::string lanes_at_;                       // the first ping's answer (ping)
+  std::unique_ptr<store_lanes::Client> lane_;  // open_lane (guarded by lane_mu_)
 };
 
 }  // namespace
@@ -528,6 +584,9 @@ Result<std::unique_ptr<Store>> connect_store(const StoreClientOptions& o) {
         fmt::format("store client for tcp://{}:{}: {}", o.host, o.port, errno_text(e.num())));
   }
   REFIT_RETURN_IF_ERROR(client->ping(o.connect_timeout));
+  if (!o.lane_id.empty() && !o.lane_host_identity.empty())
+    client->open_lane(o.lane_id, o.lane_host_identity,
+                      std::min(o.connect_timeout, std::chrono::milliseconds(2000)));
   return std::unique_ptr<Store>(std::move(client));
 }
 

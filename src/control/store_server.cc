@@ -25,6 +25,7 @@
 #include "control/fd_limit.h"
 #include "control/ports.h"
 #include "control/store.h"
+#include "control/store_lanes.h"
 #include "control/store_wire.h"
 #include "control/zmq_monitor.h"
 
@@ -189,13 +190,25 @@ class ZmqStoreServer final : public StoreServer {
     return Status::Ok();
   }
 
+  // Takes heartbeats over same-host lanes too (control/store_lanes.h).
+  Status open_lanes(const std::string& host_identity) {
+    REFIT_ASSIGN_OR_RETURN(lanes_, store_lanes::Server::open("store server " + endpoint_,
+                                                             host_identity, auth_.get(),
+                                                             throttle_));
+    return Status::Ok();
+  }
+
   void start_serving() {
     thread_ = std::thread([this] { serve(); });
   }
 
   int port() const override { return port_; }
   std::int64_t watch_visits() const override { return watch_visits_.load(); }
-  std::int64_t refused() const override { return refused_.load(); }
+  std::int64_t refused() const override {
+    return refused_.load() + (lanes_ ? lanes_->refused() : 0);
+  }
+  std::int64_t lane_requests() const override { return lane_requests_.load(); }
+  std::string lane_address() const override { return lanes_ ? lanes_->address() : std::string(); }
   int pending_high_water() const override { return high_water_.load(); }
   Status failure() const override {
     std::lock_guard<std::mutex> lock(failure_mu_);
@@ -219,15 +232,18 @@ class ZmqStoreServer final : public StoreServer {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - now);
         timeout = std::max(std::chrono::milliseconds(0), std::min(timeout, left));
       }
-      std::array<zmq_pollitem_t, 2> items{zmq_pollitem_t{router_.handle(), 0, ZMQ_POLLIN, 0},
-                                          zmq_pollitem_t{monitor_.handle(), 0, ZMQ_POLLIN, 0}};
-      const int rc = zmq_poll(items.data(), 2, static_cast<long>(timeout.count()));
+      std::array<zmq_pollitem_t, 3> items{
+          zmq_pollitem_t{router_.handle(), 0, ZMQ_POLLIN, 0},
+          zmq_pollitem_t{monitor_.handle(), 0, ZMQ_POLLIN, 0},
+          zmq_pollitem_t{nullptr, lanes_ ? lanes_->fd() : -1, ZMQ_POLLIN, 0}};
+      const int rc = zmq_poll(items.data(), lanes_ ? 3 : 2, static_cast<long>(timeout.count()));
       if (rc < 0 && zmq_errno() != EINTR) {
         std::fprintf(stderr, "refit store server %s: poll failed: %s\n", endpoint_.c_str(),
                      zmq_strerror(zmq_errno()));
         std::this_thread::sleep_for(kStopPollInterval);
       }
       if (rc > 0 && (items[0].revents & ZMQ_POLLIN) != 0) drain_requests();
+      if (rc > 0 && (items[2].revents & ZMQ_POLLIN) != 0) serve_lanes();
       watch_connections_once();
       expire_waiters(Clock::now());
     }
@@ -243,7 +259,7 @@ class ZmqStoreServer final : public StoreServer {
         log::warn_throttled(throttle_, "store server {}: refused a connection: {}", endpoint_,
                             pending_.silent_refusal());
       }
-      if (e.event == ZMQ_EVENT_DISCONNECTED) note_closed(static_cast<int>(e.value));
+      if (e.event == ZMQ_EVENT_DISCONNECTED) note_closed(e.value);
       if (e.event == ZMQ_EVENT_ACCEPTED) accept_failures_ = 0;
       if (!e.refused()) continue;
       if (e.event == ZMQ_EVENT_ACCEPT_FAILED) {
@@ -279,20 +295,25 @@ class ZmqStoreServer final : public StoreServer {
   }
 
   // A counter (a heartbeat) remembers the connection that last added to it (the descriptor the
-  // request came in on). When that connection closes and the key does not hold "left", the
-  // process closed it without leaving: it exited or was killed, which the kernel tells at once,
-  // on this host or another; kWatch reports the key as closed from then on.
-  void note_counter(zmq::message_t& frame, const std::string& key) {
-    const int fd = zmq_msg_get(frame.handle(), ZMQ_SRCFD);
-    if (fd < 0) return;
-    counter_of_fd_[fd] = key;
+  // request came in on, or its lane). When that connection closes and the key does not hold
+  // "left", the process closed it without leaving: it exited or was killed, which the kernel
+  // tells at once, on this host or another; kWatch reports the key as closed from then on. A
+  // connection that closes after another one took the key over (a heartbeat that moved from
+  // ZeroMQ to its lane, or back) reports nothing.
+  void note_counter(std::int64_t connection, const std::string& key) {
+    if (connection < 0) return;
+    counter_of_[connection] = key;
+    counting_[key] = connection;
     closed_.erase(key);
   }
-  void note_closed(int fd) {
-    const auto it = counter_of_fd_.find(fd);
-    if (it == counter_of_fd_.end()) return;
+  void note_closed(std::int64_t connection) {
+    const auto it = counter_of_.find(connection);
+    if (it == counter_of_.end()) return;
     const std::string key = std::move(it->second);
-    counter_of_fd_.erase(it);
+    counter_of_.erase(it);
+    const auto c = counting_.find(key);
+    if (c == counting_.end() || c->second != connection) return;
+    counting_.erase(c);
     const auto v = data_.find(key);
     if (v != data_.end() && v->second == "left") return;
     closed_[key] = Clock::now();
@@ -364,7 +385,8 @@ class ZmqStoreServer final : public StoreServer {
 
     switch (op) {
       case Op::kPing:
-        reply(identity, request_id, Reply::kOk, {});
+        // With same-host lanes, where they are (a client on this host beats over one).
+        reply(identity, request_id, Reply::kOk, lanes_ ? lanes_->address() : std::string());
         return;
       case Op::kSet: {
         if (nargs != 2) return malformed("set");
@@ -399,18 +421,13 @@ class ZmqStoreServer final : public StoreServer {
         }
         return reply(identity, request_id, Reply::kOk, store_wire::encode_values(values));
       }
-      case Op::kWatch: {
-        std::int64_t silence_ms = 0;
-        if (nargs < 3 || !store_wire::decode_i64(arg(0), &silence_ms)) return malformed("watch");
-        std::vector<std::string> keys;
-        for (std::size_t i = 3; i < nargs; ++i) keys.push_back(arg(i));
-        // The beat first, so that the rank's own key is fresh in the answer.
-        if (const std::string beat = arg(2); !beat.empty()) {
-          Result<std::int64_t> n = add_to(beat, 1, frames.back());
-          if (!n.ok()) return reply(identity, request_id, Reply::kError, n.status().message());
-          wake_waiters();
-        }
-        return reply(identity, request_id, Reply::kOk, watch_payload(silence_ms, arg(1), keys));
+      case Op::kWatch:
+      case Op::kAdd: {
+        std::vector<std::string> args;
+        for (std::size_t i = 0; i < nargs; ++i) args.push_back(arg(i));
+        const store_lanes::Answer a =
+            counted(op, args, zmq_msg_get(frames.back().handle(), ZMQ_SRCFD));
+        return reply(identity, request_id, a.code, a.payload);
       }
       case Op::kGet:
       case Op::kWait: {
@@ -441,23 +458,56 @@ class ZmqStoreServer final : public StoreServer {
         closed_.erase(key);
         return reply(identity, request_id, Reply::kOk, {});
       }
-      case Op::kAdd: {
-        std::int64_t delta = 0;
-        if (nargs != 2 || !store_wire::decode_i64(arg(1), &delta)) return malformed("add");
-        Result<std::int64_t> n = add_to(arg(0), delta, frames.back());
-        if (!n.ok()) return reply(identity, request_id, Reply::kError, n.status().message());
-        reply(identity, request_id, Reply::kOk, store_wire::encode_i64(*n));
-        wake_waiters();
-        return;
-      }
     }
     reply(identity, request_id, Reply::kError,
           fmt::format("unknown store op {}", static_cast<int>(op)));
   }
 
+  // The requests that count a key for their connection (a ZeroMQ connection's descriptor, or a
+  // lane's number), from a connection or a lane alike: kAdd, and kWatch with its beat.
+  store_lanes::Answer counted(Op op, const std::vector<std::string>& args,
+                              std::int64_t connection) {
+    const auto malformed = [](const char* what) {
+      return store_lanes::Answer{Reply::kError, fmt::format("malformed {} request", what)};
+    };
+    if (op == Op::kAdd) {
+      std::int64_t delta = 0;
+      if (args.size() != 2 || !store_wire::decode_i64(args[1], &delta)) return malformed("add");
+      Result<std::int64_t> n = add_to(args[0], delta, connection);
+      if (!n.ok()) return {Reply::kError, n.status().message()};
+      wake_waiters();
+      return {Reply::kOk, store_wire::encode_i64(*n)};
+    }
+    if (op != Op::kWatch)
+      return {Reply::kError, fmt::format("store op {} does not travel on a same-host lane",
+                                         static_cast<int>(op))};
+    std::int64_t silence_ms = 0;
+    if (args.size() < 3 || !store_wire::decode_i64(args[0], &silence_ms)) return malformed("watch");
+    const std::vector<std::string> keys(args.begin() + 3, args.end());
+    // The beat first, so that the rank's own key is fresh in the answer.
+    if (const std::string& beat = args[2]; !beat.empty()) {
+      Result<std::int64_t> n = add_to(beat, 1, connection);
+      if (!n.ok()) return {Reply::kError, n.status().message()};
+      wake_waiters();
+    }
+    return {Reply::kOk, watch_payload(silence_ms, args[1], keys)};
+  }
+
+  // Heartbeats and liveness reads over the same-host lanes.
+  void serve_lanes() {
+    lanes_->serve(
+        [this](Op op, const std::vector<std::string>& args, std::int64_t connection) {
+          heard(Clock::now());
+          ++lane_requests_;
+          return counted(op, args, connection);
+        },
+        [this](std::int64_t connection) { note_closed(connection); });
+  }
+
   // kAdd (and a kWatch's beat): adds `delta` to the integer at `key` (absent: 0), the request's
-  // connection (`frame`'s) counting it from now on.
-  Result<std::int64_t> add_to(const std::string& key, std::int64_t delta, zmq::message_t& frame) {
+  // connection counting it from now on.
+  Result<std::int64_t> add_to(const std::string& key, std::int64_t delta,
+                              std::int64_t connection) {
     std::int64_t current = 0;
     auto it = data_.find(key);
     if (it != data_.end()) {
@@ -471,7 +521,7 @@ class ZmqStoreServer final : public StoreServer {
     current += delta;
     data_[key] = std::to_string(current);
     changed_.touch(key, clock());
-    note_counter(frame, key);
+    note_counter(connection, key);
     return current;
   }
 
@@ -589,6 +639,8 @@ class ZmqStoreServer final : public StoreServer {
   zmq::socket_t monitor_;  // router_'s connection events
   std::atomic<std::int64_t> refused_{0};
   std::atomic<std::int64_t> watch_visits_{0};  // keys the watches looked at (watch_visits())
+  std::unique_ptr<store_lanes::Server> lanes_;  // same-host lanes (open_lanes), or none
+  std::atomic<std::int64_t> lane_requests_{0};
   std::atomic<int> high_water_{0};
   PendingHandshakes pending_;         // the serving thread's
   std::int64_t accept_failures_ = 0;  // in a row, since the last accepted connection
@@ -604,9 +656,10 @@ class ZmqStoreServer final : public StoreServer {
   ChangeRecord changed_;
   Clock::duration deaf_{0};         // the deaf stretches so far, beyond kDeafGapMs each (heard())
   Clock::time_point last_heard_{};  // when the last request arrived (heard())
-  // The counter each connection last added to, by descriptor, and the counters whose connection
-  // closed without leaving, since when (note_counter, note_closed).
-  std::unordered_map<int, std::string> counter_of_fd_;
+  // The counter each connection last added to (by descriptor, or a lane's number), and the
+  // counters whose connection closed without leaving, since when (note_counter, note_closed).
+  std::unordered_map<std::int64_t, std::string> counter_of_;
+  std::unordered_map<std::string, std::int64_t> counting_;  // the connection counting each key
   std::unordered_map<std::string, Clock::time_point> closed_;
   std::list<Waiter> waiters_;
 };
@@ -631,12 +684,14 @@ Result<std::unique_ptr<StoreServer>> StoreServer::start(const StoreServerOptions
     return Status::IOError(
         fmt::format("store server: cannot create a ZeroMQ socket: {}", e.what()));
   }
+  // A same-host lane holds one descriptor more per rank.
+  const int per_rank = kStoreConnectionsPerRank + (o.lane_host_identity.empty() ? 0 : 1);
   if (o.ranks > 0)
     REFIT_RETURN_IF_ERROR(ensure_fd_limit(
-        std::int64_t{kStoreConnectionsPerRank} * o.ranks + kBaseDescriptors, "store server",
-        fmt::format("a store for {} ranks ({} connections each)", o.ranks,
-                    kStoreConnectionsPerRank)));
+        std::int64_t{per_rank} * o.ranks + kBaseDescriptors, "store server",
+        fmt::format("a store for {} ranks ({} connections each)", o.ranks, per_rank)));
   REFIT_RETURN_IF_ERROR(server->bind(host, port));
+  if (!o.lane_host_identity.empty()) REFIT_RETURN_IF_ERROR(server->open_lanes(o.lane_host_identity));
   server->start_serving();
   return std::unique_ptr<StoreServer>(std::move(server));
 }

@@ -8,7 +8,8 @@
 // The request id lets a client drop a late reply to a request that already timed out.
 //
 //   op        arguments                              ok reply payload
-//   kPing     -                                      -
+//   kPing     -                                      the address of the store's same-host lanes
+//                                                    (control/store_lanes.h), or empty
 //   kSet      key, value                             -
 //   kGet      timeout ms (int64), key                value            (or kTimeout: key)
 //   kTryGet   key                                    value            (or kAbsent)

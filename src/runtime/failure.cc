@@ -380,7 +380,11 @@ Result<LivenessConnections> connect_liveness(const ConnectStoreFn& connect,
                              .request_timeout = kBeatRequestTimeout,
                              .auth = nullptr};
   REFIT_ASSIGN_OR_RETURN(c.probe, connect(o));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats, connect(o));
+  // The beats take a same-host lane to the store's process where there is one (a store on this
+  // host, lanes on: control/store_lanes.h).
+  StoreClientOptions beat = o;
+  beat.lane_id = who.mailbox();
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> beats, connect(beat));
   c.heartbeat = std::make_unique<Heartbeat>(std::move(beats), c.probe.get(), who);
   return c;
 }

@@ -23,16 +23,22 @@ Result<RankServices> default_services() {
   REFIT_ASSIGN_OR_RETURN(const std::shared_ptr<const ControlAuth> auth, process_control_auth());
   RankServices s;
   s.authenticated = auth != nullptr;
-  s.start_store = [auth](const std::string& host, int port, int ranks) {
-    return StoreServer::start(
-        StoreServerOptions{.host = host, .port = port, .auth = auth, .ranks = ranks});
+  REFIT_ASSIGN_OR_RETURN(const ControlSettings control, control_settings_from_environment());
+  // Same-host lanes carry the heartbeats of the ranks on the store's host too.
+  const std::string lanes_host = control.lanes ? control.host_identity : std::string();
+  s.start_store = [auth, lanes_host](const std::string& host, int port, int ranks) {
+    return StoreServer::start(StoreServerOptions{.host = host,
+                                                 .port = port,
+                                                 .auth = auth,
+                                                 .ranks = ranks,
+                                                 .lane_host_identity = lanes_host});
   };
-  s.connect_store = [auth](const StoreClientOptions& options) {
+  s.connect_store = [auth, lanes_host](const StoreClientOptions& options) {
     StoreClientOptions o = options;
     o.auth = auth;
+    o.lane_host_identity = lanes_host;
     return connect_store(o);
   };
-  REFIT_ASSIGN_OR_RETURN(const ControlSettings control, control_settings_from_environment());
   s.open_mailbox = [auth, control](Store& store, MailboxOptions options) {
     options.auth = auth;
     options.settings = control;
