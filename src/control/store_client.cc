@@ -256,8 +256,12 @@ class StoreClient final : public Store {
                               bool* absent = nullptr) {
     if (dead()) return lost_status(what);
     requests_.fetch_add(1, std::memory_order_relaxed);
+    // A lane that broke closes only after ZeroMQ carried this request in its place: its close
+    // then never reads, at the store, as the exit of the rank whose heartbeat it counted.
+    std::unique_ptr<store_lanes::Client> broken;
     if (op == Op::kAdd || op == Op::kWatch)
-      if (std::optional<Result<std::string>> r = over_lane(op, args, wait, what, absent)) return *r;
+      if (std::optional<Result<std::string>> r = over_lane(op, args, wait, what, absent, broken))
+        return *r;
     std::unique_ptr<Connection> conn;
     try {
       conn = acquire();
@@ -279,10 +283,12 @@ class StoreClient final : public Store {
   }
 
   // The request over this client's same-host lane: nullopt when it has none (or another thread
-  // uses it), or when it broke (then dropped: ZeroMQ carries this request and every later one).
+  // uses it), or when it broke (then handed to `broken`: ZeroMQ carries this request and every
+  // later one).
   std::optional<Result<std::string>> over_lane(Op op, const std::vector<std::string>& args,
                                                std::chrono::milliseconds wait,
-                                               const std::string& what, bool* absent) {
+                                               const std::string& what, bool* absent,
+                                               std::unique_ptr<store_lanes::Client>& broken) {
     std::unique_lock<std::mutex> lock(lane_mu_, std::try_to_lock);
     if (!lock.owns_lock() || !lane_) return std::nullopt;
     Result<store_lanes::Answer> a =
@@ -292,7 +298,7 @@ class StoreClient final : public Store {
     if (a.status().code() == StatusCode::kTimeout) return no_reply(what, wait);
     log::info("store {}: the same-host lane to the store broke ({}); heartbeats go over ZeroMQ",
               address_, a.status().message());
-    lane_.reset();
+    broken = std::move(lane_);
     return std::nullopt;
   }
 

@@ -182,9 +182,12 @@ Result<std::unique_ptr<Client>> Client::open(const std::string& published,
 Result<Answer> Client::exchange(Op op, const std::vector<std::string>& args,
                                 Clock::time_point deadline, const std::function<bool()>& stop) {
   const std::uint32_t number = ++number_;
-  REFIT_RETURN_IF_ERROR(lane::write_frame(reader_.fd(), seal_, kRequestFrame, number,
-                                          encode_request(op, args),
-                                          std::chrono::milliseconds(1000)));
+  // A request written in part leaves the lane unusable, so a write that fails breaks it, late or
+  // not.
+  if (Status sent = lane::write_frame(reader_.fd(), seal_, kRequestFrame, number,
+                                      encode_request(op, args), std::chrono::milliseconds(1000));
+      !sent.ok())
+    return Status::IOError(sent.message());
   bool ended = false;
   for (;;) {
     // Answers arrive in the order of the requests: one to an earlier request that timed out is

@@ -125,7 +125,8 @@ class Client {
 
   // Sends one request and waits for its answer until `deadline`, in slices of at most 100 ms that
   // end once `stop()` holds (kAborted). kTimeout: no answer in time; the lane stays usable (a late
-  // answer is skipped). Any other error: the lane is broken.
+  // answer is skipped). Any other error (a request it could not write among them): the lane is
+  // broken.
   Result<Answer> exchange(store_wire::Op op, const std::vector<std::string>& args,
                           std::chrono::steady_clock::time_point deadline,
                           const std::function<bool()>& stop);
