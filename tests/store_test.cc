@@ -1,6 +1,7 @@
 // The rendezvous store: a server in-process, clients on threads.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sodium.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +21,7 @@
 #include <unistd.h>
 
 #include "control/auth.h"
+#include "control/lane.h"
 #include "control/fd_limit.h"
 #include "control/ports.h"
 #include "control/store.h"
@@ -1038,6 +1040,73 @@ TEST(Store, AStoreLaneRefusesAHelloWithoutTheRunSecret) {
   EXPECT_EQ(a->payload, store_wire::encode_i64(1));
   EXPECT_EQ(server->lane_requests(), 1);
   EXPECT_EQ(server->refused(), before + 2);
+}
+
+// What a store's lane carries: heartbeats and liveness reads, answered under the answers' seal.
+// Any other request is answered with an error and the lane stays; a frame that fails its tag, or
+// is not a request, closes the lane (counted with the refused connections), and with it the
+// heartbeat it counted reads as an exit.
+TEST(Store, AStoreLaneAnswersOnlyBeatsAndClosesOnAForgedFrame) {
+  const auto mine = auth_of("the-run-secret-0123456789abcdef");
+  auto server = start_lane_server(mine);
+  ASSERT_TRUE(server);
+  auto watcher = connect_store("127.0.0.1", server->port(), 5s, mine);
+  ASSERT_TRUE(watcher.ok()) << watcher.status().to_string();
+  auto lane = store_lanes::Client::open(server->lane_address(), kLaneHost, "engine/1", mine.get(),
+                                        2s);
+  ASSERT_TRUE(lane.ok() && *lane) << lane.status().to_string();
+  const auto exchange = [&](store_wire::Op op, const std::vector<std::string>& args) {
+    return (*lane)->exchange(op, args, Clock::now() + 5s, [] { return false; });
+  };
+  auto set = exchange(store_wire::Op::kSet, {"auth/key/engine/1", "forged"});
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  EXPECT_EQ(set->code, store_wire::Reply::kError);
+  EXPECT_NE(set->payload.find("does not travel on a same-host lane"), std::string::npos)
+      << set->payload;
+  auto key = (*watcher)->try_get("auth/key/engine/1");
+  ASSERT_TRUE(key.ok());
+  EXPECT_FALSE(key->has_value());
+  auto beat = exchange(store_wire::Op::kAdd, {"heartbeat/engine/1", store_wire::encode_i64(1)});
+  ASSERT_TRUE(beat.ok() && beat->code == store_wire::Reply::kOk) << beat.status().to_string();
+  EXPECT_EQ(server->lane_requests(), 2);
+
+  // A second lane of the same member, whose frames are written without its seal.
+  unsigned char sk[32];
+  ASSERT_TRUE(lane::z85_key(mine->member_secret(), sk));
+  const auto at = lane::parse_address(server->lane_address(), kLaneHost);
+  ASSERT_TRUE(at.has_value());
+  auto raw = lane::connect(*at, "engine/2", "store", sk, 2s);
+  ASSERT_TRUE(raw.ok()) << raw.status().to_string();
+  ASSERT_TRUE((*watcher)->set("heartbeat/engine/2", "0").ok());
+  lane::FrameSeal wrong(sk);  // not the lane's key
+  const std::int64_t refused = server->refused();
+  std::string request(1, static_cast<char>(store_wire::Op::kAdd));
+  for (const std::string& arg : {std::string("heartbeat/engine/2"), store_wire::encode_i64(1)}) {
+    for (int i = 0; i < 4; ++i) request.push_back(static_cast<char>(arg.size() >> (8 * i)));
+    request += arg;
+  }
+  ASSERT_TRUE(lane::write_frame(raw->fd.get(), wrong, store_lanes::kRequestFrame, 1, request, 1s)
+                  .ok());
+  for (int i = 0; i < 100 && server->refused() == refused; ++i) std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(server->refused(), refused + 1);
+  char b = 0;
+  pollfd p{raw->fd.get(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  EXPECT_EQ(::recv(raw->fd.get(), &b, 1, 0), 0);  // closed, unanswered
+  auto two = (*watcher)->try_get("heartbeat/engine/2");
+  ASSERT_TRUE(two.ok() && two->has_value());
+  EXPECT_EQ(**two, "0");  // the forged beat was not counted
+  EXPECT_EQ(server->lane_requests(), 2);
+  // The first lane is untouched; its close without "left" reads as its rank's exit.
+  auto again = exchange(store_wire::Op::kAdd, {"heartbeat/engine/1", store_wire::encode_i64(1)});
+  ASSERT_TRUE(again.ok() && again->code == store_wire::Reply::kOk)
+      << again.status().to_string();
+  lane->reset();
+  const std::vector<Store::Stale> stale = closed_counters(**watcher);
+  ASSERT_EQ(stale.size(), 1u);
+  EXPECT_EQ(stale[0].key, "heartbeat/engine/1");
+  EXPECT_TRUE(stale[0].closed);
+  sodium_memzero(sk, sizeof sk);
 }
 
 }  // namespace
