@@ -967,8 +967,8 @@ TEST(Store, BeatsFromTheStoresHostTakeALaneThatCountsForTheRank) {
     EXPECT_EQ(server->lane_requests(), 3);
     // Every other request takes ZeroMQ, and so do the beats of a rank on another host.
     ASSERT_TRUE(rank->set("note/engine/1", "x").ok());
-    auto far_beat = far->beat_and_watch("heartbeat/engine/2", {}, "heartbeat/",
-                                        std::chrono::hours(1), 5s);
+    auto far_beat =
+        far->beat_and_watch("heartbeat/engine/2", {}, "heartbeat/", std::chrono::hours(1), 5s);
     ASSERT_TRUE(far_beat.ok()) << far_beat.status().to_string();
     EXPECT_EQ(server->lane_requests(), 3);
     rank.reset();  // exits without leaving: its lane closes
@@ -1032,9 +1032,9 @@ TEST(Store, AStoreLaneRefusesAHelloWithoutTheRunSecret) {
   EXPECT_EQ(*far, nullptr);
   auto good = store_lanes::Client::open(at, kLaneHost, "engine/1", mine.get(), 2s);
   ASSERT_TRUE(good.ok() && *good) << good.status().to_string();
-  auto a = (*good)->exchange(store_wire::Op::kAdd,
-                             {"heartbeat/engine/1", store_wire::encode_i64(1)},
-                             Clock::now() + 5s, [] { return false; });
+  auto a =
+      (*good)->exchange(store_wire::Op::kAdd, {"heartbeat/engine/1", store_wire::encode_i64(1)},
+                        Clock::now() + 5s, [] { return false; });
   ASSERT_TRUE(a.ok()) << a.status().to_string();
   EXPECT_EQ(a->code, store_wire::Reply::kOk);
   EXPECT_EQ(a->payload, store_wire::encode_i64(1));
@@ -1052,8 +1052,8 @@ TEST(Store, AStoreLaneAnswersOnlyBeatsAndClosesOnAForgedFrame) {
   ASSERT_TRUE(server);
   auto watcher = connect_store("127.0.0.1", server->port(), 5s, mine);
   ASSERT_TRUE(watcher.ok()) << watcher.status().to_string();
-  auto lane = store_lanes::Client::open(server->lane_address(), kLaneHost, "engine/1", mine.get(),
-                                        2s);
+  auto lane =
+      store_lanes::Client::open(server->lane_address(), kLaneHost, "engine/1", mine.get(), 2s);
   ASSERT_TRUE(lane.ok() && *lane) << lane.status().to_string();
   const auto exchange = [&](store_wire::Op op, const std::vector<std::string>& args) {
     return (*lane)->exchange(op, args, Clock::now() + 5s, [] { return false; });
@@ -1085,8 +1085,8 @@ TEST(Store, AStoreLaneAnswersOnlyBeatsAndClosesOnAForgedFrame) {
     for (int i = 0; i < 4; ++i) request.push_back(static_cast<char>(arg.size() >> (8 * i)));
     request += arg;
   }
-  ASSERT_TRUE(lane::write_frame(raw->fd.get(), wrong, store_lanes::kRequestFrame, 1, request, 1s)
-                  .ok());
+  ASSERT_TRUE(
+      lane::write_frame(raw->fd.get(), wrong, store_lanes::kRequestFrame, 1, request, 1s).ok());
   for (int i = 0; i < 100 && server->refused() == refused; ++i) std::this_thread::sleep_for(50ms);
   EXPECT_EQ(server->refused(), refused + 1);
   char b = 0;
@@ -1099,8 +1099,7 @@ TEST(Store, AStoreLaneAnswersOnlyBeatsAndClosesOnAForgedFrame) {
   EXPECT_EQ(server->lane_requests(), 2);
   // The first lane is untouched; its close without "left" reads as its rank's exit.
   auto again = exchange(store_wire::Op::kAdd, {"heartbeat/engine/1", store_wire::encode_i64(1)});
-  ASSERT_TRUE(again.ok() && again->code == store_wire::Reply::kOk)
-      << again.status().to_string();
+  ASSERT_TRUE(again.ok() && again->code == store_wire::Reply::kOk) << again.status().to_string();
   lane->reset();
   const std::vector<Store::Stale> stale = closed_counters(**watcher);
   ASSERT_EQ(stale.size(), 1u);
