@@ -82,6 +82,17 @@ class Fd {
   int fd_ = -1;
 };
 
+// The frames' integers: 4 bytes, little-endian.
+inline void put_u32(std::string& s, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+inline std::uint32_t get_u32(const char* p) {
+  std::uint32_t v = 0;
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<std::uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
 // Where a published lane is: its socket's abstract name and its key, when it is on this host.
 struct Address {
   std::string name;

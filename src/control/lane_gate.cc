@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <sodium.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -33,13 +34,6 @@ std::string hex(const unsigned char* b, std::size_t n) {
   sodium_bin2hex(s.data(), s.size(), b, n);
   s.pop_back();
   return s;
-}
-
-std::uint32_t get_u32(const char* p) {
-  std::uint32_t v = 0;
-  for (int i = 0; i < 4; ++i)
-    v |= static_cast<std::uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
-  return v;
 }
 
 int millis_until(Clock::time_point t) {
@@ -295,6 +289,16 @@ Result<std::unique_ptr<Gate>> Gate::open(GateOptions options) {
   auto g = std::make_unique<GateImpl>(std::move(options));
   REFIT_RETURN_IF_ERROR(g->start());
   return std::unique_ptr<Gate>(std::move(g));
+}
+
+Result<Fd> ready_set(const Gate& gate, const std::string& who) {
+  Fd set(::epoll_create1(EPOLL_CLOEXEC));
+  if (set.get() < 0)
+    return Status::IOError(fmt::format("{}: epoll_create1: {}", who, errno_text(errno)));
+  epoll_event ev{.events = EPOLLIN, .data = {.fd = gate.ready_fd()}};
+  if (::epoll_ctl(set.get(), EPOLL_CTL_ADD, gate.ready_fd(), &ev) != 0)
+    return Status::IOError(fmt::format("{}: epoll_ctl: {}", who, errno_text(errno)));
+  return set;
 }
 
 }  // namespace refit::lane

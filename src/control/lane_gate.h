@@ -61,4 +61,9 @@ class Gate {
   virtual int pending_high_water() const = 0;
 };
 
+// An epoll set (level triggered, each entry's data.fd its descriptor) holding the gate's
+// ready_fd: the receiving thread adds the lanes it takes and waits on the set. `who` names the
+// receiver in errors.
+Result<Fd> ready_set(const Gate& gate, const std::string& who);
+
 }  // namespace refit::lane

@@ -89,12 +89,7 @@ Result<std::unique_ptr<LaneInbox>> LaneInbox::open(const MailboxOptions& options
     };
   std::string who = g.who;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<lane::Gate> gate, lane::Gate::open(std::move(g)));
-  lane::Fd ready(::epoll_create1(EPOLL_CLOEXEC));
-  if (ready.get() < 0)
-    return Status::IOError(fmt::format("{}: epoll_create1: {}", who, errno_text(errno)));
-  epoll_event ev{.events = EPOLLIN, .data = {.fd = gate->ready_fd()}};
-  if (::epoll_ctl(ready.get(), EPOLL_CTL_ADD, gate->ready_fd(), &ev) != 0)
-    return Status::IOError(fmt::format("{}: epoll_ctl: {}", who, errno_text(errno)));
+  REFIT_ASSIGN_OR_RETURN(lane::Fd ready, lane::ready_set(*gate, who));
   return std::unique_ptr<LaneInbox>(
       new LaneInbox(std::move(who), std::move(gate), std::move(ready), throttle));
 }

@@ -25,19 +25,10 @@ using store_wire::Reply;
 // The id every store gate answers to.
 constexpr char kReceiver[] = "store";
 
-void put_u32(std::string& out, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
-}
-std::uint32_t get_u32(const char* p) {
-  std::uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= std::uint32_t{static_cast<unsigned char>(p[i])} << (8 * i);
-  return v;
-}
-
 std::string encode_request(Op op, const std::vector<std::string>& args) {
   std::string s(1, static_cast<char>(op));
   for (const std::string& a : args) {
-    put_u32(s, static_cast<std::uint32_t>(a.size()));
+    lane::put_u32(s, static_cast<std::uint32_t>(a.size()));
     s += a;
   }
   return s;
@@ -50,7 +41,7 @@ bool decode_request(std::string_view s, Op* op, std::vector<std::string>* args) 
   std::size_t at = 1;
   while (at < s.size()) {
     if (s.size() - at < 4) return false;
-    const std::uint32_t n = get_u32(s.data() + at);
+    const std::uint32_t n = lane::get_u32(s.data() + at);
     at += 4;
     if (n > s.size() - at) return false;
     args->emplace_back(s.substr(at, n));
@@ -86,12 +77,7 @@ Result<std::unique_ptr<Server>> Server::open(const std::string& who,
     };
   }
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<lane::Gate> gate, lane::Gate::open(std::move(g)));
-  lane::Fd epoll(::epoll_create1(EPOLL_CLOEXEC));
-  if (epoll.get() < 0)
-    return Status::IOError(fmt::format("{}: epoll_create1: {}", who, errno_text(errno)));
-  epoll_event ev{.events = EPOLLIN, .data = {.fd = gate->ready_fd()}};
-  if (::epoll_ctl(epoll.get(), EPOLL_CTL_ADD, gate->ready_fd(), &ev) != 0)
-    return Status::IOError(fmt::format("{}: epoll_ctl: {}", who, errno_text(errno)));
+  REFIT_ASSIGN_OR_RETURN(lane::Fd epoll, lane::ready_set(*gate, who));
   return std::unique_ptr<Server>(new Server(who, std::move(gate), std::move(epoll), throttle));
 }
 

@@ -1,8 +1,9 @@
 // Same-host lanes to the store (docs/runtime.md, "Heartbeats"; docs/security.md, "Same-host
 // lanes"). Internal to src/control.
 //
-// A heartbeat over ZeroMQ wakes four threads in two processes, each twice: the beat thread, its
-// context's I/O thread, the store's I/O thread and its serving thread, and back. A rank on the
+// A heartbeat over ZeroMQ wakes six times across four threads in two processes: the beat
+// thread's context's I/O thread, the store's I/O thread and its serving thread, then the two I/O
+// threads again and the beat thread with the answer. A rank on the
 // store's host beats instead over a lane (control/lane.h) to the store's process: a Unix stream
 // socket that the beat thread writes and the store's serving thread reads and answers, one
 // wake-up each way. The store's gate (control/lane_gate.h) is addressed "store"; its address
